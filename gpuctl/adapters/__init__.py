@@ -1,0 +1,1 @@
+"""I/O: GPU probes, process info, the agent client, health checks, the state store, launchers."""

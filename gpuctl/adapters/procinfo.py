@@ -1,0 +1,162 @@
+"""Host process facts: command line, user, container, liveness, start time.
+
+A process in state ``Z`` (zombie) has exited: where PID 1 does not reap orphans
+(containers, some VMs) ``kill(pid, 0)`` still succeeds on it, so every liveness
+check here reads the state instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Iterable, Iterator
+from functools import lru_cache
+from pathlib import Path
+
+import psutil
+
+from gpuctl.core.model import HostIdentity, StartingProcess
+
+# /docker/<64hex>, docker-<64hex>.scope, cri-containerd-<64hex>.scope, libpod-<64hex>.scope
+_CGROUP_ID = re.compile(r"(?:docker|cri-containerd|libpod|containerd)[-/]([0-9a-f]{64})")
+
+
+def is_alive(pid: int) -> bool:
+    """True when ``pid`` runs and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+        # AccessDenied on status() is rare (hidepid); treat it as alive only if kill(0) works.
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return _state_from_proc(pid) not in ("Z", "X", None)
+
+
+def _state_from_proc(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses; the state follows the last ')'.
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def start_time(pid: int) -> float | None:
+    """The process's start time (seconds since the epoch), to tell a reused pid from ours."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def is_same_process(pid: int, started: float | None) -> bool:
+    """True when ``pid`` is alive and (if known) started at ``started`` (±1 s)."""
+    if not is_alive(pid):
+        return False
+    if started is None:
+        return True
+    now_start = start_time(pid)
+    return now_start is not None and abs(now_start - started) < 1.0
+
+
+def command_of(pid: int) -> str | None:
+    """The full command line, or None where it cannot be read (other PID namespace, no permission)."""
+    try:
+        argv = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return None
+    return " ".join(argv) if argv else None
+
+
+def user_of(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).username()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, OSError):
+        # KeyError: a uid with no passwd entry (common inside containers).
+        try:
+            return str(psutil.Process(pid).uids().real)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+            return None
+
+
+def container_of(pid: int, proc_root: str = "/proc") -> str | None:
+    """The container id from ``/proc/<pid>/cgroup``, or None for a host process."""
+    try:
+        text = Path(proc_root, str(pid), "cgroup").read_text()
+    except OSError:
+        return None
+    return parse_container_id(text)
+
+
+def parse_container_id(cgroup_text: str) -> str | None:
+    """Find a 64-hex container id in the text of a ``/proc/<pid>/cgroup`` file."""
+    m = _CGROUP_ID.search(cgroup_text)
+    return m.group(1) if m else None
+
+
+@lru_cache(maxsize=1)
+def host_identity() -> HostIdentity:
+    """This machine's hostname and boot id (``/proc/sys/kernel/random/boot_id``)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return HostIdentity(hostname=socket.gethostname(), boot_id=boot_id)
+
+
+_CLIENT_COMMANDS = frozenset(
+    {"status", "ensure", "stop", "touch", "locks", "reclaim", "agent", "config", "demo", "proxy", "run"}
+)
+
+
+def _is_gpuctl_client(argv: list[str]) -> bool:
+    """True for ``gpuctl status vllm``-like command lines: they name a service but are not it.
+
+    ``gpuctl sim model-server --name vllm`` *is* a (simulated) server and stays matchable.
+    """
+    for i, arg in enumerate(argv[:4]):
+        if os.path.basename(arg) == "gpuctl":
+            rest = argv[i + 1 :]
+        elif arg == "-m" and i + 1 < len(argv) and argv[i + 1] == "gpuctl":
+            rest = argv[i + 2 :]
+        else:
+            continue
+        sub = next((a for a in rest if not a.startswith("-")), "")
+        return sub in _CLIENT_COMMANDS
+    return False
+
+
+def find_matching(
+    keywords: Iterable[str], exclude_pids: Iterable[int] = ()
+) -> Iterator[StartingProcess]:
+    """Host processes whose command line contains one of ``keywords`` (case-insensitive).
+
+    Skips zombies, this process and its ancestors, and gpuctl's own client commands
+    (``gpuctl ensure vllm`` names the service, it is not the service).
+    """
+    kws = [k.lower() for k in keywords if k]
+    if not kws:
+        return
+    skip = set(exclude_pids)
+    me = psutil.Process()
+    skip.add(me.pid)
+    try:
+        skip.update(p.pid for p in me.parents())
+    except psutil.Error:
+        pass
+    for proc in psutil.process_iter(["pid", "cmdline", "status", "username"]):
+        info = proc.info
+        if info["pid"] in skip or info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        argv = info.get("cmdline") or []
+        if not argv:
+            continue
+        line = " ".join(argv)
+        low = line.lower()
+        if any(k in low for k in kws) and not _is_gpuctl_client(argv):
+            yield StartingProcess(pid=info["pid"], command=line, user=info.get("username"))

@@ -1,0 +1,53 @@
+"""The ``gpuctl`` Typer application: one factory, one sub-module per command group.
+
+Command modules import only Typer and light gpuctl modules at import time; what a
+command needs (httpx, docker, the agent's server stack) is imported inside it.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from gpuctl import __version__
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"gpuctl {__version__}")
+        raise typer.Exit()
+
+
+def create_app() -> typer.Typer:
+    app = typer.Typer(
+        name="gpuctl",
+        help=(
+            "Share one big GPU between heavy workloads: see who holds it, start model "
+            "servers exactly once, reclaim what sits idle."
+        ),
+        no_args_is_help=True,
+        add_completion=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
+
+    @app.callback()
+    def _root(
+        version: bool = typer.Option(
+            False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
+        ),
+    ) -> None:
+        """Share one big GPU between heavy workloads."""
+
+    from gpuctl.cli import agent_cmd, config_cmd, demo_cmd, sim_cmd, status_cmd
+
+    status_cmd.register(app)
+    config_cmd.register(app)
+    agent_cmd.register(app)
+    sim_cmd.register(app)
+    demo_cmd.register(app)
+    return app
+
+
+def main() -> None:
+    create_app()(prog_name="gpuctl")

@@ -1,0 +1,89 @@
+"""Shared option aliases, output helpers and error conversion for every command.
+
+Kept light: this module is imported at CLI start, so it pulls in nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+
+from gpuctl.errors import ExitCode, GpuctlError
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Config file. Default: $GPUCTL_CONFIG, else the user config dir (see `gpuctl config path`).",
+        envvar="GPUCTL_CONFIG",
+        show_envvar=False,
+    ),
+]
+HostOpt = Annotated[str | None, typer.Option("--host", "-H", help="Host name from the config.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object (with a `schema` version) on stdout.")
+]
+ServiceArg = Annotated[str, typer.Argument(help="Service name from the config.", show_default=False)]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("GPUCTL_DEBUG", "") not in ("", "0")
+
+
+def say(message: str) -> None:
+    """A status message: stderr, never stdout (stdout is for data)."""
+    print(message, file=sys.stderr)
+
+
+def fail(err: GpuctlError) -> NoReturn:
+    """Print one error line (and its hint) on stderr and exit with its code."""
+    msg = f"gpuctl: error: {err.message}"
+    if err.hint:
+        msg += f"\n  hint: {err.hint}"
+    print(msg, file=sys.stderr)
+    raise typer.Exit(err.exit_code)
+
+
+@contextmanager
+def errors_to_exit() -> Iterator[None]:
+    """Turn gpuctl errors (and unexpected ones) into one line and an exit code.
+
+    With ``GPUCTL_DEBUG=1`` the traceback is shown instead.
+    """
+    try:
+        yield
+    except (typer.Exit, typer.Abort, SystemExit):
+        raise
+    except GpuctlError as err:
+        if debug_enabled():
+            raise
+        fail(err)
+    except KeyboardInterrupt:
+        print("gpuctl: interrupted", file=sys.stderr)
+        raise typer.Exit(130) from None
+    except Exception as err:
+        if debug_enabled():
+            raise
+        print(
+            f"gpuctl: internal error: {type(err).__name__}: {err}\n"
+            "  hint: run again with GPUCTL_DEBUG=1 for the traceback, and report it.",
+            file=sys.stderr,
+        )
+        raise typer.Exit(ExitCode.FAILED) from None
+
+
+def print_json(obj: Any) -> None:
+    """One JSON object on stdout, sorted keys (STYLE rule 3)."""
+    import json
+
+    sys.stdout.write(json.dumps(obj, sort_keys=True, indent=2) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,204 @@
+"""Plain data shared by every layer, and the agent's wire format (DESIGN §5).
+
+``Snapshot.to_wire`` / ``Snapshot.from_wire`` are the contract of ``GET /status``.
+``from_wire`` validates strictly: an agent that answers something else is treated as
+unavailable (UNKNOWN), never as an idle GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+STATUS_SCHEMA = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """One process that holds GPU memory.
+
+    ``command`` is None when it cannot be read (another PID namespace, no permission);
+    such a process stays in the list with its memory. ``memory_mib`` is None where NVML
+    cannot tell (WDDM, some MIG setups).
+    """
+
+    pid: int
+    command: str | None
+    memory_mib: int | None
+    user: str | None = None
+    container: str | None = None
+    gpu: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "command": self.command,
+            "memory_mib": self.memory_mib,
+            "user": self.user,
+            "container": self.container,
+            "gpu": self.gpu,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StartingProcess:
+    """A host process whose command line matches a service keyword but is not on the GPU yet."""
+
+    pid: int
+    command: str
+    user: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"pid": self.pid, "command": self.command, "user": self.user}
+
+
+@dataclass(frozen=True, slots=True)
+class HostIdentity:
+    """Who a machine is: its hostname and the kernel's boot id (a reboot changes it)."""
+
+    hostname: str
+    boot_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"hostname": self.hostname, "boot_id": self.boot_id}
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a probe saw on one GPU host at one moment.
+
+    ``memory_total_mib`` is None when neither the device nor the config can tell.
+    ``memory_used_mib`` is the device figure, or the sum of the processes where the
+    device does not report one (unified memory).
+    """
+
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    unified_memory: bool
+    probe: str
+    taken_at: str
+    processes: tuple[GpuProcess, ...] = ()
+    starting: tuple[StartingProcess, ...] | None = None
+    host: HostIdentity | None = None
+    state_dir: str | None = None
+    gpus: int = 1
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.processes
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": STATUS_SCHEMA,
+            "is_idle": self.is_idle,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_total_mib": self.memory_total_mib,
+            "unified_memory": self.unified_memory,
+            "probe": self.probe,
+            "taken_at": self.taken_at,
+            "gpus": self.gpus,
+            "processes": [p.to_wire() for p in self.processes],
+            "host": self.host.to_wire() if self.host else None,
+            "state_dir": self.state_dir,
+        }
+        if self.starting is not None:
+            out["starting"] = [s.to_wire() for s in self.starting]
+        return out
+
+    @classmethod
+    def from_wire(cls, data: object) -> Snapshot:
+        """Parse an agent's ``/status`` body. Raises ValueError naming the first bad field."""
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        procs_raw = _req(data, "processes", list)
+        processes = tuple(_proc(p, i) for i, p in enumerate(procs_raw))
+        is_idle = _req(data, "is_idle", bool)
+        if is_idle != (not processes):
+            raise ValueError("is_idle disagrees with processes")
+        starting: tuple[StartingProcess, ...] | None = None
+        if data.get("starting") is not None:
+            starting = tuple(_starting(s, i) for i, s in enumerate(_req(data, "starting", list)))
+        host = None
+        if isinstance(data.get("host"), dict):
+            h = data["host"]
+            host = HostIdentity(hostname=str(h.get("hostname", "")), boot_id=str(h.get("boot_id", "")))
+        return cls(
+            memory_used_mib=_opt_int(data, "memory_used_mib"),
+            memory_total_mib=_opt_int(data, "memory_total_mib"),
+            unified_memory=bool(data.get("unified_memory", False)),
+            probe=str(data.get("probe", "?")),
+            taken_at=str(data.get("taken_at", "")),
+            processes=processes,
+            starting=starting,
+            host=host,
+            state_dir=data.get("state_dir") if isinstance(data.get("state_dir"), str) else None,
+            gpus=data["gpus"] if isinstance(data.get("gpus"), int) else 1,
+        )
+
+
+def _req(d: dict[str, Any], key: str, typ: type) -> Any:
+    if key not in d:
+        raise ValueError(f"missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ValueError(f"field {key!r} should be {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _opt_int(d: dict[str, Any], key: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"field {key!r} should be a number or null")
+    return int(v)
+
+
+def _proc(p: object, i: int) -> GpuProcess:
+    if not isinstance(p, dict):
+        raise ValueError(f"processes[{i}] should be an object")
+    try:
+        pid = _req(p, "pid", int)
+    except ValueError as e:
+        raise ValueError(f"processes[{i}]: {e}") from None
+    cmd = p.get("command")
+    user = p.get("user")
+    ctr = p.get("container")
+    gpu = p.get("gpu", 0)
+    return GpuProcess(
+        pid=pid,
+        command=cmd if isinstance(cmd, str) else None,
+        memory_mib=_opt_int(p, "memory_mib"),
+        user=user if isinstance(user, str) else None,
+        container=ctr if isinstance(ctr, str) else None,
+        gpu=gpu if isinstance(gpu, int) else 0,
+    )
+
+
+def _starting(s: object, i: int) -> StartingProcess:
+    if not isinstance(s, dict):
+        raise ValueError(f"starting[{i}] should be an object")
+    try:
+        pid = _req(s, "pid", int)
+        cmd = _req(s, "command", str)
+    except ValueError as e:
+        raise ValueError(f"starting[{i}]: {e}") from None
+    user = s.get("user")
+    return StartingProcess(pid=pid, command=cmd, user=user if isinstance(user, str) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeReading:
+    """What a GPU probe returns before the agent adds host identity and ``starting``.
+
+    ``memory_total_mib``/``memory_used_mib`` are None where the device cannot tell
+    (GB10 unified memory answers "Not Supported").
+    """
+
+    probe: str
+    processes: tuple[GpuProcess, ...]
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    unified_memory: bool = False
+    gpus: int = 1
+    notes: tuple[str, ...] = field(default=())

@@ -1,0 +1,107 @@
+"""The one exception tree of gpuctl.
+
+Every error carries the exit code the CLI returns for it (DESIGN §7) and a hint
+that names the fix. Commands convert these to one line on stderr; tracebacks
+appear only with ``GPUCTL_DEBUG=1``.
+
+::
+
+    GpuctlError (exit 1)
+     ├── ConfigError            config file or value is wrong (exit 1)
+     ├── UsageError             unknown host / service, bad option combination (exit 2)
+     ├── AgentUnavailable       agent down, hung, refused us, or spoke nonsense (exit 4)
+     │    └── AgentAuthError    401/403 from the agent (exit 4)
+     ├── ProbeError             the local GPU probe failed (exit 4)
+     │    └── NoGpuFound        no NVIDIA driver / GPU here (exit 4)
+     ├── StartFailed            a launch failed or the server died (exit 1)
+     ├── HealthTimeout          not ready before the timeout (exit 5)
+     ├── Busy                   the GPU is held by others (exit 3)
+     ├── StoreError             the state store is unreadable / unwritable (exit 1)
+     └── LauncherError          a launcher backend (Docker, Jupyter) refused us (exit 1)
+"""
+
+from __future__ import annotations
+
+
+class ExitCode:
+    """Exit codes, the contract of DESIGN §7."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    BUSY = 3
+    UNKNOWN = 4
+    TIMEOUT = 5
+
+
+class GpuctlError(Exception):
+    """Base of every error gpuctl reports to a user.
+
+    Attributes:
+        message: one line saying what went wrong.
+        hint: one line naming the fix, or empty.
+    """
+
+    exit_code: int = ExitCode.FAILED
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(GpuctlError):
+    """The configuration is wrong; the message names the location (``services.vllm.memory``)."""
+
+
+class UsageError(GpuctlError):
+    """The command line asks for something that does not exist or does not make sense."""
+
+    exit_code = ExitCode.USAGE
+
+
+class AgentUnavailable(GpuctlError):
+    """The host agent did not answer, hung, or answered something that is not the contract."""
+
+    exit_code = ExitCode.UNKNOWN
+
+
+class AgentAuthError(AgentUnavailable):
+    """The agent refused our token (401/403)."""
+
+
+class ProbeError(GpuctlError):
+    """Reading the local GPU failed."""
+
+    exit_code = ExitCode.UNKNOWN
+
+
+class NoGpuFound(ProbeError):
+    """There is no NVIDIA GPU (or driver) on this machine."""
+
+
+class StartFailed(GpuctlError):
+    """Launching a server failed, or it died while loading."""
+
+
+class HealthTimeout(GpuctlError):
+    """The server did not answer its health check before the timeout."""
+
+    exit_code = ExitCode.TIMEOUT
+
+
+class Busy(GpuctlError):
+    """The GPU is held by processes we may not displace."""
+
+    exit_code = ExitCode.BUSY
+
+
+class StoreError(GpuctlError):
+    """The state directory cannot be read or written."""
+
+
+class LauncherError(GpuctlError):
+    """A launcher backend (Docker Engine, Jupyter server, local process) refused us."""
