@@ -1,9 +1,140 @@
-"""Placeholder: filled in by its owner."""
+"""``gpuctl config check|show|path``."""
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import typer
+
+from gpuctl.cli.common import ConfigOpt, JsonOpt, errors_to_exit, print_json
+
+config_app = typer.Typer(help="Find, check and show the configuration.", no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    app.add_typer(config_app, name="config")
+
+
+@config_app.command("path")
+def path(config: ConfigOpt = None) -> None:
+    """Print where the config file is read from (and whether it exists)."""
+    with errors_to_exit():
+        from gpuctl.config import config_path
+
+        p, _ = config_path(config)
+        print(p)
+        if not p.exists():
+            print(f"(does not exist yet: create {p})", file=sys.stderr)
+
+
+@config_app.command("check")
+def check(config: ConfigOpt = None) -> None:
+    """Validate the config: exit 0 when it is good, 1 with the location of the first error."""
+    with errors_to_exit():
+        from gpuctl.config import config_path, load_config, token_file_warning
+
+        p, named = config_path(config)
+        conf = load_config(p, explicit=named)
+        warnings: list[str] = []
+        for h in conf.hosts.values():
+            for f in (h.token_file, h.jupyter_token_file):
+                if f is not None:
+                    w = token_file_warning(f)
+                    if w:
+                        warnings.append(f"hosts.{h.name}: {w}")
+            try:
+                h.token()
+                h.jupyter_token()
+            except Exception as e:  # a missing secret is a warning here, an error at use
+                warnings.append(str(e))
+        local_dir = _local_state_dir_warning(conf)
+        if local_dir:
+            warnings.append(local_dir)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if not p.exists():
+            print(f"{p}: no config file (an empty config: status probes this machine)")
+        else:
+            print(f"{p}: ok ({len(conf.hosts)} hosts, {len(conf.services)} services)")
+
+
+def _local_state_dir_warning(conf: Any) -> str | None:
+    """On the GPU host, warn when the CLI's state dir differs from the agent's."""
+    # Filled in with the state store; nothing to compare yet without one.
+    return None
+
+
+@config_app.command("show")
+def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+    """Print the config as gpuctl understands it (defaults filled in, secrets masked)."""
+    with errors_to_exit():
+        from gpuctl.config import config_path, load_config
+
+        p, named = config_path(config)
+        conf = load_config(p, explicit=named)
+        obj = config_to_json(conf)
+        if json_out:
+            print_json(obj)
+            return
+        print(f"# {conf.path}")
+        for section in ("defaults", "hosts", "services"):
+            val = obj[section]
+            if section == "defaults":
+                _print_table("defaults", val)
+            else:
+                for name, body in val.items():
+                    _print_table(f"{section}.{name}", body)
+
+
+def _print_table(title: str, body: dict[str, Any]) -> None:
+    import json
+
+    print(f"\n[{title}]")
+    for k, v in body.items():
+        if v is None or v == {} or v == []:
+            continue
+        print(f"{k} = {json.dumps(v)}")
+
+
+def config_to_json(conf: Any) -> dict[str, Any]:
+    """The config with defaults filled in. Token values never appear: only where they come from."""
+    from dataclasses import asdict
+
+    def clean(d: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if k == "name":
+                continue
+            if hasattr(v, "__fspath__"):
+                v = str(v)
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, dict):
+                v = dict(v)
+            out[k] = v
+        return out
+
+    hosts = {}
+    for n, h in conf.hosts.items():
+        d = clean(asdict(h))
+        d["token"] = _secret_source(h.token_env, h.token_file)
+        d["jupyter_token"] = _secret_source(h.jupyter_token_env, h.jupyter_token_file)
+        hosts[n] = d
+    return {
+        "schema": 1,
+        "path": str(conf.path) if conf.path else None,
+        "defaults": clean(asdict(conf.defaults)),
+        "hosts": hosts,
+        "services": {n: clean(asdict(s)) for n, s in conf.services.items()},
+    }
+
+
+def _secret_source(env: str | None, file: Any) -> str | None:
+    import os
+
+    if env:
+        return f"****** (from ${env}{'' if os.environ.get(env) else ', NOT SET'})"
+    if file:
+        return f"****** (from {file})"
+    return None

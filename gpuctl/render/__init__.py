@@ -1,0 +1,1 @@
+"""Rendering: Rich views and versioned JSON objects. Rich is imported here only."""

@@ -1,0 +1,60 @@
+"""Health checks of model servers (vLLM semantics, DESIGN §4).
+
+``curl -s -o /dev/null -w '%{http_code}' http://dgx:8000/health``
+
+Connection refused is not a failure by itself: vLLM binds its port before loading
+the weights and listens only once the model is loaded. Whether that means
+"loading" or "dead" is the decision's job, with the process list in hand.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from gpuctl.core.decision import NO_HEALTH, Health
+
+
+def _from_response(url: str, status: int) -> Health:
+    if status == 200:
+        return Health("ready", url, 200)
+    if status == 503:
+        return Health("error", f"HTTP 503 from {url}: engine dead", 503)
+    return Health("error", f"HTTP {status} from {url}", status)
+
+
+def _from_exception(url: str, err: Exception) -> Health:
+    if isinstance(err, httpx.ConnectError):
+        return Health("refused", f"connection refused at {url}")
+    if isinstance(err, httpx.TimeoutException):
+        return Health("timeout", f"no answer from {url}")
+    if isinstance(err, httpx.RemoteProtocolError | httpx.ReadError):
+        # A Docker userland proxy accepts and then resets while the server loads.
+        return Health("refused", f"connection reset at {url}")
+    return Health("error", f"{type(err).__name__} from {url}: {err}")
+
+
+def check(url: str | None, timeout_s: float = 2.0, client: httpx.Client | None = None) -> Health:
+    """GET ``url`` once; never raises."""
+    if not url:
+        return NO_HEALTH
+    try:
+        if client is not None:
+            r = client.get(url, timeout=timeout_s)
+        else:
+            r = httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return _from_exception(url, e)
+    return _from_response(url, r.status_code)
+
+
+async def check_async(
+    url: str | None, client: httpx.AsyncClient, timeout_s: float = 2.0
+) -> Health:
+    """The async twin of ``check``."""
+    if not url:
+        return NO_HEALTH
+    try:
+        r = await client.get(url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return _from_exception(url, e)
+    return _from_response(url, r.status_code)

@@ -1,0 +1,68 @@
+"""Read this machine's GPU directly: the agent's view without an agent.
+
+Used by ``gpuctl status`` with no config (as nvidia-smi and nvitop do), by hosts
+configured without an agent, and by the agent itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from gpuctl.adapters import procinfo
+from gpuctl.core.model import ProbeReading, Snapshot
+
+
+def utc_now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def build_snapshot(
+    reading: ProbeReading,
+    keywords: Sequence[str] | None,
+    *,
+    state_dir: str | None = None,
+    gpu_memory_mib: int | None = None,
+) -> Snapshot:
+    """Add host identity and the ``starting`` list (DESIGN §4) to a probe reading.
+
+    ``keywords`` None means "not asked": the snapshot carries no ``starting`` list.
+    """
+    starting = None
+    if keywords is not None:
+        on_gpu = {p.pid for p in reading.processes}
+        starting = tuple(s for s in procinfo.find_matching(keywords) if s.pid not in on_gpu)
+    total = reading.memory_total_mib
+    if total is None and reading.unified_memory:
+        total = gpu_memory_mib
+    return Snapshot(
+        memory_used_mib=reading.memory_used_mib,
+        memory_total_mib=total,
+        unified_memory=reading.unified_memory,
+        probe=reading.probe,
+        taken_at=utc_now_iso(),
+        processes=reading.processes,
+        starting=starting,
+        host=procinfo.host_identity(),
+        state_dir=state_dir,
+        gpus=reading.gpus,
+    )
+
+
+def local_snapshot(
+    probe_name: str,
+    keywords: Sequence[str],
+    *,
+    sim_dir: Path | None = None,
+    gpu_memory_mib: int | None = None,
+) -> Snapshot:
+    """Probe once and build a snapshot; raises ``ProbeError`` / ``NoGpuFound``."""
+    from gpuctl.adapters.probes.factory import make_probe
+
+    probe = make_probe(probe_name, sim_dir=sim_dir, gpu_memory_mib=gpu_memory_mib)
+    try:
+        reading = probe.read()
+    finally:
+        probe.close()
+    return build_snapshot(reading, keywords, gpu_memory_mib=gpu_memory_mib)

@@ -1,0 +1,243 @@
+"""The decision (DESIGN §4): what state is a service in, and may it start now?
+
+``classify`` is a pure function of the service's health answer, the agent's snapshot
+(or why there is none), the service's spec and the other services' specs. The rows
+are checked in order of precedence; the first that holds wins:
+
+====== ==================================================================
+READY  the health endpoint answers 200 (even while the agent is down)
+UNKNOWN not healthy, and the agent cannot tell us why: never start blind
+LOADING a process of this service is on the GPU, or starting (not on it yet)
+IDLE   no GPU process at all, and no other service is starting
+FITS   others hold the GPU, but this service's budget fits beside them
+BUSY   it does not fit (or has no budget and anything else runs): say who
+====== ==================================================================
+
+A later issue adds the lease (LOADING), FAILED, SLEEPING and PREEMPTABLE; their
+enum members exist already so the wire format does not change.
+
+Memory accounting: a process of a configured service counts at the larger of what it
+holds and its service's budget, and a service that is starting (not on the GPU yet)
+counts at its budget. A server that is still loading grows to its budget; counting
+only what it holds now would admit a second server into memory already promised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from gpuctl.core.model import GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.units import format_mib
+
+
+class Decision(StrEnum):
+    READY = "READY"
+    UNKNOWN = "UNKNOWN"
+    SLEEPING = "SLEEPING"
+    LOADING = "LOADING"
+    FAILED = "FAILED"
+    IDLE = "IDLE"
+    FITS = "FITS"
+    PREEMPTABLE = "PREEMPTABLE"
+    BUSY = "BUSY"
+
+
+class ServiceSpec(Protocol):
+    """What the decision needs of a service (``gpuctl.config.ServiceConfig`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def keywords(self) -> tuple[str, ...]: ...
+    @property
+    def memory_mib(self) -> int | None: ...
+    @property
+    def priority(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """One health check's answer.
+
+    ``state`` is ``ready`` (200), ``refused`` (connection refused/reset: a vLLM that is
+    loading binds its port but does not listen yet), ``timeout``, ``error`` (an HTTP
+    status other than 200: 503 means the engine is dead), or ``none`` (no health URL).
+    """
+
+    state: str
+    detail: str = ""
+    status_code: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ready"
+
+
+NO_HEALTH = Health("none", "no health URL configured")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The decision with its reason in words, and the processes behind it."""
+
+    service: str
+    decision: Decision
+    reason: str
+    own: tuple[GpuProcess, ...] = ()
+    starting: tuple[StartingProcess, ...] = ()
+    holders: tuple[GpuProcess, ...] = ()
+    need_mib: int | None = None
+    free_mib: int | None = None
+
+    @property
+    def own_memory_mib(self) -> int:
+        return sum(p.memory_mib or 0 for p in self.own)
+
+
+def owns(spec: ServiceSpec, command: str | None) -> bool:
+    """True when a command line carries one of the service's match keywords (case-insensitive)."""
+    if not command:
+        return False
+    low = command.lower()
+    return any(k.lower() in low for k in spec.keywords)
+
+
+def owner_of(command: str | None, specs: Sequence[ServiceSpec]) -> ServiceSpec | None:
+    for s in specs:
+        if owns(s, command):
+            return s
+    return None
+
+
+def _describe(p: GpuProcess, width: int = 60) -> str:
+    cmd = p.command if p.command is not None else "<command not visible>"
+    if len(cmd) > width:
+        cmd = cmd[: width - 1] + "…"
+    mem = format_mib(p.memory_mib)
+    return f"pid {p.pid} ({cmd}, {mem})"
+
+
+def committed_memory(
+    snapshot: Snapshot, specs: Sequence[ServiceSpec], exclude: ServiceSpec | None = None
+) -> tuple[int, list[GpuProcess]]:
+    """Memory already promised on the GPU, and the processes holding it.
+
+    Processes of ``exclude`` (the service being decided) are left out. A configured
+    service counts at max(measured, budget); its starting processes count at its budget.
+    """
+    others = [s for s in specs if exclude is None or s.name != exclude.name]
+    per_service: dict[str, int] = {}
+    holders: list[GpuProcess] = []
+    loose = 0
+    for p in snapshot.processes:
+        if exclude is not None and owns(exclude, p.command):
+            continue
+        holders.append(p)
+        svc = owner_of(p.command, others)
+        if svc is None:
+            loose += p.memory_mib or 0
+        else:
+            per_service[svc.name] = per_service.get(svc.name, 0) + (p.memory_mib or 0)
+    for sp in snapshot.starting or ():
+        svc = owner_of(sp.command, others)
+        if svc is not None:
+            per_service.setdefault(svc.name, 0)
+    total = loose
+    for o in others:
+        if o.name in per_service:
+            total += max(per_service[o.name], o.memory_mib or 0)
+    return total, holders
+
+
+def classify(
+    spec: ServiceSpec,
+    health: Health,
+    snapshot: Snapshot | None,
+    *,
+    others: Sequence[ServiceSpec] = (),
+    agent_error: str | None = None,
+    total_override_mib: int | None = None,
+) -> Verdict:
+    """Decide the state of ``spec`` (see the module docstring for the rows).
+
+    Args:
+        spec: the service being decided.
+        health: its health answer (``NO_HEALTH`` when it has no health URL).
+        snapshot: the agent's (or local probe's) view, or None when there is none.
+        others: every other configured service on the same host.
+        agent_error: why there is no snapshot, in words.
+        total_override_mib: the host's GPU memory from the config, used where the
+            probe cannot tell (unified memory).
+    """
+    name = spec.name
+    if health.ok:
+        return Verdict(name, Decision.READY, f"health check answers 200 ({health.detail})".rstrip(" ()"))
+    if snapshot is None:
+        why = agent_error or "no answer from the agent"
+        return Verdict(name, Decision.UNKNOWN, f"not healthy ({health.detail or health.state}), and {why}")
+
+    own = tuple(p for p in snapshot.processes if owns(spec, p.command))
+    own_pids = {p.pid for p in own}
+    starting = tuple(
+        s for s in (snapshot.starting or ()) if owns(spec, s.command) and s.pid not in own_pids
+    )
+    if own or starting:
+        parts = [_describe(p) for p in own]
+        parts += [f"pid {s.pid} starting (not on the GPU yet)" for s in starting[:3]]
+        state = health.detail or health.state
+        return Verdict(
+            name,
+            Decision.LOADING,
+            f"{'; '.join(parts)}; health: {state}",
+            own=own,
+            starting=starting,
+        )
+
+    specs = [s for s in others if s.name != name]
+    others_starting = any(owner_of(s.command, specs) for s in (snapshot.starting or ()))
+    if snapshot.is_idle and not others_starting:
+        return Verdict(name, Decision.IDLE, "no process on the GPU")
+
+    used, holders = committed_memory(snapshot, specs, exclude=spec)
+    total = snapshot.memory_total_mib or total_override_mib
+    held_by = "; ".join(_describe(p) for p in holders[:4]) or "other services starting"
+    if len(holders) > 4:
+        held_by += f"; and {len(holders) - 4} more"
+    need = spec.memory_mib
+    if need is None:
+        return Verdict(
+            name,
+            Decision.BUSY,
+            f"GPU in use by {held_by} (the service has no memory budget, so any other process means busy)",
+            holders=tuple(holders),
+        )
+    if total is None:
+        return Verdict(
+            name,
+            Decision.BUSY,
+            f"GPU total memory unknown, cannot tell whether {format_mib(need)} fits beside {held_by}",
+            holders=tuple(holders),
+            need_mib=need,
+        )
+    free = total - used
+    if need <= free:
+        return Verdict(
+            name,
+            Decision.FITS,
+            f"needs {format_mib(need)}, {format_mib(free)} of {format_mib(total)} free beside {held_by}",
+            holders=tuple(holders),
+            need_mib=need,
+            free_mib=free,
+        )
+    return Verdict(
+        name,
+        Decision.BUSY,
+        f"needs {format_mib(need)} but only {format_mib(max(free, 0))} of {format_mib(total)} free; "
+        f"held by {held_by}",
+        holders=tuple(holders),
+        need_mib=need,
+        free_mib=free,
+    )

@@ -1,0 +1,90 @@
+"""The ``gpuctl status --json`` object (schema 1). No Rich here: scripts pay for JSON only.
+
+::
+
+    {
+      "schema": 1,
+      "taken_at": "2026-11-29T10:00:00Z",
+      "ok": true,                       # every host answered
+      "hosts": [{
+        "name": "dgx", "source": "http://…:9400", "ok": true,
+        "error": null, "hint": null,
+        "probe": "nvml", "memory_used_mib": 8234, "memory_total_mib": 131072,
+        "unified_memory": true, "is_idle": false, "taken_at": "…",
+        "host": {"hostname": "…", "boot_id": "…"}, "state_dir": "/var/lib/gpuctl",
+        "processes": [{"pid": 1, "command": "…", "memory_mib": 8200, "user": "me",
+                       "container": null, "gpu": 0, "service": "vllm"}],
+        "starting":  [{"pid": 2, "command": "…", "user": "me", "service": "vllm"}]
+      }],
+      "services": [{
+        "name": "vllm", "host": "dgx", "decision": "LOADING", "reason": "…",
+        "health": "refused", "memory_mib": 8200, "budget_mib": 81920,
+        "pids": [1, 2], "priority": 100
+      }]
+    }
+
+A host that did not answer has ``ok: false``, its ``error`` and ``hint``, null figures
+and empty lists; its services are UNKNOWN (or READY if they answer health).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuctl.core.decision import owner_of
+from gpuctl.flows.status import StatusReport
+
+SCHEMA = 1
+
+
+def status_to_json(report: StatusReport) -> dict[str, Any]:
+    hosts: list[dict[str, Any]] = []
+    services: list[dict[str, Any]] = []
+    for h in report.hosts:
+        snap = h.snapshot
+        entry: dict[str, Any] = {
+            "name": h.name,
+            "source": h.source,
+            "ok": h.ok,
+            "error": h.error,
+            "hint": h.hint,
+            "probe": snap.probe if snap else None,
+            "memory_used_mib": snap.memory_used_mib if snap else None,
+            "memory_total_mib": h.total_mib,
+            "unified_memory": snap.unified_memory if snap else None,
+            "is_idle": snap.is_idle if snap else None,
+            "taken_at": snap.taken_at if snap else None,
+            "host": snap.host.to_wire() if snap and snap.host else None,
+            "state_dir": snap.state_dir if snap else None,
+            "processes": [],
+            "starting": [],
+        }
+        if snap:
+            for p in snap.processes:
+                owner = owner_of(p.command, h.services)
+                entry["processes"].append({**p.to_wire(), "service": owner.name if owner else None})
+            for s in snap.starting or ():
+                owner = owner_of(s.command, h.services)
+                entry["starting"].append({**s.to_wire(), "service": owner.name if owner else None})
+        hosts.append(entry)
+        for svc, v, hh in zip(h.services, h.verdicts, h.health, strict=True):
+            services.append(
+                {
+                    "name": svc.name,
+                    "host": h.name,
+                    "decision": v.decision.value,
+                    "reason": v.reason,
+                    "health": hh.state,
+                    "memory_mib": v.own_memory_mib,
+                    "budget_mib": svc.memory_mib,
+                    "priority": svc.priority,
+                    "pids": [p.pid for p in v.own] + [s.pid for s in v.starting],
+                }
+            )
+    return {
+        "schema": SCHEMA,
+        "taken_at": report.taken_at,
+        "ok": all(h.ok for h in report.hosts),
+        "hosts": hosts,
+        "services": services,
+    }
