@@ -1,9 +1,148 @@
-"""Placeholder: filled in by its owner."""
+"""``gpuctl agent``: run the GPU host agent (DESIGN §5).
+
+The server stack (uvicorn, the ASGI app, the probes) is imported inside the command, so
+``gpuctl --help`` does not pay for it.
+"""
 
 from __future__ import annotations
 
+import os
+import stat
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from gpuctl.cli.common import errors_to_exit, say
+from gpuctl.errors import UsageError
+
+
+class ProbeName(StrEnum):
+    auto = "auto"
+    nvml = "nvml"
+    nvidia_smi = "nvidia-smi"
+    sim = "sim"
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path``, stripped; warns when group or others can read the file."""
+    try:
+        st = path.stat()
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as err:
+        raise UsageError(
+            f"cannot read the token file {path}: {err.strerror or err}",
+            hint="pass an existing file to --token-file, or set GPUCTL_AGENT_TOKEN",
+        ) from None
+    if not token:
+        raise UsageError(f"the token file {path} is empty", hint="write the token into it")
+    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        say(
+            f"gpuctl agent: warning: {path} is readable by group/others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); run `chmod 600 {path}`"
+        )
+    return token
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``gpuctl agent`` to ``app``."""
+
+    @app.command("agent")
+    def agent(
+        *,
+        listen: Annotated[
+            str,
+            typer.Option(
+                "--listen",
+                help="HOST:PORT to listen on ([::1]:PORT for IPv6). "
+                "Off loopback a token is required.",
+            ),
+        ] = "127.0.0.1:9400",
+        probe: Annotated[
+            ProbeName,
+            typer.Option("--probe", help="How to read the GPU: auto tries NVML, then nvidia-smi."),
+        ] = ProbeName.auto,
+        token_file: Annotated[
+            Path | None,
+            typer.Option(
+                "--token-file",
+                help="File holding the bearer token. Default: $GPUCTL_AGENT_TOKEN.",
+                dir_okay=False,
+            ),
+        ] = None,
+        sim_dir: Annotated[
+            Path | None,
+            typer.Option(
+                "--sim-dir",
+                help="The simulated GPU's directory (--probe sim). Default: $GPUCTL_SIM_DIR, "
+                "else <user state dir>/sim.",
+                file_okay=False,
+            ),
+        ] = None,
+        gpu_memory: Annotated[
+            str | None,
+            typer.Option(
+                "--gpu-memory",
+                help="The GPU's total memory where the device cannot tell "
+                "(unified memory), e.g. 128GiB.",
+            ),
+        ] = None,
+        cache_ttl: Annotated[
+            str,
+            typer.Option(
+                "--cache-ttl", help="Reuse one GPU reading for this long (e.g. 1s, 500ms)."
+            ),
+        ] = "1s",
+        state_dir: Annotated[
+            Path | None,
+            typer.Option(
+                "--state-dir",
+                help="The state directory. Default: $GPUCTL_STATE_DIR, else /var/lib/gpuctl "
+                "when writable, else the user state dir.",
+                file_okay=False,
+            ),
+        ] = None,
+        log_level: Annotated[
+            str,
+            typer.Option("--log-level", help="debug, info, warning or error (on stderr)."),
+        ] = "warning",
+    ) -> None:
+        """Run the GPU host agent: /status, /metrics and /openapi.json over HTTP."""
+        with errors_to_exit():
+            # Lazy: uvicorn and the app load only when the agent really starts.
+            from gpuctl.adapters.paths import default_sim_dir, default_state_dir  # noqa: PLC0415
+            from gpuctl.agent.server import serve  # noqa: PLC0415
+            from gpuctl.core.units import parse_duration_s, parse_size_mib  # noqa: PLC0415
+
+            if token_file is not None:
+                token: str | None = read_token_file(token_file.expanduser())
+            else:
+                token = os.environ.get("GPUCTL_AGENT_TOKEN", "").strip() or None
+            try:
+                gpu_memory_mib = parse_size_mib(gpu_memory) if gpu_memory is not None else None
+            except ValueError as err:
+                raise UsageError(f"--gpu-memory: {err}") from None
+            try:
+                cache_ttl_s = parse_duration_s(cache_ttl)
+            except ValueError as err:
+                raise UsageError(f"--cache-ttl: {err}") from None
+            level = log_level.lower()
+            if level not in ("debug", "info", "warning", "error", "critical"):
+                raise UsageError(
+                    f"--log-level: expected debug, info, warning or error, got {log_level!r}"
+                )
+            state = (
+                state_dir.expanduser() if state_dir is not None else default_state_dir()
+            ).absolute()
+            sim = (sim_dir.expanduser() if sim_dir is not None else default_sim_dir()).absolute()
+            serve(
+                listen,
+                probe.value,
+                token,
+                sim_dir=sim,
+                gpu_memory_mib=gpu_memory_mib,
+                cache_ttl_s=cache_ttl_s,
+                state_dir=str(state),
+                log_level=level,
+            )

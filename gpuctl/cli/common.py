@@ -16,6 +16,26 @@ import typer
 
 from gpuctl.errors import ExitCode, GpuctlError
 
+def _config_names(section: str, incomplete: str) -> list[str]:
+    """Tab completion of host and service names from the config (never raises)."""
+    try:
+        from gpuctl.config import load
+
+        conf = load(None)
+        names = conf.hosts if section == "hosts" else conf.services
+        return [n for n in sorted(names) if n.startswith(incomplete)]
+    except Exception:
+        return []
+
+
+def complete_host(incomplete: str) -> list[str]:
+    return _config_names("hosts", incomplete)
+
+
+def complete_service(incomplete: str) -> list[str]:
+    return _config_names("services", incomplete)
+
+
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(
@@ -26,11 +46,19 @@ ConfigOpt = Annotated[
         show_envvar=False,
     ),
 ]
-HostOpt = Annotated[str | None, typer.Option("--host", "-H", help="Host name from the config.")]
+HostOpt = Annotated[
+    str | None,
+    typer.Option("--host", "-H", help="Host name from the config.", autocompletion=complete_host),
+]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON object (with a `schema` version) on stdout.")
 ]
-ServiceArg = Annotated[str, typer.Argument(help="Service name from the config.", show_default=False)]
+ServiceArg = Annotated[
+    str,
+    typer.Argument(
+        help="Service name from the config.", show_default=False, autocompletion=complete_service
+    ),
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,9 +1,85 @@
-"""Placeholder: filled in by its owner."""
+"""``gpuctl demo``: a guided tour on a simulated GPU. Needs no GPU and no config."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+from gpuctl.cli.common import errors_to_exit
+
+if TYPE_CHECKING:
+    from gpuctl.flows.status import StatusReport
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    app.command("demo")(demo)
+
+
+def demo(
+    load_time: Annotated[
+        float, typer.Option("--load-time", help="Seconds the fake vLLM takes to load.", min=1.0)
+    ] = 8.0,
+) -> None:
+    """A guided tour on a simulated GPU: IDLE, FITS, BUSY, LOADING, READY. Cleans up after itself."""
+    with errors_to_exit():
+        from gpuctl.flows.demo import decision_of, run_demo
+
+        narrator = RichNarrator()
+        report = run_demo(narrator, load_time_s=load_time)
+        ok = decision_of(report, "vllm")
+        narrator.console.print(
+            f"\n[bold green]Demo done[/] (vllm ended {ok}). Next: `gpuctl config path` to configure your own host."
+        )
+
+
+class RichNarrator:
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console()
+
+    def chapter(self, title: str, text: str) -> None:
+        from rich.rule import Rule
+
+        self.console.print()
+        self.console.print(Rule(f"[bold]{title}", align="left"))
+        self.console.print(text, highlight=False)
+
+    def show(self, report: StatusReport) -> None:
+        from gpuctl.render.status_view import render_status
+
+        self.console.print(render_status(report))
+
+    def watch(
+        self,
+        poll: Callable[[], StatusReport],
+        until: Callable[[StatusReport], bool],
+        timeout_s: float,
+    ) -> StatusReport:
+        """Redraw status in place until ``until`` holds; off a terminal, print each change."""
+        from rich.live import Live
+
+        from gpuctl.render.status_view import render_status
+
+        deadline = time.monotonic() + timeout_s
+        report = poll()
+        if self.console.is_terminal:
+            with Live(render_status(report), console=self.console, auto_refresh=False) as live:
+                while not until(report) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    report = poll()
+                    live.update(render_status(report), refresh=True)
+            return report
+        last = None
+        while True:
+            key = tuple((v.service, v.decision) for h in report.hosts for v in h.verdicts)
+            if key != last:
+                self.show(report)
+                last = key
+            if until(report) or time.monotonic() >= deadline:
+                return report
+            time.sleep(0.5)
+            report = poll()

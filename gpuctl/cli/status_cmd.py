@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gpuctl.cli.common import ConfigOpt, JsonOpt, errors_to_exit, fail, print_json
+from gpuctl.cli.common import ConfigOpt, JsonOpt, complete_host, errors_to_exit, fail, print_json
 from gpuctl.errors import UsageError
 
 
@@ -19,7 +19,12 @@ def register(app: typer.Typer) -> None:
 def status(
     host: Annotated[
         list[str] | None,
-        typer.Option("--host", "-H", help="Host name from the config (repeatable). Default: every host."),
+        typer.Option(
+            "--host",
+            "-H",
+            help="Host name from the config (repeatable). Default: every host.",
+            autocompletion=complete_host,
+        ),
     ] = None,
     all_hosts: Annotated[bool, typer.Option("--all", "-a", help="Every configured host, at once.")] = False,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw in place (on a terminal).")] = False,

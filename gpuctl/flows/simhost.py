@@ -1,0 +1,177 @@
+"""A throw-away simulated GPU host: a sim directory, an agent on loopback, and helpers
+to start real simulated workloads on it. Used by ``gpuctl demo`` and by the tests.
+
+Every process it starts is a real process (``python -m gpuctl ...``), so what the
+agent reports is what a real host would report: real pids, real command lines.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from gpuctl.errors import GpuctlError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class SimHost:
+    """A simulated GPU host in a temporary directory.
+
+    Args:
+        gpu_memory: the simulated GPU's total, e.g. ``128GiB``.
+        root: where to put it; a fresh temp dir by default (removed on exit).
+    """
+
+    gpu_memory: str = "128GiB"
+    root: Path | None = None
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    agent_port: int = 0
+    _own_root: bool = False
+
+    def __enter__(self) -> SimHost:
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="gpuctl-sim-"))
+            self._own_root = True
+        self.sim_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def base(self) -> Path:
+        assert self.root is not None
+        return self.root
+
+    @property
+    def sim_dir(self) -> Path:
+        return self.base / "sim"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.base / "state"
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://127.0.0.1:{self.agent_port}"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            GPUCTL_SIM_DIR=str(self.sim_dir),
+            GPUCTL_SIM_GPU_MEMORY=self.gpu_memory,
+            GPUCTL_STATE_DIR=str(self.state_dir),
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def spawn(self, args: Sequence[str], log_name: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``python -m gpuctl ARGS`` detached from our terminal, logging to a file."""
+        log = open(self.base / f"{log_name}.log", "ab")  # noqa: SIM115  (the child owns it)
+        env = self.env()
+        if extra_env:
+            env.update(extra_env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuctl", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def start_agent(self, timeout_s: float = 20.0) -> None:
+        """Start ``gpuctl agent --probe sim`` on a free loopback port and wait for /healthz."""
+        import httpx
+
+        self.agent_port = free_port()
+        proc = self.spawn(
+            ["agent", "--probe", "sim", "--listen", f"127.0.0.1:{self.agent_port}",
+             "--sim-dir", str(self.sim_dir), "--state-dir", str(self.state_dir),
+             "--cache-ttl", "0.2s"],
+            "agent",
+            {"GPUCTL_AGENT_TOKEN": self.token},
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise GpuctlError(f"the demo agent exited: {self.log_tail('agent')}")
+            try:
+                if httpx.get(f"{self.agent_url}/healthz", timeout=0.5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise GpuctlError("the demo agent did not start in time")
+
+    def hold(self, name: str, memory: str) -> subprocess.Popen[bytes]:
+        return self.spawn(["sim", "hold", "--name", name, "--memory", memory], name)
+
+    def model_server(
+        self, name: str, memory: str, load_time: str, port: int, *extra: str
+    ) -> subprocess.Popen[bytes]:
+        return self.spawn(
+            ["sim", "model-server", "--name", name, "--memory", memory, "--load-time", load_time,
+             "--port", str(port), *extra],
+            name,
+        )
+
+    def log_tail(self, name: str, lines: int = 5) -> str:
+        try:
+            text = (self.base / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def write_config(self, services_toml: str, token_env: str = "GPUCTL_DEMO_TOKEN") -> Path:
+        """A config with one host ``sim`` (this agent) and the given ``[services.*]`` tables."""
+        os.environ[token_env] = self.token
+        path = self.base / "config.toml"
+        path.write_text(
+            f'[hosts.sim]\nagent = "{self.agent_url}"\ntoken_env = "{token_env}"\n\n{services_toml}'
+        )
+        return path
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+        self.procs.clear()
+        if self._own_root and self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""Shared fixtures: an isolated CLI environment and a simulated GPU host with its agent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuctl.flows.simhost import SimHost
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Config, state and sim dirs in tmp_path; no colour; fixed width."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "160")
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    monkeypatch.delenv("GPUCTL_CONFIG", raising=False)
+    (tmp_path / "xdg-config" / "gpuctl").mkdir(parents=True)
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "sim"))
+    monkeypatch.delenv("GPUCTL_DEBUG", raising=False)
+    monkeypatch.delenv("GPUCTL_AGENT_TOKEN", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def sim_host(tmp_path: Path) -> Iterator[SimHost]:
+    """A simulated GPU host (128 GiB) with ``gpuctl agent --probe sim`` running."""
+    with SimHost(root=tmp_path / "simhost") as host:
+        host.start_agent()
+        yield host
+
+
+def config_file(cli_env: Path) -> Path:
+    """Where gpuctl looks for its config inside ``cli_env`` (the user config dir)."""
+    return cli_env / "xdg-config" / "gpuctl" / "config.toml"
+
+
+def gpuctl_exe() -> str:
+    """The installed console script next to this interpreter (what a user runs)."""
+    exe = Path(sys.executable).with_name("gpuctl")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("gpuctl")
+    assert found, "gpuctl is not installed next to the test interpreter"
+    return found
+
+
+def has_nvidia() -> bool:
+    return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidiactl")

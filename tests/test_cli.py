@@ -1,0 +1,167 @@
+"""The command line: help, completions, import cost, and bad input without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuctl.cli.app import create_app
+from gpuctl.flows.simhost import free_port
+from tests.conftest import config_file, gpuctl_exe, has_nvidia
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+app = create_app()
+
+HEAVY = ("docker", "websockets", "pynvml", "uvicorn", "starlette", "fastapi", "paramiko")
+
+
+def test_help_lists_commands(cli_env: Path) -> None:
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("status", "agent", "config", "sim", "demo"):
+        assert cmd in r.output
+
+
+def test_version(cli_env: Path) -> None:
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("gpuctl ")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["status", "--help"], ["config", "check", "--help"]])
+def test_help_imports_nothing_heavy(args: list[str]) -> None:
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gpuctl", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
+    assert imported, "importtime printed nothing"
+    assert "typer" in imported  # the probe works
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+@pytest.mark.parametrize(("shell", "name"), [("bash", "gpuctl"), ("zsh", "_gpuctl"), ("fish", "gpuctl.fish")])
+def test_completions_are_current(shell: str, name: str) -> None:
+    r = subprocess.run(
+        [gpuctl_exe()],
+        env={**os.environ, "_GPUCTL_COMPLETE": f"source_{shell}"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    committed = (ROOT / "completions" / name).read_text()
+    assert r.stdout == committed, f"completions/{name} is stale: run scripts/gen-completions"
+
+
+def test_completion_offers_configured_names(cli_env: Path) -> None:
+    config_file(cli_env).write_text('[hosts.dgx]\n[hosts.box]\n[services.vllm]\nhost="dgx"\n')
+    r = subprocess.run(
+        [gpuctl_exe()],
+        env={
+            **os.environ,
+            "_GPUCTL_COMPLETE": "complete_bash",
+            "COMP_WORDS": "gpuctl status --host d",
+            "COMP_CWORD": "3",
+        },
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert r.stdout.split() == ["dgx"]
+
+
+def test_bad_config_is_one_line(cli_env: Path) -> None:
+    config_file(cli_env).write_text('[services.vllm]\nmemory = "lots\n')
+    r = runner.invoke(app, ["status"])
+    assert r.exit_code == 1
+    assert "Traceback" not in r.output
+    assert r.output.startswith("gpuctl: error: ")
+    assert "invalid TOML" in r.output
+
+
+def test_bad_value_names_location(cli_env: Path) -> None:
+    config_file(cli_env).write_text('[hosts.dgx]\n[services.vllm]\nmemory = "lots"\n')
+    r = runner.invoke(app, ["config", "check"])
+    assert r.exit_code == 1
+    assert "services.vllm.memory" in r.output
+
+
+def test_unknown_host_is_usage_error(cli_env: Path) -> None:
+    config_file(cli_env).write_text('[hosts.dgx]\nagent = "http://127.0.0.1:1"\n')
+    r = runner.invoke(app, ["status", "--host", "dgz"])
+    assert r.exit_code == 2
+    assert "unknown host 'dgz'" in r.output and "did you mean 'dgx'" in r.output
+
+
+def test_debug_shows_traceback(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_file(cli_env).write_text("[hosts.dgx\n")
+    monkeypatch.setenv("GPUCTL_DEBUG", "1")
+    r = runner.invoke(app, ["status"])
+    assert r.exit_code != 0
+    assert r.exception is not None and type(r.exception).__name__ == "ConfigError"
+
+
+@pytest.mark.skipif(has_nvidia(), reason="this machine has an NVIDIA GPU")
+def test_status_without_config_or_gpu(cli_env: Path) -> None:
+    r = runner.invoke(app, ["status"])
+    assert r.exit_code == 4
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert lines[0].startswith("gpuctl: no NVIDIA GPU found"), r.output
+    assert "gpuctl demo" in r.output and "--probe sim" in r.output
+
+
+def test_status_dead_agent_json(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_port()
+    monkeypatch.setenv("DGX_TOKEN", "t")
+    config_file(cli_env).write_text(
+        f'[hosts.dgx]\nagent = "http://127.0.0.1:{port}"\ntoken_env = "DGX_TOKEN"\n'
+        f'[services.vllm]\nhealth = "http://127.0.0.1:{port}/health"\nmemory = "80GiB"\n'
+    )
+    r = runner.invoke(app, ["status", "--json"])
+    assert r.exit_code == 4
+    obj = json.loads(r.stdout)
+    assert obj["schema"] == 1 and obj["ok"] is False
+    (host,) = obj["hosts"]
+    assert host["ok"] is False and "refused" in host["error"]
+    (svc,) = obj["services"]
+    assert svc["decision"] == "UNKNOWN" and svc["name"] == "vllm" and svc["host"] == "dgx"
+
+
+def test_status_missing_token_env(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOPE_TOKEN", raising=False)
+    config_file(cli_env).write_text('[hosts.dgx]\nagent = "http://127.0.0.1:9"\ntoken_env = "NOPE_TOKEN"\n')
+    r = runner.invoke(app, ["status", "--json"])
+    assert r.exit_code == 4
+    host = json.loads(r.stdout)["hosts"][0]
+    assert "NOPE_TOKEN is not set" in host["error"]
+
+
+def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config_file(cli_env)
+    cfg.write_text('[hosts.dgx]\nagent = "http://h:9400"\ntoken_env = "DGX_TOKEN"\n[services.vllm]\nmemory="80G"\n')
+    monkeypatch.setenv("DGX_TOKEN", "supersecret-value")
+    r = runner.invoke(app, ["config", "path"])
+    assert r.exit_code == 0 and r.stdout.strip() == str(cfg)
+    r = runner.invoke(app, ["config", "check"])
+    assert r.exit_code == 0 and "ok (1 hosts, 1 services)" in r.stdout
+    for args in (["config", "show"], ["config", "show", "--json"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0
+        assert "supersecret" not in r.output
+        assert "$DGX_TOKEN" in r.output
+    obj = json.loads(runner.invoke(app, ["config", "show", "--json"]).stdout)
+    assert obj["services"]["vllm"]["memory_mib"] == 81920
+    assert obj["services"]["vllm"]["host"] == "dgx"
+
+
+def test_watch_and_json_exclude(cli_env: Path) -> None:
+    r = runner.invoke(app, ["status", "--watch", "--json"])
+    assert r.exit_code == 2
