@@ -99,6 +99,7 @@ class ServiceConfig:
     network: str | None = None
     stop_timeout_s: float = 30.0
     terminal: str | None = None
+    pid_mode: str | None = None
 
     @property
     def keywords(self) -> tuple[str, ...]:
@@ -420,6 +421,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
             network=s.str_("network"),
             stop_timeout_s=s.duration("stop_timeout", 30.0),
             terminal=s.str_("terminal"),
+            pid_mode=s.str_("pid_mode"),
         )
         s.done()
         _check_service(svc, hosts[host])

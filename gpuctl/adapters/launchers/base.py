@@ -1,0 +1,61 @@
+"""The launcher interface and the handle a launcher leaves in a service's record."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+from gpuctl.config import ServiceConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """What a launcher needs to find its server again, stored in the service's record.
+
+    ``pid``/``pid_start`` identify the server process itself (never a wrapper shell); the
+    start time tells a reused pid from ours. Docker fills ``container_id``/``container_name``,
+    Jupyter ``terminal``; ``log`` is the server's log file where there is one.
+    """
+
+    kind: str
+    pid: int | None = None
+    pid_start: float | None = None
+    container_id: str | None = None
+    container_name: str | None = None
+    terminal: str | None = None
+    log: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Handle:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class Launcher(Protocol):
+    """Start, find, check and stop one service's server.
+
+    Every method raises ``gpuctl.errors.LauncherError`` (or ``StartFailed`` from
+    ``start``) with a one-line message and a hint naming the fix; never a raw
+    library exception.
+    """
+
+    kind: str
+
+    def start(self, service: ServiceConfig) -> Handle:
+        """Launch detached, so the server outlives the caller; return once it is spawned."""
+        ...
+
+    def alive(self, handle: Handle) -> bool | None:
+        """True while the server runs (a zombie is dead); None when it cannot be told."""
+        ...
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        """SIGTERM (or the engine's stop), SIGKILL after ``grace_s``. Idempotent."""
+        ...
+
+    def log_tail(self, handle: Handle, lines: int = 20) -> str:
+        """The last lines of the server's log ('' when there is none)."""
+        ...
