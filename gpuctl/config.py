@@ -146,9 +146,7 @@ def _known(kind: str, name: str, table: Mapping[str, Any], path: Path | None) ->
     return f"no {kind} are configured; add [{kind}.{name}] to {where}"
 
 
-def _read_secret(
-    host: str, what: str, env: str | None, file: Path | None
-) -> str | None:
+def _read_secret(host: str, what: str, env: str | None, file: Path | None) -> str | None:
     if env:
         value = os.environ.get(env, "").strip()
         if not value:
@@ -332,6 +330,10 @@ def load_config(path: Path | None, *, explicit: bool = False) -> Config:
     return parse_config(data, path)
 
 
+# Keys a user might put a secret under, and where the secret belongs instead.
+_SECRET_KEYS = {"token": "token", "jupyter_token": "jupyter_token", "password": "token"}
+
+
 def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     """Validate parsed TOML. Separate from ``load_config`` so tests need no files."""
     base = path.parent if path else None
@@ -355,13 +357,14 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
             raise ConfigError(f"hosts.{name}: set token_env or token_file, not both")
         jt_env, jt_file = h.str_("jupyter_token_env"), h.path("jupyter_token_file", base)
         if jt_env and jt_file:
-            raise ConfigError(f"hosts.{name}: set jupyter_token_env or jupyter_token_file, not both")
-        for secret in ("token", "jupyter_token", "password"):
+            raise ConfigError(
+                f"hosts.{name}: set jupyter_token_env or jupyter_token_file, not both"
+            )
+        for secret, instead in _SECRET_KEYS.items():
             if secret in h.data:
                 raise ConfigError(
                     f"hosts.{name}.{secret}: secrets do not belong in the config file",
-                    hint=f"use {secret if secret != 'password' else 'token'}_env or "
-                    f"{secret if secret != 'password' else 'token'}_file",
+                    hint=f"use {instead}_env or {instead}_file",
                 )
         hosts[name] = HostConfig(
             name=name,

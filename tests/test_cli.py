@@ -42,13 +42,17 @@ def test_help_imports_nothing_heavy(args: list[str]) -> None:
         text=True,
         check=True,
     )
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
+    imported = {
+        line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line
+    }
     assert imported, "importtime printed nothing"
     assert "typer" in imported  # the probe works
     assert not imported & set(HEAVY), imported & set(HEAVY)
 
 
-@pytest.mark.parametrize(("shell", "name"), [("bash", "gpuctl"), ("zsh", "_gpuctl"), ("fish", "gpuctl.fish")])
+@pytest.mark.parametrize(
+    ("shell", "name"), [("bash", "gpuctl"), ("zsh", "_gpuctl"), ("fish", "gpuctl.fish")]
+)
 def test_completions_are_current(shell: str, name: str) -> None:
     r = subprocess.run(
         [gpuctl_exe()],
@@ -137,7 +141,9 @@ def test_status_dead_agent_json(cli_env: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_status_missing_token_env(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOPE_TOKEN", raising=False)
-    config_file(cli_env).write_text('[hosts.dgx]\nagent = "http://127.0.0.1:9"\ntoken_env = "NOPE_TOKEN"\n')
+    config_file(cli_env).write_text(
+        '[hosts.dgx]\nagent = "http://127.0.0.1:9"\ntoken_env = "NOPE_TOKEN"\n'
+    )
     r = runner.invoke(app, ["status", "--json"])
     assert r.exit_code == 4
     host = json.loads(r.stdout)["hosts"][0]
@@ -146,7 +152,9 @@ def test_status_missing_token_env(cli_env: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = config_file(cli_env)
-    cfg.write_text('[hosts.dgx]\nagent = "http://h:9400"\ntoken_env = "DGX_TOKEN"\n[services.vllm]\nmemory="80G"\n')
+    cfg.write_text(
+        '[hosts.dgx]\nagent = "http://h:9400"\ntoken_env = "DGX_TOKEN"\n[services.vllm]\nmemory="80G"\n'
+    )
     monkeypatch.setenv("DGX_TOKEN", "supersecret-value")
     r = runner.invoke(app, ["config", "path"])
     assert r.exit_code == 0 and r.stdout.strip() == str(cfg)

@@ -34,7 +34,9 @@ READY = Health("ready", "http://x/health", 200)
 REFUSED = Health("refused", "connection refused at http://x/health")
 
 
-def snap(*procs: GpuProcess, starting: tuple[StartingProcess, ...] = (), total: int | None = 128 * GiB) -> Snapshot:
+def snap(
+    *procs: GpuProcess, starting: tuple[StartingProcess, ...] = (), total: int | None = 128 * GiB
+) -> Snapshot:
     used = sum(p.memory_mib or 0 for p in procs)
     return Snapshot(used, total, False, "sim", "t", tuple(procs), starting)
 
@@ -51,8 +53,8 @@ HIDDEN = p(40, None, 5)
 
 CASES = [
     # (id, spec, health, snapshot, expected decision, words in the reason)
-    ("ready beats everything", VLLM, READY, snap(COMFY_BIG), Decision.READY, ["200"]),
-    ("ready while agent down", VLLM, READY, None, Decision.READY, ["200"]),
+    ("ready beats everything", VLLM, READY, snap(COMFY_BIG), Decision.READY, ["health check"]),
+    ("ready while agent down", VLLM, READY, None, Decision.READY, ["health check"]),
     ("unknown when agent down", VLLM, REFUSED, None, Decision.UNKNOWN, ["refused"]),
     ("idle", VLLM, REFUSED, snap(), Decision.IDLE, ["no process"]),
     ("loading on gpu", VLLM, REFUSED, snap(VLLM_LOADING), Decision.LOADING, ["pid 20"]),
@@ -64,15 +66,57 @@ CASES = [
         Decision.LOADING,
         ["pid 21", "not on the GPU yet"],
     ),
-    ("second keyword", VLLM, REFUSED, snap(p(22, "python translategemma.py", 1)), Decision.LOADING, ["pid 22"]),
-    ("fits beside comfyui", VLLM, REFUSED, snap(COMFY), Decision.FITS, ["needs 80.0 GiB", "pid 10"]),
-    ("busy beside big comfyui", VLLM, REFUSED, snap(COMFY_BIG), Decision.BUSY, ["pid 11", "comfyui", "60.0 GiB"]),
-    ("no budget: any process is busy", NOBUDGET, NO_HEALTH, snap(p(50, "small", 0.1)), Decision.BUSY, ["pid 50"]),
+    (
+        "second keyword",
+        VLLM,
+        REFUSED,
+        snap(p(22, "python translategemma.py", 1)),
+        Decision.LOADING,
+        ["pid 22"],
+    ),
+    (
+        "fits beside comfyui",
+        VLLM,
+        REFUSED,
+        snap(COMFY),
+        Decision.FITS,
+        ["needs 80.0 GiB", "pid 10"],
+    ),
+    (
+        "busy beside big comfyui",
+        VLLM,
+        REFUSED,
+        snap(COMFY_BIG),
+        Decision.BUSY,
+        ["pid 11", "comfyui", "60.0 GiB"],
+    ),
+    (
+        "no budget: any process is busy",
+        NOBUDGET,
+        NO_HEALTH,
+        snap(p(50, "small", 0.1)),
+        Decision.BUSY,
+        ["pid 50"],
+    ),
     ("no budget: idle is idle", NOBUDGET, NO_HEALTH, snap(), Decision.IDLE, []),
     # vlm holds 10 GiB now but will grow to its 30 GiB budget: 30 + 80 = 110 <= 128 fits ...
-    ("loading service counts at budget (fits)", VLLM, REFUSED, snap(VLM_RUN), Decision.FITS, ["98.0 GiB"]),
+    (
+        "loading service counts at budget (fits)",
+        VLLM,
+        REFUSED,
+        snap(VLM_RUN),
+        Decision.FITS,
+        ["98.0 GiB"],
+    ),
     # ... but with comfyui's 20 GiB also there, 20 + 30 + 80 = 130 > 128 does not.
-    ("loading service counts at budget (busy)", VLLM, REFUSED, snap(VLM_RUN, COMFY), Decision.BUSY, ["only 78.0 GiB"]),
+    (
+        "loading service counts at budget (busy)",
+        VLLM,
+        REFUSED,
+        snap(VLM_RUN, COMFY),
+        Decision.BUSY,
+        ["only 78.0 GiB"],
+    ),
     (
         "a starting service counts at its budget",
         VLLM,
@@ -89,15 +133,51 @@ CASES = [
         Decision.FITS,
         ["48.0 GiB"],
     ),
-    ("hidden command stays busy", VLLM, REFUSED, snap(HIDDEN, COMFY_BIG), Decision.BUSY, ["not visible"]),
-    ("unknown total", VLLM, REFUSED, snap(COMFY, total=None), Decision.BUSY, ["total memory unknown"]),
-    ("503 while process alive is not ready", VLLM, Health("error", "HTTP 503", 503), snap(VLLM_LOADING), Decision.LOADING, ["503"]),
+    (
+        "hidden command stays busy",
+        VLLM,
+        REFUSED,
+        snap(HIDDEN, COMFY_BIG),
+        Decision.BUSY,
+        ["not visible"],
+    ),
+    (
+        "unknown total",
+        VLLM,
+        REFUSED,
+        snap(COMFY, total=None),
+        Decision.BUSY,
+        ["total memory unknown"],
+    ),
+    (
+        "503 while process alive is not ready",
+        VLLM,
+        Health("error", "HTTP 503", 503),
+        snap(VLLM_LOADING),
+        Decision.LOADING,
+        ["503"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "spec", "health", "snapshot", "expected", "words"), CASES, ids=[c[0] for c in CASES])
-def test_classify(case: str, spec: Spec, health: Health, snapshot: Snapshot | None, expected: Decision, words: list[str]) -> None:
-    v = classify(spec, health, snapshot, others=SPECS, agent_error="agent at http://dgx:9400 refused the connection")
+@pytest.mark.parametrize(
+    ("case", "spec", "health", "snapshot", "expected", "words"), CASES, ids=[c[0] for c in CASES]
+)
+def test_classify(
+    case: str,
+    spec: Spec,
+    health: Health,
+    snapshot: Snapshot | None,
+    expected: Decision,
+    words: list[str],
+) -> None:
+    v = classify(
+        spec,
+        health,
+        snapshot,
+        others=SPECS,
+        agent_error="agent at http://dgx:9400 refused the connection",
+    )
     assert v.decision is expected, v.reason
     for w in words:
         assert w in v.reason

@@ -24,13 +24,22 @@ def test_parse_size(text: str | int, mib: int) -> None:
 
 @pytest.mark.parametrize("text", ["", "GiB", "80XB", "-1G", "eighty", True, -5])
 def test_parse_size_rejects(text: object) -> None:
-    with pytest.raises(ValueError, match="size|negative"):
+    with pytest.raises(ValueError, match=r"size|negative"):
         parse_size_mib(text)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30m", 1800), ("600s", 600), ("1h30m", 5400), ("250ms", 0.25), ("10", 10), (5, 5), ("2d", 172800), ("1h 5m", 3900)],
+    [
+        ("30m", 1800),
+        ("600s", 600),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("10", 10),
+        (5, 5),
+        ("2d", 172800),
+        ("1h 5m", 3900),
+    ],
 )
 def test_parse_duration(text: str | int, seconds: float) -> None:
     assert parse_duration_s(text) == pytest.approx(seconds)

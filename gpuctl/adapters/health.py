@@ -47,9 +47,7 @@ def check(url: str | None, timeout_s: float = 2.0, client: httpx.Client | None =
     return _from_response(url, r.status_code)
 
 
-async def check_async(
-    url: str | None, client: httpx.AsyncClient, timeout_s: float = 2.0
-) -> Health:
+async def check_async(url: str | None, client: httpx.AsyncClient, timeout_s: float = 2.0) -> Health:
     """The async twin of ``check``."""
     if not url:
         return NO_HEALTH

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import platformdirs
+
 SYSTEM_STATE_DIR = Path("/var/lib/gpuctl")
 
 
 def _user_state_dir() -> Path:
-    import platformdirs
-
     return Path(platformdirs.user_state_dir("gpuctl"))
 
 
@@ -45,6 +45,4 @@ def default_config_path() -> Path:
     env = os.environ.get("GPUCTL_CONFIG")
     if env:
         return Path(env).expanduser()
-    import platformdirs
-
     return Path(platformdirs.user_config_dir("gpuctl")) / "config.toml"

@@ -7,6 +7,7 @@ check here reads the state instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -110,7 +111,19 @@ def host_identity() -> HostIdentity:
 
 
 _CLIENT_COMMANDS = frozenset(
-    {"status", "ensure", "stop", "touch", "locks", "reclaim", "agent", "config", "demo", "proxy", "run"}
+    {
+        "status",
+        "ensure",
+        "stop",
+        "touch",
+        "locks",
+        "reclaim",
+        "agent",
+        "config",
+        "demo",
+        "proxy",
+        "run",
+    }
 )
 
 
@@ -145,10 +158,8 @@ def find_matching(
     skip = set(exclude_pids)
     me = psutil.Process()
     skip.add(me.pid)
-    try:
+    with contextlib.suppress(psutil.Error):
         skip.update(p.pid for p in me.parents())
-    except psutil.Error:
-        pass
     for proc in psutil.process_iter(["pid", "cmdline", "status", "username"]):
         info = proc.info
         if info["pid"] in skip or info.get("status") == psutil.STATUS_ZOMBIE:

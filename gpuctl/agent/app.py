@@ -347,6 +347,10 @@ class AgentApp:
         self.router.add("GET", "/status", self._get_status)
         self.router.add("GET", "/metrics", self._get_metrics)
 
+        from gpuctl.agent.store_api import StoreApi
+
+        self.store_api = StoreApi(settings.state_dir)
+
     # -- ASGI entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -373,6 +377,26 @@ class AgentApp:
         self.requests_total[label] = self.requests_total.get(label, 0) + 1
         method = scope["method"]
         try:
+            if route is None and (
+                scope["path"] == "/records" or scope["path"].startswith("/records/")
+            ):
+                # The state store: path parameters, so it routes itself (store_api.py).
+                if self._token is not None:
+                    self._check_token(scope)
+                request = Request(scope, receive)
+                status, payload = await self.store_api.handle(
+                    method, scope["path"], await request.body()
+                )
+                response = json_response(status, payload)
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status,
+                        "headers": response.headers,
+                    }
+                )
+                await send({"type": "http.response.body", "body": response.body})
+                return
             if route is None:
                 raise HttpError(404, f"no such endpoint: {scope['path']}", "see /openapi.json")
             handler = route.handlers.get("GET" if method == "HEAD" else method)
@@ -396,8 +420,12 @@ class AgentApp:
                 f"internal error in the agent: {type(err).__name__}: {err}",
                 "see the agent's log on the GPU host, and report it",
             )
-        await send({"type": "http.response.start", "status": response.status, "headers": response.headers})
-        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else response.body})
+        await send(
+            {"type": "http.response.start", "status": response.status, "headers": response.headers}
+        )
+        await send(
+            {"type": "http.response.body", "body": b"" if method == "HEAD" else response.body}
+        )
 
     def _check_token(self, scope: Scope) -> None:
         assert self._token is not None
@@ -408,7 +436,10 @@ class AgentApp:
                 break
         if value is None:
             raise HttpError(
-                401, "this agent requires a bearer token", _AUTH_HINT, [(b"www-authenticate", b'Bearer realm="gpuctl"')]
+                401,
+                "this agent requires a bearer token",
+                _AUTH_HINT,
+                [(b"www-authenticate", b'Bearer realm="gpuctl"')],
             )
         scheme, _, credentials = value.partition(b" ")
         # compare_digest: the time taken must not tell how much of a guess was right.
@@ -588,7 +619,12 @@ def render_metrics(
             )
         ],
     )
-    metric("gpuctl_probe_up", "gauge", "1 when the last GPU probe succeeded.", [("", 1 if probe_up else 0)])
+    metric(
+        "gpuctl_probe_up",
+        "gauge",
+        "1 when the last GPU probe succeeded.",
+        [("", 1 if probe_up else 0)],
+    )
     if reading is not None:
         used = reading.memory_used_mib
         if used is None:
@@ -596,7 +632,9 @@ def render_metrics(
         total = reading.memory_total_mib if reading.memory_total_mib is not None else gpu_memory_mib
         metric("gpuctl_gpu_memory_used_mib", "gauge", "GPU memory in use, MiB.", [("", used)])
         if total is not None:
-            metric("gpuctl_gpu_memory_total_mib", "gauge", "GPU memory in total, MiB.", [("", total)])
+            metric(
+                "gpuctl_gpu_memory_total_mib", "gauge", "GPU memory in total, MiB.", [("", total)]
+            )
         metric(
             "gpuctl_gpu_processes",
             "gauge",
@@ -668,7 +706,9 @@ def openapi_document() -> dict[str, Any]:
                         "200": {
                             "description": "The agent runs.",
                             "content": {
-                                "application/json": {"schema": {"$ref": "#/components/schemas/Health"}}
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/Health"}
+                                }
                             },
                         }
                     },
@@ -707,7 +747,9 @@ def openapi_document() -> dict[str, Any]:
                         "200": {
                             "description": "What the probe saw.",
                             "content": {
-                                "application/json": {"schema": {"$ref": "#/components/schemas/Status"}}
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/Status"}
+                                }
                             },
                         },
                         "400": err("A bad `match` parameter."),
@@ -718,7 +760,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/metrics": {
                 "get": {
-                    "summary": "Prometheus metrics: GPU memory, per-process memory, agent counters.",
+                    "summary": "Prometheus metrics: GPU and per-process memory, agent counters.",
                     "responses": {
                         "200": {
                             "description": "Prometheus text exposition format 0.0.4.",
@@ -754,9 +796,15 @@ def openapi_document() -> dict[str, Any]:
                             **nullable_str,
                             "description": "Full command line; null where it cannot be read.",
                         },
-                        "memory_mib": {**nullable_int, "description": "null where the driver cannot tell."},
+                        "memory_mib": {
+                            **nullable_int,
+                            "description": "null where the driver cannot tell.",
+                        },
                         "user": nullable_str,
-                        "container": {**nullable_str, "description": "Container id, null for a host process."},
+                        "container": {
+                            **nullable_str,
+                            "description": "Container id, null for a host process.",
+                        },
                         "gpu": {"type": "integer"},
                     },
                 },
@@ -808,12 +856,15 @@ def openapi_document() -> dict[str, Any]:
                             "description": "UTC, e.g. 2026-11-29T10:00:00Z.",
                         },
                         "gpus": {"type": "integer"},
-                        "processes": {"type": "array", "items": {"$ref": "#/components/schemas/GpuProcess"}},
+                        "processes": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/GpuProcess"},
+                        },
                         "host": {"$ref": "#/components/schemas/HostIdentity"},
                         "state_dir": nullable_str,
                         "starting": {
                             "type": "array",
-                            "description": "Only with ?match=: matching host processes not on the GPU yet.",
+                            "description": "With ?match= only: matching, not on the GPU yet.",
                             "items": {"$ref": "#/components/schemas/StartingProcess"},
                         },
                     },

@@ -111,9 +111,9 @@ def register(app: typer.Typer) -> None:
         """Run the GPU host agent: /status, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
             # Lazy: uvicorn and the app load only when the agent really starts.
-            from gpuctl.adapters.paths import default_sim_dir, default_state_dir  # noqa: PLC0415
-            from gpuctl.agent.server import serve  # noqa: PLC0415
-            from gpuctl.core.units import parse_duration_s, parse_size_mib  # noqa: PLC0415
+            from gpuctl.adapters.paths import default_sim_dir, default_state_dir
+            from gpuctl.agent.server import serve
+            from gpuctl.core.units import parse_duration_s, parse_size_mib
 
             if token_file is not None:
                 token: str | None = read_token_file(token_file.expanduser())

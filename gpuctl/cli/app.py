@@ -39,9 +39,10 @@ def create_app() -> typer.Typer:
     ) -> None:
         """Share one big GPU between heavy workloads."""
 
-    from gpuctl.cli import agent_cmd, config_cmd, demo_cmd, sim_cmd, status_cmd
+    from gpuctl.cli import agent_cmd, config_cmd, demo_cmd, service_cmd, sim_cmd, status_cmd
 
     status_cmd.register(app)
+    service_cmd.register(app)
     config_cmd.register(app)
     agent_cmd.register(app)
     sim_cmd.register(app)

@@ -16,6 +16,7 @@ import typer
 
 from gpuctl.errors import ExitCode, GpuctlError
 
+
 def _config_names(section: str, incomplete: str) -> list[str]:
     """Tab completion of host and service names from the config (never raises)."""
     try:

@@ -92,7 +92,7 @@ def _print_table(title: str, body: dict[str, Any]) -> None:
 
     print(f"\n[{title}]")
     for k, v in body.items():
-        if v is None or v == {} or v == []:
+        if v is None or v in ({}, []):
             continue
         print(f"{k} = {json.dumps(v)}")
 
@@ -103,16 +103,17 @@ def config_to_json(conf: Any) -> dict[str, Any]:
 
     def clean(d: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for k, v in d.items():
+        for k, value in d.items():
             if k == "name":
                 continue
-            if hasattr(v, "__fspath__"):
-                v = str(v)
-            elif isinstance(v, tuple):
-                v = list(v)
-            elif isinstance(v, dict):
-                v = dict(v)
-            out[k] = v
+            if hasattr(value, "__fspath__"):
+                out[k] = str(value)
+            elif isinstance(value, tuple):
+                out[k] = list(value)
+            elif isinstance(value, dict):
+                out[k] = dict(value)
+            else:
+                out[k] = value
         return out
 
     hosts = {}

@@ -51,7 +51,7 @@ class RichNarrator:
     def show(self, report: StatusReport) -> None:
         from gpuctl.render.status_view import render_status
 
-        self.console.print(render_status(report))
+        self.console.print(render_status(report, width=self.console.width))
 
     def watch(
         self,
@@ -67,11 +67,15 @@ class RichNarrator:
         deadline = time.monotonic() + timeout_s
         report = poll()
         if self.console.is_terminal:
-            with Live(render_status(report), console=self.console, auto_refresh=False) as live:
+            with Live(
+                render_status(report, width=self.console.width),
+                console=self.console,
+                auto_refresh=False,
+            ) as live:
                 while not until(report) and time.monotonic() < deadline:
                     time.sleep(0.5)
                     report = poll()
-                    live.update(render_status(report), refresh=True)
+                    live.update(render_status(report, width=self.console.width), refresh=True)
             return report
         last = None
         while True:

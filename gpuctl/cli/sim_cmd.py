@@ -1,9 +1,276 @@
-"""Placeholder: filled in by its owner."""
+"""``gpuctl sim ...``: the simulated GPU host (DESIGN §8), built of real processes.
+
+The simulator's modules are imported inside the commands: ``gpuctl --help`` must not
+pay for them.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
 import typer
+
+from gpuctl.cli.common import JsonOpt, errors_to_exit, fail, print_json, say
+from gpuctl.errors import UsageError
+
+sim_app = typer.Typer(
+    help=(
+        "A simulated GPU host made of real processes: memory claims held by live processes, "
+        "a fake vLLM that loads, serves and runs out of memory like the real one. "
+        "`gpuctl status --probe sim` and `gpuctl agent --probe sim` read it."
+    ),
+    no_args_is_help=True,
+)
+
+SimDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--sim-dir",
+        help="Simulated GPU directory. Default: $GPUCTL_SIM_DIR, else <user state dir>/sim.",
+        envvar="GPUCTL_SIM_DIR",
+        show_envvar=False,
+    ),
+]
+GpuMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-memory",
+        help=(
+            "Total memory of the simulated GPU, e.g. 128GiB; saved in the sim dir for every "
+            "process that uses it. Default: $GPUCTL_SIM_GPU_MEMORY, else the saved value, "
+            "else 128GiB."
+        ),
+        envvar="GPUCTL_SIM_GPU_MEMORY",
+        show_envvar=False,
+    ),
+]
+NameOpt = Annotated[
+    str,
+    typer.Option(
+        "--name",
+        help="What the process is called (its command line carries it).",
+        show_default=False,
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``gpuctl sim`` to ``app``."""
+    app.add_typer(sim_app, name="sim")
+
+
+def _size(option: str, text: str) -> int:
+    from gpuctl.core.units import parse_size_mib
+
+    try:
+        return parse_size_mib(text)
+    except ValueError as err:
+        fail(UsageError(f"{option}: {err}"))
+
+
+def _duration(option: str, text: str) -> float:
+    from gpuctl.core.units import parse_duration_s
+
+    try:
+        return parse_duration_s(text)
+    except ValueError as err:
+        fail(UsageError(f"{option}: {err}"))
+
+
+def _total(gpu_memory: str | None) -> int | None:
+    if gpu_memory is None or not gpu_memory.strip():
+        return None
+    total = _size("--gpu-memory", gpu_memory)
+    if total <= 0:
+        fail(UsageError(f"--gpu-memory: must be more than 0, got {gpu_memory!r}"))
+    return total
+
+
+@sim_app.command("hold")
+def hold(
+    memory: Annotated[
+        str, typer.Option("--memory", "-m", help="Memory to hold, e.g. 20GiB.", show_default=False)
+    ],
+    name: NameOpt,
+    duration: Annotated[
+        str | None,
+        typer.Option(
+            "--duration", help="Release and exit after this long, e.g. 10m. Default: until stopped."
+        ),
+    ] = None,
+    sim_dir: SimDirOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+) -> None:
+    """Hold simulated GPU memory until SIGTERM/Ctrl-C, like ComfyUI or a notebook would.
+
+    Exit 0 after a clean stop; 1 with a CUDA-style out-of-memory line when it does not fit.
+    """
+    with errors_to_exit():
+        mib = _size("--memory", memory)
+        secs = _duration("--duration", duration) if duration is not None else None
+        total = _total(gpu_memory)
+        from gpuctl.sim.gpu import SimGpu
+        from gpuctl.sim.hold import run_hold
+
+        raise typer.Exit(run_hold(SimGpu(sim_dir, total), name, mib, secs))
+
+
+@sim_app.command("model-server")
+def model_server(
+    *,
+    name: NameOpt,
+    memory: Annotated[
+        str,
+        typer.Option("--memory", "-m", help="Memory once loaded, e.g. 80GiB.", show_default=False),
+    ],
+    load_time: Annotated[
+        str, typer.Option("--load-time", help="How long loading takes; the port refuses meanwhile.")
+    ] = "30s",
+    port: Annotated[int, typer.Option("--port", "-p", help="TCP port.", min=1, max=65535)] = 8000,
+    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model id for /v1/models. Default: --name.")
+    ] = None,
+    steps: Annotated[
+        int, typer.Option("--steps", help="The memory grows in this many steps.", min=1)
+    ] = 10,
+    enable_sleep_mode: Annotated[
+        bool,
+        typer.Option("--enable-sleep-mode", help="Serve /sleep, /wake_up and /is_sleeping."),
+    ] = False,
+    token_delay: Annotated[
+        str, typer.Option("--token-delay", help="Time per generated token.")
+    ] = "20ms",  # noqa: S107 - a duration, not a secret
+    sim_dir: SimDirOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+) -> None:
+    """A fake vLLM: binds its port at once, loads (refusing connections), then serves.
+
+    Serves /health, /v1/models, /v1/chat/completions (also streaming) and /metrics.
+    Exit 0 after SIGTERM/Ctrl-C; 1 when the port is taken or the memory does not fit.
+    """
+    with errors_to_exit():
+        mib = _size("--memory", memory)
+        load_s = _duration("--load-time", load_time)
+        delay_s = _duration("--token-delay", token_delay)
+        total = _total(gpu_memory)
+        from gpuctl.sim.gpu import SimGpu
+        from gpuctl.sim.model_server import run_model_server
+
+        code = run_model_server(
+            SimGpu(sim_dir, total),
+            name,
+            mib,
+            load_s,
+            port,
+            host=host,
+            steps=steps,
+            model=model,
+            enable_sleep_mode=enable_sleep_mode,
+            token_delay_s=delay_s,
+        )
+        raise typer.Exit(code)
+
+
+@sim_app.command("ls")
+def ls(
+    json_out: JsonOpt = False,
+    sim_dir: SimDirOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+) -> None:
+    """List the simulated GPU's claims: pid, name, memory, command."""
+    with errors_to_exit():
+        total = _total(gpu_memory)
+        from gpuctl.adapters.procinfo import command_of
+        from gpuctl.core.units import format_mib
+        from gpuctl.sim.gpu import SimGpu
+
+        sim = SimGpu(sim_dir, total)
+        claims = sim.claims()
+        total_mib = sim.total_mib
+        used = sum(c.memory_mib for c in claims)
+        rows = [(c, command_of(c.pid)) for c in claims]
+        if json_out:
+            print_json(
+                {
+                    "schema": 1,
+                    "sim_dir": str(sim.sim_dir),
+                    "memory_total_mib": total_mib,
+                    "memory_used_mib": used,
+                    "claims": [
+                        {
+                            "pid": c.pid,
+                            "name": c.name,
+                            "memory_mib": c.memory_mib,
+                            "gpu": c.gpu,
+                            "command": cmd,
+                        }
+                        for c, cmd in rows
+                    ],
+                }
+            )
+            return
+        print(f"simulated GPU {sim.sim_dir}: {format_mib(used)} used of {format_mib(total_mib)}")
+        if not rows:
+            print("no claims: the GPU is idle")
+            return
+        table = [("PID", "NAME", "MEMORY", "COMMAND")]
+        table += [(str(c.pid), c.name, format_mib(c.memory_mib), cmd or "-") for c, cmd in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(3)]
+        for r in table:
+            print("  ".join(v.ljust(w) for v, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+
+
+@sim_app.command("reset")
+def reset(
+    all_claims: Annotated[
+        bool,
+        typer.Option("--all", help="Also stop the live claimants (SIGTERM, then wait)."),
+    ] = False,
+    wait: Annotated[
+        str, typer.Option("--wait", help="With --all: how long to wait for them to exit.")
+    ] = "10s",
+    sim_dir: SimDirOpt = None,
+) -> None:
+    """Remove dead claims; with --all, stop every live claimant too.
+
+    Exit 0 when the simulated GPU ends up as asked; 1 when a claimant outlived --wait.
+    """
+    with errors_to_exit():
+        wait_s = _duration("--wait", wait)
+        from gpuctl.sim.gpu import SimGpu
+
+        sim = SimGpu(sim_dir)
+        removed = sim.prune()
+        say(f"removed {removed} dead claim{'s' if removed != 1 else ''} from {sim.sim_dir}")
+        if not all_claims:
+            return
+        live = sim.claims()
+        pids = sorted({c.pid for c in live})
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                say(f"cannot stop pid {pid}: permission denied")
+        if pids:
+            say(
+                f"sent SIGTERM to {len(pids)} process{'es' if len(pids) != 1 else ''}: "
+                + ", ".join(map(str, pids))
+            )
+        deadline = time.monotonic() + wait_s
+        left = sim.claims()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = sim.claims()
+        if left:
+            names = ", ".join(f"{c.pid} ({c.name})" for c in left)
+            say(f"still holding memory after {wait}: {names}")
+            sys.stderr.flush()
+            raise typer.Exit(1)

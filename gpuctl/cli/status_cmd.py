@@ -26,9 +26,15 @@ def status(
             autocompletion=complete_host,
         ),
     ] = None,
-    all_hosts: Annotated[bool, typer.Option("--all", "-a", help="Every configured host, at once.")] = False,
-    watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw in place (on a terminal).")] = False,
-    interval: Annotated[float, typer.Option("--interval", "-i", help="Seconds between redraws.", min=0.25)] = 2.0,
+    all_hosts: Annotated[
+        bool, typer.Option("--all", "-a", help="Every configured host, at once.")
+    ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Redraw in place (on a terminal).")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", "-i", help="Seconds between redraws.", min=0.25)
+    ] = 2.0,
     json_out: JsonOpt = False,
     wide: Annotated[bool, typer.Option("--wide", help="Full commands, containers.")] = False,
     probe: Annotated[
@@ -39,7 +45,10 @@ def status(
         ),
     ] = "auto",
     sim_dir: Annotated[
-        Path | None, typer.Option("--sim-dir", help="Simulated GPU directory (with --probe sim).", envvar="GPUCTL_SIM_DIR")
+        Path | None,
+        typer.Option(
+            "--sim-dir", help="Simulated GPU directory (with --probe sim).", envvar="GPUCTL_SIM_DIR"
+        ),
     ] = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -54,7 +63,12 @@ def status(
         if host and all_hosts:
             fail(UsageError("--host and --all exclude each other"))
         if watch and json_out:
-            fail(UsageError("--watch and --json exclude each other", hint="poll `gpuctl status --json` instead"))
+            fail(
+                UsageError(
+                    "--watch and --json exclude each other",
+                    hint="poll `gpuctl status --json` instead",
+                )
+            )
         if probe not in ("auto", "nvml", "nvidia-smi", "sim"):
             fail(UsageError(f"--probe: expected auto, nvml, nvidia-smi or sim, got {probe!r}"))
         conf = cfg.load(config)
@@ -86,14 +100,19 @@ def status(
 
             from rich.live import Live
 
-            with Live(render_status(report, wide), console=console, auto_refresh=False, screen=False) as live:
+            with Live(
+                render_status(report, wide, console.width),
+                console=console,
+                auto_refresh=False,
+                screen=False,
+            ) as live:
                 try:
                     while True:
                         time.sleep(interval)
                         report = gather(conf, hosts, local=local)
-                        live.update(render_status(report, wide), refresh=True)
+                        live.update(render_status(report, wide, console.width), refresh=True)
                 except KeyboardInterrupt:
                     pass
         else:
-            console.print(render_status(report, wide))
+            console.print(render_status(report, wide, console.width))
         raise typer.Exit(report.exit_code)

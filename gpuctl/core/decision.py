@@ -30,7 +30,8 @@ from enum import StrEnum
 from typing import Protocol
 
 from gpuctl.core.model import GpuProcess, Snapshot, StartingProcess
-from gpuctl.core.units import format_mib
+from gpuctl.core.record import Record, in_backoff
+from gpuctl.core.units import format_duration, format_mib
 
 
 class Decision(StrEnum):
@@ -160,6 +161,10 @@ def classify(
     others: Sequence[ServiceSpec] = (),
     agent_error: str | None = None,
     total_override_mib: int | None = None,
+    record: Record | None = None,
+    handle_alive: bool | None = None,
+    now: float = 0.0,
+    own_holder: str | None = None,
 ) -> Verdict:
     """Decide the state of ``spec`` (see the module docstring for the rows).
 
@@ -171,14 +176,38 @@ def classify(
         agent_error: why there is no snapshot, in words.
         total_override_mib: the host's GPU memory from the config, used where the
             probe cannot tell (unified memory).
+        record: the service's record from the store; its lease is already the
+            effective one (an expired or void lease reads as none).
+        handle_alive: whether the server the record points to still runs (None: unknown).
+        now: the clock, for the lease and the back-off.
+        own_holder: a lease held by this holder id is ours (re-checking under our own
+            lease), so it does not make the service LOADING.
     """
     name = spec.name
     if health.ok:
-        return Verdict(name, Decision.READY, f"health check answers 200 ({health.detail})".rstrip(" ()"))
+        own_ready = (
+            tuple(p for p in snapshot.processes if owns(spec, p.command)) if snapshot else ()
+        )
+        return Verdict(
+            name,
+            Decision.READY,
+            f"answers its health check ({health.detail or 'HTTP 200'})",
+            own=own_ready,
+        )
     if snapshot is None:
         why = agent_error or "no answer from the agent"
-        return Verdict(name, Decision.UNKNOWN, f"not healthy ({health.detail or health.state}), and {why}")
+        return Verdict(
+            name, Decision.UNKNOWN, f"not healthy ({health.detail or health.state}), and {why}"
+        )
 
+    lease = record.lease if record else None
+    if lease is not None and lease.holder != own_holder:
+        return Verdict(
+            name,
+            Decision.LOADING,
+            f"being started by {lease.entry} (pid {lease.pid} on {lease.host}), lease expires in "
+            f"{format_duration(lease.expires - now)}; health: {health.detail or health.state}",
+        )
     own = tuple(p for p in snapshot.processes if owns(spec, p.command))
     own_pids = {p.pid for p in own}
     starting = tuple(
@@ -194,6 +223,26 @@ def classify(
             f"{'; '.join(parts)}; health: {state}",
             own=own,
             starting=starting,
+        )
+
+    if handle_alive and record is not None and record.handle:
+        h = record.handle
+        what = h.get("container_name") or (
+            f"pid {h['pid']}" if h.get("pid") else h.get("kind", "server")
+        )
+        return Verdict(
+            name,
+            Decision.LOADING,
+            f"its server ({what}) runs; health: {health.detail or health.state}",
+        )
+    if in_backoff(record, now):
+        assert record is not None and record.failure is not None
+        f = record.failure
+        return Verdict(
+            name,
+            Decision.FAILED,
+            f"the last start failed ({f.error}); next try in {format_duration(f.backoff_until - now)} "
+            f"(failure {f.count})",
         )
 
     specs = [s for s in others if s.name != name]

@@ -121,7 +121,9 @@ class Snapshot:
         host = None
         if isinstance(data.get("host"), dict):
             h = data["host"]
-            host = HostIdentity(hostname=str(h.get("hostname", "")), boot_id=str(h.get("boot_id", "")))
+            host = HostIdentity(
+                hostname=str(h.get("hostname", "")), boot_id=str(h.get("boot_id", ""))
+            )
         return cls(
             memory_used_mib=_opt_int(data, "memory_used_mib"),
             memory_total_mib=_opt_int(data, "memory_total_mib"),

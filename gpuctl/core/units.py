@@ -32,7 +32,7 @@ def parse_size_mib(text: str | int | float) -> int:
         raise ValueError(f"expected a size like '80GiB' or '512MiB', got {text!r}")
     value = float(m.group(1))
     unit = (m.group(2) or "m")[0].lower()
-    return int(round(value * _SIZE_MIB[unit]))
+    return round(value * _SIZE_MIB[unit])
 
 
 def parse_duration_s(text: str | int | float) -> float:
@@ -77,7 +77,7 @@ def format_duration(seconds: float | None) -> str:
     """``3725`` → ``1h02m``; ``42`` → ``42s``; ``None`` → ``-``."""
     if seconds is None:
         return "-"
-    s = int(round(seconds))
+    s = round(seconds)
     if s < 0:
         return "-" + format_duration(-seconds)
     if s < 60:

@@ -19,7 +19,12 @@ from gpuctl.flows.status import StatusReport, gather
 class Narrator(Protocol):
     def chapter(self, title: str, text: str) -> None: ...
     def show(self, report: StatusReport) -> None: ...
-    def watch(self, poll: Callable[[], StatusReport], until: Callable[[StatusReport], bool], timeout_s: float) -> StatusReport: ...
+    def watch(
+        self,
+        poll: Callable[[], StatusReport],
+        until: Callable[[StatusReport], bool],
+        timeout_s: float,
+    ) -> StatusReport: ...
 
 
 def decision_of(report: StatusReport, service: str) -> Decision | None:
@@ -83,7 +88,9 @@ memory = "120GiB"
         )
         host.model_server("vllm", "80GiB", f"{load_time_s}s", vllm_port)
         narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.LOADING, 10)
-        report = narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 30)
+        report = narrator.watch(
+            poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 30
+        )
 
         narrator.chapter(
             "4. Ready",

@@ -7,6 +7,7 @@ agent reports is what a real host would report: real pids, real command lines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -87,7 +88,9 @@ class SimHost:
         )
         return env
 
-    def spawn(self, args: Sequence[str], log_name: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, args: Sequence[str], log_name: str, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """Start ``python -m gpuctl ARGS`` detached from our terminal, logging to a file."""
         log = open(self.base / f"{log_name}.log", "ab")  # noqa: SIM115  (the child owns it)
         env = self.env()
@@ -111,9 +114,19 @@ class SimHost:
 
         self.agent_port = free_port()
         proc = self.spawn(
-            ["agent", "--probe", "sim", "--listen", f"127.0.0.1:{self.agent_port}",
-             "--sim-dir", str(self.sim_dir), "--state-dir", str(self.state_dir),
-             "--cache-ttl", "0.2s"],
+            [
+                "agent",
+                "--probe",
+                "sim",
+                "--listen",
+                f"127.0.0.1:{self.agent_port}",
+                "--sim-dir",
+                str(self.sim_dir),
+                "--state-dir",
+                str(self.state_dir),
+                "--cache-ttl",
+                "0.2s",
+            ],
             "agent",
             {"GPUCTL_AGENT_TOKEN": self.token},
         )
@@ -136,8 +149,19 @@ class SimHost:
         self, name: str, memory: str, load_time: str, port: int, *extra: str
     ) -> subprocess.Popen[bytes]:
         return self.spawn(
-            ["sim", "model-server", "--name", name, "--memory", memory, "--load-time", load_time,
-             "--port", str(port), *extra],
+            [
+                "sim",
+                "model-server",
+                "--name",
+                name,
+                "--memory",
+                memory,
+                "--load-time",
+                load_time,
+                "--port",
+                str(port),
+                *extra,
+            ],
             name,
         )
 
@@ -148,7 +172,7 @@ class SimHost:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def write_config(self, services_toml: str, token_env: str = "GPUCTL_DEMO_TOKEN") -> Path:
+    def write_config(self, services_toml: str, token_env: str = "GPUCTL_DEMO_TOKEN") -> Path:  # noqa: S107
         """A config with one host ``sim`` (this agent) and the given ``[services.*]`` tables."""
         os.environ[token_env] = self.token
         path = self.base / "config.toml"
@@ -159,10 +183,8 @@ class SimHost:
 
     def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -121,8 +121,12 @@ def gather(
         hosts = list(config.hosts.values())
     else:
         hosts = [
-            HostConfig(name=LOCAL_HOST, probe=local.probe, sim_dir=local.sim_dir,
-                       gpu_memory_mib=local.gpu_memory_mib)
+            HostConfig(
+                name=LOCAL_HOST,
+                probe=local.probe,
+                sim_dir=local.sim_dir,
+                gpu_memory_mib=local.gpu_memory_mib,
+            )
         ]
 
     started = time.monotonic()
@@ -130,8 +134,7 @@ def gather(
         snaps: dict[str, Future[Snapshot]] = {}
         healths: dict[str, Future[Health]] = {}
         for h in hosts:
-            services = config.services_on(h.name)
-            kws = _keywords(services)
+            kws = _keywords(config.services_on(h.name))
             if h.agent:
                 snaps[h.name] = pool.submit(agent_reader, h, kws)
             else:
@@ -141,9 +144,11 @@ def gather(
                     gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
                 )
                 snaps[h.name] = pool.submit(read_local, opts, kws)
-            for s in services:
+            for s in config.services_on(h.name):
                 if s.health:
-                    healths[s.name] = pool.submit(_health, s.health, min(health_timeout_s, h.timeout_s))
+                    healths[s.name] = pool.submit(
+                        _health, s.health, min(health_timeout_s, h.timeout_s)
+                    )
 
         reports: list[HostReport] = []
         for h in hosts:
@@ -156,7 +161,9 @@ def gather(
                 error, hint = e.message, e.hint or None
             except Exception as e:  # a reader bug must not hide the other hosts
                 error = f"{type(e).__name__}: {e}"
-            hs = tuple(healths[s.name].result() if s.name in healths else NO_HEALTH for s in services)
+            hs = tuple(
+                healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
+            )
             verdicts = tuple(
                 classify(
                     s,
@@ -171,7 +178,8 @@ def gather(
             reports.append(
                 HostReport(
                     name=h.name,
-                    source=h.agent or f"local probe ({h.probe if not local or local.probe == 'auto' else local.probe})",
+                    source=h.agent
+                    or f"local probe ({h.probe if not local or local.probe == 'auto' else local.probe})",
                     snapshot=snapshot,
                     error=error,
                     hint=hint,

@@ -47,27 +47,32 @@ def memory_bar(used: int | None, total: int | None, unified: bool) -> Text:
     return t
 
 
-def _cmd(cmd: str | None, wide: bool) -> Text:
+def _cmd(cmd: str | None, wide: bool, room: int) -> Text:
     if cmd is None:
         return Text("<not visible: other PID namespace or no permission>", style="dim italic")
-    if not wide and len(cmd) > 70:
-        cmd = cmd[:69] + "…"
+    # Cut the command ourselves: left to Rich, a long no-wrap cell squeezes the short
+    # columns out of the table instead.
+    if not wide and len(cmd) > room:
+        cmd = cmd[: room - 1] + "…"
     return Text(cmd)
 
 
-def process_table(h: HostReport, wide: bool) -> Table | Text:
+def process_table(h: HostReport, wide: bool, width: int = 100) -> Table | Text:
     snap = h.snapshot
     assert snap is not None
     if snap.is_idle and not snap.starting:
         return Text("  no processes on the GPU", style="dim")
     t = Table(box=None, pad_edge=False, header_style="bold", show_edge=False, expand=False)
-    t.add_column("PID", justify="right")
-    t.add_column("USER")
-    t.add_column("GPU MEM", justify="right")
-    t.add_column("SERVICE")
+    # The short columns never shrink: the command takes what is left, and is cut.
+    t.add_column("PID", justify="right", no_wrap=True, min_width=5)
+    t.add_column("USER", no_wrap=True, min_width=4, max_width=12)
+    t.add_column("GPU MEM", justify="right", no_wrap=True, min_width=9)
+    t.add_column("SERVICE", no_wrap=True, min_width=7)
     if wide:
-        t.add_column("CONTAINER")
+        t.add_column("CONTAINER", no_wrap=True)
     t.add_column("COMMAND", overflow="fold" if wide else "ellipsis", no_wrap=not wide)
+    names = [s.name for s in h.services] or [""]
+    room = max(20, width - 4 - 7 - 13 - 11 - max(8, max(len(n) for n in names) + 2))
     for p in snap.processes:
         owner = owner_of(p.command, h.services)
         row: list[RenderableType] = [
@@ -78,24 +83,29 @@ def process_table(h: HostReport, wide: bool) -> Table | Text:
         ]
         if wide:
             row.append((p.container or "")[:12])
-        row.append(_cmd(p.command, wide))
+        row.append(_cmd(p.command, wide, room))
         t.add_row(*row)
     for s in snap.starting or ():
         owner = owner_of(s.command, h.services)
-        row = [str(s.pid), s.user or "?", Text("starting", style="yellow"), owner.name if owner else ""]
+        row = [
+            str(s.pid),
+            s.user or "?",
+            Text("starting", style="yellow"),
+            owner.name if owner else "",
+        ]
         if wide:
             row.append("")
-        row.append(_cmd(s.command, wide))
+        row.append(_cmd(s.command, wide, room))
         t.add_row(*row)
     return t
 
 
 def service_table(h: HostReport) -> Table:
     t = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
-    t.add_column("SERVICE")
-    t.add_column("DECISION")
-    t.add_column("MEMORY", justify="right")
-    t.add_column("REASON", overflow="fold")
+    t.add_column("SERVICE", no_wrap=True)
+    t.add_column("DECISION", no_wrap=True)
+    t.add_column("MEMORY", justify="right", no_wrap=True)
+    t.add_column("REASON", overflow="fold", ratio=1)
     for svc, v in zip(h.services, h.verdicts, strict=True):
         mem = format_mib(v.own_memory_mib) if v.own else "-"
         if svc.memory_mib:
@@ -104,7 +114,7 @@ def service_table(h: HostReport) -> Table:
     return t
 
 
-def host_panel(h: HostReport, wide: bool) -> Panel:
+def host_panel(h: HostReport, wide: bool, width: int = 100) -> Panel:
     title = Text.assemble((h.name, "bold"), "  ", (h.source, "dim"))
     parts: list[RenderableType] = []
     if h.snapshot is None:
@@ -115,7 +125,7 @@ def host_panel(h: HostReport, wide: bool) -> Panel:
         snap = h.snapshot
         parts.append(memory_bar(snap.memory_used_mib, h.total_mib, snap.unified_memory))
         parts.append(Text(""))
-        parts.append(process_table(h, wide))
+        parts.append(process_table(h, wide, width))
         subtitle = f"probe {snap.probe} · {snap.taken_at}"
     if h.services:
         parts.append(Text(""))
@@ -131,5 +141,6 @@ def host_panel(h: HostReport, wide: bool) -> Panel:
     )
 
 
-def render_status(report: StatusReport, wide: bool = False) -> RenderableType:
-    return Group(*(host_panel(h, wide) for h in report.hosts))
+def render_status(report: StatusReport, wide: bool = False, width: int = 100) -> RenderableType:
+    """The whole view; ``width`` is the console's, so long commands are cut to fit."""
+    return Group(*(host_panel(h, wide, width) for h in report.hosts))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -34,11 +35,10 @@ MIB = 2**20
 # read through a mismatched struct (nvitop #75: [1184, 0, 4294967295, ...]).
 PID_LIMIT = 4_194_304
 _ULLONG_MAX = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE, should a binding not map it to None
-# (kind, required): NVML has one list per kind; MPS exists only on newer drivers/bindings.
-_PROCESS_LISTS = (("Compute", True), ("Graphics", True), ("MPSCompute", False))
+# NVML keeps one process list per kind; MPS exists only on newer drivers and bindings.
+_PROCESS_LISTS = ("Compute", "Graphics", "MPSCompute")
 _NO_GPU_HINT = (
-    "install the NVIDIA driver (or use --probe nvidia-smi); "
-    "try `gpuctl demo`, or `--probe sim` for a simulated GPU"
+    "install the NVIDIA driver; or try `gpuctl demo`, or `--probe sim` for a simulated GPU"
 )
 _MISMATCH_HINT = "nvidia-ml-py may not match the driver: pip install -U 'nvidia-ml-py>=12.535.108'"
 
@@ -106,11 +106,11 @@ class NvmlProbe:
                 step = "memory info"
                 try:
                     device_mem.append(self._memory(nv, handle))
-                    for kind, required in _PROCESS_LISTS:
+                    for kind in _PROCESS_LISTS:
                         step = f"{kind.lower()} process list"
-                        for pid, mem in self._processes(nv, handle, kind, idx, required, notes):
+                        for pid, mem in self._processes(nv, handle, kind, idx, notes):
                             key = (idx, pid)
-                            merged[key] = _larger(merged[key], mem) if key in merged else mem
+                            merged[key] = larger(merged[key], mem) if key in merged else mem
                 except nv.NVMLError as e:
                     raise self._error(nv, e, idx, step) from e
             processes = tuple(
@@ -125,8 +125,17 @@ class NvmlProbe:
                 for (idx, pid), mem in sorted(merged.items())
             )
             if self._v2_only:
-                notes.append("process lists read through the _v2 call (_v3 mismatch)")
-            return self._reading(device_mem, processes, notes)
+                notes.append("process lists read through the _v2 call (_v3 missing or mismatched)")
+            used, total, unified, note = combine_memory(device_mem, processes, self._gpu_memory_mib)
+            return ProbeReading(
+                probe=self.name,
+                processes=processes,
+                memory_used_mib=used,
+                memory_total_mib=total,
+                unified_memory=unified,
+                gpus=len(device_mem),
+                notes=(*notes, note) if note else tuple(notes),
+            )
 
     # --- NVML calls -----------------------------------------------------------------
 
@@ -134,14 +143,19 @@ class NvmlProbe:
         if self._nv is not None:
             return self._nv
         try:
-            import pynvml  # noqa: PLC0415 - lazy: importing gpuctl must not need the driver
+            import pynvml
         except ImportError as e:
             raise NoGpuFound("nvidia-ml-py is not installed", hint=_NO_GPU_HINT) from e
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
-            if _code(e) in (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
-                raise NoGpuFound(f"no NVIDIA driver on this machine (NVML: {e})", _NO_GPU_HINT) from e
+            if _code(e) in (
+                pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+                pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+            ):
+                raise NoGpuFound(
+                    f"no NVIDIA driver on this machine (NVML: {e})", _NO_GPU_HINT
+                ) from e
             hint = (
                 "the driver was upgraded without a reboot: reboot, or reload the nvidia modules"
                 if _code(e) == pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH
@@ -176,18 +190,18 @@ class NvmlProbe:
             self._shutdown()
             return ProbeError(
                 f"GPU {idx} is lost (NVML: {e})",
-                hint="the GPU fell off the bus: see `dmesg` for Xid errors; it needs a reset or reboot",
+                hint="it fell off the bus: see `dmesg` for Xid errors; it needs a reset or reboot",
             )
         if code == nv.NVML_ERROR_NO_PERMISSION:
             return ProbeError(
                 f"NVML refused to read the {step} of GPU {idx}: {e}",
-                hint="in a container run with --pid=host (and NVIDIA_MIG_MONITOR_DEVICES=all on MIG)",
+                hint="in a container: --pid=host (and NVIDIA_MIG_MONITOR_DEVICES=all on MIG)",
             )
         hint = _MISMATCH_HINT if code == nv.NVML_ERROR_FUNCTION_NOT_FOUND else ""
         return ProbeError(f"NVML could not read the {step} of GPU {idx}: {e}", hint)
 
     def _memory(self, nv: Any, handle: Any) -> tuple[int, int] | None:
-        """(used, total) bytes of one device, or None where it has no figure (unified memory)."""
+        """(used, total) MiB of one device, or None where it has no figure (unified memory)."""
         mem: Any = None
         if self._mem_v2 is not False and hasattr(nv, "nvmlMemory_v2"):
             try:
@@ -209,26 +223,32 @@ class NvmlProbe:
                 raise
         if not mem.total:  # GB10 fills total = free = used = 0
             return None
-        return int(mem.used), int(mem.total)
+        return int(mem.used) // MIB, int(mem.total) // MIB
 
     def _processes(
-        self, nv: Any, handle: Any, kind: str, idx: int, required: bool, notes: list[str]
+        self, nv: Any, handle: Any, kind: str, idx: int, notes: list[str]
     ) -> list[tuple[int, int | None]]:
         """(pid, MiB) of one NVML process list, garbage pids dropped."""
         try:
             raw = self._process_list(nv, handle, kind)
         except nv.NVMLError as e:
-            # MPS is optional everywhere; Graphics is NOT_SUPPORTED on some compute-only boards.
-            optional = not required or (kind == "Graphics" and _code(e) == nv.NVML_ERROR_NOT_SUPPORTED)
-            skippable = (nv.NVML_ERROR_FUNCTION_NOT_FOUND, nv.NVML_ERROR_NOT_SUPPORTED)
-            if optional and _code(e) in skippable:
+            code = _code(e)
+            # MPS lists are optional (older drivers lack them); some compute-only boards
+            # answer NOT_SUPPORTED for Graphics (a gpustat test case). Compute must work.
+            if kind == "MPSCompute" and code in (
+                nv.NVML_ERROR_FUNCTION_NOT_FOUND,
+                nv.NVML_ERROR_NOT_SUPPORTED,
+            ):
+                return []
+            if kind == "Graphics" and code == nv.NVML_ERROR_NOT_SUPPORTED:
                 return []
             raise
         out = [(int(p.pid), _mib(p.usedGpuMemory)) for p in raw if valid_pid(int(p.pid))]
         if raw and not out:
             # Something holds the GPU, and we cannot tell what: that is not "idle".
             raise ProbeError(
-                f"NVML listed {len(raw)} {kind.lower()} process(es) on GPU {idx}, all with invalid pids",
+                f"NVML listed {len(raw)} {kind.lower()} process(es) on GPU {idx}, "
+                "all with invalid pids",
                 hint=_MISMATCH_HINT,
             )
         if len(out) < len(raw):
@@ -263,37 +283,36 @@ class NvmlProbe:
             self._v2_only.add(kind)
         return second
 
-    def _reading(
-        self,
-        device_mem: list[tuple[int, int] | None],
-        processes: tuple[GpuProcess, ...],
-        notes: list[str],
-    ) -> ProbeReading:
-        figures = [m for m in device_mem if m is not None]
-        if len(figures) == len(device_mem):
-            used: int | None = sum(u for u, _ in figures) // MIB
-            total: int | None = sum(t for _, t in figures) // MIB
-            unified = False
-        else:
-            # Unified memory (GB10): the device has no figure; "used" is what the GPU
-            # processes hold (DESIGN §4), the total comes from config, else MemTotal.
-            unified = True
-            used = sum(p.memory_mib or 0 for p in processes)
-            if self._gpu_memory_mib is not None:
-                total = self._gpu_memory_mib
-                notes.append("unified memory: total from the configured gpu_memory_mib")
-            else:
-                total = psutil.virtual_memory().total // MIB
-                notes.append("unified memory: total is this host's MemTotal")
-        return ProbeReading(
-            probe=self.name,
-            processes=processes,
-            memory_used_mib=used,
-            memory_total_mib=total,
-            unified_memory=unified,
-            gpus=len(device_mem),
-            notes=tuple(notes),
-        )
+
+def combine_memory(
+    figures: Sequence[tuple[int, int] | None],
+    processes: Sequence[GpuProcess],
+    gpu_memory_mib: int | None,
+) -> tuple[int, int, bool, str | None]:
+    """The host's memory from per-device (used, total) MiB, None where a device has none.
+
+    Returns:
+        (used, total, unified, note). Where a device has no figure (GB10 unified memory)
+        "used" is what the GPU processes hold (DESIGN §4: not host RAM use, which counts
+        the OS as GPU use, nvtop #511) and the total is ``gpu_memory_mib``, else MemTotal.
+    """
+    known = [f for f in figures if f is not None]
+    if known and len(known) == len(figures):
+        return sum(u for u, _ in known), sum(t for _, t in known), False, None
+    used = sum(p.memory_mib or 0 for p in processes)
+    if gpu_memory_mib is not None:
+        return used, gpu_memory_mib, True, "unified memory: total from the configured GPU memory"
+    total = psutil.virtual_memory().total // MIB
+    return used, total, True, "unified memory: total is this host's MemTotal"
+
+
+def larger(a: int | None, b: int | None) -> int | None:
+    """The larger of two memory figures, None counting as unknown (not as zero)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
 
 
 def _versioned(nv: Any, base: str, suffix: str) -> Any:
@@ -308,11 +327,3 @@ def _mib(used_bytes: int | None) -> int | None:
     if used_bytes is None or used_bytes >= _ULLONG_MAX:
         return None
     return int(used_bytes) // MIB
-
-
-def _larger(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)

@@ -1,0 +1,143 @@
+"""The ``process`` launcher: a detached command on this machine.
+
+``setsid nohup CMD >LOG 2>&1 </dev/null &``, but with the pid of the server itself
+recorded (the command is exec'd directly, never through ``sh -c``: Debian's dash keeps
+a wrapper shell as the parent), with its start time, so a reused pid is never mistaken
+for ours. A new session means no SIGHUP when the caller's terminal goes, and nothing
+ties the server to the caller: it survives the caller's exit and restart. This fixes the
+original ``subprocess.Popen`` child that died with its parent.
+
+It serves only the host gpuctl runs on: the flow checks that the caller's host identity
+matches the agent's before it uses this launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from gpuctl.adapters import procinfo
+from gpuctl.adapters.launchers.base import Handle
+from gpuctl.config import ServiceConfig
+from gpuctl.errors import LauncherError, StartFailed
+
+
+class ProcessLauncher:
+    kind = "process"
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+
+    def log_path(self, service: ServiceConfig) -> Path:
+        if service.log:
+            return Path(service.log).expanduser()
+        return self.log_dir / f"{service.name}.log"
+
+    def start(self, service: ServiceConfig) -> Handle:
+        if not service.command:
+            raise StartFailed(f"services.{service.name}.command is missing")
+        try:
+            argv = shlex.split(service.command)
+        except ValueError as e:
+            raise StartFailed(f"services.{service.name}.command: {e}") from None
+        log = self.log_path(service)
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = open(log, "ab")  # noqa: SIM115  (handed to the child; closed below)
+        except OSError as e:
+            raise StartFailed(f"cannot open the log {log}: {e.strerror or e}") from None
+        env = {**os.environ, **service.env}
+        try:
+            out.write(
+                f"\n--- gpuctl: starting {service.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+            )
+            out.flush()
+            proc = subprocess.Popen(
+                argv,
+                cwd=service.cwd or None,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except FileNotFoundError:
+            raise StartFailed(
+                f"cannot start {service.name}: {argv[0]!r} not found",
+                hint=f"check services.{service.name}.command and PATH",
+            ) from None
+        except OSError as e:
+            raise StartFailed(f"cannot start {service.name}: {e.strerror or e}") from None
+        finally:
+            out.close()
+        # Forget the Popen object without waiting: the server must outlive us. Python
+        # would otherwise warn "subprocess still running" at exit.
+        proc.returncode = 0
+        return Handle(
+            kind=self.kind, pid=proc.pid, pid_start=procinfo.start_time(proc.pid), log=str(log)
+        )
+
+    def alive(self, handle: Handle) -> bool | None:
+        if handle.pid is None:
+            return None
+        return procinfo.is_same_process(handle.pid, handle.pid_start)
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        pid = handle.pid
+        if pid is None or not procinfo.is_same_process(pid, handle.pid_start):
+            return
+        _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not procinfo.is_alive(pid):
+                _reap(pid)
+                return
+            time.sleep(0.1)
+        _signal(pid, signal.SIGKILL)
+        for _ in range(50):
+            if not procinfo.is_alive(pid):
+                break
+            time.sleep(0.1)
+        _reap(pid)
+
+    def log_tail(self, handle: Handle, lines: int = 20) -> str:
+        if not handle.log:
+            return ""
+        return tail_file(Path(handle.log), lines)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        raise LauncherError(
+            f"not allowed to signal pid {pid}", hint="run as the server's user"
+        ) from None
+
+
+def _reap(pid: int) -> None:
+    """Collect our own child's exit status, so it does not linger as our zombie."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def tail_file(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a file, reading only its end."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])

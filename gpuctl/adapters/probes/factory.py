@@ -1,0 +1,58 @@
+"""Choose a probe by name: ``nvml``, ``nvidia-smi``, ``sim`` or ``auto``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gpuctl.adapters.probes.base import Probe
+from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
+from gpuctl.adapters.probes.nvml import NvmlProbe
+from gpuctl.errors import NoGpuFound, ProbeError, UsageError
+
+PROBE_NAMES = ("auto", "nvml", "nvidia-smi", "sim")
+
+
+def make_probe(
+    name: str, *, sim_dir: Path | None = None, gpu_memory_mib: int | None = None
+) -> Probe:
+    """Build the probe called ``name``.
+
+    Args:
+        name: ``nvml``, ``nvidia-smi``, ``sim``, or ``auto`` (NVML if it initialises,
+            else ``nvidia-smi`` if it is on PATH).
+        sim_dir: the simulated GPU's state directory (``sim`` only).
+        gpu_memory_mib: the total to report where the device has none (unified memory).
+
+    Raises:
+        UsageError: an unknown name.
+        NoGpuFound: ``auto`` found neither NVML nor ``nvidia-smi``.
+        ProbeError: ``auto`` found NVML broken and no ``nvidia-smi`` to fall back on.
+    """
+    if name == "nvml":
+        return NvmlProbe(gpu_memory_mib)
+    if name == "nvidia-smi":
+        return NvidiaSmiProbe(gpu_memory_mib=gpu_memory_mib)
+    if name == "sim":
+        from gpuctl.sim.probe import SimProbe
+
+        return SimProbe(sim_dir, gpu_memory_mib)
+    if name == "auto":
+        return _auto(gpu_memory_mib)
+    raise UsageError(f"unknown probe {name!r}", hint=f"use one of: {', '.join(PROBE_NAMES)}")
+
+
+def _auto(gpu_memory_mib: int | None) -> Probe:
+    nvml = NvmlProbe(gpu_memory_mib)
+    try:
+        nvml.open()
+    except ProbeError as e:
+        if shutil.which("nvidia-smi") is not None:
+            return NvidiaSmiProbe(gpu_memory_mib=gpu_memory_mib)
+        if not isinstance(e, NoGpuFound):
+            raise  # NVML is there but broken: its own message says more than "no GPU"
+        raise NoGpuFound(
+            "no NVIDIA GPU found on this machine (no NVML library, no nvidia-smi)",
+            hint="try `gpuctl demo`, or `--probe sim` for a simulated GPU",
+        ) from e
+    return nvml

@@ -1,0 +1,455 @@
+"""The GPU host's state store (DESIGN §3): one JSON record per service, each changed only
+under that service's file lock and written atomically.
+
+One interface, two implementations:
+
+- ``DirectStore``: the files themselves, on the GPU host (``GPUCTL_STATE_DIR``).
+- ``AgentStore``: the same operations through the host agent's ``/records`` endpoints,
+  for callers elsewhere (and cron on the host, when an agent runs there). The agent
+  serves them with a ``DirectStore``, so both paths work on the same files under the
+  same locks, and even a mix of the two cannot double-start.
+
+``curl -H 'Authorization: Bearer …' http://dgx:9400/records`` lists the records.
+
+Layout::
+
+    <state_dir>/records/<service>.json   the record (atomic replace)
+    <state_dir>/locks/<service>.lock     its flock (the file's mtime means nothing)
+    <state_dir>/logs/<service>.log       the process launcher's server log
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuctl.core.record import Lease, LeaseState, Record, apply_update, lease_state
+from gpuctl.errors import StoreError, UsageError
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+LOCK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who asks for a lease: a fresh id per call, and the process behind it."""
+
+    id: str
+    host: str
+    boot_id: str
+    pid: int
+    pid_start: float | None
+    entry: str
+
+    @classmethod
+    def here(cls, entry: str) -> Holder:
+        from gpuctl.adapters import procinfo
+
+        ident = procinfo.host_identity()
+        pid = os.getpid()
+        return cls(
+            uuid.uuid4().hex, ident.hostname, ident.boot_id, pid, procinfo.start_time(pid), entry
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "host": self.host,
+            "boot_id": self.boot_id,
+            "pid": self.pid,
+            "pid_start": self.pid_start,
+            "entry": self.entry,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Holder:
+        if not isinstance(d, dict):
+            raise ValueError("holder must be an object")
+        return cls(
+            id=str(d["id"]),
+            host=str(d.get("host", "")),
+            boot_id=str(d.get("boot_id", "")),
+            pid=int(d.get("pid", 0)),
+            pid_start=float(d["pid_start"]) if d.get("pid_start") is not None else None,
+            entry=str(d.get("entry", "?")),
+        )
+
+
+class Store(Protocol):
+    """The store's operations; every one raises ``StoreError`` when it cannot be done."""
+
+    def get(self, service: str) -> Record:
+        """The record as it stands: a lease that expired or whose holder died is shown as none."""
+        ...
+
+    def records(self) -> list[Record]: ...
+
+    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        """Take the lease unless someone else holds a live one. Returns (granted, record)."""
+        ...
+
+    def renew(self, service: str, holder_id: str, ttl_s: float) -> Record: ...
+
+    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+        """Apply ``update`` and drop the lease, if ``holder_id`` still holds it."""
+        ...
+
+    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+        """Apply ``update`` as the lease holder (StoreError otherwise)."""
+        ...
+
+    def touch(self, service: str) -> Record:
+        """last_used = now: every entry point marks a use the same way."""
+        ...
+
+
+def check_name(service: str) -> str:
+    if not _NAME.match(service):
+        raise UsageError(f"invalid service name {service!r}")
+    return service
+
+
+class DirectStore:
+    """The records on this machine's file system."""
+
+    def __init__(self, state_dir: Path, clock: Any = time.time) -> None:
+        self.state_dir = Path(state_dir)
+        self.clock = clock
+
+    # ---- files
+
+    def _paths(self, service: str) -> tuple[Path, Path]:
+        check_name(service)
+        return (
+            self.state_dir / "records" / f"{service}.json",
+            self.state_dir / "locks" / f"{service}.lock",
+        )
+
+    def _ensure_dirs(self) -> None:
+        try:
+            for sub in ("records", "locks", "logs"):
+                (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(
+                f"cannot create the state directory {self.state_dir}: {e.strerror or e}",
+                hint="set GPUCTL_STATE_DIR to a writable local directory (not NFS)",
+            ) from None
+
+    def _lock(self, service: str) -> Any:
+        from filelock import FileLock
+
+        self._ensure_dirs()
+        _, lock_path = self._paths(service)
+        # mode 0o666: several users of one GPU host share the lock files (umask applies).
+        return FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S, mode=0o666)
+
+    def _read(self, service: str) -> Record:
+        path, _ = self._paths(service)
+        try:
+            raw = path.read_text()
+        except FileNotFoundError:
+            return Record(service=service)
+        except OSError as e:
+            raise StoreError(f"cannot read {path}: {e.strerror or e}") from None
+        try:
+            rec = Record.from_dict(json.loads(raw))
+        except (ValueError, KeyError, TypeError) as e:
+            return self._recover(service, path, f"{type(e).__name__}: {e}")
+        if rec.service != service:
+            return self._recover(service, path, f"it names service {rec.service!r}")
+        return rec
+
+    def _recover(self, service: str, path: Path, why: str) -> Record:
+        """A corrupt or half-written record is set aside, never a crash."""
+        saved = path.with_name(f"{path.name}.corrupt-{int(self.clock())}")
+        try:
+            os.replace(path, saved)
+        except OSError:
+            saved = path
+        return Record(
+            service=service,
+            recovered=f"record was unreadable ({why}); kept as {saved.name}, started afresh",
+        )
+
+    def _write(self, record: Record) -> None:
+        path, _ = self._paths(record.service)
+        data = json.dumps(record.to_dict(), sort_keys=True, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise StoreError(f"cannot write {path}: {e.strerror or e}") from None
+
+    def _effective(self, rec: Record) -> tuple[Record, LeaseState]:
+        from gpuctl.adapters import procinfo
+
+        lease = rec.lease
+        if lease is None:
+            return rec, LeaseState.NONE
+        here = procinfo.host_identity()
+        alive = None
+        if lease.host == here.hostname and lease.boot_id == here.boot_id:
+            alive = procinfo.is_same_process(lease.pid, lease.pid_start)
+        state = lease_state(
+            lease,
+            self.clock(),
+            here_host=here.hostname,
+            here_boot_id=here.boot_id,
+            holder_alive=alive,
+        )
+        if state is LeaseState.LIVE:
+            return rec, state
+        return replace(rec, lease=None), state
+
+    def _locked(self, service: str) -> Any:
+        from filelock import Timeout
+
+        lock = self._lock(service)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise StoreError(
+                f"the lock of {service!r} is held for more than {LOCK_TIMEOUT_S:.0f}s",
+                hint=f"a process is stuck holding {self._paths(service)[1]}",
+            ) from None
+        except OSError as e:
+            raise StoreError(f"cannot lock {service!r}: {e.strerror or e}") from None
+        return lock
+
+    # ---- the interface
+
+    def get(self, service: str) -> Record:
+        rec = self._read(service)
+        if rec.recovered:
+            lock = self._locked(service)
+            try:
+                rec = self._read(service)
+                if rec.recovered:
+                    self._write(replace(rec, recovered=None))
+            finally:
+                lock.release()
+        return self._effective(rec)[0]
+
+    def records(self) -> list[Record]:
+        d = self.state_dir / "records"
+        try:
+            names = sorted(p.stem for p in d.glob("*.json"))
+        except OSError:
+            return []
+        return [self.get(n) for n in names if _NAME.match(n)]
+
+    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        lock = self._locked(service)
+        try:
+            rec, state = self._effective(self._read(service))
+            if state is LeaseState.LIVE and rec.lease is not None and rec.lease.holder != holder.id:
+                return False, rec
+            now = self.clock()
+            lease = Lease(
+                holder=holder.id,
+                host=holder.host,
+                boot_id=holder.boot_id,
+                pid=holder.pid,
+                pid_start=holder.pid_start,
+                entry=holder.entry,
+                granted=now,
+                expires=now + ttl_s,
+            )
+            rec = replace(rec, lease=lease, recovered=rec.recovered)
+            self._write(replace(rec, recovered=None))
+            return True, rec
+        finally:
+            lock.release()
+
+    def _as_holder(self, service: str, holder_id: str) -> tuple[Any, Record]:
+        lock = self._locked(service)
+        rec, _ = self._effective(self._read(service))
+        if rec.lease is None or rec.lease.holder != holder_id:
+            lock.release()
+            who = (
+                f"held by {rec.lease.entry} pid {rec.lease.pid} on {rec.lease.host}"
+                if rec.lease
+                else "not held"
+            )
+            raise StoreError(f"the lease of {service!r} is no longer ours ({who})")
+        return lock, rec
+
+    def renew(self, service: str, holder_id: str, ttl_s: float) -> Record:
+        lock, rec = self._as_holder(service, holder_id)
+        try:
+            assert rec.lease is not None
+            rec = replace(rec, lease=replace(rec.lease, expires=self.clock() + ttl_s))
+            self._write(rec)
+            return rec
+        finally:
+            lock.release()
+
+    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+        lock, rec = self._as_holder(service, holder_id)
+        try:
+            rec = _apply(rec, update, self.clock())
+            self._write(rec)
+            return rec
+        finally:
+            lock.release()
+
+    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+        lock = self._locked(service)
+        try:
+            rec, _ = self._effective(self._read(service))
+            mine = rec.lease is not None and rec.lease.holder == holder_id
+            if update and mine:
+                rec = _apply(rec, update, self.clock())
+            if mine:
+                rec = replace(rec, lease=None)
+                self._write(rec)
+            return rec
+        finally:
+            lock.release()
+
+    def touch(self, service: str) -> Record:
+        lock = self._locked(service)
+        try:
+            rec = self._read(service).touched(self.clock())
+            self._write(replace(rec, recovered=None))
+            return self._effective(rec)[0]
+        finally:
+            lock.release()
+
+
+def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
+    try:
+        return apply_update(rec, update, now)
+    except ValueError as e:
+        raise StoreError(f"bad record update: {e}") from None
+
+
+class AgentStore:
+    """The store through the host agent's ``/records`` endpoints (same semantics)."""
+
+    def __init__(
+        self, base_url: str, token: str | None, timeout_s: float = 5.0, host_name: str = "?"
+    ) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.host_name = host_name
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        from gpuctl.errors import AgentAuthError, AgentUnavailable
+
+        try:
+            r = self._client.request(method, path, json=body)
+        except httpx.ConnectError:
+            raise AgentUnavailable(
+                f"cannot reach the agent at {self.base_url}",
+                hint=f"is `gpuctl agent` running on {self.host_name}?",
+            ) from None
+        except httpx.TimeoutException:
+            raise AgentUnavailable(f"the agent at {self.base_url} did not answer in time") from None
+        except httpx.HTTPError as e:
+            raise AgentUnavailable(f"the agent at {self.base_url} failed: {e}") from None
+        if r.status_code in (401, 403):
+            raise AgentAuthError(
+                f"the agent at {self.base_url} refused our token (HTTP {r.status_code})",
+                hint=f"check hosts.{self.host_name}.token_env / token_file",
+            )
+        try:
+            data = r.json()
+        except ValueError:
+            raise AgentUnavailable(
+                f"the agent at {self.base_url} answered HTTP {r.status_code} with something that is not JSON",
+                hint="is this the right port, and is the agent a gpuctl agent of this version?",
+            ) from None
+        if (
+            r.status_code == 404
+            and isinstance(data, dict)
+            and "records" in str(data.get("error", ""))
+        ):
+            raise AgentUnavailable(
+                f"the agent at {self.base_url} has no state store endpoints",
+                hint="upgrade gpuctl on the host",
+            )
+        if r.status_code >= 400:
+            msg = data.get("error") if isinstance(data, dict) else None
+            if r.status_code == 409:
+                raise StoreError(str(msg or "conflict"))
+            raise AgentUnavailable(
+                f"the agent at {self.base_url}: HTTP {r.status_code}: {msg or r.text[:200]}"
+            )
+        return data
+
+    def _record(self, data: Any) -> Record:
+        from gpuctl.errors import AgentUnavailable
+
+        try:
+            return Record.from_dict(data)
+        except (ValueError, KeyError, TypeError) as e:
+            raise AgentUnavailable(
+                f"the agent at {self.base_url} sent a broken record: {e}"
+            ) from None
+
+    def get(self, service: str) -> Record:
+        return self._record(self._call("GET", f"/records/{check_name(service)}"))
+
+    def records(self) -> list[Record]:
+        data = self._call("GET", "/records")
+        return [self._record(r) for r in (data.get("records") or [])]
+
+    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        data = self._call(
+            "POST",
+            f"/records/{check_name(service)}/lease",
+            {"holder": holder.to_dict(), "ttl_s": ttl_s},
+        )
+        return bool(data.get("granted")), self._record(data.get("record"))
+
+    def renew(self, service: str, holder_id: str, ttl_s: float) -> Record:
+        return self._record(
+            self._call(
+                "POST",
+                f"/records/{check_name(service)}/lease/renew",
+                {"holder": holder_id, "ttl_s": ttl_s},
+            )
+        )
+
+    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+        return self._record(
+            self._call(
+                "POST",
+                f"/records/{check_name(service)}/lease/release",
+                {"holder": holder_id, "update": update or {}},
+            )
+        )
+
+    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+        return self._record(
+            self._call(
+                "PATCH", f"/records/{check_name(service)}", {"holder": holder_id, "update": update}
+            )
+        )
+
+    def touch(self, service: str) -> Record:
+        return self._record(self._call("POST", f"/records/{check_name(service)}/touch"))

@@ -1,0 +1,199 @@
+"""``gpuctl ensure | stop | touch | locks``: a service's lifecycle and its record."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from gpuctl.cli.common import (
+    ConfigOpt,
+    HostOpt,
+    JsonOpt,
+    ServiceArg,
+    complete_host,
+    errors_to_exit,
+    fail,
+    print_json,
+    say,
+)
+from gpuctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.flows.ensure import Progress
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ensure")(ensure)
+    app.command("stop")(stop)
+    app.command("touch")(touch)
+    app.command("locks")(locks)
+
+
+def ensure(
+    service: ServiceArg,
+    host: HostOpt = None,
+    timeout: Annotated[
+        str | None,
+        typer.Option(
+            "--timeout",
+            "-t",
+            help="Give up after this long (default: the service's health_timeout), e.g. 10m.",
+        ),
+    ] = None,
+    no_wait: Annotated[
+        bool, typer.Option("--no-wait", help="Start it if that is safe, but do not wait for it.")
+    ] = False,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Make SERVICE ready: start it only if that is safe, exactly once, and wait through its cold start.
+
+    Exit 0 ready · 1 failed · 3 BUSY · 4 UNKNOWN (agent unreachable) · 5 not ready in time.
+    Ctrl-C stops waiting; the server keeps loading.
+    """
+    with errors_to_exit():
+        from gpuctl import config as cfg
+        from gpuctl.core.units import parse_duration_s
+        from gpuctl.flows.ensure import ensure as run
+        from gpuctl.flows.wiring import deps_for
+
+        timeout_s = None
+        if timeout is not None:
+            try:
+                timeout_s = parse_duration_s(timeout)
+            except ValueError as e:
+                fail(UsageError(f"--timeout: {e}"))
+        conf = cfg.load(config)
+        svc = conf.service(service)
+        if not svc.health:
+            fail(
+                UsageError(
+                    f"service {service!r} has no health URL, so gpuctl cannot tell when it is ready",
+                    hint=f"set services.{service}.health (e.g. http://HOST:8000/health)",
+                )
+            )
+        line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
+        deps = deps_for(conf, service, host, progress=line.update if line else None)
+        try:
+            result = run(deps, timeout_s=timeout_s, wait=not no_wait)
+        except KeyboardInterrupt:
+            if line:
+                line.stop()
+            say(f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)")
+            raise typer.Exit(130) from None
+        finally:
+            if line:
+                line.stop()
+        if json_out:
+            print_json(result.to_json())
+        else:
+            _say_result(result)
+        raise typer.Exit(result.exit_code)
+
+
+def _say_result(result: object) -> None:
+    from gpuctl.flows.ensure import EnsureResult
+
+    assert isinstance(result, EnsureResult)
+    mark = {"ready": "ready", "started": "started", "loading": "loading"}.get(
+        result.outcome, result.outcome.upper()
+    )
+    say(f"{result.service}: {mark}: {result.reason}")
+    for n in result.notes:
+        say(f"  {n}")
+    if result.log_tail and result.outcome != "ready":
+        say("  last lines of its log:")
+        for ln in result.log_tail.splitlines()[-10:]:
+            say(f"    {ln}")
+
+
+class _StatusLine:
+    """A Rich status line on stderr while waiting: phase, elapsed, GPU memory, newest log line."""
+
+    def __init__(self, service: str) -> None:
+        from rich.console import Console
+
+        self.service = service
+        self.console = Console(stderr=True)
+        self.status = self.console.status(f"{service}: checking…")
+        self.status.start()
+
+    def update(self, p: Progress) -> None:
+        from rich.markup import escape
+
+        from gpuctl.core.units import format_duration, format_mib
+
+        parts = [f"[bold]{self.service}[/]: {p.phase}", format_duration(p.elapsed_s)]
+        if p.memory_mib is not None:
+            parts.append(f"GPU {format_mib(p.memory_mib)}")
+        if p.note:
+            parts.append(f"[yellow]{escape(p.note)}[/]")
+        if p.log_line:
+            parts.append(f"[dim]{escape(p.log_line[-80:])}[/]")
+        self.status.update(" · ".join(parts))
+
+    def stop(self) -> None:
+        self.status.stop()
+
+
+def stop(
+    service: ServiceArg, host: HostOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None
+) -> None:
+    """Stop SERVICE's server (found by its record, else by its match keywords)."""
+    with errors_to_exit():
+        from gpuctl import config as cfg
+        from gpuctl.flows import service_ops
+        from gpuctl.flows.wiring import deps_for
+
+        conf = cfg.load(config)
+        result = service_ops.stop(deps_for(conf, service, host, entry="stop"))
+        if json_out:
+            print_json(result.to_json())
+        else:
+            say(f"{service}: {result.reason}")
+
+
+def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:
+    """Mark SERVICE as used now (reclaim measures idle time from the last use)."""
+    with errors_to_exit():
+        from gpuctl import config as cfg
+        from gpuctl.flows import service_ops
+        from gpuctl.flows.wiring import deps_for
+
+        conf = cfg.load(config)
+        service_ops.touch(deps_for(conf, service, host, entry="touch"))
+        say(f"{service}: marked as used")
+
+
+def locks(
+    host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--host",
+            "-H",
+            help="Host (repeatable). Default: every host.",
+            autocompletion=complete_host,
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure."""
+    with errors_to_exit():
+        from gpuctl import config as cfg
+        from gpuctl.flows import service_ops
+        from gpuctl.render.locks import locks_to_json
+
+        conf = cfg.load(config)
+        report = service_ops.locks(conf, host)
+        if json_out:
+            print_json(locks_to_json(report))
+        else:
+            from rich.console import Console
+
+            from gpuctl.render.locks import render_locks
+
+            Console().print(render_locks(report))
+        raise typer.Exit(0 if report.ok else 4)

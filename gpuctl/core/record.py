@@ -1,0 +1,256 @@
+"""A service's record and its lease (DESIGN §3), as plain data with pure rules.
+
+The record is the one shared truth about a service on its GPU host: its phase, when it
+was last used, who holds the right to start or stop it (the lease), how to find its
+server again (the launcher's handle), its start attempts, and its last failure with the
+back-off before the next try. The store (``gpuctl.adapters.store``) keeps it in a JSON
+file under a per-service file lock; everything here is pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+RECORD_SCHEMA = 1
+MAX_ATTEMPTS_KEPT = 10
+# LocalAI's policy: 10 s after the first failure, doubling, at most 5 minutes.
+BACKOFF_FIRST_S = 10.0
+BACKOFF_MAX_S = 300.0
+# A lease outlives the health timeout by this much, so a holder that waits through the
+# whole cold start never loses it; one that dies loses it at expiry at the latest.
+LEASE_MARGIN_S = 60.0
+
+
+class Phase(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    RUNNING = "running"
+    SLEEPING = "sleeping"
+    STOPPING = "stopping"
+    PREEMPTED = "preempted"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The right to start (or stop) a service. Only the holder launches."""
+
+    holder: str
+    host: str
+    boot_id: str
+    pid: int
+    pid_start: float | None
+    entry: str
+    granted: float
+    expires: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "holder": self.holder,
+            "host": self.host,
+            "boot_id": self.boot_id,
+            "pid": self.pid,
+            "pid_start": self.pid_start,
+            "entry": self.entry,
+            "granted": self.granted,
+            "expires": self.expires,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Lease:
+        return cls(
+            holder=str(d["holder"]),
+            host=str(d.get("host", "")),
+            boot_id=str(d.get("boot_id", "")),
+            pid=int(d.get("pid", 0)),
+            pid_start=float(d["pid_start"]) if d.get("pid_start") is not None else None,
+            entry=str(d.get("entry", "?")),
+            granted=float(d.get("granted", 0.0)),
+            expires=float(d["expires"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    at: float
+    error: str
+    log_tail: str = ""
+    count: int = 1
+    backoff_until: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "error": self.error,
+            "log_tail": self.log_tail,
+            "count": self.count,
+            "backoff_until": self.backoff_until,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Failure:
+        return cls(
+            at=float(d["at"]),
+            error=str(d.get("error", "")),
+            log_tail=str(d.get("log_tail", "")),
+            count=int(d.get("count", 1)),
+            backoff_until=float(d.get("backoff_until", 0.0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    service: str
+    phase: Phase = Phase.STOPPED
+    since: float = 0.0
+    last_used: float | None = None
+    lease: Lease | None = None
+    handle: dict[str, Any] | None = None
+    attempts: tuple[dict[str, Any], ...] = ()
+    failure: Failure | None = None
+    recovered: str | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": RECORD_SCHEMA,
+            "service": self.service,
+            "phase": self.phase.value,
+            "since": self.since,
+            "last_used": self.last_used,
+            "lease": self.lease.to_dict() if self.lease else None,
+            "handle": self.handle,
+            "attempts": list(self.attempts),
+            "failure": self.failure.to_dict() if self.failure else None,
+            "recovered": self.recovered,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Record:
+        """Parse a stored record; raises ValueError (or KeyError/TypeError) when it is broken."""
+        if not isinstance(d, dict) or "service" not in d:
+            raise ValueError("not a gpuctl record")
+        handle = d.get("handle")
+        attempts = d.get("attempts") or []
+        if not isinstance(attempts, list):
+            raise ValueError("attempts is not a list")
+        return cls(
+            service=str(d["service"]),
+            phase=Phase(d.get("phase", "stopped")),
+            since=float(d.get("since") or 0.0),
+            last_used=float(d["last_used"]) if d.get("last_used") is not None else None,
+            lease=Lease.from_dict(d["lease"]) if d.get("lease") else None,
+            handle=handle if isinstance(handle, dict) else None,
+            attempts=tuple(a for a in attempts if isinstance(a, dict)),
+            failure=Failure.from_dict(d["failure"]) if d.get("failure") else None,
+            recovered=d.get("recovered") if isinstance(d.get("recovered"), str) else None,
+        )
+
+    # ---- pure transitions (the store applies them under the lock)
+
+    def with_phase(self, phase: Phase, now: float) -> Record:
+        if phase is self.phase:
+            return self
+        return replace(self, phase=phase, since=now)
+
+    def touched(self, now: float) -> Record:
+        return replace(self, last_used=now)
+
+    def with_attempt(self, attempt: dict[str, Any]) -> Record:
+        return replace(self, attempts=(*self.attempts, attempt)[-MAX_ATTEMPTS_KEPT:])
+
+    def failed(self, now: float, error: str, log_tail: str = "") -> Record:
+        count = (self.failure.count + 1) if self.failure else 1
+        return replace(
+            self.with_phase(Phase.FAILED, now),
+            failure=Failure(now, error, log_tail, count, now + backoff_s(count)),
+        )
+
+    def idle_for(self, now: float) -> float | None:
+        ref = self.last_used if self.last_used is not None else None
+        return None if ref is None else max(0.0, now - ref)
+
+
+def backoff_s(count: int) -> float:
+    """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min."""
+    if count <= 0:
+        return 0.0
+    return float(min(BACKOFF_FIRST_S * 2.0 ** (count - 1), BACKOFF_MAX_S))
+
+
+class LeaseState(StrEnum):
+    NONE = "none"
+    LIVE = "live"
+    EXPIRED = "expired"
+    VOID = "void"  # its holder's process is known to be dead
+
+
+def lease_state(
+    lease: Lease | None,
+    now: float,
+    *,
+    here_host: str,
+    here_boot_id: str,
+    holder_alive: bool | None,
+) -> LeaseState:
+    """Is this lease still in force?
+
+    ``holder_alive`` is what the caller found for the holder's pid (and start time) on
+    *this* machine; it only counts when the lease was taken on this machine (same
+    hostname and boot id): nobody else can know that pid is dead.
+    """
+    if lease is None:
+        return LeaseState.NONE
+    same_host = lease.host == here_host and lease.boot_id == here_boot_id
+    if same_host and holder_alive is False:
+        return LeaseState.VOID
+    if now >= lease.expires:
+        return LeaseState.EXPIRED
+    return LeaseState.LIVE
+
+
+def in_backoff(record: Record | None, now: float) -> bool:
+    return bool(
+        record
+        and record.failure
+        and now < record.failure.backoff_until
+        and record.phase is Phase.FAILED
+    )
+
+
+def apply_update(record: Record, update: dict[str, Any], now: float) -> Record:
+    """Apply a holder's update to a record (the one patch language of both store paths).
+
+    Keys: ``phase`` (a Phase value), ``handle`` (a dict, or None to clear), ``attempt``
+    (a dict appended to the attempts), ``failure`` ({"error", "log_tail"} records a
+    failed start with its back-off; None clears it), ``touch`` (true: last_used = now).
+
+    Raises:
+        ValueError: an unknown key or a bad value.
+    """
+    out = record
+    for key, value in update.items():
+        if key == "phase":
+            out = out.with_phase(Phase(value), now)
+        elif key == "handle":
+            if value is not None and not isinstance(value, dict):
+                raise ValueError("handle must be an object or null")
+            out = replace(out, handle=value)
+        elif key == "attempt":
+            if not isinstance(value, dict):
+                raise ValueError("attempt must be an object")
+            out = out.with_attempt(value)
+        elif key == "failure":
+            if value is None:
+                out = replace(out, failure=None)
+            elif isinstance(value, dict):
+                out = out.failed(now, str(value.get("error", "")), str(value.get("log_tail", "")))
+            else:
+                raise ValueError("failure must be an object or null")
+        elif key == "touch":
+            if value:
+                out = out.touched(now)
+        else:
+            raise ValueError(f"unknown update key {key!r}")
+    return out

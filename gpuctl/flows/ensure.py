@@ -1,0 +1,446 @@
+"""``ensure``: make a service ready, starting it only when that is safe, exactly once.
+
+The flow of the original design, made safe (DESIGN §3-§4):
+
+1. health check; if it answers: touch, done (READY);
+2. otherwise ask the agent and the store, and classify;
+3. IDLE / FITS: take the lease, re-check under it, launch, record the handle, wait;
+4. LOADING: wait, never launch; BUSY: exit 3, naming who holds the GPU;
+   UNKNOWN: exit 4, never start blind; FAILED: exit 1 with the failure.
+
+Everything it touches comes in through ``EnsureDeps``, so a test can hand it a real
+agent, a real store and a real launcher, or fakes for pure units.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuctl.adapters.launchers.base import Handle, Launcher
+from gpuctl.adapters.store import Holder, Store
+from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.decision import Decision, Health, Verdict, classify
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
+from gpuctl.errors import ExitCode, GpuctlError, StoreError
+
+POLL_S = 0.25
+LIVENESS_EVERY_S = 1.0
+
+OUTCOME_EXIT = {
+    "ready": ExitCode.OK,
+    "started": ExitCode.OK,
+    "loading": ExitCode.OK,
+    "busy": ExitCode.BUSY,
+    "unknown": ExitCode.UNKNOWN,
+    "failed": ExitCode.FAILED,
+    "timeout": ExitCode.TIMEOUT,
+    "interrupted": 130,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One tick of the wait, for the status line."""
+
+    phase: str
+    elapsed_s: float
+    memory_mib: int | None = None
+    log_line: str = ""
+    note: str = ""
+
+
+@dataclass
+class EnsureDeps:
+    """The adapters ``ensure`` works with (see ``gpuctl.flows.wiring.deps_for``)."""
+
+    config: Config
+    service: ServiceConfig
+    host: HostConfig
+    store: Store
+    read_snapshot: Callable[[Sequence[str]], Snapshot]
+    check_health: Callable[[], Health]
+    make_launcher: Callable[[Snapshot | None], Launcher]
+    handle_alive: Callable[[Record], bool | None] = lambda r: None
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    progress: Callable[[Progress], None] | None = None
+    entry: str = "ensure"
+
+
+@dataclass
+class EnsureResult:
+    service: str
+    host: str
+    outcome: str
+    reason: str
+    decision: str
+    launched: bool = False
+    waited_s: float = 0.0
+    attempt: dict[str, Any] | None = None
+    log_tail: str = ""
+    handle: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return OUTCOME_EXIT[self.outcome]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": 1,
+            "service": self.service,
+            "host": self.host,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "decision": self.decision,
+            "launched": self.launched,
+            "waited_s": round(self.waited_s, 3),
+            "attempt": self.attempt,
+            "log_tail": self.log_tail,
+            "handle": self.handle,
+            "notes": self.notes,
+        }
+
+
+class _Ctx:
+    def __init__(self, deps: EnsureDeps, timeout_s: float) -> None:
+        self.d = deps
+        self.t0 = deps.clock()
+        self.deadline = self.t0 + timeout_s
+        self.notes: list[str] = []
+
+    def elapsed(self) -> float:
+        return self.d.clock() - self.t0
+
+    def result(
+        self, outcome: str, reason: str, decision: Decision | str, **kw: Any
+    ) -> EnsureResult:
+        return EnsureResult(
+            service=self.d.service.name,
+            host=self.d.host.name,
+            outcome=outcome,
+            reason=reason,
+            decision=str(decision),
+            waited_s=self.elapsed(),
+            notes=self.notes,
+            **kw,
+        )
+
+    def tell(self, p: Progress) -> None:
+        if self.d.progress is not None:
+            self.d.progress(p)
+
+
+def decide(
+    deps: EnsureDeps, health: Health, own_holder: str | None = None
+) -> tuple[Verdict, Snapshot | None, Record | None]:
+    """Ask the agent and the store, and classify. Never raises for an unreachable agent."""
+    svc = deps.service
+    others = deps.config.services_on(svc.host)
+    snapshot: Snapshot | None = None
+    record: Record | None = None
+    error = None
+    try:
+        snapshot = deps.read_snapshot(_keywords(others or [svc]))
+        record = deps.store.get(svc.name)
+    except GpuctlError as e:
+        error = e.message
+        snapshot = None
+    alive = deps.handle_alive(record) if record is not None and record.handle else None
+    verdict = classify(
+        svc,
+        health,
+        snapshot,
+        others=others,
+        agent_error=error,
+        total_override_mib=deps.host.gpu_memory_mib,
+        record=record,
+        handle_alive=alive,
+        now=deps.clock(),
+        own_holder=own_holder,
+    )
+    return verdict, snapshot, record
+
+
+def _keywords(services: Sequence[ServiceConfig]) -> list[str]:
+    out: dict[str, None] = {}
+    for s in services:
+        for k in s.keywords:
+            out.setdefault(k, None)
+    return list(out)
+
+
+def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
+    """Make ``deps.service`` ready. Returns a result; raises only for misuse.
+
+    Ctrl-C (KeyboardInterrupt) stops waiting and never kills the server: the lease is
+    released, the record keeps the server's handle, and the next caller waits for it.
+    """
+    svc = deps.service
+    ctx = _Ctx(deps, timeout_s if timeout_s is not None else svc.health_timeout_s)
+    health = deps.check_health()
+    if health.ok:
+        _touch(deps, ctx)
+        return ctx.result("ready", f"{svc.name} answers its health check", Decision.READY)
+
+    verdict, _snapshot, record = decide(deps, health)
+    first = verdict.decision
+    if first is Decision.UNKNOWN:
+        return ctx.result("unknown", verdict.reason, first)
+    if first is Decision.BUSY:
+        return ctx.result("busy", verdict.reason, first)
+    if first is Decision.FAILED:
+        f = record.failure if record else None
+        return ctx.result("failed", verdict.reason, first, log_tail=f.log_tail if f else "")
+    if first in (Decision.LOADING, Decision.SLEEPING, Decision.PREEMPTABLE):
+        ctx.notes.append(f"found it {first.value}: {verdict.reason}")
+        _touch(deps, ctx)
+        if not wait:
+            return ctx.result("loading", verdict.reason, first)
+        return _wait(ctx, first, verdict.reason)
+    # IDLE or FITS: take the lease; whoever holds it is the only one who launches.
+    holder = Holder.here(deps.entry)
+    ttl = svc.health_timeout_s + LEASE_MARGIN_S
+    granted, _ = deps.store.acquire(svc.name, holder, ttl)
+    if not granted:
+        if not wait:
+            return ctx.result("loading", "another caller is starting it", Decision.LOADING)
+        return _wait(ctx, Decision.LOADING, "another caller holds the lease")
+    return _launch_under_lease(ctx, holder, ttl, first, wait)
+
+
+def _launch_under_lease(
+    ctx: _Ctx, holder: Holder, ttl: float, first: Decision, wait: bool
+) -> EnsureResult:
+    deps, svc = ctx.d, ctx.d.service
+    released = False
+
+    def release(update: dict[str, Any] | None = None) -> None:
+        nonlocal released
+        if released:
+            return
+        try:
+            deps.store.release(svc.name, holder.id, update)
+            released = True
+        except GpuctlError as e:
+            ctx.notes.append(f"could not release the lease: {e.message} (it expires by itself)")
+
+    try:
+        # Re-check under the lease: between our look and the lease, someone may have
+        # started it (their lease released, the server loading).
+        health = deps.check_health()
+        if health.ok:
+            release({"touch": True, "phase": Phase.RUNNING.value})
+            return ctx.result("ready", f"{svc.name} answers its health check", Decision.READY)
+        verdict, snapshot, _ = decide(deps, health, own_holder=holder.id)
+        if verdict.decision not in (Decision.IDLE, Decision.FITS):
+            release()
+            if verdict.decision is Decision.LOADING:
+                return (
+                    _wait(ctx, verdict.decision, verdict.reason)
+                    if wait
+                    else ctx.result("loading", verdict.reason, verdict.decision)
+                )
+            outcome = {"BUSY": "busy", "UNKNOWN": "unknown"}.get(verdict.decision.value, "failed")
+            return ctx.result(outcome, verdict.reason, verdict.decision)
+
+        launcher = deps.make_launcher(snapshot)
+        started_at = deps.clock()
+        deps.store.update(
+            svc.name, holder.id, {"phase": Phase.STARTING.value, "handle": None, "touch": True}
+        )
+        try:
+            handle = launcher.start(svc)
+        except (GpuctlError, OSError) as e:
+            msg = e.message if isinstance(e, GpuctlError) else str(e)
+            attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
+            release({"attempt": attempt, "failure": {"error": msg, "log_tail": ""}})
+            r = ctx.result("failed", f"start failed: {msg}", first, launched=False, attempt=attempt)
+            if isinstance(e, GpuctlError) and e.hint:
+                r.notes.append(f"hint: {e.hint}")
+            return r
+        deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+        if not wait:
+            attempt = _attempt(started_at, deps.clock(), launcher.kind, "started")
+            release({"attempt": attempt})
+            return ctx.result(
+                "started",
+                f"launched with {launcher.kind}; not waiting",
+                first,
+                launched=True,
+                attempt=attempt,
+                handle=handle.to_dict(),
+            )
+        try:
+            outcome, reason, tail = _wait_launched(ctx, launcher, handle, holder, ttl)
+        except KeyboardInterrupt:
+            attempt = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
+            release({"attempt": attempt})
+            raise
+        attempt = _attempt(
+            started_at, deps.clock(), launcher.kind, outcome, reason if outcome != "ready" else None
+        )
+        update: dict[str, Any] = {"attempt": attempt}
+        if outcome == "ready":
+            update.update({"phase": Phase.RUNNING.value, "failure": None, "touch": True})
+        elif outcome == "failed":
+            update["failure"] = {"error": reason, "log_tail": tail}
+        release(update)
+        return ctx.result(
+            outcome,
+            reason,
+            first,
+            launched=True,
+            attempt=attempt,
+            log_tail=tail,
+            handle=handle.to_dict(),
+        )
+    finally:
+        if not released:
+            release()
+
+
+def _attempt(
+    started: float, ended: float, kind: str, outcome: str, error: str | None = None
+) -> dict[str, Any]:
+    a: dict[str, Any] = {
+        "started": round(started, 3),
+        "ended": round(ended, 3),
+        "duration_s": round(ended - started, 3),
+        "launcher": kind,
+        "outcome": outcome,
+    }
+    if error:
+        a["error"] = error
+    return a
+
+
+def _touch(deps: EnsureDeps, ctx: _Ctx) -> None:
+    try:
+        deps.store.touch(deps.service.name)
+    except GpuctlError as e:
+        ctx.notes.append(f"could not mark it used: {e.message}")
+
+
+def _own_memory(snapshot: Snapshot | None, svc: ServiceConfig) -> int | None:
+    if snapshot is None:
+        return None
+    from gpuctl.core.decision import owns
+
+    return sum(p.memory_mib or 0 for p in snapshot.processes if owns(svc, p.command))
+
+
+def _wait_launched(
+    ctx: _Ctx, launcher: Launcher, handle: Handle, holder: Holder, ttl: float
+) -> tuple[str, str, str]:
+    """Wait as the launcher: poll health; stop early when our server dies."""
+    deps, svc = ctx.d, ctx.d.service
+    next_check = 0.0
+    next_renew = deps.clock() + ttl / 3
+    memory: int | None = None
+    log_line = ""
+    note = ""
+    while True:
+        if deps.check_health().ok:
+            return "ready", f"{svc.name} answers its health check after {ctx.elapsed():.1f}s", ""
+        now = deps.clock()
+        if now >= ctx.deadline:
+            return (
+                "timeout",
+                f"{svc.name} did not answer within {ctx.deadline - ctx.t0:.0f}s (it may still be loading)",
+                launcher.log_tail(handle, 20),
+            )
+        if now >= next_check:
+            next_check = now + LIVENESS_EVERY_S
+            try:
+                alive = launcher.alive(handle)
+            except GpuctlError:
+                alive = None
+            if alive is False:
+                tail = launcher.log_tail(handle, 20)
+                return "failed", f"{svc.name}'s server exited while loading", tail
+            try:
+                snap = deps.read_snapshot(_keywords([svc]))
+                memory = _own_memory(snap, svc)
+                note = ""
+            except GpuctlError as e:
+                note = f"agent unavailable ({e.message}); still polling health"
+            try:
+                last = launcher.log_tail(handle, 1)
+                log_line = last.splitlines()[-1] if last else log_line
+            except GpuctlError:
+                pass
+        if now >= next_renew:
+            next_renew = now + ttl / 3
+            try:
+                deps.store.renew(svc.name, holder.id, ttl)
+            except (StoreError, GpuctlError) as e:
+                note = f"could not renew the lease: {e.message}"
+        ctx.tell(Progress("loading (launched)", ctx.elapsed(), memory, log_line, note))
+        deps.sleep(POLL_S)
+
+
+def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult:
+    """Wait as a bystander: someone else's start is under way. Never launch."""
+    deps, svc = ctx.d, ctx.d.service
+    next_check = 0.0
+    memory: int | None = None
+    note = ""
+    gone = 0
+    while True:
+        if deps.check_health().ok:
+            _touch(deps, ctx)
+            return ctx.result(
+                "ready",
+                f"{svc.name} answers its health check (waited {ctx.elapsed():.1f}s)",
+                decision,
+            )
+        now = deps.clock()
+        if now >= ctx.deadline:
+            return ctx.result(
+                "timeout",
+                f"{svc.name} did not answer within {ctx.deadline - ctx.t0:.0f}s; it was {reason}",
+                decision,
+            )
+        if now >= next_check:
+            next_check = now + LIVENESS_EVERY_S
+            verdict, snap, record = decide(deps, _NOT_READY)
+            d = verdict.decision
+            if d is Decision.UNKNOWN:
+                note = f"agent unavailable; still polling health ({verdict.reason})"
+            else:
+                note = ""
+                memory = _own_memory(snap, svc)
+            if d is Decision.FAILED:
+                f = record.failure if record else None
+                return ctx.result(
+                    "failed", verdict.reason, decision, log_tail=f.log_tail if f else ""
+                )
+            if d in (Decision.IDLE, Decision.FITS, Decision.BUSY):
+                # Nothing of it runs any more and nobody holds the lease. Twice in a row,
+                # to ride out the moment between a holder's release and a record update.
+                gone += 1
+                if gone >= 2:
+                    why = (
+                        record.failure.error
+                        if record and record.failure
+                        else "nothing of it runs any more"
+                    )
+                    return ctx.result(
+                        "failed",
+                        f"the start that was under way ended: {why}",
+                        decision,
+                        log_tail=record.failure.log_tail if record and record.failure else "",
+                    )
+            else:
+                gone = 0
+        ctx.tell(Progress("loading (waiting)", ctx.elapsed(), memory, "", note))
+        deps.sleep(POLL_S)
+
+
+_NOT_READY = Health("refused", "not ready")

@@ -1,0 +1,141 @@
+"""``stop``, ``touch`` and ``locks``: the other uses of a service's record."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.store import Holder
+from gpuctl.config import Config
+from gpuctl.core.decision import owns
+from gpuctl.core.record import Phase, Record
+from gpuctl.errors import GpuctlError, StoreError
+from gpuctl.flows.ensure import EnsureDeps, _keywords
+
+STOP_LEASE_WAIT_S = 10.0
+
+
+@dataclass
+class StopResult:
+    service: str
+    host: str
+    stopped: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": 1,
+            "service": self.service,
+            "host": self.host,
+            "stopped": self.stopped,
+            "reason": self.reason,
+        }
+
+
+def stop(deps: EnsureDeps) -> StopResult:
+    """Stop the service's server: by its record, else by its match keywords on the host.
+
+    Takes the lease first (waiting a little for a start under way), so a stop and a
+    start never run at once.
+    """
+    svc = deps.service
+    holder = Holder.here("stop")
+    deadline = time.monotonic() + STOP_LEASE_WAIT_S
+    while True:
+        granted, record = deps.store.acquire(
+            svc.name, holder, STOP_LEASE_WAIT_S + svc.stop_timeout_s + 30
+        )
+        if granted:
+            break
+        if time.monotonic() >= deadline:
+            lease = record.lease
+            who = f"{lease.entry} pid {lease.pid} on {lease.host}" if lease else "someone"
+            raise StoreError(
+                f"{svc.name} is being started or stopped by {who}",
+                hint="wait for it to finish (gpuctl locks shows it), then stop again",
+            )
+        time.sleep(0.25)
+    result = StopResult(svc.name, deps.host.name)
+    try:
+        deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
+        snapshot = None
+        with contextlib.suppress(GpuctlError):
+            snapshot = deps.read_snapshot(_keywords([svc]))
+        launcher = deps.make_launcher(snapshot)
+        if record.handle:
+            handle = Handle.from_dict(record.handle)
+            launcher.stop(handle, svc.stop_timeout_s)
+            result.stopped.append(_describe(handle))
+        find = getattr(launcher, "find", None)
+        if find is not None and not result.stopped:
+            found = find(svc)
+            if found is not None:
+                launcher.stop(found, svc.stop_timeout_s)
+                result.stopped.append(_describe(found))
+        if snapshot is not None:
+            # A server whose launcher died before it could record it: find it by keywords.
+            done = {h for h in result.stopped}
+            pids = [p.pid for p in snapshot.processes if owns(svc, p.command)]
+            pids += [s.pid for s in snapshot.starting or () if owns(svc, s.command)]
+            for pid in pids:
+                if f"pid {pid}" in done or any(f"pid {pid}" in d for d in done):
+                    continue
+                launcher.stop(Handle(kind=launcher.kind, pid=pid), svc.stop_timeout_s)
+                result.stopped.append(f"pid {pid}")
+        result.reason = (
+            f"stopped {', '.join(result.stopped)}"
+            if result.stopped
+            else "nothing of it was running"
+        )
+        deps.store.release(svc.name, holder.id, {"phase": Phase.STOPPED.value, "handle": None})
+    except BaseException:
+        with contextlib.suppress(GpuctlError):
+            deps.store.release(svc.name, holder.id)
+        raise
+    return result
+
+
+def _describe(h: Handle) -> str:
+    if h.container_name:
+        return f"container {h.container_name}"
+    if h.pid:
+        return f"pid {h.pid}"
+    return h.kind
+
+
+def touch(deps: EnsureDeps) -> Record:
+    return deps.store.touch(deps.service.name)
+
+
+@dataclass
+class LocksReport:
+    rows: list[tuple[str, Record | None, str | None]]  # (host, record, error)
+    now: float
+
+    @property
+    def ok(self) -> bool:
+        return all(err is None for _, _, err in self.rows)
+
+
+def locks(config: Config, host_names: list[str] | None) -> LocksReport:
+    """Every configured service's record on each host (a host that fails is reported)."""
+    from gpuctl.flows.wiring import store_for
+
+    hosts = [config.host(h) for h in host_names] if host_names else list(config.hosts.values())
+    rows: list[tuple[str, Record | None, str | None]] = []
+    for h in hosts:
+        names = [s.name for s in config.services_on(h.name)]
+        try:
+            store = store_for(h)
+            recs = {r.service: r for r in store.records()}
+        except GpuctlError as e:
+            rows.append((h.name, None, e.message))
+            continue
+        for n in names:
+            rows.append((h.name, recs.pop(n, Record(service=n)), None))
+        for r in recs.values():  # records of services no longer configured
+            rows.append((h.name, r, None))
+    return LocksReport(rows, time.time())

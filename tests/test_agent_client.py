@@ -1,0 +1,290 @@
+"""The agent client against real loopback servers that misbehave, and against the real app.
+
+Every case runs through both clients (sync and async): they share the parsing, and a
+difference between them would be a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuctl.adapters.agent_client import AgentClient, AsyncAgentClient
+from gpuctl.agent.app import AgentSettings, create_app
+from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.errors import AgentAuthError, AgentUnavailable, ExitCode
+from tests.agent_helpers import (
+    FakeProbe,
+    canned,
+    free_port,
+    raw_server,
+    read_request,
+    reading_of,
+    serve_in_thread,
+)
+
+TOKEN = "tok-123"
+StatusCall = Callable[..., Snapshot]
+
+
+@pytest.fixture(params=["sync", "async"])
+def status(request: pytest.FixtureRequest) -> StatusCall:
+    """``status(url, token=..., timeout_s=..., host_name=..., match=...)`` with one client kind."""
+
+    def sync(
+        url: str, token: str | None = TOKEN, match: tuple[str, ...] = (), **kw: Any
+    ) -> Snapshot:
+        with AgentClient(url, token, **kw) as client:
+            return client.status(match)
+
+    def run_async(
+        url: str, token: str | None = TOKEN, match: tuple[str, ...] = (), **kw: Any
+    ) -> Snapshot:
+        async def go() -> Snapshot:
+            async with AsyncAgentClient(url, token, **kw) as client:
+                return await client.status(match)
+
+        return asyncio.run(go())
+
+    return sync if request.param == "sync" else run_async
+
+
+def failure(call: Callable[[], object]) -> AgentUnavailable:
+    with pytest.raises(AgentUnavailable) as exc:
+        call()
+    assert exc.value.exit_code == ExitCode.UNKNOWN
+    assert "\n" not in exc.value.message  # one clear line
+    return exc.value
+
+
+# --------------------------------------------------------------------------- transport failures
+
+
+def test_connection_refused(status: StatusCall) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    err = failure(lambda: status(url))
+    assert err.message == f"connection refused by {url}"
+    assert "is `gpuctl agent` running on that host" in err.hint
+
+
+def test_server_that_never_answers_times_out(status: StatusCall) -> None:
+    stop = threading.Event()
+
+    def hang(conn: socket.socket) -> None:
+        read_request(conn)
+        stop.wait(10)
+
+    with raw_server(hang) as url:
+        try:
+            err = failure(lambda: status(url, timeout_s=0.3))
+        finally:
+            stop.set()
+    assert err.message == f"the agent at {url} did not answer within 0.3s"
+    assert "gpuctl agent" in err.hint
+
+
+def test_dns_failure(status: StatusCall) -> None:
+    url = "http://no-such-host.invalid:9400"
+    err = failure(lambda: status(url))
+    assert "cannot resolve the agent's host name 'no-such-host.invalid'" in err.message
+    assert "`agent` URL" in err.hint
+
+
+def test_garbage_bytes(status: StatusCall) -> None:
+    def garbage(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b"\x00\x01\x02 SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        conn.close()
+
+    with raw_server(garbage) as url:
+        err = failure(lambda: status(url))
+    assert err.message.startswith(f"the agent at {url} broke off or did not speak HTTP")
+    assert "right host and port" in err.hint
+
+
+def test_server_that_closes_at_once(status: StatusCall) -> None:
+    def slam(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.close()
+
+    with raw_server(slam) as url:
+        err = failure(lambda: status(url))
+    assert url in err.message
+
+
+# --------------------------------------------------------------------------- off-contract answers
+
+
+def test_401_is_an_auth_error_naming_the_host(status: StatusCall) -> None:
+    probe = FakeProbe(reading_of())
+    with serve_in_thread(create_app(AgentSettings(token=TOKEN), probe)) as url:
+        with pytest.raises(AgentAuthError) as exc:
+            status(url, token="wrong", host_name="dgx")
+        assert exc.value.message == f"the agent at {url} refused our token (HTTP 401)"
+        assert exc.value.hint == "check hosts.dgx.token_env / token_file"
+        with pytest.raises(AgentAuthError) as exc:
+            status(url, token=None)
+        assert "requires a token and we have none" in exc.value.message
+        assert "token_env / token_file" in exc.value.hint
+    assert probe.calls == 0
+
+
+def test_403_is_an_auth_error_too(status: StatusCall) -> None:
+    body = json.dumps({"error": "forbidden", "hint": ""}).encode()
+    with (
+        raw_server(canned("403 Forbidden", body, "application/json")) as url,
+        pytest.raises(AgentAuthError) as exc,
+    ):
+        status(url)
+    assert "HTTP 403" in exc.value.message
+
+
+def test_html_error_page(status: StatusCall) -> None:
+    page = b"<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1><hr>nginx</body></html>"
+    with raw_server(canned("502 Bad Gateway", page, "text/html")) as url:
+        err = failure(lambda: status(url))
+    assert err.message == f"{url} answered with HTML (HTTP 502), not the gpuctl agent API"
+    assert "right host and port" in err.hint
+
+
+def test_html_without_a_content_type(status: StatusCall) -> None:
+    page = b"\n<html><head><title>Jupyter</title></head></html>"
+    with raw_server(canned("200 OK", page, "application/octet-stream")) as url:
+        err = failure(lambda: status(url))
+    assert "answered with HTML (HTTP 200)" in err.message
+
+
+def test_5xx_passes_the_agents_error_through(status: StatusCall) -> None:
+    body = json.dumps(
+        {"error": "the GPU probe failed: NVML lost the GPU", "hint": "reboot"}
+    ).encode()
+    with raw_server(canned("503 Service Unavailable", body, "application/json")) as url:
+        err = failure(lambda: status(url))
+    assert (
+        err.message
+        == f"the agent at {url} answered HTTP 503: the GPU probe failed: NVML lost the GPU"
+    )
+    assert err.hint == "reboot"
+
+
+def test_5xx_without_the_agents_json(status: StatusCall) -> None:
+    with raw_server(canned("500 Internal Server Error", b"oops", "text/plain")) as url:
+        err = failure(lambda: status(url))
+    assert err.message == f"{url} answered HTTP 500 without the agent's JSON error"
+
+
+def test_a_body_that_is_not_json(status: StatusCall) -> None:
+    with raw_server(canned("200 OK", b"\xff\xfe not json {", "application/json")) as url:
+        err = failure(lambda: status(url))
+    assert err.message == f"{url} answered something that is not JSON (HTTP 200)"
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        ({"is_idle": True}, "missing field 'processes'"),
+        ([1, 2, 3], "expected a JSON object"),
+        ({"is_idle": "yes", "processes": []}, "field 'is_idle' should be bool, got str"),
+        ({"is_idle": False, "processes": [{"command": "x"}]}, "processes[0]: missing field 'pid'"),
+        # The seed's bug in reverse: "idle" while a process holds the GPU.
+        (
+            {"is_idle": True, "processes": [{"pid": 1, "command": "vllm", "memory_mib": 80000}]},
+            "is_idle disagrees with processes",
+        ),
+        ({"is_idle": False, "processes": []}, "is_idle disagrees with processes"),
+    ],
+)
+def test_json_that_breaks_the_contract(status: StatusCall, payload: object, problem: str) -> None:
+    with raw_server(canned("200 OK", json.dumps(payload).encode(), "application/json")) as url:
+        err = failure(lambda: status(url))
+    assert (
+        err.message == f"{url} answered something that is not the gpuctl status contract: {problem}"
+    )
+
+
+# --------------------------------------------------------------------------- the happy path
+
+
+@pytest.fixture
+def real_agent() -> Iterator[tuple[str, FakeProbe]]:
+    vllm = GpuProcess(pid=4242, command="vllm serve Qwen", memory_mib=80000, user="me")
+    probe = FakeProbe(reading_of(vllm, used=None, total=None))
+    settings = AgentSettings(token=TOKEN, state_dir="/srv/gpuctl", gpu_memory_mib=131072)
+    with serve_in_thread(create_app(settings, probe)) as url:
+        yield url, probe
+
+
+def test_happy_path_against_the_real_app(
+    status: StatusCall, real_agent: tuple[str, FakeProbe]
+) -> None:
+    url, _ = real_agent
+    snap = status(url + "/", match=("zz-no-such-process-kw",))
+    assert not snap.is_idle
+    assert snap.processes == (
+        GpuProcess(pid=4242, command="vllm serve Qwen", memory_mib=80000, user="me"),
+    )
+    assert (snap.memory_used_mib, snap.memory_total_mib) == (80000, 131072)
+    assert snap.probe == "fake"
+    assert snap.state_dir == "/srv/gpuctl"
+    assert snap.starting == ()
+    assert snap.host is not None and snap.host.hostname == socket.gethostname()
+
+
+def test_sync_client_keeps_the_connection_alive() -> None:
+    body = json.dumps({"is_idle": True, "processes": []}).encode()
+    connections: list[int] = []
+    requests: list[int] = []
+
+    def keep_alive(conn: socket.socket) -> None:
+        connections.append(1)
+        while read_request(conn):
+            requests.append(1)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+
+    with raw_server(keep_alive) as url, AgentClient(url, TOKEN) as client:
+        for _ in range(5):
+            client.status()
+    assert (len(connections), len(requests)) == (1, 5)
+
+
+def test_healthz(real_agent: tuple[str, FakeProbe]) -> None:
+    url, _ = real_agent
+    with AgentClient(url, None) as client:
+        assert client.healthz() == {"ok": True, "version": "0.1.0"}
+
+    async def go() -> dict[str, Any]:
+        async with AsyncAgentClient(url, None) as client:
+            return await client.healthz()
+
+    assert asyncio.run(go())["ok"] is True
+
+
+def test_healthz_of_something_else() -> None:
+    with raw_server(canned("200 OK", b'{"status": "ok"}', "application/json")) as url:
+        err = failure(lambda: AgentClient(url, None).healthz())
+    assert "not the gpuctl agent's" in err.message
+
+
+def test_client_sends_the_bearer_token_and_match() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"is_idle": True, "processes": [], "starting": []})
+
+    client = AgentClient("http://dgx:9400", TOKEN, transport=httpx.MockTransport(handler))
+    snap = client.status(["vllm", "", "translategemma"])
+    assert snap.is_idle and snap.starting == ()
+    assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
+    assert str(seen[0].url) == "http://dgx:9400/status?match=vllm%2Ctranslategemma"

@@ -1,0 +1,105 @@
+"""make_probe: names, and what ``auto`` picks."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import stat
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from gpuctl.adapters.probes.factory import make_probe
+from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
+from gpuctl.adapters.probes.nvml import NvmlProbe
+from gpuctl.errors import ExitCode, NoGpuFound, ProbeError, UsageError
+
+
+def _gpu_here() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return shutil.which("nvidia-smi") is not None
+    return True
+
+
+def test_unknown_name_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="unknown probe 'nvm'") as exc:
+        make_probe("nvm")
+    assert exc.value.exit_code == ExitCode.USAGE
+    assert "nvidia-smi" in exc.value.hint
+
+
+def test_named_probes_are_built_without_touching_the_gpu() -> None:
+    nvml = make_probe("nvml", gpu_memory_mib=1000)
+    assert isinstance(nvml, NvmlProbe) and nvml.name == "nvml"
+    smi = make_probe("nvidia-smi")
+    assert isinstance(smi, NvidiaSmiProbe) and smi.name == "nvidia-smi"
+
+
+@pytest.mark.skipif(_gpu_here(), reason="this machine has an NVIDIA driver or nvidia-smi")
+def test_auto_on_this_machine_finds_no_gpu() -> None:
+    with pytest.raises(NoGpuFound) as exc:
+        make_probe("auto")
+    assert exc.value.message == (
+        "no NVIDIA GPU found on this machine (no NVML library, no nvidia-smi)"
+    )
+    assert exc.value.hint == "try `gpuctl demo`, or `--probe sim` for a simulated GPU"
+    assert exc.value.exit_code == ExitCode.UNKNOWN
+
+
+def _no_nvml(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    def init() -> None:
+        raise pynvml.NVMLError(code)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", init)
+
+
+def test_auto_without_nvml_or_smi_raises_no_gpu_found(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_nvml(monkeypatch, pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(NoGpuFound, match="no NVML library, no nvidia-smi") as exc:
+        make_probe("auto")
+    assert "gpuctl demo" in exc.value.hint
+
+
+def test_auto_falls_back_to_nvidia_smi_on_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_nvml(monkeypatch, pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexit 0\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert isinstance(make_probe("auto", gpu_memory_mib=5), NvidiaSmiProbe)
+
+
+def test_auto_keeps_a_broken_nvml_error_when_there_is_no_smi(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_nvml(monkeypatch, pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ProbeError, match="failed to initialise") as exc:
+        make_probe("auto")
+    assert not isinstance(exc.value, NoGpuFound)
+
+
+def test_auto_prefers_nvml_when_it_initialises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: object())
+    probe = make_probe("auto")
+    assert isinstance(probe, NvmlProbe)
+    probe.close()
+
+
+def test_sim_probe_gets_dir_and_total(tmp_path: Path) -> None:
+    probe = make_probe("sim", sim_dir=tmp_path, gpu_memory_mib=4096)
+    assert probe.name == "sim"
+    r = probe.read()
+    assert (r.probe, r.memory_total_mib, r.processes) == ("sim", 4096, ())
+    probe.close()

@@ -1,0 +1,625 @@
+"""The simulated GPU (DESIGN §8), tested the way it is used: with real processes.
+
+Every workload here is a real ``python -m gpuctl sim ...`` process; the probe sees its
+real pid and command line, and killing it (even with SIGKILL, even leaving a zombie)
+frees its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, TypeVar
+
+import httpx
+import pytest
+
+from gpuctl.core.model import GpuProcess
+from gpuctl.errors import ConfigError
+from gpuctl.sim.gpu import DEFAULT_TOTAL_MIB, SimGpu, SimOutOfMemory
+from gpuctl.sim.probe import SimProbe
+
+ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(what: str, pred: Callable[[], T | None], timeout: float = 15.0) -> T:
+    """Poll ``pred`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def on_gpu(sim_dir: Path) -> dict[int, GpuProcess]:
+    return {p.pid: p for p in SimProbe(sim_dir).read().processes}
+
+
+def proc_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class Procs:
+    """Starts real processes with their output in files, and always kills them."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("GPUCTL_SIM_DIR", "GPUCTL_SIM_GPU_MEMORY", "GPUCTL_DEBUG")
+        }
+        self.env["PYTHONUNBUFFERED"] = "1"
+
+    def start(
+        self,
+        *args: str | Path,
+        argv0: tuple[str, ...] = ("-m", "gpuctl"),
+        exe: str = sys.executable,
+    ) -> subprocess.Popen[bytes]:
+        n = len(self.procs)
+        out: IO[bytes]
+        with open(self.logs / f"{n}.out", "wb") as out, open(self.logs / f"{n}.err", "wb") as err:
+            proc = subprocess.Popen(
+                [exe, *argv0, *map(str, args)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=self.env,
+                cwd=self.logs,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def cli(self, *args: str | Path, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        """Run ``gpuctl ARGS`` to completion."""
+        return subprocess.run(
+            [sys.executable, "-m", "gpuctl", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+
+    def out(self, proc: subprocess.Popen[bytes]) -> str:
+        return (self.logs / f"{self.procs.index(proc)}.out").read_text(errors="replace")
+
+    def err(self, proc: subprocess.Popen[bytes]) -> str:
+        return (self.logs / f"{self.procs.index(proc)}.err").read_text(errors="replace")
+
+    def logs_of(self, proc: subprocess.Popen[bytes]) -> str:
+        return f"stdout:\n{self.out(proc)}\nstderr:\n{self.err(proc)}"
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _no_sim_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUCTL_SIM_DIR", raising=False)
+    monkeypatch.delenv("GPUCTL_SIM_GPU_MEMORY", raising=False)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    p = Procs(logs)
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+@pytest.fixture
+def sim_dir(tmp_path: Path) -> Path:
+    return tmp_path / "sim"  # missing on purpose: it is created on first use
+
+
+def hold(
+    procs: Procs, sim_dir: Path, name: str, memory: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    return procs.start(
+        "sim", "hold", "--name", name, "--memory", memory, "--sim-dir", sim_dir, *extra
+    )
+
+
+def hold_on_gpu(
+    procs: Procs, sim_dir: Path, name: str, memory: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    """Start a hold and wait until the probe sees it."""
+    p = hold(procs, sim_dir, name, memory, *extra)
+
+    def seen() -> bool:
+        assert p.poll() is None, procs.logs_of(p)
+        return p.pid in on_gpu(sim_dir)
+
+    wait_until(f"hold {name} on the GPU", seen)
+    return p
+
+
+def model_server(
+    procs: Procs, sim_dir: Path, name: str, memory: str, load_time: str, port: int, *extra: str
+) -> subprocess.Popen[bytes]:
+    return procs.start(
+        "sim", "model-server", "--name", name, "--memory", memory, "--load-time", load_time,
+        "--port", str(port), "--sim-dir", sim_dir, *extra,
+    )  # fmt: skip
+
+
+def wait_healthy(procs: Procs, proc: subprocess.Popen[bytes], port: int) -> None:
+    def healthy() -> bool:
+        assert proc.poll() is None, procs.logs_of(proc)
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until("the model server to be healthy", healthy)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(10)
+
+
+# ---------------------------------------------------------------------------- the GPU itself
+
+
+def test_missing_or_empty_dir_is_an_idle_gpu_with_the_default_total(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for d in (tmp_path / "missing", tmp_path / "empty"):
+        r = SimProbe(d).read()
+        assert r.probe == "sim"
+        assert r.processes == ()
+        assert r.memory_total_mib == DEFAULT_TOTAL_MIB == 131072
+        assert r.memory_used_mib == 0
+        assert r.unified_memory is False and r.gpus == 1
+        assert SimGpu(d).claims() == []
+    assert not (tmp_path / "missing").exists(), "looking must not create anything"
+
+
+def test_total_memory_is_agreed_through_gpu_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "sim"
+    SimGpu(d, total_mib=65536)
+    assert json.loads((d / "gpu.json").read_text()) == {"total_mib": 65536}
+    assert SimGpu(d).total_mib == 65536
+    monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", "32GiB")
+    assert SimGpu(d).total_mib == 32768
+    assert json.loads((d / "gpu.json").read_text()) == {"total_mib": 32768}
+    monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", "lots")
+    with pytest.raises(ConfigError, match="GPUCTL_SIM_GPU_MEMORY"):
+        SimGpu(d)
+    monkeypatch.delenv("GPUCTL_SIM_GPU_MEMORY")
+    # A directory first used by a claim records the default.
+    fresh = tmp_path / "fresh"
+    with SimGpu(fresh).claim("x"):
+        assert json.loads((fresh / "gpu.json").read_text()) == {"total_mib": DEFAULT_TOTAL_MIB}
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(fresh))
+    assert SimGpu().sim_dir == fresh
+
+
+def test_claims_grow_shrink_and_refuse_what_does_not_fit(sim_dir: Path) -> None:
+    gpu = SimGpu(sim_dir, total_mib=10240)
+    with gpu.claim("a") as a:
+        a.set(6144)
+        assert [(c.pid, c.name, c.memory_mib) for c in gpu.claims()] == [(os.getpid(), "a", 6144)]
+        with gpu.claim("b") as b:
+            with pytest.raises(SimOutOfMemory) as info:
+                b.set(6144)
+            e = info.value
+            assert (e.requested_mib, e.free_mib, e.total_mib) == (6144, 4096, 10240)
+            assert str(e).startswith(
+                "CUDA out of memory. Tried to allocate 6.00 GiB. GPU 0 has a total capacity "
+                "of 10.00 GiB of which 4.00 GiB is free."
+            )
+            assert f"Process {os.getpid()} has 6.00 GiB memory in use." in str(e)
+            assert b.memory_mib == 0, "a failed grow keeps what it held"
+            b.set(4096)
+            assert gpu.used_mib() == 10240
+            # Like NVML, the probe shows one process, with the sum of its claims.
+            (proc,) = SimProbe(sim_dir).read().processes
+            assert (proc.pid, proc.memory_mib) == (os.getpid(), 10240)
+        a.set(1024)  # shrinking always fits
+        assert gpu.used_mib() == 1024
+    assert gpu.claims() == []
+    assert os.listdir(sim_dir / "claims") == []
+    with pytest.raises(RuntimeError):
+        a.set(1)
+
+
+def test_concurrent_claims_never_overcommit(procs: Procs, sim_dir: Path) -> None:
+    """Six 3 GiB holds started at once on a 10 GiB GPU: exactly three fit."""
+    ps = [hold(procs, sim_dir, f"racer{i}", "3GiB", "--gpu-memory", "10GiB") for i in range(6)]
+    wait_until(
+        "every hold to either fail or hold memory",
+        lambda: all(p.poll() is not None or p.pid in on_gpu(sim_dir) for p in ps),
+        timeout=30,
+    )
+    failed = [p for p in ps if p.poll() is not None]
+    assert len(failed) == 3, [procs.logs_of(p) for p in failed]
+    for p in failed:
+        assert p.returncode == 1 and "CUDA out of memory" in procs.err(p)
+    assert SimGpu(sim_dir).used_mib() == 9 * 1024
+    assert sorted(on_gpu(sim_dir)) == sorted(p.pid for p in ps if p.poll() is None)
+
+
+# ---------------------------------------------------------------------------- hold
+
+
+def test_hold_shows_with_its_real_pid_and_goes_on_sigterm(procs: Procs, sim_dir: Path) -> None:
+    p = hold_on_gpu(procs, sim_dir, "comfyui-t1", "20GiB")
+    proc = on_gpu(sim_dir)[p.pid]
+    assert proc.memory_mib == 20480
+    assert proc.command is not None and "comfyui-t1" in proc.command and "hold" in proc.command
+    assert proc.user is not None
+    reading = SimProbe(sim_dir).read()
+    assert reading.memory_used_mib == 20480 and reading.memory_total_mib == 131072
+    assert stop(p) == 0
+    assert on_gpu(sim_dir) == {}
+    assert "holding 20.0 GiB" in procs.out(p)
+    assert os.listdir(sim_dir / "claims") == [], "a clean stop leaves no files"
+
+
+def test_hold_killed_with_sigkill_frees_its_memory(procs: Procs, sim_dir: Path) -> None:
+    p = hold_on_gpu(procs, sim_dir, "crashy", "4GiB")
+    p.kill()
+    p.wait()
+    assert on_gpu(sim_dir) == {}
+    assert os.listdir(sim_dir / "claims") == [], "the first reader cleans up after the dead"
+
+
+def test_hold_left_as_a_zombie_frees_its_memory(procs: Procs, sim_dir: Path) -> None:
+    p = hold_on_gpu(procs, sim_dir, "zombie", "4GiB")
+    p.kill()  # and do not reap it: it stays a zombie, as under a PID 1 that never reaps
+    wait_until("the zombie", lambda: proc_state(p.pid) == "Z")
+    assert p.pid not in on_gpu(sim_dir)
+
+
+@pytest.mark.parametrize("reap", [False, True], ids=["zombie-locker", "reaped-locker"])
+def test_claim_whose_locker_died_is_dead_even_if_a_fork_keeps_the_lock(
+    procs: Procs, sim_dir: Path, reap: bool
+) -> None:
+    """A forked child inherits the lock's descriptor; the claim still dies with its process."""
+    script = (
+        "import os, sys, time\n"
+        "from gpuctl.sim.gpu import SimGpu\n"
+        "c = SimGpu(sys.argv[1]).claim('forky')\n"
+        "c.set(2048)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(child, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    p = procs.start(sim_dir, argv0=("-c", script))
+    child = int(wait_until("the child's pid", lambda: procs.out(p).strip()))
+    try:
+        assert p.pid in on_gpu(sim_dir)
+        p.kill()
+        if reap:
+            p.wait()
+        else:
+            wait_until("the zombie", lambda: proc_state(p.pid) == "Z")
+        assert proc_state(child) not in (None, "Z"), "the child (and the lock) must live on"
+        assert on_gpu(sim_dir) == {}
+        assert SimGpu(sim_dir).claims() == []
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def _can_unshare_pid() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(
+        ["unshare", "-U", "-r", "-p", "-f", "--mount-proc", "true"],
+        capture_output=True,
+        check=False,
+    )
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_pid(), reason="cannot make a PID namespace here (unshare)")
+def test_claim_from_another_pid_namespace_shows_its_host_pid(procs: Procs, sim_dir: Path) -> None:
+    """As from a container: the claim records pid 1, the probe shows the real host pid."""
+    wrapper = procs.start(
+        "-U", "-r", "-p", "-f", "--mount-proc", "--kill-child",
+        sys.executable, "-m", "gpuctl", "sim", "hold", "--name", "in-a-box", "--memory", "2GiB",
+        "--sim-dir", sim_dir,
+        argv0=(),
+        exe="unshare",
+    )  # fmt: skip
+    seen = wait_until("the namespaced hold", lambda: on_gpu(sim_dir))
+    ((pid, proc),) = seen.items()
+    try:
+        (record,) = [json.loads(f.read_text()) for f in (sim_dir / "claims").glob("*.json")]
+        assert record["pid"] == 1, "inside its namespace it is pid 1"
+        assert pid not in (1, wrapper.pid) and proc.memory_mib == 2048
+        assert proc.command is not None and "in-a-box" in proc.command
+    finally:
+        os.kill(pid, signal.SIGTERM)
+    assert wrapper.wait(10) == 0
+    assert on_gpu(sim_dir) == {}
+
+
+def test_second_hold_that_does_not_fit_fails_like_cuda(procs: Procs, sim_dir: Path) -> None:
+    a = hold_on_gpu(procs, sim_dir, "big", "30GiB", "--gpu-memory", "40GiB")
+    b = hold(procs, sim_dir, "late", "20GiB", "--gpu-memory", "40GiB")
+    assert b.wait(30) == 1
+    err = procs.err(b)
+    assert (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a "
+        "total capacity of 40.00 GiB of which 10.00 GiB is free." in err
+    )
+    assert f"Process {a.pid} has 30.00 GiB memory in use." in err
+    assert list(on_gpu(sim_dir)) == [a.pid]
+
+
+# ---------------------------------------------------------------------------- model server
+
+
+def test_model_server_refuses_while_loading_then_serves_like_vllm(
+    procs: Procs, sim_dir: Path
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    srv = model_server(procs, sim_dir, "simvllm-t", "8GiB", "2s", port, "--steps", "4")
+
+    # Claimed (with 0 MiB) right after binding: from here the port is taken but refuses.
+    wait_until("the claim", lambda: any(c.pid == srv.pid for c in SimGpu(sim_dir).claims()))
+    twin = model_server(procs, sim_dir, "simvllm-twin", "1GiB", "0s", port)
+    refused, seen = 0, set()
+    while True:
+        assert srv.poll() is None, procs.logs_of(srv)
+        try:
+            health = httpx.get(f"{base}/health", timeout=2)
+        except httpx.ConnectError:
+            refused += 1
+            held = on_gpu(sim_dir).get(srv.pid)
+            seen.add(held.memory_mib if held else 0)
+            time.sleep(0.05)
+            continue
+        break
+    assert health.status_code == 200 and health.content == b""
+    assert refused > 0, "connections must be refused while loading"
+    assert any(m is not None and 0 < m < 8192 for m in seen), f"memory grew in steps: {seen}"
+    assert twin.wait(30) == 1
+    assert "address already in use" in procs.err(twin)
+
+    proc = on_gpu(sim_dir)[srv.pid]
+    assert proc.memory_mib == 8192 and proc.command is not None and "simvllm-t" in proc.command
+    assert "Application startup complete." in procs.out(srv)
+    assert "Loading weights step 2/4 (4.0 GiB)" in procs.out(srv)
+
+    with httpx.Client(base_url=base, timeout=10) as client:
+        models = client.get("/v1/models").json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["simvllm-t"]
+
+        msgs = [{"role": "user", "content": "hello"}]
+        answer = client.post("/v1/chat/completions", json={"model": "simvllm-t", "messages": msgs})
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["message"]["content"]
+
+        events: list[str] = []
+        with client.stream(
+            "POST", "/v1/chat/completions", json={"messages": msgs, "stream": True}
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in r.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert len(chunks) > 3 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert "simvllm-t" in text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+        # A request in flight shows in vllm:num_requests_running.
+        running = re.compile(r"^vllm:num_requests_running(\{[^}]*\})? (\S+)$", re.M)
+        slow = threading.Thread(
+            target=lambda: httpx.post(
+                f"{base}/v1/chat/completions",
+                json={"messages": msgs, "max_tokens": 60},
+                timeout=30,
+            )
+        )
+        slow.start()
+        try:
+            wait_until(
+                "a running request in /metrics",
+                lambda: float(running.search(client.get("/metrics").text).group(2)) == 1.0,  # type: ignore[union-attr]
+            )
+        finally:
+            slow.join()
+        metrics = client.get("/metrics").text
+        assert float(running.search(metrics).group(2)) == 0.0  # type: ignore[union-attr]
+        assert re.search(r"^vllm:num_requests_waiting(\{[^}]*\})? 0(\.0)?$", metrics, re.M)
+
+        # Sleep mode was not asked for: its endpoints do not exist. Unknown paths are JSON 404s.
+        assert client.post("/sleep", params={"level": 1}).status_code == 404
+        nope = client.get("/nope")
+        assert nope.status_code == 404 and nope.json() == {"detail": "Not Found"}
+        wrong = client.post("/v1/chat/completions", json={"model": "other", "messages": msgs})
+        assert wrong.status_code == 404
+
+    late = model_server(procs, sim_dir, "simvllm-late", "1GiB", "0s", port)
+    assert late.wait(30) == 1 and "address already in use" in procs.err(late)
+
+    assert stop(srv) == 0
+    assert on_gpu(sim_dir) == {}
+    assert "Traceback" not in procs.err(srv)
+
+
+def test_model_server_restarts_on_the_same_port_right_after_a_stop(
+    procs: Procs, sim_dir: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/health"
+    first = model_server(procs, sim_dir, "restarty", "1GiB", "0s", port)
+    wait_healthy(procs, first, port)
+    # A keep-alive connection still open at the stop: the server closes first, and its
+    # side of the connection sits in TIME_WAIT on the port.
+    with httpx.Client(timeout=5) as client:
+        assert client.get(url).status_code == 200
+        assert stop(first) == 0
+    second = model_server(procs, sim_dir, "restarty", "1GiB", "0s", port)
+    wait_healthy(procs, second, port)
+    assert stop(second) == 0
+
+
+def test_model_server_that_does_not_fit_dies_with_cuda_oom_and_frees_its_claim(
+    procs: Procs, sim_dir: Path
+) -> None:
+    h = hold_on_gpu(procs, sim_dir, "squatter", "24GiB", "--gpu-memory", "40GiB")
+    port = free_port()
+    srv = model_server(
+        procs, sim_dir, "toobig", "24GiB", "1s", port, "--steps", "4", "--gpu-memory", "40GiB"
+    )
+    assert srv.wait(30) == 1
+    err = procs.err(srv)
+    # Steps of 6 GiB: 6 and 12 fit beside 24 on 40; 18 does not (4 GiB left).
+    assert (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB. GPU 0 has a "
+        "total capacity of 40.00 GiB of which 4.00 GiB is free." in err
+    ), procs.logs_of(srv)
+    assert "Loading weights step 2/4 (12.0 GiB)" in procs.out(srv)
+    assert [c.pid for c in SimGpu(sim_dir).claims()] == [h.pid]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_sleep_mode_releases_memory_and_wake_up_reclaims_it(procs: Procs, sim_dir: Path) -> None:
+    port = free_port()
+    srv = model_server(
+        procs, sim_dir, "sleepy", "8GiB", "0.5s", port,
+        "--enable-sleep-mode", "--gpu-memory", "16GiB",
+    )  # fmt: skip
+    wait_healthy(procs, srv, port)
+    assert on_gpu(sim_dir)[srv.pid].memory_mib == 8192
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+        r = client.post("/sleep", params={"level": 1})
+        assert r.status_code == 200 and r.json() == {"status": "sleeping", "level": 1}
+        assert srv.pid not in on_gpu(sim_dir), "asleep, it holds no GPU memory"
+        assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert client.get("/health").status_code == 200, "vLLM is healthy while asleep"
+
+        # Someone takes the memory meanwhile: waking up runs out of memory, and it sleeps on.
+        squatter = hold_on_gpu(procs, sim_dir, "squatter", "10GiB")
+        r = client.post("/wake_up")
+        assert r.status_code == 500 and "CUDA out of memory" in r.json()["message"]
+        assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert stop(squatter) == 0
+
+        r = client.post("/wake_up")
+        assert r.status_code == 200 and r.json()["status"] == "awake"
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert on_gpu(sim_dir)[srv.pid].memory_mib == 8192
+    assert stop(srv) == 0
+
+
+def test_model_server_runs_with_nothing_but_the_stdlib(procs: Procs, sim_dir: Path) -> None:
+    """As in a minimal container: no site-packages, only gpuctl on the path."""
+    procs.env["PYTHONPATH"] = str(ROOT)
+    check = subprocess.run(
+        [
+            sys.executable, "-S", "-c",
+            "import sys, gpuctl.sim.model_server, gpuctl.sim.hold\n"
+            "extra = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
+            "print(sorted(extra - {'gpuctl', '__main__'}))",
+        ],
+        capture_output=True, text=True, env=procs.env, check=True,
+    )  # fmt: skip
+    assert check.stdout.strip() == "[]"
+    port = free_port()
+    srv = procs.start(
+        "--name", "bare", "--memory", "1GiB", "--load-time", "0.2s", "--port", str(port),
+        "--sim-dir", sim_dir,
+        argv0=("-S", "-m", "gpuctl.sim.model_server"),
+    )  # fmt: skip
+    wait_healthy(procs, srv, port)
+    assert on_gpu(sim_dir)[srv.pid].memory_mib == 1024
+    assert stop(srv) == 0
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_sim_ls_and_reset(procs: Procs, sim_dir: Path) -> None:
+    a = hold_on_gpu(procs, sim_dir, "lister", "1GiB")
+    r = procs.cli("sim", "ls", "--json", "--sim-dir", sim_dir)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["schema"] == 1 and data["memory_total_mib"] == 131072
+    (claim,) = data["claims"]
+    assert (claim["pid"], claim["name"], claim["memory_mib"]) == (a.pid, "lister", 1024)
+    assert "lister" in claim["command"]
+    r = procs.cli("sim", "ls", "--sim-dir", sim_dir)
+    assert r.returncode == 0 and "lister" in r.stdout and "1.0 GiB" in r.stdout
+
+    a.kill()
+    a.wait()
+    r = procs.cli("sim", "reset", "--sim-dir", sim_dir)
+    assert r.returncode == 0 and "removed 1 dead claim " in r.stderr, r.stderr
+
+    b = hold_on_gpu(procs, sim_dir, "victim", "1GiB")
+    r = procs.cli("sim", "reset", "--all", "--sim-dir", sim_dir)
+    assert r.returncode == 0, r.stderr
+    assert b.wait(10) == 0
+    r = procs.cli("sim", "ls", "--sim-dir", sim_dir)
+    assert "no claims" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["sim", "hold", "--memory", "lots", "--name", "x"], "--memory"),
+        (["sim", "hold", "--memory", "1GiB", "--name", "x", "--duration", "soon"], "--duration"),
+        (
+            ["sim", "model-server", "--name", "x", "--memory", "1GiB", "--load-time", "ages"],
+            "--load-time",
+        ),
+        (["sim", "ls", "--gpu-memory", "0"], "--gpu-memory"),
+    ],
+)
+def test_bad_sizes_and_durations_are_one_line_usage_errors(
+    procs: Procs, sim_dir: Path, args: list[str], needle: str
+) -> None:
+    r = procs.cli(*args, "--sim-dir", sim_dir)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"gpuctl: error: {needle}") and "Traceback" not in r.stderr
