@@ -69,6 +69,13 @@ class EnsureDeps:
     sleep: Callable[[float], None] = time.sleep
     progress: Callable[[Progress], None] | None = None
     entry: str = "ensure"
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close the clients the adapters opened (agent connections)."""
+        for c in self.closers:
+            c()
+        self.closers.clear()
 
 
 @dataclass
@@ -370,6 +377,8 @@ def _wait_launched(
                 note = ""
             except GpuctlError as e:
                 note = f"agent unavailable ({e.message}); still polling health"
+                if not any(n.startswith("agent unavailable") for n in ctx.notes):
+                    ctx.notes.append(note)
             try:
                 last = launcher.log_tail(handle, 1)
                 log_line = last.splitlines()[-1] if last else log_line
@@ -413,6 +422,8 @@ def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult:
             d = verdict.decision
             if d is Decision.UNKNOWN:
                 note = f"agent unavailable; still polling health ({verdict.reason})"
+                if not any(n.startswith("agent unavailable") for n in ctx.notes):
+                    ctx.notes.append(note)
             else:
                 note = ""
                 memory = _own_memory(snap, svc)

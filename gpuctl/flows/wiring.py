@@ -28,13 +28,17 @@ def store_for(host: HostConfig) -> Store:
     return DirectStore(default_state_dir())
 
 
-def snapshot_reader(host: HostConfig) -> Callable[[Sequence[str]], Snapshot]:
+def snapshot_reader(
+    host: HostConfig, closers: list[Callable[[], None]] | None = None
+) -> Callable[[Sequence[str]], Snapshot]:
     if host.agent:
         from gpuctl.adapters.agent_client import AgentClient
 
         client = AgentClient(
             host.agent, host.token(), timeout_s=host.timeout_s, host_name=host.name
         )
+        if closers is not None:
+            closers.append(client.close)
         return lambda kws: client.status(match=kws)
 
     from gpuctl.adapters.local import local_snapshot
@@ -135,12 +139,18 @@ def deps_for(
 
     from gpuctl.adapters import health
 
+    closers: list[Callable[[], None]] = []
+    store = store_for(host)
+    close_store = getattr(store, "close", None)
+    if close_store is not None:
+        closers.append(close_store)
     return EnsureDeps(
         config=config,
         service=service,
         host=host,
-        store=store_for(host),
-        read_snapshot=snapshot_reader(host),
+        store=store,
+        closers=closers,
+        read_snapshot=snapshot_reader(host, closers),
         check_health=lambda: health.check(service.health, timeout_s=2.0),
         make_launcher=lambda snap: launcher_for(service, host, snap),
         handle_alive=handle_checker(service, host),

@@ -1,0 +1,313 @@
+"""`gpuctl ensure` end to end on the simulated GPU, with the process launcher.
+
+Real agent, real store, real detached servers. The counts asserted are the point:
+exactly one launch, however many callers race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpuctl import api
+from gpuctl.flows.simhost import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import (
+    cli_env,
+    direct_config,
+    kill_servers,
+    launches_in_log,
+    model_server_command,
+    read_record,
+    run_ensure,
+    server_pids,
+    service_toml,
+    sim_claims,
+    spawn_ensure,
+    unique_name,
+)
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    api._reset_for_tests()
+    with SimHost(root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+    api._reset_for_tests()
+
+
+@pytest.fixture
+def svc() -> Iterator[str]:
+    name = unique_name()
+    yield name
+    kill_servers(name)
+
+
+def log_of(host: SimHost, name: str) -> Path:
+    return host.state_dir / "logs" / f"{name}.log"
+
+
+def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="2s"))
+    )
+    r = run_ensure(cfg, svc)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0, r.stderr
+    assert out["outcome"] == "ready" and out["launched"] is True and out["decision"] == "IDLE"
+    assert out["attempt"]["outcome"] == "ready" and out["attempt"]["duration_s"] > 1.0
+    assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    # The server outlives its caller: the ensure process has exited, the server runs.
+    assert len(server_pids(svc)) == 1
+    rec = read_record(host, svc)
+    assert rec["phase"] == "running" and rec["lease"] is None
+    assert rec["handle"]["pid"] == server_pids(svc)[0]  # the server itself, not a wrapper
+    # A second ensure finds it healthy: no launch, exit 0.
+    r2 = run_ensure(cfg, svc)
+    assert r2.returncode == 0 and json.loads(r2.stdout)["launched"] is False
+    assert launches_in_log(log_of(host, svc)) == 1
+    # locks and status tell the same story.
+    locks = json.loads(
+        subprocess.run(
+            [gpuctl_exe(), "locks", "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    (row,) = [x for x in locks["records"] if x["service"] == svc]
+    assert row["phase"] == "running" and row["last_used"] is not None
+    status = json.loads(
+        subprocess.run(
+            [gpuctl_exe(), "status", "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    )
+    (s,) = status["services"]
+    assert s["decision"] == "READY" and s["pids"] == server_pids(svc)
+    # stop finds it by its record.
+    r3 = subprocess.run(
+        [gpuctl_exe(), "stop", svc], env=cli_env(cfg), capture_output=True, text=True, check=False
+    )
+    assert r3.returncode == 0, r3.stderr
+    assert server_pids(svc) == []
+    assert read_record(host, svc)["phase"] == "stopped"
+
+
+def test_race_32_processes_and_8_api_calls_one_launch(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="5s"))
+    )
+    procs = [spawn_ensure(cfg, svc) for _ in range(32)]
+
+    async def api_calls() -> list[api.ReadyResult]:
+        return list(
+            await asyncio.gather(*(api.ensure_ready(svc, config=cfg, timeout=90) for _ in range(8)))
+        )
+
+    results = asyncio.run(api_calls())
+    outs = [
+        (p.wait(120), p.stdout.read() if p.stdout else "", p.stderr.read() if p.stderr else "")
+        for p in procs
+    ]
+    for p in procs:
+        for f in (p.stdout, p.stderr):
+            if f:
+                f.close()
+    codes = [rc for rc, _, _ in outs]
+    assert codes == [0] * 32, [e[-300:] for rc, _, e in outs if rc]
+    assert all(r.ready for r in results), [r.reason for r in results if not r.ready]
+    launched = [json.loads(o)["launched"] for _, o, _ in outs] + [r.launched for r in results]
+    assert launched.count(True) == 1
+    assert launches_in_log(log_of(host, svc)) == 1
+    assert len(server_pids(svc)) == 1
+    assert len(sim_claims(host, svc)) == 1
+    assert "CUDA out of memory" not in log_of(host, svc).read_text()
+
+
+def test_race_across_both_store_paths_one_launch(host: SimHost, svc: str) -> None:
+    port = free_port()
+    services = service_toml(svc, port, model_server_command(svc, port, load_time="4s"))
+    via_agent = host.write_config(services)
+    direct = direct_config(host, services)
+    procs = [spawn_ensure(via_agent if i % 2 else direct, svc) for i in range(12)]
+    outs = [(p.wait(120), p.communicate()) for p in procs]
+    assert [rc for rc, _ in outs] == [0] * 12, [o[1][-300:] for rc, o in outs if rc]
+    launched = [json.loads(o[0])["launched"] for _, o in outs]
+    assert launched.count(True) == 1
+    assert launches_in_log(log_of(host, svc)) == 1
+    assert len(server_pids(svc)) == 1
+
+
+def test_holder_killed_mid_start_next_caller_waits(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="6s"))
+    )
+    first = spawn_ensure(cfg, svc)
+    deadline = time.monotonic() + 20
+    while not server_pids(svc):  # launched, still loading
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.1)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    first.communicate()
+    # The lease is void at once (its holder is dead), the server lives on, loading.
+    r = run_ensure(cfg, svc)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0, r.stderr
+    assert out["launched"] is False and out["decision"] == "LOADING"
+    assert launches_in_log(log_of(host, svc)) == 1
+    assert len(server_pids(svc)) == 1
+
+
+def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_path: Path) -> None:
+    """The window between spawning the server and recording it: the keywords catch it."""
+    port = free_port()
+    cmd = model_server_command(svc, port, load_time="5s")
+    cfg = host.write_config(service_toml(svc, port, cmd))
+    script = tmp_path / "holder.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import shlex, subprocess, sys, time
+            from pathlib import Path
+            from gpuctl.adapters.store import DirectStore, Holder
+            store = DirectStore(Path({str(host.state_dir)!r}))
+            granted, _ = store.acquire({svc!r}, Holder.here("test"), 600)
+            assert granted
+            subprocess.Popen(shlex.split({cmd!r}), start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print("spawned", flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    holder = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=cli_env(cfg)
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "spawned"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    holder.stdout.close()
+    r = run_ensure(cfg, svc)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0, r.stderr
+    assert out["launched"] is False
+    assert len(server_pids(svc)) == 1  # never a second server while the first lives
+    assert launches_in_log(log_of(host, svc)) == 0  # gpuctl itself launched nothing
+
+
+def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cmd = f"{sys.executable} -c \"import sys; print('boom: weights not found'); sys.exit(3)\" {svc}"
+    cfg = host.write_config(service_toml(svc, port, cmd))
+    r = run_ensure(cfg, svc)
+    out = json.loads(r.stdout)
+    assert r.returncode == 1
+    assert out["outcome"] == "failed" and "exited" in out["reason"]
+    assert "boom: weights not found" in out["log_tail"]
+    # The back-off holds the next attempt: FAILED at once, no launch.
+    t0 = time.monotonic()
+    r2 = run_ensure(cfg, svc)
+    out2 = json.loads(r2.stdout)
+    assert r2.returncode == 1 and out2["decision"] == "FAILED" and out2["launched"] is False
+    assert "next try in" in out2["reason"] and time.monotonic() - t0 < 10
+    assert launches_in_log(log_of(host, svc)) == 1
+    locks = json.loads(
+        subprocess.run(
+            [gpuctl_exe(), "locks", "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    (row,) = [x for x in locks["records"] if x["service"] == svc]
+    assert row["phase"] == "failed"
+    assert row["failure"]["count"] == 1 and "boom" in row["failure"]["log_tail"]
+    assert row["failure"]["backoff_until"] - row["failure"]["at"] == pytest.approx(10, abs=0.5)
+    human = subprocess.run(
+        [gpuctl_exe(), "locks"],
+        env={**cli_env(cfg), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "exited while loading" in human and "retry in" in human
+
+
+def test_agent_stopped_mid_wait(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="6s"))
+    )
+    proc = spawn_ensure(cfg, svc)
+    deadline = time.monotonic() + 20
+    while not server_pids(svc):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    host.stop(host.procs[0])  # the agent
+    out_s, err = proc.communicate(timeout=90)
+    out = json.loads(out_s)
+    assert proc.returncode == 0, err
+    assert out["outcome"] == "ready" and out["launched"] is True
+    assert any(n.startswith("agent unavailable") for n in out["notes"]), out["notes"]
+    assert len(server_pids(svc)) == 1 and launches_in_log(log_of(host, svc)) == 1
+
+
+def test_busy_and_unknown_never_start(host: SimHost, svc: str, tmp_path: Path) -> None:
+    port = free_port()
+    big = service_toml(svc, port, model_server_command(svc, port)).replace(
+        'memory = "20GiB"', 'memory = "120GiB"'
+    )
+    cfg = host.write_config(big)
+    holder = host.hold("comfyui", "20GiB")
+    deadline = time.monotonic() + 10
+    r = run_ensure(cfg, svc)
+    while r.returncode != 3 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        r = run_ensure(cfg, svc)
+    out = json.loads(r.stdout)
+    assert r.returncode == 3 and out["outcome"] == "busy"
+    assert f"pid {holder.pid}" in out["reason"] and "comfyui" in out["reason"]
+    host.stop(holder)
+    host.stop(host.procs[0])  # the agent: now nobody can tell us what runs
+    r = run_ensure(cfg, svc)
+    assert r.returncode == 4 and json.loads(r.stdout)["outcome"] == "unknown"
+    assert server_pids(svc) == []
+
+
+def test_sync_api_warm_path_and_misuse(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="1s"))
+    )
+    r = api.ensure_ready_sync(svc, config=cfg, timeout=60)
+    assert r.ready and r.decision == "READY" and r.launched
+    warm = api.ensure_ready_sync(svc, config=cfg)
+    assert warm.ready and not warm.launched
+    from gpuctl.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown service"):
+        api.ensure_ready_sync("nope", config=cfg)
