@@ -65,7 +65,7 @@ _OUTCOME_DECISION = {
 _lock = threading.Lock()
 _configs: dict[str, Config] = {}
 _last_touch: dict[tuple[str, str], float] = {}
-_sync_client: httpx.Client | None = None
+_sync_clients: dict[str, httpx.Client] = {}  # one, shared by every thread
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
     weakref.WeakKeyDictionary()
 )
@@ -150,16 +150,15 @@ def ensure_ready_sync(
     wait: bool = True,
 ) -> ReadyResult:
     """The synchronous twin of ``ensure_ready``."""
-    global _sync_client
     conf = _config(config)
     svc = _service(conf, service)
-    if _sync_client is None:
-        with _lock:
-            if _sync_client is None:
-                _sync_client = httpx.Client(timeout=HEALTH_TIMEOUT_S)
+    with _lock:
+        client = _sync_clients.get("")
+        if client is None:
+            client = _sync_clients[""] = httpx.Client(timeout=HEALTH_TIMEOUT_S)
     assert svc.health is not None
     try:
-        healthy = _sync_client.get(svc.health).status_code == 200
+        healthy = client.get(svc.health).status_code == 200
     except httpx.HTTPError:
         healthy = False
     if healthy:
@@ -214,11 +213,10 @@ async def aclose() -> None:
 
 def _reset_for_tests() -> Any:
     """Forget cached configs, clients and touch times (tests load many configs)."""
-    global _sync_client
     with _lock:
         _configs.clear()
         _last_touch.clear()
-        if _sync_client is not None:
-            _sync_client.close()
-            _sync_client = None
+        for c in _sync_clients.values():
+            c.close()
+        _sync_clients.clear()
     _async_clients.clear()
