@@ -19,6 +19,7 @@ from pathlib import Path
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import NO_HEALTH, Health, Verdict, classify
 from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Record
 from gpuctl.errors import ExitCode, GpuctlError
 
 LOCAL_HOST = "local"
@@ -107,6 +108,7 @@ def gather(
     *,
     local: LocalProbeOptions | None = None,
     agent_reader: SnapshotReader = read_agent,
+    records_reader: Callable[[HostConfig], dict[str, Record]] | None = None,
     health_timeout_s: float = 2.0,
 ) -> StatusReport:
     """Status of ``host_names`` (default: every configured host; with none, this machine).
@@ -115,6 +117,7 @@ def gather(
     why. Raises ``UsageError`` for an unknown host name.
     """
     local = local or LocalProbeOptions()
+    records_reader = records_reader or read_records
     if host_names:
         hosts = [config.host(n) for n in host_names]
     elif config.hosts:
@@ -133,8 +136,11 @@ def gather(
     with ThreadPoolExecutor(max_workers=min(32, 4 + 4 * len(hosts))) as pool:
         snaps: dict[str, Future[Snapshot]] = {}
         healths: dict[str, Future[Health]] = {}
+        recs: dict[str, Future[dict[str, Record]]] = {}
         for h in hosts:
             kws = _keywords(config.services_on(h.name))
+            if config.services_on(h.name):
+                recs[h.name] = pool.submit(records_reader, h)
             if h.agent:
                 snaps[h.name] = pool.submit(agent_reader, h, kws)
             else:
@@ -164,6 +170,13 @@ def gather(
             hs = tuple(
                 healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
             )
+            records: dict[str, Record] = {}
+            if h.name in recs and snapshot is not None:
+                try:
+                    records = recs[h.name].result()
+                except GpuctlError:
+                    pass  # an agent without a store still tells what runs
+            now = time.time()
             verdicts = tuple(
                 classify(
                     s,
@@ -172,6 +185,8 @@ def gather(
                     others=services,
                     agent_error=error,
                     total_override_mib=h.gpu_memory_mib,
+                    record=records.get(s.name),
+                    now=now,
                 )
                 for s, hh in zip(services, hs, strict=True)
             )
@@ -191,6 +206,19 @@ def gather(
                 )
             )
     return StatusReport(hosts=tuple(reports))
+
+
+def read_records(host: HostConfig) -> dict[str, Record]:
+    """The host's records (leases, failures), through its agent or directly."""
+    from gpuctl.flows.wiring import store_for
+
+    store = store_for(host)
+    try:
+        return {r.service: r for r in store.records()}
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
 
 
 def _health(url: str, timeout_s: float) -> Health:

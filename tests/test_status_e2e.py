@@ -1,0 +1,152 @@
+"""`gpuctl status --json` against a real agent on the simulated GPU: the decisions of
+issue 2's "done when", through the installed `gpuctl` as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuctl.flows.simhost import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import kill_servers, unique_name
+
+
+def status(cfg: Path, *args: str, token: str | None = None) -> tuple[int, dict[str, Any]]:
+    env = {**os.environ, "GPUCTL_CONFIG": str(cfg)}
+    if token is not None:
+        env["GPUCTL_DEMO_TOKEN"] = token
+    r = subprocess.run(
+        [gpuctl_exe(), "status", "--json", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.stdout, r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def decisions(obj: dict[str, Any]) -> dict[str, str]:
+    return {s["name"]: s["decision"] for s in obj["services"]}
+
+
+def wait_for(
+    cfg: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 30
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        _, obj = status(cfg)
+        if pred(obj) or time.monotonic() > deadline:
+            return obj
+        time.sleep(0.3)
+
+
+@pytest.mark.e2e
+def test_decisions_through_a_real_agent(sim_host: SimHost) -> None:
+    llm = unique_name("vllm")
+    port = free_port()
+    cfg = sim_host.write_config(
+        f"""
+[services.{llm}]
+health = "http://127.0.0.1:{port}/health"
+memory = "80GiB"
+
+[services.photos]
+match = ["photo-batch-{llm}"]
+memory = "30GiB"
+
+[services.trainer]
+match = ["trainer-{llm}"]
+memory = "120GiB"
+"""
+    )
+    try:
+        rc, obj = status(cfg)
+        assert rc == 0 and obj["schema"] == 1 and obj["ok"] is True
+        assert decisions(obj) == {llm: "IDLE", "photos": "IDLE", "trainer": "IDLE"}
+        assert obj["hosts"][0]["is_idle"] is True and obj["hosts"][0]["probe"] == "sim"
+
+        hold = sim_host.hold("comfyui", "20GiB")
+        obj = wait_for(cfg, lambda o: decisions(o)["trainer"] == "BUSY")
+        d = decisions(obj)
+        assert d[llm] == "FITS" and d["trainer"] == "BUSY"
+        (trainer,) = [s for s in obj["services"] if s["name"] == "trainer"]
+        assert f"pid {hold.pid}" in trainer["reason"] and "comfyui" in trainer["reason"]
+        (proc,) = obj["hosts"][0]["processes"]
+        assert (
+            proc["pid"] == hold.pid and proc["memory_mib"] == 20480 and "comfyui" in proc["command"]
+        )
+
+        server = sim_host.model_server(llm, "80GiB", "4s", port)
+        obj = wait_for(cfg, lambda o: decisions(o)[llm] == "LOADING", 10)
+        assert decisions(obj)[llm] == "LOADING"
+        # The loading server counts at its full 80 GiB budget: the 30 GiB batch no longer fits.
+        assert decisions(obj)["photos"] == "BUSY"
+        obj = wait_for(cfg, lambda o: decisions(o)[llm] == "READY", 30)
+        assert decisions(obj)[llm] == "READY"
+        (svc,) = [s for s in obj["services"] if s["name"] == llm]
+        assert svc["pids"] == [server.pid] and svc["memory_mib"] == 81920
+
+        rc, obj = status(cfg, token="wrong-token")
+        assert rc == 4 and obj["ok"] is False
+        assert "refused our token" in obj["hosts"][0]["error"]
+        assert decisions(obj)["trainer"] == "UNKNOWN"
+        assert decisions(obj)[llm] == "READY"  # health answers even when the agent refuses us
+
+        sim_host.stop(sim_host.procs[0])  # the agent
+        rc, obj = status(cfg)
+        assert rc == 4 and decisions(obj)["photos"] == "UNKNOWN"
+        assert "refused" in obj["hosts"][0]["error"] or "cannot reach" in obj["hosts"][0]["error"]
+    finally:
+        kill_servers(llm)
+
+
+@pytest.mark.e2e
+def test_one_dead_host_does_not_slow_the_others(sim_host: SimHost, tmp_path: Path) -> None:
+    """--all: a host whose agent hangs shows UNKNOWN after its own timeout."""
+    import socket
+
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)  # accepts, never answers
+    try:
+        cfg = tmp_path / "two.toml"
+        cfg.write_text(
+            f'[hosts.good]\nagent = "{sim_host.agent_url}"\ntoken_env = "GPUCTL_DEMO_TOKEN"\n'
+            f'[hosts.hung]\nagent = "http://127.0.0.1:{hang.getsockname()[1]}"\ntimeout = "1s"\n'
+        )
+        t0 = time.monotonic()
+        rc, obj = status(cfg, "--all", token=sim_host.token)
+        elapsed = time.monotonic() - t0
+        assert rc == 4
+        by = {h["name"]: h for h in obj["hosts"]}
+        assert by["good"]["ok"] is True and by["hung"]["ok"] is False
+        assert "did not answer" in by["hung"]["error"]
+        assert elapsed < 10  # bounded by the hung host's own 1 s timeout, not stacked
+    finally:
+        hang.close()
+
+
+@pytest.mark.e2e
+def test_human_view_names_everything(sim_host: SimHost) -> None:
+    cfg = sim_host.write_config('[services.trainer]\nmatch = ["trainer"]\nmemory = "120GiB"\n')
+    hold = sim_host.hold("comfyui", "20GiB")
+    env = {**os.environ, "GPUCTL_CONFIG": str(cfg), "COLUMNS": "140", "NO_COLOR": "1"}
+    deadline = time.monotonic() + 10
+    while True:
+        r = subprocess.run(
+            [gpuctl_exe(), "status"], env=env, capture_output=True, text=True, check=False
+        )
+        if "BUSY" in r.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert r.returncode == 0, r.stderr
+    for word in ("GPU memory", "20.0 GiB / 128.0 GiB", str(hold.pid), "comfyui", "trainer", "BUSY"):
+        assert word in r.stdout, (word, r.stdout)
