@@ -151,21 +151,28 @@ class DirectStore:
         # mode 0o666: several users of one GPU host share the lock files (umask applies).
         return FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S, mode=0o666)
 
-    def _read(self, service: str) -> Record:
+    def _read(self, service: str, *, recover: bool = True) -> Record:
+        """The record on disk. A broken one is set aside (``recover``; only under the lock)
+        or, without ``recover``, returned fresh with ``recovered`` saying why."""
         path, _ = self._paths(service)
         try:
-            raw = path.read_text()
+            raw = path.read_bytes()
         except FileNotFoundError:
             return Record(service=service)
         except OSError as e:
             raise StoreError(f"cannot read {path}: {e.strerror or e}") from None
         try:
+            # bytes: json decodes them, so bytes that are not UTF-8 are a ValueError here.
             rec = Record.from_dict(json.loads(raw))
         except (ValueError, KeyError, TypeError) as e:
-            return self._recover(service, path, f"{type(e).__name__}: {e}")
-        if rec.service != service:
-            return self._recover(service, path, f"it names service {rec.service!r}")
-        return rec
+            why = f"{type(e).__name__}: {e}"
+        else:
+            if rec.service == service:
+                return rec
+            why = f"it names service {rec.service!r}"
+        if not recover:
+            return Record(service=service, recovered=why)
+        return self._recover(service, path, why)
 
     def _recover(self, service: str, path: Path, why: str) -> Record:
         """A corrupt or half-written record is set aside, never a crash."""
@@ -184,10 +191,11 @@ class DirectStore:
         data = json.dumps(record.to_dict(), sort_keys=True, indent=1)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            # Atomic through os.replace: a reader never sees a torn record. No fsync: it
+            # costs milliseconds on every lease operation, and after a power loss the
+            # records' leases are void anyway (the boot id changes, the servers are gone).
             with os.fdopen(fd, "w") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except OSError as e:
@@ -234,7 +242,9 @@ class DirectStore:
     # ---- the interface
 
     def get(self, service: str) -> Record:
-        rec = self._read(service)
+        # A broken record is set aside only under its lock: a reader that moved it without
+        # the lock could move away the fresh record a lock holder has just written.
+        rec = self._read(service, recover=False)
         if rec.recovered:
             lock = self._locked(service)
             try:
@@ -278,7 +288,11 @@ class DirectStore:
 
     def _as_holder(self, service: str, holder_id: str) -> tuple[Any, Record]:
         lock = self._locked(service)
-        rec, _ = self._effective(self._read(service))
+        try:
+            rec, _ = self._effective(self._read(service))
+        except BaseException:
+            lock.release()
+            raise
         if rec.lease is None or rec.lease.holder != holder_id:
             lock.release()
             who = (

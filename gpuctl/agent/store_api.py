@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,10 @@ class StoreApi:
         if rest == [] and method == "PATCH":
             return 200, store.update(svc, str(data["holder"]), _update(data)).to_dict()
         if rest == ["lease"] and method == "POST":
-            granted, rec = store.acquire(
-                svc, Holder.from_dict(data["holder"]), float(data["ttl_s"])
-            )
+            granted, rec = store.acquire(svc, Holder.from_dict(data["holder"]), _ttl(data))
             return 200, {"granted": granted, "record": rec.to_dict()}
         if rest == ["lease", "renew"] and method == "POST":
-            return 200, store.renew(svc, str(data["holder"]), float(data["ttl_s"])).to_dict()
+            return 200, store.renew(svc, str(data["holder"]), _ttl(data)).to_dict()
         if rest == ["lease", "release"] and method == "POST":
             return 200, store.release(svc, str(data["holder"]), _update(data) or None).to_dict()
         if rest == ["touch"] and method == "POST":
@@ -90,3 +89,11 @@ def _update(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(u, dict):
         raise ValueError("update must be an object")
     return u
+
+
+def _ttl(data: dict[str, Any]) -> float:
+    # NaN or infinity would make a lease that never expires (json.loads accepts both).
+    ttl = float(data["ttl_s"])
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError("ttl_s must be a positive, finite number of seconds")
+    return ttl

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -46,12 +47,39 @@ class RichNarrator:
 
         self.console.print()
         self.console.print(Rule(f"[bold]{title}", align="left"))
-        self.console.print(text, highlight=False)
+        # The flow writes prose; let Rich wrap it to the terminal's width.
+        self.console.print(" ".join(text.split()), highlight=False)
 
     def show(self, report: StatusReport) -> None:
         from gpuctl.render.status_view import render_status
 
         self.console.print(render_status(report, width=self.console.width))
+
+    def results(self, rows: list[dict[str, Any]]) -> None:
+        from rich.table import Table
+
+        t = Table(header_style="bold", box=None, pad_edge=False)
+        for col in ("CALLER", "EXIT", "FIRST SAW", "LAUNCHED", "WAITED", "OUTCOME"):
+            t.add_column(col)
+        for r in rows:
+            t.add_row(
+                str(r["caller"]),
+                str(r["exit"]),
+                str(r.get("decision", "?")),
+                "[bold green]yes[/]" if r.get("launched") else "no",
+                f"{r.get('waited_s', 0):.1f}s",
+                str(r.get("reason", "")),
+            )
+        self.console.print(t)
+        launches = sum(1 for r in rows if r.get("launched"))
+        self.console.print(f"[bold]{launches} launch[/] for {len(rows)} callers.")
+
+    def locks(self, config_path: str) -> None:
+        from gpuctl.config import load_config
+        from gpuctl.flows import service_ops
+        from gpuctl.render.locks import render_locks
+
+        self.console.print(render_locks(service_ops.locks(load_config(Path(config_path)), None)))
 
     def watch(
         self,

@@ -114,7 +114,7 @@ def owner_of(command: str | None, specs: Sequence[ServiceSpec]) -> ServiceSpec |
 
 
 def _describe(p: GpuProcess, width: int = 60) -> str:
-    cmd = p.command if p.command is not None else "<command not visible>"
+    cmd = " ".join(p.command.split()) if p.command is not None else "<command not visible>"
     if len(cmd) > width:
         cmd = cmd[: width - 1] + "…"
     mem = format_mib(p.memory_mib)

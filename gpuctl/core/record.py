@@ -176,7 +176,9 @@ def backoff_s(count: int) -> float:
     """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min."""
     if count <= 0:
         return 0.0
-    return float(min(BACKOFF_FIRST_S * 2.0 ** (count - 1), BACKOFF_MAX_S))
+    # The exponent is capped: 2.0 ** 1024 overflows, and the count of a service that keeps
+    # failing under cron grows without bound.
+    return float(min(BACKOFF_FIRST_S * 2.0 ** min(count - 1, 64), BACKOFF_MAX_S))
 
 
 class LeaseState(StrEnum):

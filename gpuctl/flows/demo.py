@@ -6,9 +6,13 @@ the narrator's job (the CLI gives it a Rich one).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
@@ -25,6 +29,8 @@ class Narrator(Protocol):
         until: Callable[[StatusReport], bool],
         timeout_s: float,
     ) -> StatusReport: ...
+    def results(self, rows: list[dict[str, Any]]) -> None: ...
+    def locks(self, config_path: str) -> None: ...
 
 
 def decision_of(report: StatusReport, service: str) -> Decision | None:
@@ -39,10 +45,16 @@ def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
     """Play the demo; returns the last report. Everything it starts is stopped on return."""
     vllm_port = free_port()
     with SimHost(gpu_memory="128GiB") as host:
+        server = (
+            f"{sys.executable} -m gpuctl sim model-server --name vllm --memory 80GiB "
+            f"--load-time {load_time_s}s --port {vllm_port} --sim-dir {host.sim_dir}"
+        )
         host.start_agent()
         cfg_path = host.write_config(
             f"""
 [services.vllm]
+launcher = "process"
+command = "{server}"
 health = "http://127.0.0.1:{vllm_port}/health"
 match = ["vllm"]
 memory = "80GiB"
@@ -80,21 +92,55 @@ memory = "120GiB"
         report = narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.FITS, 10)
 
         narrator.chapter(
-            "3. A model server loading",
-            f"A fake vLLM starts: {load_time_s:.0f} s cold start, memory growing to 80 GiB, port bound but refusing\n"
-            "connections, just like the real one. A memory-only check would call the GPU idle in its first\n"
-            "seconds and start a second copy. gpuctl says LOADING from the first moment, before the GPU even\n"
-            "sees the process, and counts the server at its full budget: the 30 GiB photo batch no longer fits.",
+            "3. Three callers, one launch",
+            "Three `gpuctl ensure vllm` start at the same moment, as a chat app, a cron job and a\n"
+            f"user would. The fake vLLM takes {load_time_s:.0f} s to load: its port is bound but refuses\n"
+            "connections, its memory grows to 80 GiB. One caller takes the lease and launches it\n"
+            "(detached: it outlives its caller); the others see LOADING and wait. gpuctl counts the\n"
+            "loading server at its full budget, so the 30 GiB photo batch no longer fits.",
         )
-        host.model_server("vllm", "80GiB", f"{load_time_s}s", vllm_port)
-        narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.LOADING, 10)
-        report = narrator.watch(
-            poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 30
-        )
+        env = {**os.environ, "GPUCTL_CONFIG": str(cfg_path)}
+        callers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "gpuctl", "ensure", "vllm", "--json"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        try:
+            narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.LOADING, 15)
+            report = narrator.watch(
+                poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 60
+            )
+            rows = []
+            for i, c in enumerate(callers, 1):
+                out, _ = c.communicate(timeout=load_time_s + 60)
+                data = json.loads(out) if out.strip() else {}
+                rows.append({"caller": i, "exit": c.returncode, **data})
+        finally:
+            for c in callers:
+                if c.poll() is None:
+                    c.kill()
+                    c.communicate()
+        narrator.results(rows)
 
         narrator.chapter(
-            "4. Ready",
-            "vLLM answers its health check: READY. Scripts get the same picture from `gpuctl status --json`.\n"
+            "4. One shared truth",
+            "`gpuctl locks` reads the record every entry point shares on the GPU host:\n"
+            "one start attempt, the server running, when it was last used.",
+        )
+        narrator.locks(str(cfg_path))
+        subprocess.run(
+            [sys.executable, "-m", "gpuctl", "stop", "vllm"],
+            env=env,
+            capture_output=True,
+            check=False,
+        )
+        narrator.chapter(
+            "5. Done",
             "Cleaning up: every process of the demo is stopped and its directory removed.",
         )
         time.sleep(0.2)

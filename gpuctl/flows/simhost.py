@@ -195,5 +195,24 @@ class SimHost:
         for proc in reversed(self.procs):
             self.stop(proc)
         self.procs.clear()
+        self.stop_claimants()
+
+    def stop_claimants(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM (then SIGKILL) every process that holds memory on this simulated GPU,
+        such as servers that ``gpuctl ensure`` launched detached."""
+        from gpuctl.sim.gpu import SimGpu
+
+        if not self.sim_dir.exists():
+            return
+        pids = {c.pid for c in SimGpu(self.sim_dir).claims()}
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and SimGpu(self.sim_dir).claims():
+                time.sleep(0.1)
+            if not SimGpu(self.sim_dir).claims():
+                return
         if self._own_root and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)

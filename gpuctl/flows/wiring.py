@@ -137,9 +137,15 @@ def deps_for(
         )
     host = config.host(service.host)
 
+    import httpx
+
     from gpuctl.adapters import health
 
     closers: list[Callable[[], None]] = []
+    # One keep-alive client for the whole wait: a new client per poll costs a TLS
+    # context each time, and 32 waiters polling 4 times a second would burn the CPU.
+    health_client = httpx.Client(timeout=2.0)
+    closers.append(health_client.close)
     store = store_for(host)
     close_store = getattr(store, "close", None)
     if close_store is not None:
@@ -151,7 +157,7 @@ def deps_for(
         store=store,
         closers=closers,
         read_snapshot=snapshot_reader(host, closers),
-        check_health=lambda: health.check(service.health, timeout_s=2.0),
+        check_health=lambda: health.check(service.health, timeout_s=2.0, client=health_client),
         make_launcher=lambda snap: launcher_for(service, host, snap),
         handle_alive=handle_checker(service, host),
         progress=progress,

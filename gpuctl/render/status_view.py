@@ -50,6 +50,7 @@ def memory_bar(used: int | None, total: int | None, unified: bool) -> Text:
 def _cmd(cmd: str | None, wide: bool, room: int) -> Text:
     if cmd is None:
         return Text("<not visible: other PID namespace or no permission>", style="dim italic")
+    cmd = " ".join(cmd.split())  # a `python -c` script's newlines would break the row
     # Cut the command ourselves: left to Rich, a long no-wrap cell squeezes the short
     # columns out of the table instead.
     if not wide and len(cmd) > room:
