@@ -116,3 +116,18 @@ def print_json(obj: Any) -> None:
 
     sys.stdout.write(json.dumps(obj, sort_keys=True, indent=2) + "\n")
     sys.stdout.flush()
+
+
+def load_config(explicit: Path | None) -> Any:
+    """Load the config the way every command does, warning (once, on stderr) about token
+    files that others can read."""
+    from gpuctl import config as cfg
+
+    conf = cfg.load(explicit)
+    for h in conf.hosts.values():
+        for f in (h.token_file, h.jupyter_token_file):
+            if f is not None:
+                w = cfg.token_file_warning(f)
+                if w:
+                    say(f"gpuctl: warning: hosts.{h.name}: {w}")
+    return conf

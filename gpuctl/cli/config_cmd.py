@@ -60,8 +60,38 @@ def check(config: ConfigOpt = None) -> None:
 
 
 def _local_state_dir_warning(conf: Any) -> str | None:
-    """On the GPU host, warn when the CLI's state dir differs from the agent's."""
-    # Filled in with the state store; nothing to compare yet without one.
+    """On the GPU host itself, warn when this CLI's state dir differs from its agent's:
+    two stores would mean two truths (DESIGN §3)."""
+    from gpuctl.adapters import procinfo
+    from gpuctl.adapters.paths import default_state_dir
+    from gpuctl.errors import GpuctlError
+
+    here = procinfo.host_identity()
+    mine = str(default_state_dir())
+    for h in conf.hosts.values():
+        if not h.agent:
+            continue
+        try:
+            from gpuctl.adapters.agent_client import AgentClient
+
+            client = AgentClient(
+                h.agent, h.token(), timeout_s=min(h.timeout_s, 2.0), host_name=h.name
+            )
+            try:
+                snap = client.status()
+            finally:
+                client.close()
+        except GpuctlError:
+            continue
+        same_host = snap.host is not None and (snap.host.hostname, snap.host.boot_id) == (
+            here.hostname,
+            here.boot_id,
+        )
+        if same_host and snap.state_dir and snap.state_dir != mine:
+            return (
+                f"hosts.{h.name}: its agent runs on this machine with state dir {snap.state_dir}, "
+                f"but this CLI would use {mine}; set GPUCTL_STATE_DIR={snap.state_dir}"
+            )
     return None
 
 

@@ -15,6 +15,7 @@ from gpuctl.cli.common import (
     complete_host,
     errors_to_exit,
     fail,
+    load_config,
     print_json,
     say,
 )
@@ -54,7 +55,6 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
-        from gpuctl import config as cfg
         from gpuctl.core.units import parse_duration_s
         from gpuctl.flows.ensure import ensure as run
         from gpuctl.flows.wiring import deps_for
@@ -65,7 +65,7 @@ def ensure(
                 timeout_s = parse_duration_s(timeout)
             except ValueError as e:
                 fail(UsageError(f"--timeout: {e}"))
-        conf = cfg.load(config)
+        conf = load_config(config)
         svc = conf.service(service)
         if not svc.health:
             fail(
@@ -143,11 +143,10 @@ def stop(
 ) -> None:
     """Stop SERVICE's server (found by its record, else by its match keywords)."""
     with errors_to_exit():
-        from gpuctl import config as cfg
         from gpuctl.flows import service_ops
         from gpuctl.flows.wiring import deps_for
 
-        conf = cfg.load(config)
+        conf = load_config(config)
         result = service_ops.stop(deps_for(conf, service, host, entry="stop"))
         if json_out:
             print_json(result.to_json())
@@ -158,11 +157,10 @@ def stop(
 def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:
     """Mark SERVICE as used now (reclaim measures idle time from the last use)."""
     with errors_to_exit():
-        from gpuctl import config as cfg
         from gpuctl.flows import service_ops
         from gpuctl.flows.wiring import deps_for
 
-        conf = cfg.load(config)
+        conf = load_config(config)
         service_ops.touch(deps_for(conf, service, host, entry="touch"))
         say(f"{service}: marked as used")
 
@@ -182,11 +180,10 @@ def locks(
 ) -> None:
     """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure."""
     with errors_to_exit():
-        from gpuctl import config as cfg
         from gpuctl.flows import service_ops
         from gpuctl.render.locks import locks_to_json
 
-        conf = cfg.load(config)
+        conf = load_config(config)
         report = service_ops.locks(conf, host)
         if json_out:
             print_json(locks_to_json(report))

@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from gpuctl.cli.common import ConfigOpt, JsonOpt, complete_host, errors_to_exit, fail, print_json
+from gpuctl.cli.common import (
+    ConfigOpt,
+    JsonOpt,
+    complete_host,
+    errors_to_exit,
+    fail,
+    load_config,
+    print_json,
+)
 from gpuctl.errors import UsageError
 
 
@@ -57,7 +65,6 @@ def status(
     Exit 0 when every host answered, 4 when any host is UNKNOWN.
     """
     with errors_to_exit():
-        from gpuctl import config as cfg
         from gpuctl.flows.status import LocalProbeOptions, gather
 
         if host and all_hosts:
@@ -71,7 +78,7 @@ def status(
             )
         if probe not in ("auto", "nvml", "nvidia-smi", "sim"):
             fail(UsageError(f"--probe: expected auto, nvml, nvidia-smi or sim, got {probe!r}"))
-        conf = cfg.load(config)
+        conf = load_config(config)
         local = LocalProbeOptions(probe=probe, sim_dir=sim_dir)
         hosts = host or None
 
