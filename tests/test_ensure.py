@@ -311,3 +311,25 @@ def test_sync_api_warm_path_and_misuse(host: SimHost, svc: str) -> None:
 
     with pytest.raises(UsageError, match="unknown service"):
         api.ensure_ready_sync("nope", config=cfg)
+
+
+def test_ctrl_c_stops_waiting_not_the_server(host: SimHost, svc: str) -> None:
+    port = free_port()
+    cfg = host.write_config(service_toml(svc, port, model_server_command(svc, port, load_time="5s")))
+    proc = spawn_ensure(cfg, svc)
+    deadline = time.monotonic() + 20
+    while not server_pids(svc):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    (server,) = server_pids(svc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "keeps loading" in err
+    assert server_pids(svc) == [server]  # still there, still loading
+    rec = read_record(host, svc)
+    assert rec["lease"] is None and rec["handle"]["pid"] == server
+    assert rec["attempts"][-1]["outcome"] == "interrupted"
+    r = run_ensure(cfg, svc)  # the next caller waits for that same server
+    assert r.returncode == 0 and json.loads(r.stdout)["launched"] is False
+    assert server_pids(svc) == [server]
