@@ -216,6 +216,12 @@ def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_pa
     assert out["launched"] is False
     assert len(server_pids(svc)) == 1  # never a second server while the first lives
     assert launches_in_log(log_of(host, svc)) == 0  # gpuctl itself launched nothing
+    # Nothing recorded it, so stop finds it by its keywords.
+    (server,) = server_pids(svc)
+    r = subprocess.run([gpuctl_exe(), "stop", svc, "--json"], env=cli_env(cfg), capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert f"pid {server}" in json.loads(r.stdout)["stopped"]
+    assert server_pids(svc) == []
 
 
 def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:

@@ -67,22 +67,21 @@ def stop(deps: EnsureDeps) -> StopResult:
         launcher = deps.make_launcher(snapshot)
         if record.handle:
             handle = Handle.from_dict(record.handle)
-            launcher.stop(handle, svc.stop_timeout_s)
-            result.stopped.append(_describe(handle))
+            if launcher.alive(handle) is not False:
+                launcher.stop(handle, svc.stop_timeout_s)
+                result.stopped.append(_describe(handle))
         find = getattr(launcher, "find", None)
         if find is not None and not result.stopped:
             found = find(svc)
             if found is not None:
                 launcher.stop(found, svc.stop_timeout_s)
                 result.stopped.append(_describe(found))
-        if snapshot is not None:
+        if snapshot is not None and not result.stopped:
             # A server whose launcher died before it could record it: find it by keywords.
-            done = {h for h in result.stopped}
+            # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
             pids = [p.pid for p in snapshot.processes if owns(svc, p.command)]
             pids += [s.pid for s in snapshot.starting or () if owns(svc, s.command)]
-            for pid in pids:
-                if f"pid {pid}" in done or any(f"pid {pid}" in d for d in done):
-                    continue
+            for pid in dict.fromkeys(pids):
                 launcher.stop(Handle(kind=launcher.kind, pid=pid), svc.stop_timeout_s)
                 result.stopped.append(f"pid {pid}")
         result.reason = (
