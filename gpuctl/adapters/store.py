@@ -363,6 +363,8 @@ class AgentStore:
 
         self.base_url = base_url.rstrip("/")
         self.host_name = host_name
+        self.timeout_s = timeout_s
+        self.token_sent = bool(token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
@@ -370,50 +372,25 @@ class AgentStore:
         self._client.close()
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One request; errors as the status client words them (one shared vocabulary).
+
+        A 409 (the lease is not ours) is a StoreError, not an unavailable agent.
+        """
         import httpx
 
-        from gpuctl.errors import AgentAuthError, AgentUnavailable
+        from gpuctl.adapters.agent_client import parse_response, transport_error
 
         try:
             r = self._client.request(method, path, json=body)
-        except httpx.ConnectError:
-            raise AgentUnavailable(
-                f"cannot reach the agent at {self.base_url}",
-                hint=f"is `gpuctl agent` running on {self.host_name}?",
-            ) from None
-        except httpx.TimeoutException:
-            raise AgentUnavailable(f"the agent at {self.base_url} did not answer in time") from None
         except httpx.HTTPError as e:
-            raise AgentUnavailable(f"the agent at {self.base_url} failed: {e}") from None
-        if r.status_code in (401, 403):
-            raise AgentAuthError(
-                f"the agent at {self.base_url} refused our token (HTTP {r.status_code})",
-                hint=f"check hosts.{self.host_name}.token_env / token_file",
-            )
-        try:
-            data = r.json()
-        except ValueError:
-            raise AgentUnavailable(
-                f"the agent at {self.base_url} answered HTTP {r.status_code} with something that is not JSON",
-                hint="is this the right port, and is the agent a gpuctl agent of this version?",
-            ) from None
-        if (
-            r.status_code == 404
-            and isinstance(data, dict)
-            and "records" in str(data.get("error", ""))
-        ):
-            raise AgentUnavailable(
-                f"the agent at {self.base_url} has no state store endpoints",
-                hint="upgrade gpuctl on the host",
-            )
-        if r.status_code >= 400:
-            msg = data.get("error") if isinstance(data, dict) else None
-            if r.status_code == 409:
-                raise StoreError(str(msg or "conflict"))
-            raise AgentUnavailable(
-                f"the agent at {self.base_url}: HTTP {r.status_code}: {msg or r.text[:200]}"
-            )
-        return data
+            raise transport_error(e, self.base_url, self.timeout_s) from None
+        if r.status_code == 409:
+            try:
+                msg = r.json().get("error")
+            except ValueError:
+                msg = None
+            raise StoreError(str(msg or f"conflict on {path}"))
+        return parse_response(r, self.base_url, self.host_name, self.token_sent)
 
     def _record(self, data: Any) -> Record:
         from gpuctl.errors import AgentUnavailable
