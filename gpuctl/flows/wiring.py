@@ -14,7 +14,7 @@ from gpuctl.adapters.store import AgentStore, DirectStore, Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
-from gpuctl.errors import LauncherError, UsageError
+from gpuctl.errors import GpuctlError, LauncherError, UsageError
 from gpuctl.flows.ensure import EnsureDeps, Progress
 
 
@@ -96,7 +96,9 @@ def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | 
     return JupyterLauncher(host.jupyter, host.jupyter_token(), host_name=host.name)
 
 
-def handle_checker(service: ServiceConfig, host: HostConfig) -> Callable[[Record], bool | None]:
+def handle_checker(
+    service: ServiceConfig, host: HostConfig, docker: Callable[[], Launcher]
+) -> Callable[[Record], bool | None]:
     """How to tell whether the server a record points to still runs, where that is cheap."""
 
     def check(record: Record) -> bool | None:
@@ -107,13 +109,10 @@ def handle_checker(service: ServiceConfig, host: HostConfig) -> Callable[[Record
             from gpuctl.adapters import procinfo
 
             return procinfo.is_same_process(handle.pid, handle.pid_start)
-        if handle.kind == "docker":
+        if handle.kind == "docker" and service.launcher == "docker":
             try:
-                from gpuctl.adapters.launchers.docker import DockerLauncher
-
-                alive: bool | None = DockerLauncher(host.docker).alive(handle)
-                return alive
-            except Exception:
+                return docker().alive(handle)
+            except GpuctlError:
                 return None
         return None  # jupyter: asking costs a websocket round trip; the keywords tell
 
@@ -150,6 +149,18 @@ def deps_for(
     close_store = getattr(store, "close", None)
     if close_store is not None:
         closers.append(close_store)
+    made: list[Launcher] = []
+
+    def make_launcher(snapshot: Snapshot | None) -> Launcher:
+        # One launcher (and one Docker client) per use case, closed with the deps.
+        if not made:
+            launcher = launcher_for(service, host, snapshot)
+            made.append(launcher)
+            close = getattr(launcher, "close", None)
+            if close is not None:
+                closers.append(close)
+        return made[0]
+
     return EnsureDeps(
         config=config,
         service=service,
@@ -158,8 +169,8 @@ def deps_for(
         closers=closers,
         read_snapshot=snapshot_reader(host, closers),
         check_health=lambda: health.check(service.health, timeout_s=2.0, client=health_client),
-        make_launcher=lambda snap: launcher_for(service, host, snap),
-        handle_alive=handle_checker(service, host),
+        make_launcher=make_launcher,
+        handle_alive=handle_checker(service, host, lambda: make_launcher(None)),
         progress=progress,
         entry=entry,
     )
