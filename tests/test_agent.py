@@ -379,7 +379,9 @@ def test_openapi_describes_every_route(probe: FakeProbe) -> None:
     with serve_in_thread(app) as url:
         doc = httpx.get(f"{url}/openapi.json").json()
         status = httpx.get(f"{url}/status", headers=AUTH).json()
-    assert set(doc["paths"]) == set(app.router.routes)
+    # The /records endpoints route themselves (path parameters): test_agent_store.py.
+    routed = {p for p in doc["paths"] if not p.startswith("/records")}
+    assert routed == set(app.router.routes)
     for path, route in app.router.routes.items():
         assert {m.upper() for m in doc["paths"][path]} == set(route.handlers)
         public = doc["paths"][path]["get"].get("security") == []

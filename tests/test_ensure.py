@@ -218,7 +218,13 @@ def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_pa
     assert launches_in_log(log_of(host, svc)) == 0  # gpuctl itself launched nothing
     # Nothing recorded it, so stop finds it by its keywords.
     (server,) = server_pids(svc)
-    r = subprocess.run([gpuctl_exe(), "stop", svc, "--json"], env=cli_env(cfg), capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [gpuctl_exe(), "stop", svc, "--json"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert f"pid {server}" in json.loads(r.stdout)["stopped"]
     assert server_pids(svc) == []
@@ -321,7 +327,9 @@ def test_sync_api_warm_path_and_misuse(host: SimHost, svc: str) -> None:
 
 def test_ctrl_c_stops_waiting_not_the_server(host: SimHost, svc: str) -> None:
     port = free_port()
-    cfg = host.write_config(service_toml(svc, port, model_server_command(svc, port, load_time="5s")))
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="5s"))
+    )
     proc = spawn_ensure(cfg, svc)
     deadline = time.monotonic() + 20
     while not server_pids(svc):

@@ -24,8 +24,9 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -41,7 +42,8 @@ from gpuctl.core.model import (
     Snapshot,
     StartingProcess,
 )
-from gpuctl.errors import ProbeError
+from gpuctl.core.record import RECORD_SCHEMA, Phase, Record
+from gpuctl.errors import GpuctlError, ProbeError
 
 log = logging.getLogger("gpuctl.agent")
 
@@ -552,6 +554,17 @@ class AgentApp:
 
     async def _get_metrics(self, request: Request) -> Response:
         scan = await self._scan.get()
+        records: list[Record] | None = None
+        store_up: bool | None = None
+        store = self.store_api.store
+        if store is not None:
+            # A worker thread: reading a record that needs recovery takes its file lock.
+            try:
+                records = await asyncio.to_thread(store.records)
+                store_up = True
+            except GpuctlError as err:
+                log.warning("reading the records for /metrics failed: %s", err)
+                store_up = False
         text = render_metrics(
             scan.value.reading if scan.value is not None else None,
             probe_up=scan.error is None,
@@ -560,6 +573,9 @@ class AgentApp:
             requests_total=self.requests_total,
             host=self.settings.host,
             gpu_memory_mib=self.settings.gpu_memory_mib,
+            records=records,
+            store_up=store_up,
+            now=time.time(),
         )
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 
@@ -585,6 +601,19 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _number(value: float) -> str:
+    """A sample value: integers in full (``:g`` would print 1.12795e+06), floats exactly."""
+    if isinstance(value, int):
+        return str(int(value))  # int(): a bool prints as 1 or 0
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
 def render_metrics(
     reading: ProbeReading | None,
     *,
@@ -594,18 +623,24 @@ def render_metrics(
     requests_total: dict[str, int],
     host: HostIdentity,
     gpu_memory_mib: int | None,
+    records: Sequence[Record] | None = None,
+    store_up: bool | None = None,
+    now: float | None = None,
 ) -> str:
-    """The Prometheus text exposition of one reading and the agent's counters.
+    """The Prometheus text exposition of one reading, the services' records and the
+    agent's counters.
 
     Gauges that the probe could not measure are left out rather than reported as 0:
-    a missing sample is "unknown", a zero is "free".
+    a missing sample is "unknown", a zero is "free". ``records`` (None: the agent has no
+    state directory, or it could not be read, see ``store_up``) gives each service's
+    phase, lease and idle seconds (``now`` minus its ``last_used``).
     """
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {value:g}" for labels, value in samples)
+        lines.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
 
     metric(
         "gpuctl_agent_info",
@@ -654,6 +689,38 @@ def render_metrics(
                 if p.memory_mib is not None
             ],
         )
+    if store_up is not None:
+        metric(
+            "gpuctl_store_up",
+            "gauge",
+            "1 when the agent could read the records in its state directory.",
+            [("", 1 if store_up else 0)],
+        )
+    if records is not None:
+        at = time.time() if now is None else now
+        metric(
+            "gpuctl_service_phase",
+            "gauge",
+            "A service's phase (stopped, starting, running, sleeping, stopping, preempted, "
+            "failed): one sample, 1, labelled with its current phase.",
+            [
+                (f'{{service="{_label(r.service)}",phase="{_label(r.phase.value)}"}}', 1)
+                for r in records
+            ],
+        )
+        idle = [(r.service, r.idle_for(at)) for r in records]
+        metric(
+            "gpuctl_service_idle_seconds",
+            "gauge",
+            "Seconds since a service was last used (services never used have no sample).",
+            [(f'{{service="{_label(svc)}"}}', round(s, 3)) for svc, s in idle if s is not None],
+        )
+        metric(
+            "gpuctl_service_lease_held",
+            "gauge",
+            "1 while a live lease on the service is held (it is being started or stopped).",
+            [(f'{{service="{_label(r.service)}"}}', 1 if r.lease else 0) for r in records],
+        )
     metric(
         "gpuctl_probe_errors_total",
         "counter",
@@ -691,7 +758,8 @@ def openapi_document() -> dict[str, Any]:
             "title": "gpuctl agent",
             "version": __version__,
             "description": (
-                "The GPU host agent of gpuctl: who holds the GPU, at process level. "
+                "The GPU host agent of gpuctl: who holds the GPU, at process level, and "
+                "the host's state store (one record per service, with its lease). "
                 "Every endpoint except /healthz and /openapi.json needs "
                 "'Authorization: Bearer <token>' when the agent runs with a token."
             ),
@@ -760,7 +828,10 @@ def openapi_document() -> dict[str, Any]:
             },
             "/metrics": {
                 "get": {
-                    "summary": "Prometheus metrics: GPU and per-process memory, agent counters.",
+                    "summary": (
+                        "Prometheus metrics: GPU and per-process memory, per-service phase, "
+                        "lease and idle seconds, agent counters."
+                    ),
                     "responses": {
                         "200": {
                             "description": "Prometheus text exposition format 0.0.4.",
@@ -770,6 +841,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            **_records_paths(unauthorized),
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
@@ -869,6 +941,289 @@ def openapi_document() -> dict[str, Any]:
                         },
                     },
                 },
+                **_records_schemas(),
             },
+        },
+    }
+
+
+# The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
+# for store failures, a "hint".
+SERVICE_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$"
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
+    """The /records paths: list, read, lease (take, renew, release), patch, touch."""
+
+    def err(description: str) -> dict[str, Any]:
+        return {
+            "description": description,
+            "content": {"application/json": {"schema": _ref("StoreError")}},
+        }
+
+    def body(schema: str, description: str) -> dict[str, Any]:
+        return {
+            "required": True,
+            "description": description,
+            "content": {"application/json": {"schema": _ref(schema)}},
+        }
+
+    def ok(schema: str, description: str) -> dict[str, Any]:
+        return {
+            "description": description,
+            "content": {"application/json": {"schema": _ref(schema)}},
+        }
+
+    service = {
+        "name": "service",
+        "in": "path",
+        "required": True,
+        "description": "The service's name, as in the config.",
+        "schema": {"type": "string", "pattern": SERVICE_NAME_PATTERN},
+    }
+    bad = err("A bad service name or request body.")
+    down = err(
+        "The store cannot be used: no state directory (agent started without one), "
+        "or it cannot be read, written or locked."
+    )
+    conflict = err("The caller does not hold the lease (any more): it expired, or was voided.")
+    common = {"400": bad, "401": unauthorized, "503": down}
+
+    def op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {"summary": summary, **extra, "responses": {**responses, **common}}
+
+    record = ok("Record", "The record after the operation.")
+    return {
+        "/records": {
+            "get": {
+                "summary": "Every service's record (an expired or void lease reads as none).",
+                "responses": {
+                    "200": ok("RecordList", "The records, by service name."),
+                    "401": unauthorized,
+                    "503": down,
+                },
+            }
+        },
+        "/records/{service}": {
+            "parameters": [service],
+            "get": op(
+                "One service's record; a service without one reads as stopped.",
+                {"200": ok("Record", "The record (an expired or void lease reads as none).")},
+            ),
+            "patch": op(
+                "Change the record, as the lease holder.",
+                {"200": record, "409": conflict},
+                requestBody=body("HolderUpdate", "Who asks, and what changes."),
+            ),
+        },
+        "/records/{service}/lease": {
+            "parameters": [service],
+            "post": op(
+                "Take the lease (the right to start or stop the service) unless another "
+                "holder has a live one. A holder may take its own lease again.",
+                {"200": ok("LeaseGrant", "Granted, or not, with the record as it stands.")},
+                requestBody=body("LeaseRequest", "Who asks, and for how long."),
+            ),
+        },
+        "/records/{service}/lease/renew": {
+            "parameters": [service],
+            "post": op(
+                "Extend the lease, as its holder.",
+                {"200": record, "409": conflict},
+                requestBody=body("RenewRequest", "The holder's id and the new time to live."),
+            ),
+        },
+        "/records/{service}/lease/release": {
+            "parameters": [service],
+            "post": op(
+                "Apply an update and drop the lease, if the caller still holds it; "
+                "otherwise nothing changes.",
+                {"200": record},
+                requestBody=body("ReleaseRequest", "The holder's id and a last update."),
+            ),
+        },
+        "/records/{service}/touch": {
+            "parameters": [service],
+            "post": op(
+                "Mark a use: last_used = now. Needs no lease.",
+                {"200": record},
+            ),
+        },
+    }
+
+
+def _records_schemas() -> dict[str, Any]:
+    """The schemas of the /records endpoints (``gpuctl.core.record``, ``Holder``)."""
+    number = {"type": "number"}
+    nullable_number = {"type": ["number", "null"]}
+    epoch = {**number, "description": "Seconds since the epoch."}
+    ttl = {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "description": "Seconds until the lease expires by itself (finite).",
+    }
+    holder_id = {"type": "string", "description": "The holder's id (Holder.id)."}
+    return {
+        "StoreError": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {"type": "string", "description": "What went wrong."},
+                "hint": {"type": "string", "description": "What fixes it (may be empty)."},
+            },
+        },
+        "Phase": {"type": "string", "enum": [p.value for p in Phase]},
+        "Lease": {
+            "type": "object",
+            "description": "The right to start (or stop) a service; only the holder launches.",
+            "required": [
+                "holder",
+                "host",
+                "boot_id",
+                "pid",
+                "pid_start",
+                "entry",
+                "granted",
+                "expires",
+            ],
+            "properties": {
+                "holder": holder_id,
+                "host": {"type": "string", "description": "The holder's hostname."},
+                "boot_id": {"type": "string", "description": "The holder's kernel boot id."},
+                "pid": {"type": "integer"},
+                "pid_start": {
+                    **nullable_number,
+                    "description": "The holder process's start time: a reused pid is not it.",
+                },
+                "entry": {"type": "string", "description": "ensure, proxy, cron, …"},
+                "granted": epoch,
+                "expires": epoch,
+            },
+        },
+        "Failure": {
+            "type": "object",
+            "required": ["at", "error", "log_tail", "count", "backoff_until"],
+            "properties": {
+                "at": epoch,
+                "error": {"type": "string"},
+                "log_tail": {"type": "string"},
+                "count": {"type": "integer", "description": "Consecutive failed starts."},
+                "backoff_until": {
+                    **epoch,
+                    "description": "No new start before this (10 s, doubling, at most 300 s).",
+                },
+            },
+        },
+        "Record": {
+            "type": "object",
+            "description": "A service's state on this host (DESIGN §3).",
+            "required": [
+                "schema",
+                "service",
+                "phase",
+                "since",
+                "last_used",
+                "lease",
+                "handle",
+                "attempts",
+                "failure",
+                "recovered",
+            ],
+            "properties": {
+                "schema": {"const": RECORD_SCHEMA},
+                "service": {"type": "string"},
+                "phase": _ref("Phase"),
+                "since": {**epoch, "description": "When the phase last changed."},
+                "last_used": {**nullable_number, "description": "When it was last used."},
+                "lease": {
+                    "oneOf": [_ref("Lease"), {"type": "null"}],
+                    "description": "A live lease, else null (expired and void ones read as null).",
+                },
+                "handle": {
+                    "type": ["object", "null"],
+                    "description": "What the launcher needs to find the server again.",
+                },
+                "attempts": {
+                    "type": "array",
+                    "items": {"type": "object"},
+                    "description": "The last start attempts (at most 10).",
+                },
+                "failure": {"oneOf": [_ref("Failure"), {"type": "null"}]},
+                "recovered": {
+                    "type": ["string", "null"],
+                    "description": "Set once when a broken record file was set aside.",
+                },
+            },
+        },
+        "RecordList": {
+            "type": "object",
+            "required": ["records"],
+            "properties": {"records": {"type": "array", "items": _ref("Record")}},
+        },
+        "Holder": {
+            "type": "object",
+            "description": "Who asks for a lease: a fresh id per call, and its process.",
+            "required": ["id"],
+            "properties": {
+                "id": {"type": "string"},
+                "host": {"type": "string"},
+                "boot_id": {"type": "string"},
+                "pid": {"type": "integer"},
+                "pid_start": nullable_number,
+                "entry": {"type": "string"},
+            },
+        },
+        "RecordUpdate": {
+            "type": "object",
+            "description": "Changes to a record; every key is optional.",
+            "additionalProperties": False,
+            "properties": {
+                "phase": _ref("Phase"),
+                "handle": {"type": ["object", "null"], "description": "null clears it."},
+                "attempt": {"type": "object", "description": "Appended to the attempts."},
+                "failure": {
+                    "type": ["object", "null"],
+                    "description": (
+                        "A failed start: phase failed, count + 1, a back-off. null clears it."
+                    ),
+                    "properties": {"error": {"type": "string"}, "log_tail": {"type": "string"}},
+                },
+                "touch": {"type": "boolean", "description": "true: last_used = now."},
+            },
+        },
+        "LeaseRequest": {
+            "type": "object",
+            "required": ["holder", "ttl_s"],
+            "properties": {"holder": _ref("Holder"), "ttl_s": ttl},
+        },
+        "LeaseGrant": {
+            "type": "object",
+            "required": ["granted", "record"],
+            "properties": {
+                "granted": {
+                    "type": "boolean",
+                    "description": "false: someone else holds a live lease (see record.lease).",
+                },
+                "record": _ref("Record"),
+            },
+        },
+        "RenewRequest": {
+            "type": "object",
+            "required": ["holder", "ttl_s"],
+            "properties": {"holder": holder_id, "ttl_s": ttl},
+        },
+        "HolderUpdate": {
+            "type": "object",
+            "required": ["holder", "update"],
+            "properties": {"holder": holder_id, "update": _ref("RecordUpdate")},
+        },
+        "ReleaseRequest": {
+            "type": "object",
+            "required": ["holder"],
+            "properties": {"holder": holder_id, "update": _ref("RecordUpdate")},
         },
     }
