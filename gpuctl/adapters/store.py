@@ -176,7 +176,12 @@ class DirectStore:
 
     def _recover(self, service: str, path: Path, why: str) -> Record:
         """A corrupt or half-written record is set aside, never a crash."""
-        saved = path.with_name(f"{path.name}.corrupt-{int(self.clock())}")
+        stamp = int(self.clock())
+        saved = path.with_name(f"{path.name}.corrupt-{stamp}")
+        n = 1
+        while saved.exists():  # two recoveries in one second keep both copies
+            saved = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+            n += 1
         try:
             os.replace(path, saved)
         except OSError:
