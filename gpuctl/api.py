@@ -111,7 +111,7 @@ def _touch(conf: Config, svc: ServiceConfig) -> None:
     try:
         store = store_for(conf.host(svc.host))
         try:
-            store.touch(svc.name)
+            store.touch(svc.name, ready=True)
         finally:
             close = getattr(store, "close", None)
             if close is not None:

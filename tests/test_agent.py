@@ -212,9 +212,9 @@ def test_a_slow_probe_does_not_block_the_event_loop() -> None:
         slow.start()
         while probe.calls == 0:
             time.sleep(0.01)
-        t0 = time.monotonic()
         assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
-        assert time.monotonic() - t0 < 1.0  # well inside the 2 s scan
+        # Answered while the 2 s scan still runs: the loop was not blocked.
+        assert slow.is_alive() and probe.calls == 1
         slow.join()
 
 

@@ -18,6 +18,7 @@ class Spec:
     memory_mib: int | None = None
     priority: int = 50
     match: tuple[str, ...] = ()
+    health_timeout_s: float = 600.0
 
     @property
     def keywords(self) -> tuple[str, ...]:
@@ -99,6 +100,22 @@ CASES = [
         ["pid 50"],
     ),
     ("no budget: idle is idle", NOBUDGET, NO_HEALTH, snap(), Decision.IDLE, []),
+    (
+        "an old process that only mentions the name is not loading",
+        VLLM,
+        REFUSED,
+        snap(starting=(StartingProcess(24, "tail -f /var/log/vllm.log", age_s=86400.0),)),
+        Decision.IDLE,
+        ["no process"],
+    ),
+    (
+        "a young one is",
+        VLLM,
+        REFUSED,
+        snap(starting=(StartingProcess(25, "vllm serve Qwen", age_s=30.0),)),
+        Decision.LOADING,
+        ["pid 25"],
+    ),
     # vlm holds 10 GiB now but will grow to its 30 GiB budget: 30 + 80 = 110 <= 128 fits ...
     (
         "loading service counts at budget (fits)",

@@ -119,17 +119,16 @@ def test_one_dead_host_does_not_slow_the_others(sim_host: SimHost, tmp_path: Pat
     try:
         cfg = tmp_path / "two.toml"
         cfg.write_text(
+            '[defaults]\nagent_timeout = "60s"\n'
             f'[hosts.good]\nagent = "{sim_host.agent_url}"\ntoken_env = "GPUCTL_DEMO_TOKEN"\n'
             f'[hosts.hung]\nagent = "http://127.0.0.1:{hang.getsockname()[1]}"\ntimeout = "1s"\n'
         )
-        t0 = time.monotonic()
         rc, obj = status(cfg, "--all", token=sim_host.token)
-        elapsed = time.monotonic() - t0
         assert rc == 4
         by = {h["name"]: h for h in obj["hosts"]}
         assert by["good"]["ok"] is True and by["hung"]["ok"] is False
-        assert "did not answer" in by["hung"]["error"]
-        assert elapsed < 10  # bounded by the hung host's own 1 s timeout, not stacked
+        # The hung host gave up after its own timeout (not the 60 s default).
+        assert "did not answer within 1s" in by["hung"]["error"]
     finally:
         hang.close()
 

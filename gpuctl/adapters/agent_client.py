@@ -189,7 +189,17 @@ class _Base:
     @staticmethod
     def _params(match: Sequence[str]) -> dict[str, str]:
         words = [m for m in match if m]
-        return {"match": ",".join(words)} if words else {}
+        if not words:
+            return {}
+        # Our own process tree (the shell or cron job that runs us names the service):
+        # the agent leaves it out of `starting` when it runs on this same machine.
+        from gpuctl.adapters.procinfo import host_identity, own_lineage
+
+        return {
+            "match": ",".join(words),
+            "exclude": ",".join(str(p) for p in own_lineage()),
+            "boot_id": host_identity().boot_id,
+        }
 
 
 class AgentClient(_Base):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -127,9 +129,10 @@ _CLIENT_COMMANDS = frozenset(
 )
 
 
-def _is_gpuctl_client(argv: list[str]) -> bool:
+def _is_gpuctl_client(argv: list[str], depth: int = 0) -> bool:
     """True for ``gpuctl status vllm``-like command lines: they name a service but are not it.
 
+    Also inside a shell's ``-c`` script (cron runs ``sh -c "gpuctl ensure vllm | …"``).
     ``gpuctl sim model-server --name vllm`` *is* a (simulated) server and stays matchable.
     """
     for i, arg in enumerate(argv[:4]):
@@ -141,7 +144,34 @@ def _is_gpuctl_client(argv: list[str]) -> bool:
             continue
         sub = next((a for a in rest if not a.startswith("-")), "")
         return sub in _CLIENT_COMMANDS
+    if depth == 0 and len(argv) >= 3 and os.path.basename(argv[0]) in _SHELLS and argv[1] == "-c":
+        try:
+            words = shlex.split(argv[2])
+        except ValueError:
+            words = argv[2].split()
+        # Each command of the script: split at the shell's separators.
+        cmd: list[str] = []
+        for w in [*words, ";"]:
+            if w in (";", "|", "||", "&&", "&"):
+                if cmd and _is_gpuctl_client(cmd, depth + 1):
+                    return True
+                cmd = []
+            else:
+                cmd.append(w)
     return False
+
+
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ash", "busybox"})
+
+
+@lru_cache(maxsize=1)
+def own_lineage() -> tuple[int, ...]:
+    """This process and its ancestors (cached: they do not change while we run)."""
+    me = psutil.Process()
+    pids = [me.pid]
+    with contextlib.suppress(psutil.Error):
+        pids.extend(p.pid for p in me.parents())
+    return tuple(pids)
 
 
 def find_matching(
@@ -156,11 +186,9 @@ def find_matching(
     if not kws:
         return
     skip = set(exclude_pids)
-    me = psutil.Process()
-    skip.add(me.pid)
-    with contextlib.suppress(psutil.Error):
-        skip.update(p.pid for p in me.parents())
-    for proc in psutil.process_iter(["pid", "cmdline", "status", "username"]):
+    skip.update(own_lineage())
+    now = time.time()
+    for proc in psutil.process_iter(["pid", "cmdline", "status", "username", "create_time"]):
         info = proc.info
         if info["pid"] in skip or info.get("status") == psutil.STATUS_ZOMBIE:
             continue
@@ -170,4 +198,8 @@ def find_matching(
         line = " ".join(argv)
         low = line.lower()
         if any(k in low for k in kws) and not _is_gpuctl_client(argv):
-            yield StartingProcess(pid=info["pid"], command=line, user=info.get("username"))
+            created = info.get("create_time")
+            age = round(max(0.0, now - created), 1) if created else None
+            yield StartingProcess(
+                pid=info["pid"], command=line, user=info.get("username"), age_s=age
+            )

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuctl.core.record import Lease, LeaseState, Record, apply_update, lease_state
+from gpuctl.core.record import Lease, LeaseState, Phase, Record, apply_update, lease_state
 from gpuctl.errors import StoreError, UsageError
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
@@ -106,8 +106,12 @@ class Store(Protocol):
         """Apply ``update`` as the lease holder (StoreError otherwise)."""
         ...
 
-    def touch(self, service: str) -> Record:
-        """last_used = now: every entry point marks a use the same way."""
+    def touch(self, service: str, ready: bool = False) -> Record:
+        """last_used = now: every entry point marks a use the same way.
+
+        ``ready``: the caller saw it answer its health check, so a record still saying
+        ``starting`` (its launcher was interrupted) becomes ``running``.
+        """
         ...
 
 
@@ -341,10 +345,12 @@ class DirectStore:
         finally:
             lock.release()
 
-    def touch(self, service: str) -> Record:
+    def touch(self, service: str, ready: bool = False) -> Record:
         lock = self._locked(service)
         try:
             rec = self._read(service).touched(self.clock())
+            if ready and rec.phase not in (Phase.RUNNING, Phase.STOPPING):
+                rec = replace(rec.with_phase(Phase.RUNNING, self.clock()), failure=None)
             self._write(replace(rec, recovered=None))
             return self._effective(rec)[0]
         finally:
@@ -447,5 +453,7 @@ class AgentStore:
             )
         )
 
-    def touch(self, service: str) -> Record:
-        return self._record(self._call("POST", f"/records/{check_name(service)}/touch"))
+    def touch(self, service: str, ready: bool = False) -> Record:
+        return self._record(
+            self._call("POST", f"/records/{check_name(service)}/touch", {"ready": ready})
+        )

@@ -323,6 +323,20 @@ def parse_match(query: dict[str, list[str]]) -> tuple[str, ...] | None:
     return tuple(sorted(words))
 
 
+def parse_exclude(query: dict[str, list[str]], boot_id: str) -> frozenset[int]:
+    """``?exclude=pid,pid&boot_id=B``: pids to leave out of ``starting``.
+
+    Only honoured when ``boot_id`` is this host's: pids mean nothing on another machine.
+    """
+    values = query.get("exclude")
+    if not values or query.get("boot_id", [""])[0] != boot_id or not boot_id:
+        return frozenset()
+    try:
+        return frozenset(int(w) for v in values for w in v.split(",") if w.strip())
+    except ValueError:
+        raise HttpError(400, "exclude must be a comma-separated list of pids") from None
+
+
 # --------------------------------------------------------------------------- the agent
 
 
@@ -544,6 +558,13 @@ class AgentApp:
                 f"reading the host's processes failed: {matched.error}",
                 "see the agent's log on the GPU host",
             )
+        exclude = parse_exclude(request.query(), self.settings.host.boot_id)
+        if exclude:
+            # A caller on this host names its own process tree: its shell's command line
+            # holds the service's name, but it is not the service. Not cached: per caller.
+            assert scan.value is not None and matched.value is not None
+            mine = tuple(p for p in matched.value if p.pid not in exclude)
+            return json_response(200, self.snapshot(scan.value, mine).to_wire())
         body = slot.body
         if body is not None and body[0] is scan and body[1] is matched:
             return body[2]

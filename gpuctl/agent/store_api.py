@@ -77,7 +77,7 @@ class StoreApi:
         if rest == ["lease", "release"] and method == "POST":
             return 200, store.release(svc, str(data["holder"]), _update(data) or None).to_dict()
         if rest == ["touch"] and method == "POST":
-            return 200, store.touch(svc).to_dict()
+            return 200, store.touch(svc, ready=bool(data.get("ready"))).to_dict()
         return 404, {
             "error": f"no such endpoint: /records/{'/'.join(parts)}",
             "hint": "see /openapi.json",

@@ -57,6 +57,7 @@ def register(app: typer.Typer) -> None:
                 "--listen",
                 help="HOST:PORT to listen on ([::1]:PORT for IPv6). "
                 "Off loopback a token is required.",
+                metavar="ADDR",
             ),
         ] = "127.0.0.1:9400",
         probe: Annotated[
@@ -69,6 +70,7 @@ def register(app: typer.Typer) -> None:
                 "--token-file",
                 help="File holding the bearer token. Default: $GPUCTL_AGENT_TOKEN.",
                 dir_okay=False,
+                metavar="FILE",
             ),
         ] = None,
         sim_dir: Annotated[
@@ -78,6 +80,7 @@ def register(app: typer.Typer) -> None:
                 help="The simulated GPU's directory (--probe sim). Default: $GPUCTL_SIM_DIR, "
                 "else <user state dir>/sim.",
                 file_okay=False,
+                metavar="DIR",
             ),
         ] = None,
         gpu_memory: Annotated[
@@ -86,12 +89,15 @@ def register(app: typer.Typer) -> None:
                 "--gpu-memory",
                 help="The GPU's total memory where the device cannot tell "
                 "(unified memory), e.g. 128GiB.",
+                metavar="SIZE",
             ),
         ] = None,
         cache_ttl: Annotated[
             str,
             typer.Option(
-                "--cache-ttl", help="Reuse one GPU reading for this long (e.g. 1s, 500ms)."
+                "--cache-ttl",
+                help="Reuse one GPU reading for this long (e.g. 1s, 500ms).",
+                metavar="DURATION",
             ),
         ] = "1s",
         state_dir: Annotated[
@@ -101,11 +107,14 @@ def register(app: typer.Typer) -> None:
                 help="The state directory. Default: $GPUCTL_STATE_DIR, else /var/lib/gpuctl "
                 "when writable, else the user state dir.",
                 file_okay=False,
+                metavar="DIR",
             ),
         ] = None,
         log_level: Annotated[
             str,
-            typer.Option("--log-level", help="debug, info, warning or error (on stderr)."),
+            typer.Option(
+                "--log-level", help="debug, info, warning or error (on stderr).", metavar="LEVEL"
+            ),
         ] = "warning",
     ) -> None:
         """Run the GPU host agent: /status, /metrics and /openapi.json over HTTP."""

@@ -45,11 +45,18 @@ ConfigOpt = Annotated[
         help="Config file. Default: $GPUCTL_CONFIG, else the user config dir (see `gpuctl config path`).",
         envvar="GPUCTL_CONFIG",
         show_envvar=False,
+        metavar="FILE",
     ),
 ]
 HostOpt = Annotated[
     str | None,
-    typer.Option("--host", "-H", help="Host name from the config.", autocompletion=complete_host),
+    typer.Option(
+        "--host",
+        "-H",
+        help="Host name from the config.",
+        autocompletion=complete_host,
+        metavar="HOST",
+    ),
 ]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON object (with a `schema` version) on stdout.")
@@ -99,6 +106,12 @@ def errors_to_exit() -> Iterator[None]:
     except KeyboardInterrupt:
         print("gpuctl: interrupted", file=sys.stderr)
         raise typer.Exit(130) from None
+    except BrokenPipeError:
+        # `gpuctl config show | head`: the reader left; that is not an error. Point stdout
+        # at /dev/null so the interpreter's final flush does not complain either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise typer.Exit(0) from None
     except Exception as err:
         if debug_enabled():
             raise

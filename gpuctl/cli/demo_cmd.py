@@ -21,7 +21,10 @@ def register(app: typer.Typer) -> None:
 
 def demo(
     load_time: Annotated[
-        float, typer.Option("--load-time", help="Seconds the fake vLLM takes to load.", min=1.0)
+        float,
+        typer.Option(
+            "--load-time", help="Seconds the fake vLLM takes to load.", min=1.0, metavar="DURATION"
+        ),
     ] = 8.0,
 ) -> None:
     """A guided tour on a simulated GPU: IDLE, FITS, BUSY, LOADING, READY. Cleans up after itself."""

@@ -19,7 +19,7 @@ from gpuctl.cli.common import (
     print_json,
     say,
 )
-from gpuctl.errors import UsageError
+from gpuctl.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from gpuctl.flows.ensure import Progress
@@ -41,6 +41,7 @@ def ensure(
             "--timeout",
             "-t",
             help="Give up after this long (default: the service's health_timeout), e.g. 10m.",
+            metavar="DURATION",
         ),
     ] = None,
     no_wait: Annotated[
@@ -69,8 +70,8 @@ def ensure(
         svc = conf.service(service)
         if not svc.health:
             fail(
-                UsageError(
-                    f"service {service!r} has no health URL, so gpuctl cannot tell when it is ready",
+                ConfigError(
+                    f"services.{service}.health: missing, so gpuctl cannot tell when it is ready",
                     hint=f"set services.{service}.health (e.g. http://HOST:8000/health)",
                 )
             )
@@ -82,8 +83,21 @@ def ensure(
             if line:
                 line.stop()
             say(f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)")
+            if json_out:
+                from gpuctl.flows.ensure import EnsureResult
+
+                print_json(
+                    EnsureResult(
+                        service=service,
+                        host=svc.host,
+                        outcome="interrupted",
+                        reason="interrupted while waiting; the server keeps loading",
+                        decision="LOADING",
+                    ).to_json()
+                )
             raise typer.Exit(130) from None
         finally:
+            deps.close()
             if line:
                 line.stop()
         if json_out:
@@ -173,6 +187,7 @@ def locks(
             "-H",
             help="Host (repeatable). Default: every host.",
             autocompletion=complete_host,
+            metavar="HOST",
         ),
     ] = None,
     json_out: JsonOpt = False,

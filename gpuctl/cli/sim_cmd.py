@@ -34,6 +34,7 @@ SimDirOpt = Annotated[
         help="Simulated GPU directory. Default: $GPUCTL_SIM_DIR, else <user state dir>/sim.",
         envvar="GPUCTL_SIM_DIR",
         show_envvar=False,
+        metavar="DIR",
     ),
 ]
 GpuMemoryOpt = Annotated[
@@ -47,6 +48,7 @@ GpuMemoryOpt = Annotated[
         ),
         envvar="GPUCTL_SIM_GPU_MEMORY",
         show_envvar=False,
+        metavar="SIZE",
     ),
 ]
 NameOpt = Annotated[
@@ -55,6 +57,7 @@ NameOpt = Annotated[
         "--name",
         help="What the process is called (its command line carries it).",
         show_default=False,
+        metavar="NAME",
     ),
 ]
 
@@ -94,13 +97,18 @@ def _total(gpu_memory: str | None) -> int | None:
 @sim_app.command("hold")
 def hold(
     memory: Annotated[
-        str, typer.Option("--memory", "-m", help="Memory to hold, e.g. 20GiB.", show_default=False)
+        str,
+        typer.Option(
+            "--memory", "-m", help="Memory to hold, e.g. 20GiB.", show_default=False, metavar="SIZE"
+        ),
     ],
     name: NameOpt,
     duration: Annotated[
         str | None,
         typer.Option(
-            "--duration", help="Release and exit after this long, e.g. 10m. Default: until stopped."
+            "--duration",
+            help="Release and exit after this long, e.g. 10m. Default: until stopped.",
+            metavar="DURATION",
         ),
     ] = None,
     sim_dir: SimDirOpt = None,
@@ -126,26 +134,51 @@ def model_server(
     name: NameOpt,
     memory: Annotated[
         str,
-        typer.Option("--memory", "-m", help="Memory once loaded, e.g. 80GiB.", show_default=False),
+        typer.Option(
+            "--memory",
+            "-m",
+            help="Memory once loaded, e.g. 80GiB.",
+            show_default=False,
+            metavar="SIZE",
+        ),
     ],
     load_time: Annotated[
-        str, typer.Option("--load-time", help="How long loading takes; the port refuses meanwhile.")
+        str,
+        typer.Option(
+            "--load-time",
+            help="How long loading takes; the port refuses meanwhile.",
+            metavar="DURATION",
+        ),
     ] = "30s",
-    port: Annotated[int, typer.Option("--port", "-p", help="TCP port.", min=1, max=65535)] = 8000,
-    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", "-p", help="TCP port.", min=1, max=65535, metavar="PORT")
+    ] = 8000,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind.", metavar="ADDR")
+    ] = "127.0.0.1",
     model: Annotated[
-        str | None, typer.Option("--model", help="Model id for /v1/models. Default: --name.")
+        str | None,
+        typer.Option("--model", help="Model id for /v1/models. Default: --name.", metavar="MODEL"),
     ] = None,
     steps: Annotated[
-        int, typer.Option("--steps", help="The memory grows in this many steps.", min=1)
+        int,
+        typer.Option("--steps", help="The memory grows in this many steps.", min=1, metavar="N"),
     ] = 10,
     enable_sleep_mode: Annotated[
         bool,
         typer.Option("--enable-sleep-mode", help="Serve /sleep, /wake_up and /is_sleeping."),
     ] = False,
     token_delay: Annotated[
-        str, typer.Option("--token-delay", help="Time per generated token.")
+        str, typer.Option("--token-delay", help="Time per generated token.", metavar="DURATION")
     ] = "20ms",  # noqa: S107 - a duration, not a secret
+    engine_dies_after: Annotated[
+        str | None,
+        typer.Option(
+            "--engine-dies-after",
+            help="Once loaded, /health answers 503 after this long (a dead engine).",
+            metavar="DURATION",
+        ),
+    ] = None,
     sim_dir: SimDirOpt = None,
     gpu_memory: GpuMemoryOpt = None,
 ) -> None:
@@ -158,6 +191,7 @@ def model_server(
         mib = _size("--memory", memory)
         load_s = _duration("--load-time", load_time)
         delay_s = _duration("--token-delay", token_delay)
+        dies_s = _duration("--engine-dies-after", engine_dies_after) if engine_dies_after else None
         total = _total(gpu_memory)
         from gpuctl.sim.gpu import SimGpu
         from gpuctl.sim.model_server import run_model_server
@@ -173,6 +207,7 @@ def model_server(
             model=model,
             enable_sleep_mode=enable_sleep_mode,
             token_delay_s=delay_s,
+            engine_dies_after_s=dies_s,
         )
         raise typer.Exit(code)
 
@@ -233,7 +268,10 @@ def reset(
         typer.Option("--all", help="Also stop the live claimants (SIGTERM, then wait)."),
     ] = False,
     wait: Annotated[
-        str, typer.Option("--wait", help="With --all: how long to wait for them to exit.")
+        str,
+        typer.Option(
+            "--wait", help="With --all: how long to wait for them to exit.", metavar="DURATION"
+        ),
     ] = "10s",
     sim_dir: SimDirOpt = None,
 ) -> None:

@@ -32,6 +32,7 @@ def status(
             "-H",
             help="Host name from the config (repeatable). Default: every host.",
             autocompletion=complete_host,
+            metavar="HOST",
         ),
     ] = None,
     all_hosts: Annotated[
@@ -41,7 +42,14 @@ def status(
         bool, typer.Option("--watch", "-w", help="Redraw in place (on a terminal).")
     ] = False,
     interval: Annotated[
-        float, typer.Option("--interval", "-i", help="Seconds between redraws.", min=0.25)
+        float,
+        typer.Option(
+            "--interval",
+            "-i",
+            help="Seconds between redraws (at least 0.25).",
+            min=0.25,
+            metavar="SECONDS",
+        ),
     ] = 2.0,
     json_out: JsonOpt = False,
     wide: Annotated[bool, typer.Option("--wide", help="Full commands, containers.")] = False,
@@ -50,12 +58,16 @@ def status(
         typer.Option(
             "--probe",
             help="Local probe where there is no agent: auto, nvml, nvidia-smi or sim.",
+            metavar="PROBE",
         ),
     ] = "auto",
     sim_dir: Annotated[
         Path | None,
         typer.Option(
-            "--sim-dir", help="Simulated GPU directory (with --probe sim).", envvar="GPUCTL_SIM_DIR"
+            "--sim-dir",
+            help="Simulated GPU directory (with --probe sim).",
+            metavar="DIR",
+            envvar="GPUCTL_SIM_DIR",
         ),
     ] = None,
     config: ConfigOpt = None,

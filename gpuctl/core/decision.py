@@ -57,6 +57,18 @@ class ServiceSpec(Protocol):
     def memory_mib(self) -> int | None: ...
     @property
     def priority(self) -> int: ...
+    @property
+    def health_timeout_s(self) -> float: ...
+
+
+def loading_match(spec: ServiceSpec, s: StartingProcess) -> bool:
+    """A host process not on the GPU that counts as this service loading.
+
+    Its command carries a keyword, and it is younger than the service's health timeout:
+    a model server does not read weights for longer than that, while a `tail -f` of its
+    log or an editor on its config can sit there for days, and must not block starts.
+    """
+    return owns(spec, s.command) and (s.age_s is None or s.age_s < spec.health_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +156,7 @@ def committed_memory(
             per_service[svc.name] = per_service.get(svc.name, 0) + (p.memory_mib or 0)
     for sp in snapshot.starting or ():
         svc = owner_of(sp.command, others)
-        if svc is not None:
+        if svc is not None and loading_match(svc, sp):
             per_service.setdefault(svc.name, 0)
     total = loose
     for o in others:
@@ -211,7 +223,7 @@ def classify(
     own = tuple(p for p in snapshot.processes if owns(spec, p.command))
     own_pids = {p.pid for p in own}
     starting = tuple(
-        s for s in (snapshot.starting or ()) if owns(spec, s.command) and s.pid not in own_pids
+        s for s in (snapshot.starting or ()) if loading_match(spec, s) and s.pid not in own_pids
     )
     if own or starting:
         parts = [_describe(p) for p in own]
@@ -246,7 +258,10 @@ def classify(
         )
 
     specs = [s for s in others if s.name != name]
-    others_starting = any(owner_of(s.command, specs) for s in (snapshot.starting or ()))
+    others_starting = any(
+        (o := owner_of(s.command, specs)) is not None and loading_match(o, s)
+        for s in (snapshot.starting or ())
+    )
     if snapshot.is_idle and not others_starting:
         return Verdict(name, Decision.IDLE, "no process on the GPU")
 

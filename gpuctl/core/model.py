@@ -47,9 +47,11 @@ class StartingProcess:
     pid: int
     command: str
     user: str | None = None
+    # Seconds since it started, on the host's own clock (no skew with the caller's).
+    age_s: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"pid": self.pid, "command": self.command, "user": self.user}
+        return {"pid": self.pid, "command": self.command, "user": self.user, "age_s": self.age_s}
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +188,13 @@ def _starting(s: object, i: int) -> StartingProcess:
     except ValueError as e:
         raise ValueError(f"starting[{i}]: {e}") from None
     user = s.get("user")
-    return StartingProcess(pid=pid, command=cmd, user=user if isinstance(user, str) else None)
+    age = s.get("age_s")
+    return StartingProcess(
+        pid=pid,
+        command=cmd,
+        user=user if isinstance(user, str) else None,
+        age_s=float(age) if isinstance(age, int | float) and not isinstance(age, bool) else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)

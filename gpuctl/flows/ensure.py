@@ -29,6 +29,7 @@ from gpuctl.errors import ExitCode, GpuctlError, StoreError
 
 POLL_S = 0.25
 LIVENESS_EVERY_S = 1.0
+DEAD_503_IN_A_ROW = 4
 
 OUTCOME_EXIT = {
     "ready": ExitCode.OK,
@@ -192,7 +193,7 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     ctx = _Ctx(deps, timeout_s if timeout_s is not None else svc.health_timeout_s)
     health = deps.check_health()
     if health.ok:
-        _touch(deps, ctx)
+        _touch(deps, ctx, ready=True)
         return ctx.result("ready", f"{svc.name} answers its health check", Decision.READY)
 
     verdict, _snapshot, record = decide(deps, health)
@@ -327,9 +328,9 @@ def _attempt(
     return a
 
 
-def _touch(deps: EnsureDeps, ctx: _Ctx) -> None:
+def _touch(deps: EnsureDeps, ctx: _Ctx, ready: bool = False) -> None:
     try:
-        deps.store.touch(deps.service.name)
+        deps.store.touch(deps.service.name, ready=ready)
     except GpuctlError as e:
         ctx.notes.append(f"could not mark it used: {e.message}")
 
@@ -352,9 +353,19 @@ def _wait_launched(
     memory: int | None = None
     log_line = ""
     note = ""
+    dead = 0
     while True:
-        if deps.check_health().ok:
+        health = deps.check_health()
+        if health.ok:
             return "ready", f"{svc.name} answers its health check after {ctx.elapsed():.1f}s", ""
+        # vLLM answers 503 only once its engine is dead; a few in a row end the wait.
+        dead = dead + 1 if health.status_code == 503 else 0
+        if dead >= DEAD_503_IN_A_ROW:
+            return (
+                "failed",
+                f"{svc.name}'s engine is dead ({health.detail})",
+                launcher.log_tail(handle, 20),
+            )
         now = deps.clock()
         if now >= ctx.deadline:
             return (
@@ -401,9 +412,14 @@ def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult:
     memory: int | None = None
     note = ""
     gone = 0
+    dead = 0
     while True:
-        if deps.check_health().ok:
-            _touch(deps, ctx)
+        health = deps.check_health()
+        dead = dead + 1 if health.status_code == 503 else 0
+        if dead >= DEAD_503_IN_A_ROW:
+            return ctx.result("failed", f"{svc.name}'s engine is dead ({health.detail})", decision)
+        if health.ok:
+            _touch(deps, ctx, ready=True)
             return ctx.result(
                 "ready",
                 f"{svc.name} answers its health check (waited {ctx.elapsed():.1f}s)",

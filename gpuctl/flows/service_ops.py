@@ -10,7 +10,7 @@ from typing import Any
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder
 from gpuctl.config import Config
-from gpuctl.core.decision import owns
+from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.record import Phase, Record
 from gpuctl.errors import GpuctlError, StoreError
 from gpuctl.flows.ensure import EnsureDeps, _keywords
@@ -80,7 +80,7 @@ def stop(deps: EnsureDeps) -> StopResult:
             # A server whose launcher died before it could record it: find it by keywords.
             # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
             pids = [p.pid for p in snapshot.processes if owns(svc, p.command)]
-            pids += [s.pid for s in snapshot.starting or () if owns(svc, s.command)]
+            pids += [s.pid for s in snapshot.starting or () if loading_match(svc, s)]
             for pid in dict.fromkeys(pids):
                 launcher.stop(Handle(kind=launcher.kind, pid=pid), svc.stop_timeout_s)
                 result.stopped.append(f"pid {pid}")

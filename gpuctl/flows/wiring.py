@@ -18,10 +18,16 @@ from gpuctl.errors import GpuctlError, LauncherError, UsageError
 from gpuctl.flows.ensure import EnsureDeps, Progress
 
 
-def store_for(host: HostConfig) -> Store:
+def store_for(host: HostConfig, timeout_s: float | None = None) -> Store:
+    """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
+    agent request (default: the host's timeout, at least 5 s, as lease calls may wait
+    for a file lock on the host)."""
     if host.agent:
         return AgentStore(
-            host.agent, host.token(), timeout_s=max(host.timeout_s, 5.0), host_name=host.name
+            host.agent,
+            host.token(),
+            timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
+            host_name=host.name,
         )
     from gpuctl.adapters.paths import default_state_dir
 

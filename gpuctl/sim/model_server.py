@@ -70,7 +70,10 @@ class _Engine:
         model_id: str,
         enable_sleep_mode: bool,
         token_delay_s: float,
+        *,
+        dies_at: float | None = None,
     ) -> None:
+        self.dies_at = dies_at
         self.claim = claim
         self.memory_mib = memory_mib
         self.model_id = model_id
@@ -246,6 +249,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _health(self, _query: dict[str, list[str]], _body: bytes) -> None:
         # 200 with an empty body, sleeping or not: vLLM's check is "the engine is not dead".
+        # 503 once the engine has died (vLLM with VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
+        dies_at = self.engine.dies_at
+        if dies_at is not None and time.monotonic() >= dies_at:
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"", "application/json")
+            return
         self._send(HTTPStatus.OK, b"", "application/json")
 
     def _models(self, _query: dict[str, list[str]], _body: bytes) -> None:
@@ -518,6 +526,7 @@ def run_model_server(
     log_every: int = 1,
     enable_sleep_mode: bool = False,
     token_delay_s: float = 0.02,
+    engine_dies_after_s: float | None = None,
 ) -> int:
     """Run a fake vLLM on the simulated GPU until SIGTERM/SIGINT; returns the exit code.
 
@@ -533,6 +542,8 @@ def run_model_server(
         log_every: log a loading line every this many steps (the last step always logs).
         enable_sleep_mode: serve ``/sleep``, ``/wake_up`` and ``/is_sleeping``.
         token_delay_s: the time each generated token takes.
+        engine_dies_after_s: once loaded, /health answers 503 after this long (the
+            engine died, the server lives on), for testing how callers handle it.
 
     Returns:
         0 after a clean stop; 1 when the port is taken, or the memory does not fit
@@ -578,7 +589,12 @@ def run_model_server(
         except SimOutOfMemory as err:
             _log(f"torch.OutOfMemoryError: {err.message}", err=True)
             return 1
-        engine = _Engine(claim, memory_mib, model_id, enable_sleep_mode, token_delay_s)
+        dies_at = None
+        if engine_dies_after_s is not None:
+            dies_at = time.monotonic() + engine_dies_after_s
+        engine = _Engine(
+            claim, memory_mib, model_id, enable_sleep_mode, token_delay_s, dies_at=dies_at
+        )
         server = _Server(sock, engine)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.server_activate()  # listen(): from now on connections are accepted
@@ -615,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="memory grows in this many steps")
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--token-delay", default="20ms", help="time per generated token")
+    parser.add_argument("--engine-dies-after", help="/health answers 503 this long after loading")
     parser.add_argument("--sim-dir", help="simulated GPU directory (default $GPUCTL_SIM_DIR)")
     parser.add_argument("--gpu-memory", help="total memory of the simulated GPU, e.g. 128GiB")
     args = parser.parse_args(argv)
@@ -622,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = parse_size_mib(args.memory)
         load_time = parse_duration_s(args.load_time)
         token_delay = parse_duration_s(args.token_delay)
+        dies = parse_duration_s(args.engine_dies_after) if args.engine_dies_after else None
         total = parse_size_mib(args.gpu_memory) if args.gpu_memory else None
         if args.steps < 1:
             raise ValueError("--steps must be at least 1")
@@ -639,6 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             enable_sleep_mode=args.enable_sleep_mode,
             token_delay_s=token_delay,
+            engine_dies_after_s=dies,
         )
     except GpuctlError as err:
         _log(f"error: {err.message}", err=True)
