@@ -223,3 +223,14 @@ def test_unknown_process_memory_counts_zero_but_is_named() -> None:
     v = classify(WHISPER, REFUSED, snap(p(9, "mystery", None)), others=SPECS)
     assert v.decision is Decision.FITS
     assert "pid 9" in v.reason
+
+
+def test_another_service_mid_start_counts_at_its_budget() -> None:
+    """vllm holds its lease, its server not even spawned yet: vlm must not start into its memory."""
+    idle = snap()
+    assert classify(VLM, REFUSED, idle, others=SPECS).decision is Decision.IDLE
+    v = classify(VLM, REFUSED, idle, others=SPECS, leased=["vllm"])
+    assert v.decision is Decision.FITS and v.free_mib == 48 * GiB and "vllm (starting)" in v.reason
+    big = Spec("big", 60 * GiB)
+    v = classify(big, REFUSED, idle, others=[*SPECS, big], leased=["vllm"])
+    assert v.decision is Decision.BUSY

@@ -24,7 +24,7 @@ only what it holds now would admit a second server into memory already promised.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -134,12 +134,17 @@ def _describe(p: GpuProcess, width: int = 60) -> str:
 
 
 def committed_memory(
-    snapshot: Snapshot, specs: Sequence[ServiceSpec], exclude: ServiceSpec | None = None
+    snapshot: Snapshot,
+    specs: Sequence[ServiceSpec],
+    exclude: ServiceSpec | None = None,
+    starting_services: Collection[str] = (),
 ) -> tuple[int, list[GpuProcess]]:
     """Memory already promised on the GPU, and the processes holding it.
 
     Processes of ``exclude`` (the service being decided) are left out. A configured
-    service counts at max(measured, budget); its starting processes count at its budget.
+    service counts at max(measured, budget); its starting processes count at its budget,
+    and so does a service in ``starting_services`` (someone holds its lease: its server
+    may not even exist yet, but its memory is promised).
     """
     others = [s for s in specs if exclude is None or s.name != exclude.name]
     per_service: dict[str, int] = {}
@@ -158,6 +163,9 @@ def committed_memory(
         svc = owner_of(sp.command, others)
         if svc is not None and loading_match(svc, sp):
             per_service.setdefault(svc.name, 0)
+    for name in starting_services:
+        if exclude is None or name != exclude.name:
+            per_service.setdefault(name, 0)
     total = loose
     for o in others:
         if o.name in per_service:
@@ -177,6 +185,7 @@ def classify(
     handle_alive: bool | None = None,
     now: float = 0.0,
     own_holder: str | None = None,
+    leased: Collection[str] = (),
 ) -> Verdict:
     """Decide the state of ``spec`` (see the module docstring for the rows).
 
@@ -194,6 +203,8 @@ def classify(
         now: the clock, for the lease and the back-off.
         own_holder: a lease held by this holder id is ours (re-checking under our own
             lease), so it does not make the service LOADING.
+        leased: other services whose lease is live (a start under way): they count at
+            their budget, so two services never start into the same memory at once.
     """
     name = spec.name
     if health.ok:
@@ -262,12 +273,16 @@ def classify(
         (o := owner_of(s.command, specs)) is not None and loading_match(o, s)
         for s in (snapshot.starting or ())
     )
-    if snapshot.is_idle and not others_starting:
+    others_leased = [n for n in leased if n != name and any(o.name == n for o in specs)]
+    if snapshot.is_idle and not others_starting and not others_leased:
         return Verdict(name, Decision.IDLE, "no process on the GPU")
 
-    used, holders = committed_memory(snapshot, specs, exclude=spec)
+    used, holders = committed_memory(snapshot, specs, exclude=spec, starting_services=others_leased)
     total = snapshot.memory_total_mib or total_override_mib
-    held_by = "; ".join(_describe(p) for p in holders[:4]) or "other services starting"
+    held_by = "; ".join(_describe(p) for p in holders[:4])
+    if others_leased:
+        held_by += ("; " if held_by else "") + ", ".join(f"{n} (starting)" for n in others_leased)
+    held_by = held_by or "other services starting"
     if len(holders) > 4:
         held_by += f"; and {len(holders) - 4} more"
     need = spec.memory_mib

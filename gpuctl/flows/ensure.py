@@ -153,9 +153,12 @@ def decide(
     snapshot: Snapshot | None = None
     record: Record | None = None
     error = None
+    leased: list[str] = []
     try:
         snapshot = deps.read_snapshot(_keywords(others or [svc]))
-        record = deps.store.get(svc.name)
+        records = {r.service: r for r in deps.store.records()}
+        record = records.get(svc.name) or deps.store.get(svc.name)
+        leased = [n for n, r in records.items() if r.lease is not None and n != svc.name]
     except GpuctlError as e:
         error = e.message
         snapshot = None
@@ -171,6 +174,7 @@ def decide(
         handle_alive=alive,
         now=deps.clock(),
         own_holder=own_holder,
+        leased=leased,
     )
     return verdict, snapshot, record
 

@@ -187,6 +187,7 @@ def gather(
                     total_override_mib=h.gpu_memory_mib,
                     record=records.get(s.name),
                     now=now,
+                    leased=[n for n, r in records.items() if r.lease is not None],
                 )
                 for s, hh in zip(services, hs, strict=True)
             )
