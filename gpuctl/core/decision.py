@@ -125,8 +125,17 @@ def owner_of(command: str | None, specs: Sequence[ServiceSpec]) -> ServiceSpec |
     return None
 
 
-def _describe(p: GpuProcess, width: int = 60) -> str:
-    cmd = " ".join(p.command.split()) if p.command is not None else "<command not visible>"
+def _describe(p: GpuProcess, width: int = 72) -> str:
+    """``pid 123 (python -m vllm… , 8.0 GiB)``: short, but with what tells one job from another.
+
+    The program is named by its base name: a long venv path would push the arguments
+    (the model, the job's name) out of the cut.
+    """
+    if p.command is None:
+        cmd = "<command not visible>"
+    else:
+        words = p.command.split()
+        cmd = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]]) if words else ""
     if len(cmd) > width:
         cmd = cmd[: width - 1] + "…"
     mem = format_mib(p.memory_mib)
