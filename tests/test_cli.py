@@ -166,8 +166,15 @@ def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -
         assert "supersecret" not in r.output
         assert "$DGX_TOKEN" in r.output
     obj = json.loads(runner.invoke(app, ["config", "show", "--json"]).stdout)
-    assert obj["services"]["vllm"]["memory_mib"] == 81920
+    assert obj["services"]["vllm"]["memory"] == "80GiB"
     assert obj["services"]["vllm"]["host"] == "dgx"
+    # The TOML view is the config's own vocabulary: it loads back as the same config.
+    shown = runner.invoke(app, ["config", "show"]).stdout
+    again = cli_env / "again.toml"
+    again.write_text(shown)
+    from gpuctl.config import load_config
+
+    assert load_config(again).services == load_config(cfg).services
 
 
 def test_watch_and_json_exclude(cli_env: Path) -> None:

@@ -97,75 +97,18 @@ def _local_state_dir_warning(conf: Any) -> str | None:
 
 @config_app.command("show")
 def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
-    """Print the config as gpuctl understands it (defaults filled in, secrets masked)."""
+    """Print the config as gpuctl understands it: defaults filled in, secrets masked.
+
+    The output is valid TOML with the config's own key names (secrets' sources appear as
+    comments), so it can be pasted back.
+    """
     with errors_to_exit():
         from gpuctl.config import config_path, load_config
+        from gpuctl.render.config_view import config_to_json, config_to_toml
 
         p, named = config_path(config)
         conf = load_config(p, explicit=named)
-        obj = config_to_json(conf)
         if json_out:
-            print_json(obj)
-            return
-        print(f"# {conf.path}")
-        for section in ("defaults", "hosts", "services"):
-            val = obj[section]
-            if section == "defaults":
-                _print_table("defaults", val)
-            else:
-                for name, body in val.items():
-                    _print_table(f"{section}.{name}", body)
-
-
-def _print_table(title: str, body: dict[str, Any]) -> None:
-    import json
-
-    print(f"\n[{title}]")
-    for k, v in body.items():
-        if v is None or v in ({}, []):
-            continue
-        print(f"{k} = {json.dumps(v)}")
-
-
-def config_to_json(conf: Any) -> dict[str, Any]:
-    """The config with defaults filled in. Token values never appear: only where they come from."""
-    from dataclasses import asdict
-
-    def clean(d: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, value in d.items():
-            if k == "name":
-                continue
-            if hasattr(value, "__fspath__"):
-                out[k] = str(value)
-            elif isinstance(value, tuple):
-                out[k] = list(value)
-            elif isinstance(value, dict):
-                out[k] = dict(value)
-            else:
-                out[k] = value
-        return out
-
-    hosts = {}
-    for n, h in conf.hosts.items():
-        d = clean(asdict(h))
-        d["token"] = _secret_source(h.token_env, h.token_file)
-        d["jupyter_token"] = _secret_source(h.jupyter_token_env, h.jupyter_token_file)
-        hosts[n] = d
-    return {
-        "schema": 1,
-        "path": str(conf.path) if conf.path else None,
-        "defaults": clean(asdict(conf.defaults)),
-        "hosts": hosts,
-        "services": {n: clean(asdict(s)) for n, s in conf.services.items()},
-    }
-
-
-def _secret_source(env: str | None, file: Any) -> str | None:
-    import os
-
-    if env:
-        return f"****** (from ${env}{'' if os.environ.get(env) else ', NOT SET'})"
-    if file:
-        return f"****** (from {file})"
-    return None
+            print_json(config_to_json(conf))
+        else:
+            sys.stdout.write(config_to_toml(conf))

@@ -1,0 +1,153 @@
+"""``gpuctl config show``: the loaded config under its own key names (DESIGN §6).
+
+Sizes and durations are written back the way a user writes them (``80GiB``, ``30m``),
+so the TOML view can be pasted into a config file. Secrets never appear: only where
+they come from, as comments (TOML) or a masked string (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from gpuctl.config import Config, HostConfig, ServiceConfig
+
+
+def size_text(mib: int | None) -> str | None:
+    if mib is None:
+        return None
+    if mib % (1024 * 1024) == 0:
+        return f"{mib // (1024 * 1024)}TiB"
+    if mib % 1024 == 0:
+        return f"{mib // 1024}GiB"
+    return f"{mib}MiB"
+
+
+def duration_text(seconds: float) -> str:
+    if seconds != int(seconds):
+        return f"{round(seconds * 1000)}ms"
+    s = int(seconds)
+    if s and s % 3600 == 0:
+        return f"{s // 3600}h"
+    if s and s % 60 == 0:
+        return f"{s // 60}m"
+    return f"{s}s"
+
+
+def _host(h: HostConfig) -> dict[str, Any]:
+    return {
+        "agent": h.agent,
+        "token_env": h.token_env,
+        "token_file": str(h.token_file) if h.token_file else None,
+        "jupyter": h.jupyter,
+        "jupyter_token_env": h.jupyter_token_env,
+        "jupyter_token_file": str(h.jupyter_token_file) if h.jupyter_token_file else None,
+        "docker": h.docker,
+        "gpu_memory": size_text(h.gpu_memory_mib),
+        "timeout": duration_text(h.timeout_s),
+        # Only a host without an agent is probed here.
+        "probe": None if h.agent else h.probe,
+        "sim_dir": str(h.sim_dir) if h.sim_dir else None,
+    }
+
+
+def _service(s: ServiceConfig) -> dict[str, Any]:
+    return {
+        "host": s.host,
+        "launcher": s.launcher,
+        "image": s.image,
+        "command": s.command,
+        "health": s.health,
+        "match": list(s.match) or None,
+        "memory": size_text(s.memory_mib),
+        "priority": s.priority,
+        "idle_timeout": duration_text(s.idle_timeout_s),
+        "health_timeout": duration_text(s.health_timeout_s),
+        "cwd": s.cwd,
+        "env": dict(s.env) or None,
+        "log": s.log,
+        "gpus": s.gpus,
+        "ipc_mode": s.ipc_mode,
+        "shm_size": s.shm_size,
+        "volumes": list(s.volumes) or None,
+        "ports": dict(s.ports) or None,
+        "network": s.network,
+        "pid_mode": s.pid_mode,
+        "stop_timeout": duration_text(s.stop_timeout_s),
+        "terminal": s.terminal,
+    }
+
+
+def _secret(env: str | None, file: object) -> str | None:
+    if env:
+        return f"****** (from ${env}{'' if os.environ.get(env) else ', NOT SET'})"
+    if file:
+        return f"****** (from {file})"
+    return None
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def config_to_json(conf: Config) -> dict[str, Any]:
+    """``{"schema": 1, "path", "defaults", "hosts", "services"}`` under the config's key names;
+    each host adds ``token`` / ``jupyter_token``: where the secret comes from, masked."""
+    d = conf.defaults
+    hosts = {}
+    for n, h in conf.hosts.items():
+        hosts[n] = {
+            **_drop_none(_host(h)),
+            "token": _secret(h.token_env, h.token_file),
+            "jupyter_token": _secret(h.jupyter_token_env, h.jupyter_token_file),
+        }
+    return {
+        "schema": 1,
+        "path": str(conf.path) if conf.path else None,
+        "defaults": {
+            "idle_timeout": duration_text(d.idle_timeout_s),
+            "health_timeout": duration_text(d.health_timeout_s),
+            "agent_timeout": duration_text(d.agent_timeout_s),
+            "priority": d.priority,
+        },
+        "hosts": hosts,
+        "services": {n: _drop_none(_service(s)) for n, s in conf.services.items()},
+    }
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string is a JSON string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return (
+            "{ "
+            + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items())
+            + " }"
+        )
+    raise TypeError(type(v).__name__)
+
+
+def config_to_toml(conf: Config) -> str:
+    obj = config_to_json(conf)
+    lines = [f"# {obj['path'] or '(no config file)'}: as gpuctl reads it, defaults filled in", ""]
+    lines.append("[defaults]")
+    lines += [f"{k} = {_toml_value(v)}" for k, v in obj["defaults"].items()]
+    for name, body in obj["hosts"].items():
+        lines += ["", f"[hosts.{name}]"]
+        for k, v in body.items():
+            if k in ("token", "jupyter_token"):
+                if v:
+                    lines.append(f"# {k}: {v}")
+                continue
+            lines.append(f"{k} = {_toml_value(v)}")
+    for name, body in obj["services"].items():
+        lines += ["", f"[services.{name}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    return "\n".join(lines) + "\n"
