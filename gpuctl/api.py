@@ -106,7 +106,7 @@ def _touch_due(conf: Config, svc: ServiceConfig) -> bool:
 
 def _touch(conf: Config, svc: ServiceConfig) -> None:
     """Mark it used through the host's store path; a failure here must not fail the app."""
-    from gpuctl.flows.wiring import store_for
+    from gpuctl.adapters.store import store_for
 
     try:
         store = store_for(conf.host(svc.host))

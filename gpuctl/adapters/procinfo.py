@@ -7,7 +7,6 @@ check here reads the state instead.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
@@ -17,8 +16,6 @@ from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
-import psutil
-
 from gpuctl.core.model import HostIdentity, StartingProcess
 
 # /docker/<64hex>, docker-<64hex>.scope, cri-containerd-<64hex>.scope, libpod-<64hex>.scope
@@ -27,6 +24,8 @@ _CGROUP_ID = re.compile(r"(?:docker|cri-containerd|libpod|containerd)[-/]([0-9a-
 
 def is_alive(pid: int) -> bool:
     """True when ``pid`` runs and is not a zombie."""
+    import psutil  # lazily: the CLI's status path needs none of this
+
     if pid <= 0:
         return False
     try:
@@ -51,6 +50,8 @@ def _state_from_proc(pid: int) -> str | None:
 
 def start_time(pid: int) -> float | None:
     """The process's start time (seconds since the epoch), to tell a reused pid from ours."""
+    import psutil  # lazily: the CLI's status path needs none of this
+
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -69,6 +70,8 @@ def is_same_process(pid: int, started: float | None) -> bool:
 
 def command_of(pid: int) -> str | None:
     """The full command line, or None where it cannot be read (other PID namespace, no permission)."""
+    import psutil  # lazily: the CLI's status path needs none of this
+
     try:
         argv = psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
@@ -77,6 +80,9 @@ def command_of(pid: int) -> str | None:
 
 
 def user_of(pid: int) -> str | None:
+    """The process's user name (its uid where the name is unknown), or None."""
+    import psutil
+
     try:
         return psutil.Process(pid).username()
     except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, OSError):
@@ -166,12 +172,28 @@ _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ash", "busybox"})
 
 @lru_cache(maxsize=1)
 def own_lineage() -> tuple[int, ...]:
-    """This process and its ancestors (cached: they do not change while we run)."""
-    me = psutil.Process()
-    pids = [me.pid]
-    with contextlib.suppress(psutil.Error):
-        pids.extend(p.pid for p in me.parents())
+    """This process and its ancestors (cached: they do not change while we run).
+
+    Read from /proc directly: it runs on every status call, where importing psutil
+    would cost more than the walk.
+    """
+    pids = [os.getpid()]
+    pid = os.getppid()
+    while pid > 0 and pid not in pids:
+        pids.append(pid)
+        state = _stat_fields(pid)
+        if state is None:
+            break
+        pid = int(state[1])  # the fields after the command: state, ppid, ...
     return tuple(pids)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
 
 
 def find_matching(
@@ -182,6 +204,8 @@ def find_matching(
     Skips zombies, this process and its ancestors, and gpuctl's own client commands
     (``gpuctl ensure vllm`` names the service, it is not the service).
     """
+    import psutil
+
     kws = [k.lower() for k in keywords if k]
     if not kws:
         return

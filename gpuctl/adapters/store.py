@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpuctl.config import HostConfig
 from gpuctl.core.record import Lease, LeaseState, Phase, Record, apply_update, lease_state
 from gpuctl.errors import StoreError, UsageError
 
@@ -457,3 +458,19 @@ class AgentStore:
         return self._record(
             self._call("POST", f"/records/{check_name(service)}/touch", {"ready": ready})
         )
+
+
+def store_for(host: HostConfig, timeout_s: float | None = None) -> Store:
+    """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
+    agent request (default: the host's timeout, at least 5 s, as lease calls may wait
+    for a file lock on the host)."""
+    if host.agent:
+        return AgentStore(
+            host.agent,
+            host.token(),
+            timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
+            host_name=host.name,
+        )
+    from gpuctl.adapters.paths import default_state_dir
+
+    return DirectStore(default_state_dir())

@@ -121,7 +121,7 @@ class LocksReport:
 
 def locks(config: Config, host_names: list[str] | None) -> LocksReport:
     """Every configured service's record on each host (a host that fails is reported)."""
-    from gpuctl.flows.wiring import store_for
+    from gpuctl.adapters.store import store_for
 
     hosts = [config.host(h) for h in host_names] if host_names else list(config.hosts.values())
     rows: list[tuple[str, Record | None, str | None]] = []

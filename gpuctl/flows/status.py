@@ -211,7 +211,7 @@ def gather(
 
 def read_records(host: HostConfig) -> dict[str, Record]:
     """The host's records (leases, failures), through its agent or directly."""
-    from gpuctl.flows.wiring import store_for
+    from gpuctl.adapters.store import store_for
 
     store = store_for(host, timeout_s=host.timeout_s)  # a hung agent: its own short timeout
     try:

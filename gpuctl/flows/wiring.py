@@ -10,28 +10,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
-from gpuctl.adapters.store import AgentStore, DirectStore, Store
+from gpuctl.adapters.store import store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
 from gpuctl.flows.ensure import EnsureDeps, Progress
-
-
-def store_for(host: HostConfig, timeout_s: float | None = None) -> Store:
-    """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
-    agent request (default: the host's timeout, at least 5 s, as lease calls may wait
-    for a file lock on the host)."""
-    if host.agent:
-        return AgentStore(
-            host.agent,
-            host.token(),
-            timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
-            host_name=host.name,
-        )
-    from gpuctl.adapters.paths import default_state_dir
-
-    return DirectStore(default_state_dir())
 
 
 def snapshot_reader(
