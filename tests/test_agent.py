@@ -609,3 +609,27 @@ def test_installed_cli_serves_the_sim_gpu(tmp_path: Path, how: str) -> None:
     assert f"gpuctl agent: listening on {url} (probe sim, token required)" in err
     assert "Traceback" not in err
     json.dumps(body)  # plain JSON all the way
+
+
+def test_exclude_leaves_out_the_callers_own_tree_on_the_same_host(
+    keyword: str, sleepers: tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]
+) -> None:
+    loading, _ = sleepers
+    probe = FakeProbe(reading_of())
+    boot_id = host_identity().boot_id
+    with serve_in_thread(create_app(AgentSettings(token=TOKEN, cache_ttl_s=0.0), probe)) as url:
+
+        def starting(**params: str) -> list[int]:
+            body = httpx.get(f"{url}/status", params={"match": keyword, **params}, headers=AUTH)
+            return [s["pid"] for s in body.json()["starting"]]
+
+        assert loading.pid in starting()
+        assert loading.pid not in starting(exclude=str(loading.pid), boot_id=boot_id)
+        # pids from another machine mean nothing here: ignored.
+        assert loading.pid in starting(exclude=str(loading.pid), boot_id="another-host")
+        bad = httpx.get(
+            f"{url}/status",
+            params={"match": keyword, "exclude": "x", "boot_id": boot_id},
+            headers=AUTH,
+        )
+        assert bad.status_code == 400

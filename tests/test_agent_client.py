@@ -287,4 +287,12 @@ def test_client_sends_the_bearer_token_and_match() -> None:
     snap = client.status(["vllm", "", "translategemma"])
     assert snap.is_idle and snap.starting == ()
     assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
-    assert str(seen[0].url) == "http://dgx:9400/status?match=vllm%2Ctranslategemma"
+    url = seen[0].url
+    assert url.path == "/status"
+    assert url.params["match"] == "vllm,translategemma"
+    # The caller names its own process tree, for the agent to leave out when it runs on
+    # this same machine (the boot id says which machine).
+    from gpuctl.adapters.procinfo import host_identity, own_lineage
+
+    assert url.params["exclude"] == ",".join(map(str, own_lineage()))
+    assert url.params["boot_id"] == host_identity().boot_id

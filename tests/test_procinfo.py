@@ -1,0 +1,87 @@
+"""Which host processes count as a service loading: real processes, real /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from gpuctl.adapters.procinfo import (
+    _is_gpuctl_client,
+    find_matching,
+    is_alive,
+    own_lineage,
+    parse_container_id,
+)
+from tests.ensure_helpers import unique_name
+
+
+@pytest.mark.parametrize(
+    ("argv", "client"),
+    [
+        (["/usr/bin/python3", "/venv/bin/gpuctl", "ensure", "vllm"], True),
+        (["gpuctl", "--config", "x", "status"], False),  # an option value is not the command
+        (["python", "-m", "gpuctl", "stop", "vllm"], True),
+        (["python", "-m", "gpuctl", "sim", "model-server", "--name", "vllm"], False),
+        (["sh", "-c", "gpuctl ensure vllm --json | grep ready"], True),
+        (["/bin/bash", "-c", "cd /x && /venv/bin/gpuctl ensure vllm; sleep 30"], True),
+        (["sh", "-c", "vllm serve Qwen --port 8000"], False),
+        (["sh", "-c", "echo 'unbalanced"], False),
+        (["vllm", "serve", "Qwen"], False),
+    ],
+)
+def test_gpuctl_clients_are_not_servers(argv: list[str], client: bool) -> None:
+    assert _is_gpuctl_client(argv) is client
+
+
+@pytest.fixture
+def named() -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
+    name = unique_name("proc")
+    procs: list[subprocess.Popen[bytes]] = []
+    yield name, procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_find_matching_sees_a_server_but_not_a_wrapped_client(
+    named: tuple[str, list[subprocess.Popen[bytes]]],
+) -> None:
+    name, procs = named
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", f"--model={name}"]
+    )
+    wrapper = subprocess.Popen(["sh", "-c", f"sleep 60; gpuctl ensure {name}"])
+    procs += [server, wrapper]
+    found = {s.pid: s for s in find_matching([name.upper()])}
+    assert server.pid in found and wrapper.pid not in found
+    assert found[server.pid].age_s is not None and 0 <= found[server.pid].age_s < 60
+
+
+def test_own_lineage_is_this_process_and_its_parents() -> None:
+    lineage = own_lineage()
+    assert lineage[0] == os.getpid() and lineage[1] == os.getppid()
+    assert lineage[-1] == 1 or len(lineage) >= 2
+
+
+def test_zombie_is_dead() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    # Not reaped yet: a zombie, which kill(pid, 0) still finds.
+    import time
+
+    deadline = time.monotonic() + 10
+    while is_alive(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(p.pid, 0)
+    assert is_alive(p.pid) is False
+    p.wait()
+
+
+def test_container_id_from_cgroup() -> None:
+    cid = "3f2a" + "0" * 60
+    assert parse_container_id(f"0::/system.slice/docker-{cid}.scope\n") == cid
+    assert parse_container_id(f"12:memory:/docker/{cid}\n") == cid
+    assert parse_container_id("0::/user.slice/user-0.slice/session-1.scope\n") is None
