@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from gpuctl.core.units import format_duration
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.console import RenderableType
 
     from gpuctl.flows.service_ops import LocksReport
 
@@ -47,24 +47,27 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
     return {"schema": 1, "ok": report.ok, "records": rows}
 
 
-def render_locks(report: LocksReport) -> Table:
+def render_locks(report: LocksReport) -> RenderableType:
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     t = Table(header_style="bold", box=None, pad_edge=False)
+    # Two-line headers keep every column's name and fit 80 columns.
     for col in (
         "HOST",
         "SERVICE",
         "PHASE",
         "HOLDER",
         "SINCE",
-        "LAST USED",
-        "IDLE FOR",
-        "LEASE EXPIRES",
-        "LAST FAILURE",
+        "LAST\nUSED",
+        "IDLE\nFOR",
+        "LEASE\nEXPIRES",
+        "STARTS",
     ):
-        t.add_column(col)
+        t.add_column(col, no_wrap=True)
     now = report.now
+    notes: list[Text] = []
     for host, rec, err in report.rows:
         if rec is None:
             t.add_row(
@@ -93,12 +96,31 @@ def render_locks(report: LocksReport) -> Table:
             rec.service,
             Text(rec.phase.value, style=phase_style),
             holder,
-            format_duration(now - rec.since) + " ago" if rec.since else "-",
-            format_duration(now - rec.last_used) + " ago" if rec.last_used else "never",
+            _clock(rec.since),
+            _clock(rec.last_used) if rec.last_used else "never",
             format_duration(rec.idle_for(now)),
             format_duration(lease.expires - now) if lease else "-",
-            Text(fail, style="red") if fail else "",
+            _starts(rec.attempts),
         )
+        # Failures and notes go below the table: they are long, and most rows have none.
+        if fail:
+            notes.append(Text(f"{host}/{rec.service}: last failure: {fail}", style="red"))
         if rec.recovered:
-            t.add_row("", "", Text(f"note: {rec.recovered}", style="yellow"))
-    return t
+            notes.append(Text(f"{host}/{rec.service}: note: {rec.recovered}", style="yellow"))
+    return Group(t, *notes) if notes else t
+
+
+def _clock(t: float | None) -> str:
+    """A time of day on the viewer's clock (the JSON has the full UTC timestamp)."""
+    if not t:
+        return "-"
+    from datetime import datetime
+
+    when = datetime.fromtimestamp(t)
+    fmt = "%H:%M:%S" if when.date() == datetime.now().date() else "%m-%d %H:%M"
+    return when.strftime(fmt)
+
+
+def _starts(attempts: tuple[dict[str, Any], ...]) -> str:
+    """How many starts the record keeps (the JSON has each one's outcome and duration)."""
+    return str(len(attempts))
