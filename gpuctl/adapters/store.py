@@ -396,12 +396,19 @@ class AgentStore:
             r = self._client.request(method, path, json=body)
         except httpx.HTTPError as e:
             raise transport_error(e, self.base_url, self.timeout_s) from None
-        if r.status_code == 409:
+        if r.status_code in (409, 503):
+            # The agent answered, but its store could not do it (not the lease holder, a
+            # lock held too long, no state dir): the same StoreError the files give.
             try:
-                msg = r.json().get("error")
+                data = r.json()
             except ValueError:
-                msg = None
-            raise StoreError(str(msg or f"conflict on {path}"))
+                data = None
+            if isinstance(data, dict) and isinstance(data.get("error"), str):
+                hint = data.get("hint")
+                raise StoreError(
+                    f"the store on {self.host_name}: {data['error']}",
+                    hint=hint if isinstance(hint, str) else "",
+                )
         return parse_response(r, self.base_url, self.host_name, self.token_sent)
 
     def _record(self, data: Any) -> Record:
