@@ -292,7 +292,8 @@ def test_client_sends_the_bearer_token_and_match() -> None:
     assert url.params["match"] == "vllm,translategemma"
     # The caller names its own process tree, for the agent to leave out when it runs on
     # this same machine (the boot id says which machine).
-    from gpuctl.adapters.procinfo import host_identity, own_lineage
+    from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipes
 
     assert url.params["exclude"] == ",".join(map(str, own_lineage()))
+    assert url.params["pipes"] == ",".join(own_pipes())
     assert url.params["boot_id"] == host_identity().boot_id

@@ -234,3 +234,30 @@ def test_another_service_mid_start_counts_at_its_budget() -> None:
     big = Spec("big", 60 * GiB)
     v = classify(big, REFUSED, idle, others=[*SPECS, big], leased=["vllm"])
     assert v.decision is Decision.BUSY
+
+
+def test_a_recorded_server_is_its_service_whatever_its_command() -> None:
+    """`services.chat` runs `vllm serve …`: no keyword of "chat" in it, but its launcher
+    recorded the pid. Loading, it holds 8 GiB; it will grow to 80."""
+    chat = Spec("chat", 80 * GiB, match=("chat",))
+    other = Spec("other", 80 * GiB, match=("other",))
+    specs = [chat, other]
+    loading = snap(p(70, "vllm serve Qwen/Qwen3-32B", 8))
+    servers = {70: "chat"}
+    v = classify(chat, REFUSED, loading, others=specs, servers=servers)
+    assert v.decision is Decision.LOADING and "pid 70" in v.reason
+    # Without the record, the other 80 GiB service would be let in beside it: OOM.
+    assert classify(other, REFUSED, loading, others=specs).decision is Decision.FITS
+    v = classify(other, REFUSED, loading, others=specs, servers=servers)
+    assert v.decision is Decision.BUSY and "only 48.0 GiB" in v.reason
+    # Not on the GPU yet: a recorded pid counts at any age.
+    early = snap(starting=(StartingProcess(71, "python serve.py", age_s=10_000.0),))
+    assert (
+        classify(chat, REFUSED, early, others=specs, servers={71: "chat"}).decision
+        is Decision.LOADING
+    )
+    # ... and at its budget for the others: 80 + 80 > 128.
+    assert (
+        classify(other, REFUSED, early, others=specs, servers={71: "chat"}).decision
+        is Decision.BUSY
+    )

@@ -361,3 +361,51 @@ def test_engine_dead_503_fails_the_wait(host: SimHost, svc: str) -> None:
     assert out["outcome"] == "failed" and "engine is dead" in out["reason"]
     assert "Application startup complete" in out["log_tail"]
     assert read_record(host, svc)["failure"]["count"] == 1
+
+
+def test_a_pipeline_naming_the_service_does_not_block_its_start(host: SimHost, svc: str) -> None:
+    """`gpuctl ensure X | tee X.log`: the tee names X, but it is not X loading."""
+    port = free_port()
+    cfg = host.write_config(
+        service_toml(svc, port, model_server_command(svc, port, load_time="1s"))
+    )
+    log = host.base / f"{svc}.out"
+    r = subprocess.run(
+        ["sh", "-c", f"{gpuctl_exe()} ensure {svc} --json --timeout 60s | tee {log}"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = json.loads(log.read_text())
+    assert out["outcome"] == "ready" and out["launched"] is True, r.stderr
+    assert len(server_pids(svc)) == 1
+
+
+def test_a_recorded_server_counts_whatever_its_command_says(host: SimHost, svc: str) -> None:
+    """Its command does not carry the service's keywords (`services.chat` runs `vllm serve`):
+    the record's pid still makes it LOADING for its own callers, and 80 GiB for the others."""
+    server_name = unique_name("anon")
+    port, port2 = free_port(), free_port()
+    chat = service_toml(svc, port, model_server_command(server_name, port, "80GiB", "6s"))
+    chat = chat.replace('memory = "20GiB"', 'memory = "80GiB"')
+    other = unique_name("other")
+    big = service_toml(other, port2, model_server_command(other, port2, "80GiB", "1s"))
+    big = big.replace('memory = "20GiB"', 'memory = "80GiB"')
+    cfg = host.write_config(chat + "\n" + big)
+    try:
+        r = run_ensure(cfg, svc, "--no-wait")
+        assert r.returncode == 0 and json.loads(r.stdout)["outcome"] == "started", r.stderr
+        # The same service again: it waits for that server, it does not start a second.
+        r = run_ensure(cfg, svc)
+        out = json.loads(r.stdout)
+        assert r.returncode == 0 and out["launched"] is False and out["decision"] == "LOADING"
+        assert len(server_pids(server_name)) == 1
+        # Another 80 GiB service does not fit beside it: BUSY, never an OOM.
+        r = run_ensure(cfg, other)
+        assert r.returncode == 3, r.stdout
+        assert server_pids(other) == []
+    finally:
+        kill_servers(server_name)
+        kill_servers(other)

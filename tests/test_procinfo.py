@@ -85,3 +85,24 @@ def test_container_id_from_cgroup() -> None:
     assert parse_container_id(f"0::/system.slice/docker-{cid}.scope\n") == cid
     assert parse_container_id(f"12:memory:/docker/{cid}\n") == cid
     assert parse_container_id("0::/user.slice/user-0.slice/session-1.scope\n") is None
+
+
+def test_pipeline_neighbours_are_recognised() -> None:
+    from gpuctl.adapters.procinfo import on_pipes
+
+    r, w = os.pipe()
+    try:
+        inode = os.readlink(f"/proc/self/fd/{w}")[len("pipe:[") : -1]
+        reader = subprocess.Popen(["sleep", "30"], stdin=r)
+        loner = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL)
+        try:
+            assert on_pipes(reader.pid, [inode])
+            assert not on_pipes(loner.pid, [inode])
+            assert not on_pipes(reader.pid, [])
+        finally:
+            for p in (reader, loner):
+                p.kill()
+                p.wait()
+    finally:
+        os.close(r)
+        os.close(w)

@@ -187,19 +187,24 @@ class _Base:
         return f"{self.base_url}{path}"
 
     @staticmethod
-    def _params(match: Sequence[str]) -> dict[str, str]:
+    def _params(match: Sequence[str], pids: Sequence[int] = ()) -> dict[str, str]:
         words = [m for m in match if m]
         if not words:
             return {}
         # Our own process tree (the shell or cron job that runs us names the service):
         # the agent leaves it out of `starting` when it runs on this same machine.
-        from gpuctl.adapters.procinfo import host_identity, own_lineage
 
-        return {
+        from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipes
+
+        params = {
             "match": ",".join(words),
             "exclude": ",".join(str(p) for p in own_lineage()),
+            "pipes": ",".join(own_pipes()),
             "boot_id": host_identity().boot_id,
         }
+        if pids:
+            params["pids"] = ",".join(str(p) for p in pids)
+        return params
 
 
 class AgentClient(_Base):
@@ -234,7 +239,7 @@ class AgentClient(_Base):
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url, self.timeout_s) from exc
 
-    def status(self, match: Sequence[str] = ()) -> Snapshot:
+    def status(self, match: Sequence[str] = (), pids: Sequence[int] = ()) -> Snapshot:
         """``GET /status[?match=...]`` as a Snapshot.
 
         ``curl -H 'Authorization: Bearer …' 'http://dgx:9400/status?match=vllm'``
@@ -242,7 +247,7 @@ class AgentClient(_Base):
         Raises:
             AgentUnavailable: the agent did not give a valid answer (AgentAuthError for 401/403).
         """
-        resp = self._get("/status", self._params(match))
+        resp = self._get("/status", self._params(match, pids))
         return parse_status(resp, self.base_url, self.host_name, self.token is not None)
 
     def healthz(self) -> dict[str, Any]:
@@ -289,9 +294,9 @@ class AsyncAgentClient(_Base):
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url, self.timeout_s) from exc
 
-    async def status(self, match: Sequence[str] = ()) -> Snapshot:
+    async def status(self, match: Sequence[str] = (), pids: Sequence[int] = ()) -> Snapshot:
         """``GET /status[?match=...]`` as a Snapshot (see ``AgentClient.status``)."""
-        resp = await self._get("/status", self._params(match))
+        resp = await self._get("/status", self._params(match, pids))
         return parse_status(resp, self.base_url, self.host_name, self.token is not None)
 
     async def healthz(self) -> dict[str, Any]:

@@ -24,15 +24,27 @@ def build_snapshot(
     *,
     state_dir: str | None = None,
     gpu_memory_mib: int | None = None,
+    pids: Sequence[int] = (),
 ) -> Snapshot:
     """Add host identity and the ``starting`` list (DESIGN §4) to a probe reading.
 
     ``keywords`` None means "not asked": the snapshot carries no ``starting`` list.
+    ``pids`` are servers the records name: listed under ``starting`` when alive and not
+    on the GPU, whatever their command line.
     """
     starting = None
     if keywords is not None:
         on_gpu = {p.pid for p in reading.processes}
-        starting = tuple(s for s in procinfo.find_matching(keywords) if s.pid not in on_gpu)
+        # Our own pipeline neighbours (`gpuctl status | grep vllm`) are not servers.
+        pipes = procinfo.own_pipes()
+        found = [
+            s
+            for s in procinfo.find_matching(keywords)
+            if s.pid not in on_gpu and not procinfo.on_pipes(s.pid, pipes)
+        ]
+        seen = {s.pid for s in found} | on_gpu
+        found += procinfo.describe_pids(p for p in pids if p not in seen)
+        starting = tuple(found)
     total = reading.memory_total_mib
     if total is None and reading.unified_memory:
         total = gpu_memory_mib
@@ -56,6 +68,7 @@ def local_snapshot(
     *,
     sim_dir: Path | None = None,
     gpu_memory_mib: int | None = None,
+    pids: Sequence[int] = (),
 ) -> Snapshot:
     """Probe once and build a snapshot; raises ``ProbeError`` / ``NoGpuFound``."""
     from gpuctl.adapters.probes.factory import make_probe
@@ -65,4 +78,4 @@ def local_snapshot(
         reading = probe.read()
     finally:
         probe.close()
-    return build_snapshot(reading, keywords, gpu_memory_mib=gpu_memory_mib)
+    return build_snapshot(reading, keywords, gpu_memory_mib=gpu_memory_mib, pids=pids)

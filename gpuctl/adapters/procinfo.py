@@ -227,3 +227,66 @@ def find_matching(
             yield StartingProcess(
                 pid=info["pid"], command=line, user=info.get("username"), age_s=age
             )
+
+
+def describe_pids(pids: Iterable[int]) -> list[StartingProcess]:
+    """The given pids that are alive (not zombies), as StartingProcess entries.
+
+    For servers whose pid a record names: they are the service's whatever their
+    command line says, so they are reported even without a keyword match.
+    """
+    import psutil
+
+    out = []
+    now = time.time()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            with p.oneshot():
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                argv = p.cmdline()
+                created = p.create_time()
+                try:
+                    user: str | None = p.username()
+                except (KeyError, psutil.Error):
+                    user = None
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        out.append(
+            StartingProcess(
+                pid=pid,
+                command=" ".join(argv) or f"<pid {pid}>",
+                user=user,
+                age_s=round(max(0.0, now - created), 1),
+            )
+        )
+    return out
+
+
+def own_pipes() -> tuple[str, ...]:
+    """The pipes on this process's stdin, stdout and stderr (``pipe:[12345]``)."""
+    out = []
+    for fd in (0, 1, 2):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:"):
+            out.append(target[len("pipe:") :].strip("[]"))
+    return tuple(out)
+
+
+def on_pipes(pid: int, pipes: Iterable[str]) -> bool:
+    """True when ``pid`` reads or writes one of ``pipes``: our neighbour in a pipeline
+    (``gpuctl ensure vllm | tee vllm.log``), which names the service but is not it."""
+    wanted = {f"pipe:[{p}]" for p in pipes}
+    if not wanted:
+        return False
+    for fd in (0, 1):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                return True
+        except OSError:
+            continue
+    return False

@@ -34,7 +34,7 @@ from urllib.parse import parse_qs
 
 from gpuctl import __version__
 from gpuctl.adapters.probes.base import Probe
-from gpuctl.adapters.procinfo import find_matching, host_identity
+from gpuctl.adapters.procinfo import describe_pids, find_matching, host_identity, on_pipes
 from gpuctl.core.model import (
     STATUS_SCHEMA,
     HostIdentity,
@@ -323,18 +323,35 @@ def parse_match(query: dict[str, list[str]]) -> tuple[str, ...] | None:
     return tuple(sorted(words))
 
 
-def parse_exclude(query: dict[str, list[str]], boot_id: str) -> frozenset[int]:
-    """``?exclude=pid,pid&boot_id=B``: pids to leave out of ``starting``.
+def parse_exclude(
+    query: dict[str, list[str]], boot_id: str
+) -> tuple[frozenset[int], tuple[str, ...]]:
+    """``?exclude=pid,pid&pipes=inode,inode&boot_id=B``: the caller's own process tree,
+    and the pipes on its stdio, to leave out of ``starting``.
 
     Only honoured when ``boot_id`` is this host's: pids mean nothing on another machine.
     """
-    values = query.get("exclude")
-    if not values or query.get("boot_id", [""])[0] != boot_id or not boot_id:
-        return frozenset()
+    if not boot_id or query.get("boot_id", [""])[0] != boot_id:
+        return frozenset(), ()
     try:
-        return frozenset(int(w) for v in values for w in v.split(",") if w.strip())
+        pids = frozenset(
+            int(w) for v in query.get("exclude", []) for w in v.split(",") if w.strip()
+        )
+        pipes = tuple(str(int(w)) for v in query.get("pipes", []) for w in v.split(",") if w)
     except ValueError:
-        raise HttpError(400, "exclude must be a comma-separated list of pids") from None
+        raise HttpError(400, "exclude must be pids, and pipes pipe inodes") from None
+    return pids, pipes
+
+
+def parse_pids(query: dict[str, list[str]]) -> list[int]:
+    """``?pids=1,2``: recorded servers to report under ``starting`` whatever their command."""
+    try:
+        pids = [int(w) for v in query.get("pids", []) for w in v.split(",") if w.strip()]
+    except ValueError:
+        raise HttpError(400, "pids must be a comma-separated list of pids") from None
+    if len(pids) > MAX_MATCH_KEYWORDS:
+        raise HttpError(400, f"at most {MAX_MATCH_KEYWORDS} pids per request")
+    return [p for p in pids if p > 0]
 
 
 # --------------------------------------------------------------------------- the agent
@@ -558,13 +575,20 @@ class AgentApp:
                 f"reading the host's processes failed: {matched.error}",
                 "see the agent's log on the GPU host",
             )
-        exclude = parse_exclude(request.query(), self.settings.host.boot_id)
-        if exclude:
-            # A caller on this host names its own process tree: its shell's command line
-            # holds the service's name, but it is not the service. Not cached: per caller.
+        query = request.query()
+        exclude, pipes = parse_exclude(query, self.settings.host.boot_id)
+        pids = parse_pids(query)
+        if exclude or pipes or pids:
+            # Per caller, so not cached. A caller on this host names its own process tree
+            # and its pipes (its shell and `| tee vllm.log` name the service, but are not
+            # it); `pids` are servers the records name, reported whatever their command.
             assert scan.value is not None and matched.value is not None
-            mine = tuple(p for p in matched.value if p.pid not in exclude)
-            return json_response(200, self.snapshot(scan.value, mine).to_wire())
+            mine = [p for p in matched.value if p.pid not in exclude and not on_pipes(p.pid, pipes)]
+            seen = {p.pid for p in mine}
+            extra = [p for p in pids if p not in seen]
+            if extra:
+                mine += await asyncio.to_thread(describe_pids, extra)
+            return json_response(200, self.snapshot(scan.value, tuple(mine)).to_wire())
         body = slot.body
         if body is not None and body[0] is scan and body[1] is matched:
             return body[2]

@@ -24,7 +24,7 @@ only what it holds now would admit a second server into memory already promised.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -61,13 +61,18 @@ class ServiceSpec(Protocol):
     def health_timeout_s(self) -> float: ...
 
 
-def loading_match(spec: ServiceSpec, s: StartingProcess) -> bool:
+def loading_match(
+    spec: ServiceSpec, s: StartingProcess, servers: Mapping[int, str] | None = None
+) -> bool:
     """A host process not on the GPU that counts as this service loading.
 
-    Its command carries a keyword, and it is younger than the service's health timeout:
-    a model server does not read weights for longer than that, while a `tail -f` of its
-    log or an editor on its config can sit there for days, and must not block starts.
+    Either the service's record names it (its launcher recorded its pid), or its command
+    carries a keyword and it is younger than the service's health timeout: a model
+    server does not read weights for longer than that, while a `tail -f` of its log or
+    an editor on its config can sit there for days, and must not block starts.
     """
+    if servers and s.pid in servers:
+        return servers[s.pid] == spec.name
     return owns(spec, s.command) and (s.age_s is None or s.age_s < spec.health_timeout_s)
 
 
@@ -118,7 +123,17 @@ def owns(spec: ServiceSpec, command: str | None) -> bool:
     return any(k.lower() in low for k in spec.keywords)
 
 
-def owner_of(command: str | None, specs: Sequence[ServiceSpec]) -> ServiceSpec | None:
+def owner_of(
+    command: str | None,
+    specs: Sequence[ServiceSpec],
+    pid: int | None = None,
+    servers: Mapping[int, str] | None = None,
+) -> ServiceSpec | None:
+    """The service a process belongs to: the one whose record names its pid (its launcher
+    recorded it: true whatever its command line says), else the first whose keywords match."""
+    if servers and pid is not None and pid in servers:
+        name = servers[pid]
+        return next((s for s in specs if s.name == name), None)
     for s in specs:
         if owns(s, command):
             return s
@@ -147,6 +162,7 @@ def committed_memory(
     specs: Sequence[ServiceSpec],
     exclude: ServiceSpec | None = None,
     starting_services: Collection[str] = (),
+    servers: Mapping[int, str] | None = None,
 ) -> tuple[int, list[GpuProcess]]:
     """Memory already promised on the GPU, and the processes holding it.
 
@@ -155,22 +171,23 @@ def committed_memory(
     and so does a service in ``starting_services`` (someone holds its lease: its server
     may not even exist yet, but its memory is promised).
     """
+    everyone = [*specs, exclude] if exclude is not None else list(specs)
     others = [s for s in specs if exclude is None or s.name != exclude.name]
     per_service: dict[str, int] = {}
     holders: list[GpuProcess] = []
     loose = 0
     for p in snapshot.processes:
-        if exclude is not None and owns(exclude, p.command):
+        svc = owner_of(p.command, everyone, p.pid, servers)
+        if exclude is not None and svc is not None and svc.name == exclude.name:
             continue
         holders.append(p)
-        svc = owner_of(p.command, others)
         if svc is None:
             loose += p.memory_mib or 0
         else:
             per_service[svc.name] = per_service.get(svc.name, 0) + (p.memory_mib or 0)
     for sp in snapshot.starting or ():
-        svc = owner_of(sp.command, others)
-        if svc is not None and loading_match(svc, sp):
+        svc = owner_of(sp.command, others, sp.pid, servers)
+        if svc is not None and loading_match(svc, sp, servers):
             per_service.setdefault(svc.name, 0)
     for name in starting_services:
         if exclude is None or name != exclude.name:
@@ -195,6 +212,7 @@ def classify(
     now: float = 0.0,
     own_holder: str | None = None,
     leased: Collection[str] = (),
+    servers: Mapping[int, str] | None = None,
 ) -> Verdict:
     """Decide the state of ``spec`` (see the module docstring for the rows).
 
@@ -214,11 +232,20 @@ def classify(
             lease), so it does not make the service LOADING.
         leased: other services whose lease is live (a start under way): they count at
             their budget, so two services never start into the same memory at once.
+        servers: the pids the services' records name (their launchers recorded them),
+            and whose they are: a recorded server is its service's, whatever its
+            command line, and at any age.
     """
+    everyone = [spec, *(o for o in others if o.name != spec.name)]
+
+    def mine(pid: int, command: str | None) -> bool:
+        o = owner_of(command, everyone, pid, servers)
+        return o is not None and o.name == spec.name
+
     name = spec.name
     if health.ok:
         own_ready = (
-            tuple(p for p in snapshot.processes if owns(spec, p.command)) if snapshot else ()
+            tuple(p for p in snapshot.processes if mine(p.pid, p.command)) if snapshot else ()
         )
         return Verdict(
             name,
@@ -240,10 +267,12 @@ def classify(
             f"being started by {lease.entry} (pid {lease.pid} on {lease.host}), lease expires in "
             f"{format_duration(lease.expires - now)}; health: {health.detail or health.state}",
         )
-    own = tuple(p for p in snapshot.processes if owns(spec, p.command))
+    own = tuple(p for p in snapshot.processes if mine(p.pid, p.command))
     own_pids = {p.pid for p in own}
     starting = tuple(
-        s for s in (snapshot.starting or ()) if loading_match(spec, s) and s.pid not in own_pids
+        s
+        for s in (snapshot.starting or ())
+        if mine(s.pid, s.command) and loading_match(spec, s, servers) and s.pid not in own_pids
     )
     if own or starting:
         parts = [_describe(p) for p in own]
@@ -279,14 +308,17 @@ def classify(
 
     specs = [s for s in others if s.name != name]
     others_starting = any(
-        (o := owner_of(s.command, specs)) is not None and loading_match(o, s)
+        (o := owner_of(s.command, specs, s.pid, servers)) is not None
+        and loading_match(o, s, servers)
         for s in (snapshot.starting or ())
     )
     others_leased = [n for n in leased if n != name and any(o.name == n for o in specs)]
     if snapshot.is_idle and not others_starting and not others_leased:
         return Verdict(name, Decision.IDLE, "no process on the GPU")
 
-    used, holders = committed_memory(snapshot, specs, exclude=spec, starting_services=others_leased)
+    used, holders = committed_memory(
+        snapshot, specs, exclude=spec, starting_services=others_leased, servers=servers
+    )
     total = snapshot.memory_total_mib or total_override_mib
     held_by = "; ".join(_describe(p) for p in holders[:4])
     if others_leased:

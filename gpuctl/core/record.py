@@ -9,6 +9,7 @@ file under a per-service file lock; everything here is pure.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -255,4 +256,15 @@ def apply_update(record: Record, update: dict[str, Any], now: float) -> Record:
                 out = out.touched(now)
         else:
             raise ValueError(f"unknown update key {key!r}")
+    return out
+
+
+def recorded_servers(records: Iterable[Record]) -> dict[int, str]:
+    """``{pid: service}`` for every record that names its server's pid (its launcher's
+    handle). Such a process is that service's whatever its command line says."""
+    out: dict[int, str] = {}
+    for r in records:
+        pid = (r.handle or {}).get("pid")
+        if isinstance(pid, int) and pid > 0 and r.phase is not Phase.STOPPED:
+            out[pid] = r.service
     return out

@@ -24,7 +24,7 @@ from gpuctl.adapters.store import Holder, Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Decision, Health, Verdict, classify
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
+from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record, recorded_servers
 from gpuctl.errors import ExitCode, GpuctlError, StoreError
 
 POLL_S = 0.25
@@ -62,7 +62,8 @@ class EnsureDeps:
     service: ServiceConfig
     host: HostConfig
     store: Store
-    read_snapshot: Callable[[Sequence[str]], Snapshot]
+    # (match keywords, recorded server pids) -> the host's snapshot
+    read_snapshot: Callable[[Sequence[str], Sequence[int]], Snapshot]
     check_health: Callable[[], Health]
     make_launcher: Callable[[Snapshot | None], Launcher]
     handle_alive: Callable[[Record], bool | None] = lambda r: None
@@ -154,13 +155,17 @@ def decide(
     record: Record | None = None
     error = None
     leased: list[str] = []
+    servers: dict[int, str] = {}
     try:
-        snapshot = deps.read_snapshot(_keywords(others or [svc]))
+        # Records first: the servers they name are asked for by pid, whatever their
+        # command line (a `vllm serve` under a service called "chat").
         records = {r.service: r for r in deps.store.records()}
         record = records.get(svc.name) or deps.store.get(svc.name)
         leased = [n for n, r in records.items() if r.lease is not None and n != svc.name]
+        servers = recorded_servers(records.values())
+        snapshot = deps.read_snapshot(_keywords(others or [svc]), sorted(servers))
     except GpuctlError as e:
-        error = e.message
+        error = f"{e.message} (hint: {e.hint})" if e.hint else e.message
         snapshot = None
     alive = deps.handle_alive(record) if record is not None and record.handle else None
     verdict = classify(
@@ -175,6 +180,7 @@ def decide(
         now=deps.clock(),
         own_holder=own_holder,
         leased=leased,
+        servers=servers,
     )
     return verdict, snapshot, record
 
@@ -187,6 +193,9 @@ def _keywords(services: Sequence[ServiceConfig]) -> list[str]:
     return list(out)
 
 
+MAX_ROUNDS = 3
+
+
 def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
     """Make ``deps.service`` ready. Returns a result; raises only for misuse.
 
@@ -195,6 +204,20 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     """
     svc = deps.service
     ctx = _Ctx(deps, timeout_s if timeout_s is not None else svc.health_timeout_s)
+    for _ in range(MAX_ROUNDS):
+        result = _ensure_round(ctx, wait)
+        if result is not None:
+            return result
+    return ctx.result(
+        "failed",
+        f"the starts under way ended {MAX_ROUNDS} times without a running server",
+        Decision.LOADING,
+    )
+
+
+def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
+    """One look and what follows from it; None means "look again" (see ``_wait``)."""
+    deps, svc = ctx.d, ctx.d.service
     health = deps.check_health()
     if health.ok:
         _touch(deps, ctx, ready=True)
@@ -228,7 +251,7 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
 
 def _launch_under_lease(
     ctx: _Ctx, holder: Holder, ttl: float, first: Decision, wait: bool
-) -> EnsureResult:
+) -> EnsureResult | None:
     deps, svc = ctx.d, ctx.d.service
     released = False
 
@@ -236,9 +259,9 @@ def _launch_under_lease(
         nonlocal released
         if released:
             return
+        released = True  # once: a failed release is not retried (the lease expires by itself)
         try:
             deps.store.release(svc.name, holder.id, update)
-            released = True
         except GpuctlError as e:
             ctx.notes.append(f"could not release the lease: {e.message} (it expires by itself)")
 
@@ -339,12 +362,16 @@ def _touch(deps: EnsureDeps, ctx: _Ctx, ready: bool = False) -> None:
         ctx.notes.append(f"could not mark it used: {e.message}")
 
 
-def _own_memory(snapshot: Snapshot | None, svc: ServiceConfig) -> int | None:
+def _own_memory(
+    snapshot: Snapshot | None, svc: ServiceConfig, pid: int | None = None
+) -> int | None:
     if snapshot is None:
         return None
     from gpuctl.core.decision import owns
 
-    return sum(p.memory_mib or 0 for p in snapshot.processes if owns(svc, p.command))
+    return sum(
+        p.memory_mib or 0 for p in snapshot.processes if p.pid == pid or owns(svc, p.command)
+    )
 
 
 def _wait_launched(
@@ -387,8 +414,8 @@ def _wait_launched(
                 tail = launcher.log_tail(handle, 20)
                 return "failed", f"{svc.name}'s server exited while loading", tail
             try:
-                snap = deps.read_snapshot(_keywords([svc]))
-                memory = _own_memory(snap, svc)
+                snap = deps.read_snapshot(_keywords([svc]), [handle.pid] if handle.pid else [])
+                memory = _own_memory(snap, svc, handle.pid)
                 note = ""
             except GpuctlError as e:
                 note = f"agent unavailable ({e.message}); still polling health"
@@ -409,8 +436,12 @@ def _wait_launched(
         deps.sleep(POLL_S)
 
 
-def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult:
-    """Wait as a bystander: someone else's start is under way. Never launch."""
+def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult | None:
+    """Wait as a bystander: someone else's start is under way. Never launch.
+
+    Returns None when that start ended with nothing running and the service may start
+    now (IDLE or FITS): ``ensure`` then goes round again and may take the lease itself.
+    """
     deps, svc = ctx.d, ctx.d.service
     next_check = 0.0
     memory: int | None = None
@@ -457,17 +488,11 @@ def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult:
                 # to ride out the moment between a holder's release and a record update.
                 gone += 1
                 if gone >= 2:
-                    why = (
-                        record.failure.error
-                        if record and record.failure
-                        else "nothing of it runs any more"
-                    )
-                    return ctx.result(
-                        "failed",
-                        f"the start that was under way ended: {why}",
-                        decision,
-                        log_tail=record.failure.log_tail if record and record.failure else "",
-                    )
+                    if d is Decision.BUSY:
+                        # The holder backed off: another service took the memory.
+                        return ctx.result("busy", verdict.reason, d)
+                    return None  # it may start now: the caller goes round again
+
             else:
                 gone = 0
         ctx.tell(Progress("loading (waiting)", ctx.elapsed(), memory, "", note))

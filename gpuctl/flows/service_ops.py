@@ -63,7 +63,8 @@ def stop(deps: EnsureDeps) -> StopResult:
         deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
         snapshot = None
         with contextlib.suppress(GpuctlError):
-            snapshot = deps.read_snapshot(_keywords([svc]))
+            pid = (record.handle or {}).get("pid")
+            snapshot = deps.read_snapshot(_keywords([svc]), [pid] if isinstance(pid, int) else [])
         launcher = deps.make_launcher(snapshot)
         if record.handle:
             handle = Handle.from_dict(record.handle)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,8 +20,8 @@ from pathlib import Path
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import NO_HEALTH, Health, Verdict, classify
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record
-from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.core.record import Record, recorded_servers
+from gpuctl.errors import ExitCode, GpuctlError, StoreError
 
 LOCAL_HOST = "local"
 
@@ -40,6 +40,7 @@ class HostReport:
     health: tuple[Health, ...] = ()
     elapsed_s: float = 0.0
     gpu_memory_mib: int | None = None
+    servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
 
     @property
     def ok(self) -> bool:
@@ -71,28 +72,44 @@ class LocalProbeOptions:
     gpu_memory_mib: int | None = None
 
 
-SnapshotReader = Callable[[HostConfig, Sequence[str]], Snapshot]
-
-
-def read_agent(host: HostConfig, keywords: Sequence[str]) -> Snapshot:
+def read_agent(host: HostConfig, keywords: Sequence[str], pids: Sequence[int]) -> Snapshot:
     """Ask the host's agent, with that host's token and no other."""
     from gpuctl.adapters.agent_client import AgentClient
 
     assert host.agent is not None
     client = AgentClient(host.agent, host.token(), timeout_s=host.timeout_s, host_name=host.name)
     try:
-        return client.status(match=keywords)
+        return client.status(match=keywords, pids=pids)
     finally:
         client.close()
 
 
-def read_local(options: LocalProbeOptions, keywords: Sequence[str]) -> Snapshot:
+def read_local(
+    options: LocalProbeOptions, keywords: Sequence[str], pids: Sequence[int]
+) -> Snapshot:
     """Probe this machine directly, as nvidia-smi and nvitop do."""
     from gpuctl.adapters.local import local_snapshot
 
     return local_snapshot(
-        options.probe, keywords, sim_dir=options.sim_dir, gpu_memory_mib=options.gpu_memory_mib
+        options.probe,
+        keywords,
+        sim_dir=options.sim_dir,
+        gpu_memory_mib=options.gpu_memory_mib,
+        pids=pids,
     )
+
+
+def read_records(host: HostConfig) -> dict[str, Record]:
+    """The host's records (leases, failures), through its agent or directly."""
+    from gpuctl.adapters.store import store_for
+
+    store = store_for(host, timeout_s=host.timeout_s)  # a hung agent: its own short timeout
+    try:
+        return {r.service: r for r in store.records()}
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
 
 
 def _keywords(services: Sequence[ServiceConfig]) -> list[str]:
@@ -103,13 +120,35 @@ def _keywords(services: Sequence[ServiceConfig]) -> list[str]:
     return list(seen)
 
 
+def _read_host(
+    host: HostConfig, services: Sequence[ServiceConfig], local: LocalProbeOptions
+) -> tuple[Snapshot, dict[str, Record]]:
+    """Records first (the servers they name are asked for by pid), then the snapshot.
+
+    An agent that does not answer /records fails the host at once: no second wait for
+    the same dead agent. An agent without a store (no state dir) still tells what runs.
+    """
+    records: dict[str, Record] = {}
+    if services:
+        with contextlib.suppress(StoreError):
+            records = read_records(host)
+    pids = sorted(recorded_servers(records.values()))
+    kws = _keywords(services)
+    if host.agent:
+        return read_agent(host, kws, pids), records
+    opts = LocalProbeOptions(
+        probe=local.probe if local.probe != "auto" else host.probe,
+        sim_dir=local.sim_dir or host.sim_dir,
+        gpu_memory_mib=host.gpu_memory_mib or local.gpu_memory_mib,
+    )
+    return read_local(opts, kws, pids), records
+
+
 def gather(
     config: Config,
     host_names: Sequence[str] | None = None,
     *,
     local: LocalProbeOptions | None = None,
-    agent_reader: SnapshotReader = read_agent,
-    records_reader: Callable[[HostConfig], dict[str, Record]] | None = None,
     health_timeout_s: float = 2.0,
 ) -> StatusReport:
     """Status of ``host_names`` (default: every configured host; with none, this machine).
@@ -118,7 +157,6 @@ def gather(
     why. Raises ``UsageError`` for an unknown host name.
     """
     local = local or LocalProbeOptions()
-    records_reader = records_reader or read_records
     if host_names:
         hosts = [config.host(n) for n in host_names]
     elif config.hosts:
@@ -135,23 +173,12 @@ def gather(
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(32, 4 + 4 * len(hosts))) as pool:
-        snaps: dict[str, Future[Snapshot]] = {}
+        reads: dict[str, Future[tuple[Snapshot, dict[str, Record]]]] = {}
         healths: dict[str, Future[Health]] = {}
-        recs: dict[str, Future[dict[str, Record]]] = {}
         for h in hosts:
-            kws = _keywords(config.services_on(h.name))
-            if config.services_on(h.name):
-                recs[h.name] = pool.submit(records_reader, h)
-            if h.agent:
-                snaps[h.name] = pool.submit(agent_reader, h, kws)
-            else:
-                opts = LocalProbeOptions(
-                    probe=local.probe if local.probe != "auto" else h.probe,
-                    sim_dir=local.sim_dir or h.sim_dir,
-                    gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
-                )
-                snaps[h.name] = pool.submit(read_local, opts, kws)
-            for s in config.services_on(h.name):
+            services = config.services_on(h.name)
+            reads[h.name] = pool.submit(_read_host, h, services, local)
+            for s in services:
                 if s.health:
                     healths[s.name] = pool.submit(
                         _health, s.health, min(health_timeout_s, h.timeout_s)
@@ -159,11 +186,12 @@ def gather(
 
         reports: list[HostReport] = []
         for h in hosts:
-            services = tuple(config.services_on(h.name))
+            services = config.services_on(h.name)
             snapshot: Snapshot | None = None
+            records: dict[str, Record] = {}
             error = hint = None
             try:
-                snapshot = snaps[h.name].result()
+                snapshot, records = reads[h.name].result()
             except GpuctlError as e:
                 error, hint = e.message, e.hint or None
             except Exception as e:  # a reader bug must not hide the other hosts
@@ -171,12 +199,8 @@ def gather(
             hs = tuple(
                 healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
             )
-            records: dict[str, Record] = {}
-            if h.name in recs and snapshot is not None:
-                # An agent without a store still tells what runs.
-                with contextlib.suppress(GpuctlError):
-                    records = recs[h.name].result()
             now = time.time()
+            servers = recorded_servers(records.values())
             verdicts = tuple(
                 classify(
                     s,
@@ -188,6 +212,7 @@ def gather(
                     record=records.get(s.name),
                     now=now,
                     leased=[n for n, r in records.items() if r.lease is not None],
+                    servers=servers,
                 )
                 for s, hh in zip(services, hs, strict=True)
             )
@@ -195,31 +220,19 @@ def gather(
                 HostReport(
                     name=h.name,
                     source=h.agent
-                    or f"local probe ({h.probe if not local or local.probe == 'auto' else local.probe})",
+                    or f"local probe ({h.probe if local.probe == 'auto' else local.probe})",
                     snapshot=snapshot,
                     error=error,
                     hint=hint,
                     verdicts=verdicts,
-                    services=services,
+                    services=tuple(services),
                     health=hs,
                     elapsed_s=time.monotonic() - started,
                     gpu_memory_mib=h.gpu_memory_mib,
+                    servers=servers,
                 )
             )
     return StatusReport(hosts=tuple(reports))
-
-
-def read_records(host: HostConfig) -> dict[str, Record]:
-    """The host's records (leases, failures), through its agent or directly."""
-    from gpuctl.adapters.store import store_for
-
-    store = store_for(host, timeout_s=host.timeout_s)  # a hung agent: its own short timeout
-    try:
-        return {r.service: r for r in store.records()}
-    finally:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
 
 
 def _health(url: str, timeout_s: float) -> Health:

@@ -20,7 +20,8 @@ from gpuctl.flows.ensure import EnsureDeps, Progress
 
 def snapshot_reader(
     host: HostConfig, closers: list[Callable[[], None]] | None = None
-) -> Callable[[Sequence[str]], Snapshot]:
+) -> Callable[[Sequence[str], Sequence[int]], Snapshot]:
+    """How to read the host: ``read(match_keywords, recorded_server_pids)``."""
     if host.agent:
         from gpuctl.adapters.agent_client import AgentClient
 
@@ -29,18 +30,18 @@ def snapshot_reader(
         )
         if closers is not None:
             closers.append(client.close)
-        return lambda kws: client.status(match=kws)
+        return lambda kws, pids: client.status(match=kws, pids=pids)
 
     from gpuctl.adapters.local import local_snapshot
     from gpuctl.adapters.paths import default_state_dir
 
     state_dir = str(default_state_dir())
 
-    def read(kws: Sequence[str]) -> Snapshot:
+    def read(kws: Sequence[str], pids: Sequence[int]) -> Snapshot:
         from dataclasses import replace
 
         snap = local_snapshot(
-            host.probe, kws, sim_dir=host.sim_dir, gpu_memory_mib=host.gpu_memory_mib
+            host.probe, kws, sim_dir=host.sim_dir, gpu_memory_mib=host.gpu_memory_mib, pids=pids
         )
         return replace(snap, state_dir=state_dir)
 

@@ -61,10 +61,10 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
         }
         if snap:
             for p in snap.processes:
-                owner = owner_of(p.command, h.services)
+                owner = owner_of(p.command, h.services, p.pid, h.servers)
                 entry["processes"].append({**p.to_wire(), "service": owner.name if owner else None})
             for s in snap.starting or ():
-                owner = owner_of(s.command, h.services)
+                owner = owner_of(s.command, h.services, s.pid, h.servers)
                 entry["starting"].append({**s.to_wire(), "service": owner.name if owner else None})
         hosts.append(entry)
         for svc, v, hh in zip(h.services, h.verdicts, h.health, strict=True):

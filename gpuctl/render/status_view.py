@@ -75,7 +75,7 @@ def process_table(h: HostReport, wide: bool, width: int = 100) -> Table | Text:
     names = [s.name for s in h.services] or [""]
     room = max(20, width - 4 - 7 - 13 - 11 - max(8, max(len(n) for n in names) + 2))
     for p in snap.processes:
-        owner = owner_of(p.command, h.services)
+        owner = owner_of(p.command, h.services, p.pid, h.servers)
         row: list[RenderableType] = [
             str(p.pid),
             p.user or "?",
@@ -87,7 +87,7 @@ def process_table(h: HostReport, wide: bool, width: int = 100) -> Table | Text:
         row.append(_cmd(p.command, wide, room))
         t.add_row(*row)
     for s in snap.starting or ():
-        owner = owner_of(s.command, h.services)
+        owner = owner_of(s.command, h.services, s.pid, h.servers)
         row = [
             str(s.pid),
             s.user or "?",
