@@ -81,7 +81,11 @@ def stop(deps: EnsureDeps) -> StopResult:
             # A server whose launcher died before it could record it: find it by keywords.
             # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
             pids = [p.pid for p in snapshot.processes if owns(svc, p.command)]
-            pids += [s.pid for s in snapshot.starting or () if loading_match(svc, s)]
+            if record.phase is Phase.STARTING:
+                # A launch was under way and nothing recorded its server: it may still
+                # be reading weights, off the GPU. Otherwise a keyword match off the GPU
+                # is more likely a `tail -f` of its log than a server: left alone.
+                pids += [s.pid for s in snapshot.starting or () if loading_match(svc, s)]
             for pid in dict.fromkeys(pids):
                 launcher.stop(Handle(kind=launcher.kind, pid=pid), svc.stop_timeout_s)
                 result.stopped.append(f"pid {pid}")
