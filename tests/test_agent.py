@@ -633,3 +633,30 @@ def test_exclude_leaves_out_the_callers_own_tree_on_the_same_host(
             headers=AUTH,
         )
         assert bad.status_code == 400
+
+
+def test_recorded_servers_are_reported_whatever_their_command(tmp_path: Path) -> None:
+    """A record names its server's pid: the agent lists it under `starting` even when its
+    command line carries none of the keywords (`services.chat` running `vllm serve`)."""
+    from gpuctl.adapters.store import DirectStore, Holder
+
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store = DirectStore(tmp_path)
+        holder = Holder.here("test")
+        store.acquire("chat", holder, 60)
+        store.release(
+            "chat",
+            holder.id,
+            {"phase": "starting", "handle": {"kind": "process", "pid": server.pid}},
+        )
+        app = create_app(
+            AgentSettings(token=TOKEN, cache_ttl_s=0.0, state_dir=str(tmp_path)),
+            FakeProbe(reading_of()),
+        )
+        with serve_in_thread(app) as url:
+            body = httpx.get(f"{url}/status", params={"match": "chat"}, headers=AUTH).json()
+        assert server.pid in [s["pid"] for s in body["starting"]]
+    finally:
+        server.kill()
+        server.wait()

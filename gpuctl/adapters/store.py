@@ -265,6 +265,24 @@ class DirectStore:
                 lock.release()
         return self._effective(rec)[0]
 
+    def recorded_pids(self) -> list[int]:
+        """The server pids the records name (their launchers' handles), read without locks.
+
+        The agent adds these to ``starting``: a recorded server is its service's whatever
+        its command line says.
+        """
+        out: list[int] = []
+        for path in (self.state_dir / "records").glob("*.json"):
+            try:
+                data = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                continue
+            handle = data.get("handle") if isinstance(data, dict) else None
+            pid = handle.get("pid") if isinstance(handle, dict) else None
+            if isinstance(pid, int) and pid > 0 and data.get("phase") != "stopped":
+                out.append(pid)
+        return out
+
     def records(self) -> list[Record]:
         d = self.state_dir / "records"
         try:

@@ -541,8 +541,15 @@ class AgentApp:
                 # Forget the oldest keyword set (dicts keep insertion order).
                 del self._matches[next(iter(self._matches))]
 
+            store = self.store_api.store
+
             def scan_processes() -> tuple[StartingProcess, ...]:
-                return tuple(find_matching(keywords))
+                found = list(find_matching(keywords))
+                if store is not None:
+                    # The servers the records name count whatever their command line.
+                    seen = {p.pid for p in found}
+                    found += describe_pids(p for p in store.recorded_pids() if p not in seen)
+                return tuple(found)
 
             slot = _MatchSlot(TtlCell(scan_processes, self.settings.cache_ttl_s))
             self._matches[keywords] = slot

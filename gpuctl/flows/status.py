@@ -120,22 +120,25 @@ def _keywords(services: Sequence[ServiceConfig]) -> list[str]:
     return list(seen)
 
 
-def _read_host(
+def _records_or_none(host: HostConfig, services: Sequence[ServiceConfig]) -> dict[str, Record]:
+    """The host's records; none when it has no services, or an agent without a store."""
+    if not services:
+        return {}
+    with contextlib.suppress(StoreError):
+        return read_records(host)
+    return {}
+
+
+def _read_local_host(
     host: HostConfig, services: Sequence[ServiceConfig], local: LocalProbeOptions
 ) -> tuple[Snapshot, dict[str, Record]]:
-    """Records first (the servers they name are asked for by pid), then the snapshot.
+    """This machine: records first, so the servers they name are looked up by pid.
 
-    An agent that does not answer /records fails the host at once: no second wait for
-    the same dead agent. An agent without a store (no state dir) still tells what runs.
+    (An agent does that itself, so for agents the two are asked in parallel.)
     """
-    records: dict[str, Record] = {}
-    if services:
-        with contextlib.suppress(StoreError):
-            records = read_records(host)
+    records = _records_or_none(host, services)
     pids = sorted(recorded_servers(records.values()))
     kws = _keywords(services)
-    if host.agent:
-        return read_agent(host, kws, pids), records
     opts = LocalProbeOptions(
         probe=local.probe if local.probe != "auto" else host.probe,
         sim_dir=local.sim_dir or host.sim_dir,
@@ -174,10 +177,16 @@ def gather(
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(32, 4 + 4 * len(hosts))) as pool:
         reads: dict[str, Future[tuple[Snapshot, dict[str, Record]]]] = {}
+        snaps: dict[str, Future[Snapshot]] = {}
+        recs: dict[str, Future[dict[str, Record]]] = {}
         healths: dict[str, Future[Health]] = {}
         for h in hosts:
             services = config.services_on(h.name)
-            reads[h.name] = pool.submit(_read_host, h, services, local)
+            if h.agent:
+                snaps[h.name] = pool.submit(read_agent, h, _keywords(services), ())
+                recs[h.name] = pool.submit(_records_or_none, h, services)
+            else:
+                reads[h.name] = pool.submit(_read_local_host, h, services, local)
             for s in services:
                 if s.health:
                     healths[s.name] = pool.submit(
@@ -191,7 +200,13 @@ def gather(
             records: dict[str, Record] = {}
             error = hint = None
             try:
-                snapshot, records = reads[h.name].result()
+                if h.agent:
+                    snapshot = snaps[h.name].result()
+                    # The agent answered /status: a failing /records must not hide that.
+                    with contextlib.suppress(GpuctlError):
+                        records = recs[h.name].result()
+                else:
+                    snapshot, records = reads[h.name].result()
             except GpuctlError as e:
                 error, hint = e.message, e.hint or None
             except Exception as e:  # a reader bug must not hide the other hosts
