@@ -409,3 +409,33 @@ def test_a_recorded_server_counts_whatever_its_command_says(host: SimHost, svc: 
     finally:
         kill_servers(server_name)
         kill_servers(other)
+
+
+def test_two_services_that_do_not_fit_together_race(host: SimHost) -> None:
+    """10 callers each for two 80 GiB services on a 128 GiB GPU, all at once: one service
+    starts (its callers all get 0), the other is BUSY (3); never both, never an OOM."""
+    a, b = unique_name("race"), unique_name("race")
+    pa, pb = free_port(), free_port()
+    toml = ""
+    for name, port in ((a, pa), (b, pb)):
+        t = service_toml(name, port, model_server_command(name, port, "80GiB", "3s"))
+        toml += t.replace('memory = "20GiB"', 'memory = "80GiB"') + "\n"
+    cfg = host.write_config(toml)
+    try:
+        procs = [(n, spawn_ensure(cfg, n)) for _ in range(10) for n in (a, b)]
+        codes: dict[str, list[int]] = {a: [], b: []}
+        for name, p in procs:
+            p.communicate(timeout=120)
+            codes[name].append(p.returncode)
+        started = [n for n in (a, b) if server_pids(n)]
+        assert len(started) == 1, codes
+        (winner,) = started
+        loser = b if winner == a else a
+        assert codes[winner] == [0] * 10, codes
+        assert codes[loser] == [3] * 10, codes
+        assert "CUDA out of memory" not in log_of(host, winner).read_text()
+        assert launches_in_log(log_of(host, winner)) == 1
+        assert launches_in_log(log_of(host, loser)) == 0
+    finally:
+        kill_servers(a)
+        kill_servers(b)

@@ -289,7 +289,8 @@ class DirectStore:
             names = sorted(p.stem for p in d.glob("*.json"))
         except OSError:
             return []
-        return [self.get(n) for n in names if _NAME.match(n)]
+        # Names starting with "_" are gpuctl's own locks (the admission lock), not services.
+        return [self.get(n) for n in names if _NAME.match(n) and not n.startswith("_")]
 
     def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
         lock = self._locked(service)

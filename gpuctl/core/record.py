@@ -268,3 +268,13 @@ def recorded_servers(records: Iterable[Record]) -> dict[int, str]:
         if isinstance(pid, int) and pid > 0 and r.phase is not Phase.STOPPED:
             out[pid] = r.service
     return out
+
+
+def starting_services(records: Iterable[Record], exclude: str = "") -> list[str]:
+    """Services whose start passed admission and is under way (lease held, phase
+    starting): their memory is promised even before their server exists."""
+    return [
+        r.service
+        for r in records
+        if r.lease is not None and r.phase is Phase.STARTING and r.service != exclude
+    ]

@@ -14,8 +14,10 @@ agent, a real store and a real launcher, or fakes for pure units.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,13 @@ from gpuctl.adapters.store import Holder, Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Decision, Health, Verdict, classify
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record, recorded_servers
+from gpuctl.core.record import (
+    LEASE_MARGIN_S,
+    Phase,
+    Record,
+    recorded_servers,
+    starting_services,
+)
 from gpuctl.errors import ExitCode, GpuctlError, StoreError
 
 POLL_S = 0.25
@@ -161,7 +169,7 @@ def decide(
         # command line (a `vllm serve` under a service called "chat").
         records = {r.service: r for r in deps.store.records()}
         record = records.get(svc.name) or deps.store.get(svc.name)
-        leased = [n for n, r in records.items() if r.lease is not None and n != svc.name]
+        leased = starting_services(records.values(), exclude=svc.name)
         servers = recorded_servers(records.values())
         snapshot = deps.read_snapshot(_keywords(others or [svc]), sorted(servers))
     except GpuctlError as e:
@@ -249,6 +257,36 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     return _launch_under_lease(ctx, holder, ttl, first, wait)
 
 
+ADMISSION = "_admission"
+ADMISSION_TTL_S = 60.0
+
+
+@contextmanager
+def _admission(ctx: _Ctx) -> Iterator[None]:
+    """The host-wide admission lock: a lease on the pseudo-service ``_admission``, held
+    only from the re-check to the recorded spawn (milliseconds to seconds). A holder that
+    dies loses it at once on its own host, else at expiry."""
+    deps = ctx.d
+    holder = Holder.here("admission")
+    deadline = deps.clock() + ADMISSION_TTL_S
+    while True:
+        granted, rec = deps.store.acquire(ADMISSION, holder, ADMISSION_TTL_S)
+        if granted:
+            break
+        if deps.clock() >= deadline:
+            who = f"{rec.lease.entry} pid {rec.lease.pid} on {rec.lease.host}" if rec.lease else "?"
+            raise StoreError(
+                f"another start on this host has held the admission lock too long ({who})",
+                hint="see `gpuctl locks`; the lock expires by itself",
+            )
+        deps.sleep(0.05)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(GpuctlError):
+            deps.store.release(ADMISSION, holder.id)
+
+
 def _launch_under_lease(
     ctx: _Ctx, holder: Holder, ttl: float, first: Decision, wait: bool
 ) -> EnsureResult | None:
@@ -266,40 +304,54 @@ def _launch_under_lease(
             ctx.notes.append(f"could not release the lease: {e.message} (it expires by itself)")
 
     try:
-        # Re-check under the lease: between our look and the lease, someone may have
-        # started it (their lease released, the server loading).
-        health = deps.check_health()
-        if health.ok:
-            release({"touch": True, "phase": Phase.RUNNING.value})
-            return ctx.result("ready", f"{svc.name} answers its health check", Decision.READY)
-        verdict, snapshot, _ = decide(deps, health, own_holder=holder.id)
-        if verdict.decision not in (Decision.IDLE, Decision.FITS):
-            release()
-            if verdict.decision is Decision.LOADING:
-                return (
-                    _wait(ctx, verdict.decision, verdict.reason)
-                    if wait
-                    else ctx.result("loading", verdict.reason, verdict.decision)
+        # Re-check, then spawn, one service at a time on the host (the admission lock):
+        # otherwise two services could each re-check before the other spawned, and both
+        # start into the same memory.
+        with _admission(ctx):
+            # Between our look and the lease, someone may have started it (their lease
+            # released, the server loading), or another service may have taken the memory.
+            health = deps.check_health()
+            if health.ok:
+                release({"touch": True, "phase": Phase.RUNNING.value})
+                return ctx.result("ready", f"{svc.name} answers its health check", Decision.READY)
+            verdict, snapshot, _ = decide(deps, health, own_holder=holder.id)
+            if verdict.decision not in (Decision.IDLE, Decision.FITS):
+                release()
+                if verdict.decision is Decision.LOADING:
+                    if not wait:
+                        return ctx.result("loading", verdict.reason, verdict.decision)
+                    waiting = verdict
+                else:
+                    outcome = {"BUSY": "busy", "UNKNOWN": "unknown"}.get(
+                        verdict.decision.value, "failed"
+                    )
+                    return ctx.result(outcome, verdict.reason, verdict.decision)
+            else:
+                waiting = None
+                launcher = deps.make_launcher(snapshot)
+                started_at = deps.clock()
+                # `starting` under the admission lock: from now on the others count this
+                # service at its budget, even before its server exists.
+                deps.store.update(
+                    svc.name,
+                    holder.id,
+                    {"phase": Phase.STARTING.value, "handle": None, "touch": True},
                 )
-            outcome = {"BUSY": "busy", "UNKNOWN": "unknown"}.get(verdict.decision.value, "failed")
-            return ctx.result(outcome, verdict.reason, verdict.decision)
-
-        launcher = deps.make_launcher(snapshot)
-        started_at = deps.clock()
-        deps.store.update(
-            svc.name, holder.id, {"phase": Phase.STARTING.value, "handle": None, "touch": True}
-        )
-        try:
-            handle = launcher.start(svc)
-        except (GpuctlError, OSError) as e:
-            msg = e.message if isinstance(e, GpuctlError) else str(e)
-            attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
-            release({"attempt": attempt, "failure": {"error": msg, "log_tail": ""}})
-            r = ctx.result("failed", f"start failed: {msg}", first, launched=False, attempt=attempt)
-            if isinstance(e, GpuctlError) and e.hint:
-                r.notes.append(f"hint: {e.hint}")
-            return r
-        deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                try:
+                    handle = launcher.start(svc)
+                except (GpuctlError, OSError) as e:
+                    msg = e.message if isinstance(e, GpuctlError) else str(e)
+                    attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
+                    release({"attempt": attempt, "failure": {"error": msg, "log_tail": ""}})
+                    r = ctx.result(
+                        "failed", f"start failed: {msg}", first, launched=False, attempt=attempt
+                    )
+                    if isinstance(e, GpuctlError) and e.hint:
+                        r.notes.append(f"hint: {e.hint}")
+                    return r
+                deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+        if waiting is not None:
+            return _wait(ctx, waiting.decision, waiting.reason)
         if not wait:
             attempt = _attempt(started_at, deps.clock(), launcher.kind, "started")
             release({"attempt": attempt})

@@ -20,7 +20,7 @@ from pathlib import Path
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import NO_HEALTH, Health, Verdict, classify
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record, recorded_servers
+from gpuctl.core.record import Record, recorded_servers, starting_services
 from gpuctl.errors import ExitCode, GpuctlError, StoreError
 
 LOCAL_HOST = "local"
@@ -226,7 +226,7 @@ def gather(
                     total_override_mib=h.gpu_memory_mib,
                     record=records.get(s.name),
                     now=now,
-                    leased=[n for n, r in records.items() if r.lease is not None],
+                    leased=starting_services(records.values()),
                     servers=servers,
                 )
                 for s, hh in zip(services, hs, strict=True)
