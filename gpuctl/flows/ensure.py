@@ -15,6 +15,7 @@ agent, a real store and a real launcher, or fakes for pure units.
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,7 +36,15 @@ from gpuctl.core.record import (
 )
 from gpuctl.errors import ExitCode, GpuctlError, StoreError
 
-POLL_S = 0.25
+POLL_S = 0.2
+
+
+def _poll_pause() -> float:
+    """About POLL_S, spread a little: callers that started together would otherwise poll
+    in lockstep, and all notice a ready server at the same late moment."""
+    return POLL_S * random.uniform(0.75, 1.25)
+
+
 LIVENESS_EVERY_S = 1.0
 DEAD_503_IN_A_ROW = 4
 
@@ -485,7 +494,7 @@ def _wait_launched(
             except (StoreError, GpuctlError) as e:
                 note = f"could not renew the lease: {e.message}"
         ctx.tell(Progress("loading (launched)", ctx.elapsed(), memory, log_line, note))
-        deps.sleep(POLL_S)
+        deps.sleep(_poll_pause())
 
 
 def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult | None:
@@ -548,7 +557,7 @@ def _wait(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult | None:
             else:
                 gone = 0
         ctx.tell(Progress("loading (waiting)", ctx.elapsed(), memory, "", note))
-        deps.sleep(POLL_S)
+        deps.sleep(_poll_pause())
 
 
 _NOT_READY = Health("refused", "not ready")
