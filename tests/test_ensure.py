@@ -16,6 +16,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -57,6 +58,21 @@ def svc() -> Iterator[str]:
     kill_servers(name)
 
 
+def locks_row(cfg: Path, svc: str) -> dict[str, Any]:
+    """The service's row of `gpuctl locks --json`, run as a user would."""
+    locks = json.loads(
+        subprocess.run(
+            [gpuctl_exe(), "locks", "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    (row,) = [x for x in locks["records"] if x["service"] == svc]
+    return dict(row)
+
+
 def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
 
@@ -82,16 +98,7 @@ def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     assert r2.returncode == 0 and json.loads(r2.stdout)["launched"] is False
     assert launches_in_log(log_of(host, svc)) == 1
     # locks and status tell the same story.
-    locks = json.loads(
-        subprocess.run(
-            [gpuctl_exe(), "locks", "--json"],
-            env=cli_env(cfg),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
-    (row,) = [x for x in locks["records"] if x["service"] == svc]
+    row = locks_row(cfg, svc)
     assert row["phase"] == "running" and row["last_used"] is not None
     status = json.loads(
         subprocess.run(
@@ -245,16 +252,7 @@ def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:
     assert r2.returncode == 1 and out2["decision"] == "FAILED" and out2["launched"] is False
     assert "next try in" in out2["reason"]
     assert launches_in_log(log_of(host, svc)) == 1
-    locks = json.loads(
-        subprocess.run(
-            [gpuctl_exe(), "locks", "--json"],
-            env=cli_env(cfg),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
-    (row,) = [x for x in locks["records"] if x["service"] == svc]
+    row = locks_row(cfg, svc)
     assert row["phase"] == "failed"
     assert row["failure"]["count"] == 1 and "boom" in row["failure"]["log_tail"]
     assert row["failure"]["backoff_until"] - row["failure"]["at"] == pytest.approx(10, abs=0.5)

@@ -19,9 +19,8 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuctl.adapters import procinfo
-from gpuctl.adapters.probes.nvml import combine_memory, larger, valid_pid
-from gpuctl.core.model import GpuProcess, ProbeReading
+from gpuctl.adapters.probes.nvml import combine_memory, describe_processes, larger, valid_pid
+from gpuctl.core.model import ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
 GPU_COLUMNS = ("index", "uuid", "memory.total", "memory.used")
@@ -186,17 +185,7 @@ class NvidiaSmiProbe:
                 notes.append(f"pid {app.pid}: unknown GPU {app.gpu_uuid!r}, shown on GPU {gpu}")
             key = (gpu, app.pid)
             merged[key] = larger(merged[key], app.memory_mib) if key in merged else app.memory_mib
-        processes = tuple(
-            GpuProcess(
-                pid=pid,
-                command=procinfo.command_of(pid),
-                memory_mib=mem,
-                user=procinfo.user_of(pid),
-                container=procinfo.container_of(pid),
-                gpu=gpu,
-            )
-            for (gpu, pid), mem in sorted(merged.items())
-        )
+        processes = describe_processes(merged)
         # GB10 prints [N/A] (and total 0 means the same): the NVML probe's unified rules.
         figures = [
             (g.memory_used_mib, g.memory_total_mib)

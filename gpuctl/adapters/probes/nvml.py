@@ -113,17 +113,7 @@ class NvmlProbe:
                             merged[key] = larger(merged[key], mem) if key in merged else mem
                 except nv.NVMLError as e:
                     raise self._error(nv, e, idx, step) from e
-            processes = tuple(
-                GpuProcess(
-                    pid=pid,
-                    command=procinfo.command_of(pid),
-                    memory_mib=mem,
-                    user=procinfo.user_of(pid),
-                    container=procinfo.container_of(pid),
-                    gpu=idx,
-                )
-                for (idx, pid), mem in sorted(merged.items())
-            )
+            processes = describe_processes(merged)
             if self._v2_only:
                 notes.append("process lists read through the _v2 call (_v3 missing or mismatched)")
             used, total, unified, note = combine_memory(device_mem, processes, self._gpu_memory_mib)
@@ -304,6 +294,22 @@ def combine_memory(
         return used, gpu_memory_mib, True, "unified memory: total from the configured GPU memory"
     total = psutil.virtual_memory().total // MIB
     return used, total, True, "unified memory: total is this host's MemTotal"
+
+
+def describe_processes(merged: dict[tuple[int, int], int | None]) -> tuple[GpuProcess, ...]:
+    """``{(gpu, pid): memory_mib}`` as GpuProcess entries with command, user and container
+    (a pid whose command cannot be read stays, with ``command`` None)."""
+    return tuple(
+        GpuProcess(
+            pid=pid,
+            command=procinfo.command_of(pid),
+            memory_mib=mem,
+            user=procinfo.user_of(pid),
+            container=procinfo.container_of(pid),
+            gpu=gpu,
+        )
+        for (gpu, pid), mem in sorted(merged.items())
+    )
 
 
 def larger(a: int | None, b: int | None) -> int | None:
