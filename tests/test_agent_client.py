@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuctl.adapters.agent_client import AgentClient, AsyncAgentClient
+from gpuctl.adapters.agent_client import AgentClient, AsyncAgentClient, http_client
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.model import GpuProcess, Snapshot
 from gpuctl.errors import AgentAuthError, AgentUnavailable, ExitCode
@@ -297,3 +297,65 @@ def test_client_sends_the_bearer_token_and_match() -> None:
     assert url.params["exclude"] == ",".join(map(str, own_lineage()))
     assert url.params["pipes"] == ",".join(own_pipes())
     assert url.params["boot_id"] == host_identity().boot_id
+
+
+# --------------------------------------------------------------------------- one client per command
+
+
+def test_plain_http_sets_up_no_tls_and_https_does(
+    real_agent: tuple[str, FakeProbe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ssl
+
+    made: list[object] = []
+    real = ssl.create_default_context
+
+    def counting(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        made.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    url, _ = real_agent
+    shared = http_client(3.0)
+    try:
+        AgentClient(url, TOKEN, client=shared).status()
+        assert made == []  # http:// loaded no CA bundle
+        # The same client, asked an https:// URL, verifies: it sets TLS up then, and
+        # the plain-HTTP agent cannot pass for a TLS server.
+        err = failure(
+            lambda: AgentClient(url.replace("http:", "https:"), TOKEN, client=shared).status()
+        )
+        assert "https://" in err.message
+        assert len(made) == 1
+    finally:
+        shared.close()
+
+
+def test_a_shared_client_keeps_the_token_to_the_agent() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"is_idle": True, "processes": []})
+
+    shared = http_client(3.0, transport=httpx.MockTransport(handler))
+    with AgentClient("http://dgx:9400", TOKEN, client=shared) as client:
+        client.status()
+    shared.get("http://dgx:8000/health")  # a health check through the same client
+    assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
+    assert "authorization" not in seen[1].headers
+    assert not shared.is_closed  # the command owns it, not the agent client
+    shared.close()
+
+
+def test_the_read_token_serves_gets_when_there_is_no_write_token() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"is_idle": True, "processes": []})
+
+    mock = httpx.MockTransport(handler)
+    AgentClient("http://dgx:9400", None, read_token="ro", transport=mock).status()
+    AgentClient("http://dgx:9400", "rw", read_token="ro", transport=mock).status()
+    assert [r.headers["authorization"] for r in seen] == ["Bearer ro", "Bearer rw"]

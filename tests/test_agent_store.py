@@ -17,14 +17,9 @@ import pytest
 
 from gpuctl.adapters import store as store_module
 from gpuctl.adapters.store import DirectStore, Holder
-from gpuctl.agent.app import (
-    SERVICE_NAME_PATTERN,
-    AgentApp,
-    AgentSettings,
-    create_app,
-    openapi_document,
-    render_metrics,
-)
+from gpuctl.agent.app import AgentApp, AgentSettings, create_app
+from gpuctl.agent.metrics import render_metrics
+from gpuctl.agent.openapi import SERVICE_NAME_PATTERN, openapi_document
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread

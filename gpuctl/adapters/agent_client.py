@@ -17,8 +17,10 @@ exceptions) and ``parse_response`` (status codes and bodies); only the I/O diffe
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
+import ssl
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -171,17 +173,100 @@ def parse_healthz(
     return data
 
 
+@functools.cache
+def _plain_tls_context() -> ssl.SSLContext:
+    """A TLS context that never does TLS: the transport for ``http://`` URLs needs one
+    built, and httpx's default loads the CA bundle (about 24 ms of CPU) for nothing.
+    ``https://`` URLs never reach it (see ``http_client``)."""
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
+class _LazyTransport(httpx.BaseTransport):
+    """Builds the real (verifying) HTTPS transport on the first ``https://`` request."""
+
+    def __init__(self) -> None:
+        self._inner: httpx.HTTPTransport | None = None
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self._inner is None:
+            self._inner = httpx.HTTPTransport()
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+
+
+class _AsyncLazyTransport(httpx.AsyncBaseTransport):
+    """The async twin of ``_LazyTransport``."""
+
+    def __init__(self) -> None:
+        self._inner: httpx.AsyncHTTPTransport | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._inner is None:
+            self._inner = httpx.AsyncHTTPTransport()
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        if self._inner is not None:
+            await self._inner.aclose()
+
+
+def http_client(
+    timeout_s: float = 3.0, *, transport: httpx.BaseTransport | None = None
+) -> httpx.Client:
+    """One keep-alive client for every call of a command: agent, records, health checks.
+
+    TLS (certificate verification, the CA bundle) is set up only when an ``https://`` URL
+    is asked. The client carries no credentials: each call sends its own headers, so a
+    server's health URL never sees the agent's token.
+    """
+    if transport is not None:
+        return httpx.Client(timeout=httpx.Timeout(timeout_s), transport=transport)
+    return httpx.Client(
+        timeout=httpx.Timeout(timeout_s),
+        transport=httpx.HTTPTransport(verify=_plain_tls_context()),
+        mounts={"https://": _LazyTransport()},
+    )
+
+
+def async_http_client(
+    timeout_s: float = 3.0, *, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """The async twin of ``http_client``."""
+    if transport is not None:
+        return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), transport=transport)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s),
+        transport=httpx.AsyncHTTPTransport(verify=_plain_tls_context()),
+        mounts={"https://": _AsyncLazyTransport()},
+    )
+
+
 class _Base:
     def __init__(
-        self, base_url: str, token: str | None, timeout_s: float, host_name: str | None
+        self,
+        base_url: str,
+        token: str | None,
+        timeout_s: float,
+        host_name: str | None,
+        read_token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token or None
+        # GETs only read: with no write token, the host's read-only token will do.
+        self.read_token = self.token or read_token or None
         self.timeout_s = timeout_s
         self.host_name = host_name
         self._headers = {"user-agent": f"gpuctl/{__version__}", "accept": "application/json"}
-        if self.token:
-            self._headers["authorization"] = f"Bearer {self.token}"
+        if self.read_token:
+            self._headers["authorization"] = f"Bearer {self.read_token}"
+        self._timeout = httpx.Timeout(timeout_s)
+
+    @property
+    def token_sent(self) -> bool:
+        return self.read_token is not None
 
     def _url(self, path: str) -> str:
         return f"{self.base_url}{path}"
@@ -216,6 +301,8 @@ class AgentClient(_Base):
         timeout_s: for connecting and for each read.
         host_name: the config's name of the host, named in auth hints.
         transport: an httpx transport, for tests.
+        client: a shared client (``http_client``) to send through; the caller closes it.
+        read_token: the host's read-only token, sent when there is no ``token``.
     """
 
     def __init__(
@@ -226,16 +313,19 @@ class AgentClient(_Base):
         *,
         host_name: str | None = None,
         transport: httpx.BaseTransport | None = None,
+        client: httpx.Client | None = None,
+        read_token: str | None = None,
     ) -> None:
-        super().__init__(base_url, token, timeout_s, host_name)
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(timeout_s), headers=self._headers, transport=transport
-        )
+        super().__init__(base_url, token, timeout_s, host_name, read_token)
+        self._owned = client is None
+        self._client = client if client is not None else http_client(timeout_s, transport=transport)
 
     def _get(self, path: str, params: dict[str, str] | None = None) -> httpx.Response:
         url = self._url(path)
         try:
-            return self._client.get(url, params=params)
+            return self._client.get(
+                url, params=params, headers=self._headers, timeout=self._timeout
+            )
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url, self.timeout_s) from exc
 
@@ -248,15 +338,16 @@ class AgentClient(_Base):
             AgentUnavailable: the agent did not give a valid answer (AgentAuthError for 401/403).
         """
         resp = self._get("/status", self._params(match, pids))
-        return parse_status(resp, self.base_url, self.host_name, self.token is not None)
+        return parse_status(resp, self.base_url, self.host_name, self.token_sent)
 
     def healthz(self) -> dict[str, Any]:
         """``GET /healthz``: ``{"ok": true, "version": ...}``."""
         resp = self._get("/healthz")
-        return parse_healthz(resp, self.base_url, self.host_name, self.token is not None)
+        return parse_healthz(resp, self.base_url, self.host_name, self.token_sent)
 
     def close(self) -> None:
-        self._client.close()
+        if self._owned:
+            self._client.close()
 
     def __enter__(self) -> Self:
         return self
@@ -281,31 +372,37 @@ class AsyncAgentClient(_Base):
         *,
         host_name: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        client: httpx.AsyncClient | None = None,
+        read_token: str | None = None,
     ) -> None:
-        super().__init__(base_url, token, timeout_s, host_name)
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s), headers=self._headers, transport=transport
+        super().__init__(base_url, token, timeout_s, host_name, read_token)
+        self._owned = client is None
+        self._client = (
+            client if client is not None else async_http_client(timeout_s, transport=transport)
         )
 
     async def _get(self, path: str, params: dict[str, str] | None = None) -> httpx.Response:
         url = self._url(path)
         try:
-            return await self._client.get(url, params=params)
+            return await self._client.get(
+                url, params=params, headers=self._headers, timeout=self._timeout
+            )
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url, self.timeout_s) from exc
 
     async def status(self, match: Sequence[str] = (), pids: Sequence[int] = ()) -> Snapshot:
         """``GET /status[?match=...]`` as a Snapshot (see ``AgentClient.status``)."""
         resp = await self._get("/status", self._params(match, pids))
-        return parse_status(resp, self.base_url, self.host_name, self.token is not None)
+        return parse_status(resp, self.base_url, self.host_name, self.token_sent)
 
     async def healthz(self) -> dict[str, Any]:
         """``GET /healthz``: ``{"ok": true, "version": ...}``."""
         resp = await self._get("/healthz")
-        return parse_healthz(resp, self.base_url, self.host_name, self.token is not None)
+        return parse_healthz(resp, self.base_url, self.host_name, self.token_sent)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._owned:
+            await self._client.aclose()
 
     async def __aenter__(self) -> Self:
         return self

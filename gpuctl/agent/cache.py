@@ -1,0 +1,76 @@
+"""The agent's reading cache: many pollers, one scan.
+
+A ``TtlCell`` computes its value in a worker thread (probes block: NVML, an
+``nvidia-smi`` subprocess), reuses it for a TTL, and lets callers that arrive during a
+computation await that one instead of starting another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Outcome(Generic[T]):
+    """One computation's result or error, and until when it may be reused.
+
+    Compared by identity: a new outcome means a new scan, so whatever was derived from
+    the old one (an encoded body) is stale.
+    """
+
+    value: T | None
+    error: Exception | None
+    expires: float
+
+
+class TtlCell(Generic[T]):
+    """A value computed in a worker thread, reused for ``ttl_s``, one computation at a time.
+
+    Callers that arrive while a computation runs await that one instead of starting
+    another. Errors are cached like values, so a failing probe is not hammered either.
+    """
+
+    def __init__(
+        self,
+        compute: Callable[[], T],
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._compute = compute
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._outcome: Outcome[T] | None = None
+        self._inflight: asyncio.Future[Outcome[T]] | None = None
+
+    @property
+    def latest(self) -> Outcome[T] | None:
+        return self._outcome
+
+    async def get(self) -> Outcome[T]:
+        outcome = self._outcome
+        if outcome is not None and self._clock() < outcome.expires:
+            return outcome
+        inflight = self._inflight
+        if inflight is None:
+            inflight = self._inflight = asyncio.ensure_future(self._refresh())
+        # shield: a client that hangs up must not cancel the scan the others wait for.
+        return await asyncio.shield(inflight)
+
+    async def _refresh(self) -> Outcome[T]:
+        try:
+            try:
+                value = await asyncio.to_thread(self._compute)
+            except Exception as err:  # kept and re-delivered to every waiter
+                outcome: Outcome[T] = Outcome(None, err, self._clock() + self._ttl_s)
+            else:
+                outcome = Outcome(value, None, self._clock() + self._ttl_s)
+            self._outcome = outcome
+            return outcome
+        finally:
+            self._inflight = None

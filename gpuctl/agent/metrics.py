@@ -1,0 +1,151 @@
+"""The agent's ``/metrics``: the Prometheus text exposition, built by a pure function."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from gpuctl import __version__
+from gpuctl.core.model import HostIdentity, ProbeReading
+from gpuctl.core.record import Record
+
+
+def _label(value: str) -> str:
+    """Escape a Prometheus label value (backslash, double quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    """A sample value: integers in full (``:g`` would print 1.12795e+06), floats exactly."""
+    if isinstance(value, int):
+        return str(int(value))  # int(): a bool prints as 1 or 0
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
+def render_metrics(
+    reading: ProbeReading | None,
+    *,
+    probe_up: bool,
+    probe_name: str,
+    probe_errors_total: int,
+    requests_total: dict[str, int],
+    host: HostIdentity,
+    gpu_memory_mib: int | None,
+    records: Sequence[Record] | None = None,
+    store_up: bool | None = None,
+    now: float | None = None,
+) -> str:
+    """The Prometheus text exposition of one reading, the services' records and the
+    agent's counters.
+
+    Gauges that the probe could not measure are left out rather than reported as 0:
+    a missing sample is "unknown", a zero is "free". ``records`` (None: the agent has no
+    state directory, or it could not be read, see ``store_up``) gives each service's
+    phase, lease and idle seconds (``now`` minus its ``last_used``).
+    """
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
+
+    metric(
+        "gpuctl_agent_info",
+        "gauge",
+        "The agent's version, probe and host (always 1).",
+        [
+            (
+                f'{{version="{_label(__version__)}",probe="{_label(probe_name)}",'
+                f'hostname="{_label(host.hostname)}"}}',
+                1,
+            )
+        ],
+    )
+    metric(
+        "gpuctl_probe_up",
+        "gauge",
+        "1 when the last GPU probe succeeded.",
+        [("", 1 if probe_up else 0)],
+    )
+    if reading is not None:
+        used = reading.memory_used_mib
+        if used is None:
+            used = sum(p.memory_mib or 0 for p in reading.processes)
+        total = reading.memory_total_mib if reading.memory_total_mib is not None else gpu_memory_mib
+        metric("gpuctl_gpu_memory_used_mib", "gauge", "GPU memory in use, MiB.", [("", used)])
+        if total is not None:
+            metric(
+                "gpuctl_gpu_memory_total_mib", "gauge", "GPU memory in total, MiB.", [("", total)]
+            )
+        metric(
+            "gpuctl_gpu_processes",
+            "gauge",
+            "Processes that hold GPU memory.",
+            [("", len(reading.processes))],
+        )
+        metric(
+            "gpuctl_process_memory_mib",
+            "gauge",
+            "GPU memory held by one process, MiB.",
+            [
+                (
+                    f'{{pid="{p.pid}",gpu="{p.gpu}",command="{_label((p.command or "")[:80])}"}}',
+                    p.memory_mib,
+                )
+                for p in reading.processes
+                if p.memory_mib is not None
+            ],
+        )
+    if store_up is not None:
+        metric(
+            "gpuctl_store_up",
+            "gauge",
+            "1 when the agent could read the records in its state directory.",
+            [("", 1 if store_up else 0)],
+        )
+    if records is not None:
+        at = time.time() if now is None else now
+        metric(
+            "gpuctl_service_phase",
+            "gauge",
+            "A service's phase (stopped, starting, running, sleeping, stopping, preempted, "
+            "failed): one sample, 1, labelled with its current phase.",
+            [
+                (f'{{service="{_label(r.service)}",phase="{_label(r.phase.value)}"}}', 1)
+                for r in records
+            ],
+        )
+        idle = [(r.service, r.idle_for(at)) for r in records]
+        metric(
+            "gpuctl_service_idle_seconds",
+            "gauge",
+            "Seconds since a service was last used (services never used have no sample).",
+            [(f'{{service="{_label(svc)}"}}', round(s, 3)) for svc, s in idle if s is not None],
+        )
+        metric(
+            "gpuctl_service_lease_held",
+            "gauge",
+            "1 while a live lease on the service is held (it is being started or stopped).",
+            [(f'{{service="{_label(r.service)}"}}', 1 if r.lease else 0) for r in records],
+        )
+    metric(
+        "gpuctl_probe_errors_total",
+        "counter",
+        "GPU probe scans that failed.",
+        [("", probe_errors_total)],
+    )
+    metric(
+        "gpuctl_agent_requests_total",
+        "counter",
+        "HTTP requests by endpoint ('other' for unknown paths).",
+        [(f'{{path="{_label(path)}"}}', n) for path, n in sorted(requests_total.items())],
+    )
+    return "\n".join(lines) + "\n"
