@@ -103,3 +103,36 @@ def test_sim_probe_gets_dir_and_total(tmp_path: Path) -> None:
     r = probe.read()
     assert (r.probe, r.memory_total_mib, r.processes) == ("sim", 4096, ())
     probe.close()
+
+
+@pytest.mark.parametrize(
+    ("used", "total", "unified"),
+    [(None, None, True), (None, 131072, True), (9000, 81920, False), (None, None, False)],
+)
+def test_agent_and_direct_path_build_the_same_snapshot(
+    used: int | None, total: int | None, unified: bool
+) -> None:
+    """One way to observe a host: the agent's /status and the agent-less path agree on
+    memory (the processes' sum where the device has no figure; the configured total where
+    it has none)."""
+    import httpx
+
+    from gpuctl.adapters.local import build_snapshot
+    from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.core.model import GpuProcess
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    procs = (
+        GpuProcess(pid=4194000, command=None, memory_mib=700),
+        GpuProcess(pid=4194001, command=None, memory_mib=None),
+        GpuProcess(pid=4194002, command=None, memory_mib=300, gpu=1),
+    )
+    reading = reading_of(*procs, used=used, total=total, unified=unified)
+    settings = AgentSettings(token=None, gpu_memory_mib=65536)
+    with serve_in_thread(create_app(settings, FakeProbe(reading))) as url:
+        remote = httpx.get(f"{url}/status").json()
+    local = build_snapshot(reading, None, gpu_memory_mib=65536).to_wire()
+    keys = ("memory_used_mib", "memory_total_mib", "unified_memory", "gpus", "processes")
+    assert {k: remote[k] for k in keys} == {k: local[k] for k in keys}
+    assert local["memory_used_mib"] == (used if used is not None else 1000)
+    assert local["memory_total_mib"] == (total if total is not None else 65536)

@@ -24,10 +24,9 @@ from typing import IO, TypeVar
 import httpx
 import pytest
 
+from gpuctl.adapters.probes.sim import SimProbe
 from gpuctl.core.model import GpuProcess
-from gpuctl.errors import ConfigError
-from gpuctl.sim.gpu import DEFAULT_TOTAL_MIB, SimGpu, SimOutOfMemory
-from gpuctl.sim.probe import SimProbe
+from gpuctl.sim.gpu import DEFAULT_TOTAL_MIB, SimError, SimGpu, SimOutOfMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -222,7 +221,7 @@ def test_total_memory_is_agreed_through_gpu_json(
     assert SimGpu(d).total_mib == 32768
     assert json.loads((d / "gpu.json").read_text()) == {"total_mib": 32768}
     monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", "lots")
-    with pytest.raises(ConfigError, match="GPUCTL_SIM_GPU_MEMORY"):
+    with pytest.raises(SimError, match="GPUCTL_SIM_GPU_MEMORY"):
         SimGpu(d)
     monkeypatch.delenv("GPUCTL_SIM_GPU_MEMORY")
     # A directory first used by a claim records the default.
@@ -623,3 +622,33 @@ def test_bad_sizes_and_durations_are_one_line_usage_errors(
     r = procs.cli(*args, "--sim-dir", sim_dir)
     assert r.returncode == 2
     assert r.stderr.startswith(f"gpuctl: error: {needle}") and "Traceback" not in r.stderr
+
+
+def test_sim_imports_nothing_of_gpuctl_but_core() -> None:
+    """DESIGN §2: the sim runs in a bare container; it may lean on ``gpuctl.core`` only."""
+    code = (
+        "import sys, gpuctl.sim.model_server, gpuctl.sim.hold, gpuctl.sim.gpu\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gpuctl.')"
+        " and not m.startswith(('gpuctl.sim', 'gpuctl.core'))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("xdg", [None, "/tmp/xdg-state", ""])
+def test_default_sim_dir_matches_platformdirs(
+    monkeypatch: pytest.MonkeyPatch, xdg: str | None
+) -> None:
+    """The sim computes its default without platformdirs; it must land where the CLI looks."""
+    from gpuctl.adapters.paths import default_sim_dir as cli_default
+    from gpuctl.sim.gpu import default_sim_dir
+
+    monkeypatch.delenv("GPUCTL_SIM_DIR", raising=False)
+    if xdg is None:
+        monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    else:
+        monkeypatch.setenv("XDG_STATE_HOME", xdg)
+    assert default_sim_dir() == cli_default()

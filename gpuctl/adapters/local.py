@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from gpuctl.adapters import procinfo
-from gpuctl.core.model import ProbeReading, Snapshot
+from gpuctl.core.model import ProbeReading, Snapshot, snapshot_from_reading
 
 
 def utc_now_iso() -> str:
@@ -45,20 +45,13 @@ def build_snapshot(
         seen = {s.pid for s in found} | on_gpu
         found += procinfo.describe_pids(p for p in pids if p not in seen)
         starting = tuple(found)
-    total = reading.memory_total_mib
-    if total is None and reading.unified_memory:
-        total = gpu_memory_mib
-    return Snapshot(
-        memory_used_mib=reading.memory_used_mib,
-        memory_total_mib=total,
-        unified_memory=reading.unified_memory,
-        probe=reading.probe,
+    return snapshot_from_reading(
+        reading,
         taken_at=utc_now_iso(),
-        processes=reading.processes,
         starting=starting,
         host=procinfo.host_identity(),
         state_dir=state_dir,
-        gpus=reading.gpus,
+        gpu_memory_mib=gpu_memory_mib,
     )
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 
 from gpuctl import __version__
-from gpuctl.core.model import HostIdentity, ProbeReading
+from gpuctl.core.model import HostIdentity, ProbeReading, reading_memory
 from gpuctl.core.record import Record
 
 
@@ -76,10 +76,7 @@ def render_metrics(
         [("", 1 if probe_up else 0)],
     )
     if reading is not None:
-        used = reading.memory_used_mib
-        if used is None:
-            used = sum(p.memory_mib or 0 for p in reading.processes)
-        total = reading.memory_total_mib if reading.memory_total_mib is not None else gpu_memory_mib
+        used, total = reading_memory(reading, gpu_memory_mib)
         metric("gpuctl_gpu_memory_used_mib", "gauge", "GPU memory in use, MiB.", [("", used)])
         if total is not None:
             metric(

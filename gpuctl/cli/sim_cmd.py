@@ -10,13 +10,15 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from gpuctl.cli.common import JsonOpt, errors_to_exit, fail, print_json, say
-from gpuctl.errors import UsageError
+from gpuctl.errors import GpuctlError, UsageError
 
 sim_app = typer.Typer(
     help=(
@@ -26,6 +28,18 @@ sim_app = typer.Typer(
     ),
     no_args_is_help=True,
 )
+
+
+@contextmanager
+def _sim_errors() -> Iterator[None]:
+    """The sim raises its own errors (it imports no gpuctl module outside ``core``)."""
+    from gpuctl.sim.errors import SimError
+
+    try:
+        yield
+    except SimError as err:
+        raise GpuctlError(err.message, err.hint) from err
+
 
 SimDirOpt = Annotated[
     Path | None,
@@ -118,7 +132,7 @@ def hold(
 
     Exit 0 after a clean stop; 1 with a CUDA-style out-of-memory line when it does not fit.
     """
-    with errors_to_exit():
+    with errors_to_exit(), _sim_errors():
         mib = _size("--memory", memory)
         secs = _duration("--duration", duration) if duration is not None else None
         total = _total(gpu_memory)
@@ -187,7 +201,7 @@ def model_server(
     Serves /health, /v1/models, /v1/chat/completions (also streaming) and /metrics.
     Exit 0 after SIGTERM/Ctrl-C; 1 when the port is taken or the memory does not fit.
     """
-    with errors_to_exit():
+    with errors_to_exit(), _sim_errors():
         mib = _size("--memory", memory)
         load_s = _duration("--load-time", load_time)
         delay_s = _duration("--token-delay", token_delay)
@@ -219,7 +233,7 @@ def ls(
     gpu_memory: GpuMemoryOpt = None,
 ) -> None:
     """List the simulated GPU's claims: pid, name, memory, command."""
-    with errors_to_exit():
+    with errors_to_exit(), _sim_errors():
         total = _total(gpu_memory)
         from gpuctl.adapters.procinfo import command_of
         from gpuctl.core.units import format_mib
@@ -279,7 +293,7 @@ def reset(
 
     Exit 0 when the simulated GPU ends up as asked; 1 when a claimant outlived --wait.
     """
-    with errors_to_exit():
+    with errors_to_exit(), _sim_errors():
         wait_s = _duration("--wait", wait)
         from gpuctl.sim.gpu import SimGpu
 

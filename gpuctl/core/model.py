@@ -212,3 +212,51 @@ class ProbeReading:
     unified_memory: bool = False
     gpus: int = 1
     notes: tuple[str, ...] = field(default=())
+
+
+def reading_memory(reading: ProbeReading, gpu_memory_mib: int | None) -> tuple[int, int | None]:
+    """(used, total-or-None) MiB of a reading, the one rule every observer applies.
+
+    Where the device gives no "used" (unified memory), the processes' sum is the truth
+    (host RAM use would count the OS as GPU use, nvtop #511); where it gives no total,
+    the configured ``gpu_memory_mib`` stands in.
+    """
+    used = reading.memory_used_mib
+    if used is None:
+        used = sum(p.memory_mib or 0 for p in reading.processes)
+    total = reading.memory_total_mib
+    if total is None:
+        total = gpu_memory_mib
+    return used, total
+
+
+def snapshot_from_reading(
+    reading: ProbeReading,
+    *,
+    taken_at: str,
+    starting: tuple[StartingProcess, ...] | None = None,
+    host: HostIdentity | None = None,
+    state_dir: str | None = None,
+    gpu_memory_mib: int | None = None,
+) -> Snapshot:
+    """The one way from a probe reading to a ``Snapshot``: the agent's ``/status`` and the
+    direct (agent-less) path both build theirs here, so they cannot disagree.
+
+    ``starting`` None means "not asked"; processes already on the GPU are dropped from it.
+    """
+    used, total = reading_memory(reading, gpu_memory_mib)
+    if starting is not None:
+        on_gpu = {p.pid for p in reading.processes}
+        starting = tuple(s for s in starting if s.pid not in on_gpu)
+    return Snapshot(
+        memory_used_mib=used,
+        memory_total_mib=total,
+        unified_memory=reading.unified_memory,
+        probe=reading.probe,
+        taken_at=taken_at,
+        processes=reading.processes,
+        starting=starting,
+        host=host,
+        state_dir=state_dir,
+        gpus=reading.gpus,
+    )

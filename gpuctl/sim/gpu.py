@@ -14,9 +14,10 @@ claim. A claim whose locker is gone (a zombie, or a dead parent whose forked chi
 inherited the descriptor) counts as dead too.
 
 This module runs inside the fake model server, which must also work in a minimal
-container that has only the standard library and the gpuctl package: it imports
-nothing else (``platformdirs`` only lazily, with a fallback), and in particular not
-``gpuctl.adapters.procinfo`` (psutil).
+container that has only the standard library and the gpuctl package: like all of
+``gpuctl.sim`` it imports the standard library and ``gpuctl.core`` only (no
+``platformdirs``, no psutil). The reader of claims for gpuctl is
+``gpuctl.adapters.probes.sim``.
 """
 
 from __future__ import annotations
@@ -24,20 +25,29 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import json
 import os
-import tempfile
-import threading
-import time
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any
 
 from gpuctl.core.units import parse_size_mib
-from gpuctl.errors import ConfigError, GpuctlError
+from gpuctl.sim.claim import Claim
+from gpuctl.sim.errors import SimError, SimOutOfMemory
+from gpuctl.sim.fs import age_s, read_json, unlink, write_json_atomic
+from gpuctl.sim.liveness import LockTable, pid_alive, pid_namespace
+
+__all__ = [
+    "DEFAULT_TOTAL_MIB",
+    "Claim",
+    "ClaimInfo",
+    "SimError",
+    "SimGpu",
+    "SimOutOfMemory",
+    "default_sim_dir",
+    "resolve_sim_dir",
+]
 
 DEFAULT_TOTAL_MIB = 128 * 1024
 ENV_SIM_DIR = "GPUCTL_SIM_DIR"
@@ -52,14 +62,15 @@ _MAX_CLAIM_SLOTS = 64
 
 
 def default_sim_dir() -> Path:
-    """``platformdirs.user_state_dir("gpuctl")/sim``, or its XDG equivalent without platformdirs."""
-    try:
-        import platformdirs
-    except ImportError:
-        # The minimal-container case: same answer platformdirs gives on Linux.
-        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-        return Path(base) / "gpuctl" / "sim"
-    return Path(platformdirs.user_state_dir("gpuctl")) / "sim"
+    """``<user state dir>/gpuctl/sim``: what ``platformdirs.user_state_dir`` answers, from the
+    standard library (the sim must run where platformdirs is not installed)."""
+    if sys.platform == "darwin":
+        base = Path("~/Library/Application Support").expanduser()
+    else:
+        # XDG: an empty or relative $XDG_STATE_HOME is ignored, as platformdirs does.
+        xdg = os.environ.get("XDG_STATE_HOME", "").strip()
+        base = Path(xdg) if xdg and os.path.isabs(xdg) else Path("~/.local/state").expanduser()
+    return base / "gpuctl" / "sim"
 
 
 def resolve_sim_dir(sim_dir: Path | str | None = None) -> Path:
@@ -70,46 +81,6 @@ def resolve_sim_dir(sim_dir: Path | str | None = None) -> Path:
     if env:
         return Path(env).expanduser()
     return default_sim_dir()
-
-
-def cuda_size(mib: float) -> str:
-    """PyTorch's way of writing sizes in its OOM message: ``8.00 GiB``, ``20.00 MiB``."""
-    if abs(mib) >= 1024:
-        return f"{mib / 1024:.2f} GiB"
-    return f"{mib:.2f} MiB"
-
-
-class SimOutOfMemory(GpuctlError):
-    """A claim did not fit: the simulated ``torch.OutOfMemoryError``.
-
-    Attributes:
-        requested_mib: what the failed step tried to allocate on top of what it held.
-        free_mib: what was free on the simulated GPU (total minus every live claim).
-        total_mib: the simulated GPU's total.
-        holders: (pid, memory_mib) of the other live claims, largest first.
-    """
-
-    def __init__(
-        self,
-        requested_mib: int,
-        free_mib: int,
-        total_mib: int,
-        holders: tuple[tuple[int, int], ...] = (),
-    ) -> None:
-        self.requested_mib = requested_mib
-        self.free_mib = max(0, free_mib)
-        self.total_mib = total_mib
-        self.holders = holders
-        msg = (
-            f"CUDA out of memory. Tried to allocate {cuda_size(requested_mib)}. "
-            f"GPU 0 has a total capacity of {cuda_size(total_mib)} of which "
-            f"{cuda_size(self.free_mib)} is free."
-        )
-        # Real PyTorch names the other processes too; that is what makes the message useful.
-        msg += "".join(
-            f" Process {pid} has {cuda_size(mib)} memory in use." for pid, mib in holders
-        )
-        super().__init__(msg, hint="free GPU memory first; `gpuctl sim ls` shows who holds it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +109,7 @@ class SimGpu:
             to ``gpu.json`` so that every process using the directory agrees.
 
     Raises:
-        ConfigError: ``$GPUCTL_SIM_GPU_MEMORY`` is not a size, or a total is not positive.
+        SimError: ``$GPUCTL_SIM_GPU_MEMORY`` is not a size, or a total is not positive.
     """
 
     def __init__(self, sim_dir: Path | str | None = None, total_mib: int | None = None) -> None:
@@ -151,11 +122,9 @@ class SimGpu:
                 try:
                     explicit = parse_size_mib(env)
                 except ValueError as err:
-                    raise ConfigError(f"{ENV_GPU_MEMORY}: {err}") from None
+                    raise SimError(f"{ENV_GPU_MEMORY}: {err}") from None
         if explicit is not None and explicit <= 0:
-            raise ConfigError(
-                f"the simulated GPU's total memory must be positive, got {explicit} MiB"
-            )
+            raise SimError(f"the simulated GPU's total memory must be positive, got {explicit} MiB")
         self._explicit_total = explicit
         if explicit is not None and self._read_total_file() != explicit:
             try:
@@ -187,7 +156,7 @@ class SimGpu:
         return None
 
     def _write_total_file(self, total_mib: int) -> None:
-        _write_json_atomic(self.sim_dir / _GPU_FILE, {"total_mib": total_mib})
+        write_json_atomic(self.sim_dir / _GPU_FILE, {"total_mib": total_mib})
 
     def _ensure_dir(self) -> None:
         """Create the directory and its ``gpu.json`` (under the sim lock: one writer wins)."""
@@ -232,7 +201,7 @@ class SimGpu:
                 if entry.name.startswith(".") and entry.name.endswith(".tmp"):
                     with contextlib.suppress(OSError):
                         # A temp file younger than a minute may be a write in progress.
-                        if _age_s(entry) > 60:
+                        if age_s(entry) > 60:
                             os.unlink(entry.path)
         return removed
 
@@ -248,7 +217,7 @@ class SimGpu:
         }
         if not stems:
             return [], 0
-        holders = _LockTable()
+        holders = LockTable()
         live: list[ClaimInfo] = []
         removed = 0
         for stem in sorted(stems):
@@ -259,7 +228,7 @@ class SimGpu:
         live.sort(key=lambda c: (c.pid, c.claim_id))
         return live, removed
 
-    def _check(self, stem: str, holders: _LockTable) -> tuple[ClaimInfo | None, int]:
+    def _check(self, stem: str, holders: LockTable) -> tuple[ClaimInfo | None, int]:
         """Decide one claim: (info, 0) live, (None, 1) dead and deleted, (None, 0) not ready."""
         lock_path = self.claims_dir / f"{stem}.lock"
         json_path = self.claims_dir / f"{stem}.json"
@@ -269,7 +238,7 @@ class SimGpu:
             # A record without its lock: the owner crashed while releasing (it deletes the
             # record first), or someone edited the directory. A lock is created before its
             # record, so this is never a claim being born.
-            return None, int(_unlink(json_path))
+            return None, int(unlink(json_path))
         except OSError:
             return None, 0
         try:
@@ -281,13 +250,13 @@ class SimGpu:
             else:
                 # We got the lock, so its owner is gone: delete while holding it, so a
                 # claimant that opened the old file notices (its identity check fails).
-                existed = _unlink(json_path)
-                _unlink(lock_path)
+                existed = unlink(json_path)
+                unlink(lock_path)
                 return None, int(existed)
             st = os.fstat(fd)
         finally:
             os.close(fd)
-        record = _read_json(json_path)
+        record = read_json(json_path)
         if record is None:
             return None, 0  # locked but no record yet: a claim being born
         try:
@@ -299,11 +268,11 @@ class SimGpu:
             return None, 0
         holder = holders.holder(st.st_dev, st.st_ino)
         if holder:
-            pid, alive = holder, _pid_alive(holder)
-        elif record.get("pid_ns") == _pid_namespace():
+            pid, alive = holder, pid_alive(holder)
+        elif record.get("pid_ns") == pid_namespace():
             # Same PID namespace, and the kernel did not name a live locker (no /proc/locks,
             # or the locker died and was reaped while a forked child kept the lock).
-            pid, alive = claim_pid, _pid_alive(claim_pid)
+            pid, alive = claim_pid, pid_alive(claim_pid)
         else:
             # The locker lives in another PID namespace (we are in a container and it is
             # on the host, say): its pid means nothing here, so the held lock decides.
@@ -311,8 +280,8 @@ class SimGpu:
         if not alive:
             # The locker died but its descriptor lives on (a forked child inherited it), or
             # it is a zombie. Dead is dead: the memory is free.
-            existed = _unlink(json_path)
-            _unlink(lock_path)
+            existed = unlink(json_path)
+            unlink(lock_path)
             return None, int(existed)
         return ClaimInfo(pid=pid, name=name, memory_mib=max(0, memory), gpu=gpu, claim_id=stem), 0
 
@@ -322,12 +291,12 @@ class SimGpu:
         """Register this process on the simulated GPU with 0 MiB; grow it with ``Claim.set``.
 
         Raises:
-            GpuctlError: the sim directory cannot be written.
+            SimError: the sim directory cannot be written.
         """
         try:
             return self._claim(name)
         except OSError as err:
-            raise GpuctlError(
+            raise SimError(
                 f"cannot write the simulated GPU at {self.sim_dir}: {err.strerror or err}",
                 hint="check the directory's permissions, or pass another --sim-dir",
             ) from err
@@ -367,279 +336,7 @@ class SimGpu:
                 claim.release()
                 raise
             return claim
-        raise GpuctlError(
+        raise SimError(
             f"cannot claim the simulated GPU: {_MAX_CLAIM_SLOTS} claims for pid {pid} already",
             hint=f"run `gpuctl sim reset` (sim dir {self.sim_dir})",
         )
-
-
-class Claim:
-    """This process's memory on the simulated GPU; a context manager that releases it.
-
-    Thread-safe: a model server grows it from its main thread and shrinks it from a
-    request thread (sleep mode).
-    """
-
-    def __init__(self, gpu: SimGpu, claim_id: str, lock_fd: int, name: str) -> None:
-        self.gpu = gpu
-        self.claim_id = claim_id
-        self.name = name
-        self._fd: int | None = lock_fd
-        self._memory = 0
-        self._mutex = threading.Lock()
-
-    @property
-    def memory_mib(self) -> int:
-        return self._memory
-
-    @property
-    def released(self) -> bool:
-        return self._fd is None
-
-    def set(self, memory_mib: int) -> None:
-        """Hold ``memory_mib`` from now on: grow (if it fits) or shrink.
-
-        Raises:
-            SimOutOfMemory: growing would exceed the total beside the other live claims;
-                the claim keeps what it held.
-            ValueError: a negative size.
-            RuntimeError: the claim was released.
-        """
-        if memory_mib < 0:
-            raise ValueError(f"a claim cannot be negative: {memory_mib}")
-        with self._mutex:
-            if self._fd is None:
-                raise RuntimeError("this claim was released")
-            with self.gpu._locked():
-                if memory_mib > self._memory:
-                    others = [c for c in self.gpu.claims() if c.claim_id != self.claim_id]
-                    total = self.gpu.total_mib
-                    used_by_others = sum(c.memory_mib for c in others)
-                    if memory_mib > total - used_by_others:
-                        holders = tuple(
-                            (c.pid, c.memory_mib)
-                            for c in sorted(others, key=lambda c: -c.memory_mib)
-                            if c.memory_mib > 0
-                        )
-                        raise SimOutOfMemory(
-                            requested_mib=memory_mib - self._memory,
-                            free_mib=total - used_by_others - self._memory,
-                            total_mib=total,
-                            holders=holders,
-                        )
-                self._write(memory_mib)
-
-    def _write(self, memory_mib: int) -> None:
-        record: dict[str, Any] = {
-            "pid": os.getpid(),
-            "name": self.name,
-            "memory_mib": memory_mib,
-            "gpu": 0,
-            "pid_ns": _pid_namespace(),
-        }
-        _write_json_atomic(self.gpu.claims_dir / f"{self.claim_id}.json", record)
-        self._memory = memory_mib
-
-    def release(self) -> None:
-        """Give the memory back and drop the lock. Safe to call twice."""
-        with self._mutex:
-            if self._fd is None:
-                return
-            # Record first, lock last: a record without a lock means "dead" to readers.
-            _unlink(self.gpu.claims_dir / f"{self.claim_id}.json")
-            _unlink(self.gpu.claims_dir / f"{self.claim_id}.lock")
-            os.close(self._fd)
-            self._fd = None
-            self._memory = 0
-
-    def __enter__(self) -> Claim:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-class _LockTable:
-    """Who holds which flock, from ``/proc/locks`` (Linux), read lazily once per scan.
-
-    The kernel shows each locker's pid in the reader's PID namespace (0 when it lives
-    outside it), which is how a host sees the real pid of a claim made in a container.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, list[tuple[int, int, int]]] | None = None
-        self._reloaded = False
-
-    def holder(self, st_dev: int, st_ino: int) -> int | None:
-        """The locker's pid (0: outside our PID namespace), or None when not listed."""
-        if self._entries is None:
-            self._entries = _read_proc_locks()
-        found = self._lookup(st_dev, st_ino)
-        if found is None and not self._reloaded:
-            # Loaded before this lock was taken (a claim born during the scan): look again,
-            # once, rather than judge a live claim by a pid from another namespace.
-            self._reloaded = True
-            self._entries = _read_proc_locks()
-            found = self._lookup(st_dev, st_ino)
-        return found
-
-    def _lookup(self, st_dev: int, st_ino: int) -> int | None:
-        found = (self._entries or {}).get(st_ino)
-        if not found:
-            return None
-        major, minor = os.major(st_dev), os.minor(st_dev)
-        for maj, mnr, pid in found:
-            if (maj, mnr) == (major, minor):
-                return pid
-        # Overlay file systems can show another device number than stat() does; one
-        # lock on that inode number is still ours.
-        return found[0][2] if len(found) == 1 else None
-
-
-def _read_proc_locks() -> dict[int, list[tuple[int, int, int]]]:
-    """Parse ``/proc/locks`` into inode → [(major, minor, pid)]; empty where unreadable."""
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return {}
-    entries: dict[int, list[tuple[int, int, int]]] = {}
-    # "1: FLOCK  ADVISORY  WRITE 4459 fe:00:2146324 0 EOF"; "1: -> FLOCK ..." are waiters.
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 6 or parts[1] != "FLOCK":
-            continue
-        try:
-            pid = int(parts[4])
-            maj_s, min_s, ino_s = parts[5].split(":")
-            entries.setdefault(int(ino_s), []).append((int(maj_s, 16), int(min_s, 16), pid))
-        except ValueError:
-            continue
-    return entries
-
-
-@functools.cache
-def _pid_namespace() -> str | None:
-    """This process's PID namespace (``pid:[4026531836]``), or None without /proc."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    """True when ``pid`` runs and is not a zombie (a zombie has exited; see DESIGN §3)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        if os.path.isdir("/proc/self"):
-            return False
-        return _kill0(pid)  # no /proc here (macOS): existence is all we can learn
-    except OSError:
-        return _kill0(pid)
-    # The command name may contain spaces and parentheses; the state follows the last ')'.
-    fields = stat.rsplit(")", 1)[-1].split()
-    return bool(fields) and fields[0] not in ("Z", "X", "x")
-
-
-def _kill0(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` so a reader sees the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, sort_keys=True)
-            f.flush()
-            # mkstemp makes 0600; the host and a container may run as different users.
-            os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(Path(tmp))
-        raise
-
-
-def _unlink(path: Path) -> bool:
-    """Delete ``path``; True when it existed. Other errors are ignored (another reader won)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return False
-    return True
-
-
-def _age_s(entry: os.DirEntry[str]) -> float:
-    return time.time() - entry.stat(follow_symlinks=False).st_mtime
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; polled by the simulated workloads' main loops.
-
-    A flag polled every few tens of milliseconds, not an Event waited on: a signal
-    handler that sets an Event can deadlock against the main thread inside ``wait``.
-    """
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-
-    @property
-    def is_set(self) -> bool:
-        return self.signal is not None
-
-    def sleep(self, seconds: float, step: float = 0.05) -> bool:
-        """Sleep up to ``seconds``; return False as soon as a stop signal arrives."""
-        deadline = time.monotonic() + seconds
-        while not self.is_set:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return True
-            time.sleep(min(step, left))
-        return False
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[StopFlag]:
-    """Turn SIGTERM and SIGINT into a ``StopFlag`` for the block (main thread only)."""
-    import signal
-
-    flag = StopFlag()
-
-    def handler(signum: int, _frame: object) -> None:
-        flag.signal = signum
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)

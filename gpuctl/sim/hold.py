@@ -15,7 +15,9 @@ import os
 import sys
 
 from gpuctl.core.units import format_duration, format_mib, parse_duration_s, parse_size_mib
-from gpuctl.sim.gpu import SimGpu, SimOutOfMemory, stop_on_signals
+from gpuctl.sim.errors import SimOutOfMemory
+from gpuctl.sim.gpu import SimGpu
+from gpuctl.sim.signals import stop_on_signals
 
 
 def run_hold(sim: SimGpu, name: str, memory_mib: int, duration_s: float | None = None) -> int:

@@ -34,7 +34,7 @@ def make_probe(
     if name == "nvidia-smi":
         return NvidiaSmiProbe(gpu_memory_mib=gpu_memory_mib)
     if name == "sim":
-        from gpuctl.sim.probe import SimProbe
+        from gpuctl.adapters.probes.sim import SimProbe
 
         return SimProbe(sim_dir, gpu_memory_mib)
     if name == "auto":

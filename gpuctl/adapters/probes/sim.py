@@ -1,4 +1,8 @@
-"""The ``sim`` probe: reads the simulated GPU the way the NVML probe reads a real one."""
+"""The ``sim`` probe: reads the simulated GPU the way the NVML probe reads a real one.
+
+It lives with the other probes, not in ``gpuctl.sim``: it names processes through
+``procinfo`` (psutil), which the standard-library-only sim must not import.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,8 @@ from pathlib import Path
 
 from gpuctl.adapters import procinfo
 from gpuctl.core.model import GpuProcess, ProbeReading
-from gpuctl.errors import ProbeError
-from gpuctl.sim.gpu import ClaimInfo, SimGpu
+from gpuctl.errors import ConfigError, ProbeError
+from gpuctl.sim.gpu import ClaimInfo, SimError, SimGpu
 
 
 class SimProbe:
@@ -22,7 +26,10 @@ class SimProbe:
     name = "sim"
 
     def __init__(self, sim_dir: Path | None = None, total_mib: int | None = None) -> None:
-        self.gpu = SimGpu(sim_dir, total_mib)
+        try:
+            self.gpu = SimGpu(sim_dir, total_mib)
+        except SimError as err:  # a bad $GPUCTL_SIM_GPU_MEMORY or total
+            raise ConfigError(err.message, err.hint) from err
 
     def read(self) -> ProbeReading:
         """List the claims: a directory listing, a few small JSON files, one flock try each.
