@@ -226,6 +226,76 @@ def model_server(
         raise typer.Exit(code)
 
 
+@sim_app.command("ollama")
+def ollama(
+    *,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A model it can load, NAME=SIZE, e.g. qwen3:32b=20GiB (repeatable). "
+            "Default: qwen3:32b=20GiB.",
+            show_default=False,
+            metavar="NAME=SIZE",
+        ),
+    ] = None,
+    port: Annotated[
+        int, typer.Option("--port", "-p", help="TCP port.", min=1, max=65535, metavar="PORT")
+    ] = 11434,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind.", metavar="ADDR")
+    ] = "127.0.0.1",
+    load_time: Annotated[
+        str,
+        typer.Option("--load-time", help="How long loading a model takes.", metavar="DURATION"),
+    ] = "2s",
+    keep_alive: Annotated[
+        str,
+        typer.Option(
+            "--keep-alive",
+            help="Default keep_alive, as OLLAMA_KEEP_ALIVE: 5m, 0 (unload at once), -1 (forever).",
+            metavar="DURATION",
+        ),
+    ] = "5m",
+    token_delay: Annotated[
+        str, typer.Option("--token-delay", help="Time per generated token.", metavar="DURATION")
+    ] = "20ms",  # noqa: S107 - a duration, not a secret
+    sim_dir: SimDirOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+) -> None:
+    """A fake Ollama: loads models on demand as claims on the simulated GPU.
+
+    Serves /api/ps, /api/generate, /api/chat, /api/tags and the OpenAI-compatible
+    /v1/chat/completions; keep_alive 0 unloads. Exit 0 after SIGTERM/Ctrl-C; 1 when
+    the port is taken.
+    """
+    with errors_to_exit():
+        from gpuctl.sim.ollama import run_ollama
+        from gpuctl.sim.ollama_models import parse_keep_alive, parse_model_spec
+
+        try:
+            models = [parse_model_spec(m) for m in model or ["qwen3:32b=20GiB"]]
+            keep_s = parse_keep_alive(keep_alive)
+        except ValueError as err:
+            fail(UsageError(str(err)))
+        load_s = _duration("--load-time", load_time)
+        delay_s = _duration("--token-delay", token_delay)
+        total = _total(gpu_memory)
+        from gpuctl.sim.gpu import SimGpu
+
+        code = run_ollama(
+            SimGpu(sim_dir, total),
+            models,
+            port,
+            host=host,
+            load_time_s=load_s,
+            keep_alive_s=keep_s,
+            token_delay_s=delay_s,
+        )
+        raise typer.Exit(code)
+
+
 @sim_app.command("ls")
 def ls(
     json_out: JsonOpt = False,
