@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import httpx
 
-from gpuctl.sim.probe import SimProbe
+from gpuctl.sim.gpu import SimGpu
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ def wait_until(what: str, pred: Callable[[], T | None], timeout: float = 20.0) -
 
 def claims_mib(sim_dir: Path) -> dict[str, int]:
     """The simulated GPU's live claims with memory, by claim name."""
-    return {c.name: c.memory_mib for c in SimProbe(sim_dir).gpu.claims() if c.memory_mib > 0}
+    return {c.name: c.memory_mib for c in SimGpu(sim_dir).claims() if c.memory_mib > 0}
 
 
 class SimOllama:

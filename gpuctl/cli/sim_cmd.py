@@ -270,7 +270,7 @@ def ollama(
     /v1/chat/completions; keep_alive 0 unloads. Exit 0 after SIGTERM/Ctrl-C; 1 when
     the port is taken.
     """
-    with errors_to_exit():
+    with errors_to_exit(), _sim_errors():
         from gpuctl.sim.ollama import run_ollama
         from gpuctl.sim.ollama_models import parse_keep_alive, parse_model_spec
 

@@ -46,18 +46,19 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from gpuctl.core.units import format_mib, parse_duration_s, parse_size_mib
-from gpuctl.errors import GpuctlError
-from gpuctl.sim.gpu import SimGpu, StopFlag, stop_on_signals
+from gpuctl.sim.console import log
+from gpuctl.sim.errors import SimError
+from gpuctl.sim.gpu import SimGpu
 from gpuctl.sim.ollama_models import (
     DEFAULT_KEEP_ALIVE_S,
     ModelSpec,
     Ollama,
     iso_time,
-    log,
     normalize_model,
     parse_keep_alive,
     parse_model_spec,
 )
+from gpuctl.sim.signals import StopFlag, stop_on_signals
 
 DEFAULT_PORT = 11434
 VERSION = "0.0.0+gpuctl.sim"
@@ -570,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_alive_s=keep_alive,
             token_delay_s=token_delay,
         )
-    except GpuctlError as err:
+    except SimError as err:
         log(f"Error: {err.message}", err=True)
         return 1
 

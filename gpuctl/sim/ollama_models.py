@@ -15,7 +15,6 @@ import datetime as dt
 import hashlib
 import math
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,24 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuctl.core.units import format_mib, parse_size_mib
-from gpuctl.sim.gpu import Claim, SimGpu, SimOutOfMemory
+from gpuctl.sim.claim import Claim
+from gpuctl.sim.console import log
+from gpuctl.sim.errors import SimOutOfMemory
+from gpuctl.sim.gpu import SimGpu
 
 DEFAULT_KEEP_ALIVE_S = 300.0
 FOREVER = math.inf
 # Go's time.ParseDuration units, which Ollama's keep_alive strings use.
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_log_lock = threading.Lock()
-
-
-def log(message: str, *, err: bool = False) -> None:
-    stream = sys.stderr if err else sys.stdout
-    with _log_lock:
-        try:
-            stream.write(message + "\n")
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed log must not take the server down
 
 
 def normalize_model(name: str) -> str:
