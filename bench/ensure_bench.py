@@ -26,7 +26,7 @@ import httpx
 
 from gpuctl import api
 from gpuctl.adapters.store import DirectStore, Holder
-from gpuctl.flows.simhost import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port
 
 
 def ms(x: float) -> str:

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuctl.flows.simhost import SimHost
+from gpuctl.sim.host import SimHost
 
 BASELINE = """
 import typer

@@ -1,4 +1,4 @@
-"""The one exception tree of gpuctl.
+"""The one exception tree of gpuctl, and its exit codes.
 
 Every error carries the exit code the CLI returns for it (DESIGN §7) and a hint
 that names the fix. Commands convert these to one line on stderr; tracebacks
@@ -14,16 +14,19 @@ appear only with ``GPUCTL_DEBUG=1``.
      ├── ProbeError             the local GPU probe failed (exit 4)
      │    └── NoGpuFound        no NVIDIA driver / GPU here (exit 4)
      ├── StartFailed            a launch failed or the server died (exit 1)
-     ├── HealthTimeout          not ready before the timeout (exit 5)
-     ├── Busy                   the GPU is held by others (exit 3)
      ├── StoreError             the state store is unreadable / unwritable (exit 1)
      └── LauncherError          a launcher backend (Docker, Jupyter) refused us (exit 1)
+
+A refusal is not an exception: BUSY (exit 3), UNKNOWN (4) and TIMEOUT (5) of ``ensure``
+are outcomes of its result (``gpuctl.flows.results.Outcome``), each with a hint.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 
-class ExitCode:
+
+class ExitCode(IntEnum):
     """Exit codes, the contract of DESIGN §7."""
 
     OK = 0
@@ -32,6 +35,7 @@ class ExitCode:
     BUSY = 3
     UNKNOWN = 4
     TIMEOUT = 5
+    INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
 class GpuctlError(Exception):
@@ -85,18 +89,6 @@ class NoGpuFound(ProbeError):
 
 class StartFailed(GpuctlError):
     """Launching a server failed, or it died while loading."""
-
-
-class HealthTimeout(GpuctlError):
-    """The server did not answer its health check before the timeout."""
-
-    exit_code = ExitCode.TIMEOUT
-
-
-class Busy(GpuctlError):
-    """The GPU is held by processes we may not displace."""
-
-    exit_code = ExitCode.BUSY
 
 
 class StoreError(GpuctlError):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl.flows.simhost import SimHost
+from gpuctl.sim.host import SimHost
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuctl.flows.simhost import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 
 

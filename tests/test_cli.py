@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuctl.cli.app import create_app
-from gpuctl.flows.simhost import free_port
+from gpuctl.sim.host import free_port
 from tests.conftest import config_file, gpuctl_exe, has_nvidia
 
 ROOT = Path(__file__).resolve().parents[1]

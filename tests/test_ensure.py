@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from gpuctl import api
-from gpuctl.flows.simhost import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import (
     cli_env,

@@ -23,7 +23,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.adapters.launchers.docker import LABEL_SERVICE, container_name
-from gpuctl.flows.simhost import SimHost
+from gpuctl.sim.host import SimHost
 from tests.docker_helpers import (
     docker_client,
     docker_unavailable,

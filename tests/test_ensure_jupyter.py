@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl import api
-from gpuctl.flows.simhost import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port
 from tests.ensure_helpers import (
     kill_servers,
     model_server_command,

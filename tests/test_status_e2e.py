@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpuctl.flows.simhost import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import kill_servers, unique_name
 

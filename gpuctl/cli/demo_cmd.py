@@ -80,9 +80,14 @@ class RichNarrator:
     def locks(self, config_path: str) -> None:
         from gpuctl.config import load_config
         from gpuctl.flows import service_ops
+        from gpuctl.flows.wiring import locks_deps
         from gpuctl.render.locks import render_locks
 
-        self.console.print(render_locks(service_ops.locks(load_config(Path(config_path)), None)))
+        deps = locks_deps(load_config(Path(config_path)))
+        try:
+            self.console.print(render_locks(service_ops.locks(deps)))
+        finally:
+            deps.close()
 
     def watch(
         self,

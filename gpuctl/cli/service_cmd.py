@@ -22,7 +22,7 @@ from gpuctl.cli.common import (
 from gpuctl.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
-    from gpuctl.flows.ensure import Progress
+    from gpuctl.flows.results import Progress
 
 
 def register(app: typer.Typer) -> None:
@@ -59,6 +59,7 @@ def ensure(
         from gpuctl.core.units import parse_duration_s
         from gpuctl.flows.ensure import ensure as run
         from gpuctl.flows.wiring import deps_for
+        from gpuctl.render.results import ensure_text, ensure_to_json
 
         timeout_s = None
         if timeout is not None:
@@ -80,47 +81,25 @@ def ensure(
         try:
             result = run(deps, timeout_s=timeout_s, wait=not no_wait)
         except KeyboardInterrupt:
+            from gpuctl.flows.results import EnsureResult
+
             if line:
                 line.stop()
             say(f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)")
+            result = EnsureResult.interrupted(service, svc.host)
             if json_out:
-                from gpuctl.flows.ensure import EnsureResult
-
-                print_json(
-                    EnsureResult(
-                        service=service,
-                        host=svc.host,
-                        outcome="interrupted",
-                        reason="interrupted while waiting; the server keeps loading",
-                        decision="LOADING",
-                    ).to_json()
-                )
-            raise typer.Exit(130) from None
+                print_json(ensure_to_json(result))
+            raise typer.Exit(result.exit_code) from None
         finally:
             deps.close()
             if line:
                 line.stop()
         if json_out:
-            print_json(result.to_json())
+            print_json(ensure_to_json(result))
         else:
-            _say_result(result)
+            for text in ensure_text(result):
+                say(text)
         raise typer.Exit(result.exit_code)
-
-
-def _say_result(result: object) -> None:
-    from gpuctl.flows.ensure import EnsureResult
-
-    assert isinstance(result, EnsureResult)
-    mark = {"ready": "ready", "started": "started", "loading": "loading"}.get(
-        result.outcome, result.outcome.upper()
-    )
-    say(f"{result.service}: {mark}: {result.reason}")
-    for n in result.notes:
-        say(f"  {n}")
-    if result.log_tail and result.outcome != "ready":
-        say("  last lines of its log:")
-        for ln in result.log_tail.splitlines()[-10:]:
-            say(f"    {ln}")
 
 
 class _StatusLine:
@@ -159,13 +138,20 @@ def stop(
     with errors_to_exit():
         from gpuctl.flows import service_ops
         from gpuctl.flows.wiring import deps_for
+        from gpuctl.render.results import stop_text, stop_to_json
 
         conf = load_config(config)
-        result = service_ops.stop(deps_for(conf, service, host, entry="stop"))
+        deps = deps_for(conf, service, host, entry="stop")
+        try:
+            result = service_ops.stop(deps)
+        finally:
+            deps.close()
         if json_out:
-            print_json(result.to_json())
+            print_json(stop_to_json(result))
         else:
-            say(f"{service}: {result.reason}")
+            for text in stop_text(result):
+                say(text)
+        raise typer.Exit(result.exit_code)
 
 
 def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:
@@ -173,10 +159,16 @@ def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -
     with errors_to_exit():
         from gpuctl.flows import service_ops
         from gpuctl.flows.wiring import deps_for
+        from gpuctl.render.results import touch_text
 
         conf = load_config(config)
-        service_ops.touch(deps_for(conf, service, host, entry="touch"))
-        say(f"{service}: marked as used")
+        deps = deps_for(conf, service, host, entry="touch")
+        try:
+            result = service_ops.touch(deps)
+        finally:
+            deps.close()
+        for text in touch_text(result):
+            say(text)
 
 
 def locks(
@@ -196,10 +188,15 @@ def locks(
     """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
+        from gpuctl.flows.wiring import locks_deps
         from gpuctl.render.locks import locks_to_json
 
         conf = load_config(config)
-        report = service_ops.locks(conf, host)
+        deps = locks_deps(conf, host)
+        try:
+            report = service_ops.locks(deps)
+        finally:
+            deps.close()
         if json_out:
             print_json(locks_to_json(report))
         else:
@@ -208,4 +205,4 @@ def locks(
             from gpuctl.render.locks import render_locks
 
             Console().print(render_locks(report))
-        raise typer.Exit(0 if report.ok else 4)
+        raise typer.Exit(report.exit_code)

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
-from gpuctl.flows.simhost import SimHost, free_port
+from gpuctl.errors import GpuctlError
 from gpuctl.flows.status import StatusReport, gather
+from gpuctl.sim.host import SimHost, SimHostError, free_port
 
 
 class Narrator(Protocol):
@@ -49,7 +50,10 @@ def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
             f"{sys.executable} -m gpuctl sim model-server --name vllm --memory 80GiB "
             f"--load-time {load_time_s}s --port {vllm_port} --sim-dir {host.sim_dir}"
         )
-        host.start_agent()
+        try:
+            host.start_agent()
+        except SimHostError as e:
+            raise GpuctlError(str(e), hint="run again with GPUCTL_DEBUG=1") from None
         cfg_path = host.write_config(
             f"""
 [services.vllm]

@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder
-from gpuctl.config import Config
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.record import Phase, Record
 from gpuctl.errors import GpuctlError, StoreError
-from gpuctl.flows.ensure import EnsureDeps, _keywords
+from gpuctl.flows.deps import EnsureDeps, LocksDeps
+from gpuctl.flows.observe import keywords
+from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
 STOP_LEASE_WAIT_S = 10.0
-
-
-@dataclass
-class StopResult:
-    service: str
-    host: str
-    stopped: list[str] = field(default_factory=list)
-    reason: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": 1,
-            "service": self.service,
-            "host": self.host,
-            "stopped": self.stopped,
-            "reason": self.reason,
-        }
 
 
 def stop(deps: EnsureDeps) -> StopResult:
@@ -43,28 +24,28 @@ def stop(deps: EnsureDeps) -> StopResult:
     """
     svc = deps.service
     holder = Holder.here("stop")
-    deadline = time.monotonic() + STOP_LEASE_WAIT_S
+    deadline = deps.clock() + STOP_LEASE_WAIT_S
     while True:
         granted, record = deps.store.acquire(
             svc.name, holder, STOP_LEASE_WAIT_S + svc.stop_timeout_s + 30
         )
         if granted:
             break
-        if time.monotonic() >= deadline:
+        if deps.clock() >= deadline:
             lease = record.lease
             who = f"{lease.entry} pid {lease.pid} on {lease.host}" if lease else "someone"
             raise StoreError(
                 f"{svc.name} is being started or stopped by {who}",
                 hint="wait for it to finish (gpuctl locks shows it), then stop again",
             )
-        time.sleep(0.25)
+        deps.sleep(0.25)
     result = StopResult(svc.name, deps.host.name)
     try:
         deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
         snapshot = None
         with contextlib.suppress(GpuctlError):
             pid = (record.handle or {}).get("pid")
-            snapshot = deps.read_snapshot(_keywords([svc]), [pid] if isinstance(pid, int) else [])
+            snapshot = deps.read_snapshot(keywords([svc]), [pid] if isinstance(pid, int) else [])
         launcher = deps.make_launcher(snapshot)
         if record.handle:
             handle = Handle.from_dict(record.handle)
@@ -110,31 +91,18 @@ def _describe(h: Handle) -> str:
     return h.kind
 
 
-def touch(deps: EnsureDeps) -> Record:
-    return deps.store.touch(deps.service.name)
+def touch(deps: EnsureDeps) -> TouchResult:
+    """Mark the service used now."""
+    return TouchResult(deps.service.name, deps.store.touch(deps.service.name))
 
 
-@dataclass
-class LocksReport:
-    rows: list[tuple[str, Record | None, str | None]]  # (host, record, error)
-    now: float
-
-    @property
-    def ok(self) -> bool:
-        return all(err is None for _, _, err in self.rows)
-
-
-def locks(config: Config, host_names: list[str] | None) -> LocksReport:
+def locks(deps: LocksDeps) -> LocksReport:
     """Every configured service's record on each host (a host that fails is reported)."""
-    from gpuctl.adapters.store import store_for
-
-    hosts = [config.host(h) for h in host_names] if host_names else list(config.hosts.values())
     rows: list[tuple[str, Record | None, str | None]] = []
-    for h in hosts:
-        names = [s.name for s in config.services_on(h.name)]
+    for h in deps.hosts:
+        names = [s.name for s in deps.config.services_on(h.name)]
         try:
-            store = store_for(h)
-            recs = {r.service: r for r in store.records()}
+            recs = {r.service: r for r in deps.store_of(h).records()}
         except GpuctlError as e:
             rows.append((h.name, None, e.message))
             continue
@@ -142,4 +110,4 @@ def locks(config: Config, host_names: list[str] | None) -> LocksReport:
             rows.append((h.name, recs.pop(n, Record(service=n)), None))
         for r in recs.values():  # records of services no longer configured
             rows.append((h.name, r, None))
-    return LocksReport(rows, time.time())
+    return LocksReport(rows, deps.clock())

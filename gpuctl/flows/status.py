@@ -1,150 +1,142 @@
 """Gather status: every host's snapshot and every service's decision, all at once.
 
-Agents and health endpoints are asked in parallel (a thread each: the calls are
+Hosts and health endpoints are asked in parallel (a thread each: the calls are
 blocking httpx requests with their own timeouts), so one dead host shows UNKNOWN
 after its own timeout and does not slow the others. Threads rather than asyncio
 here: status makes a handful of requests, and the thread pool costs less at CLI
-start than an event loop and the async stack.
+start than an event loop and the async stack. A single host with no health URL to
+ask is read on the calling thread: no pool at all.
+
+Each host is observed as ``ensure`` observes it (``gpuctl.flows.observe``): records
+first, then the snapshot with the servers they name.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from gpuctl.config import Config, HostConfig, ServiceConfig
-from gpuctl.core.decision import NO_HEALTH, Health, Verdict, classify
-from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record, recorded_servers, starting_services
-from gpuctl.errors import ExitCode, GpuctlError, StoreError
+from gpuctl.config import Config
+from gpuctl.core.decision import NO_HEALTH, Health
+from gpuctl.core.timestamps import iso_utc
+from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
+from gpuctl.flows.observe import Observation, decide, observe
+from gpuctl.flows.results import HostReport, StatusReport
 
-LOCAL_HOST = "local"
+__all__ = ["HostReport", "LocalProbeOptions", "StatusReport", "gather", "status", "watch"]
 
-
-@dataclass(frozen=True, slots=True)
-class HostReport:
-    """One host: what its agent (or the local probe) said, or why it said nothing."""
-
-    name: str
-    source: str
-    snapshot: Snapshot | None
-    error: str | None = None
-    hint: str | None = None
-    verdicts: tuple[Verdict, ...] = ()
-    services: tuple[ServiceConfig, ...] = ()
-    health: tuple[Health, ...] = ()
-    elapsed_s: float = 0.0
-    gpu_memory_mib: int | None = None
-    servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
-
-    @property
-    def ok(self) -> bool:
-        return self.snapshot is not None
-
-    @property
-    def total_mib(self) -> int | None:
-        if self.snapshot is None:
-            return None
-        return self.snapshot.memory_total_mib or self.gpu_memory_mib
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class StatusReport:
-    hosts: tuple[HostReport, ...]
-    taken_at: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+class _Done(Generic[T]):
+    """A value already computed, shaped like a Future (the no-pool path)."""
 
-    @property
-    def exit_code(self) -> int:
-        return ExitCode.OK if all(h.ok for h in self.hosts) else ExitCode.UNKNOWN
+    value: T
 
-
-@dataclass(frozen=True, slots=True)
-class LocalProbeOptions:
-    """How to read this machine's GPU when there is no agent."""
-
-    probe: str = "auto"
-    sim_dir: Path | None = None
-    gpu_memory_mib: int | None = None
+    def result(self) -> T:
+        return self.value
 
 
-def read_agent(host: HostConfig, keywords: Sequence[str], pids: Sequence[int]) -> Snapshot:
-    """Ask the host's agent, with that host's token and no other."""
-    from gpuctl.adapters.agent_client import AgentClient
+@contextmanager
+def _runner(jobs: int) -> Iterator[Callable[..., Any]]:
+    """``submit(fn, *args)``: in a thread pool when there is more than one job."""
+    if jobs <= 1:
+        yield lambda fn, *args: _Done(fn(*args))
+        return
+    with ThreadPoolExecutor(max_workers=min(32, jobs)) as pool:
+        yield pool.submit
 
-    assert host.agent is not None
-    client = AgentClient(host.agent, host.token(), timeout_s=host.timeout_s, host_name=host.name)
+
+def _observe_host(hd: HostDeps, services: Sequence[Any]) -> Observation:
+    def no_records() -> list[Any]:
+        return []
+
     try:
-        return client.status(match=keywords, pids=pids)
-    finally:
-        client.close()
+        return observe(
+            hd.read_records if services else no_records,
+            hd.read_snapshot,
+            services,
+            # An agent started without a state dir has no records: its snapshot still stands.
+            records_required=False,
+        )
+    except Exception as e:  # a reader bug must not hide the other hosts
+        return Observation(error=f"{type(e).__name__}: {e}")
 
 
-def read_local(
-    options: LocalProbeOptions, keywords: Sequence[str], pids: Sequence[int]
-) -> Snapshot:
-    """Probe this machine directly, as nvidia-smi and nvitop do."""
-    from gpuctl.adapters.local import local_snapshot
+def status(deps: StatusDeps) -> StatusReport:
+    """Status of every host in ``deps``. Never raises for a host that does not answer:
+    that host is reported UNKNOWN with why."""
+    config = deps.config
+    started = deps.monotonic()
+    taken_at = iso_utc(deps.clock())
+    per_host = [config.services_on(hd.host.name) for hd in deps.hosts]
+    healths_wanted = [s for services in per_host for s in services if s.health]
+    with _runner(len(deps.hosts) + len(healths_wanted)) as submit:
+        seen: list[Future[Observation] | _Done[Observation]] = [
+            submit(_observe_host, hd, services)
+            for hd, services in zip(deps.hosts, per_host, strict=True)
+        ]
+        healths: dict[str, Future[Health] | _Done[Health]] = {}
+        for hd, services in zip(deps.hosts, per_host, strict=True):
+            for s in services:
+                if s.health:
+                    healths[s.name] = submit(
+                        deps.check_health, s.health, min(deps.health_timeout_s, hd.host.timeout_s)
+                    )
+        reports = []
+        for hd, services, fut in zip(deps.hosts, per_host, seen, strict=True):
+            obs = fut.result()
+            hs = tuple(
+                healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
+            )
+            now = deps.clock()
+            verdicts = tuple(
+                decide(
+                    s,
+                    hh,
+                    obs,
+                    others=services,
+                    now=now,
+                    total_override_mib=hd.host.gpu_memory_mib,
+                )
+                for s, hh in zip(services, hs, strict=True)
+            )
+            reports.append(
+                HostReport(
+                    name=hd.host.name,
+                    source=hd.source,
+                    snapshot=obs.snapshot,
+                    error=obs.error,
+                    hint=obs.hint,
+                    verdicts=verdicts,
+                    services=tuple(services),
+                    health=hs,
+                    elapsed_s=deps.monotonic() - started,
+                    gpu_memory_mib=hd.host.gpu_memory_mib,
+                    servers=obs.servers,
+                )
+            )
+    return StatusReport(hosts=tuple(reports), taken_at=taken_at)
 
-    return local_snapshot(
-        options.probe,
-        keywords,
-        sim_dir=options.sim_dir,
-        gpu_memory_mib=options.gpu_memory_mib,
-        pids=pids,
-    )
 
-
-def read_records(host: HostConfig) -> dict[str, Record]:
-    """The host's records (leases, failures), through its agent or directly."""
-    from gpuctl.adapters.store import store_for
-
-    store = store_for(host, timeout_s=host.timeout_s)  # a hung agent: its own short timeout
+def watch(
+    deps: StatusDeps, interval_s: float, show: Callable[[StatusReport], None]
+) -> StatusReport:
+    """Gather every ``interval_s`` and hand each report to ``show``, until Ctrl-C
+    (KeyboardInterrupt, which ends the watch and returns the last report)."""
+    report = status(deps)
+    show(report)
     try:
-        return {r.service: r for r in store.records()}
-    finally:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
-
-
-def _keywords(services: Sequence[ServiceConfig]) -> list[str]:
-    seen: dict[str, None] = {}
-    for s in services:
-        for k in s.keywords:
-            seen.setdefault(k, None)
-    return list(seen)
-
-
-def _records_or_none(host: HostConfig, services: Sequence[ServiceConfig]) -> dict[str, Record]:
-    """The host's records; none when it has no services, or an agent without a store."""
-    if not services:
-        return {}
-    with contextlib.suppress(StoreError):
-        return read_records(host)
-    return {}
-
-
-def _read_local_host(
-    host: HostConfig, services: Sequence[ServiceConfig], local: LocalProbeOptions
-) -> tuple[Snapshot, dict[str, Record]]:
-    """This machine: records first, so the servers they name are looked up by pid.
-
-    (An agent does that itself, so for agents the two are asked in parallel.)
-    """
-    records = _records_or_none(host, services)
-    pids = sorted(recorded_servers(records.values()))
-    kws = _keywords(services)
-    opts = LocalProbeOptions(
-        probe=local.probe if local.probe != "auto" else host.probe,
-        sim_dir=local.sim_dir or host.sim_dir,
-        gpu_memory_mib=host.gpu_memory_mib or local.gpu_memory_mib,
-    )
-    return read_local(opts, kws, pids), records
+        while True:
+            deps.sleep(interval_s)
+            report = status(deps)
+            show(report)
+    except KeyboardInterrupt:
+        return report
 
 
 def gather(
@@ -154,103 +146,11 @@ def gather(
     local: LocalProbeOptions | None = None,
     health_timeout_s: float = 2.0,
 ) -> StatusReport:
-    """Status of ``host_names`` (default: every configured host; with none, this machine).
+    """Wire the real adapters, gather once, close them (for callers without deps)."""
+    from gpuctl.flows.wiring import status_deps
 
-    Never raises for a host that does not answer: that host is reported UNKNOWN with
-    why. Raises ``UsageError`` for an unknown host name.
-    """
-    local = local or LocalProbeOptions()
-    if host_names:
-        hosts = [config.host(n) for n in host_names]
-    elif config.hosts:
-        hosts = list(config.hosts.values())
-    else:
-        hosts = [
-            HostConfig(
-                name=LOCAL_HOST,
-                probe=local.probe,
-                sim_dir=local.sim_dir,
-                gpu_memory_mib=local.gpu_memory_mib,
-            )
-        ]
-
-    started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=min(32, 4 + 4 * len(hosts))) as pool:
-        reads: dict[str, Future[tuple[Snapshot, dict[str, Record]]]] = {}
-        snaps: dict[str, Future[Snapshot]] = {}
-        recs: dict[str, Future[dict[str, Record]]] = {}
-        healths: dict[str, Future[Health]] = {}
-        for h in hosts:
-            services = config.services_on(h.name)
-            if h.agent:
-                snaps[h.name] = pool.submit(read_agent, h, _keywords(services), ())
-                recs[h.name] = pool.submit(_records_or_none, h, services)
-            else:
-                reads[h.name] = pool.submit(_read_local_host, h, services, local)
-            for s in services:
-                if s.health:
-                    healths[s.name] = pool.submit(
-                        _health, s.health, min(health_timeout_s, h.timeout_s)
-                    )
-
-        reports: list[HostReport] = []
-        for h in hosts:
-            services = config.services_on(h.name)
-            snapshot: Snapshot | None = None
-            records: dict[str, Record] = {}
-            error = hint = None
-            try:
-                if h.agent:
-                    snapshot = snaps[h.name].result()
-                    # The agent answered /status: a failing /records must not hide that.
-                    with contextlib.suppress(GpuctlError):
-                        records = recs[h.name].result()
-                else:
-                    snapshot, records = reads[h.name].result()
-            except GpuctlError as e:
-                error, hint = e.message, e.hint or None
-            except Exception as e:  # a reader bug must not hide the other hosts
-                error = f"{type(e).__name__}: {e}"
-            hs = tuple(
-                healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
-            )
-            now = time.time()
-            servers = recorded_servers(records.values())
-            verdicts = tuple(
-                classify(
-                    s,
-                    hh,
-                    snapshot,
-                    others=services,
-                    agent_error=error,
-                    total_override_mib=h.gpu_memory_mib,
-                    record=records.get(s.name),
-                    now=now,
-                    leased=starting_services(records.values()),
-                    servers=servers,
-                )
-                for s, hh in zip(services, hs, strict=True)
-            )
-            reports.append(
-                HostReport(
-                    name=h.name,
-                    source=h.agent
-                    or f"local probe ({h.probe if local.probe == 'auto' else local.probe})",
-                    snapshot=snapshot,
-                    error=error,
-                    hint=hint,
-                    verdicts=verdicts,
-                    services=tuple(services),
-                    health=hs,
-                    elapsed_s=time.monotonic() - started,
-                    gpu_memory_mib=h.gpu_memory_mib,
-                    servers=servers,
-                )
-            )
-    return StatusReport(hosts=tuple(reports))
-
-
-def _health(url: str, timeout_s: float) -> Health:
-    from gpuctl.adapters import health
-
-    return health.check(url, timeout_s)
+    deps = status_deps(config, host_names, local=local, health_timeout_s=health_timeout_s)
+    try:
+        return status(deps)
+    finally:
+        deps.close()

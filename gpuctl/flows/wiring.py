@@ -1,4 +1,5 @@
-"""Build the real adapters for a service: its store path, its agent, its launcher.
+"""Build the real adapters for a flow: a service's store, agent and launcher; the hosts
+``status`` and ``locks`` ask.
 
 A host with an agent is reached through its agent by every entry point; a host
 without one is this machine, with the store used directly (DESIGN §3).
@@ -7,30 +8,55 @@ without one is this machine, with the store used directly (DESIGN §3).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
-from gpuctl.adapters.store import store_for
+from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.decision import Health
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
-from gpuctl.flows.ensure import EnsureDeps, Progress
+from gpuctl.flows.deps import (
+    EnsureDeps,
+    HostDeps,
+    LocalProbeOptions,
+    LocksDeps,
+    SnapshotReader,
+    StatusDeps,
+)
+from gpuctl.flows.results import Progress
+
+LOCAL_HOST = "local"
 
 
 def snapshot_reader(
-    host: HostConfig, closers: list[Callable[[], None]] | None = None
-) -> Callable[[Sequence[str], Sequence[int]], Snapshot]:
-    """How to read the host: ``read(match_keywords, recorded_server_pids)``."""
+    host: HostConfig, closers: list[Callable[[], None]], *, lazy: bool = False
+) -> SnapshotReader:
+    """How to read the host: ``read(match_keywords, recorded_server_pids)``.
+
+    With ``lazy`` the agent's client (and its token) is made on the first read, so a
+    missing token is that host's error (``status`` shows the host UNKNOWN), not the
+    command's.
+    """
     if host.agent:
         from gpuctl.adapters.agent_client import AgentClient
 
-        client = AgentClient(
-            host.agent, host.token(), timeout_s=host.timeout_s, host_name=host.name
-        )
-        if closers is not None:
-            closers.append(client.close)
-        return lambda kws, pids: client.status(match=kws, pids=pids)
+        agent = host.agent
+        made: list[AgentClient] = []
+
+        def client() -> AgentClient:
+            if not made:
+                made.append(
+                    AgentClient(agent, host.token(), timeout_s=host.timeout_s, host_name=host.name)
+                )
+                closers.append(made[0].close)
+            return made[0]
+
+        if not lazy:
+            client()
+        return lambda kws, pids: client().status(match=kws, pids=pids)
 
     from gpuctl.adapters.local import local_snapshot
     from gpuctl.adapters.paths import default_state_dir
@@ -38,8 +64,6 @@ def snapshot_reader(
     state_dir = str(default_state_dir())
 
     def read(kws: Sequence[str], pids: Sequence[int]) -> Snapshot:
-        from dataclasses import replace
-
         snap = local_snapshot(
             host.probe, kws, sim_dir=host.sim_dir, gpu_memory_mib=host.gpu_memory_mib, pids=pids
         )
@@ -110,6 +134,12 @@ def handle_checker(
     return check
 
 
+def _close_later(obj: object, closers: list[Callable[[], None]]) -> None:
+    close = getattr(obj, "close", None)
+    if close is not None:
+        closers.append(close)
+
+
 def deps_for(
     config: Config,
     service_name: str,
@@ -137,9 +167,7 @@ def deps_for(
     health_client = httpx.Client(timeout=2.0)
     closers.append(health_client.close)
     store = store_for(host)
-    close_store = getattr(store, "close", None)
-    if close_store is not None:
-        closers.append(close_store)
+    _close_later(store, closers)
     made: list[Launcher] = []
 
     def make_launcher(snapshot: Snapshot | None) -> Launcher:
@@ -147,17 +175,15 @@ def deps_for(
         if not made:
             launcher = launcher_for(service, host, snapshot)
             made.append(launcher)
-            close = getattr(launcher, "close", None)
-            if close is not None:
-                closers.append(close)
+            _close_later(launcher, closers)
         return made[0]
 
     return EnsureDeps(
+        closers,
         config=config,
         service=service,
         host=host,
         store=store,
-        closers=closers,
         read_snapshot=snapshot_reader(host, closers),
         check_health=lambda: health.check(service.health, timeout_s=2.0, client=health_client),
         make_launcher=make_launcher,
@@ -165,3 +191,94 @@ def deps_for(
         progress=progress,
         entry=entry,
     )
+
+
+def _status_hosts(
+    config: Config, host_names: Sequence[str] | None, local: LocalProbeOptions
+) -> list[HostConfig]:
+    if host_names:
+        return [config.host(n) for n in host_names]
+    if config.hosts:
+        return list(config.hosts.values())
+    return [
+        HostConfig(
+            name=LOCAL_HOST,
+            probe=local.probe,
+            sim_dir=local.sim_dir,
+            gpu_memory_mib=local.gpu_memory_mib,
+        )
+    ]
+
+
+def status_deps(
+    config: Config,
+    host_names: Sequence[str] | None = None,
+    *,
+    local: LocalProbeOptions | None = None,
+    health_timeout_s: float = 2.0,
+) -> StatusDeps:
+    """The hosts ``status`` asks (default: every configured host; with none, this machine).
+
+    Raises ``UsageError`` for an unknown host name.
+    """
+    local = local or LocalProbeOptions()
+    closers: list[Callable[[], None]] = []
+    hosts: list[HostDeps] = []
+    for configured in _status_hosts(config, host_names, local):
+        h = configured
+        if h.agent:
+            source = h.agent
+        else:
+            probe = h.probe if local.probe == "auto" else local.probe
+            source = f"local probe ({probe})"
+            h = replace(
+                h,
+                probe=probe,
+                sim_dir=local.sim_dir or h.sim_dir,
+                gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
+            )
+        hosts.append(
+            HostDeps(h, source, _records_reader(h, closers), snapshot_reader(h, closers, lazy=True))
+        )
+    return StatusDeps(
+        closers,
+        config=config,
+        hosts=hosts,
+        check_health=_check_health,
+        health_timeout_s=health_timeout_s,
+    )
+
+
+def _records_reader(
+    host: HostConfig, closers: list[Callable[[], None]]
+) -> Callable[[], list[Record]]:
+    """The host's records, through its agent (within the host's own timeout) or directly;
+    the store is opened on first use."""
+    opened: list[Store] = []
+
+    def read() -> list[Record]:
+        if not opened:
+            opened.append(store_for(host, timeout_s=host.timeout_s))
+            _close_later(opened[0], closers)
+        return opened[0].records()
+
+    return read
+
+
+def _check_health(url: str, timeout_s: float) -> Health:
+    from gpuctl.adapters import health
+
+    return health.check(url, timeout_s)
+
+
+def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> LocksDeps:
+    """Every host's store (or the named hosts')."""
+    hosts = [config.host(h) for h in host_names] if host_names else list(config.hosts.values())
+    closers: list[Callable[[], None]] = []
+
+    def store_of(h: HostConfig) -> Store:
+        store = store_for(h)
+        _close_later(store, closers)
+        return store
+
+    return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of)

@@ -10,7 +10,7 @@ from gpuctl.core.units import format_duration
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from gpuctl.flows.service_ops import LocksReport
+    from gpuctl.flows.results import LocksReport
 
 
 def _iso(t: float | None) -> str | None:

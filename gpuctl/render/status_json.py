@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.core.decision import owner_of
-from gpuctl.flows.status import StatusReport
+from gpuctl.flows.results import StatusReport
 
 SCHEMA = 1
 

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from gpuctl.core.decision import Decision, owner_of
 from gpuctl.core.units import format_mib
-from gpuctl.flows.status import HostReport, StatusReport
+from gpuctl.flows.results import HostReport, StatusReport
 
 DECISION_STYLE = {
     Decision.READY: "bold green",

@@ -1,8 +1,11 @@
 """A throw-away simulated GPU host: a sim directory, an agent on loopback, and helpers
-to start real simulated workloads on it. Used by ``gpuctl demo`` and by the tests.
+to start real simulated workloads on it. Used by ``gpuctl demo``, the tests and the
+benches.
 
 Every process it starts is a real process (``python -m gpuctl ...``), so what the
-agent reports is what a real host would report: real pids, real command lines.
+agent reports is what a real host would report: real pids, real command lines. Like
+the rest of ``gpuctl.sim`` it needs only the standard library (the agent's readiness is
+asked with ``urllib``), so it runs in a bare container.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from gpuctl.errors import GpuctlError
+
+class SimHostError(RuntimeError):
+    """The simulated host's agent did not come up."""
 
 
 def free_port() -> int:
@@ -110,7 +115,8 @@ class SimHost:
 
     def start_agent(self, timeout_s: float = 20.0) -> None:
         """Start ``gpuctl agent --probe sim`` on a free loopback port and wait for /healthz."""
-        import httpx
+        import urllib.error
+        import urllib.request
 
         self.agent_port = free_port()
         proc = self.spawn(
@@ -133,14 +139,15 @@ class SimHost:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise GpuctlError(f"the demo agent exited: {self.log_tail('agent')}")
+                raise SimHostError(f"the simulated host's agent exited: {self.log_tail('agent')}")
             try:
-                if httpx.get(f"{self.agent_url}/healthz", timeout=0.5).status_code == 200:
-                    return
-            except httpx.HTTPError:
+                with urllib.request.urlopen(f"{self.agent_url}/healthz", timeout=0.5) as r:  # noqa: S310  (our loopback agent)
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.1)
-        raise GpuctlError("the demo agent did not start in time")
+        raise SimHostError("the simulated host's agent did not start in time")
 
     def hold(self, name: str, memory: str) -> subprocess.Popen[bytes]:
         return self.spawn(["sim", "hold", "--name", name, "--memory", memory], name)

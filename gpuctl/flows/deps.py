@@ -1,0 +1,100 @@
+"""What the flows work with: every adapter, the clock and the sleep come in as arguments.
+
+``gpuctl.flows.wiring`` builds the real ones; a test hands in fakes, or real adapters
+against a loopback agent. No flow reaches for an adapter, ``time.time`` or
+``time.sleep`` by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuctl.adapters.launchers.base import Launcher
+from gpuctl.adapters.store import Store
+from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.decision import Health
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Record
+from gpuctl.flows.results import Progress
+
+# (match keywords, recorded server pids) -> the host's snapshot
+SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]
+
+
+@dataclass
+class Closers:
+    """The clients a command opened, closed once when it ends."""
+
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close the clients the adapters opened (agent connections, a Docker client)."""
+        while self.closers:
+            self.closers.pop()()
+
+
+@dataclass
+class EnsureDeps(Closers):
+    """The adapters ``ensure``, ``stop`` and ``touch`` work with, for one service."""
+
+    config: Config = field(kw_only=True)
+    service: ServiceConfig = field(kw_only=True)
+    host: HostConfig = field(kw_only=True)
+    store: Store = field(kw_only=True)
+    read_snapshot: SnapshotReader = field(kw_only=True)
+    check_health: Callable[[], Health] = field(kw_only=True)
+    make_launcher: Callable[[Snapshot | None], Launcher] = field(kw_only=True)
+    handle_alive: Callable[[Record], bool | None] = field(kw_only=True, default=lambda r: None)
+    clock: Callable[[], float] = field(kw_only=True, default=time.time)
+    sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
+    progress: Callable[[Progress], None] | None = field(kw_only=True, default=None)
+    entry: str = field(kw_only=True, default="ensure")
+
+
+ServiceDeps = EnsureDeps
+
+
+@dataclass(frozen=True, slots=True)
+class LocalProbeOptions:
+    """How to read this machine's GPU when there is no agent (``status --probe``)."""
+
+    probe: str = "auto"
+    sim_dir: Path | None = None
+    gpu_memory_mib: int | None = None
+
+
+@dataclass
+class HostDeps:
+    """One host as ``status`` sees it: its store's records and its snapshot."""
+
+    host: HostConfig
+    source: str  # the agent's URL, or which local probe
+    read_records: Callable[[], list[Record]]
+    read_snapshot: SnapshotReader
+
+
+@dataclass
+class StatusDeps(Closers):
+    """The adapters ``status`` works with: every host to ask, and health checks."""
+
+    config: Config = field(kw_only=True)
+    hosts: list[HostDeps] = field(kw_only=True)
+    # (health URL, timeout) -> its answer; never raises
+    check_health: Callable[[str, float], Health] = field(kw_only=True)
+    health_timeout_s: float = field(kw_only=True, default=2.0)
+    clock: Callable[[], float] = field(kw_only=True, default=time.time)
+    monotonic: Callable[[], float] = field(kw_only=True, default=time.monotonic)
+    sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
+
+
+@dataclass
+class LocksDeps(Closers):
+    """The adapters ``locks`` works with: the store of each host asked."""
+
+    config: Config = field(kw_only=True)
+    hosts: list[HostConfig] = field(kw_only=True)
+    store_of: Callable[[HostConfig], Store] = field(kw_only=True)
+    clock: Callable[[], float] = field(kw_only=True, default=time.time)

@@ -1,0 +1,125 @@
+"""One way to look at a host and decide: records, recorded pids, keywords, snapshot, classify.
+
+``status`` and ``ensure`` both come through here, so they never disagree about a
+service: the records are read first, and the servers they name are asked for by pid
+(whatever their command line: a ``vllm serve`` under a service called "chat"), along
+with the keywords of every service on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gpuctl.config import ServiceConfig
+from gpuctl.core.decision import Health, Verdict, classify
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Record, recorded_servers, starting_services
+from gpuctl.errors import GpuctlError, StoreError
+from gpuctl.flows.deps import EnsureDeps, SnapshotReader
+
+
+def keywords(services: Iterable[ServiceConfig]) -> list[str]:
+    """Every service's match keywords, once each, in order."""
+    out: dict[str, None] = {}
+    for s in services:
+        for k in s.keywords:
+            out.setdefault(k, None)
+    return list(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What a host said: its records and its snapshot, or why there is no snapshot."""
+
+    records: dict[str, Record] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
+    error: str | None = None
+    hint: str | None = None
+
+    @property
+    def servers(self) -> dict[int, str]:
+        """The pids the records name, and whose they are."""
+        return recorded_servers(self.records.values())
+
+
+def observe(
+    read_records: Callable[[], Iterable[Record]],
+    read_snapshot: SnapshotReader,
+    services: Sequence[ServiceConfig],
+    *,
+    records_required: bool = True,
+) -> Observation:
+    """Records first, then the snapshot with the recorded servers' pids and the keywords.
+
+    Never raises a ``GpuctlError``: a failure becomes the observation's ``error`` (the
+    services are then UNKNOWN). With ``records_required=False`` a store that cannot be
+    read (an agent started without one) leaves the records empty instead.
+    """
+    records: dict[str, Record] = {}
+    try:
+        try:
+            records = {r.service: r for r in read_records()}
+        except StoreError:
+            if records_required:
+                raise
+        pids = sorted(recorded_servers(records.values()))
+        snapshot = read_snapshot(keywords(services), pids)
+    except GpuctlError as e:
+        return Observation(records, None, e.message, e.hint or None)
+    return Observation(records, snapshot)
+
+
+def decide(
+    svc: ServiceConfig,
+    health: Health,
+    seen: Observation,
+    *,
+    others: Sequence[ServiceConfig],
+    now: float,
+    total_override_mib: int | None = None,
+    record: Record | None = None,
+    handle_alive: bool | None = None,
+    own_holder: str | None = None,
+) -> Verdict:
+    """Classify ``svc`` on what was seen (the one call of ``classify`` in the flows)."""
+    error = seen.error
+    if error is not None and seen.hint:
+        error = f"{error} (hint: {seen.hint})"
+    return classify(
+        svc,
+        health,
+        seen.snapshot,
+        others=others,
+        agent_error=error,
+        total_override_mib=total_override_mib,
+        record=record if record is not None else seen.records.get(svc.name),
+        handle_alive=handle_alive,
+        now=now,
+        own_holder=own_holder,
+        leased=starting_services(seen.records.values(), exclude=svc.name),
+        servers=seen.servers,
+    )
+
+
+def look(
+    deps: EnsureDeps, health: Health, own_holder: str | None = None
+) -> tuple[Verdict, Observation]:
+    """Ask the store and the agent about ``deps.service``, and decide. Never raises for an
+    unreachable agent or store: the decision is then UNKNOWN."""
+    svc = deps.service
+    others = deps.config.services_on(svc.host)
+    seen = observe(deps.store.records, deps.read_snapshot, others or [svc])
+    record = seen.records.get(svc.name)
+    alive = deps.handle_alive(record) if record is not None and record.handle else None
+    verdict = decide(
+        svc,
+        health,
+        seen,
+        others=others,
+        now=deps.clock(),
+        total_override_mib=deps.host.gpu_memory_mib,
+        handle_alive=alive,
+        own_holder=own_holder,
+    )
+    return verdict, seen

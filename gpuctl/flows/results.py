@@ -1,0 +1,166 @@
+"""What the flows return: plain result objects, rendered by ``gpuctl.render``.
+
+A flow never formats: it returns one of these, and one renderer per result turns it into
+text or into its versioned JSON envelope (``gpuctl.render.results``). The CLI maps the
+result's ``exit_code`` to the process's exit status and prints nothing itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gpuctl.config import ServiceConfig
+from gpuctl.core.decision import Health, Verdict
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Record
+from gpuctl.errors import ExitCode
+
+
+class Outcome(StrEnum):
+    """How an ``ensure`` ended (the ``outcome`` key of its JSON)."""
+
+    READY = "ready"
+    STARTED = "started"
+    LOADING = "loading"
+    BUSY = "busy"
+    UNKNOWN = "unknown"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return _OUTCOME_EXIT[self]
+
+
+_OUTCOME_EXIT = {
+    Outcome.READY: ExitCode.OK,
+    Outcome.STARTED: ExitCode.OK,
+    Outcome.LOADING: ExitCode.OK,
+    Outcome.BUSY: ExitCode.BUSY,
+    Outcome.UNKNOWN: ExitCode.UNKNOWN,
+    Outcome.FAILED: ExitCode.FAILED,
+    Outcome.TIMEOUT: ExitCode.TIMEOUT,
+    Outcome.INTERRUPTED: ExitCode.INTERRUPTED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One tick of a wait, for the status line."""
+
+    phase: str
+    elapsed_s: float
+    memory_mib: int | None = None
+    log_line: str = ""
+    note: str = ""
+
+
+@dataclass
+class EnsureResult:
+    """How ``ensure`` ended; ``hint`` says what the user can do about a refusal."""
+
+    service: str
+    host: str
+    outcome: Outcome
+    reason: str
+    decision: str
+    launched: bool = False
+    waited_s: float = 0.0
+    attempt: dict[str, Any] | None = None
+    log_tail: str = ""
+    handle: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    hint: str = ""
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return self.outcome.exit_code
+
+    @classmethod
+    def interrupted(cls, service: str, host: str) -> EnsureResult:
+        """Ctrl-C while waiting: the server is left to load (the next caller waits for it)."""
+        return cls(
+            service=service,
+            host=host,
+            outcome=Outcome.INTERRUPTED,
+            reason="interrupted while waiting; the server keeps loading",
+            decision="LOADING",
+            hint="`gpuctl status` shows it loading; `gpuctl ensure` again waits for it",
+        )
+
+
+@dataclass
+class StopResult:
+    service: str
+    host: str
+    stopped: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class TouchResult:
+    service: str
+    record: Record
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK
+
+
+@dataclass
+class LocksReport:
+    rows: list[tuple[str, Record | None, str | None]]  # (host, record, error)
+    now: float
+
+    @property
+    def ok(self) -> bool:
+        return all(err is None for _, _, err in self.rows)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK if self.ok else ExitCode.UNKNOWN
+
+
+@dataclass(frozen=True, slots=True)
+class HostReport:
+    """One host: what its agent (or the local probe) said, or why it said nothing."""
+
+    name: str
+    source: str
+    snapshot: Snapshot | None
+    error: str | None = None
+    hint: str | None = None
+    verdicts: tuple[Verdict, ...] = ()
+    services: tuple[ServiceConfig, ...] = ()
+    health: tuple[Health, ...] = ()
+    elapsed_s: float = 0.0
+    gpu_memory_mib: int | None = None
+    servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
+
+    @property
+    def ok(self) -> bool:
+        return self.snapshot is not None
+
+    @property
+    def total_mib(self) -> int | None:
+        if self.snapshot is None:
+            return None
+        return self.snapshot.memory_total_mib or self.gpu_memory_mib
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    hosts: tuple[HostReport, ...]
+    taken_at: str = ""
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK if all(h.ok for h in self.hosts) else ExitCode.UNKNOWN

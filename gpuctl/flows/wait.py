@@ -1,0 +1,234 @@
+"""The one wait loop: poll health until the service answers, dies, or time runs out.
+
+Two kinds of caller wait, and they differ only in what they look at about once a
+second (a ``Watch``):
+
+- the launcher (``LauncherWatch``) knows its server's handle: it asks the launcher
+  whether the server still runs, reads its log and renews its lease;
+- a bystander (``BystanderWatch``) waits for someone else's start: it decides again
+  from the records and the snapshot, and notices when that start ended with nothing
+  running (then ``ensure`` goes round again and may start it itself).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpuctl.adapters.launchers.base import Handle, Launcher
+from gpuctl.adapters.store import Holder
+from gpuctl.config import ServiceConfig
+from gpuctl.core.decision import Decision, Health, owns
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Record
+from gpuctl.errors import GpuctlError
+from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.observe import keywords, look
+from gpuctl.flows.results import Outcome, Progress
+
+POLL_S = 0.2
+LIVENESS_EVERY_S = 1.0
+DEAD_503_IN_A_ROW = 4
+NOT_READY = Health("refused", "not ready")
+
+
+def poll_pause() -> float:
+    """About POLL_S, spread a little: callers that started together would otherwise poll
+    in lockstep, and all notice a ready server at the same late moment."""
+    return POLL_S * random.uniform(0.75, 1.25)
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """How a wait ended. ``AGAIN`` (outcome None) means: look again, it may start now."""
+
+    outcome: Outcome | None
+    reason: str = ""
+    log_tail: str = ""
+    decision: Decision | None = None  # a new decision the wait found (BUSY), if any
+
+
+AGAIN = Waited(None)
+
+
+class Watch(Protocol):
+    """What a waiter looks at besides health, and how it words the ends."""
+
+    phase: str
+    memory_mib: int | None
+    log_line: str
+    note: str
+
+    def look(self, now: float) -> Waited | None:
+        """About once a second: None to go on waiting, or how the wait ends."""
+        ...
+
+    def tail(self) -> str:
+        """The server's last log lines, for a failure or a timeout."""
+        ...
+
+    def ready_reason(self, elapsed_s: float) -> str: ...
+
+    def timeout_reason(self, limit_s: float) -> str: ...
+
+
+class Clock(Protocol):
+    """What the loop needs of the ``ensure`` context."""
+
+    deps: EnsureDeps
+    t0: float
+    deadline: float
+
+    def elapsed(self) -> float: ...
+
+    def note_once(self, note: str) -> None: ...
+
+
+def wait_ready(ctx: Clock, watch: Watch) -> Waited:
+    """Poll health until ready, dead (503 a few times in a row), ended by the watch, or
+    past the deadline. Never launches anything."""
+    deps, svc = ctx.deps, ctx.deps.service
+    next_look = 0.0
+    dead = 0
+    while True:
+        health = deps.check_health()
+        if health.ok:
+            return Waited(Outcome.READY, watch.ready_reason(ctx.elapsed()))
+        # vLLM answers 503 only once its engine is dead; a few in a row end the wait.
+        dead = dead + 1 if health.status_code == 503 else 0
+        if dead >= DEAD_503_IN_A_ROW:
+            return Waited(
+                Outcome.FAILED, f"{svc.name}'s engine is dead ({health.detail})", watch.tail()
+            )
+        now = deps.clock()
+        if now >= ctx.deadline:
+            return Waited(
+                Outcome.TIMEOUT, watch.timeout_reason(ctx.deadline - ctx.t0), watch.tail()
+            )
+        if now >= next_look:
+            next_look = now + LIVENESS_EVERY_S
+            end = watch.look(now)
+            if end is not None:
+                return end
+        if deps.progress is not None:
+            deps.progress(
+                Progress(watch.phase, ctx.elapsed(), watch.memory_mib, watch.log_line, watch.note)
+            )
+        deps.sleep(poll_pause())
+
+
+def own_memory(snapshot: Snapshot | None, svc: ServiceConfig, pid: int | None = None) -> int | None:
+    """What the service's processes hold on the GPU (None: no snapshot)."""
+    if snapshot is None:
+        return None
+    return sum(
+        p.memory_mib or 0 for p in snapshot.processes if p.pid == pid or owns(svc, p.command)
+    )
+
+
+class LauncherWatch:
+    """The launcher's view: its own server, by handle; renews its lease as it goes."""
+
+    phase = "loading (launched)"
+
+    def __init__(
+        self, ctx: Clock, launcher: Launcher, handle: Handle, holder: Holder, ttl_s: float
+    ) -> None:
+        self.ctx, self.launcher, self.handle = ctx, launcher, handle
+        self.holder, self.ttl_s = holder, ttl_s
+        self.next_renew = ctx.deps.clock() + ttl_s / 3
+        self.memory_mib: int | None = None
+        self.log_line = ""
+        self.note = ""
+
+    def look(self, now: float) -> Waited | None:
+        deps, svc = self.ctx.deps, self.ctx.deps.service
+        try:
+            alive = self.launcher.alive(self.handle)
+        except GpuctlError:
+            alive = None
+        if alive is False:
+            return Waited(Outcome.FAILED, f"{svc.name}'s server exited while loading", self.tail())
+        pid = self.handle.pid
+        try:
+            snap = deps.read_snapshot(keywords([svc]), [pid] if pid else [])
+            self.memory_mib = own_memory(snap, svc, pid)
+            self.note = ""
+        except GpuctlError as e:
+            self.note = f"agent unavailable ({e.message}); still polling health"
+            self.ctx.note_once(self.note)
+        try:
+            last = self.launcher.log_tail(self.handle, 1)
+            self.log_line = last.splitlines()[-1] if last else self.log_line
+        except GpuctlError:
+            pass
+        if now >= self.next_renew:
+            self.next_renew = now + self.ttl_s / 3
+            try:
+                deps.store.renew(svc.name, self.holder.id, self.ttl_s)
+            except GpuctlError as e:
+                self.note = f"could not renew the lease: {e.message}"
+        return None
+
+    def tail(self) -> str:
+        return self.launcher.log_tail(self.handle, 20)
+
+    def ready_reason(self, elapsed_s: float) -> str:
+        return f"{self.ctx.deps.service.name} answers its health check after {elapsed_s:.1f}s"
+
+    def timeout_reason(self, limit_s: float) -> str:
+        name = self.ctx.deps.service.name
+        return f"{name} did not answer within {limit_s:.0f}s (it may still be loading)"
+
+
+class BystanderWatch:
+    """A bystander's view: decide again each look; never launch."""
+
+    phase = "loading (waiting)"
+
+    def __init__(self, ctx: Clock, reason: str) -> None:
+        self.ctx, self.reason = ctx, reason
+        self.memory_mib: int | None = None
+        self.log_line = ""
+        self.note = ""
+        self.gone = 0
+        self.record: Record | None = None
+
+    def look(self, now: float) -> Waited | None:
+        deps, svc = self.ctx.deps, self.ctx.deps.service
+        verdict, seen = look(deps, NOT_READY)
+        self.record = seen.records.get(svc.name)
+        d = verdict.decision
+        if d is Decision.UNKNOWN:
+            self.note = f"agent unavailable; still polling health ({verdict.reason})"
+            self.ctx.note_once(self.note)
+        else:
+            self.note = ""
+            self.memory_mib = own_memory(seen.snapshot, svc)
+        if d is Decision.FAILED:
+            f = self.record.failure if self.record else None
+            return Waited(Outcome.FAILED, verdict.reason, f.log_tail if f else "")
+        if d in (Decision.IDLE, Decision.FITS, Decision.BUSY):
+            # Nothing of it runs any more and nobody holds the lease. Twice in a row,
+            # to ride out the moment between a holder's release and a record update.
+            self.gone += 1
+            if self.gone >= 2:
+                if d is Decision.BUSY:
+                    # The holder backed off: another service took the memory.
+                    return Waited(Outcome.BUSY, verdict.reason, decision=d)
+                return AGAIN
+        else:
+            self.gone = 0
+        return None
+
+    def tail(self) -> str:
+        return ""
+
+    def ready_reason(self, elapsed_s: float) -> str:
+        name = self.ctx.deps.service.name
+        return f"{name} answers its health check (waited {elapsed_s:.1f}s)"
+
+    def timeout_reason(self, limit_s: float) -> str:
+        name = self.ctx.deps.service.name
+        return f"{name} did not answer within {limit_s:.0f}s; it was {self.reason}"
