@@ -36,6 +36,17 @@ class Engine:
         self.succeeded = 0
         self.sleeping = False
         self.sleep_level = 0
+        # Sleep mode, as vLLM's CuMemAllocator does it. The memory is in two tagged
+        # pools; the sim splits it in half (a 32B model on an 80 GiB card is about that).
+        self.asleep: set[str] = set()  # the pools given back: "weights", "kv_cache"
+        self.host_mib = 0  # weights parked in CPU memory by a level-1 sleep
+        self.weights_lost = False  # a level-2 sleep discarded them: reload_weights first
+        self.epoch = 0  # a sleep in "abort" mode ends every request of an older epoch
+
+    def pool_mib(self, tag: str) -> int:
+        """The GPU memory of one sleep-mode pool."""
+        weights = self.memory_mib // 2
+        return weights if tag == "weights" else self.memory_mib - weights
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
-from gpuctl.sim.console import info, log
+from gpuctl.sim import sleep_mode
+from gpuctl.sim.console import log
 from gpuctl.sim.engine import Engine
-from gpuctl.sim.errors import SimOutOfMemory
 
 _MAX_BODY = 16 * 2**20
 _REPLY = "This is a simulated reply from {model}, served on a simulated GPU by gpuctl."
@@ -99,6 +99,7 @@ class Handler(BaseHTTPRequestHandler):
             routes[("POST", "/sleep")] = self._sleep
             routes[("POST", "/wake_up")] = self._wake_up
             routes[("GET", "/is_sleeping")] = self._is_sleeping
+            routes[("POST", "/collective_rpc")] = self._collective_rpc
         route = routes.get((method, path))
         try:
             if route is not None:
@@ -238,6 +239,10 @@ class Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the engine is sleeping; POST /wake_up")
             return
         words = _REPLY.format(model=e.model_id).split(" ")
+        if e.weights_lost:
+            # Woken from a level-2 sleep without reload_weights: vLLM computes with
+            # whatever the memory holds, and answers nonsense.
+            words = ["!!!!"] * len(words)
         base = [w if i == 0 else " " + w for i, w in enumerate(words)]
         # max_tokens makes a reply exactly that long: the way to make a request last.
         n = max_tokens if max_tokens is not None else len(base)
@@ -253,13 +258,17 @@ class Handler(BaseHTTPRequestHandler):
         }
         ident = f"chatcmpl-{uuid.uuid4().hex}"
         with e.request():
+            epoch = e.epoch
             if req.get("stream"):
                 opts = req.get("stream_options")
                 with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
                 self._stream(ident, tokens, finish, usage if with_usage else None)
                 return
-            for _ in tokens:
+            for i in range(len(tokens)):
                 time.sleep(e.token_delay_s)
+                if e.epoch != epoch:  # put to sleep in "abort" mode: the request ends here
+                    tokens, finish = tokens[:i], "abort"
+                    break
             self._send_json(
                 HTTPStatus.OK,
                 {
@@ -309,8 +318,12 @@ class Handler(BaseHTTPRequestHandler):
             )
 
         event(chunk({"role": "assistant", "content": ""}, None))
+        epoch = e.epoch
         for tok in tokens:
             time.sleep(e.token_delay_s)
+            if e.epoch != epoch:  # put to sleep in "abort" mode: the request ends here
+                finish = "abort"
+                break
             event(chunk({"content": tok}, None))
         event(chunk({}, finish))
         if usage is not None:
@@ -331,37 +344,13 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _sleep(self, query: dict[str, list[str]], _body: bytes) -> None:
-        e = self.engine
-        try:
-            level = int(query.get("level", ["1"])[0])
-        except ValueError:
-            level = -1
-        if level not in (0, 1, 2):
-            self._error(HTTPStatus.BAD_REQUEST, "'level' must be 0, 1 or 2")
-            return
-        t0 = time.monotonic()
-        with e.sleep_lock:
-            # Level 0 only pauses scheduling; levels 1 and 2 give the GPU memory back.
-            e.claim.set(0 if level >= 1 else e.memory_mib)
-            e.sleeping, e.sleep_level = True, level
-        info(f"It took {time.monotonic() - t0:.6f} seconds to fall asleep (level {level}).")
-        self._send_json(HTTPStatus.OK, {"status": "sleeping", "level": level})
+        self._send_json(*sleep_mode.sleep(self.engine, query))
 
-    def _wake_up(self, _query: dict[str, list[str]], _body: bytes) -> None:
-        e = self.engine
-        t0 = time.monotonic()
-        with e.sleep_lock:
-            if e.sleeping:
-                try:
-                    e.claim.set(e.memory_mib)
-                except SimOutOfMemory as err:
-                    message = f"torch.OutOfMemoryError: {err.message}"
-                    log(message, err=True)
-                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, message, "OutOfMemoryError")
-                    return
-                e.sleeping, e.sleep_level = False, 0
-                info(f"It took {time.monotonic() - t0:.6f} seconds to wake up.")
-        self._send_json(HTTPStatus.OK, {"status": "awake"})
+    def _wake_up(self, query: dict[str, list[str]], _body: bytes) -> None:
+        self._send_json(*sleep_mode.wake_up(self.engine, query))
+
+    def _collective_rpc(self, _query: dict[str, list[str]], body: bytes) -> None:
+        self._send_json(*sleep_mode.collective_rpc(self.engine, body))
 
     def _is_sleeping(self, _query: dict[str, list[str]], _body: bytes) -> None:
         self._send_json(HTTPStatus.OK, {"is_sleeping": self.engine.sleeping})
