@@ -7,9 +7,11 @@ without one is this machine, with the store used directly (DESIGN §3).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store, store_for
@@ -28,11 +30,37 @@ from gpuctl.flows.deps import (
 )
 from gpuctl.flows.results import Progress
 
+if TYPE_CHECKING:
+    import httpx
+
 LOCAL_HOST = "local"
 
 
+class SharedHttp:
+    """The one keep-alive httpx client of a command, made on first use (thread-safe).
+
+    Agent calls, record calls and health checks all go through it: each client costs a
+    connection pool, and a TLS context when an ``https://`` URL is asked (see
+    ``agent_client.http_client``). Closed with the command's other clients.
+    """
+
+    def __init__(self, closers: list[Callable[[], None]]) -> None:
+        self._closers = closers
+        self._client: httpx.Client | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None:
+                from gpuctl.adapters.agent_client import http_client
+
+                self._client = http_client()
+                self._closers.append(self._client.close)
+            return self._client
+
+
 def snapshot_reader(
-    host: HostConfig, closers: list[Callable[[], None]], *, lazy: bool = False
+    host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp, *, lazy: bool = False
 ) -> SnapshotReader:
     """How to read the host: ``read(match_keywords, recorded_server_pids)``.
 
@@ -49,9 +77,14 @@ def snapshot_reader(
         def client() -> AgentClient:
             if not made:
                 made.append(
-                    AgentClient(agent, host.token(), timeout_s=host.timeout_s, host_name=host.name)
+                    AgentClient(
+                        agent,
+                        host.token(),
+                        timeout_s=host.timeout_s,
+                        host_name=host.name,
+                        client=http(),
+                    )
                 )
-                closers.append(made[0].close)
             return made[0]
 
         if not lazy:
@@ -157,15 +190,13 @@ def deps_for(
         )
     host = config.host(service.host)
 
-    import httpx
-
     from gpuctl.adapters import health
 
     closers: list[Callable[[], None]] = []
-    # One keep-alive client for the whole wait: a new client per poll costs a TLS
-    # context each time, and 32 waiters polling 4 times a second would burn the CPU.
-    health_client = httpx.Client(timeout=2.0)
-    closers.append(health_client.close)
+    # One keep-alive client for the whole wait (agent and health checks): a new client
+    # per poll costs a connection each time, and 32 waiters polling 4 times a second
+    # would burn the CPU.
+    http = SharedHttp(closers)
     store = store_for(host)
     _close_later(store, closers)
     made: list[Launcher] = []
@@ -184,8 +215,8 @@ def deps_for(
         service=service,
         host=host,
         store=store,
-        read_snapshot=snapshot_reader(host, closers),
-        check_health=lambda: health.check(service.health, timeout_s=2.0, client=health_client),
+        read_snapshot=snapshot_reader(host, closers, http),
+        check_health=lambda: health.check(service.health, timeout_s=2.0, client=http()),
         make_launcher=make_launcher,
         handle_alive=handle_checker(service, host, lambda: make_launcher(None)),
         progress=progress,
@@ -223,6 +254,7 @@ def status_deps(
     """
     local = local or LocalProbeOptions()
     closers: list[Callable[[], None]] = []
+    http = SharedHttp(closers)
     hosts: list[HostDeps] = []
     for configured in _status_hosts(config, host_names, local):
         h = configured
@@ -238,13 +270,15 @@ def status_deps(
                 gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
             )
         hosts.append(
-            HostDeps(h, source, _records_reader(h, closers), snapshot_reader(h, closers, lazy=True))
+            HostDeps(
+                h, source, _records_reader(h, closers), snapshot_reader(h, closers, http, lazy=True)
+            )
         )
     return StatusDeps(
         closers,
         config=config,
         hosts=hosts,
-        check_health=_check_health,
+        check_health=lambda url, timeout_s: _check_health(url, timeout_s, http),
         health_timeout_s=health_timeout_s,
     )
 
@@ -265,10 +299,10 @@ def _records_reader(
     return read
 
 
-def _check_health(url: str, timeout_s: float) -> Health:
+def _check_health(url: str, timeout_s: float, http: SharedHttp) -> Health:
     from gpuctl.adapters import health
 
-    return health.check(url, timeout_s)
+    return health.check(url, timeout_s, client=http())
 
 
 def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> LocksDeps:
