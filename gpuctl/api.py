@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from gpuctl.config import Config, ServiceConfig, load
+from gpuctl.config import Config, ServiceConfig, load_config
 from gpuctl.errors import ConfigError, GpuctlError, UsageError
 
 TOUCH_EVERY_S = 30.0
@@ -79,7 +79,7 @@ def _config(config: Config | Path | str | None) -> Config:
         cached = _configs.get(key)
     if cached is not None:
         return cached
-    conf = load(Path(config) if config is not None else None)
+    conf = load_config(Path(config) if config is not None else None)
     with _lock:
         _configs[key] = conf
     return conf

@@ -54,14 +54,25 @@ def test_design_example_loads(tmp_path: Path) -> None:
     assert conf.services_on("dgx") == [v]
 
 
-def test_missing_default_file_is_empty(tmp_path: Path) -> None:
-    conf = load_config(tmp_path / "nope.toml")
+def test_missing_default_file_is_empty(cli_env: Path) -> None:
+    # cli_env points the user config dir at an empty folder and unsets GPUCTL_CONFIG.
+    conf = load_config()
+    assert conf.path == cli_env / "xdg-config" / "gpuctl" / "config.toml"
+    assert not conf.path.exists()
     assert not conf.hosts and not conf.services
 
 
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "nope.toml", explicit=True)
+        load_config(tmp_path / "nope.toml")
+
+
+def test_missing_file_named_by_env_is_an_error(
+    cli_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUCTL_CONFIG", str(cli_env / "nope.toml"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config()
 
 
 @pytest.mark.parametrize(

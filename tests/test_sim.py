@@ -643,7 +643,7 @@ def test_default_sim_dir_matches_platformdirs(
     monkeypatch: pytest.MonkeyPatch, xdg: str | None
 ) -> None:
     """The sim computes its default without platformdirs; it must land where the CLI looks."""
-    from gpuctl.adapters.paths import default_sim_dir as cli_default
+    from gpuctl.config.paths import default_sim_dir as cli_default
     from gpuctl.sim.gpu import default_sim_dir
 
     monkeypatch.delenv("GPUCTL_SIM_DIR", raising=False)

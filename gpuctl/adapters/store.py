@@ -500,6 +500,6 @@ def store_for(host: HostConfig, timeout_s: float | None = None) -> Store:
             timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
             host_name=host.name,
         )
-    from gpuctl.adapters.paths import default_state_dir
+    from gpuctl.config.paths import default_state_dir
 
     return DirectStore(default_state_dir())

@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import os
 import stat
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gpuctl.cli.common import errors_to_exit, say
+from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
+from gpuctl.config.model import ProbeName
 from gpuctl.errors import UsageError
-
-
-class ProbeName(StrEnum):
-    auto = "auto"
-    nvml = "nvml"
-    nvidia_smi = "nvidia-smi"
-    sim = "sim"
 
 
 def read_token_file(path: Path) -> str:
@@ -84,22 +77,25 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         gpu_memory: Annotated[
-            str | None,
+            int | None,
             typer.Option(
                 "--gpu-memory",
+                parser=size_parser("--gpu-memory"),
                 help="The GPU's total memory where the device cannot tell "
                 "(unified memory), e.g. 128GiB.",
                 metavar="SIZE",
             ),
         ] = None,
         cache_ttl: Annotated[
-            str,
+            float,
             typer.Option(
                 "--cache-ttl",
+                parser=duration_parser("--cache-ttl"),
                 help="Reuse one GPU reading for this long (e.g. 1s, 500ms).",
                 metavar="DURATION",
+                show_default="1s",
             ),
-        ] = "1s",
+        ] = 1.0,
         state_dir: Annotated[
             Path | None,
             typer.Option(
@@ -120,22 +116,13 @@ def register(app: typer.Typer) -> None:
         """Run the GPU host agent: /status, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
             # Lazy: uvicorn and the app load only when the agent really starts.
-            from gpuctl.adapters.paths import default_sim_dir, default_state_dir
             from gpuctl.agent.server import serve
-            from gpuctl.core.units import parse_duration_s, parse_size_mib
+            from gpuctl.config.paths import default_sim_dir, default_state_dir
 
             if token_file is not None:
                 token: str | None = read_token_file(token_file.expanduser())
             else:
                 token = os.environ.get("GPUCTL_AGENT_TOKEN", "").strip() or None
-            try:
-                gpu_memory_mib = parse_size_mib(gpu_memory) if gpu_memory is not None else None
-            except ValueError as err:
-                raise UsageError(f"--gpu-memory: {err}") from None
-            try:
-                cache_ttl_s = parse_duration_s(cache_ttl)
-            except ValueError as err:
-                raise UsageError(f"--cache-ttl: {err}") from None
             level = log_level.lower()
             if level not in ("debug", "info", "warning", "error", "critical"):
                 raise UsageError(
@@ -150,8 +137,8 @@ def register(app: typer.Typer) -> None:
                 probe.value,
                 token,
                 sim_dir=sim,
-                gpu_memory_mib=gpu_memory_mib,
-                cache_ttl_s=cache_ttl_s,
+                gpu_memory_mib=gpu_memory,
+                cache_ttl_s=cache_ttl,
                 state_dir=str(state),
                 log_level=level,
             )

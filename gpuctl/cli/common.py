@@ -10,19 +10,22 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
-from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.errors import ExitCode, GpuctlError, UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.config import Config
 
 
 def _config_names(section: str, incomplete: str) -> list[str]:
     """Tab completion of host and service names from the config (never raises)."""
     try:
-        from gpuctl.config import load
+        from gpuctl.config import load_config
 
-        conf = load(None)
+        conf = load_config(None)
         names = conf.hosts if section == "hosts" else conf.services
         return [n for n in sorted(names) if n.startswith(incomplete)]
     except Exception:
@@ -42,9 +45,8 @@ ConfigOpt = Annotated[
     typer.Option(
         "--config",
         "-c",
+        # No envvar here: gpuctl.config.paths is the one reader of $GPUCTL_CONFIG.
         help="Config file. Default: $GPUCTL_CONFIG, else the user config dir (see `gpuctl config path`).",
-        envvar="GPUCTL_CONFIG",
-        show_envvar=False,
         metavar="FILE",
     ),
 ]
@@ -69,6 +71,48 @@ ServiceArg = Annotated[
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def duration_parser(
+    option: str, *, allow_zero: bool = False, minimum: float = 0.0
+) -> Callable[[Any], float]:
+    """A Typer ``parser=`` for a duration option (``30m``, ``250ms``, bare seconds).
+
+    ``inf``, ``nan``, ``1e400``, negatives, zero (unless ``allow_zero``) and values under
+    ``minimum`` end the command with ``gpuctl: error: OPTION: …`` and exit 2, before the
+    command runs. Typer also runs the default through it, so a number is accepted too.
+    """
+
+    def parse(value: Any) -> float:
+        from gpuctl.core.units import parse_duration_s
+
+        try:
+            seconds = parse_duration_s(value, allow_zero=allow_zero)
+        except ValueError as err:
+            fail(UsageError(f"{option}: {err}"))
+        if seconds < minimum:
+            fail(UsageError(f"{option}: must be at least {minimum:g}s, got {value!r}"))
+        return seconds
+
+    return parse
+
+
+def size_parser(option: str) -> Callable[[Any], int]:
+    """A Typer ``parser=`` for a size option (``80GiB``, ``512MiB``, bare MiB), in MiB.
+
+    ``inf``, ``nan``, ``1e400``, negatives and zero end the command with
+    ``gpuctl: error: OPTION: …`` and exit 2.
+    """
+
+    def parse(value: Any) -> int:
+        from gpuctl.core.units import parse_size_mib
+
+        try:
+            return parse_size_mib(value)
+        except ValueError as err:
+            fail(UsageError(f"{option}: {err}"))
+
+    return parse
 
 
 def debug_enabled() -> bool:
@@ -131,16 +175,12 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def load_config(explicit: Path | None) -> Any:
-    """Load the config the way every command does, warning (once, on stderr) about token
-    files that others can read."""
-    from gpuctl import config as cfg
+def open_config(explicit: Path | None) -> Config:
+    """The config for a command (``gpuctl.config.load_config``), its warnings said once
+    on stderr (token files that others can read)."""
+    from gpuctl.config import load_config
 
-    conf = cfg.load(explicit)
-    for h in conf.hosts.values():
-        for f in (h.token_file, h.jupyter_token_file):
-            if f is not None:
-                w = cfg.token_file_warning(f)
-                if w:
-                    say(f"gpuctl: warning: hosts.{h.name}: {w}")
+    conf = load_config(explicit)
+    for w in conf.warnings:
+        say(f"gpuctl: warning: {w}")
     return conf

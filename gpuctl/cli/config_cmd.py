@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from gpuctl.cli.common import ConfigOpt, JsonOpt, errors_to_exit, print_json
+from gpuctl.errors import ExitCode
 
 config_app = typer.Typer(help="Find, check and show the configuration.", no_args_is_help=True)
 
@@ -30,29 +31,28 @@ def path(config: ConfigOpt = None) -> None:
 
 @config_app.command("check")
 def check(config: ConfigOpt = None) -> None:
-    """Validate the config: exit 0 when it is good, 1 with the location of the first error."""
-    with errors_to_exit():
-        from gpuctl.config import config_path, load_config, token_file_warning
+    """Validate the config: exit 0 when it is good, 1 naming what is wrong.
 
-        p, named = config_path(config)
-        conf = load_config(p, explicit=named)
-        warnings: list[str] = []
-        for h in conf.hosts.values():
-            for f in (h.token_file, h.jupyter_token_file):
-                if f is not None:
-                    w = token_file_warning(f)
-                    if w:
-                        warnings.append(f"hosts.{h.name}: {w}")
-            try:
-                h.token()
-                h.jupyter_token()
-            except Exception as e:  # a missing secret is a warning here, an error at use
-                warnings.append(str(e))
-        local_dir = _local_state_dir_warning(conf)
+    Beyond the file itself, every secret it names must be there: an unset ``token_env``
+    or a ``token_file`` that is missing, a folder or empty fails the check.
+    """
+    with errors_to_exit():
+        from gpuctl.config import config_path, load_config
+        from gpuctl.config.secrets import secret_problems
+
+        p, _ = config_path(config)
+        conf = load_config(config)
+        problems = [str(e) for h in conf.hosts.values() for e in secret_problems(h)]
+        warnings = list(conf.warnings)
+        local_dir = None if problems else _local_state_dir_warning(conf)
         if local_dir:
             warnings.append(local_dir)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
+        if problems:
+            for msg in problems:
+                print(f"gpuctl: error: {msg}", file=sys.stderr)
+            raise typer.Exit(ExitCode.FAILED)
         if not p.exists():
             print(f"{p}: no config file (an empty config: status probes this machine)")
         else:
@@ -63,7 +63,7 @@ def _local_state_dir_warning(conf: Any) -> str | None:
     """On the GPU host itself, warn when this CLI's state dir differs from its agent's:
     two stores would mean two truths (DESIGN §3)."""
     from gpuctl.adapters import procinfo
-    from gpuctl.adapters.paths import default_state_dir
+    from gpuctl.config.paths import default_state_dir
     from gpuctl.errors import GpuctlError
 
     here = procinfo.host_identity()
@@ -75,7 +75,7 @@ def _local_state_dir_warning(conf: Any) -> str | None:
             from gpuctl.adapters.agent_client import AgentClient
 
             client = AgentClient(
-                h.agent, h.token(), timeout_s=min(h.timeout_s, 2.0), host_name=h.name
+                h.agent, h.token_for_reads(), timeout_s=min(h.timeout_s, 2.0), host_name=h.name
             )
             try:
                 snap = client.status()
@@ -103,11 +103,10 @@ def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     comments), so it can be pasted back.
     """
     with errors_to_exit():
-        from gpuctl.config import config_path, load_config
+        from gpuctl.config import load_config
         from gpuctl.render.config_view import config_to_json, config_to_toml
 
-        p, named = config_path(config)
-        conf = load_config(p, explicit=named)
+        conf = load_config(config)
         if json_out:
             print_json(config_to_json(conf))
         else:

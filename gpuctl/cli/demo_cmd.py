@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from gpuctl.cli.common import errors_to_exit
+from gpuctl.cli.common import duration_parser, errors_to_exit
 
 if TYPE_CHECKING:
     from gpuctl.flows.status import StatusReport
@@ -23,7 +23,11 @@ def demo(
     load_time: Annotated[
         float,
         typer.Option(
-            "--load-time", help="Seconds the fake vLLM takes to load.", min=1.0, metavar="DURATION"
+            "--load-time",
+            parser=duration_parser("--load-time", minimum=1.0),
+            help="How long the fake vLLM takes to load, e.g. 8s (at least 1s).",
+            metavar="DURATION",
+            show_default="8s",
         ),
     ] = 8.0,
 ) -> None:

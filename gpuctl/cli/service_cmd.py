@@ -13,13 +13,14 @@ from gpuctl.cli.common import (
     JsonOpt,
     ServiceArg,
     complete_host,
+    duration_parser,
     errors_to_exit,
     fail,
-    load_config,
+    open_config,
     print_json,
     say,
 )
-from gpuctl.errors import ConfigError, UsageError
+from gpuctl.errors import ConfigError
 
 if TYPE_CHECKING:
     from gpuctl.flows.results import Progress
@@ -36,10 +37,11 @@ def ensure(
     service: ServiceArg,
     host: HostOpt = None,
     timeout: Annotated[
-        str | None,
+        float | None,
         typer.Option(
             "--timeout",
             "-t",
+            parser=duration_parser("--timeout"),
             help="Give up after this long (default: the service's health_timeout), e.g. 10m.",
             metavar="DURATION",
         ),
@@ -56,18 +58,12 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
-        from gpuctl.core.units import parse_duration_s
         from gpuctl.flows.ensure import ensure as run
         from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import ensure_text, ensure_to_json
 
-        timeout_s = None
-        if timeout is not None:
-            try:
-                timeout_s = parse_duration_s(timeout)
-            except ValueError as e:
-                fail(UsageError(f"--timeout: {e}"))
-        conf = load_config(config)
+        timeout_s = timeout
+        conf = open_config(config)
         svc = conf.service(service)
         if not svc.health:
             fail(
@@ -140,7 +136,7 @@ def stop(
         from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import stop_text, stop_to_json
 
-        conf = load_config(config)
+        conf = open_config(config)
         deps = deps_for(conf, service, host, entry="stop")
         try:
             result = service_ops.stop(deps)
@@ -161,7 +157,7 @@ def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -
         from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import touch_text
 
-        conf = load_config(config)
+        conf = open_config(config)
         deps = deps_for(conf, service, host, entry="touch")
         try:
             result = service_ops.touch(deps)
@@ -191,7 +187,7 @@ def locks(
         from gpuctl.flows.wiring import locks_deps
         from gpuctl.render.locks import locks_to_json
 
-        conf = load_config(config)
+        conf = open_config(config)
         deps = locks_deps(conf, host)
         try:
             report = service_ops.locks(deps)

@@ -17,8 +17,15 @@ from typing import Annotated
 
 import typer
 
-from gpuctl.cli.common import JsonOpt, errors_to_exit, fail, print_json, say
-from gpuctl.errors import GpuctlError, UsageError
+from gpuctl.cli.common import (
+    JsonOpt,
+    duration_parser,
+    errors_to_exit,
+    print_json,
+    say,
+    size_parser,
+)
+from gpuctl.errors import GpuctlError
 
 sim_app = typer.Typer(
     help=(
@@ -52,9 +59,10 @@ SimDirOpt = Annotated[
     ),
 ]
 GpuMemoryOpt = Annotated[
-    str | None,
+    int | None,
     typer.Option(
         "--gpu-memory",
+        parser=size_parser("--gpu-memory ($GPUCTL_SIM_GPU_MEMORY)"),
         help=(
             "Total memory of the simulated GPU, e.g. 128GiB; saved in the sim dir for every "
             "process that uses it. Default: $GPUCTL_SIM_GPU_MEMORY, else the saved value, "
@@ -81,46 +89,25 @@ def register(app: typer.Typer) -> None:
     app.add_typer(sim_app, name="sim")
 
 
-def _size(option: str, text: str) -> int:
-    from gpuctl.core.units import parse_size_mib
-
-    try:
-        return parse_size_mib(text)
-    except ValueError as err:
-        fail(UsageError(f"{option}: {err}"))
-
-
-def _duration(option: str, text: str) -> float:
-    from gpuctl.core.units import parse_duration_s
-
-    try:
-        return parse_duration_s(text)
-    except ValueError as err:
-        fail(UsageError(f"{option}: {err}"))
-
-
-def _total(gpu_memory: str | None) -> int | None:
-    if gpu_memory is None or not gpu_memory.strip():
-        return None
-    total = _size("--gpu-memory", gpu_memory)
-    if total <= 0:
-        fail(UsageError(f"--gpu-memory: must be more than 0, got {gpu_memory!r}"))
-    return total
-
-
 @sim_app.command("hold")
 def hold(
     memory: Annotated[
-        str,
+        int,
         typer.Option(
-            "--memory", "-m", help="Memory to hold, e.g. 20GiB.", show_default=False, metavar="SIZE"
+            "--memory",
+            "-m",
+            parser=size_parser("--memory"),
+            help="Memory to hold, e.g. 20GiB.",
+            show_default=False,
+            metavar="SIZE",
         ),
     ],
     name: NameOpt,
     duration: Annotated[
-        str | None,
+        float | None,
         typer.Option(
             "--duration",
+            parser=duration_parser("--duration"),
             help="Release and exit after this long, e.g. 10m. Default: until stopped.",
             metavar="DURATION",
         ),
@@ -133,9 +120,7 @@ def hold(
     Exit 0 after a clean stop; 1 with a CUDA-style out-of-memory line when it does not fit.
     """
     with errors_to_exit(), _sim_errors():
-        mib = _size("--memory", memory)
-        secs = _duration("--duration", duration) if duration is not None else None
-        total = _total(gpu_memory)
+        mib, secs, total = memory, duration, gpu_memory
         from gpuctl.sim.gpu import SimGpu
         from gpuctl.sim.hold import run_hold
 
@@ -147,23 +132,26 @@ def model_server(
     *,
     name: NameOpt,
     memory: Annotated[
-        str,
+        int,
         typer.Option(
             "--memory",
             "-m",
+            parser=size_parser("--memory"),
             help="Memory once loaded, e.g. 80GiB.",
             show_default=False,
             metavar="SIZE",
         ),
     ],
     load_time: Annotated[
-        str,
+        float,
         typer.Option(
             "--load-time",
+            parser=duration_parser("--load-time", allow_zero=True),
             help="How long loading takes; the port refuses meanwhile.",
             metavar="DURATION",
+            show_default="30s",
         ),
-    ] = "30s",
+    ] = 30.0,
     port: Annotated[
         int, typer.Option("--port", "-p", help="TCP port.", min=1, max=65535, metavar="PORT")
     ] = 8000,
@@ -183,12 +171,20 @@ def model_server(
         typer.Option("--enable-sleep-mode", help="Serve /sleep, /wake_up and /is_sleeping."),
     ] = False,
     token_delay: Annotated[
-        str, typer.Option("--token-delay", help="Time per generated token.", metavar="DURATION")
-    ] = "20ms",  # noqa: S107 - a duration, not a secret
+        float,
+        typer.Option(
+            "--token-delay",
+            parser=duration_parser("--token-delay", allow_zero=True),
+            help="Time per generated token.",
+            metavar="DURATION",
+            show_default="20ms",
+        ),
+    ] = 0.02,
     engine_dies_after: Annotated[
-        str | None,
+        float | None,
         typer.Option(
             "--engine-dies-after",
+            parser=duration_parser("--engine-dies-after", allow_zero=True),
             help="Once loaded, /health answers 503 after this long (a dead engine).",
             metavar="DURATION",
         ),
@@ -202,11 +198,8 @@ def model_server(
     Exit 0 after SIGTERM/Ctrl-C; 1 when the port is taken or the memory does not fit.
     """
     with errors_to_exit(), _sim_errors():
-        mib = _size("--memory", memory)
-        load_s = _duration("--load-time", load_time)
-        delay_s = _duration("--token-delay", token_delay)
-        dies_s = _duration("--engine-dies-after", engine_dies_after) if engine_dies_after else None
-        total = _total(gpu_memory)
+        mib, load_s, delay_s, total = memory, load_time, token_delay, gpu_memory
+        dies_s = engine_dies_after
         from gpuctl.sim.gpu import SimGpu
         from gpuctl.sim.model_server import run_model_server
 
@@ -304,7 +297,7 @@ def ls(
 ) -> None:
     """List the simulated GPU's claims: pid, name, memory, command."""
     with errors_to_exit(), _sim_errors():
-        total = _total(gpu_memory)
+        total = gpu_memory
         from gpuctl.adapters.procinfo import command_of
         from gpuctl.core.units import format_mib
         from gpuctl.sim.gpu import SimGpu
@@ -352,11 +345,15 @@ def reset(
         typer.Option("--all", help="Also stop the live claimants (SIGTERM, then wait)."),
     ] = False,
     wait: Annotated[
-        str,
+        float,
         typer.Option(
-            "--wait", help="With --all: how long to wait for them to exit.", metavar="DURATION"
+            "--wait",
+            parser=duration_parser("--wait", allow_zero=True),
+            help="With --all: how long to wait for them to exit.",
+            metavar="DURATION",
+            show_default="10s",
         ),
-    ] = "10s",
+    ] = 10.0,
     sim_dir: SimDirOpt = None,
 ) -> None:
     """Remove dead claims; with --all, stop every live claimant too.
@@ -364,7 +361,7 @@ def reset(
     Exit 0 when the simulated GPU ends up as asked; 1 when a claimant outlived --wait.
     """
     with errors_to_exit(), _sim_errors():
-        wait_s = _duration("--wait", wait)
+        wait_s = wait
         from gpuctl.sim.gpu import SimGpu
 
         sim = SimGpu(sim_dir)

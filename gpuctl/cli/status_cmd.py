@@ -12,11 +12,13 @@ from gpuctl.cli.common import (
     ConfigOpt,
     JsonOpt,
     complete_host,
+    duration_parser,
     errors_to_exit,
     fail,
-    load_config,
+    open_config,
     print_json,
 )
+from gpuctl.config.model import ProbeName
 from gpuctl.errors import UsageError
 
 
@@ -46,21 +48,18 @@ def status(
         typer.Option(
             "--interval",
             "-i",
-            help="Seconds between redraws (at least 0.25).",
-            min=0.25,
-            metavar="SECONDS",
+            parser=duration_parser("--interval", minimum=0.25),
+            help="Time between redraws, e.g. 2s or 500ms (at least 0.25s).",
+            metavar="DURATION",
+            show_default="2s",
         ),
     ] = 2.0,
     json_out: JsonOpt = False,
     wide: Annotated[bool, typer.Option("--wide", help="Full commands, containers.")] = False,
     probe: Annotated[
-        str,
-        typer.Option(
-            "--probe",
-            help="Local probe where there is no agent: auto, nvml, nvidia-smi or sim.",
-            metavar="PROBE",
-        ),
-    ] = "auto",
+        ProbeName,
+        typer.Option("--probe", help="Local probe where there is no agent."),
+    ] = ProbeName.auto,
     sim_dir: Annotated[
         Path | None,
         typer.Option(
@@ -88,10 +87,8 @@ def status(
                     hint="poll `gpuctl status --json` instead",
                 )
             )
-        if probe not in ("auto", "nvml", "nvidia-smi", "sim"):
-            fail(UsageError(f"--probe: expected auto, nvml, nvidia-smi or sim, got {probe!r}"))
-        conf = load_config(config)
-        local = LocalProbeOptions(probe=probe, sim_dir=sim_dir)
+        conf = open_config(config)
+        local = LocalProbeOptions(probe=probe.value, sim_dir=sim_dir)
         hosts = host or None
 
         if json_out:

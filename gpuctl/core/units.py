@@ -3,55 +3,91 @@
 Sizes are kept in MiB (NVML's and nvidia-smi's unit). ``80GiB``, ``80G`` and
 ``80GB`` all mean 80 GiB: GPU memory is sold and reported in binary units, and a
 user who writes ``80GB`` for an 80 GiB card means the card.
+
+Every parser refuses what would poison arithmetic downstream: ``inf`` and ``nan``
+(``float()`` accepts both), values that overflow to infinity (``1e400``), negatives,
+zero unless the caller says zero means something, and values past a sane bound
+(``time.sleep(1e300)`` raises OverflowError; an exabyte GPU is a typo).
 """
 
 from __future__ import annotations
 
+import math
 import re
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE | re.ASCII)
 _SIZE_MIB = {"b": 1 / 2**20, "k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0**2}
 
-_DUR_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)", re.IGNORECASE)
+_DUR_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)", re.IGNORECASE | re.ASCII)
 _DUR_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER_RE = re.compile(r"\s*\d+(?:\.\d+)?\s*", re.ASCII)
+
+# One PiB: far above any GPU or shared-memory size, far below int overflow anywhere.
+MAX_SIZE_MIB = 1024**3
+# One year: longer than any timeout or idle period anyone means; `time.sleep`,
+# `threading.Event.wait` and deadlines stay finite and representable.
+MAX_DURATION_S = 365 * 86400.0
 
 
-def parse_size_mib(text: str | int | float) -> int:
+def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
     """Parse ``80GiB`` / ``30G`` / ``512MiB`` / ``1.5T`` into MiB.
 
-    A bare number is MiB. Raises ValueError with a message fit for a user.
+    A bare number is MiB. Raises ValueError with a message fit for a user: the value
+    must be finite, at least 1 MiB (or exactly 0 with ``allow_zero``) and at most 1 PiB.
     """
     if isinstance(text, bool):
         raise ValueError(f"expected a size like '80GiB', got {text!r}")
-    if isinstance(text, int | float):
-        if text < 0:
-            raise ValueError(f"a size cannot be negative: {text}")
-        return int(text)
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"expected a size like '80GiB' or '512MiB', got {text!r}")
-    value = float(m.group(1))
-    unit = (m.group(2) or "m")[0].lower()
-    return round(value * _SIZE_MIB[unit])
+    if isinstance(text, int):
+        mib = float(text) if abs(text) < 2**63 else (-math.inf if text < 0 else math.inf)
+        shown = repr(text)
+    elif isinstance(text, float):
+        mib = text
+        shown = repr(text)
+    elif isinstance(text, str):
+        m = _SIZE_RE.fullmatch(text)
+        if not m:
+            raise ValueError(f"expected a size like '80GiB' or '512MiB', got {text!r}")
+        value = float(m.group(1))
+        unit = (m.group(2) or "m")[0].lower()
+        mib = value * _SIZE_MIB[unit]
+        shown = repr(text)
+    else:
+        raise ValueError(f"expected a size like '80GiB', got {text!r}")
+    if math.isnan(mib):
+        raise ValueError(f"expected a size like '80GiB', got {shown}")
+    if mib < 0:
+        raise ValueError(f"a size must be positive, got {shown}")
+    if mib > MAX_SIZE_MIB:
+        raise ValueError(f"a size must be at most 1024TiB, got {shown}")
+    result = round(mib)
+    if result == 0 and not (allow_zero and mib == 0):
+        raise ValueError(f"a size must be at least 1MiB, got {shown}")
+    return result
 
 
-def parse_duration_s(text: str | int | float) -> float:
-    """Parse ``30m`` / ``600s`` / ``1h30m`` / ``250ms`` into seconds. A bare number is seconds."""
+def parse_duration_s(text: str | int | float, *, allow_zero: bool = False) -> float:
+    """Parse ``30m`` / ``600s`` / ``1h30m`` / ``250ms`` into seconds. A bare number is seconds.
+
+    Raises ValueError with a message fit for a user: the value must be finite, more than
+    0 (or exactly 0 with ``allow_zero``) and at most 365 days.
+    """
     if isinstance(text, bool):
         raise ValueError(f"expected a duration like '30m', got {text!r}")
-    if isinstance(text, int | float):
-        if text < 0:
-            raise ValueError(f"a duration cannot be negative: {text}")
-        return float(text)
-    s = text.strip()
-    try:
-        value = float(s)
-    except ValueError:
-        pass
+    if isinstance(text, int):
+        total = float(text) if abs(text) < 2**63 else (-math.inf if text < 0 else math.inf)
+    elif isinstance(text, float):
+        total = text
+    elif isinstance(text, str):
+        total = _duration_text(text)
     else:
-        if value < 0:
-            raise ValueError(f"a duration cannot be negative: {text!r}")
-        return value
+        raise ValueError(f"expected a duration like '30m', got {text!r}")
+    return _check_duration(total, repr(text), allow_zero)
+
+
+def _duration_text(text: str) -> float:
+    s = text.strip()
+    if _NUMBER_RE.fullmatch(s):
+        return float(s)
     pos = 0
     total = 0.0
     for m in _DUR_RE.finditer(s):
@@ -60,7 +96,21 @@ def parse_duration_s(text: str | int | float) -> float:
         total += float(m.group(1)) * _DUR_S[m.group(2).lower()]
         pos = m.end()
     if pos == 0 or s[pos:].strip():
+        if s.lstrip().startswith("-"):
+            raise ValueError(f"a duration cannot be negative, got {text!r}")
         raise ValueError(f"expected a duration like '30m', '600s' or '1h30m', got {text!r}")
+    return total
+
+
+def _check_duration(total: float, shown: str, allow_zero: bool) -> float:
+    if math.isnan(total):
+        raise ValueError(f"expected a duration like '30m', got {shown}")
+    if total < 0:
+        raise ValueError(f"a duration cannot be negative, got {shown}")
+    if total > MAX_DURATION_S:
+        raise ValueError(f"a duration must be at most 365d, got {shown}")
+    if total == 0 and not allow_zero:
+        raise ValueError(f"a duration must be more than 0, got {shown}")
     return total
 
 

@@ -92,7 +92,7 @@ def snapshot_reader(
         return lambda kws, pids: client().status(match=kws, pids=pids)
 
     from gpuctl.adapters.local import local_snapshot
-    from gpuctl.adapters.paths import default_state_dir
+    from gpuctl.config.paths import default_state_dir
 
     state_dir = str(default_state_dir())
 
@@ -115,7 +115,7 @@ def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | 
     if kind == "process":
         from gpuctl.adapters import procinfo
         from gpuctl.adapters.launchers.process import ProcessLauncher
-        from gpuctl.adapters.paths import default_state_dir
+        from gpuctl.config.paths import default_state_dir
 
         here = procinfo.host_identity()
         if host.agent:

@@ -24,7 +24,9 @@ def size_text(mib: int | None) -> str | None:
     return f"{mib}MiB"
 
 
-def duration_text(seconds: float) -> str:
+def duration_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
     if seconds != int(seconds):
         return f"{round(seconds * 1000)}ms"
     s = int(seconds)
@@ -40,10 +42,13 @@ def _host(h: HostConfig) -> dict[str, Any]:
         "agent": h.agent,
         "token_env": h.token_env,
         "token_file": str(h.token_file) if h.token_file else None,
+        "read_token_env": h.read_token_env,
+        "read_token_file": str(h.read_token_file) if h.read_token_file else None,
         "jupyter": h.jupyter,
         "jupyter_token_env": h.jupyter_token_env,
         "jupyter_token_file": str(h.jupyter_token_file) if h.jupyter_token_file else None,
         "docker": h.docker,
+        "ollama": h.ollama,
         "gpu_memory": size_text(h.gpu_memory_mib),
         "timeout": duration_text(h.timeout_s),
         # Only a host without an agent is probed here.
@@ -64,6 +69,11 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "priority": s.priority,
         "idle_timeout": duration_text(s.idle_timeout_s),
         "health_timeout": duration_text(s.health_timeout_s),
+        "devices": list(s.devices) if s.devices is not None else None,
+        "stop": s.stop,
+        "sleep_level": s.sleep_level,
+        "metrics": s.metrics,
+        "model": s.model,
         "cwd": s.cwd,
         "env": dict(s.env) or None,
         "log": s.log,
@@ -93,13 +103,14 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 
 def config_to_json(conf: Config) -> dict[str, Any]:
     """``{"schema": 1, "path", "defaults", "hosts", "services"}`` under the config's key names;
-    each host adds ``token`` / ``jupyter_token``: where the secret comes from, masked."""
+    each host adds ``token`` / ``read_token`` / ``jupyter_token``: where the secret comes from, masked."""
     d = conf.defaults
     hosts = {}
     for n, h in conf.hosts.items():
         hosts[n] = {
             **_drop_none(_host(h)),
             "token": _secret(h.token_env, h.token_file),
+            "read_token": _secret(h.read_token_env, h.read_token_file),
             "jupyter_token": _secret(h.jupyter_token_env, h.jupyter_token_file),
         }
     return {
@@ -142,7 +153,7 @@ def config_to_toml(conf: Config) -> str:
     for name, body in obj["hosts"].items():
         lines += ["", f"[hosts.{name}]"]
         for k, v in body.items():
-            if k in ("token", "jupyter_token"):
+            if k in ("token", "read_token", "jupyter_token"):
                 if v:
                     lines.append(f"# {k}: {v}")
                 continue

@@ -227,9 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         memory = parse_size_mib(args.memory)
-        load_time = parse_duration_s(args.load_time)
-        token_delay = parse_duration_s(args.token_delay)
-        dies = parse_duration_s(args.engine_dies_after) if args.engine_dies_after else None
+        # Zero means something here: loaded at once, no delay per token, dies at once.
+        load_time = parse_duration_s(args.load_time, allow_zero=True)
+        token_delay = parse_duration_s(args.token_delay, allow_zero=True)
+        dies = (
+            parse_duration_s(args.engine_dies_after, allow_zero=True)
+            if args.engine_dies_after
+            else None
+        )
         total = parse_size_mib(args.gpu_memory) if args.gpu_memory else None
         if args.steps < 1:
             raise ValueError("--steps must be at least 1")

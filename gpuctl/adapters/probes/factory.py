@@ -8,9 +8,10 @@ from pathlib import Path
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
 from gpuctl.adapters.probes.nvml import NvmlProbe
+from gpuctl.config.model import PROBES
 from gpuctl.errors import NoGpuFound, ProbeError, UsageError
 
-PROBE_NAMES = ("auto", "nvml", "nvidia-smi", "sim")
+PROBE_NAMES = PROBES  # the one list lives with the config, which names a probe per host
 
 
 def make_probe(

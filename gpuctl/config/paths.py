@@ -2,6 +2,8 @@
 
 Each path can be overridden by an environment variable; the defaults come from
 ``platformdirs``. Nothing here creates a directory: callers that write do that.
+This is the one place that reads ``GPUCTL_CONFIG``, ``GPUCTL_STATE_DIR`` and
+``GPUCTL_SIM_DIR``.
 """
 
 from __future__ import annotations
@@ -41,8 +43,19 @@ def default_sim_dir() -> Path:
 
 
 def default_config_path() -> Path:
-    """``$GPUCTL_CONFIG``, else ``<user config dir>/config.toml``."""
-    env = os.environ.get("GPUCTL_CONFIG")
-    if env:
-        return Path(env).expanduser()
+    """``<user config dir>/gpuctl/config.toml`` (``~/.config/gpuctl/config.toml`` on Linux)."""
     return Path(platformdirs.user_config_dir("gpuctl")) / "config.toml"
+
+
+def config_path(explicit: Path | None = None) -> tuple[Path, bool]:
+    """Where the config is read from, and whether the user named it.
+
+    ``--config`` (``explicit``), else ``$GPUCTL_CONFIG``, else the default path. A named
+    file must exist; a missing default file is an empty config.
+    """
+    if explicit is not None:
+        return explicit.expanduser(), True
+    env = os.environ.get("GPUCTL_CONFIG", "").strip()
+    if env:
+        return Path(env).expanduser(), True
+    return default_config_path(), False

@@ -1,0 +1,42 @@
+"""The configuration (DESIGN §6): TOML validated at load into frozen dataclasses.
+
+Everything is validated when the file is loaded, and every error names its location
+(``services.vllm.memory: expected a size like '80GiB' ...``). Secrets never live in the
+file: a host names an environment variable or a file, read when a token is needed.
+The key names are a contract; a rename needs a deprecation path.
+
+Modules: ``model`` (the dataclasses, the one list of probe names), ``parse`` (TOML
+tables to the model), ``load`` (finding and reading the file), ``secrets`` (tokens),
+``paths`` (where config, state and the simulated GPU live; the one reader of
+``GPUCTL_CONFIG``), ``starter`` (``gpuctl config init``).
+"""
+
+from __future__ import annotations
+
+from gpuctl.config.load import load_config
+from gpuctl.config.model import (
+    LAUNCHERS,
+    PROBES,
+    Config,
+    Defaults,
+    HostConfig,
+    ProbeName,
+    ServiceConfig,
+)
+from gpuctl.config.parse import parse_config
+from gpuctl.config.paths import config_path
+from gpuctl.config.secrets import token_file_warning
+
+__all__ = [
+    "LAUNCHERS",
+    "PROBES",
+    "Config",
+    "Defaults",
+    "HostConfig",
+    "ProbeName",
+    "ServiceConfig",
+    "config_path",
+    "load_config",
+    "parse_config",
+    "token_file_warning",
+]

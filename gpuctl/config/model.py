@@ -1,0 +1,214 @@
+"""The configuration as frozen dataclasses (DESIGN §6): what the rest of gpuctl reads.
+
+Values here are already validated and converted (sizes in MiB, durations in seconds);
+``parse`` builds them, ``load`` finds the file. Secrets are not values: a host names
+where its tokens live, and ``secrets`` reads them when a request needs one.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from gpuctl.config.secrets import read_secret
+from gpuctl.errors import UsageError
+
+
+class ProbeName(StrEnum):
+    """How a host without an agent (or the agent itself) reads the GPU.
+
+    The one list of probe names: the config's ``probe``, ``gpuctl agent --probe``,
+    ``gpuctl status --probe`` and the shell completions all take their choices from it.
+    """
+
+    auto = "auto"
+    nvml = "nvml"
+    nvidia_smi = "nvidia-smi"
+    sim = "sim"
+
+
+PROBES: tuple[str, ...] = tuple(p.value for p in ProbeName)
+LAUNCHERS = ("docker", "jupyter", "process", "ollama")
+STOP_ACTIONS = ("stop", "sleep")
+SLEEP_LEVELS = (1, 2)
+
+DEFAULT_IDLE_TIMEOUT_S = 30 * 60.0
+# vLLM cold starts take 5-6 minutes on a DGX Spark; a 120 s timeout fails every one of them.
+DEFAULT_HEALTH_TIMEOUT_S = 10 * 60.0
+DEFAULT_AGENT_TIMEOUT_S = 3.0
+DEFAULT_STOP_TIMEOUT_S = 30.0
+DEFAULT_PRIORITY = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Defaults:
+    """``[defaults]``. ``idle_timeout_s`` is None for ``idle_timeout = "never"``."""
+
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+    priority: int = DEFAULT_PRIORITY
+
+
+@dataclass(frozen=True, slots=True)
+class HostConfig:
+    """One GPU host. Without ``agent`` it is this machine, probed and stored directly.
+
+    The agent token (``token_env`` / ``token_file``) may write: leases, records, stop.
+    The read token (``read_token_env`` / ``read_token_file``) is good for GETs only
+    (``/status``, ``/records``, ``/metrics``); a client that has no write token uses it.
+    """
+
+    name: str
+    agent: str | None = None
+    token_env: str | None = None
+    token_file: Path | None = None
+    read_token_env: str | None = None
+    read_token_file: Path | None = None
+    jupyter: str | None = None
+    jupyter_token_env: str | None = None
+    jupyter_token_file: Path | None = None
+    docker: str | None = None
+    ollama: str | None = None
+    gpu_memory_mib: int | None = None
+    timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+    probe: str = ProbeName.auto.value
+    sim_dir: Path | None = None
+
+    def token(self) -> str | None:
+        """The agent (write) token from ``token_env`` or ``token_file``; None when neither is set.
+
+        Raises:
+            ConfigError: the variable is unset/empty, or the file cannot be read.
+        """
+        return read_secret(self.name, "token", self.token_env, self.token_file)
+
+    def read_token(self) -> str | None:
+        """The read-only token from ``read_token_env`` / ``read_token_file``; None when unset.
+
+        Raises:
+            ConfigError: the variable is unset/empty, or the file cannot be read.
+        """
+        return read_secret(self.name, "read_token", self.read_token_env, self.read_token_file)
+
+    def token_for_reads(self) -> str | None:
+        """The token a GET should carry: the write token when one is configured, else the
+        read-only one, else None.
+
+        Raises:
+            ConfigError: the configured source cannot be read.
+        """
+        if self.token_env or self.token_file:
+            return self.token()
+        return self.read_token()
+
+    def jupyter_token(self) -> str | None:
+        """The Jupyter server's token from ``jupyter_token_env`` / ``jupyter_token_file``."""
+        return read_secret(
+            self.name, "jupyter_token", self.jupyter_token_env, self.jupyter_token_file
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """One managed model server (or batch job).
+
+    ``devices`` are the GPU indexes the service may use (None: any one GPU); ``gpus`` is
+    only the Docker GPU request. ``idle_timeout_s`` is None for ``idle_timeout = "never"``.
+    ``stop`` says how reclaim frees its memory: the launcher's stop, or vLLM sleep mode at
+    ``sleep_level``. ``metrics`` overrides where the in-flight requests are read (default:
+    ``/metrics`` at the origin of ``health``). ``model`` is the Ollama model name.
+    """
+
+    name: str
+    host: str
+    launcher: str | None = None
+    image: str | None = None
+    command: str | None = None
+    health: str | None = None
+    match: tuple[str, ...] = ()
+    memory_mib: int | None = None
+    priority: int = DEFAULT_PRIORITY
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    devices: tuple[int, ...] | None = None
+    stop: str = "stop"
+    sleep_level: int | None = None
+    metrics: str | None = None
+    model: str | None = None
+    # Launcher details (see README "Configuration").
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    log: str | None = None
+    gpus: bool = True
+    ipc_mode: str | None = None
+    shm_size: str | None = None
+    volumes: tuple[str, ...] = ()
+    ports: Mapping[str, int] = field(default_factory=dict)
+    network: str | None = None
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    terminal: str | None = None
+    pid_mode: str | None = None
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """What marks a host process as this service's: its match keywords, else its name."""
+        return self.match or (self.name,)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole configuration. ``warnings`` are what the loader noticed but accepted
+    (a token file others can read); commands print them on stderr."""
+
+    path: Path | None
+    defaults: Defaults = field(default_factory=Defaults)
+    hosts: Mapping[str, HostConfig] = field(default_factory=dict)
+    services: Mapping[str, ServiceConfig] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+    def host(self, name: str) -> HostConfig:
+        """The host called ``name``.
+
+        Raises:
+            UsageError: no such host (with a did-you-mean).
+        """
+        try:
+            return self.hosts[name]
+        except KeyError:
+            raise UsageError(
+                f"unknown host {name!r}",
+                hint=known_hint("hosts", name, self.hosts, self.path),
+            ) from None
+
+    def service(self, name: str) -> ServiceConfig:
+        """The service called ``name``.
+
+        Raises:
+            UsageError: no such service (with a did-you-mean).
+        """
+        try:
+            return self.services[name]
+        except KeyError:
+            raise UsageError(
+                f"unknown service {name!r}",
+                hint=known_hint("services", name, self.services, self.path),
+            ) from None
+
+    def services_on(self, host: str) -> list[ServiceConfig]:
+        return [s for s in self.services.values() if s.host == host]
+
+
+def known_hint(kind: str, name: str, table: Mapping[str, Any], path: Path | None) -> str:
+    """A hint for an unknown name: the closest known one, else the known ones, else how to add it."""
+    close = difflib.get_close_matches(name, list(table), n=1)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    if table:
+        return f"known {kind}: {', '.join(sorted(table))}"
+    where = str(path) if path else "the config file"
+    return f"no {kind} are configured; add [{kind}.{name}] to {where}"

@@ -1,0 +1,95 @@
+"""Secrets named by the config: read when a request needs one, never stored in the file.
+
+A host names an environment variable (``token_env``) or a file (``token_file``) for each
+secret: the agent's write token, its read-only token, the Jupyter server's token.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuctl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gpuctl.config.model import HostConfig
+
+
+def read_secret(host: str, what: str, env: str | None, file: Path | None) -> str | None:
+    """The secret ``hosts.<host>.<what>_env`` / ``<what>_file`` names; None when neither is set.
+
+    Raises:
+        ConfigError: the variable is unset or empty, or the file is missing, a folder,
+            unreadable or empty.
+    """
+    if env:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ConfigError(
+                f"hosts.{host}.{what}_env: environment variable {env} is not set",
+                hint=f"export {env}=<token>, or use {what}_file",
+            )
+        return value
+    if file:
+        try:
+            value = file.read_text(encoding="utf-8").strip()
+        except IsADirectoryError:
+            raise ConfigError(
+                f"hosts.{host}.{what}_file: {file} is a folder, not a file",
+                hint="point it at the file that holds the token",
+            ) from None
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError(
+                f"hosts.{host}.{what}_file: cannot read {file}: {reason}",
+                hint="create the file (mode 600) or fix the path",
+            ) from None
+        if not value:
+            raise ConfigError(
+                f"hosts.{host}.{what}_file: {file} is empty",
+                hint="write the token into it",
+            )
+        return value
+    return None
+
+
+def token_file_warning(path: Path) -> str | None:
+    """A warning when a secret file is readable by group or others, else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) and mode & (stat.S_IRGRP | stat.S_IROTH):
+        return f"{path} is readable by others (mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}"
+    return None
+
+
+def write_secret_file(path: Path, secret: str) -> None:
+    """Create ``path`` holding ``secret`` with mode 600 from the start (never a moment
+    readable by others, whatever the umask); refuse to replace an existing file.
+
+    Raises:
+        FileExistsError: the file exists.
+        OSError: it cannot be created.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only remove bits, but be explicit
+        os.write(fd, (secret + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def secret_problems(host: HostConfig) -> list[ConfigError]:
+    """Every secret ``host`` names that cannot be read now (``gpuctl config check``)."""
+    problems: list[ConfigError] = []
+    for read in (host.token, host.read_token, host.jupyter_token):
+        try:
+            read()
+        except ConfigError as e:
+            problems.append(e)
+    return problems
