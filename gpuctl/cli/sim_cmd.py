@@ -21,11 +21,12 @@ from gpuctl.cli.common import (
     JsonOpt,
     duration_parser,
     errors_to_exit,
+    fail,
     print_json,
     say,
     size_parser,
 )
-from gpuctl.errors import GpuctlError
+from gpuctl.errors import GpuctlError, UsageError
 
 sim_app = typer.Typer(
     help=(
@@ -240,9 +241,15 @@ def ollama(
         str, typer.Option("--host", help="Address to bind.", metavar="ADDR")
     ] = "127.0.0.1",
     load_time: Annotated[
-        str,
-        typer.Option("--load-time", help="How long loading a model takes.", metavar="DURATION"),
-    ] = "2s",
+        float,
+        typer.Option(
+            "--load-time",
+            parser=duration_parser("--load-time", allow_zero=True),
+            help="How long loading a model takes.",
+            metavar="DURATION",
+            show_default="2s",
+        ),
+    ] = 2.0,
     keep_alive: Annotated[
         str,
         typer.Option(
@@ -252,8 +259,15 @@ def ollama(
         ),
     ] = "5m",
     token_delay: Annotated[
-        str, typer.Option("--token-delay", help="Time per generated token.", metavar="DURATION")
-    ] = "20ms",  # noqa: S107 - a duration, not a secret
+        float,
+        typer.Option(
+            "--token-delay",
+            parser=duration_parser("--token-delay", allow_zero=True),
+            help="Time per generated token.",
+            metavar="DURATION",
+            show_default="20ms",
+        ),
+    ] = 0.02,
     sim_dir: SimDirOpt = None,
     gpu_memory: GpuMemoryOpt = None,
 ) -> None:
@@ -272,9 +286,7 @@ def ollama(
             keep_s = parse_keep_alive(keep_alive)
         except ValueError as err:
             fail(UsageError(str(err)))
-        load_s = _duration("--load-time", load_time)
-        delay_s = _duration("--token-delay", token_delay)
-        total = _total(gpu_memory)
+        load_s, delay_s, total = load_time, token_delay, gpu_memory
         from gpuctl.sim.gpu import SimGpu
 
         code = run_ollama(

@@ -555,9 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         models = [parse_model_spec(m) for m in args.model or ["qwen3:32b=20GiB"]]
-        load_time = parse_duration_s(args.load_time)
+        load_time = parse_duration_s(args.load_time, allow_zero=True)
         keep_alive = parse_keep_alive(args.keep_alive)
-        token_delay = parse_duration_s(args.token_delay)
+        token_delay = parse_duration_s(args.token_delay, allow_zero=True)
         total = parse_size_mib(args.gpu_memory) if args.gpu_memory else None
     except ValueError as err:
         parser.error(str(err))
