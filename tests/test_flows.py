@@ -1,0 +1,303 @@
+"""The flows as pure units: fakes for the agent, health, launcher and clock; the real
+store on ``tmp_path``. No sockets, no processes, no real sleeps: each test runs in
+milliseconds and asserts what the flow did (launches, records, outcomes, exit codes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuctl.adapters.store import DirectStore, Holder
+from gpuctl.core.decision import Decision, Health
+from gpuctl.core.model import GpuProcess
+from gpuctl.core.record import Phase, Record
+from gpuctl.errors import ExitCode, StoreError
+from gpuctl.flows import service_ops
+from gpuctl.flows.deps import HostDeps, LocksDeps, StatusDeps
+from gpuctl.flows.ensure import ensure
+from gpuctl.flows.results import Outcome
+from gpuctl.flows.status import status, watch
+from tests.flow_fakes import GIB, Agent, Clock, World, config, world
+
+
+@pytest.fixture
+def w(tmp_path: Path) -> World:
+    return world(tmp_path)
+
+
+# ---- ensure
+
+
+def test_ready_service_is_touched_and_never_launched(w: World) -> None:
+    w.health.ready_after(0)
+    r = ensure(w.deps())
+    assert (r.outcome, r.exit_code, r.launched) == (Outcome.READY, ExitCode.OK, False)
+    assert w.launcher.started == []
+    assert w.agent.asked == []  # a healthy service costs no agent call
+    assert w.store.get("vllm").last_used == w.clock.t
+
+
+def test_idle_gpu_launches_once_and_waits_through_the_cold_start(w: World) -> None:
+    w.health.ready_after(25)  # about 5 s of polls at 0.2 s
+    r = ensure(w.deps())
+    assert (r.outcome, r.launched, r.decision) == (Outcome.READY, True, "IDLE")
+    assert w.launcher.started == ["vllm"]
+    rec = w.store.get("vllm")
+    assert rec.phase is Phase.RUNNING
+    assert rec.lease is None  # released
+    assert rec.handle == {"kind": "process", "pid": 4242, "pid_start": 1.0}
+    assert rec.attempts[-1]["outcome"] == "ready"
+    assert 3.0 < r.waited_s < 8.0  # the fake clock, advanced by the flow's own sleeps
+
+
+def test_ensure_asks_for_the_recorded_servers_pids(w: World) -> None:
+    holder = Holder.here("test")
+    w.store.acquire("photos", holder, 60)
+    w.store.release(
+        "photos", holder.id, {"handle": {"kind": "process", "pid": 777}, "phase": "running"}
+    )
+    w.health.ready_after(1)
+    ensure(w.deps())
+    keywords, pids = w.agent.asked[0]
+    assert keywords == ["vllm", "photo-batch"]  # every service of the host
+    assert pids == [777]
+
+
+def test_busy_names_the_holders_and_hints_what_to_do(w: World) -> None:
+    w.agent.processes = [GpuProcess(1, "python train.py", 100 * GIB, user="ana")]
+    r = ensure(w.deps())
+    assert (r.outcome, r.exit_code) == (Outcome.BUSY, ExitCode.BUSY)
+    assert "train.py" in r.reason
+    assert r.hint and "gpuctl status" in r.hint
+    assert w.launcher.started == []
+
+
+def test_unreachable_agent_is_unknown_never_a_start(w: World) -> None:
+    w.agent.error = "connection refused by http://127.0.0.1:9"
+    r = ensure(w.deps())
+    assert (r.outcome, r.exit_code) == (Outcome.UNKNOWN, ExitCode.UNKNOWN)
+    assert "connection refused" in r.reason
+    assert "dgx" in r.hint
+    assert w.launcher.started == []
+
+
+def test_timeout_releases_the_lease_and_says_it_may_still_load(w: World) -> None:
+    r = ensure(w.deps(), timeout_s=3.0)
+    assert (r.outcome, r.exit_code, r.launched) == (Outcome.TIMEOUT, ExitCode.TIMEOUT, True)
+    assert "may still be loading" in r.reason
+    assert "--timeout" in r.hint
+    rec = w.store.get("vllm")
+    assert rec.lease is None
+    assert rec.attempts[-1]["outcome"] == "timeout"
+    assert sum(w.clock.slept) >= 3.0
+
+
+def test_server_that_dies_while_loading_is_failed_with_its_log(w: World) -> None:
+    w.launcher.dies = True
+    r = ensure(w.deps())
+    assert (r.outcome, r.exit_code) == (Outcome.FAILED, ExitCode.FAILED)
+    assert "exited while loading" in r.reason
+    assert "CUDA out of memory" in r.log_tail
+    rec = w.store.get("vllm")
+    assert rec.phase is Phase.FAILED
+    assert rec.failure is not None and "CUDA" in rec.failure.log_tail
+    # and the back-off holds the next caller off, without a launch
+    again = ensure(w.deps())
+    assert again.outcome is Outcome.FAILED and "next try in" in again.reason
+    assert w.launcher.started == ["vllm"]
+
+
+def test_no_wait_returns_started_with_the_handle(w: World) -> None:
+    r = ensure(w.deps(), wait=False)
+    assert (r.outcome, r.exit_code, r.launched) == (Outcome.STARTED, ExitCode.OK, True)
+    assert r.handle == {"kind": "process", "pid": 4242, "pid_start": 1.0}
+    assert w.store.get("vllm").lease is None
+
+
+def test_a_bystander_waits_for_the_lease_holder_and_never_launches(w: World) -> None:
+    other = Holder.here("someone-else")
+    granted, _ = w.store.acquire("vllm", other, 600)
+    assert granted
+    w.health.ready_after(10)
+    r = ensure(w.deps())
+    assert (r.outcome, r.launched) == (Outcome.READY, False)
+    assert r.decision == "LOADING"
+    assert "waited" in r.reason
+    assert w.launcher.started == []
+
+
+def test_a_bystander_goes_round_and_starts_it_when_the_holder_gave_up(w: World) -> None:
+    other = Holder.here("someone-else")
+    w.store.acquire("vllm", other, 600)
+    # The holder gives up after a second: its lease goes, nothing runs.
+    polls = {"n": 0}
+    real = w.health
+
+    def health() -> Health:
+        polls["n"] += 1
+        if polls["n"] == 8:
+            w.store.release("vllm", other.id)
+        if w.launcher.started and polls["n"] > 30:
+            return Health("ready", "HTTP 200", 200)
+        return real()
+
+    w_deps = w.deps()
+    w_deps.check_health = health
+    r = ensure(w_deps)
+    assert (r.outcome, r.launched) == (Outcome.READY, True)
+    assert w.launcher.started == ["vllm"]
+
+
+def test_ctrl_c_while_waiting_keeps_the_handle_and_frees_the_lease(w: World) -> None:
+    def interrupt(_: float) -> None:
+        raise KeyboardInterrupt
+
+    deps = w.deps()
+    deps.sleep = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        ensure(deps)
+    rec = w.store.get("vllm")
+    assert rec.lease is None
+    assert rec.handle is not None and rec.handle["pid"] == 4242
+    assert rec.attempts[-1]["outcome"] == "interrupted"
+
+
+def test_progress_ticks_name_the_phase(w: World) -> None:
+    ticks: list[str] = []
+    w.health.ready_after(5)
+    deps = w.deps()
+    deps.progress = lambda p: ticks.append(p.phase)
+    ensure(deps)
+    assert ticks and set(ticks) == {"loading (launched)"}
+
+
+# ---- stop and touch
+
+
+def test_stop_stops_the_recorded_server_and_marks_it_stopped(w: World) -> None:
+    ensure(w.deps(), wait=False)
+    r = service_ops.stop(w.deps(entry="stop"))
+    assert r.stopped == ["pid 4242"]
+    assert r.exit_code == ExitCode.OK
+    rec = w.store.get("vllm")
+    assert (rec.phase, rec.handle, rec.lease) == (Phase.STOPPED, None, None)
+
+
+def test_stop_waits_on_the_fake_clock_for_a_start_under_way(w: World) -> None:
+    other = Holder.here("someone-else")
+    w.store.acquire("vllm", other, 600)
+    with pytest.raises(StoreError, match="being started or stopped"):
+        service_ops.stop(w.deps(entry="stop"))
+    assert sum(w.clock.slept) >= service_ops.STOP_LEASE_WAIT_S  # no real time spent
+
+
+def test_touch_marks_it_used(w: World) -> None:
+    r = service_ops.touch(w.deps(entry="touch"))
+    assert r.service == "vllm" and r.record.last_used == w.clock.t
+
+
+# ---- status
+
+
+def _status_deps(
+    tmp_path: Path, agents: dict[str, Agent], stores: dict[str, DirectStore]
+) -> StatusDeps:
+    text = "".join(
+        f'[hosts.{h}]\nagent = "http://127.0.0.1:9"\n\n'
+        f'[services.vllm_{h}]\nhost = "{h}"\nmatch = ["vllm"]\nmemory = "80GiB"\n\n'
+        for h in agents
+    )
+    conf = config(tmp_path, text)
+    clock = Clock()
+    return StatusDeps(
+        config=conf,
+        hosts=[
+            HostDeps(conf.host(h), f"fake {h}", stores[h].records, agents[h].read) for h in agents
+        ],
+        check_health=lambda url, t: Health("refused", "no"),
+        clock=clock,
+        monotonic=clock,
+        sleep=clock.sleep,
+    )
+
+
+def test_status_reads_records_first_and_asks_for_their_servers(tmp_path: Path) -> None:
+    clock = Clock()
+    store = DirectStore(tmp_path / "a", clock=clock)
+    holder = Holder.here("test")
+    store.acquire("vllm_a", holder, 60)
+    store.release(
+        "vllm_a", holder.id, {"handle": {"kind": "process", "pid": 555}, "phase": "running"}
+    )
+    agent = Agent(processes=[GpuProcess(555, "python -m my_server", 70 * GIB)])
+    report = status(_status_deps(tmp_path, {"a": agent}, {"a": store}))
+    assert agent.asked == [(["vllm"], [555])]
+    (host,) = report.hosts
+    # the recorded server is its service's, whatever its command line
+    assert host.verdicts[0].decision is Decision.LOADING
+    assert dict(host.servers) == {555: "vllm_a"}
+    assert report.exit_code == ExitCode.OK
+
+
+def test_status_reports_a_dead_host_unknown_and_the_others_as_they_are(tmp_path: Path) -> None:
+    agents = {"a": Agent(), "b": Agent(error="connection refused by http://b:9400")}
+    stores = {h: DirectStore(tmp_path / h) for h in agents}
+    report = status(_status_deps(tmp_path, agents, stores))
+    a, b = report.hosts
+    assert a.ok and a.verdicts[0].decision is Decision.IDLE
+    assert not b.ok and b.verdicts[0].decision is Decision.UNKNOWN
+    assert b.error == "connection refused by http://b:9400" and b.hint == "is the agent up?"
+    assert report.exit_code == ExitCode.UNKNOWN
+
+
+def test_status_taken_at_comes_from_the_clock_in_the_one_form(tmp_path: Path) -> None:
+    report = status(_status_deps(tmp_path, {"a": Agent()}, {"a": DirectStore(tmp_path / "s")}))
+    assert report.taken_at == "2027-01-15T08:00:00.000Z"
+
+
+def test_watch_shows_each_report_until_ctrl_c(tmp_path: Path) -> None:
+    deps = _status_deps(tmp_path, {"a": Agent()}, {"a": DirectStore(tmp_path / "s")})
+    shown: list[str] = []
+
+    def sleep(s: float) -> None:
+        if len(shown) >= 3:
+            raise KeyboardInterrupt
+        deps.clock.t += s  # type: ignore[attr-defined]
+
+    deps.sleep = sleep
+    last = watch(deps, 2.0, lambda r: shown.append(r.taken_at))
+    assert len(shown) == 3
+    assert shown[1] == "2027-01-15T08:00:02.000Z"
+    assert last.taken_at == shown[-1]
+
+
+# ---- locks
+
+
+def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) -> None:
+    conf = config(
+        tmp_path,
+        '[hosts.a]\nagent = "http://127.0.0.1:9"\n[hosts.b]\nagent = "http://127.0.0.1:9"\n'
+        '[services.x]\nhost = "a"\n[services.y]\nhost = "b"\n',
+    )
+    store = DirectStore(tmp_path / "a")
+    store.touch("x")
+
+    def store_of(h: object) -> DirectStore:
+        if getattr(h, "name", "") == "b":
+            raise StoreError("the store on b: no state dir")
+        return store
+
+    clock = Clock()
+    report = service_ops.locks(
+        LocksDeps(config=conf, hosts=list(conf.hosts.values()), store_of=store_of, clock=clock)
+    )
+    assert [(h, r.service if r else None, e) for h, r, e in report.rows] == [
+        ("a", "x", None),
+        ("b", None, "the store on b: no state dir"),
+    ]
+    assert report.now == clock.t
+    assert report.exit_code == ExitCode.UNKNOWN
+    assert isinstance(report.rows[0][1], Record)
