@@ -477,3 +477,34 @@ def test_engine_errors_become_one_line_with_a_hint(
     assert "\n" not in info.value.message
     assert hint in info.value.hint
     assert launcher.alive(Handle(kind="docker", container_name="gpuctl-vllm")) is None
+
+
+def test_the_container_gets_the_nonce_and_no_secrets(
+    client: Any, make_service: Callable[..., ServiceConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start nonce is in the server's environment on the host (/proc/<pid>/environ,
+    where the agent looks for it); gpuctl's secrets are not, unless ``env`` sets them."""
+    from gpuctl.adapters import procinfo
+    from gpuctl.adapters.launchers.environ import START_NONCE_ENV, secret_names
+    from gpuctl.config import HostConfig
+
+    monkeypatch.setenv("GPUCTL_AGENT_TOKEN", "agent-secret")
+    monkeypatch.setenv("DGX_TOKEN", "host-secret")
+    host = HostConfig(name="dgx", token_env="DGX_TOKEN")
+    launcher = DockerLauncher(None, timeout_s=30.0, secrets=secret_names(host))
+    try:
+        svc = make_service(env={"KEEP": "1", "DGX_TOKEN": "given"})
+        handle = launcher.start(svc, start_nonce="d0cca1")
+        env = client.containers.get(handle.container_id).attrs["Config"]["Env"]
+        assert f"{START_NONCE_ENV}=d0cca1" in env
+        assert "KEEP=1" in env
+        assert "DGX_TOKEN=given" in env
+        assert not any(e.startswith("GPUCTL_AGENT_TOKEN=") for e in env)
+        # The nonce tells the server's host pid, as the agent will look for it.
+        assert handle.pid is not None
+        found = procinfo.pids_with_env(START_NONCE_ENV, "d0cca1")
+        assert handle.pid in found
+        assert launcher.find(svc, "d0cca1") == launcher.find(svc)
+        assert launcher.find(svc) is not None
+    finally:
+        launcher.close()

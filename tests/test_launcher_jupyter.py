@@ -455,3 +455,71 @@ def test_no_terminals_and_a_refused_host_header(tmp_path: Path) -> None:
         with pytest.raises(LauncherError, match="Host header") as e:
             JupyterLauncher(by_name, js.token, timeout_s=10).start(sleeper("never"))
         assert "allow_remote_access" in e.value.hint
+
+
+# --------------------------------------------------------------------------- files, secrets
+
+
+def test_a_log_that_is_a_symlink_is_refused(
+    launcher: JupyterLauncher, jupyter: JupyterServer, tmp_path: Path, pids: list[int]
+) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (jupyter.root / SCRIPT_DIR).mkdir(exist_ok=True)
+    link = jupyter.root / SCRIPT_DIR / "linked.log"
+    link.symlink_to(victim)
+    with pytest.raises(StartFailed, match="symbolic link") as err:
+        launcher.start(sleeper("linked"))
+    assert err.value.hint and "services.linked.log" in err.value.hint
+    assert victim.read_text() == "precious\n"
+
+
+def test_the_log_is_private_whatever_the_umask(
+    launcher: JupyterLauncher, jupyter: JupyterServer, pids: list[int]
+) -> None:
+    handle = launcher.start(service("private", f"{PY} -c 'import os; os.umask(0); print(1)'"))
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    assert handle.log is not None
+    wait_until(lambda: launcher.alive(handle) is False, 10, "the command to finish")
+    assert os.stat(handle.log).st_mode & 0o777 == 0o600
+
+
+def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+) -> None:
+    """The terminal's shell has the Jupyter server's environment: gpuctl's secrets there
+    are unset in the launch script, and the start nonce is exported, so ``find`` (and the
+    agent) can tell the server of a start whose caller died before recording it."""
+    from gpuctl.adapters.launchers.environ import START_NONCE_ENV, secret_names
+    from gpuctl.config import HostConfig
+
+    monkeypatch.setenv("GPUCTL_AGENT_TOKEN", "agent-secret")
+    monkeypatch.setenv("DGX_TOKEN", "host-secret")
+    monkeypatch.setenv("LAB_TOKEN", "jupyter-secret")
+    monkeypatch.setenv("HARMLESS", "kept")
+    host = HostConfig(name="lab", token_env="DGX_TOKEN", jupyter_token_env="LAB_TOKEN")
+    with jupyter_server(tmp_path / "root") as js:
+        launcher = JupyterLauncher(js.url, js.token, timeout_s=20, secrets=secret_names(host))
+        out = tmp_path / "env.json"
+        code = 'import json, os, sys, time; json.dump(dict(os.environ), open(sys.argv[1], "w")); time.sleep(600)'
+        svc = service("envdump", f"{PY} -c '{code}' {out}")
+        handle = launcher.start(svc, start_nonce="c0ffee")
+        assert handle.pid is not None
+        pids.append(handle.pid)
+        wait_until(out.exists, 20, "the environment dump")
+        time.sleep(0.2)
+        env = json.loads(out.read_text())
+        for name in ("GPUCTL_AGENT_TOKEN", "DGX_TOKEN", "LAB_TOKEN"):
+            assert name not in env
+        assert env["HARMLESS"] == "kept"
+        assert env[START_NONCE_ENV] == "c0ffee"
+
+        found = launcher.find(svc, "c0ffee")
+        assert found is not None
+        assert found.pid == handle.pid
+        assert found.pid_start == pytest.approx(handle.pid_start, abs=2)
+        assert launcher.find(svc, "0ther") is None
+        assert launcher.find(svc) is None
+        launcher.stop(handle, grace_s=5)
+        assert launcher.find(svc, "c0ffee") is None

@@ -290,3 +290,39 @@ def on_pipes(pid: int, pipes: Iterable[str]) -> bool:
         except OSError:
             continue
     return False
+
+
+def pids_with_env(name: str, value: str, proc_root: str = "/proc") -> dict[int, int]:
+    """``{pid: ppid}`` of the live processes whose environment holds ``name=value``.
+
+    Read from ``/proc/<pid>/environ`` (readable for our own processes, or as root).
+    """
+    entry = f"{name}={value}".encode()
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return out
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"{proc_root}/{d}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if entry not in env.split(b"\0"):
+            continue
+        fields = _stat_fields(int(d))
+        if fields is None or fields[0] in ("Z", "X", "x"):
+            continue
+        out[int(d)] = int(fields[1])
+    return out
+
+
+def find_by_env(name: str, value: str) -> int | None:
+    """The process that carries ``name=value`` in its environment and whose parent does
+    not (the server, not a child it forked, nor a wrapper's child); None when none."""
+    found = pids_with_env(name, value)
+    roots = sorted(p for p, parent in found.items() if parent not in found)
+    return roots[0] if roots else None

@@ -52,9 +52,8 @@ def stop(deps: EnsureDeps) -> StopResult:
             if launcher.alive(handle) is not False:
                 launcher.stop(handle, svc.stop_timeout_s)
                 result.stopped.append(_describe(handle))
-        find = getattr(launcher, "find", None)
-        if find is not None and not result.stopped:
-            found = find(svc)
+        if not result.stopped:
+            found = launcher.find(svc)
             if found is not None:
                 launcher.stop(found, svc.stop_timeout_s)
                 result.stopped.append(_describe(found))

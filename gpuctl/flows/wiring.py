@@ -106,6 +106,8 @@ def snapshot_reader(
 
 
 def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | None) -> Launcher:
+    from gpuctl.adapters.launchers.environ import secret_names
+
     kind = service.launcher
     if kind is None:
         raise UsageError(
@@ -133,15 +135,17 @@ def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | 
         state_dir = (
             Path(snapshot.state_dir) if snapshot and snapshot.state_dir else default_state_dir()
         )
-        return ProcessLauncher(log_dir=state_dir / "logs")
+        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secret_names(host))
     if kind == "docker":
         from gpuctl.adapters.launchers.docker import DockerLauncher
 
-        return DockerLauncher(host.docker)
+        return DockerLauncher(host.docker, secrets=secret_names(host))
     from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 
     assert host.jupyter is not None
-    return JupyterLauncher(host.jupyter, host.jupyter_token(), host_name=host.name)
+    return JupyterLauncher(
+        host.jupyter, host.jupyter_token(), host_name=host.name, secrets=secret_names(host)
+    )
 
 
 def handle_checker(
@@ -206,7 +210,7 @@ def deps_for(
         if not made:
             launcher = launcher_for(service, host, snapshot)
             made.append(launcher)
-            _close_later(launcher, closers)
+            closers.append(launcher.close)
         return made[0]
 
     return EnsureDeps(

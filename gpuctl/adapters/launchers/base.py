@@ -44,8 +44,18 @@ class Launcher(Protocol):
 
     kind: str
 
-    def start(self, service: ServiceConfig) -> Handle:
-        """Launch detached, so the server outlives the caller; return once it is spawned."""
+    def start(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle:
+        """Launch detached, so the server outlives the caller; return once it is spawned.
+
+        ``start_nonce`` (the one the caller wrote into the record first) goes into the
+        server's environment as ``GPUCTL_START_NONCE``, so the server of a start whose
+        caller died before recording it can still be found.
+        """
+        ...
+
+    def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
+        """The service's server when it runs but no record names it (its caller died
+        between spawning and recording it), else None."""
         ...
 
     def alive(self, handle: Handle) -> bool | None:
@@ -58,4 +68,8 @@ class Launcher(Protocol):
 
     def log_tail(self, handle: Handle, lines: int = 20) -> str:
         """The last lines of the server's log ('' when there is none)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the launcher holds open (a connection pool); idempotent."""
         ...

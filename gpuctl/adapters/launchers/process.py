@@ -1,11 +1,15 @@
 """The ``process`` launcher: a detached command on this machine.
 
-``setsid nohup CMD >LOG 2>&1 </dev/null &``, but with the pid of the server itself
+``setsid nohup CMD >>LOG 2>&1 </dev/null &``, but with the pid of the server itself
 recorded (the command is exec'd directly, never through ``sh -c``: Debian's dash keeps
 a wrapper shell as the parent), with its start time, so a reused pid is never mistaken
 for ours. A new session means no SIGHUP when the caller's terminal goes, and nothing
 ties the server to the caller: it survives the caller's exit and restart. This fixes the
 original ``subprocess.Popen`` child that died with its parent.
+
+The server's environment is the caller's without gpuctl's secrets, plus the service's
+``env`` and ``GPUCTL_START_NONCE`` (see ``environ``); its log is never a symbolic link
+and is private (see ``logfile``).
 
 It serves only the host gpuctl runs on: the flow checks that the caller's host identity
 matches the agent's before it uses this launcher.
@@ -19,26 +23,39 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
+from gpuctl import failpoints
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.launchers.environ import START_NONCE_ENV, server_env
+from gpuctl.adapters.launchers.logfile import open_log, tail_file
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed
 
 
 class ProcessLauncher:
+    """Start, find, check and stop detached commands on this machine.
+
+    Args:
+        log_dir: where a service without its own ``log`` logs (``<name>.log``).
+        secrets: environment variable names the server must not inherit unless the
+            service's ``env`` sets them.
+    """
+
     kind = "process"
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, secrets: Iterable[str] = ()) -> None:
         self.log_dir = Path(log_dir)
+        self.secrets = frozenset(secrets)
 
     def log_path(self, service: ServiceConfig) -> Path:
         if service.log:
             return Path(service.log).expanduser()
         return self.log_dir / f"{service.name}.log"
 
-    def start(self, service: ServiceConfig) -> Handle:
+    def start(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle:
         if not service.command:
             raise StartFailed(f"services.{service.name}.command is missing")
         try:
@@ -46,17 +63,13 @@ class ProcessLauncher:
         except ValueError as e:
             raise StartFailed(f"services.{service.name}.command: {e}") from None
         log = self.log_path(service)
+        out = open_log(log, service.name)
+        env = server_env(service, os.environ, self.secrets, start_nonce)
         try:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            out = open(log, "ab")  # noqa: SIM115  (handed to the child; closed below)
-        except OSError as e:
-            raise StartFailed(f"cannot open the log {log}: {e.strerror or e}") from None
-        env = {**os.environ, **service.env}
-        try:
-            out.write(
-                f"\n--- gpuctl: starting {service.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+            os.write(
+                out,
+                f"\n--- gpuctl: starting {service.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(),
             )
-            out.flush()
             proc = subprocess.Popen(
                 argv,
                 cwd=service.cwd or None,
@@ -75,12 +88,29 @@ class ProcessLauncher:
         except OSError as e:
             raise StartFailed(f"cannot start {service.name}: {e.strerror or e}") from None
         finally:
-            out.close()
+            os.close(out)
         # Forget the Popen object without waiting: the server must outlive us. Python
         # would otherwise warn "subprocess still running" at exit.
         proc.returncode = 0
+        # The server runs and nothing has told the caller yet: the window a test kills
+        # the caller in.
+        failpoints.hit("launch.spawned")
         return Handle(
             kind=self.kind, pid=proc.pid, pid_start=procinfo.start_time(proc.pid), log=str(log)
+        )
+
+    def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
+        """The server a start with ``start_nonce`` spawned, by the nonce in its environment."""
+        if not start_nonce:
+            return None
+        pid = procinfo.find_by_env(START_NONCE_ENV, start_nonce)
+        if pid is None:
+            return None
+        return Handle(
+            kind=self.kind,
+            pid=pid,
+            pid_start=procinfo.start_time(pid),
+            log=str(self.log_path(service)),
         )
 
     def alive(self, handle: Handle) -> bool | None:
@@ -99,7 +129,9 @@ class ProcessLauncher:
                 _reap(pid)
                 return
             time.sleep(0.1)
-        _signal(pid, signal.SIGKILL)
+        # The pid may have been reused while we waited: SIGKILL only the same process.
+        if procinfo.is_same_process(pid, handle.pid_start):
+            _signal(pid, signal.SIGKILL)
         for _ in range(50):
             if not procinfo.is_alive(pid):
                 break
@@ -110,6 +142,9 @@ class ProcessLauncher:
         if not handle.log:
             return ""
         return tail_file(Path(handle.log), lines)
+
+    def close(self) -> None:
+        """Nothing to close: the launcher holds no connection."""
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -127,17 +162,3 @@ def _reap(pid: int) -> None:
     """Collect our own child's exit status, so it does not linger as our zombie."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-
-
-def tail_file(path: Path, lines: int) -> str:
-    """The last ``lines`` lines of a file, reading only its end."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read()
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,176 @@
+"""The process launcher against real processes: what a server inherits, where it logs,
+and how a start whose caller died is found again (its nonce in /proc/<pid>/environ)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import stat
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuctl.adapters import procinfo
+from gpuctl.adapters.launchers.environ import START_NONCE_ENV, secret_names
+from gpuctl.adapters.launchers.process import ProcessLauncher
+from gpuctl.config import HostConfig, ServiceConfig
+from gpuctl.errors import StartFailed
+
+PY = sys.executable
+# Writes its environment to argv[1], then sleeps like a server.
+DUMP_ENV = (
+    f"{PY} -c 'import json, os, sys, time; "
+    'json.dump(dict(os.environ), open(sys.argv[1], "w")); time.sleep(600)\''
+)
+
+
+@pytest.fixture
+def pids() -> Iterator[list[int]]:
+    started: list[int] = []
+    yield started
+    for pid in started:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def read_env(path: Path) -> dict[str, str]:
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            data: dict[str, str] = json.loads(path.read_text())
+            return data
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} was never written")
+        time.sleep(0.05)
+
+
+def test_server_gets_no_secrets_but_the_nonce(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+) -> None:
+    monkeypatch.setenv("GPUCTL_AGENT_TOKEN", "agent-secret")
+    monkeypatch.setenv("DGX_TOKEN", "host-secret")
+    monkeypatch.setenv("LAB_TOKEN", "jupyter-secret")
+    monkeypatch.setenv("GPUCTL_FAILPOINTS", "ensure.after_spawn=pause")
+    monkeypatch.setenv("HARMLESS", "kept")
+    host = HostConfig(name="dgx", token_env="DGX_TOKEN", jupyter_token_env="LAB_TOKEN")
+    launcher = ProcessLauncher(tmp_path / "logs", secrets=secret_names(host))
+    out = tmp_path / "env.json"
+    svc = ServiceConfig(name="envdump", host="dgx", command=f"{DUMP_ENV} {out}")
+    handle = launcher.start(svc, start_nonce="abc123")
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    env = read_env(out)
+    for name in ("GPUCTL_AGENT_TOKEN", "DGX_TOKEN", "LAB_TOKEN", "GPUCTL_FAILPOINTS"):
+        assert name not in env
+    assert env["HARMLESS"] == "kept"
+    assert env[START_NONCE_ENV] == "abc123"
+
+
+def test_service_env_may_set_a_secret_on_purpose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+) -> None:
+    monkeypatch.setenv("DGX_TOKEN", "host-secret")
+    host = HostConfig(name="dgx", token_env="DGX_TOKEN")
+    launcher = ProcessLauncher(tmp_path / "logs", secrets=secret_names(host))
+    out = tmp_path / "env.json"
+    svc = ServiceConfig(
+        name="envdump", host="dgx", command=f"{DUMP_ENV} {out}", env={"DGX_TOKEN": "given"}
+    )
+    handle = launcher.start(svc)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    env = read_env(out)
+    assert env["DGX_TOKEN"] == "given"
+    assert START_NONCE_ENV not in env
+
+
+def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path, pids: list[int]) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "linked.log").symlink_to(victim)
+    launcher = ProcessLauncher(logs)
+    svc = ServiceConfig(name="linked", host="h", command=f"{PY} -c 'print(1)'")
+    with pytest.raises(StartFailed, match="symbolic link") as err:
+        launcher.start(svc)
+    assert err.value.hint and "services.linked.log" in err.value.hint
+    assert victim.read_text() == "precious\n"
+    # Nor is its tail read through the link.
+    from gpuctl.adapters.launchers.base import Handle
+
+    assert launcher.log_tail(Handle(kind="process", log=str(logs / "linked.log"))) == ""
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
+def test_the_log_is_private_whatever_the_umask(tmp_path: Path, umask: int, pids: list[int]) -> None:
+    old = os.umask(umask)
+    try:
+        launcher = ProcessLauncher(tmp_path / "logs")
+        svc = ServiceConfig(name="quiet", host="h", command=f"{PY} -c 'print(1)'")
+        handle = launcher.start(svc)
+    finally:
+        os.umask(old)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    log = tmp_path / "logs" / "quiet.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) & 0o077 == 0
+
+
+def test_an_existing_log_is_made_private(tmp_path: Path, pids: list[int]) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "old.log").write_text("before\n")
+    (logs / "old.log").chmod(0o666)
+    svc = ServiceConfig(name="old", host="h", command=f"{PY} -c 'print(1)'")
+    handle = ProcessLauncher(logs).start(svc)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    assert stat.S_IMODE((logs / "old.log").stat().st_mode) == 0o600
+    assert (logs / "old.log").read_text().startswith("before\n")
+
+
+def test_find_by_nonce(tmp_path: Path, pids: list[int]) -> None:
+    launcher = ProcessLauncher(tmp_path / "logs")
+    svc = ServiceConfig(name="found", host="h", command=f"{PY} -c 'import time; time.sleep(600)'")
+    handle = launcher.start(svc, start_nonce="feed42")
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    found = launcher.find(svc, "feed42")
+    assert found is not None
+    assert found.pid == handle.pid
+    assert found.pid_start == pytest.approx(handle.pid_start)
+    assert launcher.find(svc, "0ther") is None
+    assert launcher.find(svc, None) is None
+    os.kill(handle.pid, signal.SIGKILL)
+    os.waitpid(handle.pid, 0)
+    assert launcher.find(svc, "feed42") is None
+
+
+def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: list[int]) -> None:
+    """A command that is not exec'd (a shell with a child) carries the nonce twice: the
+    one whose parent does not is the start's own process."""
+    launcher = ProcessLauncher(tmp_path / "logs")
+    svc = ServiceConfig(
+        name="tree",
+        host="h",
+        command=f"sh -c '{PY} -c \"import time; time.sleep(600)\" & wait'",
+    )
+    handle = launcher.start(svc, start_nonce="beef01")
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    deadline = time.monotonic() + 10
+    while len(procinfo.pids_with_env(START_NONCE_ENV, "beef01")) < 2:
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    assert procinfo.find_by_env(START_NONCE_ENV, "beef01") == handle.pid
+    with contextlib.suppress(OSError):
+        os.killpg(handle.pid, signal.SIGKILL)
