@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from gpuctl import api
-from gpuctl.adapters.store import DirectStore, Holder
+from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.sim.host import SimHost, free_port
 
 
@@ -146,12 +146,12 @@ def readiness(host: SimHost, waiters: int = 32) -> None:
 def lease(n: int = 500) -> None:
     with tempfile.TemporaryDirectory() as d:
         store = DirectStore(Path(d))
-        holder = Holder.here("bench")
+        holder = holder_here("bench")
         store.acquire("svc", holder, 60)
         store.release("svc", holder.id)
         times: list[float] = []
         for _ in range(n):
-            h = Holder.here("bench")
+            h = holder_here("bench")
             t = time.perf_counter()
             granted, _ = store.acquire("svc", h, 60)
             store.release("svc", h.id)

@@ -113,9 +113,7 @@ def _touch(conf: Config, svc: ServiceConfig) -> None:
         try:
             store.touch(svc.name, ready=True)
         finally:
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            store.close()
     except GpuctlError:
         pass
 

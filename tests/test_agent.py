@@ -636,12 +636,12 @@ def test_exclude_leaves_out_the_callers_own_tree_on_the_same_host(
 def test_recorded_servers_are_reported_whatever_their_command(tmp_path: Path) -> None:
     """A record names its server's pid: the agent lists it under `starting` even when its
     command line carries none of the keywords (`services.chat` running `vllm serve`)."""
-    from gpuctl.adapters.store import DirectStore, Holder
+    from gpuctl.adapters.store import DirectStore, holder_here
 
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         store = DirectStore(tmp_path)
-        holder = Holder.here("test")
+        holder = holder_here("test")
         store.acquire("chat", holder, 60)
         store.release(
             "chat",

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gpuctl.adapters import store as store_module
-from gpuctl.adapters.store import DirectStore, Holder
+from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import SERVICE_NAME_PATTERN, openapi_document
@@ -112,7 +112,7 @@ def test_openapi_request_bodies_and_conflicts() -> None:
         "failure",
         "touch",
     }
-    assert set(schemas["Holder"]["properties"]) == set(Holder.here("x").to_dict())
+    assert set(schemas["Holder"]["properties"]) == set(holder_here("x").to_dict())
     assert schemas["LeaseRequest"]["properties"]["holder"] == {
         "$ref": "#/components/schemas/Holder"
     }
@@ -143,7 +143,7 @@ def test_real_answers_match_their_schemas(agent: str) -> None:
         }
         jsonschema.Draft202012Validator(schema).validate(instance)
 
-    h = Holder.here("test")
+    h = holder_here("test")
     lease_req = {"holder": h.to_dict(), "ttl_s": 60}
     check(lease_req, "LeaseRequest")
     r = httpx.post(f"{agent}/records/vllm/lease", headers=AUTH, json=lease_req)
@@ -185,10 +185,10 @@ def test_metrics_show_phase_lease_and_idle_seconds(agent: str, state_dir: Path) 
 
     store = DirectStore(state_dir)
     store.touch("vllm")
-    h = Holder.here("test")
+    h = holder_here("test")
     assert store.acquire("vllm", h, 600)[0]
     store.update("vllm", h.id, {"phase": "running"})
-    store.acquire("sglang", Holder.here("test"), 600)  # never used: no idle sample
+    store.acquire("sglang", holder_here("test"), 600)  # never used: no idle sample
     time.sleep(0.05)
 
     lines = metric_lines(agent)

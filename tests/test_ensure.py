@@ -199,9 +199,9 @@ def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_pa
             f"""
             import shlex, subprocess, sys, time
             from pathlib import Path
-            from gpuctl.adapters.store import DirectStore, Holder
+            from gpuctl.adapters.store import DirectStore, Holder, holder_here
             store = DirectStore(Path({str(host.state_dir)!r}))
-            granted, _ = store.acquire({svc!r}, Holder.here("test"), 600)
+            granted, _ = store.acquire({svc!r}, holder_here("test"), 600)
             assert granted
             subprocess.Popen(shlex.split({cmd!r}), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gpuctl.adapters.store.codec import decode_lease, decode_record
 from gpuctl.core.record import (
     BACKOFF_MAX_S,
     MAX_ATTEMPTS_KEPT,
@@ -30,7 +31,7 @@ NOW = 1_000_000.0
 
 def lease(*, host: str = HOST, boot_id: str = BOOT, expires: float = NOW + 60) -> Lease:
     return Lease(
-        holder="h1",
+        id="h1",
         host=host,
         boot_id=boot_id,
         pid=4242,
@@ -229,8 +230,8 @@ def full_record() -> Record:
 )
 def test_round_trip(rec: Record) -> None:
     d = rec.to_dict()
-    assert Record.from_dict(d) == rec
-    assert Record.from_dict(json.loads(json.dumps(d))) == rec
+    assert decode_record(d) == rec
+    assert decode_record(json.loads(json.dumps(d))) == rec
 
 
 def test_to_dict_has_the_documented_fields() -> None:
@@ -262,14 +263,14 @@ def test_to_dict_has_the_documented_fields() -> None:
 
 
 def test_from_dict_fills_defaults_and_drops_junk_it_can_ignore() -> None:
-    rec = Record.from_dict(
+    rec = decode_record(
         {"service": "vllm", "handle": "not-a-dict", "attempts": [{"ok": 1}, 3, "x"], "extra": 1}
     )
     assert rec == Record("vllm", attempts=({"ok": 1},))
     assert rec.phase is Phase.STOPPED
     assert rec.last_used is None
-    assert Record.from_dict({"service": "vllm", "recovered": "why"}).recovered == "why"
-    assert Record.from_dict({"service": "vllm", "recovered": 3}).recovered is None
+    assert decode_record({"service": "vllm", "recovered": "why"}).recovered == "why"
+    assert decode_record({"service": "vllm", "recovered": 3}).recovered is None
 
 
 @pytest.mark.parametrize(
@@ -300,9 +301,9 @@ def test_from_dict_fills_defaults_and_drops_junk_it_can_ignore() -> None:
 )
 def test_from_dict_rejects_garbage(garbage: Any) -> None:
     with pytest.raises((ValueError, KeyError, TypeError)):
-        Record.from_dict(garbage)
+        decode_record(garbage)
 
 
 def test_lease_from_dict_defaults() -> None:
-    got = Lease.from_dict({"holder": 7, "expires": "12.5"})
+    got = decode_lease({"holder": 7, "expires": "12.5"})
     assert got == Lease("7", "", "", 0, None, "?", 0.0, 12.5)

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from gpuctl.adapters import procinfo
-from gpuctl.adapters.store import AgentStore, DirectStore, Holder, Store
+from gpuctl.adapters.store import AgentStore, DirectStore, Holder, Store, holder_here
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.core.record import Lease, Phase, Record
 from gpuctl.errors import AgentAuthError, GpuctlError, StoreError, UsageError
@@ -39,14 +39,14 @@ KINDS = ["direct", "agent"]
 CHILD = """
 import sys, time
 from pathlib import Path
-from gpuctl.adapters.store import AgentStore, DirectStore, Holder
+from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
 
 kind, where, then, go_file, token = sys.argv[1:6]
 go = Path(go_file) if go_file else None
 store = DirectStore(Path(where)) if kind == "direct" else AgentStore(where, token)
 while go is not None and not go.exists():
     time.sleep(0.005)
-granted, rec = store.acquire("vllm", Holder.here("child"), 600)
+granted, rec = store.acquire("vllm", holder_here("child"), 600)
 print("granted" if granted else "refused", rec.lease.holder if rec.lease else "-", flush=True)
 if kind != "direct":
     store.close()
@@ -114,7 +114,7 @@ def agent_env(tmp_path: Path) -> Iterator[Env]:
 
 def holder(entry: str = "test") -> Holder:
     """A holder in this (live) process; each has its own id."""
-    return Holder.here(entry)
+    return holder_here(entry)
 
 
 def put(env: Env, rec: Record) -> None:

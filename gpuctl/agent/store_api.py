@@ -23,7 +23,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gpuctl.adapters.store import DirectStore, Holder
+from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.store.codec import decode_holder
 from gpuctl.errors import GpuctlError, StoreError, UsageError
 
 
@@ -70,7 +71,7 @@ class StoreApi:
         if rest == [] and method == "PATCH":
             return 200, store.update(svc, str(data["holder"]), _update(data)).to_dict()
         if rest == ["lease"] and method == "POST":
-            granted, rec = store.acquire(svc, Holder.from_dict(data["holder"]), _ttl(data))
+            granted, rec = store.acquire(svc, decode_holder(data["holder"]), _ttl(data))
             return 200, {"granted": granted, "record": rec.to_dict()}
         if rest == ["lease", "renew"] and method == "POST":
             return 200, store.renew(svc, str(data["holder"]), _ttl(data)).to_dict()

@@ -4,7 +4,8 @@ The record is the one shared truth about a service on its GPU host: its phase, w
 was last used, who holds the right to start or stop it (the lease), how to find its
 server again (the launcher's handle), its start attempts, and its last failure with the
 back-off before the next try. The store (``gpuctl.adapters.store``) keeps it in a JSON
-file under a per-service file lock; everything here is pure.
+file under a per-service file lock, and decodes and validates it there
+(``gpuctl.adapters.store.codec``); everything here is pure, plain data.
 """
 
 from __future__ import annotations
@@ -35,21 +36,56 @@ class Phase(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Lease:
-    """The right to start (or stop) a service. Only the holder launches."""
+class Holder:
+    """Who asks for a lease: a fresh id per call, and the process behind it.
 
-    holder: str
+    The pid with its start time and the host's boot id let a caller on the same host
+    tell that the holder has died (``lease_state``); ``entry`` says which entry point
+    (ensure, stop, the API, cron) asked, for people reading ``gpuctl locks``.
+    """
+
+    id: str
     host: str
     boot_id: str
     pid: int
     pid_start: float | None
     entry: str
-    granted: float
-    expires: float
+
+    def lease(self, now: float, ttl_s: float) -> Lease:
+        """This holder's lease, granted ``now`` for ``ttl_s`` seconds."""
+        return Lease(
+            self.id, self.host, self.boot_id, self.pid, self.pid_start, self.entry, now, now + ttl_s
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "holder": self.holder,
+            "id": self.id,
+            "host": self.host,
+            "boot_id": self.boot_id,
+            "pid": self.pid,
+            "pid_start": self.pid_start,
+            "entry": self.entry,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(Holder):
+    """The right to start (or stop) a service: its holder, and the term it was granted for.
+
+    Only the holder launches. ``holder`` is the holder's id, the name the record file and
+    the wire have always used.
+    """
+
+    granted: float
+    expires: float
+
+    @property
+    def holder(self) -> str:
+        return self.id
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "holder": self.id,
             "host": self.host,
             "boot_id": self.boot_id,
             "pid": self.pid,
@@ -58,19 +94,6 @@ class Lease:
             "granted": self.granted,
             "expires": self.expires,
         }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Lease:
-        return cls(
-            holder=str(d["holder"]),
-            host=str(d.get("host", "")),
-            boot_id=str(d.get("boot_id", "")),
-            pid=int(d.get("pid", 0)),
-            pid_start=float(d["pid_start"]) if d.get("pid_start") is not None else None,
-            entry=str(d.get("entry", "?")),
-            granted=float(d.get("granted", 0.0)),
-            expires=float(d["expires"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,16 +112,6 @@ class Failure:
             "count": self.count,
             "backoff_until": self.backoff_until,
         }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Failure:
-        return cls(
-            at=float(d["at"]),
-            error=str(d.get("error", "")),
-            log_tail=str(d.get("log_tail", "")),
-            count=int(d.get("count", 1)),
-            backoff_until=float(d.get("backoff_until", 0.0)),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,27 +139,6 @@ class Record:
             "failure": self.failure.to_dict() if self.failure else None,
             "recovered": self.recovered,
         }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> Record:
-        """Parse a stored record; raises ValueError (or KeyError/TypeError) when it is broken."""
-        if not isinstance(d, dict) or "service" not in d:
-            raise ValueError("not a gpuctl record")
-        handle = d.get("handle")
-        attempts = d.get("attempts") or []
-        if not isinstance(attempts, list):
-            raise ValueError("attempts is not a list")
-        return cls(
-            service=str(d["service"]),
-            phase=Phase(d.get("phase", "stopped")),
-            since=float(d.get("since") or 0.0),
-            last_used=float(d["last_used"]) if d.get("last_used") is not None else None,
-            lease=Lease.from_dict(d["lease"]) if d.get("lease") else None,
-            handle=handle if isinstance(handle, dict) else None,
-            attempts=tuple(a for a in attempts if isinstance(a, dict)),
-            failure=Failure.from_dict(d["failure"]) if d.get("failure") else None,
-            recovered=d.get("recovered") if isinstance(d.get("recovered"), str) else None,
-        )
 
     # ---- pure transitions (the store applies them under the lock)
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpuctl.adapters.store import Holder
+from gpuctl.adapters.store import Holder, holder_here
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.errors import GpuctlError, StoreError
@@ -155,7 +155,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
             return ctx.result(Outcome.LOADING, verdict.reason, first)
         return _bystander(ctx, first, verdict.reason)
     # IDLE or FITS: take the lease; whoever holds it is the only one who launches.
-    holder = Holder.here(deps.entry)
+    holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
     granted, _ = deps.store.acquire(svc.name, holder, ttl)
     if not granted:
@@ -171,7 +171,7 @@ def _admission(ctx: _Ctx) -> Iterator[None]:
     only from the re-check to the recorded spawn (milliseconds to seconds). A holder that
     dies loses it at once on its own host, else at expiry."""
     deps = ctx.deps
-    holder = Holder.here("admission")
+    holder = holder_here("admission")
     deadline = deps.clock() + ADMISSION_TTL_S
     while True:
         granted, rec = deps.store.acquire(ADMISSION, holder, ADMISSION_TTL_S)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import Holder
+from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.record import Phase, Record
 from gpuctl.errors import GpuctlError, StoreError
@@ -23,7 +23,7 @@ def stop(deps: EnsureDeps) -> StopResult:
     start never run at once.
     """
     svc = deps.service
-    holder = Holder.here("stop")
+    holder = holder_here("stop")
     deadline = deps.clock() + STOP_LEASE_WAIT_S
     while True:
         granted, record = deps.store.acquire(

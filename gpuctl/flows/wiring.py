@@ -202,7 +202,7 @@ def deps_for(
     # would burn the CPU.
     http = SharedHttp(closers)
     store = store_for(host)
-    _close_later(store, closers)
+    closers.append(store.close)
     made: list[Launcher] = []
 
     def make_launcher(snapshot: Snapshot | None) -> Launcher:
@@ -297,7 +297,7 @@ def _records_reader(
     def read() -> list[Record]:
         if not opened:
             opened.append(store_for(host, timeout_s=host.timeout_s))
-            _close_later(opened[0], closers)
+            closers.append(opened[0].close)
         return opened[0].records()
 
     return read
@@ -316,7 +316,7 @@ def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> Locks
 
     def store_of(h: HostConfig) -> Store:
         store = store_for(h)
-        _close_later(store, closers)
+        closers.append(store.close)
         return store
 
     return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of)

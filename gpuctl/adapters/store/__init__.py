@@ -1,0 +1,53 @@
+"""The GPU host's state store (DESIGN §3): one JSON record per service, each changed only
+under that service's file lock and written atomically.
+
+One interface (``Store``, in ``base``), two implementations:
+
+- ``DirectStore`` (``direct``): the files themselves, on the GPU host (``GPUCTL_STATE_DIR``).
+- ``AgentStore`` (``agent``): the same operations through the host agent's ``/records``
+  endpoints, for callers elsewhere (and cron on the host, when an agent runs there). The
+  agent serves them with a ``DirectStore``, so both paths work on the same files under
+  the same locks, and even a mix of the two cannot double-start.
+
+``codec`` turns record files and wire bodies into ``gpuctl.core.record`` data and back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gpuctl.adapters.store.agent import AgentStore
+from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, Store, check_name, holder_here
+from gpuctl.adapters.store.direct import DirectStore
+from gpuctl.core.record import Holder
+
+if TYPE_CHECKING:
+    from gpuctl.config import HostConfig
+
+__all__ = [
+    "LOCK_TIMEOUT_S",
+    "_NAME",
+    "AgentStore",
+    "DirectStore",
+    "Holder",
+    "Store",
+    "check_name",
+    "holder_here",
+    "store_for",
+]
+
+
+def store_for(host: HostConfig, timeout_s: float | None = None) -> Store:
+    """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
+    agent request (default: the host's timeout, at least 5 s, as lease calls may wait
+    for a file lock on the host)."""
+    if host.agent:
+        return AgentStore(
+            host.agent,
+            host.token(),
+            timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
+            host_name=host.name,
+        )
+    from gpuctl.config.paths import default_state_dir
+
+    return DirectStore(default_state_dir())

@@ -1,0 +1,117 @@
+"""``AgentStore``: the store through the host agent's ``/records`` endpoints.
+
+``curl -H 'Authorization: Bearer …' http://dgx:9400/records`` lists the records. The agent
+serves them with a ``DirectStore``, so both paths work on the same files under the same
+locks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuctl.adapters.store.base import check_name
+from gpuctl.adapters.store.codec import decode_record
+from gpuctl.core.record import Holder, Record
+from gpuctl.errors import StoreError
+
+
+class AgentStore:
+    """The store through the host agent's ``/records`` endpoints (same semantics)."""
+
+    def __init__(
+        self, base_url: str, token: str | None, timeout_s: float = 5.0, host_name: str = "?"
+    ) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.host_name = host_name
+        self.timeout_s = timeout_s
+        self.token_sent = bool(token)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One request; errors as the status client words them (one shared vocabulary).
+
+        A 409 (the lease is not ours) is a StoreError, not an unavailable agent.
+        """
+        import httpx
+
+        from gpuctl.adapters.agent_client import parse_response, transport_error
+
+        try:
+            r = self._client.request(method, path, json=body)
+        except httpx.HTTPError as e:
+            raise transport_error(e, self.base_url, self.timeout_s) from None
+        if r.status_code in (409, 503):
+            # The agent answered, but its store could not do it (not the lease holder, a
+            # lock held too long, no state dir): the same StoreError the files give.
+            try:
+                data = r.json()
+            except ValueError:
+                data = None
+            if isinstance(data, dict) and isinstance(data.get("error"), str):
+                hint = data.get("hint")
+                raise StoreError(
+                    f"the store on {self.host_name}: {data['error']}",
+                    hint=hint if isinstance(hint, str) else "",
+                )
+        return parse_response(r, self.base_url, self.host_name, self.token_sent)
+
+    def _record(self, data: Any) -> Record:
+        from gpuctl.errors import AgentUnavailable
+
+        try:
+            return decode_record(data)
+        except (ValueError, KeyError, TypeError) as e:
+            raise AgentUnavailable(
+                f"the agent at {self.base_url} sent a broken record: {e}"
+            ) from None
+
+    def get(self, service: str) -> Record:
+        return self._record(self._call("GET", f"/records/{check_name(service)}"))
+
+    def records(self) -> list[Record]:
+        data = self._call("GET", "/records")
+        return [self._record(r) for r in (data.get("records") or [])]
+
+    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        data = self._call(
+            "POST",
+            f"/records/{check_name(service)}/lease",
+            {"holder": holder.to_dict(), "ttl_s": ttl_s},
+        )
+        return bool(data.get("granted")), self._record(data.get("record"))
+
+    def renew(self, service: str, holder_id: str, ttl_s: float) -> Record:
+        return self._record(
+            self._call(
+                "POST",
+                f"/records/{check_name(service)}/lease/renew",
+                {"holder": holder_id, "ttl_s": ttl_s},
+            )
+        )
+
+    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+        return self._record(
+            self._call(
+                "POST",
+                f"/records/{check_name(service)}/lease/release",
+                {"holder": holder_id, "update": update or {}},
+            )
+        )
+
+    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+        return self._record(
+            self._call(
+                "PATCH", f"/records/{check_name(service)}", {"holder": holder_id, "update": update}
+            )
+        )
+
+    def touch(self, service: str, ready: bool = False) -> Record:
+        return self._record(
+            self._call("POST", f"/records/{check_name(service)}/touch", {"ready": ready})
+        )

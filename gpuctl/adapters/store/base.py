@@ -1,0 +1,72 @@
+"""The store's interface, shared by its two implementations, and the names it accepts."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from typing import Any, Protocol
+
+from gpuctl.core.record import Holder, Record
+from gpuctl.errors import UsageError
+
+# The agent's OpenAPI document repeats this pattern (agent.app.SERVICE_NAME_PATTERN).
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+LOCK_TIMEOUT_S = 10.0
+
+
+class Store(Protocol):
+    """The store's operations; every one raises ``StoreError`` when it cannot be done."""
+
+    def get(self, service: str) -> Record:
+        """The record as it stands: a lease that expired or whose holder died is shown as none."""
+        ...
+
+    def records(self) -> list[Record]:
+        """Every service's record. A record file that fails validation is set aside and
+        its service listed afresh, with ``recovered`` saying why and where the copy is."""
+        ...
+
+    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        """Take the lease unless someone else holds a live one. Returns (granted, record)."""
+        ...
+
+    def renew(self, service: str, holder_id: str, ttl_s: float) -> Record: ...
+
+    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+        """Apply ``update`` and drop the lease, if ``holder_id`` still holds it."""
+        ...
+
+    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+        """Apply ``update`` as the lease holder (StoreError otherwise)."""
+        ...
+
+    def touch(self, service: str, ready: bool = False) -> Record:
+        """last_used = now: every entry point marks a use the same way.
+
+        ``ready``: the caller saw it answer its health check, so a record still saying
+        ``starting`` (its launcher was interrupted) becomes ``running``.
+        """
+        ...
+
+    def close(self) -> None:
+        """Free what the store holds (the agent store's connections). Idempotent."""
+        ...
+
+
+def check_name(service: str) -> str:
+    # fullmatch: ``$`` alone also matches before a trailing newline ("vllm\n").
+    if not isinstance(service, str) or not _NAME.fullmatch(service):
+        raise UsageError(f"invalid service name {service!r}")
+    return service
+
+
+def holder_here(entry: str) -> Holder:
+    """A fresh holder for this process on this host (a new id per call)."""
+    from gpuctl.adapters import procinfo
+
+    ident = procinfo.host_identity()
+    pid = os.getpid()
+    return Holder(
+        uuid.uuid4().hex, ident.hostname, ident.boot_id, pid, procinfo.start_time(pid), entry
+    )
