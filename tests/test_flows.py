@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, Holder
+from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.model import GpuProcess
 from gpuctl.core.record import Phase, Record
@@ -53,7 +53,7 @@ def test_idle_gpu_launches_once_and_waits_through_the_cold_start(w: World) -> No
 
 
 def test_ensure_asks_for_the_recorded_servers_pids(w: World) -> None:
-    holder = Holder.here("test")
+    holder = holder_here("test")
     w.store.acquire("photos", holder, 60)
     w.store.release(
         "photos", holder.id, {"handle": {"kind": "process", "pid": 777}, "phase": "running"}
@@ -117,7 +117,7 @@ def test_no_wait_returns_started_with_the_handle(w: World) -> None:
 
 
 def test_a_bystander_waits_for_the_lease_holder_and_never_launches(w: World) -> None:
-    other = Holder.here("someone-else")
+    other = holder_here("someone-else")
     granted, _ = w.store.acquire("vllm", other, 600)
     assert granted
     w.health.ready_after(10)
@@ -129,7 +129,7 @@ def test_a_bystander_waits_for_the_lease_holder_and_never_launches(w: World) -> 
 
 
 def test_a_bystander_goes_round_and_starts_it_when_the_holder_gave_up(w: World) -> None:
-    other = Holder.here("someone-else")
+    other = holder_here("someone-else")
     w.store.acquire("vllm", other, 600)
     # The holder gives up after a second: its lease goes, nothing runs.
     polls = {"n": 0}
@@ -186,7 +186,7 @@ def test_stop_stops_the_recorded_server_and_marks_it_stopped(w: World) -> None:
 
 
 def test_stop_waits_on_the_fake_clock_for_a_start_under_way(w: World) -> None:
-    other = Holder.here("someone-else")
+    other = holder_here("someone-else")
     w.store.acquire("vllm", other, 600)
     with pytest.raises(StoreError, match="being started or stopped"):
         service_ops.stop(w.deps(entry="stop"))
@@ -226,7 +226,7 @@ def _status_deps(
 def test_status_reads_records_first_and_asks_for_their_servers(tmp_path: Path) -> None:
     clock = Clock()
     store = DirectStore(tmp_path / "a", clock=clock)
-    holder = Holder.here("test")
+    holder = holder_here("test")
     store.acquire("vllm_a", holder, 60)
     store.release(
         "vllm_a", holder.id, {"handle": {"kind": "process", "pid": 555}, "phase": "running"}

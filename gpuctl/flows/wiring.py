@@ -171,12 +171,6 @@ def handle_checker(
     return check
 
 
-def _close_later(obj: object, closers: list[Callable[[], None]]) -> None:
-    close = getattr(obj, "close", None)
-    if close is not None:
-        closers.append(close)
-
-
 def deps_for(
     config: Config,
     service_name: str,
