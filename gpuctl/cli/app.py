@@ -11,10 +11,22 @@ from __future__ import annotations
 
 import os
 import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from gpuctl import __version__
+
+
+class Shell(StrEnum):
+    """The shells ``completions/`` has a script for (named, never guessed: guessing
+    installed bash's script for a zsh user)."""
+
+    bash = "bash"
+    zsh = "zsh"
+    fish = "fish"
 
 
 def _version(value: bool) -> None:
@@ -23,8 +35,37 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _install_completion(value: Shell | None) -> None:
+    if value is None:
+        return
+    from gpuctl.cli.completion import install
+
+    done = install(value.value, Path.home())
+    print(f"gpuctl: {value.value} completion installed in {done.script}", file=sys.stderr)
+    if done.rc_file is not None:
+        print(f"gpuctl: added a line to {done.rc_file}", file=sys.stderr)
+    print(f"gpuctl: {done.note}", file=sys.stderr)
+    raise typer.Exit()
+
+
+def _show_completion(value: Shell | None) -> None:
+    if value is None:
+        return
+    from gpuctl.cli.completion import script
+
+    sys.stdout.write(script(value.value))
+    raise typer.Exit()
+
+
 def create_app(argv: list[str] | None = None) -> typer.Typer:
     """The app, with the commands the command line ``argv`` needs (default: every command)."""
+    if os.environ.get("_GPUCTL_COMPLETE"):
+        # add_completion=False also skips registering Typer's completion protocol
+        # (complete_bash, complete_zsh, ...), which our scripts speak. typer.completion is
+        # a public module, but it imports completion_init rather than exporting it.
+        from typer.completion import completion_init  # type: ignore[attr-defined]
+
+        completion_init()
     app = typer.Typer(
         name="gpuctl",
         help=(
@@ -32,7 +73,8 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
             "servers exactly once, reclaim what sits idle."
         ),
         no_args_is_help=True,
-        add_completion=True,
+        # Completion options are ours (gpuctl.cli.completion): Typer's ignore the shell named.
+        add_completion=False,
         context_settings={"help_option_names": ["-h", "--help"]},
         pretty_exceptions_enable=False,
         rich_markup_mode=None,
@@ -43,6 +85,26 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
         version: bool = typer.Option(
             False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
         ),
+        install_completion: Annotated[
+            Shell | None,
+            typer.Option(
+                "--install-completion",
+                callback=_install_completion,
+                is_eager=True,
+                expose_value=False,
+                help="Install completion for SHELL (in its user start-up files).",
+            ),
+        ] = None,
+        show_completion: Annotated[
+            Shell | None,
+            typer.Option(
+                "--show-completion",
+                callback=_show_completion,
+                is_eager=True,
+                expose_value=False,
+                help="Print the completion script for SHELL.",
+            ),
+        ] = None,
     ) -> None:
         """Share one big GPU between heavy workloads."""
 
@@ -92,6 +154,15 @@ def main() -> None:
     has finished its work and closed its clients by then; nothing is left for atexit.
     """
     code: int = 0
+    instruction = os.environ.get("_GPUCTL_COMPLETE", "")
+    if instruction.startswith("source_"):
+        # Our scripts, not Typer's (see gpuctl.cli.completion); other shells fall through.
+        from gpuctl.cli.completion import SHELLS, script
+
+        if instruction[len("source_") :] in SHELLS:
+            sys.stdout.write(script(instruction[len("source_") :]))
+            sys.stdout.flush()
+            os._exit(0)
     try:
         create_app(sys.argv[1:])(prog_name="gpuctl")
     except SystemExit as e:
