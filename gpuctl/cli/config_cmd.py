@@ -1,13 +1,13 @@
-"""``gpuctl config check|show|path``."""
+"""``gpuctl config check|show|path|init``."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from gpuctl.cli.common import ConfigOpt, JsonOpt, errors_to_exit, print_json
+from gpuctl.cli.common import ConfigOpt, JsonOpt, errors_to_exit, print_json, say
 from gpuctl.errors import ExitCode
 
 config_app = typer.Typer(help="Find, check and show the configuration.", no_args_is_help=True)
@@ -111,3 +111,57 @@ def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
             print_json(config_to_json(conf))
         else:
             sys.stdout.write(config_to_toml(conf))
+
+
+@config_app.command("init")
+def init(
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent",
+            help="The GPU host's agent URL, when this machine has no GPU. "
+            "Default: http://127.0.0.1:9400.",
+            metavar="URL",
+        ),
+    ] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            "--host",
+            "-H",
+            help="The host's name in the config. Default: this machine's name when it has "
+            "a GPU, else gpu.",
+            metavar="NAME",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing config file.")
+    ] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Write a commented starter config (it passes `gpuctl config check` as it stands).
+
+    With a GPU here (and no --agent), this machine is the host, probed directly;
+    otherwise the config points at an agent and a token file is created beside it (mode 600). An existing
+    config is never replaced without --force; an existing token file is kept.
+    """
+    with errors_to_exit():
+        from gpuctl.adapters.probes.detect import local_gpu_answers
+        from gpuctl.config import config_path
+        from gpuctl.config.starter import write_starter
+
+        p, _ = config_path(config)
+        # An --agent named on the command line means "the GPU is there", GPU here or not.
+        gpu_here = agent is None and local_gpu_answers()
+        done = write_starter(p, gpu_here=gpu_here, agent=agent, host=host, force=force)
+        print(done.config)
+        if done.agent is None:
+            say(f"wrote {done.config}: host {done.host}, this machine's GPU, probed directly")
+        else:
+            tok = "created" if done.token_created else "kept"
+            say(
+                f"wrote {done.config}: host {done.host}, agent {done.agent}\n"
+                f"  token file {done.token_file} ({tok}, mode 600): the agent needs the same "
+                f"token: gpuctl agent --token-file <a copy of it>"
+            )
+        say("next: add a [services.NAME] (see the commented example), then `gpuctl config check`")

@@ -136,9 +136,10 @@ class _Table:
         self.data: dict[str, Any] = data
         for key in data:
             if key not in keys:
-                close = difflib.get_close_matches(str(key), keys, n=1)
+                # A huge key would make difflib slow; nothing that long is a typo of ours.
+                close = difflib.get_close_matches(key, keys, n=1) if len(key) <= 100 else []
                 hint = f"did you mean {close[0]!r}?" if close else "see README 'Configuration'"
-                raise ConfigError(f"{self.loc(key)}: unknown key", hint=hint)
+                raise ConfigError(f"{self.loc(_key(key))}: unknown key", hint=hint)
 
     def loc(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
@@ -248,10 +249,10 @@ class _Table:
         out: dict[str, str] = {}
         for k, x in v.items():
             if isinstance(x, bool) or not isinstance(x, str | int | float):
-                raise ConfigError(f"{self.loc(key)}.{k}: expected a string, got {_show(x)}")
+                raise ConfigError(f"{self.loc(key)}.{_key(k)}: expected a string, got {_show(x)}")
             text = str(x)
             if "\x00" in text or "\x00" in k:
-                raise ConfigError(f"{self.loc(key)}.{k}: must not contain a NUL character")
+                raise ConfigError(f"{self.loc(key)}.{_key(k)}: must not contain a NUL character")
             out[k] = text
         return out
 
@@ -299,6 +300,11 @@ def _tname(v: Any) -> str:
     return names.get(type(v), type(v).__name__)
 
 
+def _key(k: str) -> str:
+    """A table key for a location: as written when it is plain, else quoted and cut short."""
+    return k if k and k.isprintable() and len(k) <= 80 else _show(k)
+
+
 def _show(v: Any) -> str:
     """A value for an error message, cut short: a config can hold a huge string."""
     text = repr(v)
@@ -337,8 +343,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
 
 def _check_name(kind: str, name: str) -> None:
     if not is_valid_name(name):
-        shown = name if name.isprintable() and len(name) <= 80 else _show(name)
-        raise ConfigError(f"{kind}.{shown}: a name may hold {NAME_RULE}")
+        raise ConfigError(f"{kind}.{_key(name)}: a name may hold {NAME_RULE}")
 
 
 def _host(name: str, raw: Any, defaults: Defaults, base: Path | None) -> HostConfig:
@@ -546,13 +551,13 @@ def _ports(s: _Table) -> dict[str, int]:
             "sctp",
         ):
             raise ConfigError(
-                f"{s.loc('ports')}.{_show(k)}: expected a container port like '8000' or '8000/tcp'"
+                f"{s.loc('ports')}.{_key(k)}: expected a container port like '8000' or '8000/tcp'"
             )
         if isinstance(v, str) and v.isascii() and v.strip().isdigit():
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536:
             raise ConfigError(
-                f"{s.loc('ports')}.{k}: expected a port number (1-65535), got {_show(v)}"
+                f"{s.loc('ports')}.{_key(k)}: expected a port number (1-65535), got {_show(v)}"
             )
         out[k] = v
     return out
@@ -597,8 +602,8 @@ def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
     for key in svc.env:
         if launcher == "jupyter" and not _ENV_NAME.fullmatch(key):
             raise ConfigError(
-                f"{where}.env.{_show(key)}: not a shell variable name",
+                f"{where}.env.{_key(key)}: not a shell variable name",
                 hint="use letters, digits and '_' only, not starting with a digit",
             )
         if not key or "=" in key:
-            raise ConfigError(f"{where}.env.{_show(key)}: an environment name cannot hold '='")
+            raise ConfigError(f"{where}.env.{_key(key)}: an environment name cannot hold '='")
