@@ -1,0 +1,411 @@
+"""The ``ollama`` launcher: a model loaded into (and unloaded from) an Ollama server.
+
+Ollama runs as a daemon that gpuctl does not start; its models load on demand. So
+"start" here is Ollama's own preload, and "stop" its unload::
+
+    curl http://dgx:11434/api/generate -d '{"model": "qwen3:32b", "keep_alive": "30m"}'
+    curl http://dgx:11434/api/ps
+    curl http://dgx:11434/api/generate -d '{"model": "qwen3:32b", "keep_alive": 0}'
+
+- **start** checks that Ollama has the model (``/api/tags``), then sends the empty
+  generate request from a small detached process (``python -m
+  gpuctl.adapters.launchers.ollama``), so the load goes on when the caller is
+  interrupted or runs ``ensure --no-wait``: Ollama drops a load whose client went away
+  before it began. Its ``keep_alive`` is the service's ``idle_timeout`` (``-1`` for
+  ``"never"``), so Ollama's own expiry agrees with ``gpuctl reclaim``.
+- **health and memory** come from ``/api/ps``: the model is listed with its
+  ``size_vram``. Ollama lists a model from the moment its load begins and holds the
+  requests for it until it is loaded, so while our own load request runs, the model
+  counts as loading, not ready.
+- **stop** is ``keep_alive: 0``: Ollama unloads the model once the requests it serves
+  are done; stop waits up to the service's ``stop_timeout`` for it to go.
+- **In flight**: Ollama has no metric of requests in flight, so reclaim relies on the
+  store's in-flight counts alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuctl.adapters.launchers.base import Handle
+from gpuctl.core.decision import Health
+from gpuctl.core.units import format_mib
+from gpuctl.errors import LauncherError, StartFailed
+
+if TYPE_CHECKING:
+    import httpx
+
+    from gpuctl.config import ServiceConfig
+
+KIND = "ollama"
+# What the detached loader keeps of the caller's environment: enough to run Python,
+# none of gpuctl's secrets.
+_LOADER_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
+
+
+def normalize_model(name: str) -> str:
+    """Ollama's model names: ``qwen3`` means ``qwen3:latest`` (as ``/api/ps`` lists it)."""
+    name = name.strip()
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def keep_alive_for(idle_timeout_s: float | None) -> int:
+    """The ``keep_alive`` a load asks for: the idle timeout in seconds, -1 for "never"."""
+    if idle_timeout_s is None or not math.isfinite(idle_timeout_s):
+        return -1
+    return max(1, math.ceil(idle_timeout_s))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """One row of ``/api/ps``."""
+
+    name: str
+    size_mib: int
+    vram_mib: int
+    expires_at: str
+
+
+class OllamaLauncher:
+    """One service's model on one Ollama server.
+
+    Args:
+        url: the host's ``ollama`` URL (``http://dgx:11434``).
+        model: the service's ``model``.
+        keep_alive_s: the service's idle timeout (None: never), sent with each load.
+        log_dir: where the detached loader writes what went wrong.
+        client: an httpx client to reuse (one per command); made here when None.
+        timeout_s: for each request to Ollama (a load is the loader's, and not bounded).
+    """
+
+    kind = KIND
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        keep_alive_s: float | None = None,
+        log_dir: Path | None = None,
+        client: httpx.Client | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = normalize_model(model)
+        self.keep_alive = keep_alive_for(keep_alive_s)
+        self.log_dir = log_dir
+        self.timeout_s = timeout_s
+        self._client = client
+        self._own_client = client is None
+        self._loader: subprocess.Popen[bytes] | None = None
+
+    # -- Ollama's API
+
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client(timeout=self.timeout_s)
+        return self._client
+
+    def _get(self, path: str) -> Any:
+        import httpx
+
+        try:
+            r = self.client.get(self.url + path, timeout=self.timeout_s)
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise LauncherError(
+                f"Ollama at {self.url} did not answer {path}: {_why(e)}",
+                hint="is `ollama serve` running there? check the host's `ollama` URL",
+            ) from None
+
+    def ps(self) -> dict[str, LoadedModel]:
+        """The models Ollama has loaded (or is loading), by name.
+
+        Raises:
+            LauncherError: Ollama does not answer, or answers nonsense.
+        """
+        data = self._get("/api/ps")
+        models = data.get("models") if isinstance(data, dict) else None
+        if not isinstance(models, list):
+            raise LauncherError(f"Ollama at {self.url} answered /api/ps without a model list")
+        out: dict[str, LoadedModel] = {}
+        for m in models:
+            if not isinstance(m, dict) or not isinstance(m.get("name"), str):
+                continue
+            out[m["name"]] = LoadedModel(
+                name=m["name"],
+                size_mib=_mib(m.get("size")),
+                vram_mib=_mib(m.get("size_vram")),
+                expires_at=str(m.get("expires_at") or ""),
+            )
+        return out
+
+    def has_model(self) -> bool:
+        """Whether Ollama has the model on disk (``/api/tags``)."""
+        data = self._get("/api/tags")
+        models = data.get("models") if isinstance(data, dict) else None
+        names = {
+            normalize_model(str(m.get("name") or m.get("model") or ""))
+            for m in models or []
+            if isinstance(m, dict)
+        }
+        return self.model in names
+
+    def health(self) -> Health:
+        """Ready when ``/api/ps`` lists the model and no load of ours is still running.
+
+        Never raises: an Ollama that does not answer is ``refused``/``timeout``.
+        """
+        import httpx
+
+        try:
+            loaded = self.ps()
+        except LauncherError as e:
+            state = "timeout" if "timed out" in e.message.lower() else "refused"
+            return Health(state, e.message)
+        except httpx.HTTPError as e:  # pragma: no cover - ps maps these already
+            return Health("refused", _why(e))
+        found = loaded.get(self.model)
+        if found is None:
+            return Health("refused", f"{self.model} is not loaded in Ollama at {self.url}")
+        if self._loader is not None and self._loader.poll() is None:
+            return Health("refused", f"{self.model} is loading in Ollama ({_placed(found)})")
+        return Health("ready", f"{self.model} is loaded in Ollama ({_placed(found)})", 200)
+
+    # -- the Launcher protocol
+
+    def start(self, service: ServiceConfig) -> Handle:
+        """Ask Ollama to load the model, from a detached loader; returns at once.
+
+        Raises:
+            StartFailed: Ollama does not answer, or does not have the model.
+        """
+        try:
+            present = self.has_model()
+        except LauncherError as e:
+            raise StartFailed(e.message, hint=e.hint) from None
+        if not present:
+            raise StartFailed(
+                f"Ollama at {self.url} does not have the model {self.model}",
+                hint=f"run `ollama pull {self.model}` on the host, or fix "
+                f"services.{service.name}.model",
+            )
+        log = self._log_path(service)
+        env = {k: v for k, v in os.environ.items() if k in _LOADER_ENV}
+        argv = [
+            sys.executable, "-m", "gpuctl.adapters.launchers.ollama",
+            self.url, self.model, str(self.keep_alive), str(service.health_timeout_s),
+        ]  # fmt: skip
+        try:
+            out = _open_log(log) if log else subprocess.DEVNULL
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # Ctrl-C of the caller does not end the load
+                    close_fds=True,
+                )
+            finally:
+                if not isinstance(out, int):
+                    out.close()
+        except OSError as e:
+            raise StartFailed(f"cannot start the Ollama loader: {e.strerror or e}") from None
+        self._loader = proc
+        from gpuctl.adapters import procinfo
+
+        return Handle(
+            kind=KIND,
+            pid=proc.pid,
+            pid_start=procinfo.start_time(proc.pid),
+            log=str(log) if log else None,
+        )
+
+    def alive(self, handle: Handle) -> bool | None:
+        """True while Ollama lists the model, or our loader still runs; None: no answer."""
+        try:
+            if self.model in self.ps():
+                return True
+        except LauncherError:
+            return None
+        return self._loader_alive(handle)
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        """Unload (``keep_alive: 0``) and wait up to ``grace_s`` for the model to go.
+
+        Raises:
+            LauncherError: Ollama does not answer, or still has the model after ``grace_s``
+                (requests in flight hold it).
+        """
+        import httpx
+
+        if handle.pid and self._loader_alive(handle):
+            # Our load is still running: ending it first keeps it from loading the model
+            # again right after the unload.
+            with contextlib.suppress(OSError):
+                os.kill(handle.pid, signal.SIGTERM)
+        try:
+            r = self.client.post(
+                self.url + "/api/generate",
+                json={"model": self.model, "keep_alive": 0, "stream": False},
+                timeout=self.timeout_s,
+            )
+        except httpx.HTTPError as e:
+            raise LauncherError(
+                f"Ollama at {self.url} did not take the unload of {self.model}: {_why(e)}",
+                hint="is `ollama serve` running there?",
+            ) from None
+        if r.status_code == 404:
+            return  # Ollama no longer has the model: nothing of it is loaded
+        if r.status_code != 200:
+            raise LauncherError(
+                f"Ollama at {self.url} refused to unload {self.model}: HTTP {r.status_code} "
+                f"{_error_text(r)}"
+            )
+        deadline = time.monotonic() + grace_s
+        while self.model in self.ps():
+            if time.monotonic() >= deadline:
+                raise LauncherError(
+                    f"Ollama still has {self.model} loaded {grace_s:g}s after the unload",
+                    hint="requests in flight hold it; Ollama unloads it when they end",
+                )
+            time.sleep(0.1)
+
+    def log_tail(self, handle: Handle, lines: int = 20) -> str:
+        """The loader's output (Ollama's own log is the daemon's, not ours)."""
+        if not handle.log:
+            return ""
+        try:
+            fd = os.open(handle.log, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return ""
+        with os.fdopen(fd, "rb") as f:
+            text = f.read()[-16384:].decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def find(self, service: ServiceConfig) -> Handle | None:
+        """The model, when Ollama has it loaded (a handle with nothing to signal)."""
+        try:
+            return Handle(kind=KIND) if self.model in self.ps() else None
+        except LauncherError:
+            return None
+
+    def close(self) -> None:
+        if self._own_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- helpers
+
+    def _log_path(self, service: ServiceConfig) -> Path | None:
+        if self.log_dir is None:
+            return None
+        return self.log_dir / f"{service.name}.ollama-load.log"
+
+    def _loader_alive(self, handle: Handle) -> bool:
+        if self._loader is not None and handle.pid == self._loader.pid:
+            return self._loader.poll() is None
+        if not handle.pid:
+            return False
+        from gpuctl.adapters import procinfo
+
+        return procinfo.is_same_process(handle.pid, handle.pid_start)
+
+
+def _open_log(path: Path) -> Any:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "ab")
+
+
+def _mib(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value // 2**20
+    return 0
+
+
+def _placed(m: LoadedModel) -> str:
+    if m.size_mib and m.vram_mib < m.size_mib:
+        return (
+            f"{format_mib(m.vram_mib)} of {format_mib(m.size_mib)} on the GPU, the rest on the CPU"
+        )
+    return f"{format_mib(m.vram_mib)} on the GPU"
+
+
+def _why(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text.splitlines()[0][:200]
+
+
+def _error_text(r: Any) -> str:
+    try:
+        err = r.json().get("error")
+    except (ValueError, AttributeError):
+        err = None
+    return str(err)[:200] if err else ""
+
+
+def load(url: str, model: str, keep_alive: int, timeout_s: float) -> int:
+    """The detached loader: one empty generate request; 0 when the model loaded.
+
+    Standard library only (it starts in a few tens of milliseconds), and its output is
+    the service's loader log.
+    """
+    body = json.dumps(
+        {"model": model, "prompt": "", "keep_alive": keep_alive, "stream": False}
+    ).encode()
+    req = urllib.request.Request(  # noqa: S310 - the host's configured Ollama URL
+        url.rstrip("/") + "/api/generate",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"--- gpuctl: loading {model} into Ollama at {url} ({stamp})", flush=True)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310
+            reply = json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:500].decode(errors="replace")
+        print(f"error: Ollama answered HTTP {e.code}: {detail}", flush=True)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", flush=True)
+        return 1
+    print(f"loaded: {reply.get('done_reason', 'done') if isinstance(reply, dict) else reply}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gpuctl.adapters.launchers.ollama URL MODEL KEEP_ALIVE TIMEOUT_S``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 4:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    try:
+        return load(args[0], args[1], int(args[2]), float(args[3]))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
