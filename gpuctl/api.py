@@ -87,7 +87,7 @@ def _config(config: Config | Path | str | None) -> Config:
 
 def _service(conf: Config, name: str) -> ServiceConfig:
     svc = conf.service(name)
-    if not svc.health:
+    if not svc.health and svc.launcher != "ollama":  # an Ollama model: /api/ps
         raise ConfigError(
             f"services.{name}.health: missing; ensure_ready cannot tell when it is ready"
         )

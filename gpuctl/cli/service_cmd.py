@@ -65,7 +65,7 @@ def ensure(
         timeout_s = timeout
         conf = open_config(config)
         svc = conf.service(service)
-        if not svc.health:
+        if not svc.health and svc.launcher != "ollama":  # an Ollama model: /api/ps
             fail(
                 ConfigError(
                     f"services.{service}.health: missing, so gpuctl cannot tell when it is ready",

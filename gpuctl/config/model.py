@@ -156,7 +156,14 @@ class ServiceConfig:
 
     @property
     def keywords(self) -> tuple[str, ...]:
-        """What marks a host process as this service's: its match keywords, else its name."""
+        """What marks a host process as this service's: its match keywords, else its name.
+
+        An Ollama model has no process of its own (Ollama's runners carry no model name,
+        and the daemon serves every model): only explicit ``match`` keywords, else none,
+        so a service called "ollama" never takes the daemon for itself loading.
+        """
+        if self.launcher == "ollama":
+            return self.match
         return self.match or (self.name,)
 
 

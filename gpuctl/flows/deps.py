@@ -84,6 +84,8 @@ class StatusDeps(Closers):
     hosts: list[HostDeps] = field(kw_only=True)
     # (health URL, timeout) -> its answer; never raises
     check_health: Callable[[str, float], Health] = field(kw_only=True)
+    # (Ollama URL, model, timeout) -> the model's health from /api/ps; never raises
+    check_ollama: Callable[[str, str, float], Health] | None = field(kw_only=True, default=None)
     health_timeout_s: float = field(kw_only=True, default=2.0)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     monotonic: Callable[[], float] = field(kw_only=True, default=time.monotonic)

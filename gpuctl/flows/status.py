@@ -67,6 +67,13 @@ def _observe_host(hd: HostDeps, services: Sequence[Any]) -> Observation:
         return Observation(error=f"{type(e).__name__}: {e}")
 
 
+def _health_target(s: Any, deps: StatusDeps) -> bool:
+    """Whether the service has a health to ask: its URL, or an Ollama model's /api/ps."""
+    return bool(s.health) or (
+        s.launcher == "ollama" and s.model is not None and deps.check_ollama is not None
+    )
+
+
 def status(deps: StatusDeps) -> StatusReport:
     """Status of every host in ``deps``. Never raises for a host that does not answer:
     that host is reported UNKNOWN with why."""
@@ -74,7 +81,7 @@ def status(deps: StatusDeps) -> StatusReport:
     started = deps.monotonic()
     taken_at = iso_utc(deps.clock())
     per_host = [config.services_on(hd.host.name) for hd in deps.hosts]
-    healths_wanted = [s for services in per_host for s in services if s.health]
+    healths_wanted = [s for services in per_host for s in services if _health_target(s, deps)]
     with _runner(len(deps.hosts) + len(healths_wanted)) as submit:
         seen: list[Future[Observation] | _Done[Observation]] = [
             submit(_observe_host, hd, services)
@@ -83,10 +90,12 @@ def status(deps: StatusDeps) -> StatusReport:
         healths: dict[str, Future[Health] | _Done[Health]] = {}
         for hd, services in zip(deps.hosts, per_host, strict=True):
             for s in services:
+                timeout = min(deps.health_timeout_s, hd.host.timeout_s)
                 if s.health:
-                    healths[s.name] = submit(
-                        deps.check_health, s.health, min(deps.health_timeout_s, hd.host.timeout_s)
-                    )
+                    healths[s.name] = submit(deps.check_health, s.health, timeout)
+                elif _health_target(s, deps) and hd.host.ollama and s.model:
+                    assert deps.check_ollama is not None
+                    healths[s.name] = submit(deps.check_ollama, hd.host.ollama, s.model, timeout)
         reports = []
         for hd, services, fut in zip(deps.hosts, per_host, seen, strict=True):
             obs = fut.result()

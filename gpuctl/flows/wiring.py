@@ -140,6 +140,18 @@ def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | 
         from gpuctl.adapters.launchers.docker import DockerLauncher
 
         return DockerLauncher(host.docker, secrets=secret_names(host))
+    if kind == "ollama":
+        from gpuctl.adapters.launchers.ollama import OllamaLauncher
+        from gpuctl.config.paths import default_state_dir
+
+        assert host.ollama is not None and service.model is not None  # checked at load
+        # The loader runs on this machine (it is an HTTP client), so its log is here.
+        return OllamaLauncher(
+            host.ollama,
+            service.model,
+            keep_alive_s=service.idle_timeout_s,
+            log_dir=default_state_dir() / "logs",
+        )
     from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 
     assert host.jupyter is not None
@@ -188,8 +200,6 @@ def deps_for(
         )
     host = config.host(service.host)
 
-    from gpuctl.adapters import health
-
     closers: list[Callable[[], None]] = []
     # One keep-alive client for the whole wait (agent and health checks): a new client
     # per poll costs a connection each time, and 32 waiters polling 4 times a second
@@ -214,12 +224,31 @@ def deps_for(
         host=host,
         store=store,
         read_snapshot=snapshot_reader(host, closers, http),
-        check_health=lambda: health.check(service.health, timeout_s=2.0, client=http()),
+        check_health=_service_health(service, host, http, lambda: make_launcher(None)),
         make_launcher=make_launcher,
         handle_alive=handle_checker(service, host, lambda: make_launcher(None)),
         progress=progress,
         entry=entry,
     )
+
+
+def _service_health(
+    service: ServiceConfig, host: HostConfig, http: SharedHttp, launcher: Callable[[], Launcher]
+) -> Callable[[], Health]:
+    """The service's health check: its ``health`` URL, or for an Ollama model ``/api/ps``
+    (asked by its launcher, which also knows whether its own load is still running)."""
+    from gpuctl.adapters import health
+
+    if service.launcher == "ollama" and not service.health:
+        from gpuctl.adapters.launchers.ollama import OllamaLauncher
+
+        def ollama() -> Health:
+            lx = launcher()
+            assert isinstance(lx, OllamaLauncher)
+            return lx.health()
+
+        return ollama
+    return lambda: health.check(service.health, timeout_s=2.0, client=http())
 
 
 def _status_hosts(
@@ -277,6 +306,7 @@ def status_deps(
         config=config,
         hosts=hosts,
         check_health=lambda url, timeout_s: _check_health(url, timeout_s, http),
+        check_ollama=lambda url, model, timeout_s: _check_ollama(url, model, timeout_s, http),
         health_timeout_s=health_timeout_s,
     )
 
@@ -301,6 +331,12 @@ def _check_health(url: str, timeout_s: float, http: SharedHttp) -> Health:
     from gpuctl.adapters import health
 
     return health.check(url, timeout_s, client=http())
+
+
+def _check_ollama(url: str, model: str, timeout_s: float, http: SharedHttp) -> Health:
+    from gpuctl.adapters.launchers.ollama import check_ollama
+
+    return check_ollama(url, model, timeout_s, http())
 
 
 def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> LocksDeps:

@@ -172,21 +172,14 @@ class OllamaLauncher:
 
         Never raises: an Ollama that does not answer is ``refused``/``timeout``.
         """
-        import httpx
-
         try:
             loaded = self.ps()
         except LauncherError as e:
-            state = "timeout" if "timed out" in e.message.lower() else "refused"
-            return Health(state, e.message)
-        except httpx.HTTPError as e:  # pragma: no cover - ps maps these already
-            return Health("refused", _why(e))
+            return _unreachable(e)
         found = loaded.get(self.model)
-        if found is None:
-            return Health("refused", f"{self.model} is not loaded in Ollama at {self.url}")
-        if self._loader is not None and self._loader.poll() is None:
+        if found is not None and self._loader is not None and self._loader.poll() is None:
             return Health("refused", f"{self.model} is loading in Ollama ({_placed(found)})")
-        return Health("ready", f"{self.model} is loaded in Ollama ({_placed(found)})", 200)
+        return _listed(self.url, self.model, found)
 
     # -- the Launcher protocol
 
@@ -321,13 +314,44 @@ class OllamaLauncher:
         return self.log_dir / f"{service.name}.ollama-load.log"
 
     def _loader_alive(self, handle: Handle) -> bool:
+        """Whether the handle's loader still runs: our own child, or (from a record) the
+        same process by its start time, and a loader by its command line. Never a pid
+        that is merely alive: stop signals what this says is a loader."""
         if self._loader is not None and handle.pid == self._loader.pid:
             return self._loader.poll() is None
-        if not handle.pid:
+        if not handle.pid or handle.pid_start is None:
             return False
         from gpuctl.adapters import procinfo
 
-        return procinfo.is_same_process(handle.pid, handle.pid_start)
+        if not procinfo.is_same_process(handle.pid, handle.pid_start):
+            return False
+        return "gpuctl.adapters.launchers.ollama" in (procinfo.command_of(handle.pid) or "")
+
+
+def check_ollama(url: str, model: str, timeout_s: float, client: httpx.Client) -> Health:
+    """A model's health from ``/api/ps`` (``status``); never raises.
+
+    Ollama lists a model from the moment its load begins and holds requests for it until
+    it is loaded, so to an onlooker a listed model is ready: a request waits, nothing
+    starts twice.
+    """
+    lx = OllamaLauncher(url, model, client=client, timeout_s=timeout_s)
+    try:
+        found = lx.ps().get(lx.model)
+    except LauncherError as e:
+        return _unreachable(e)
+    return _listed(lx.url, lx.model, found)
+
+
+def _unreachable(e: LauncherError) -> Health:
+    state = "timeout" if "timed out" in e.message.lower() else "refused"
+    return Health(state, e.message)
+
+
+def _listed(url: str, model: str, found: LoadedModel | None) -> Health:
+    if found is None:
+        return Health("refused", f"{model} is not loaded in Ollama at {url}")
+    return Health("ready", f"{model} is loaded in Ollama ({_placed(found)})", 200)
 
 
 def _open_log(path: Path) -> Any:
