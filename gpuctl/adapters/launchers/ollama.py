@@ -183,8 +183,11 @@ class OllamaLauncher:
 
     # -- the Launcher protocol
 
-    def start(self, service: ServiceConfig) -> Handle:
+    def start(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle:
         """Ask Ollama to load the model, from a detached loader; returns at once.
+
+        The loader carries ``GPUCTL_START_NONCE``: it stands for the load under way, so
+        a start whose caller died before recording it is still found (and counted).
 
         Raises:
             StartFailed: Ollama does not answer, or does not have the model.
@@ -201,6 +204,8 @@ class OllamaLauncher:
             )
         log = self._log_path(service)
         env = {k: v for k, v in os.environ.items() if k in _LOADER_ENV}
+        if start_nonce:
+            env["GPUCTL_START_NONCE"] = start_nonce
         argv = [
             sys.executable, "-m", "gpuctl.adapters.launchers.ollama",
             self.url, self.model, str(self.keep_alive), str(service.health_timeout_s),
@@ -294,7 +299,7 @@ class OllamaLauncher:
             text = f.read()[-16384:].decode(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    def find(self, service: ServiceConfig) -> Handle | None:
+    def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
         """The model, when Ollama has it loaded (a handle with nothing to signal)."""
         try:
             return Handle(kind=KIND) if self.model in self.ps() else None
