@@ -503,3 +503,21 @@ def test_one_list_of_probe_names() -> None:
     assert tuple(p.value for p in ProbeName) == PROBES == ("auto", "nvml", "nvidia-smi", "sim")
     with pytest.raises(ConfigError, match=r"^hosts\.h\.probe: expected one of auto, nvml"):
         parse_config({"hosts": {"h": {"probe": "cuda"}}})
+
+
+def test_readme_config_example_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """README's configuration example is a config gpuctl accepts (it documents every key)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Configuration") :]
+    block = section[
+        section.index("```toml\n") + 8 : section.index("\n```", section.index("```toml"))
+    ]
+    conf = load_config(write(tmp_path, block))
+    assert set(conf.hosts) == {"dgx", "box"}
+    v, chat = conf.service("vllm"), conf.service("chat")
+    assert (v.devices, v.stop, v.sleep_level) == ((0,), "sleep", 1)
+    assert (chat.launcher, chat.model) == ("ollama", "qwen3:32b")
+    from gpuctl.config.parse import HOST_KEYS, SERVICE_KEYS
+
+    for key in (*HOST_KEYS, *SERVICE_KEYS):
+        assert f"`{key}`" in section or f"\n{key} =" in block or f"# {key} =" in block, key

@@ -255,3 +255,27 @@ def test_init_with_a_gpu_probes_it_directly(cli_env: Path, monkeypatch: pytest.M
     assert not list(cfg.parent.glob("*.token"))
     r = runner.invoke(app, ["config", "check"])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("command", ["status", "agent"])
+def test_probe_completion_offers_the_one_list(command: str) -> None:
+    """`status --probe <TAB>` and `agent --probe <TAB>` offer the config's probe names."""
+    import subprocess
+
+    from gpuctl.config import PROBES
+    from tests.conftest import gpuctl_exe
+
+    r = subprocess.run(
+        [gpuctl_exe()],
+        env={
+            **os.environ,
+            "_GPUCTL_COMPLETE": "complete_bash",
+            "COMP_WORDS": f"gpuctl {command} --probe ",
+            "COMP_CWORD": "3",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert tuple(r.stdout.split()) == PROBES, r.stdout + r.stderr

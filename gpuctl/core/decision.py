@@ -7,14 +7,16 @@ are checked in order of precedence; the first that holds wins:
 ====== ==================================================================
 READY  the health endpoint answers 200 (even while the agent is down)
 UNKNOWN not healthy, and the agent cannot tell us why: never start blind
-LOADING a process of this service is on the GPU, or starting (not on it yet)
+LOADING someone else holds its lease, or a process of this service is on the GPU or
+       starting (not on it yet), or its recorded server runs
+FAILED the last start failed and its back-off has not run out
 IDLE   no GPU process at all, and no other service is starting
 FITS   others hold the GPU, but this service's budget fits beside them
 BUSY   it does not fit (or has no budget and anything else runs): say who
 ====== ==================================================================
 
-A later issue adds the lease (LOADING), FAILED, SLEEPING and PREEMPTABLE; their
-enum members exist already so the wire format does not change.
+``classify`` never answers SLEEPING or PREEMPTABLE yet; their enum members exist so
+that the wire format stays as it is when sleep mode and preemption come.
 
 Memory accounting: a process of a configured service counts at the larger of what it
 holds and its service's budget, and a service that is starting (not on the GPU yet)
