@@ -10,6 +10,7 @@ from typing import Any
 
 from gpuctl import __version__
 from gpuctl.core.model import STATUS_SCHEMA
+from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.record import RECORD_SCHEMA, Phase
 
 
@@ -223,7 +224,7 @@ def openapi_document() -> dict[str, Any]:
 
 # The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
 # for store failures, a "hint".
-SERVICE_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$"
+SERVICE_NAME_PATTERN = NAME_PATTERN  # the one rule (gpuctl.core.names), matched in full
 
 
 def _ref(name: str) -> dict[str, Any]:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from typing import Any, Protocol
 
+from gpuctl.core.names import NAME_RE
 from gpuctl.core.record import Holder, Record
 from gpuctl.errors import UsageError
 
-# The agent's OpenAPI document repeats this pattern (agent.app.SERVICE_NAME_PATTERN).
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+# The one rule for names, shared with the config and the agent's OpenAPI document.
+_NAME = NAME_RE
 LOCK_TIMEOUT_S = 10.0
 
 
