@@ -5,10 +5,10 @@ Everything is validated when the file is loaded, and every error names its locat
 file: a host names an environment variable or a file, read when a token is needed.
 The key names are a contract; a rename needs a deprecation path.
 
-Modules: ``model`` (the dataclasses, the one list of probe names), ``parse`` (TOML
-tables to the model), ``load`` (finding and reading the file), ``secrets`` (tokens),
-``paths`` (where config, state and the simulated GPU live; the one reader of
-``GPUCTL_CONFIG``), ``starter`` (``gpuctl config init``).
+Modules: ``model`` (the dataclasses, the one list of probe names), ``table`` (typed,
+located getters for one TOML table), ``parse`` (TOML tables to the model), ``load``
+(finding and reading the file), ``secrets`` (tokens), ``paths`` (where config and state
+live; the one reader of ``GPUCTL_CONFIG``), ``starter`` (``gpuctl config init``).
 """
 
 from __future__ import annotations

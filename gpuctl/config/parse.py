@@ -1,7 +1,7 @@
 """Validate parsed TOML into the config model, naming the location of every error.
 
-Each table declares its keys, and unknown keys are refused before anything else is
-looked at: a typo (``[host.dgx]``, ``hots = "dgx"``) is reported as the typo, with a
+Each table declares its keys (``Table`` refuses unknown ones before anything else is
+looked at): a typo (``[host.dgx]``, ``hots = "dgx"``) is reported as the typo, with a
 "did you mean", not as the missing key it hides. Then every value is checked for what
 its user will do with it: names the store accepts, URLs that parse (with a host where
 one is needed), sizes and durations that are finite and positive, Docker and Jupyter
@@ -10,11 +10,9 @@ fields the launchers would otherwise refuse only at launch.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from gpuctl.config.model import (
     DEFAULT_AGENT_TIMEOUT_S,
@@ -32,8 +30,9 @@ from gpuctl.config.model import (
     ServiceConfig,
     known_hint,
 )
+from gpuctl.config.table import Table, key_text, show, tname
 from gpuctl.core.names import NAME_RULE, is_valid_name
-from gpuctl.core.units import parse_duration_s, parse_size_mib
+from gpuctl.core.units import parse_size_mib
 from gpuctl.errors import ConfigError
 
 ROOT_KEYS = ("defaults", "hosts", "services")
@@ -94,8 +93,6 @@ _SECRET_KEYS = {
 
 HTTP = ("http", "https")
 DOCKER_SCHEMES = ("unix", "tcp", "ssh", "http", "https", "npipe")
-# Schemes whose address is a local path (unix:///var/run/docker.sock), not a host.
-_PATH_SCHEMES = ("unix", "npipe")
 
 MAX_PRIORITY = 1_000_000
 # NVML indexes GPUs from 0; no machine has anywhere near this many.
@@ -126,191 +123,6 @@ _VOLUME_MODES = frozenset(
 )
 
 
-class _Table:
-    """A TOML table being validated: typed getters that name the location of each value."""
-
-    def __init__(self, where: str, data: Any, keys: tuple[str, ...]) -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: expected a table, got {_tname(data)}")
-        self.where = where
-        self.data: dict[str, Any] = data
-        for key in data:
-            if key not in keys:
-                # A huge key would make difflib slow; nothing that long is a typo of ours.
-                close = difflib.get_close_matches(key, keys, n=1) if len(key) <= 100 else []
-                hint = f"did you mean {close[0]!r}?" if close else "see README 'Configuration'"
-                raise ConfigError(f"{self.loc(_key(key))}: unknown key", hint=hint)
-
-    def loc(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where else key
-
-    def get(self, key: str) -> Any:
-        return self.data.get(key)
-
-    def fail(self, key: str, message: str, hint: str = "") -> ConfigError:
-        return ConfigError(f"{self.loc(key)}: {message}", hint=hint)
-
-    def str_(self, key: str) -> str | None:
-        v = self.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, str) or not v.strip():
-            raise self.fail(key, f"expected a non-empty string, got {_show(v)}")
-        if "\x00" in v:
-            raise self.fail(key, "must not contain a NUL character")
-        return v.strip()
-
-    def pattern(self, key: str, rx: re.Pattern[str], what: str) -> str | None:
-        v = self.str_(key)
-        if v is not None and not rx.fullmatch(v):
-            raise self.fail(key, f"expected {what}, got {v!r}")
-        return v
-
-    def url(self, key: str, schemes: tuple[str, ...]) -> str | None:
-        v = self.str_(key)
-        if v is None:
-            return None
-        return check_url(self.loc(key), v, schemes)
-
-    def int_(self, key: str, default: int, lo: int, hi: int) -> int:
-        v = self.get(key)
-        if v is None:
-            return default
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise self.fail(key, f"expected an integer, got {_show(v)}")
-        if not lo <= v <= hi:
-            raise self.fail(key, f"expected an integer from {lo} to {hi}, got {v}")
-        return v
-
-    def bool_(self, key: str, default: bool) -> bool:
-        v = self.get(key)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise self.fail(key, f"expected true or false, got {_show(v)}")
-        return v
-
-    def size(self, key: str) -> int | None:
-        v = self.get(key)
-        if v is None:
-            return None
-        try:
-            return parse_size_mib(v)
-        except ValueError as e:
-            raise self.fail(key, str(e)) from None
-
-    def duration(self, key: str, default: float) -> float:
-        v = self.get(key)
-        if v is None:
-            return default
-        try:
-            return parse_duration_s(v)
-        except ValueError as e:
-            raise self.fail(key, str(e)) from None
-
-    def timeout_or_never(self, key: str, default: float | None) -> float | None:
-        v = self.get(key)
-        if isinstance(v, str) and v.strip().lower() == "never":
-            return None
-        if v is None:
-            return default
-        try:
-            return parse_duration_s(v)
-        except ValueError as e:
-            raise self.fail(key, f'{e}, or "never"') from None
-
-    def path(self, key: str, base: Path | None) -> Path | None:
-        v = self.str_(key)
-        if v is None:
-            return None
-        p = Path(v).expanduser()
-        if not p.is_absolute() and base is not None:
-            p = base / p
-        return p
-
-    def str_list(self, key: str) -> tuple[str, ...]:
-        v = self.get(key)
-        if v is None:
-            return ()
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(
-            isinstance(x, str) and x.strip() and "\x00" not in x for x in v
-        ):
-            raise self.fail(key, f"expected a list of non-empty strings, got {_show(v)}")
-        return tuple(v)
-
-    def str_map(self, key: str) -> dict[str, str]:
-        v = self.get(key)
-        if v is None:
-            return {}
-        if not isinstance(v, dict):
-            raise self.fail(key, f"expected a table, got {_show(v)}")
-        out: dict[str, str] = {}
-        for k, x in v.items():
-            if isinstance(x, bool) or not isinstance(x, str | int | float):
-                raise ConfigError(f"{self.loc(key)}.{_key(k)}: expected a string, got {_show(x)}")
-            text = str(x)
-            if "\x00" in text or "\x00" in k:
-                raise ConfigError(f"{self.loc(key)}.{_key(k)}: must not contain a NUL character")
-            out[k] = text
-        return out
-
-    def choice(self, key: str, choices: tuple[str, ...], default: str | None) -> str | None:
-        v = self.str_(key)
-        if v is None:
-            return default
-        if v not in choices:
-            raise self.fail(key, f"expected one of {', '.join(choices)}, got {v!r}")
-        return v
-
-
-def check_url(where: str, value: str, schemes: tuple[str, ...]) -> str:
-    """``value`` as a URL with one of ``schemes`` and a host (a path for ``unix://``),
-    without its trailing ``/``.
-
-    Raises:
-        ConfigError: it does not parse, or lacks the scheme, host or a valid port.
-    """
-    want = " or ".join(s + "://" for s in schemes)
-    if any(c.isspace() or ord(c) < 0x20 for c in value):
-        raise ConfigError(f"{where}: a URL has no spaces or control characters, got {value!r}")
-    try:
-        u = urlsplit(value)
-        port = u.port  # raises ValueError for a port that is not a number in 0-65535
-        host = u.hostname
-    except ValueError as e:
-        raise ConfigError(f"{where}: not a valid URL ({e}): {value!r}") from None
-    if u.scheme not in schemes:
-        raise ConfigError(f"{where}: expected a URL starting with {want}, got {value!r}")
-    if u.scheme in _PATH_SCHEMES:
-        if not (u.path or u.netloc):
-            raise ConfigError(f"{where}: expected a socket path, e.g. unix:///var/run/docker.sock")
-    elif not host:
-        raise ConfigError(
-            f"{where}: the URL names no host: {value!r}", hint=f"e.g. {schemes[0]}://127.0.0.1:9400"
-        )
-    if port == 0:
-        raise ConfigError(f"{where}: port 0 is not a port to connect to: {value!r}")
-    return value.rstrip("/")
-
-
-def _tname(v: Any) -> str:
-    names: dict[type, str] = {dict: "a table", list: "a list", str: "a string"}
-    return names.get(type(v), type(v).__name__)
-
-
-def _key(k: str) -> str:
-    """A table key for a location: as written when it is plain, else quoted and cut short."""
-    return k if k and k.isprintable() and len(k) <= 80 else _show(k)
-
-
-def _show(v: Any) -> str:
-    """A value for an error message, cut short: a config can hold a huge string."""
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     """Validate parsed TOML (``tomllib.loads``'s answer). Separate from loading so tests
     need no files.
@@ -319,9 +131,9 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
         ConfigError: the first problem, with its location (``services.vllm.memory: …``).
     """
     base = path.parent if path else None
-    root = _Table("", data, ROOT_KEYS)
+    root = Table("", data, ROOT_KEYS)
 
-    d = _Table("defaults", root.get("defaults") or {}, DEFAULTS_KEYS)
+    d = Table("defaults", root.get("defaults") or {}, DEFAULTS_KEYS)
     defaults = Defaults(
         idle_timeout_s=d.timeout_or_never("idle_timeout", DEFAULT_IDLE_TIMEOUT_S),
         health_timeout_s=d.duration("health_timeout", DEFAULT_HEALTH_TIMEOUT_S),
@@ -333,7 +145,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     services_table = root.get("services") or {}
     for kind, table in (("hosts", hosts_table), ("services", services_table)):
         if not isinstance(table, dict):
-            raise ConfigError(f"{kind}: expected a table of tables, got {_tname(table)}")
+            raise ConfigError(f"{kind}: expected a table of tables, got {tname(table)}")
     hosts = {name: _host(name, raw, defaults, base) for name, raw in hosts_table.items()}
     services: dict[str, ServiceConfig] = {}
     for name, raw in services_table.items():
@@ -343,7 +155,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
 
 def _check_name(kind: str, name: str) -> None:
     if not is_valid_name(name):
-        raise ConfigError(f"{kind}.{_key(name)}: a name may hold {NAME_RULE}")
+        raise ConfigError(f"{kind}.{key_text(name)}: a name may hold {NAME_RULE}")
 
 
 def _host(name: str, raw: Any, defaults: Defaults, base: Path | None) -> HostConfig:
@@ -355,7 +167,7 @@ def _host(name: str, raw: Any, defaults: Defaults, base: Path | None) -> HostCon
                     f"hosts.{name}.{secret}: secrets do not belong in the config file",
                     hint=f"use {instead}_env or {instead}_file",
                 )
-    h = _Table(f"hosts.{name}", raw, HOST_KEYS)
+    h = Table(f"hosts.{name}", raw, HOST_KEYS)
     pairs = {}
     for what in ("token", "read_token", "jupyter_token"):
         env = h.pattern(f"{what}_env", _ENV_NAME, "an environment variable name")
@@ -386,7 +198,7 @@ def _service(
     name: str, raw: Any, defaults: Defaults, hosts: dict[str, HostConfig], path: Path | None
 ) -> ServiceConfig:
     _check_name("services", name)
-    s = _Table(f"services.{name}", raw, SERVICE_KEYS)
+    s = Table(f"services.{name}", raw, SERVICE_KEYS)
     host = s.str_("host")
     if host is None:
         if len(hosts) != 1:
@@ -436,7 +248,7 @@ def _service(
     return svc
 
 
-def _match(s: _Table) -> tuple[str, ...]:
+def _match(s: Table) -> tuple[str, ...]:
     words = s.str_list("match")
     for w in words:
         # The agent's ?match= is comma-separated: a comma would split the keyword.
@@ -449,7 +261,7 @@ def _match(s: _Table) -> tuple[str, ...]:
     return tuple(w.strip() for w in words)
 
 
-def _devices(s: _Table) -> tuple[int, ...] | None:
+def _devices(s: Table) -> tuple[int, ...] | None:
     v = s.get("devices")
     if v is None:
         return None
@@ -465,7 +277,7 @@ def _devices(s: _Table) -> tuple[int, ...] | None:
     if not ok:
         raise s.fail(
             "devices",
-            f"expected a list of GPU indexes (0-{MAX_DEVICE_INDEX}), got {_show(v)}",
+            f"expected a list of GPU indexes (0-{MAX_DEVICE_INDEX}), got {show(v)}",
             hint="e.g. devices = [0] or [0, 1]; leave it out for any one GPU",
         )
     if len(set(v)) != len(v):
@@ -473,16 +285,16 @@ def _devices(s: _Table) -> tuple[int, ...] | None:
     return tuple(v)
 
 
-def _sleep_level(s: _Table) -> int | None:
+def _sleep_level(s: Table) -> int | None:
     v = s.get("sleep_level")
     if v is None:
         return None
     if isinstance(v, bool) or v not in SLEEP_LEVELS:
-        raise s.fail("sleep_level", f"expected 1 or 2, got {_show(v)}")
+        raise s.fail("sleep_level", f"expected 1 or 2, got {show(v)}")
     return int(v)
 
 
-def _ipc_mode(s: _Table) -> str | None:
+def _ipc_mode(s: Table) -> str | None:
     v = s.str_("ipc_mode")
     if v is None or v in _IPC_MODES:
         return v
@@ -492,7 +304,7 @@ def _ipc_mode(s: _Table) -> str | None:
 
 
 def _container_ref(
-    s: _Table, key: str, words: tuple[str, ...], *, containers_only: bool = False
+    s: Table, key: str, words: tuple[str, ...], *, containers_only: bool = False
 ) -> str | None:
     v = s.str_(key)
     if v is None or v in words:
@@ -507,7 +319,7 @@ def _container_ref(
     raise s.fail(key, f"expected {shown}, got {v!r}")
 
 
-def _shm_size(s: _Table) -> str | None:
+def _shm_size(s: Table) -> str | None:
     v = s.get("shm_size")
     if v is None:
         return None
@@ -518,7 +330,7 @@ def _shm_size(s: _Table) -> str | None:
     return str(v).strip()
 
 
-def _volumes(s: _Table) -> tuple[str, ...]:
+def _volumes(s: Table) -> tuple[str, ...]:
     out = s.str_list("volumes")
     for spec in out:
         parts = spec.split(":")
@@ -534,12 +346,12 @@ def _volumes(s: _Table) -> tuple[str, ...]:
     return out
 
 
-def _ports(s: _Table) -> dict[str, int]:
+def _ports(s: Table) -> dict[str, int]:
     raw = s.get("ports")
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise s.fail("ports", f'expected a table like {{ "8000" = 8000 }}, got {_show(raw)}')
+        raise s.fail("ports", f'expected a table like {{ "8000" = 8000 }}, got {show(raw)}')
     out: dict[str, int] = {}
     for k, value in raw.items():
         v = value
@@ -551,13 +363,13 @@ def _ports(s: _Table) -> dict[str, int]:
             "sctp",
         ):
             raise ConfigError(
-                f"{s.loc('ports')}.{_key(k)}: expected a container port like '8000' or '8000/tcp'"
+                f"{s.loc('ports')}.{key_text(k)}: expected a container port like '8000' or '8000/tcp'"
             )
         if isinstance(v, str) and v.isascii() and v.strip().isdigit():
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536:
             raise ConfigError(
-                f"{s.loc('ports')}.{_key(k)}: expected a port number (1-65535), got {_show(v)}"
+                f"{s.loc('ports')}.{key_text(k)}: expected a port number (1-65535), got {show(v)}"
             )
         out[k] = v
     return out
@@ -602,8 +414,8 @@ def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
     for key in svc.env:
         if launcher == "jupyter" and not _ENV_NAME.fullmatch(key):
             raise ConfigError(
-                f"{where}.env.{_key(key)}: not a shell variable name",
+                f"{where}.env.{key_text(key)}: not a shell variable name",
                 hint="use letters, digits and '_' only, not starting with a digit",
             )
         if not key or "=" in key:
-            raise ConfigError(f"{where}.env.{_key(key)}: an environment name cannot hold '='")
+            raise ConfigError(f"{where}.env.{key_text(key)}: an environment name cannot hold '='")

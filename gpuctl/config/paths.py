@@ -2,8 +2,9 @@
 
 Each path can be overridden by an environment variable; the defaults come from
 ``platformdirs``. Nothing here creates a directory: callers that write do that.
-This is the one place that reads ``GPUCTL_CONFIG``, ``GPUCTL_STATE_DIR`` and
-``GPUCTL_SIM_DIR``.
+This is the one place that reads ``GPUCTL_CONFIG`` and ``GPUCTL_STATE_DIR``. The sim,
+which runs on the standard library alone, reads ``GPUCTL_SIM_DIR`` itself
+(``gpuctl.sim.gpu.default_sim_dir``; a test keeps the two defaults equal).
 """
 
 from __future__ import annotations

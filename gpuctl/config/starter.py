@@ -14,8 +14,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuctl.config.parse import HTTP, check_url
+from gpuctl.config.parse import HTTP
 from gpuctl.config.secrets import write_secret_file
+from gpuctl.config.table import check_url
 from gpuctl.core.names import is_valid_name
 from gpuctl.errors import ConfigError, UsageError
 
