@@ -180,3 +180,93 @@ def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_watch_and_json_exclude(cli_env: Path) -> None:
     r = runner.invoke(app, ["status", "--watch", "--json"])
     assert r.exit_code == 2
+
+
+def test_help_summaries_fit_without_cuts(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    for args in (["--help"], ["sim", "--help"]):
+        r = runner.invoke(create_app(), args)
+        assert r.exit_code == 0
+        commands = r.output.split("Commands:")[1]
+        assert "..." not in commands, commands
+        assert max(len(line) for line in commands.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("cmd", ["ensure", "stop", "touch"])
+def test_usage_names_the_argument_plainly(cli_env: Path, cmd: str) -> None:
+    r = runner.invoke(app, [cmd, "--help"])
+    assert r.exit_code == 0
+    assert f"Usage: gpuctl {cmd} [OPTIONS] SERVICE\n" in r.output
+
+
+def test_only_a_chosen_command_is_built() -> None:
+    from gpuctl.cli.app import _command_modules
+
+    assert _command_modules(["status", "--json"]) == ["status_cmd"]
+    assert _command_modules(["ensure", "vllm", "-c", "x.toml"]) == ["service_cmd"]
+    every = _command_modules([])
+    assert every == _command_modules(["--help"]) == _command_modules(["nosuch"])
+    assert {"status_cmd", "service_cmd", "agent_cmd", "sim_cmd", "demo_cmd", "config_cmd"} <= set(
+        every
+    )
+
+
+def _sim_status(
+    cli_env: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """``gpuctl status --probe sim`` on a simulated GPU holding 20 GiB for user-owned work."""
+    sim = cli_env / "sim"
+    hold = subprocess.Popen(
+        [
+            gpuctl_exe(),
+            "sim",
+            "hold",
+            "--name",
+            "comfyui",
+            "--memory",
+            "20GiB",
+            "--sim-dir",
+            str(sim),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert hold.stdout is not None
+        hold.stdout.readline()  # it says so once it holds the memory
+        return subprocess.run(
+            [gpuctl_exe(), "status", "--probe", "sim", "--sim-dir", str(sim), *args],
+            capture_output=True,
+            env={**os.environ, **(env or {})},
+            check=False,
+            timeout=60,
+        )
+    finally:
+        hold.terminate()
+        hold.communicate()
+
+
+def test_status_falls_back_to_ascii(cli_env: Path) -> None:
+    r = _sim_status(cli_env, env={"PYTHONIOENCODING": "ascii", "COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.decode("ascii")  # every byte ASCII
+    assert "GPU memory #####...." in text and "20.0 GiB / 128.0 GiB" in text
+    assert "Error" not in r.stderr.decode()
+
+
+def test_status_user_filter(cli_env: Path) -> None:
+    me = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    shown = json.loads(_sim_status(cli_env, "--json", "--user", me).stdout)
+    assert [p["user"] for p in shown["hosts"][0]["processes"]] == [me]
+    hidden = json.loads(_sim_status(cli_env, "--json", "--user", "nobody-else").stdout)
+    assert hidden["hosts"][0]["processes"] == []
+    assert hidden["hosts"][0]["memory_used_mib"] == 20 * 1024  # a filter never hides memory
+
+
+def test_status_only_unknown_service_is_usage_error(cli_env: Path) -> None:
+    config_file(cli_env).write_text(
+        '[hosts.dgx]\nagent = "http://127.0.0.1:9"\n[services.vllm]\nmatch = ["vllm"]\n'
+    )
+    r = runner.invoke(app, ["status", "--only", "vlm"])
+    assert r.exit_code == 2, r.output
+    assert "unknown service 'vlm'" in r.output and "vllm" in r.output

@@ -41,7 +41,7 @@ def read_token_file(path: Path) -> str:
 def register(app: typer.Typer) -> None:
     """Add ``gpuctl agent`` to ``app``."""
 
-    @app.command("agent")
+    @app.command("agent", short_help="Run the GPU host agent (HTTP /status, /records, /metrics).")
     def agent(
         *,
         listen: Annotated[

@@ -154,6 +154,13 @@ def main() -> None:
     has finished its work and closed its clients by then; nothing is left for atexit.
     """
     code: int = 0
+    for stream in (sys.stdout, sys.stderr):
+        # A terminal or pipe that cannot carry Unicode (PYTHONIOENCODING=ascii, a C
+        # locale): the views draw with ASCII there, and anything else that slips through
+        # (a foreign command line) prints as "?" instead of failing the command.
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
+        if encoding not in ("utf8", "utf16", "utf32") and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     instruction = os.environ.get("_GPUCTL_COMPLETE", "")
     if instruction.startswith("source_"):
         # Our scripts, not Typer's (see gpuctl.cli.completion); other shells fall through.

@@ -66,11 +66,23 @@ JsonOpt = Annotated[
 ServiceArg = Annotated[
     str,
     typer.Argument(
-        help="Service name from the config.", show_default=False, autocompletion=complete_service
+        help="Service name from the config.",
+        show_default=False,
+        autocompletion=complete_service,
+        metavar="SERVICE",
     ),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Command(typer.core.TyperCommand):
+    """A command whose usage line names its arguments plainly: ``gpuctl ensure [OPTIONS]
+    SERVICE``, not Typer's ``{SERVICE}`` (pass as ``app.command(..., cls=Command)``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces: list[str] = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
 
 
 def duration_parser(

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo")(demo)
+    app.command("demo", short_help="A guided tour on a simulated GPU.")(demo)
 
 
 def demo(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from gpuctl.cli.common import (
+    Command,
     ConfigOpt,
     HostOpt,
     JsonOpt,
@@ -27,10 +28,14 @@ if TYPE_CHECKING:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("ensure")(ensure)
-    app.command("stop")(stop)
-    app.command("touch")(touch)
-    app.command("locks")(locks)
+    app.command(
+        "ensure",
+        cls=Command,
+        short_help="Start SERVICE if that is safe, once, and wait until ready.",
+    )(ensure)
+    app.command("stop", cls=Command, short_help="Stop SERVICE's server.")(stop)
+    app.command("touch", cls=Command, short_help="Mark SERVICE as used now.")(touch)
+    app.command("locks", short_help="Every service's record and lease.")(locks)
 
 
 def ensure(

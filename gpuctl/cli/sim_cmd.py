@@ -87,10 +87,10 @@ NameOpt = Annotated[
 
 def register(app: typer.Typer) -> None:
     """Add ``gpuctl sim`` to ``app``."""
-    app.add_typer(sim_app, name="sim")
+    app.add_typer(sim_app, name="sim", short_help="A simulated GPU host made of real processes.")
 
 
-@sim_app.command("hold")
+@sim_app.command("hold", short_help="Hold simulated GPU memory until stopped.")
 def hold(
     memory: Annotated[
         int,
@@ -128,7 +128,7 @@ def hold(
         raise typer.Exit(run_hold(SimGpu(sim_dir, total), name, mib, secs))
 
 
-@sim_app.command("model-server")
+@sim_app.command("model-server", short_help="A fake vLLM that loads slowly, then serves.")
 def model_server(
     *,
     name: NameOpt,
@@ -220,7 +220,7 @@ def model_server(
         raise typer.Exit(code)
 
 
-@sim_app.command("ollama")
+@sim_app.command("ollama", short_help="A fake Ollama that loads models on demand.")
 def ollama(
     *,
     model: Annotated[
@@ -309,48 +309,18 @@ def ls(
 ) -> None:
     """List the simulated GPU's claims: pid, name, memory, command."""
     with errors_to_exit(), _sim_errors():
-        total = gpu_memory
-        from gpuctl.adapters.procinfo import command_of
-        from gpuctl.core.units import format_mib
-        from gpuctl.sim.gpu import SimGpu
+        from gpuctl.flows.sim_ops import list_claims
+        from gpuctl.render.sim_view import sim_ls_text, sim_ls_to_json
 
-        sim = SimGpu(sim_dir, total)
-        claims = sim.claims()
-        total_mib = sim.total_mib
-        used = sum(c.memory_mib for c in claims)
-        rows = [(c, command_of(c.pid)) for c in claims]
+        listing = list_claims(sim_dir, gpu_memory)
         if json_out:
-            print_json(
-                {
-                    "schema": 1,
-                    "sim_dir": str(sim.sim_dir),
-                    "memory_total_mib": total_mib,
-                    "memory_used_mib": used,
-                    "claims": [
-                        {
-                            "pid": c.pid,
-                            "name": c.name,
-                            "memory_mib": c.memory_mib,
-                            "gpu": c.gpu,
-                            "command": cmd,
-                        }
-                        for c, cmd in rows
-                    ],
-                }
-            )
+            print_json(sim_ls_to_json(listing))
             return
-        print(f"simulated GPU {sim.sim_dir}: {format_mib(used)} used of {format_mib(total_mib)}")
-        if not rows:
-            print("no claims: the GPU is idle")
-            return
-        table = [("PID", "NAME", "MEMORY", "COMMAND")]
-        table += [(str(c.pid), c.name, format_mib(c.memory_mib), cmd or "-") for c, cmd in rows]
-        widths = [max(len(r[i]) for r in table) for i in range(3)]
-        for r in table:
-            print("  ".join(v.ljust(w) for v, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+        for line in sim_ls_text(listing):
+            print(line)
 
 
-@sim_app.command("reset")
+@sim_app.command("reset", short_help="Remove dead claims (--all: stop every claimant).")
 def reset(
     all_claims: Annotated[
         bool,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -12,18 +11,25 @@ from gpuctl.cli.common import (
     ConfigOpt,
     JsonOpt,
     complete_host,
+    complete_service,
     duration_parser,
     errors_to_exit,
     fail,
     open_config,
     print_json,
+    say,
 )
 from gpuctl.config.model import ProbeName
 from gpuctl.errors import UsageError
 
+if TYPE_CHECKING:
+    from gpuctl.config import Config
+    from gpuctl.flows.deps import StatusDeps
+    from gpuctl.flows.results import StatusReport
+
 
 def register(app: typer.Typer) -> None:
-    app.command("status")(status)
+    app.command("status", short_help="Who holds the GPU, and each service's decision.")(status)
 
 
 def status(
@@ -69,6 +75,21 @@ def status(
             envvar="GPUCTL_SIM_DIR",
         ),
     ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--only",
+            help="Show only this service and its processes (repeatable).",
+            autocompletion=complete_service,
+            metavar="SERVICE",
+        ),
+    ] = None,
+    user: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--user", "-u", help="Show only this user's processes (repeatable).", metavar="USER"
+        ),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """What runs on the GPU host right now, and what each service's decision is.
@@ -76,7 +97,8 @@ def status(
     Exit 0 when every host answered, 4 when any host is UNKNOWN.
     """
     with errors_to_exit():
-        from gpuctl.flows.status import LocalProbeOptions, gather
+        from gpuctl.flows.deps import LocalProbeOptions
+        from gpuctl.flows.wiring import status_deps
 
         if host and all_hosts:
             fail(UsageError("--host and --all exclude each other"))
@@ -88,47 +110,70 @@ def status(
                 )
             )
         conf = open_config(config)
+        for name in only or ():
+            conf.service(name)  # an unknown service is a usage error, with a suggestion
         local = LocalProbeOptions(probe=probe.value, sim_dir=sim_dir)
-        hosts = host or None
+        deps = status_deps(conf, host or None, local=local)
+        try:
+            _status(deps, conf, json_out, watch, interval, wide, only or [], user or [])
+        finally:
+            deps.close()
 
-        if json_out:
-            from gpuctl.render.status_json import status_to_json
 
-            report = gather(conf, hosts, local=local)
-            print_json(status_to_json(report))
-            raise typer.Exit(report.exit_code)
+def _status(
+    deps: StatusDeps,
+    conf: Config,
+    json_out: bool,
+    watch: bool,
+    interval: float,
+    wide: bool,
+    only: list[str],
+    users: list[str],
+) -> None:
+    from gpuctl.flows.status import filtered, status
+    from gpuctl.flows.status import watch as watch_status
 
-        from rich.console import Console
+    if json_out:
+        from gpuctl.render.status_json import status_to_json
 
-        from gpuctl.render.status_view import render_status
-
-        console = Console()
-        report = gather(conf, hosts, local=local)
-        if not conf.hosts and len(report.hosts) == 1 and not report.hosts[0].ok:
-            # No config and no GPU: one line, like nvidia-smi, not an empty panel.
-            h = report.hosts[0]
-            print(f"gpuctl: {h.error}", file=sys.stderr)
-            if h.hint:
-                print(f"  hint: {h.hint}", file=sys.stderr)
-            raise typer.Exit(report.exit_code)
-        if watch and console.is_terminal:
-            import time
-
-            from rich.live import Live
-
-            with Live(
-                render_status(report, wide, console.width),
-                console=console,
-                auto_refresh=False,
-                screen=False,
-            ) as live:
-                try:
-                    while True:
-                        time.sleep(interval)
-                        report = gather(conf, hosts, local=local)
-                        live.update(render_status(report, wide, console.width), refresh=True)
-                except KeyboardInterrupt:
-                    pass
-        else:
-            console.print(render_status(report, wide, console.width))
+        report = filtered(status(deps), only=only, users=users)
+        print_json(status_to_json(report))
         raise typer.Exit(report.exit_code)
+
+    from rich.console import Console
+
+    from gpuctl.render.status_view import MemoryHistory, glyphs, render_status
+
+    console = Console()
+    g = glyphs(console.encoding)
+    report = filtered(status(deps), only=only, users=users)
+    if not conf.hosts and len(report.hosts) == 1 and not report.hosts[0].ok:
+        # No config and no GPU: one line, like nvidia-smi, not an empty panel.
+        h = report.hosts[0]
+        say(f"gpuctl: {h.error}")
+        if h.hint:
+            say(f"  hint: {h.hint}")
+        raise typer.Exit(report.exit_code)
+    if not (watch and console.is_terminal):
+        console.print(render_status(report, wide, console.width, g=g))
+        raise typer.Exit(report.exit_code)
+
+    from rich.live import Live
+
+    history = MemoryHistory().add(report)
+    with Live(
+        render_status(report, wide, console.width, g=g, history=history, interval_s=interval),
+        console=console,
+        auto_refresh=False,
+        screen=False,
+    ) as live:
+
+        def show(r: StatusReport) -> None:
+            r = filtered(r, only=only, users=users)
+            view = render_status(
+                r, wide, console.width, g=g, history=history.add(r), interval_s=interval
+            )
+            live.update(view, refresh=True)
+
+        report = watch_status(deps, interval, show, first=report)
+    raise typer.Exit(report.exit_code)

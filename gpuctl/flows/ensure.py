@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpuctl.adapters.store import Holder, holder_here
-from gpuctl.core.decision import Decision, Verdict
+from gpuctl.core.decision import Decision, Verdict, owner_of
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.errors import GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps
@@ -69,6 +69,7 @@ class _Ctx:
 
     def from_verdict(self, verdict: Verdict, **kw: Any) -> EnsureResult:
         outcome = _REFUSALS.get(verdict.decision, Outcome.FAILED)
+        kw.setdefault("hint", refusal_hint(self.deps, outcome, verdict))
         return self.result(outcome, verdict.reason, verdict.decision, **kw)
 
     def from_wait(self, w: Waited, decision: Decision, **kw: Any) -> EnsureResult:
@@ -83,14 +84,24 @@ _REFUSALS = {
 }
 
 
-def refusal_hint(deps: EnsureDeps, outcome: Outcome) -> str:
+def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = None) -> str:
     """What the user can do about an ``ensure`` that did not end ready (empty otherwise)."""
     name = deps.service.name
     if outcome is Outcome.BUSY:
-        return (
-            "wait for the holders to finish, or free the GPU (`gpuctl stop SERVICE` for a "
-            "service of ours; ask a foreign process's user); `gpuctl status` shows who holds it"
-        )
+        services = deps.config.services_on(deps.service.host)
+        ours: dict[str, None] = {}
+        users: dict[str, None] = {}
+        for p in verdict.holders if verdict else ():
+            owner = owner_of(p.command, services, p.pid)
+            if owner is not None:
+                ours.setdefault(owner.name, None)
+            elif p.user:
+                users.setdefault(p.user, None)
+        steps = ["wait and try again"]
+        steps += [f"`gpuctl stop {s}`" for s in list(ours)[:2]]
+        if users:
+            steps.append(f"ask {', '.join(list(users)[:3])} to free it")
+        return "; ".join(steps) + "; `gpuctl status` shows who holds the GPU"
     if outcome is Outcome.UNKNOWN:
         return f"check the agent of host {deps.host.name} (`gpuctl status -H {deps.host.name}`)"
     if outcome is Outcome.FAILED:

@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Health, Verdict, classify
+from gpuctl.core.decision import Health, Verdict, classify, committed_memory
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record, recorded_servers, starting_services
 from gpuctl.errors import GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps, SnapshotReader
+from gpuctl.flows.results import MemoryUse
 
 
 def keywords(services: Iterable[ServiceConfig]) -> list[str]:
@@ -68,6 +69,33 @@ def observe(
     except GpuctlError as e:
         return Observation(records, None, e.message, e.hint or None)
     return Observation(records, snapshot)
+
+
+def memory_use(
+    seen: Observation, services: Sequence[ServiceConfig], total_override_mib: int | None = None
+) -> tuple[MemoryUse, ...]:
+    """What is held and what is promised, as the decisions count it (for the status bar):
+    promised is what the services that are loading or starting will still take, each at
+    its budget."""
+    snap = seen.snapshot
+    if snap is None:
+        return ()
+    committed, _ = committed_memory(
+        snap,
+        services,
+        starting_services=starting_services(seen.records.values()),
+        servers=seen.servers,
+    )
+    by_processes = sum(p.memory_mib or 0 for p in snap.processes)
+    return (
+        MemoryUse(
+            gpu=None,
+            held_mib=snap.memory_used_mib,
+            promised_mib=max(0, committed - by_processes),
+            total_mib=snap.memory_total_mib or total_override_mib,
+            unified=snap.unified_memory,
+        ),
+    )
 
 
 def decide(

@@ -130,6 +130,31 @@ class LocksReport:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """One GPU's memory as the decisions count it (the status bar draws it).
+
+    ``held_mib`` is what the device reports in use; ``promised_mib`` is what is promised
+    beyond that to services that are loading or starting (each counts at its budget);
+    both None when unknown. ``gpu`` is None for a host-wide figure.
+    """
+
+    gpu: int | None
+    held_mib: int | None
+    promised_mib: int
+    total_mib: int | None
+    unified: bool = False
+    utilization_pct: int | None = None
+    name: str | None = None
+    error: str | None = None
+
+    @property
+    def free_mib(self) -> int | None:
+        if self.total_mib is None or self.held_mib is None:
+            return None
+        return self.total_mib - self.held_mib - self.promised_mib
+
+
+@dataclass(frozen=True, slots=True)
 class HostReport:
     """One host: what its agent (or the local probe) said, or why it said nothing."""
 
@@ -144,6 +169,7 @@ class HostReport:
     elapsed_s: float = 0.0
     gpu_memory_mib: int | None = None
     servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
+    memory: tuple[MemoryUse, ...] = ()  # per GPU, or one host-wide figure
 
     @property
     def ok(self) -> bool:
@@ -164,3 +190,25 @@ class StatusReport:
     @property
     def exit_code(self) -> ExitCode:
         return ExitCode.OK if all(h.ok for h in self.hosts) else ExitCode.UNKNOWN
+
+
+@dataclass(frozen=True, slots=True)
+class SimClaim:
+    pid: int
+    name: str
+    memory_mib: int
+    gpu: int
+    command: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SimListing:
+    """``gpuctl sim ls``: the simulated GPU's claims."""
+
+    sim_dir: str
+    total_mib: int | None
+    claims: tuple[SimClaim, ...]
+
+    @property
+    def used_mib(self) -> int:
+        return sum(c.memory_mib for c in self.claims)

@@ -16,17 +16,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 from gpuctl.config import Config
-from gpuctl.core.decision import NO_HEALTH, Health
+from gpuctl.core.decision import NO_HEALTH, Health, owner_of
+from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
-from gpuctl.flows.observe import Observation, decide, observe
+from gpuctl.flows.observe import Observation, decide, memory_use, observe
 from gpuctl.flows.results import HostReport, StatusReport
 
-__all__ = ["HostReport", "LocalProbeOptions", "StatusReport", "gather", "status", "watch"]
+__all__ = [
+    "HostReport",
+    "LocalProbeOptions",
+    "StatusReport",
+    "filtered",
+    "gather",
+    "status",
+    "watch",
+]
 
 T = TypeVar("T")
 
@@ -127,24 +136,33 @@ def status(deps: StatusDeps) -> StatusReport:
                     elapsed_s=deps.monotonic() - started,
                     gpu_memory_mib=hd.host.gpu_memory_mib,
                     servers=obs.servers,
+                    memory=memory_use(obs, services, hd.host.gpu_memory_mib),
                 )
             )
     return StatusReport(hosts=tuple(reports), taken_at=taken_at)
 
 
 def watch(
-    deps: StatusDeps, interval_s: float, show: Callable[[StatusReport], None]
+    deps: StatusDeps,
+    interval_s: float,
+    show: Callable[[StatusReport], None],
+    first: StatusReport | None = None,
 ) -> StatusReport:
-    """Gather every ``interval_s`` and hand each report to ``show``, until Ctrl-C
-    (KeyboardInterrupt, which ends the watch and returns the last report)."""
-    report = status(deps)
-    show(report)
+    """Gather every ``interval_s`` and hand each report to ``show`` (``first``, when given,
+    is already shown), until Ctrl-C (KeyboardInterrupt), which ends the watch and returns
+    the last report."""
+    report = first
     try:
+        if report is None:
+            report = status(deps)
+            show(report)
         while True:
             deps.sleep(interval_s)
             report = status(deps)
             show(report)
     except KeyboardInterrupt:
+        if report is None:
+            raise
         return report
 
 
@@ -163,3 +181,46 @@ def gather(
         return status(deps)
     finally:
         deps.close()
+
+
+def filtered(
+    report: StatusReport, *, only: Sequence[str] = (), users: Sequence[str] = ()
+) -> StatusReport:
+    """The report narrowed to some services (``--only``) and some users' processes
+    (``--user``), as nvitop's filters narrow its view. The memory figures and the
+    decisions stay those of the whole host: a filter hides rows, never memory."""
+    if not only and not users:
+        return report
+    hosts = []
+    for h in report.hosts:
+        keep = [i for i, s in enumerate(h.services) if not only or s.name in only]
+        snap = h.snapshot
+        if snap is not None:
+            snap = replace(
+                snap,
+                processes=tuple(p for p in snap.processes if _shown(h, p, only, users)),
+                starting=None
+                if snap.starting is None
+                else tuple(s for s in snap.starting if _shown(h, s, only, users)),
+            )
+        hosts.append(
+            replace(
+                h,
+                snapshot=snap,
+                services=tuple(h.services[i] for i in keep),
+                verdicts=tuple(h.verdicts[i] for i in keep),
+                health=tuple(h.health[i] for i in keep),
+            )
+        )
+    return replace(report, hosts=tuple(hosts))
+
+
+def _shown(
+    h: HostReport, p: GpuProcess | StartingProcess, only: Sequence[str], users: Sequence[str]
+) -> bool:
+    if users and p.user not in users:
+        return False
+    if only:
+        owner = owner_of(p.command, h.services, p.pid, h.servers)
+        return owner is not None and owner.name in only
+    return True

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.core.timestamps import iso_utc
 from gpuctl.core.units import format_duration
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def _iso(t: float | None) -> str | None:
     if t is None or t <= 0:
         return None
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso_utc(t)
 
 
 def locks_to_json(report: LocksReport) -> dict[str, Any]:

@@ -4,12 +4,13 @@
 
     {
       "schema": 1,
-      "taken_at": "2026-11-29T10:00:00Z",
+      "taken_at": "2026-11-29T10:00:00.000Z",   # ISO-8601 UTC, milliseconds, everywhere
       "ok": true,                       # every host answered
       "hosts": [{
         "name": "dgx", "source": "http://…:9400", "ok": true,
         "error": null, "hint": null,
         "probe": "nvml", "memory_used_mib": 8234, "memory_total_mib": 131072,
+        "memory_promised_mib": 73686,   # promised beyond what is held, to loading services
         "unified_memory": true, "is_idle": false, "taken_at": "…",
         "host": {"hostname": "…", "boot_id": "…"}, "state_dir": "/var/lib/gpuctl",
         "processes": [{"pid": 1, "command": "…", "memory_mib": 8200, "user": "me",
@@ -32,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.core.decision import owner_of
+from gpuctl.core.timestamps import normalise_iso
 from gpuctl.flows.results import StatusReport
 
 SCHEMA = 1
@@ -53,7 +55,8 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
             "memory_total_mib": h.total_mib,
             "unified_memory": snap.unified_memory if snap else None,
             "is_idle": snap.is_idle if snap else None,
-            "taken_at": snap.taken_at if snap else None,
+            "memory_promised_mib": sum(m.promised_mib for m in h.memory) if snap else None,
+            "taken_at": normalise_iso(snap.taken_at) if snap else None,
             "host": snap.host.to_wire() if snap and snap.host else None,
             "state_dir": snap.state_dir if snap else None,
             "processes": [],

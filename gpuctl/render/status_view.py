@@ -1,10 +1,21 @@
 """The human view of ``gpuctl status``: built by pure functions from a report.
 
 ``render_status`` returns one Rich renderable, so ``--watch`` can hand the same
-function to ``Live`` and a plain run prints it once.
+function to ``Live`` and a plain run prints it once. Where the terminal cannot show
+Unicode (``PYTHONIOENCODING=ascii``, a C locale) it draws with ASCII (``glyphs``).
+
+The memory bar draws what the decisions count: what the GPU holds, what is promised to
+services that are loading or starting (each at its budget), and what is left::
+
+    GPU memory █████▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓▓░░░░░░░ 20.0 GiB / 128.0 GiB  util 37%
+    █ held 20.0 GiB  ▓ promised 80.0 GiB  ░ free 28.0 GiB
 """
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -12,8 +23,9 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuctl.core.decision import Decision, owner_of
-from gpuctl.core.units import format_mib
-from gpuctl.flows.results import HostReport, StatusReport
+from gpuctl.core.timestamps import normalise_iso
+from gpuctl.core.units import format_duration, format_mib
+from gpuctl.flows.results import HostReport, MemoryUse, StatusReport
 
 DECISION_STYLE = {
     Decision.READY: "bold green",
@@ -30,38 +42,125 @@ DECISION_STYLE = {
 _BAR_WIDTH = 30
 
 
-def memory_bar(used: int | None, total: int | None, unified: bool) -> Text:
-    """``GPU memory ██████░░░ 86.0 GiB / 128.0 GiB  67% (unified)``."""
-    t = Text("GPU memory ", style="bold")
-    if used is None or not total:
-        t.append(f"{format_mib(used)} / {format_mib(total)}", style="dim")
+@dataclass(frozen=True, slots=True)
+class Glyphs:
+    held: str
+    promised: str
+    free: str
+    cut: str  # the end of a cut command
+    dot: str  # between footer parts
+    spark: str  # the sparkline's levels, lowest first
+
+
+UNICODE = Glyphs("█", "▓", "░", "…", "·", "▁▂▃▄▅▆▇█")
+ASCII = Glyphs("#", "+", ".", "~", "-", "_.-=*#")
+
+
+def glyphs(encoding: str | None) -> Glyphs:
+    """Unicode where the output encoding can carry it, else ASCII."""
+    try:
+        "█▓░…·▁".encode(encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return ASCII
+    return UNICODE
+
+
+def short_command(command: str) -> str:
+    """``python3 -m vllm.entrypoints… --model X``: the program by its base name, then its
+    arguments (a long venv path would push the model and the job's name out of view)."""
+    words = command.split()
+    if not words:
+        return ""
+    return " ".join([words[0].rsplit("/", 1)[-1], *words[1:]])
+
+
+def memory_bar(m: MemoryUse, g: Glyphs = UNICODE, label: str = "GPU memory") -> Text:
+    """A stacked bar (held, promised, free) and its legend on the next line."""
+    t = Text(f"{label} ", style="bold")
+    total, held = m.total_mib, m.held_mib
+    if m.error:
+        t.append(f"unknown ({m.error})", style="magenta")
+        return t
+    if held is None or not total:
+        t.append(f"{format_mib(held)} held / {format_mib(total)}", style="dim")
     else:
-        frac = max(0.0, min(1.0, used / total))
-        filled = round(frac * _BAR_WIDTH)
+        used = held + m.promised_mib
+        frac = min(1.0, used / total)
+        n_held = round(min(1.0, held / total) * _BAR_WIDTH)
+        n_promised = max(0, round(frac * _BAR_WIDTH) - n_held)
         style = "green" if frac < 0.6 else "yellow" if frac < 0.85 else "red"
-        t.append("█" * filled, style=style)
-        t.append("░" * (_BAR_WIDTH - filled), style="dim")
-        t.append(f" {format_mib(used)} / {format_mib(total)}  {frac:4.0%}")
-    if unified:
+        t.append(g.held * n_held, style=style)
+        t.append(g.promised * n_promised, style="yellow")
+        t.append(g.free * (_BAR_WIDTH - n_held - n_promised), style="dim")
+        t.append(f" {format_mib(held)} / {format_mib(total)}")
+    t.append(f"  util {_pct(m.utilization_pct)}")
+    if m.unified:
         t.append("  (unified memory)", style="italic dim")
+    if held is not None and total:
+        # The legend goes on its own line, unindented, so it fits 80 columns.
+        free = max(0, total - held - m.promised_mib)
+        t.append(f"\n{g.held} held {format_mib(held)}  ")
+        t.append(f"{g.promised} promised {format_mib(m.promised_mib)}", style="yellow")
+        t.append(f"  {g.free} free {format_mib(free)}", style="dim")
     return t
 
 
-def _cmd(cmd: str | None, wide: bool, room: int) -> Text:
+def _pct(p: int | None) -> str:
+    return "?" if p is None else f"{p}%"  # unknown is never 0
+
+
+class MemoryHistory:
+    """Each host's used share of GPU memory (held and promised) over the last minutes,
+    for ``--watch``'s sparkline. Fed one report at a time; keeps ``points`` of them."""
+
+    def __init__(self, points: int = 60) -> None:
+        self.points = points
+        self.series: dict[str, deque[float | None]] = {}
+
+    def add(self, report: StatusReport) -> MemoryHistory:
+        for h in report.hosts:
+            s = self.series.setdefault(h.name, deque(maxlen=self.points))
+            s.append(_used_share(h))
+        return self
+
+    def sparkline(self, host: str, g: Glyphs = UNICODE) -> str:
+        """One glyph per report (' ' where it was unknown), lowest level for empty."""
+        out = []
+        for v in self.series.get(host, ()):
+            if v is None:
+                out.append(" ")
+            else:
+                out.append(g.spark[min(len(g.spark) - 1, int(v * len(g.spark)))])
+        return "".join(out)
+
+
+def _used_share(h: HostReport) -> float | None:
+    known = [m for m in h.memory if m.total_mib and m.held_mib is not None and not m.error]
+    if not known or len(known) != len(h.memory):
+        return None
+    total = sum(m.total_mib or 0 for m in known)
+    used = sum((m.held_mib or 0) + m.promised_mib for m in known)
+    return min(1.0, used / total)
+
+
+def _cmd(cmd: str | None, wide: bool, room: int, g: Glyphs) -> Text:
     if cmd is None:
         return Text("<not visible: other PID namespace or no permission>", style="dim italic")
     cmd = " ".join(cmd.split())  # a `python -c` script's newlines would break the row
+    if wide:
+        return Text(cmd)
+    cmd = short_command(cmd)
     # Cut the command ourselves: left to Rich, a long no-wrap cell squeezes the short
     # columns out of the table instead.
-    if not wide and len(cmd) > room:
-        cmd = cmd[: room - 1] + "…"
+    if len(cmd) > room:
+        cmd = cmd[: room - len(g.cut)] + g.cut
     return Text(cmd)
 
 
-def process_table(h: HostReport, wide: bool, width: int = 100) -> Table | Text:
+def process_table(h: HostReport, wide: bool, width: int = 100, g: Glyphs = UNICODE) -> Table | Text:
     snap = h.snapshot
     assert snap is not None
-    if snap.is_idle and not snap.starting:
+    if not snap.processes and not snap.starting:
         return Text("  no processes on the GPU", style="dim")
     t = Table(box=None, pad_edge=False, header_style="bold", show_edge=False, expand=False)
     # The short columns never shrink: the command takes what is left, and is cut.
@@ -84,7 +183,7 @@ def process_table(h: HostReport, wide: bool, width: int = 100) -> Table | Text:
         ]
         if wide:
             row.append((p.container or "")[:12])
-        row.append(_cmd(p.command, wide, room))
+        row.append(_cmd(p.command, wide, room, g))
         t.add_row(*row)
     for s in snap.starting or ():
         owner = owner_of(s.command, h.services, s.pid, h.servers)
@@ -96,7 +195,7 @@ def process_table(h: HostReport, wide: bool, width: int = 100) -> Table | Text:
         ]
         if wide:
             row.append("")
-        row.append(_cmd(s.command, wide, room))
+        row.append(_cmd(s.command, wide, room, g))
         t.add_row(*row)
     return t
 
@@ -115,19 +214,37 @@ def service_table(h: HostReport) -> Table:
     return t
 
 
-def host_panel(h: HostReport, wide: bool, width: int = 100) -> Panel:
+def host_panel(
+    h: HostReport,
+    wide: bool,
+    width: int = 100,
+    g: Glyphs = UNICODE,
+    history: MemoryHistory | None = None,
+) -> Panel:
     title = Text.assemble((h.name, "bold"), "  ", (h.source, "dim"))
     parts: list[RenderableType] = []
+    subtitle = None
     if h.snapshot is None:
         parts.append(Text.assemble(("UNKNOWN ", "bold magenta"), h.error or "no answer"))
         if h.hint:
             parts.append(Text(f"hint: {h.hint}", style="dim"))
     else:
         snap = h.snapshot
-        parts.append(memory_bar(snap.memory_used_mib, h.total_mib, snap.unified_memory))
+        for m in h.memory:
+            label = "GPU memory" if m.gpu is None else f"GPU {m.gpu} memory"
+            parts.append(memory_bar(m, g, label))
+        if history is not None and h.name in history.series:
+            n = len(history.series[h.name])
+            parts.append(
+                Text.assemble(
+                    ("used      ", "bold"),
+                    history.sparkline(h.name, g),
+                    (f"  last {n} readings", "dim"),
+                )
+            )
         parts.append(Text(""))
-        parts.append(process_table(h, wide, width))
-        subtitle = f"probe {snap.probe} · {snap.taken_at}"
+        parts.append(process_table(h, wide, width, g))
+        subtitle = f"probe {snap.probe} {g.dot} {normalise_iso(snap.taken_at)}"
     if h.services:
         parts.append(Text(""))
         parts.append(service_table(h))
@@ -135,13 +252,34 @@ def host_panel(h: HostReport, wide: bool, width: int = 100) -> Panel:
         Group(*parts),
         title=title,
         title_align="left",
-        subtitle=subtitle if h.snapshot is not None else None,
+        subtitle=subtitle,
         subtitle_align="right",
         border_style="magenta" if h.snapshot is None else "blue",
         expand=True,
     )
 
 
-def render_status(report: StatusReport, wide: bool = False, width: int = 100) -> RenderableType:
-    """The whole view; ``width`` is the console's, so long commands are cut to fit."""
-    return Group(*(host_panel(h, wide, width) for h in report.hosts))
+def render_status(
+    report: StatusReport,
+    wide: bool = False,
+    width: int = 100,
+    *,
+    g: Glyphs = UNICODE,
+    history: MemoryHistory | None = None,
+    interval_s: float | None = None,
+) -> RenderableType:
+    """The whole view; ``width`` is the console's, so long commands are cut to fit.
+
+    With ``interval_s`` (``--watch``) a header names the interval and how to quit, and
+    ``history`` adds each host's sparkline of used memory.
+    """
+    panels: Sequence[RenderableType] = [
+        host_panel(h, wide, width, g, history) for h in report.hosts
+    ]
+    if interval_s is None:
+        return Group(*panels)
+    head = Text(
+        f"every {format_duration(interval_s)} {g.dot} {report.taken_at} {g.dot} Ctrl-C to quit",
+        style="dim",
+    )
+    return Group(head, *panels)
