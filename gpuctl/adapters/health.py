@@ -47,6 +47,23 @@ def check(url: str | None, timeout_s: float = 2.0, client: httpx.Client | None =
     return _from_response(url, r.status_code)
 
 
+def check_sleeping(
+    url: str, health: Health, client: httpx.Client, timeout_s: float = 2.0
+) -> Health:
+    """For a server with vLLM sleep mode: a 200 from a sleeping server is ``sleeping``.
+
+    vLLM answers ``/health`` while asleep, so ``/is_sleeping`` (at the same origin) tells
+    a ready server from a sleeping one. Never raises.
+    """
+    if not health.ok:
+        return health
+    from gpuctl.adapters import vllm
+
+    if vllm.is_sleeping(vllm.origin(url), client, timeout_s):
+        return Health("sleeping", f"vLLM sleep mode at {vllm.origin(url)}", 200)
+    return health
+
+
 async def check_async(url: str | None, client: httpx.AsyncClient, timeout_s: float = 2.0) -> Health:
     """The async twin of ``check``."""
     if not url:

@@ -5,6 +5,8 @@
 are checked in order of precedence; the first that holds wins:
 
 ====== ==================================================================
+SLEEPING vLLM sleep mode: /health answers, /is_sleeping says it sleeps (gpuctl reclaim
+       put it there with ``stop = "sleep"``); ``ensure`` wakes it
 READY  the health endpoint answers 200 (even while the agent is down)
 UNKNOWN not healthy, and the agent cannot tell us why: never start blind
 LOADING someone else holds its lease, or a process of this service is on the GPU or
@@ -84,7 +86,8 @@ class Health:
 
     ``state`` is ``ready`` (200), ``refused`` (connection refused/reset: a vLLM that is
     loading binds its port but does not listen yet), ``timeout``, ``error`` (an HTTP
-    status other than 200: 503 means the engine is dead), or ``none`` (no health URL).
+    status other than 200: 503 means the engine is dead), ``sleeping`` (200, but vLLM
+    sleep mode says it sleeps: not ready until woken), or ``none`` (no health URL).
     """
 
     state: str
@@ -245,6 +248,12 @@ def classify(
         return o is not None and o.name == spec.name
 
     name = spec.name
+    if health.state == "sleeping":
+        # vLLM answers /health while asleep; its /is_sleeping told the health check.
+        own_asleep = (
+            tuple(p for p in snapshot.processes if mine(p.pid, p.command)) if snapshot else ()
+        )
+        return Verdict(name, Decision.SLEEPING, f"asleep ({health.detail})", own=own_asleep)
     if health.ok:
         own_ready = (
             tuple(p for p in snapshot.processes if mine(p.pid, p.command)) if snapshot else ()

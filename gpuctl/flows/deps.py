@@ -52,6 +52,8 @@ class EnsureDeps(Closers):
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
     progress: Callable[[Progress], None] | None = field(kw_only=True, default=None)
     entry: str = field(kw_only=True, default="ensure")
+    # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
+    wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
 
 
 ServiceDeps = EnsureDeps
@@ -86,6 +88,10 @@ class StatusDeps(Closers):
     check_health: Callable[[str, float], Health] = field(kw_only=True)
     # (Ollama URL, model, timeout) -> the model's health from /api/ps; never raises
     check_ollama: Callable[[str, str, float], Health] | None = field(kw_only=True, default=None)
+    # (health URL, its answer, timeout) -> "sleeping" when vLLM sleep mode says so
+    check_sleeping: Callable[[str, Health, float], Health] | None = field(
+        kw_only=True, default=None
+    )
     health_timeout_s: float = field(kw_only=True, default=2.0)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     monotonic: Callable[[], float] = field(kw_only=True, default=time.monotonic)

@@ -159,6 +159,10 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
         return ctx.from_verdict(verdict, log_tail=f.log_tail if f else "")
     if first in _REFUSALS:
         return ctx.from_verdict(verdict)
+    if first is Decision.SLEEPING and deps.wake_server is not None:
+        from gpuctl.flows.wake import wake
+
+        return wake(ctx, wait, lambda: _admission(ctx), deps.wake_server)
     if first in (Decision.LOADING, Decision.SLEEPING, Decision.PREEMPTABLE):
         ctx.notes.append(f"found it {first.value}: {verdict.reason}")
         _touch(ctx)

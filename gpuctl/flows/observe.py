@@ -9,12 +9,12 @@ with the keywords of every service on the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, Verdict, classify, committed_memory
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record, recorded_servers, starting_services
+from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
 from gpuctl.errors import GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps, SnapshotReader
 from gpuctl.flows.results import MemoryUse
@@ -118,7 +118,7 @@ def decide(
         svc,
         health,
         seen.snapshot,
-        others=others,
+        others=_asleep_at_what_they_hold(others, seen.records, svc.name),
         agent_error=error,
         total_override_mib=total_override_mib,
         record=record if record is not None else seen.records.get(svc.name),
@@ -128,6 +128,20 @@ def decide(
         leased=starting_services(seen.records.values(), exclude=svc.name),
         servers=seen.servers,
     )
+
+
+def _asleep_at_what_they_hold(
+    others: Sequence[ServiceConfig], records: dict[str, Record], me: str
+) -> list[ServiceConfig]:
+    """Another service asleep (vLLM sleep mode, record phase ``sleeping``) counts at what
+    its process still holds, not at its budget: the memory it gave back is free for
+    others, and its own wake is admitted again (``gpuctl.flows.wake``). On unified
+    memory a level-1 sleep holds on to its weights, and that is what it then counts at."""
+    def asleep(o: ServiceConfig) -> bool:
+        r = records.get(o.name)
+        return o.name != me and r is not None and r.phase is Phase.SLEEPING
+
+    return [replace(o, memory_mib=None) if asleep(o) else o for o in others]
 
 
 def look(

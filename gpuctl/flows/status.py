@@ -83,6 +83,19 @@ def _health_target(s: Any, deps: StatusDeps) -> bool:
     )
 
 
+def _health_of(deps: StatusDeps, s: Any, ollama: str | None, timeout_s: float) -> Health:
+    """One service's health: its URL (asleep or not, with vLLM sleep mode), or its Ollama
+    model's ``/api/ps``."""
+    if s.health:
+        h = deps.check_health(s.health, timeout_s)
+        if s.stop == "sleep" and deps.check_sleeping is not None:
+            h = deps.check_sleeping(s.health, h, timeout_s)
+        return h
+    if ollama and s.model and deps.check_ollama is not None:
+        return deps.check_ollama(ollama, s.model, timeout_s)
+    return NO_HEALTH
+
+
 def status(deps: StatusDeps) -> StatusReport:
     """Status of every host in ``deps``. Never raises for a host that does not answer:
     that host is reported UNKNOWN with why."""
@@ -99,12 +112,9 @@ def status(deps: StatusDeps) -> StatusReport:
         healths: dict[str, Future[Health] | _Done[Health]] = {}
         for hd, services in zip(deps.hosts, per_host, strict=True):
             for s in services:
-                timeout = min(deps.health_timeout_s, hd.host.timeout_s)
-                if s.health:
-                    healths[s.name] = submit(deps.check_health, s.health, timeout)
-                elif _health_target(s, deps) and hd.host.ollama and s.model:
-                    assert deps.check_ollama is not None
-                    healths[s.name] = submit(deps.check_ollama, hd.host.ollama, s.model, timeout)
+                if _health_target(s, deps):
+                    timeout = min(deps.health_timeout_s, hd.host.timeout_s)
+                    healths[s.name] = submit(_health_of, deps, s, hd.host.ollama, timeout)
         reports = []
         for hd, services, fut in zip(deps.hosts, per_host, seen, strict=True):
             obs = fut.result()

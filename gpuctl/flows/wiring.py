@@ -227,6 +227,7 @@ def deps_for(
         check_health=_service_health(service, host, http, lambda: make_launcher(None)),
         make_launcher=make_launcher,
         handle_alive=handle_checker(service, host, lambda: make_launcher(None)),
+        wake_server=lambda base, level: _wake(base, level, http),
         progress=progress,
         entry=entry,
     )
@@ -248,6 +249,14 @@ def _service_health(
             return lx.health()
 
         return ollama
+    if service.stop == "sleep" and service.health:
+        url = service.health
+
+        def sleepy() -> Health:
+            h = health.check(url, timeout_s=2.0, client=http())
+            return health.check_sleeping(url, h, http())
+
+        return sleepy
     return lambda: health.check(service.health, timeout_s=2.0, client=http())
 
 
@@ -307,6 +316,7 @@ def status_deps(
         hosts=hosts,
         check_health=lambda url, timeout_s: _check_health(url, timeout_s, http),
         check_ollama=lambda url, model, timeout_s: _check_ollama(url, model, timeout_s, http),
+        check_sleeping=lambda url, h, timeout_s: _check_sleeping(url, h, timeout_s, http),
         health_timeout_s=health_timeout_s,
     )
 
@@ -331,6 +341,18 @@ def _check_health(url: str, timeout_s: float, http: SharedHttp) -> Health:
     from gpuctl.adapters import health
 
     return health.check(url, timeout_s, client=http())
+
+
+def _check_sleeping(url: str, h: Health, timeout_s: float, http: SharedHttp) -> Health:
+    from gpuctl.adapters import health
+
+    return health.check_sleeping(url, h, http(), timeout_s)
+
+
+def _wake(base: str, level: int, http: SharedHttp) -> None:
+    from gpuctl.adapters import vllm
+
+    vllm.wake(base, level, http())
 
 
 def _check_ollama(url: str, model: str, timeout_s: float, http: SharedHttp) -> Health:
