@@ -137,6 +137,7 @@ def _asleep_at_what_they_hold(
     its process still holds, not at its budget: the memory it gave back is free for
     others, and its own wake is admitted again (``gpuctl.flows.wake``). On unified
     memory a level-1 sleep holds on to its weights, and that is what it then counts at."""
+
     def asleep(o: ServiceConfig) -> bool:
         r = records.get(o.name)
         return o.name != me and r is not None and r.phase is Phase.SLEEPING
