@@ -521,3 +521,29 @@ def test_readme_config_example_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
     for key in (*HOST_KEYS, *SERVICE_KEYS):
         assert f"`{key}`" in section or f"\n{key} =" in block or f"# {key} =" in block, key
+
+
+def test_show_round_trips_the_new_keys(tmp_path: Path) -> None:
+    from gpuctl.render.config_view import config_to_toml
+
+    text = """
+[hosts.dgx]
+agent = "http://127.0.0.1:9400"
+read_token_file = "r.token"
+ollama = "http://127.0.0.1:11434"
+[services.vllm]
+health = "http://127.0.0.1:8000/health"
+devices = [1, 0]
+stop = "sleep"
+sleep_level = 2
+metrics = "http://127.0.0.1:8001/metrics"
+idle_timeout = "never"
+[services.chat]
+launcher = "ollama"
+model = "qwen3:32b"
+"""
+    conf = load_config(write(tmp_path, text))
+    again = tmp_path / "again.toml"
+    again.write_text(config_to_toml(conf))
+    assert load_config(again).services == conf.services
+    assert load_config(again).hosts["dgx"].read_token_file == conf.hosts["dgx"].read_token_file

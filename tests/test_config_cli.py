@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -279,3 +281,32 @@ def test_probe_completion_offers_the_one_list(command: str) -> None:
         check=False,
     )
     assert tuple(r.stdout.split()) == PROBES, r.stdout + r.stderr
+
+
+# Options whose DURATION is not gpuctl's: Ollama's keep_alive takes 0 and negatives by design.
+FOREIGN_DURATIONS = {("sim ollama", "--keep-alive")}
+
+
+def _walk(cmd: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _walk(sub, f"{path} {name}".strip())
+
+
+def test_every_duration_and_size_option_goes_through_the_shared_parsers() -> None:
+    """A new --something DURATION that skipped the parsers would take inf, nan and 0 again."""
+    import typer.main
+
+    checked = 0
+    for path, cmd in _walk(typer.main.get_command(create_app())):
+        for param in getattr(cmd, "params", []):
+            if param.metavar not in ("DURATION", "SIZE", "SECONDS"):
+                continue
+            opt = max(param.opts, key=len)
+            if (path, opt) in FOREIGN_DURATIONS:
+                continue
+            func = getattr(param.type, "func", None)
+            qual = getattr(func, "__qualname__", "")
+            assert qual.startswith(("duration_parser.", "size_parser.")), (path, opt, qual)
+            checked += 1
+    assert checked >= 12, checked
