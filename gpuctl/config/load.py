@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 from gpuctl.config.model import Config
@@ -38,6 +37,8 @@ def load_config(explicit: Path | None = None) -> Config:
         raise ConfigError(f"config file {path} is a folder, not a file") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    import tomllib  # about 10 ms: only when there is a file to read
+
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

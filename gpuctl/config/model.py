@@ -7,7 +7,6 @@ where its tokens live, and ``secrets`` reads them when a request needs one.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -212,6 +211,8 @@ class Config:
 
 def known_hint(kind: str, name: str, table: Mapping[str, Any], path: Path | None) -> str:
     """A hint for an unknown name: the closest known one, else the known ones, else how to add it."""
+    import difflib  # only for a message
+
     close = difflib.get_close_matches(name, list(table), n=1)
     if close:
         return f"did you mean {close[0]!r}?"

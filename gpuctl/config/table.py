@@ -8,7 +8,6 @@ finite and positive.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,8 @@ class Table:
         self.data: dict[str, Any] = data
         for key in data:
             if key not in keys:
+                import difflib  # only for a message
+
                 # A huge key would make difflib slow; nothing that long is a typo of ours.
                 close = difflib.get_close_matches(key, keys, n=1) if len(key) <= 100 else []
                 hint = f"did you mean {close[0]!r}?" if close else "see README 'Configuration'"
