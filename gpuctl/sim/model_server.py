@@ -1,6 +1,6 @@
 """``gpuctl sim model-server``: a fake vLLM that behaves like the real one where gpuctl looks.
 
-What it copies from vLLM (see the reference notes on vLLM readiness):
+What it copies from vLLM (its readiness as a client sees it):
 
 - It binds its port at once but listens only when the model is loaded, so a health
   check during the load gets *connection refused*, and a second server on the same

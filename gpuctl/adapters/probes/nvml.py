@@ -1,6 +1,6 @@
 """The NVML probe (``nvidia-ml-py``, imported as ``pynvml``): per-process GPU memory.
 
-NVML quirks this module works around (see the monitors reference, §2):
+NVML quirks this module works around (as gpustat, nvitop and nvtop met them):
 
 * GB10 / DGX Spark unified memory: ``nvmlDeviceGetMemoryInfo`` (v1 and v2) answers
   ``NOT_SUPPORTED`` with total = 0, while per-process memory still works. The device
