@@ -19,6 +19,7 @@ class Spec:
     priority: int = 50
     match: tuple[str, ...] = ()
     health_timeout_s: float = 600.0
+    devices: tuple[int, ...] | None = None
 
     @property
     def keywords(self) -> tuple[str, ...]:
@@ -261,3 +262,252 @@ def test_a_recorded_server_is_its_service_whatever_its_command() -> None:
         classify(other, REFUSED, early, others=specs, servers={71: "chat"}).decision
         is Decision.BUSY
     )
+
+
+# --- per GPU (issue: memory is per GPU, not summed) ------------------------------------
+
+from gpuctl.core.decision import gpu_rooms  # noqa: E402
+from gpuctl.core.model import GpuDevice  # noqa: E402
+
+
+def gp(pid: int, cmd: str | None, gib: float | None, gpu: int, on_gpu: bool = True) -> GpuProcess:
+    mem = None if gib is None else int(gib * GiB)
+    return GpuProcess(pid, cmd, mem, gpu=gpu, on_gpu=on_gpu)
+
+
+def multi(
+    *procs: GpuProcess,
+    used: tuple[float | None, ...] | None = None,
+    totals: tuple[int | None, ...] = (80 * GiB, 80 * GiB),
+    errors: tuple[str | None, ...] | None = None,
+    starting: tuple[StartingProcess, ...] = (),
+) -> Snapshot:
+    """A host of len(totals) GPUs; a GPU's used memory defaults to what its processes hold."""
+    devices = []
+    for i, total in enumerate(totals):
+        if errors and errors[i]:
+            devices.append(GpuDevice(i, error=errors[i]))
+            continue
+        u = (
+            sum(p.memory_mib or 0 for p in procs if p.gpu == i)
+            if used is None or used[i] is None
+            else int(used[i] * GiB)  # type: ignore[operator]
+        )
+        devices.append(GpuDevice(i, u, total))
+    return Snapshot(
+        sum(d.memory_used_mib or 0 for d in devices),
+        sum(d.memory_total_mib or 0 for d in devices),
+        False,
+        "nvml",
+        "t",
+        tuple(procs),
+        starting,
+        gpus=len(devices),
+        devices=tuple(devices),
+    )
+
+
+PINNED0 = Spec("pinned0", 60 * GiB, match=("pinned0",), devices=(0,))
+PINNED1 = Spec("pinned1", 60 * GiB, match=("pinned1",), devices=(1,))
+SIXTY = Spec("sixty", 60 * GiB, match=("sixty",))
+THIRTY = Spec("thirty", 30 * GiB, match=("thirty",))
+ALL = [VLLM, VLM, PINNED0, PINNED1, SIXTY, THIRTY]
+
+A70_B10 = multi(gp(1, "comfyui", 70, 0), gp(2, "encode", 10, 1))
+
+# (id, spec, snapshot, decision, gpu, words in the reason)
+GPU_CASES = [
+    # The reported case: 70 and 10 GiB used on two 80 GiB GPUs is not "80 of 160 free".
+    (
+        "80 GiB fits on no single GPU",
+        VLLM,
+        A70_B10,
+        Decision.BUSY,
+        None,
+        ["only 70.0 GiB", "any GPU", "most on GPU 1"],
+    ),
+    (
+        "60 GiB fits on the emptier GPU",
+        SIXTY,
+        A70_B10,
+        Decision.FITS,
+        1,
+        ["on GPU 1", "70.0 GiB of 80.0 GiB"],
+    ),
+    (
+        "pinned to the full GPU is busy",
+        PINNED0,
+        A70_B10,
+        Decision.BUSY,
+        None,
+        ["only 10.0 GiB", "comfyui"],
+    ),
+    ("pinned to the free GPU fits", PINNED1, A70_B10, Decision.FITS, 1, ["on GPU 1"]),
+    (
+        "best fit keeps the roomy GPU whole",
+        THIRTY,
+        multi(gp(1, "a", 40, 0), gp(2, "b", 1, 1)),
+        Decision.FITS,
+        0,
+        ["on GPU 0", "40.0 GiB of 80.0 GiB"],
+    ),
+    ("idle host names a GPU", THIRTY, multi(), Decision.IDLE, 0, ["no process"]),
+    # MIG / another PID namespace: the device says 30 GiB used, no process accounts for it.
+    (
+        "unattributed memory counts",
+        VLLM,
+        multi(gp(5, "python train.py", None, 0), used=(30, None), totals=(80 * GiB,)),
+        Decision.BUSY,
+        None,
+        ["only 50.0 GiB", "30.0 GiB no process accounts for"],
+    ),
+    (
+        "unattributed memory on an idle-looking GPU counts",
+        VLLM,
+        multi(used=(30, None), totals=(80 * GiB,)),
+        Decision.BUSY,
+        None,
+        ["only 50.0 GiB"],
+    ),
+    (
+        "beside unattributed memory what fits fits",
+        THIRTY,
+        multi(gp(5, "python train.py", None, 0), used=(30, None), totals=(80 * GiB,)),
+        Decision.FITS,
+        0,
+        ["50.0 GiB of 80.0 GiB"],
+    ),
+    # One bad GPU: what may land on it is UNKNOWN, the rest is decided as usual.
+    (
+        "unpinned with a lost GPU is unknown",
+        THIRTY,
+        multi(gp(2, "encode", 10, 1), errors=(None, "GPU is lost")),
+        Decision.UNKNOWN,
+        None,
+        ["GPU 1 cannot be read", "GPU is lost"],
+    ),
+    (
+        "pinned to the lost GPU is unknown",
+        PINNED1,
+        multi(errors=(None, "no permission")),
+        Decision.UNKNOWN,
+        None,
+        ["GPU 1 it is pinned to cannot be read"],
+    ),
+    (
+        "pinned beside the lost GPU is decided",
+        PINNED0,
+        multi(gp(2, "encode", 10, 0), errors=(None, "GPU is lost")),
+        Decision.FITS,
+        0,
+        ["on GPU 0"],
+    ),
+    (
+        "pinned to a GPU the host lacks",
+        Spec("nine", GiB, devices=(9,)),
+        multi(),
+        Decision.UNKNOWN,
+        None,
+        ["devices names GPU 9", "GPUs: 0, 1"],
+    ),
+    # A starting service with nothing on a GPU yet counts at its budget on every GPU it may use.
+    (
+        "an unpinned start is promised everywhere",
+        THIRTY,
+        multi(starting=(StartingProcess(9, "python photo-batch.py"),)),
+        Decision.FITS,
+        0,
+        ["50.0 GiB of 80.0 GiB", "vlm (starting)"],
+    ),
+    (
+        "an unpinned start leaves no GPU whole",
+        SIXTY,
+        multi(starting=(StartingProcess(9, "python photo-batch.py"),)),
+        Decision.BUSY,
+        None,
+        ["only 50.0 GiB", "vlm (starting)"],
+    ),
+    (
+        "a pinned start only on its GPU",
+        SIXTY,
+        multi(gp(3, "x", 1, 0), starting=(StartingProcess(9, "pinned1 serve"),)),
+        Decision.FITS,
+        0,
+        ["79.0 GiB of 80.0 GiB"],
+    ),
+    # The agent's entries for the original API's clients hold no memory: not in accounting.
+    (
+        "an on_gpu false entry is not a GPU process",
+        SIXTY,
+        multi(gp(7, "vllm serve x", 0, 0, on_gpu=False)),
+        Decision.IDLE,
+        0,
+        ["no process"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "spec", "snapshot", "expected", "gpu", "words"),
+    GPU_CASES,
+    ids=[c[0] for c in GPU_CASES],
+)
+def test_classify_per_gpu(
+    case: str,
+    spec: Spec,
+    snapshot: Snapshot,
+    expected: Decision,
+    gpu: int | None,
+    words: list[str],
+) -> None:
+    v = classify(spec, REFUSED, snapshot, others=ALL)
+    assert v.decision is expected, v.reason
+    assert v.gpu == gpu, v.reason
+    for w in words:
+        assert w in v.reason, v.reason
+
+
+def test_on_gpu_false_entry_of_the_service_itself_is_not_loading_on_the_gpu() -> None:
+    """gpuctl reads ``starting`` for its own decisions; the legacy entry changes nothing."""
+    legacy = multi(gp(7, "vllm serve x", 0, 0, on_gpu=False))
+    assert classify(VLLM, REFUSED, legacy, others=ALL).decision is Decision.IDLE
+    both = multi(
+        gp(7, "vllm serve x", 0, 0, on_gpu=False),
+        starting=(StartingProcess(7, "vllm serve x", age_s=1.0),),
+    )
+    assert classify(VLLM, REFUSED, both, others=ALL).decision is Decision.LOADING
+
+
+def test_rooms_count_a_service_at_its_budget_on_the_gpu_it_runs_on() -> None:
+    s = multi(gp(1, "vllm worker", 8, 1), gp(2, "comfyui", 20, 0))
+    rooms = gpu_rooms(s, ALL, exclude=THIRTY)
+    assert [(r.index, r.committed_mib) for r in rooms] == [(0, 20 * GiB), (1, 80 * GiB)]
+    assert [h.pid for h in rooms[1].holders] == [1]
+
+
+def test_a_service_leased_and_pinned_counts_only_on_its_gpu() -> None:
+    v = classify(SIXTY, REFUSED, multi(), others=ALL, leased=["pinned0"])
+    assert (v.decision, v.gpu) == (Decision.FITS, 1)
+    v = classify(SIXTY, REFUSED, multi(), others=ALL, leased=["vllm"])
+    assert v.decision is Decision.BUSY  # unpinned: it may take either GPU
+
+
+def test_old_agent_without_devices_and_two_gpus_is_unknown_for_unpinned() -> None:
+    old = Snapshot(10 * GiB, 160 * GiB, False, "nvml", "t", (gp(1, "x", 10, 0),), gpus=2)
+    v = classify(THIRTY, REFUSED, old, others=ALL)
+    assert v.decision is Decision.UNKNOWN and "per-GPU" in v.reason
+
+
+def test_single_gpu_reasons_do_not_name_the_gpu() -> None:
+    v = classify(VLLM, REFUSED, snap(COMFY), others=SPECS)
+    assert (v.decision, v.gpu) == (Decision.FITS, 0)
+    assert "GPU 0" not in v.reason
+
+
+def test_reasons_name_the_top_holders_and_a_count() -> None:
+    many = snap(*(p(100 + i, f"job{i}", 1 + i) for i in range(6)))
+    v = classify(WHISPER, REFUSED, many, others=SPECS)
+    assert v.decision is Decision.FITS
+    assert "pid 105" in v.reason and "pid 104" in v.reason and "4 more" in v.reason
+    assert "pid 100" not in v.reason
+    assert len(v.holders) == 6

@@ -4,26 +4,31 @@
 (or why there is none), the service's spec and the other services' specs. The rows
 are checked in order of precedence; the first that holds wins:
 
-====== ==================================================================
-SLEEPING vLLM sleep mode: /health answers, /is_sleeping says it sleeps (gpuctl reclaim
-       put it there with ``stop = "sleep"``); ``ensure`` wakes it
-READY  the health endpoint answers 200 (even while the agent is down)
-UNKNOWN not healthy, and the agent cannot tell us why: never start blind
-LOADING someone else holds its lease, or a process of this service is on the GPU or
-       starting (not on it yet), or its recorded server runs
-FAILED the last start failed and its back-off has not run out
-IDLE   no GPU process at all, and no other service is starting
-FITS   others hold the GPU, but this service's budget fits beside them
-BUSY   it does not fit (or has no budget and anything else runs): say who
-====== ==================================================================
+=========== ==============================================================
+SLEEPING    vLLM sleep mode: /health answers, /is_sleeping says it sleeps (gpuctl
+            reclaim put it there with ``stop = "sleep"``); ``ensure`` wakes it
+READY       the health endpoint answers 200 (even while the agent is down)
+UNKNOWN     not healthy, and the agent cannot tell us why; or a GPU the service may
+            use cannot be read: never start blind
+LOADING     someone else holds its lease, or a process of this service is on the GPU
+            or starting (not on it yet), or its recorded server runs
+FAILED      the last start failed and its back-off has not run out
+IDLE        no GPU process at all, and no other service is starting
+FITS        others hold GPU memory, but this service's budget fits on one GPU beside them
+BUSY        it fits on no GPU it may use (or has no budget and anything else runs): say who
+=========== ==============================================================
 
-``classify`` never answers SLEEPING or PREEMPTABLE yet; their enum members exist so
-that the wire format stays as it is when sleep mode and preemption come.
+``classify`` never answers PREEMPTABLE yet; its enum member exists so that the wire
+format stays as it is when preemption comes.
 
-Memory accounting: a process of a configured service counts at the larger of what it
-holds and its service's budget, and a service that is starting (not on the GPU yet)
-counts at its budget. A server that is still loading grows to its budget; counting
-only what it holds now would admit a second server into memory already promised.
+Memory is accounted per GPU (``gpu_rooms``): a service fits on one GPU, or on one of
+the GPUs its ``devices`` names, and the verdict says which (best fit). On each GPU, a
+process of a configured service counts at the larger of what it holds and its
+service's budget; a service that is starting (not on a GPU yet) counts at its budget
+on every GPU it may land on; and device memory that no process accounts for
+("unattributed") counts too. A server that is still loading grows to its budget;
+counting only what it holds now would admit a second server into memory already
+promised.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ class ServiceSpec(Protocol):
     def priority(self) -> int: ...
     @property
     def health_timeout_s(self) -> float: ...
+    @property
+    def devices(self) -> tuple[int, ...] | None:
+        """The GPU indexes the service may use; None: any one GPU."""
 
 
 def loading_match(
@@ -114,6 +122,8 @@ class Verdict:
     holders: tuple[GpuProcess, ...] = ()
     need_mib: int | None = None
     free_mib: int | None = None
+    # The GPU it fits on (IDLE, FITS): where a launch should put it.
+    gpu: int | None = None
 
     @property
     def own_memory_mib(self) -> int:
@@ -162,6 +172,102 @@ def _describe(p: GpuProcess, width: int = 72) -> str:
     return f"pid {p.pid} ({cmd}, {mem})"
 
 
+@dataclass(frozen=True, slots=True)
+class GpuRoom:
+    """One GPU as admission sees it: what is held or promised there, and by whom.
+
+    ``committed_mib`` = memory that no process accounts for ("unattributed": driver
+    reserve, processes whose memory NVML cannot tell, processes in another PID
+    namespace) + processes of no service + each service at max(measured, budget) +
+    services starting with nothing on a GPU yet, at their budget on every GPU they may
+    land on. ``error`` is set when the GPU could not be read: nothing is known of it.
+    """
+
+    index: int
+    total_mib: int | None
+    committed_mib: int
+    unattributed_mib: int = 0
+    holders: tuple[GpuProcess, ...] = ()
+    promised: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def free_mib(self) -> int | None:
+        return None if self.total_mib is None else self.total_mib - self.committed_mib
+
+
+def gpu_rooms(
+    snapshot: Snapshot,
+    specs: Sequence[ServiceSpec],
+    *,
+    exclude: ServiceSpec | None = None,
+    starting_services: Collection[str] = (),
+    servers: Mapping[int, str] | None = None,
+    total_override_mib: int | None = None,
+) -> tuple[GpuRoom, ...]:
+    """Memory already promised on each GPU, and the processes holding it.
+
+    Processes of ``exclude`` (the service being decided) are left out. A configured
+    service counts at max(measured, budget) on the GPU(s) it runs on; a service that is
+    starting (its processes not on a GPU yet, or in ``starting_services``: someone holds
+    its lease, its server may not even exist) counts at its budget on each GPU it may
+    use, since nobody knows yet which one it will take.
+    """
+    everyone = [*specs, exclude] if exclude is not None else list(specs)
+    others = [s for s in specs if exclude is None or s.name != exclude.name]
+    devices = snapshot.device_list()
+    known: dict[int, int] = {}  # what processes account for, per GPU (ours included)
+    loose: dict[int, int] = {}
+    measured: dict[str, dict[int, int]] = {}
+    holders: dict[int, list[GpuProcess]] = {}
+    for p in snapshot.gpu_processes:
+        known[p.gpu] = known.get(p.gpu, 0) + (p.memory_mib or 0)
+        svc = owner_of(p.command, everyone, p.pid, servers)
+        if exclude is not None and svc is not None and svc.name == exclude.name:
+            continue
+        holders.setdefault(p.gpu, []).append(p)
+        if svc is None:
+            loose[p.gpu] = loose.get(p.gpu, 0) + (p.memory_mib or 0)
+        else:
+            per_gpu = measured.setdefault(svc.name, {})
+            per_gpu[p.gpu] = per_gpu.get(p.gpu, 0) + (p.memory_mib or 0)
+    promised = {n for n in starting_services if exclude is None or n != exclude.name}
+    for sp in snapshot.starting or ():
+        svc = owner_of(sp.command, others, sp.pid, servers)
+        if svc is not None and loading_match(svc, sp, servers):
+            promised.add(svc.name)
+    rooms = []
+    for d in devices:
+        if not d.readable:
+            rooms.append(GpuRoom(d.index, None, 0, error=d.error))
+            continue
+        used = d.memory_used_mib
+        unattributed = max(0, used - known.get(d.index, 0)) if used is not None else 0
+        committed = unattributed + loose.get(d.index, 0)
+        names = []
+        for o in others:
+            on = measured.get(o.name, {})
+            if on:
+                if d.index in on:
+                    # A server spread over several GPUs grows to its budget over all of them.
+                    committed += max(on[d.index], (o.memory_mib or 0) // len(on))
+            elif o.name in promised and (o.devices is None or d.index in o.devices):
+                committed += o.memory_mib or 0
+                names.append(o.name)
+        total = d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
+        rooms.append(
+            GpuRoom(
+                d.index,
+                total,
+                committed,
+                unattributed,
+                tuple(holders.get(d.index, ())),
+                tuple(names),
+            )
+        )
+    return tuple(rooms)
+
+
 def committed_memory(
     snapshot: Snapshot,
     specs: Sequence[ServiceSpec],
@@ -169,39 +275,12 @@ def committed_memory(
     starting_services: Collection[str] = (),
     servers: Mapping[int, str] | None = None,
 ) -> tuple[int, list[GpuProcess]]:
-    """Memory already promised on the GPU, and the processes holding it.
-
-    Processes of ``exclude`` (the service being decided) are left out. A configured
-    service counts at max(measured, budget); its starting processes count at its budget,
-    and so does a service in ``starting_services`` (someone holds its lease: its server
-    may not even exist yet, but its memory is promised).
-    """
-    everyone = [*specs, exclude] if exclude is not None else list(specs)
-    others = [s for s in specs if exclude is None or s.name != exclude.name]
-    per_service: dict[str, int] = {}
-    holders: list[GpuProcess] = []
-    loose = 0
-    for p in snapshot.processes:
-        svc = owner_of(p.command, everyone, p.pid, servers)
-        if exclude is not None and svc is not None and svc.name == exclude.name:
-            continue
-        holders.append(p)
-        if svc is None:
-            loose += p.memory_mib or 0
-        else:
-            per_service[svc.name] = per_service.get(svc.name, 0) + (p.memory_mib or 0)
-    for sp in snapshot.starting or ():
-        svc = owner_of(sp.command, others, sp.pid, servers)
-        if svc is not None and loading_match(svc, sp, servers):
-            per_service.setdefault(svc.name, 0)
-    for name in starting_services:
-        if exclude is None or name != exclude.name:
-            per_service.setdefault(name, 0)
-    total = loose
-    for o in others:
-        if o.name in per_service:
-            total += max(per_service[o.name], o.memory_mib or 0)
-    return total, holders
+    """Memory promised over all GPUs together, and the processes holding it (for views
+    of the whole host; admission uses ``gpu_rooms``, one GPU at a time)."""
+    rooms = gpu_rooms(
+        snapshot, specs, exclude=exclude, starting_services=starting_services, servers=servers
+    )
+    return sum(r.committed_mib for r in rooms), [h for r in rooms for h in r.holders]
 
 
 def classify(
@@ -251,12 +330,12 @@ def classify(
     if health.state == "sleeping":
         # vLLM answers /health while asleep; its /is_sleeping told the health check.
         own_asleep = (
-            tuple(p for p in snapshot.processes if mine(p.pid, p.command)) if snapshot else ()
+            tuple(p for p in snapshot.gpu_processes if mine(p.pid, p.command)) if snapshot else ()
         )
         return Verdict(name, Decision.SLEEPING, f"asleep ({health.detail})", own=own_asleep)
     if health.ok:
         own_ready = (
-            tuple(p for p in snapshot.processes if mine(p.pid, p.command)) if snapshot else ()
+            tuple(p for p in snapshot.gpu_processes if mine(p.pid, p.command)) if snapshot else ()
         )
         return Verdict(
             name,
@@ -278,7 +357,7 @@ def classify(
             f"being started by {lease.entry} (pid {lease.pid} on {lease.host}), lease expires in "
             f"{format_duration(lease.expires - now)}; health: {health.detail or health.state}",
         )
-    own = tuple(p for p in snapshot.processes if mine(p.pid, p.command))
+    own = tuple(p for p in snapshot.gpu_processes if mine(p.pid, p.command))
     own_pids = {p.pid for p in own}
     starting = tuple(
         s
@@ -324,51 +403,125 @@ def classify(
         for s in (snapshot.starting or ())
     )
     others_leased = [n for n in leased if n != name and any(o.name == n for o in specs)]
-    if snapshot.is_idle and not others_starting and not others_leased:
-        return Verdict(name, Decision.IDLE, "no process on the GPU")
-
-    used, holders = committed_memory(
-        snapshot, specs, exclude=spec, starting_services=others_leased, servers=servers
+    rooms = gpu_rooms(
+        snapshot,
+        specs,
+        exclude=spec,
+        starting_services=others_leased,
+        servers=servers,
+        total_override_mib=total_override_mib,
     )
-    total = snapshot.memory_total_mib or total_override_mib
-    held_by = "; ".join(_describe(p) for p in holders[:4])
-    if others_leased:
-        held_by += ("; " if held_by else "") + ", ".join(f"{n} (starting)" for n in others_leased)
-    held_by = held_by or "other services starting"
-    if len(holders) > 4:
-        held_by += f"; and {len(holders) - 4} more"
+    candidates, unknown = _candidates(spec, rooms)
+    if unknown:
+        return Verdict(
+            name, Decision.UNKNOWN, f"not healthy ({health.detail or health.state}); {unknown}"
+        )
+    many = len(rooms) > 1
     need = spec.memory_mib
+    idle = not snapshot.gpu_processes and not others_starting and not others_leased
+    if idle:
+        # Nothing runs, but memory nothing accounts for (a process in another PID
+        # namespace, a MIG slice we cannot see into) still is not free.
+        room = _best(candidates, need or 0)
+        if need is None or room is not None or all(r.total_mib is None for r in candidates):
+            chosen = room or candidates[0]
+            return Verdict(
+                name, Decision.IDLE, "no process on the GPU" + _on(chosen, many), gpu=chosen.index
+            )
+
+    held_by = _held_by(candidates)
     if need is None:
         return Verdict(
             name,
             Decision.BUSY,
             f"GPU in use by {held_by} (the service has no memory budget, so any other process means busy)",
-            holders=tuple(holders),
+            holders=_holders(candidates),
         )
-    if total is None:
+    room = _best(candidates, need)
+    if room is not None:
+        assert room.free_mib is not None and room.total_mib is not None
+        return Verdict(
+            name,
+            Decision.FITS,
+            f"needs {format_mib(need)}, {format_mib(room.free_mib)} of {format_mib(room.total_mib)} "
+            f"free{_on(room, many)} beside {_held_by((room,))}",
+            holders=room.holders,
+            need_mib=need,
+            free_mib=room.free_mib,
+            gpu=room.index,
+        )
+    known = [r for r in candidates if r.total_mib is not None]
+    if not known:
         return Verdict(
             name,
             Decision.BUSY,
             f"GPU total memory unknown, cannot tell whether {format_mib(need)} fits beside {held_by}",
-            holders=tuple(holders),
+            holders=_holders(candidates),
             need_mib=need,
         )
-    free = total - used
-    if need <= free:
-        return Verdict(
-            name,
-            Decision.FITS,
-            f"needs {format_mib(need)}, {format_mib(free)} of {format_mib(total)} free beside {held_by}",
-            holders=tuple(holders),
-            need_mib=need,
-            free_mib=free,
-        )
+    most = max(known, key=lambda r: (r.free_mib or 0, -r.index))
+    assert most.free_mib is not None and most.total_mib is not None
+    where = " on any GPU" if many and len(candidates) > 1 else _on(most, many)
+    best = f" (most on GPU {most.index})" if where == " on any GPU" else ""
     return Verdict(
         name,
         Decision.BUSY,
-        f"needs {format_mib(need)} but only {format_mib(max(free, 0))} of {format_mib(total)} free; "
-        f"held by {held_by}",
-        holders=tuple(holders),
+        f"needs {format_mib(need)} but only {format_mib(max(most.free_mib, 0))} of "
+        f"{format_mib(most.total_mib)} free{where}{best}; held by {_held_by((most,))}",
+        holders=_holders(candidates),
         need_mib=need,
-        free_mib=free,
+        free_mib=most.free_mib,
     )
+
+
+def _candidates(spec: ServiceSpec, rooms: Sequence[GpuRoom]) -> tuple[list[GpuRoom], str]:
+    """The GPUs ``spec`` may use, or why nothing can be decided (a GPU it may use is
+    unreadable: what runs there, and whether it is ours, is unknown)."""
+    by_index = {r.index: r for r in rooms}
+    if spec.devices is None:
+        chosen = list(rooms)
+    else:
+        missing = [i for i in spec.devices if i not in by_index]
+        if missing:
+            have = ", ".join(str(i) for i in sorted(by_index)) or "none"
+            return [], (
+                f"services.{spec.name}.devices names GPU {missing[0]}, which this host does not "
+                f"have (GPUs: {have})"
+            )
+        chosen = [by_index[i] for i in spec.devices]
+    bad = [r for r in chosen if r.error is not None]
+    if bad:
+        r = bad[0]
+        pinned = "" if spec.devices is None else " it is pinned to"
+        return [], f"GPU {r.index}{pinned} cannot be read ({r.error})"
+    return chosen, ""
+
+
+def _best(rooms: Sequence[GpuRoom], need: int) -> GpuRoom | None:
+    """The GPU where ``need`` fits most tightly (best fit: it keeps the roomiest GPUs whole
+    for a bigger service later); the lowest index on a tie."""
+    fits = [r for r in rooms if r.free_mib is not None and need <= r.free_mib]
+    return min(fits, key=lambda r: (r.free_mib, r.index)) if fits else None
+
+
+def _on(room: GpuRoom, many: bool) -> str:
+    return f" on GPU {room.index}" if many else ""
+
+
+def _holders(rooms: Sequence[GpuRoom]) -> tuple[GpuProcess, ...]:
+    return tuple(h for r in rooms for h in r.holders)
+
+
+def _held_by(rooms: Sequence[GpuRoom], top: int = 2) -> str:
+    """The biggest holders by name and a count of the rest, so a reason stays one line or two."""
+    procs = sorted(_holders(rooms), key=lambda p: -(p.memory_mib or 0))
+    parts = [_describe(p) for p in procs[:top]]
+    promised = sorted({n for r in rooms for n in r.promised})
+    rest = len(procs) - top
+    if rest > 0:
+        parts.append(f"{rest} more")
+    parts += [f"{n} (starting)" for n in promised]
+    unattributed = max((r.unattributed_mib for r in rooms), default=0)
+    if unattributed >= 1024:
+        parts.append(f"{format_mib(unattributed)} no process accounts for")
+    return "; ".join(parts) or "other services starting"

@@ -1,13 +1,22 @@
 """Plain data shared by every layer, and the agent's wire format (DESIGN §5).
 
 ``Snapshot.to_wire`` / ``Snapshot.from_wire`` are the contract of ``GET /status``.
-``from_wire`` validates strictly: an agent that answers something else is treated as
-unavailable (UNKNOWN), never as an idle GPU.
+``from_wire`` (in ``gpuctl.core.status_wire``) validates strictly: an agent that answers
+something else is treated as unavailable (UNKNOWN), never as an idle GPU.
+
+Memory is per GPU (``GpuDevice``): a service fits on one device, so summing devices
+would let two half-free GPUs look like one free one. The host-wide figures
+(``memory_used_mib``, ``memory_total_mib``) stay for the original API's clients; they
+are sums over the devices that could be read.
+
+Unknown stays None, never 0: a utilisation, temperature or memory figure that the
+driver did not give is None on the wire and "?" on screen.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 STATUS_SCHEMA = 1
@@ -19,7 +28,11 @@ class GpuProcess:
 
     ``command`` is None when it cannot be read (another PID namespace, no permission);
     such a process stays in the list with its memory. ``memory_mib`` is None where NVML
-    cannot tell (WDDM, some MIG setups).
+    cannot tell (WDDM, some MIG setups). ``on_gpu`` False marks an entry the agent adds
+    for the original API's clients (a server of ours that has no CUDA context yet): it
+    holds nothing, and gpuctl's own accounting skips it (it reads ``starting``).
+    ``sm_util_pct`` is the process's share of the streaming multiprocessors over the
+    last second, where NVML gives it.
     """
 
     pid: int
@@ -28,6 +41,8 @@ class GpuProcess:
     user: str | None = None
     container: str | None = None
     gpu: int = 0
+    on_gpu: bool = True
+    sm_util_pct: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -37,6 +52,49 @@ class GpuProcess:
             "user": self.user,
             "container": self.container,
             "gpu": self.gpu,
+            "on_gpu": self.on_gpu,
+            "sm_util_pct": self.sm_util_pct,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """One GPU as a probe saw it.
+
+    ``error`` is set when this GPU could not be read (lost, no permission, its process
+    list unsupported): its memory and processes are then unknown, and nothing may be
+    decided about it. ``unified`` is true only for a device that says it has no memory
+    figure of its own (GB10); its total comes from the config or MemTotal and its "used"
+    is what its processes hold.
+    """
+
+    index: int
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    unified: bool = False
+    name: str | None = None
+    uuid: str | None = None
+    utilization_pct: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    error: str | None = None
+
+    @property
+    def readable(self) -> bool:
+        return self.error is None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "uuid": self.uuid,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_total_mib": self.memory_total_mib,
+            "unified": self.unified,
+            "utilization_pct": self.utilization_pct,
+            "temperature_c": self.temperature_c,
+            "power_w": self.power_w,
+            "error": self.error,
         }
 
 
@@ -69,9 +127,9 @@ class HostIdentity:
 class Snapshot:
     """What a probe saw on one GPU host at one moment.
 
-    ``memory_total_mib`` is None when neither the device nor the config can tell.
-    ``memory_used_mib`` is the device figure, or the sum of the processes where the
-    device does not report one (unified memory).
+    ``devices`` holds the per-GPU figures that admission uses. ``memory_total_mib`` and
+    ``memory_used_mib`` are their sums over the readable devices (the original API's
+    fields); the total is None when no device and no config can tell.
     """
 
     memory_used_mib: int | None
@@ -84,10 +142,34 @@ class Snapshot:
     host: HostIdentity | None = None
     state_dir: str | None = None
     gpus: int = 1
+    devices: tuple[GpuDevice, ...] = ()
 
     @property
     def is_idle(self) -> bool:
-        return not self.processes
+        """No process at all, and every GPU could be read (an unreadable GPU is not idle)."""
+        return not self.processes and all(d.readable for d in self.devices)
+
+    @property
+    def gpu_processes(self) -> tuple[GpuProcess, ...]:
+        """The processes that hold GPU memory (not the agent's ``on_gpu: false`` entries)."""
+        return tuple(p for p in self.processes if p.on_gpu)
+
+    def device_list(self) -> tuple[GpuDevice, ...]:
+        """The per-GPU figures; an agent too old to send them gives one device of the
+        host's figures, or, with several GPUs, devices that cannot be told apart."""
+        if self.devices:
+            return self.devices
+        if self.gpus <= 1:
+            return (
+                GpuDevice(
+                    0, self.memory_used_mib, self.memory_total_mib, unified=self.unified_memory
+                ),
+            )
+        why = "the agent reports no per-GPU memory (upgrade it)"
+        return tuple(GpuDevice(i, error=why) for i in range(self.gpus))
+
+    def device(self, index: int) -> GpuDevice | None:
+        return next((d for d in self.device_list() if d.index == index), None)
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -99,6 +181,7 @@ class Snapshot:
             "probe": self.probe,
             "taken_at": self.taken_at,
             "gpus": self.gpus,
+            "devices": [d.to_wire() for d in self.devices],
             "processes": [p.to_wire() for p in self.processes],
             "host": self.host.to_wire() if self.host else None,
             "state_dir": self.state_dir,
@@ -110,99 +193,19 @@ class Snapshot:
     @classmethod
     def from_wire(cls, data: object) -> Snapshot:
         """Parse an agent's ``/status`` body. Raises ValueError naming the first bad field."""
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        procs_raw = _req(data, "processes", list)
-        processes = tuple(_proc(p, i) for i, p in enumerate(procs_raw))
-        is_idle = _req(data, "is_idle", bool)
-        if is_idle != (not processes):
-            raise ValueError("is_idle disagrees with processes")
-        starting: tuple[StartingProcess, ...] | None = None
-        if data.get("starting") is not None:
-            starting = tuple(_starting(s, i) for i, s in enumerate(_req(data, "starting", list)))
-        host = None
-        if isinstance(data.get("host"), dict):
-            h = data["host"]
-            host = HostIdentity(
-                hostname=str(h.get("hostname", "")), boot_id=str(h.get("boot_id", ""))
-            )
-        return cls(
-            memory_used_mib=_opt_int(data, "memory_used_mib"),
-            memory_total_mib=_opt_int(data, "memory_total_mib"),
-            unified_memory=bool(data.get("unified_memory", False)),
-            probe=str(data.get("probe", "?")),
-            taken_at=str(data.get("taken_at", "")),
-            processes=processes,
-            starting=starting,
-            host=host,
-            state_dir=data.get("state_dir") if isinstance(data.get("state_dir"), str) else None,
-            gpus=data["gpus"] if isinstance(data.get("gpus"), int) else 1,
-        )
+        from gpuctl.core.status_wire import parse_status
 
-
-def _req(d: dict[str, Any], key: str, typ: type) -> Any:
-    if key not in d:
-        raise ValueError(f"missing field {key!r}")
-    v = d[key]
-    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise ValueError(f"field {key!r} should be {typ.__name__}, got {type(v).__name__}")
-    return v
-
-
-def _opt_int(d: dict[str, Any], key: str) -> int | None:
-    v = d.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"field {key!r} should be a number or null")
-    return int(v)
-
-
-def _proc(p: object, i: int) -> GpuProcess:
-    if not isinstance(p, dict):
-        raise ValueError(f"processes[{i}] should be an object")
-    try:
-        pid = _req(p, "pid", int)
-    except ValueError as e:
-        raise ValueError(f"processes[{i}]: {e}") from None
-    cmd = p.get("command")
-    user = p.get("user")
-    ctr = p.get("container")
-    gpu = p.get("gpu", 0)
-    return GpuProcess(
-        pid=pid,
-        command=cmd if isinstance(cmd, str) else None,
-        memory_mib=_opt_int(p, "memory_mib"),
-        user=user if isinstance(user, str) else None,
-        container=ctr if isinstance(ctr, str) else None,
-        gpu=gpu if isinstance(gpu, int) else 0,
-    )
-
-
-def _starting(s: object, i: int) -> StartingProcess:
-    if not isinstance(s, dict):
-        raise ValueError(f"starting[{i}] should be an object")
-    try:
-        pid = _req(s, "pid", int)
-        cmd = _req(s, "command", str)
-    except ValueError as e:
-        raise ValueError(f"starting[{i}]: {e}") from None
-    user = s.get("user")
-    age = s.get("age_s")
-    return StartingProcess(
-        pid=pid,
-        command=cmd,
-        user=user if isinstance(user, str) else None,
-        age_s=float(age) if isinstance(age, int | float) and not isinstance(age, bool) else None,
-    )
+        return parse_status(data)
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeReading:
     """What a GPU probe returns before the agent adds host identity and ``starting``.
 
-    ``memory_total_mib``/``memory_used_mib`` are None where the device cannot tell
-    (GB10 unified memory answers "Not Supported").
+    ``devices`` are the per-GPU figures (empty from a probe that only knows host-wide
+    ones: then one device of those). ``memory_total_mib``/``memory_used_mib`` are the
+    host-wide sums, None where the device cannot tell (GB10 unified memory answers
+    "Not Supported"). Build one from devices with ``ProbeReading.of_devices``.
     """
 
     probe: str
@@ -212,22 +215,78 @@ class ProbeReading:
     unified_memory: bool = False
     gpus: int = 1
     notes: tuple[str, ...] = field(default=())
+    devices: tuple[GpuDevice, ...] = ()
+
+    @classmethod
+    def of_devices(
+        cls,
+        probe: str,
+        processes: Sequence[GpuProcess],
+        devices: Sequence[GpuDevice],
+        notes: Sequence[str] = (),
+    ) -> ProbeReading:
+        """A reading whose host-wide figures are the sums over the readable devices."""
+        used, total = _sums(devices)
+        return cls(
+            probe=probe,
+            processes=tuple(processes),
+            memory_used_mib=used,
+            memory_total_mib=total,
+            unified_memory=any(d.unified for d in devices),
+            gpus=len(devices),
+            notes=tuple(notes),
+            devices=tuple(devices),
+        )
+
+    def device_list(self) -> tuple[GpuDevice, ...]:
+        if self.devices:
+            return self.devices
+        return tuple(
+            GpuDevice(
+                i,
+                self.memory_used_mib if self.gpus == 1 else None,
+                self.memory_total_mib if self.gpus == 1 else None,
+                unified=self.unified_memory,
+            )
+            for i in range(max(self.gpus, 1))
+        )
+
+
+def _sums(devices: Sequence[GpuDevice]) -> tuple[int | None, int | None]:
+    readable = [d for d in devices if d.readable]
+    used = [d.memory_used_mib for d in readable]
+    total = [d.memory_total_mib for d in readable]
+    return (
+        sum(u for u in used if u is not None) if readable and None not in used else None,
+        sum(t for t in total if t is not None) if readable and None not in total else None,
+    )
+
+
+def device_figures(reading: ProbeReading, gpu_memory_mib: int | None) -> tuple[GpuDevice, ...]:
+    """Each device with the one rule every observer applies to its memory.
+
+    Where a device gives no "used" (unified memory), what its processes hold is the truth
+    (host RAM use would count the OS as GPU use, nvtop #511); where it gives no total, the
+    configured ``gpu_memory_mib`` stands in. An unreadable device stays unknown.
+    """
+    out = []
+    for d in reading.device_list():
+        if not d.readable:
+            out.append(d)
+            continue
+        used = d.memory_used_mib
+        if used is None:
+            used = sum(p.memory_mib or 0 for p in reading.processes if p.gpu == d.index)
+        total = d.memory_total_mib if d.memory_total_mib is not None else gpu_memory_mib
+        out.append(replace(d, memory_used_mib=used, memory_total_mib=total))
+    return tuple(out)
 
 
 def reading_memory(reading: ProbeReading, gpu_memory_mib: int | None) -> tuple[int, int | None]:
-    """(used, total-or-None) MiB of a reading, the one rule every observer applies.
-
-    Where the device gives no "used" (unified memory), the processes' sum is the truth
-    (host RAM use would count the OS as GPU use, nvtop #511); where it gives no total,
-    the configured ``gpu_memory_mib`` stands in.
-    """
-    used = reading.memory_used_mib
-    if used is None:
-        used = sum(p.memory_mib or 0 for p in reading.processes)
-    total = reading.memory_total_mib
-    if total is None:
-        total = gpu_memory_mib
-    return used, total
+    """(used, total-or-None) MiB of a reading, host-wide: the sums of ``device_figures``
+    over the readable devices."""
+    used, total = _sums(device_figures(reading, gpu_memory_mib))
+    return used or 0, total
 
 
 def snapshot_from_reading(
@@ -244,19 +303,21 @@ def snapshot_from_reading(
 
     ``starting`` None means "not asked"; processes already on the GPU are dropped from it.
     """
-    used, total = reading_memory(reading, gpu_memory_mib)
+    devices = device_figures(reading, gpu_memory_mib)
+    used, total = _sums(devices)
     if starting is not None:
-        on_gpu = {p.pid for p in reading.processes}
+        on_gpu = {p.pid for p in reading.processes if p.on_gpu}
         starting = tuple(s for s in starting if s.pid not in on_gpu)
     return Snapshot(
-        memory_used_mib=used,
+        memory_used_mib=used if used is not None else 0,
         memory_total_mib=total,
-        unified_memory=reading.unified_memory,
+        unified_memory=any(d.unified for d in devices),
         probe=reading.probe,
         taken_at=taken_at,
         processes=reading.processes,
         starting=starting,
         host=host,
         state_dir=state_dir,
-        gpus=reading.gpus,
+        gpus=len(devices),
+        devices=devices,
     )

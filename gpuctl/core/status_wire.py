@@ -1,0 +1,164 @@
+"""Parsing the agent's ``GET /status`` body into a ``Snapshot``, strictly.
+
+Every value an agent (or something pretending to be one) sends is checked: pids in
+range, sizes finite and non-negative, percentages 0-100, flags exact booleans (a
+``"no"`` is not false). A body that fails is not a reading: the caller reports the host
+UNKNOWN, never idle. Errors name the field (``processes[2].memory_mib``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
+
+# PID_MAX_LIMIT on 64-bit Linux: every pid is below it.
+PID_LIMIT = 4_194_304
+# A MiB figure beyond an exbibyte is not memory, it is garbage (or 1e308).
+MAX_MIB = 2**40
+MAX_GPUS = 1024
+
+
+def parse_status(data: object) -> Snapshot:
+    """Parse an agent's ``/status`` body. Raises ValueError naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    procs_raw = _req(data, "processes", list)
+    processes = tuple(_proc(p, f"processes[{i}]") for i, p in enumerate(procs_raw))
+    devices: tuple[GpuDevice, ...] = ()
+    if data.get("devices") is not None:
+        raw = _req(data, "devices", list)
+        if len(raw) > MAX_GPUS:
+            raise ValueError(f"devices: more than {MAX_GPUS} GPUs")
+        devices = tuple(_device(d, f"devices[{i}]") for i, d in enumerate(raw))
+    is_idle = _req(data, "is_idle", bool)
+    if is_idle != (not processes and all(d.readable for d in devices)):
+        raise ValueError("is_idle disagrees with processes")
+    starting: tuple[StartingProcess, ...] | None = None
+    if data.get("starting") is not None:
+        starting = tuple(
+            _starting(s, f"starting[{i}]") for i, s in enumerate(_req(data, "starting", list))
+        )
+    host = None
+    if isinstance(data.get("host"), dict):
+        h = data["host"]
+        host = HostIdentity(hostname=str(h.get("hostname", "")), boot_id=str(h.get("boot_id", "")))
+    gpus = _int(data, "gpus", "gpus", 0, MAX_GPUS)
+    unified = data.get("unified_memory", False)
+    if not isinstance(unified, bool):
+        raise ValueError("unified_memory: should be true or false")
+    return Snapshot(
+        memory_used_mib=_mib(data, "memory_used_mib", "memory_used_mib"),
+        memory_total_mib=_mib(data, "memory_total_mib", "memory_total_mib"),
+        unified_memory=unified,
+        probe=str(data.get("probe", "?")),
+        taken_at=str(data.get("taken_at", "")),
+        processes=processes,
+        starting=starting,
+        host=host,
+        state_dir=data.get("state_dir") if isinstance(data.get("state_dir"), str) else None,
+        gpus=len(devices) if devices else (gpus if gpus is not None else 1),
+        devices=devices,
+    )
+
+
+def _req(d: dict[str, Any], key: str, typ: type, within: str = "") -> Any:
+    """A required field of exactly ``typ``; ``within`` names the enclosing object."""
+    at = f"{within}: " if within else ""
+    if key not in d:
+        raise ValueError(f"{at}missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ValueError(f"{at}field {key!r} should be {typ.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _number(d: dict[str, Any], key: str, where: str, low: float, high: float) -> float | None:
+    """An optional finite number within [low, high]; None when absent or null."""
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"field {where!r} should be a number or null")
+    if not math.isfinite(v) or not low <= v <= high:
+        raise ValueError(f"field {where!r} is out of range: {v!r}")
+    return float(v)
+
+
+def _int(d: dict[str, Any], key: str, where: str, low: int, high: int) -> int | None:
+    v = _number(d, key, where, low, high)
+    return None if v is None else int(v)
+
+
+def _mib(d: dict[str, Any], key: str, where: str) -> int | None:
+    return _int(d, key, where, 0, MAX_MIB)
+
+
+def _opt_str(d: dict[str, Any], key: str) -> str | None:
+    v = d.get(key)
+    return v if isinstance(v, str) else None
+
+
+def _pid(d: dict[str, Any], where: str) -> int:
+    pid: int = _req(d, "pid", int, where)
+    if not 0 < pid < PID_LIMIT:
+        raise ValueError(f"field '{where}.pid' is out of range: {pid}")
+    return pid
+
+
+def _proc(p: object, where: str) -> GpuProcess:
+    if not isinstance(p, dict):
+        raise ValueError(f"{where} should be an object")
+    on_gpu = p.get("on_gpu", True)
+    if not isinstance(on_gpu, bool):
+        raise ValueError(f"field '{where}.on_gpu' should be true or false")
+    gpu = _int(p, "gpu", f"{where}.gpu", 0, MAX_GPUS - 1)
+    return GpuProcess(
+        pid=_pid(p, where),
+        command=_opt_str(p, "command"),
+        memory_mib=_mib(p, "memory_mib", f"{where}.memory_mib"),
+        user=_opt_str(p, "user"),
+        container=_opt_str(p, "container"),
+        gpu=gpu if gpu is not None else 0,
+        on_gpu=on_gpu,
+        sm_util_pct=_int(p, "sm_util_pct", f"{where}.sm_util_pct", 0, 100),
+    )
+
+
+def _device(d: object, where: str) -> GpuDevice:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} should be an object")
+    index: int = _req(d, "index", int, where)
+    if not 0 <= index < MAX_GPUS:
+        raise ValueError(f"field '{where}.index' is out of range: {index}")
+    unified = d.get("unified", False)
+    if not isinstance(unified, bool):
+        raise ValueError(f"field '{where}.unified' should be true or false")
+    error = d.get("error")
+    if error is not None and not isinstance(error, str):
+        raise ValueError(f"field '{where}.error' should be a string or null")
+    return GpuDevice(
+        index=index,
+        memory_used_mib=_mib(d, "memory_used_mib", f"{where}.memory_used_mib"),
+        memory_total_mib=_mib(d, "memory_total_mib", f"{where}.memory_total_mib"),
+        unified=unified,
+        name=_opt_str(d, "name"),
+        uuid=_opt_str(d, "uuid"),
+        utilization_pct=_int(d, "utilization_pct", f"{where}.utilization_pct", 0, 100),
+        temperature_c=_int(d, "temperature_c", f"{where}.temperature_c", -273, 1000),
+        power_w=_number(d, "power_w", f"{where}.power_w", 0, 1e6),
+        error=error,
+    )
+
+
+def _starting(s: object, where: str) -> StartingProcess:
+    if not isinstance(s, dict):
+        raise ValueError(f"{where} should be an object")
+    cmd: str = _req(s, "command", str, where)
+    return StartingProcess(
+        pid=_pid(s, where),
+        command=cmd,
+        user=_opt_str(s, "user"),
+        age_s=_number(s, "age_s", f"{where}.age_s", -1e12, 1e12),
+    )
