@@ -10,7 +10,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpuctl.adapters.probes.factory import make_probe
+from gpuctl.adapters.probes.factory import AutoProbe, make_probe
 from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
 from gpuctl.adapters.probes.nvml import NvmlProbe
 from gpuctl.errors import ExitCode, NoGpuFound, ProbeError, UsageError
@@ -93,8 +93,51 @@ def test_auto_prefers_nvml_when_it_initialises(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: object())
     probe = make_probe("auto")
-    assert isinstance(probe, NvmlProbe)
+    assert isinstance(probe, AutoProbe) and probe.name == "nvml"
     probe.close()
+
+
+def test_auto_falls_back_to_nvidia_smi_when_nvml_reads_fail_on_an_old_driver(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """NVML loads, but the driver lacks the process lists a read needs: nvidia-smi (which
+    ships with that driver) reads the GPU instead, from then on."""
+    from tests.test_probe_nvml import Device, FakeDriver
+
+    fake = FakeDriver(monkeypatch, Device())
+    fake.missing = {f"nvmlDeviceGetComputeRunningProcesses{s}" for s in ("_v3", "_v2", "")}
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --query-gpu=*) echo "0, GPU-a, 81559, 4000" ;;\n'
+        '  --query-compute-apps=*) echo "GPU-a, 4194000, 3900" ;;\n'
+        "esac\n"
+    )
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    probe = make_probe("auto")
+    assert probe.name == "nvml"
+    r = probe.read()
+    assert (r.probe, probe.name) == ("nvidia-smi", "nvidia-smi")
+    assert [(p.pid, p.memory_mib) for p in r.processes] == [(4194000, 3900)]
+    assert any("NVML failed on this driver" in n for n in r.notes)
+    inits = fake.calls["nvmlInit"]
+    assert probe.read().probe == "nvidia-smi"
+    assert fake.calls["nvmlInit"] == inits  # for good: NVML is not tried again
+    probe.close()
+
+
+def test_auto_without_smi_keeps_the_nvml_mismatch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tests.test_probe_nvml import Device, FakeDriver
+
+    fake = FakeDriver(monkeypatch, Device())
+    fake.missing = {f"nvmlDeviceGetComputeRunningProcesses{s}" for s in ("_v3", "_v2", "")}
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ProbeError, match="compute process list"):
+        make_probe("auto").read()
 
 
 def test_sim_probe_gets_dir_and_total(tmp_path: Path) -> None:
@@ -125,7 +168,7 @@ def test_agent_and_direct_path_build_the_same_snapshot(
     procs = (
         GpuProcess(pid=4194000, command=None, memory_mib=700),
         GpuProcess(pid=4194001, command=None, memory_mib=None),
-        GpuProcess(pid=4194002, command=None, memory_mib=300, gpu=1),
+        GpuProcess(pid=4194002, command=None, memory_mib=300),
     )
     reading = reading_of(*procs, used=used, total=total, unified=unified)
     settings = AgentSettings(token=None, gpu_memory_mib=65536)

@@ -263,3 +263,35 @@ def test_probe_unparseable_output_is_probe_error(tmp_path: Path) -> None:
     smi = fake_smi(tmp_path, "0, GPU-a, 81559, 100\n", "GPU-a, twelve, 5\n")
     with pytest.raises(ProbeError, match="unexpected nvidia-smi output"):
         NvidiaSmiProbe(binary=str(smi)).read()
+
+
+def test_probe_one_gpu_without_permission_is_unknown_the_other_as_it_is(tmp_path: Path) -> None:
+    smi = fake_smi(
+        tmp_path,
+        "0, GPU-a, 81559, 100\n1, GPU-b, [Insufficient Permissions], [Insufficient Permissions]\n",
+        f"GPU-a, {NO_SUCH_PID}, 90\n",
+    )
+    r = NvidiaSmiProbe(binary=str(smi)).read()
+    d0, d1 = r.devices
+    assert (d0.memory_used_mib, d0.memory_total_mib, d0.unified) == (100, 81559, False)
+    assert d1.error == "nvidia-smi: [Insufficient Permissions]" and not d1.unified
+    assert (r.memory_used_mib, r.memory_total_mib, r.unified_memory) == (100, 81559, False)
+
+
+def test_probe_no_gpu_readable_is_an_error(tmp_path: Path) -> None:
+    smi = fake_smi(tmp_path, "0, GPU-a, [Insufficient Permissions], [Unknown Error]\n", "")
+    with pytest.raises(ProbeError, match="cannot read any GPU"):
+        NvidiaSmiProbe(binary=str(smi)).read()
+
+
+def test_probe_only_the_gpu_without_a_figure_is_unified(tmp_path: Path) -> None:
+    smi = fake_smi(
+        tmp_path,
+        f"0, GPU-a, 81559, 9000\n1, {GB10_UUID}, [N/A], [N/A]\n",
+        f"GPU-a, {NO_SUCH_PID}, 8900\n{GB10_UUID}, {NO_SUCH_PID + 1}, 19135\n",
+    )
+    r = NvidiaSmiProbe(binary=str(smi), gpu_memory_mib=122880).read()
+    d0, d1 = r.devices
+    assert (d0.unified, d0.memory_used_mib, d0.memory_total_mib) == (False, 9000, 81559)
+    assert (d1.unified, d1.memory_used_mib, d1.memory_total_mib) == (True, 19135, 122880)
+    assert r.unified_memory is True and r.memory_total_mib == 81559 + 122880

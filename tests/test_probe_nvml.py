@@ -1,11 +1,22 @@
-"""NvmlProbe against a stubbed pynvml, in the manner of gpustat's test_gpustat.py.
+"""NvmlProbe through the real pynvml binding, driven by fake C functions.
 
-Two levels of fake:
-* ``FakeNvml`` replaces the binding's Python functions (fake handles, fake process
-  objects with pid/usedGpuMemory), for the probe's own logic;
-* ``FakeDriver`` replaces the C symbols behind ``pynvml._nvmlGetFunctionPointer``, so the
-  real binding runs its two-call protocol against a driver that lacks ``_v3`` (< 510.39)
-  or fills a larger ``_v3`` struct than the binding expects (535.43).
+This is gpustat's ``NvidiaDriverMock`` (``gpustat/test_gpustat.py``) made whole: the
+binding's ``_nvmlGetFunctionPointer`` answers with Python callables that implement the
+C functions of one simulated driver, two-call protocols, structs and error codes
+included. Everything above the C boundary is real: pynvml's wrappers, its error
+classes, and our own ``ctypes`` process-list calls. A driver is described by which
+symbols it exports and which struct layout each process-list symbol fills, so the
+driver history of the monitors reference (§2.4) is a table of presets:
+
+======================  =================================================================
+< 450.66                unversioned process lists only (16-byte struct), memory info v1
+450.66                  + ``_v2`` (24-byte struct)
+510.39                  + ``_v3`` (still 24 bytes), memory info v2
+535.43 - 535.86         ``_v3`` fills 32 bytes (``usedGpuCcProtectedMemory``), no version
+                        bump; ``nvmlDeviceGetConfComputeMemSizeInfo`` exists,
+                        ``nvmlDeviceGetRunningProcessDetailList`` does not yet
+535.104.05 and later    ``_v3`` back to 24 bytes; the detail list exists
+======================  =================================================================
 """
 
 from __future__ import annotations
@@ -21,100 +32,231 @@ import psutil
 import pynvml
 import pytest
 
-from gpuctl.adapters.probes.nvml import NvmlProbe
+from gpuctl.adapters.probes.nvml import NvmlMismatch, NvmlProbe
+from gpuctl.adapters.probes.nvml_procs import ProcessInfoV1, ProcessInfoV2, ProcessInfoV3
 from gpuctl.errors import NoGpuFound, ProbeError
 
 MIB = 2**20
 GIB = 2**30
 NO_SUCH_PID = 4194000  # below PID_MAX_LIMIT, but no process has it on a test machine
 BAD_PID = 0xFFFFFFFF
+NA = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE
 KINDS = ("Compute", "Graphics", "MPSCompute")
+OK = int(pynvml.NVML_SUCCESS)
+NOT_SUPPORTED = int(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+Entries = list[tuple[int, int | None]]
 
 
-def proc(pid: int, used: int | None) -> Any:
-    """A process entry as the binding returns it."""
-    return pynvml.nvmlFriendlyObject(
-        {
-            "pid": pid,
-            "usedGpuMemory": used,
-            "gpuInstanceId": 0xFFFFFFFF,
-            "computeInstanceId": 0xFFFFFFFF,
-        }
-    )
-
-
-def err(code: int) -> pynvml.NVMLError:
-    return pynvml.NVMLError(code)
+def proc(pid: int, used: int | None) -> tuple[int, int | None]:
+    """A process entry as the driver fills it (None: NVML_VALUE_NOT_AVAILABLE)."""
+    return (pid, used)
 
 
 @dataclass
 class Device:
-    """One fake GPU. ``lists`` maps ``Compute_v3`` etc. to entries or an NVML error code;
-    a missing key means the driver lacks that function."""
+    """One fake GPU. ``lists`` maps ``Compute`` etc. to entries or an NVML error code."""
 
     memory: tuple[int, int] | int = (0, 80 * GIB)  # (used, total) bytes, or an error code
     memory_v1: tuple[int, int] | int | None = None  # None: same as ``memory``
-    lists: dict[str, list[Any] | int] = field(default_factory=dict)
+    lists: dict[str, Entries | int] = field(default_factory=dict)
+    name: str = "NVIDIA H100 80GB HBM3"
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    util: int | None = None  # None: NOT_SUPPORTED (MIG)
+    temperature: int | None = None
+    power_mw: int | None = None
+    samples: list[tuple[int, int]] | int = NOT_SUPPORTED  # (pid, smUtil), or an error code
 
     def __post_init__(self) -> None:
         for kind in KINDS:
-            for v in ("_v3", "_v2"):
-                self.lists.setdefault(kind + v, [])
+            self.lists.setdefault(kind, [])
 
-    def both(self, kind: str, entries: list[Any] | int) -> Device:
-        self.lists[kind + "_v3"] = entries
-        self.lists[kind + "_v2"] = entries
+    def with_(self, kind: str, entries: Entries | int) -> Device:
+        self.lists[kind] = entries
         return self
 
 
-class FakeNvml:
-    """Replaces the pynvml calls NvmlProbe makes."""
+@dataclass
+class Driver:
+    """What a driver exports: process-list suffix -> the struct it fills."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *devices: Device) -> None:
+    lists: dict[str, type[ctypes.Structure]]
+    memory_v2: bool = True
+    conf_compute: bool = False
+    detail_list: bool = False
+    cc_bytes: int = 4096  # usedGpuCcProtectedMemory in a 32-byte entry
+
+
+MODERN = Driver({"_v3": ProcessInfoV2, "_v2": ProcessInfoV2, "": ProcessInfoV1}, True, True, True)
+D535_43 = Driver({"_v3": ProcessInfoV3, "_v2": ProcessInfoV2, "": ProcessInfoV1}, True, True)
+D510 = Driver({"_v3": ProcessInfoV2, "_v2": ProcessInfoV2, "": ProcessInfoV1})
+D450 = Driver({"_v2": ProcessInfoV2, "": ProcessInfoV1}, memory_v2=False)
+D418 = Driver({"": ProcessInfoV1}, memory_v2=False)
+# A driver nvitop's rule misjudges: the 32-byte _v3 struct, but no ConfCompute symbol.
+# With a zero CC figure the misread shows as pid 0, which the probe catches; a non-zero
+# one would pass as a pid, which is why the struct is chosen by symbols in the first place.
+MISJUDGED = Driver({"_v3": ProcessInfoV3, "_v2": ProcessInfoV2, "": ProcessInfoV1}, cc_bytes=0)
+
+
+class FakeDriver:
+    """C symbols behind ``pynvml._nvmlGetFunctionPointer`` for ``devices`` on ``driver``."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, *devices: Device, driver: Driver = MODERN
+    ) -> None:
         self.devices = list(devices)
+        self.driver = driver
         self.calls: Counter[str] = Counter()
         self.init_error: int | None = None
-        monkeypatch.setattr(pynvml, "nvmlInit", self._init)
-        monkeypatch.setattr(pynvml, "nvmlShutdown", self._count("nvmlShutdown"))
-        monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(self.devices))
-        monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: ("handle", i))
-        monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", self._memory)
-        for kind in KINDS:
-            for v in ("_v3", "_v2"):
-                name = f"nvmlDeviceGet{kind}RunningProcesses{v}"
-                monkeypatch.setattr(pynvml, name, self._lister(kind + v))
+        self.missing: set[str] = set()  # symbols removed on top of the driver's
+        monkeypatch.setattr(pynvml, "_LoadNvmlLibrary", lambda: None)
+        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", self._lookup)
 
-    def _count(self, name: str) -> Callable[[], None]:
-        def fn() -> None:
-            self.calls[name] += 1
+    # -- the symbol table
+
+    def symbols(self) -> dict[str, Callable[..., int]]:
+        table: dict[str, Callable[..., int]] = {
+            "nvmlInitWithFlags": self._init,
+            "nvmlShutdown": self._shutdown,
+            "nvmlDeviceGetCount_v2": self._count,
+            "nvmlDeviceGetHandleByIndex_v2": self._handle,
+            "nvmlDeviceGetMemoryInfo": self._memory_v1,
+            "nvmlDeviceGetName": self._string(lambda d: d.name),
+            "nvmlDeviceGetUUID": self._string(lambda d: d.uuid),
+            "nvmlDeviceGetUtilizationRates": self._util,
+            "nvmlDeviceGetTemperature": self._temperature,
+            "nvmlDeviceGetPowerUsage": self._power,
+            "nvmlDeviceGetProcessUtilization": self._samples,
+        }
+        if self.driver.memory_v2:
+            table["nvmlDeviceGetMemoryInfo_v2"] = self._memory_v2
+        if self.driver.conf_compute:
+            table["nvmlDeviceGetConfComputeMemSizeInfo"] = lambda *a: OK
+        if self.driver.detail_list:
+            table["nvmlDeviceGetRunningProcessDetailList"] = lambda *a: OK
+        for kind in KINDS:
+            for suffix, struct in self.driver.lists.items():
+                name = f"nvmlDeviceGet{kind}RunningProcesses{suffix}"
+                table[name] = self._lister(name, kind, struct)
+        return {k: v for k, v in table.items() if k not in self.missing}
+
+    def _lookup(self, name: str) -> Callable[..., int]:
+        fn = self.symbols().get(name)
+        if fn is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return fn
+
+    # -- the C functions
+
+    def _init(self, flags: int) -> int:
+        self.calls["nvmlInit"] += 1
+        return OK if self.init_error is None else self.init_error
+
+    def _shutdown(self) -> int:
+        self.calls["nvmlShutdown"] += 1
+        return OK
+
+    def _count(self, count_ref: Any) -> int:
+        count_ref._obj.value = len(self.devices)
+        return OK
+
+    def _handle(self, index: Any, device_ref: Any) -> int:
+        # A handle is an opaque pointer: ours holds index + 1 (NULL is no handle).
+        ptr = ctypes.c_void_p(index.value + 1)
+        ctypes.memmove(ctypes.addressof(device_ref._obj), ctypes.addressof(ptr), ctypes.sizeof(ptr))
+        return OK
+
+    def _dev(self, handle: Any) -> Device:
+        return self.devices[ctypes.cast(handle, ctypes.c_void_p).value - 1]  # type: ignore[operator]
+
+    def _fill_memory(self, spec: tuple[int, int] | int, mem_ref: Any) -> int:
+        if isinstance(spec, int):
+            return spec
+        mem = mem_ref._obj
+        mem.used, mem.total = spec
+        mem.free = spec[1] - spec[0]
+        return OK
+
+    def _memory_v2(self, handle: Any, mem_ref: Any) -> int:
+        self.calls["memory_v2"] += 1
+        return self._fill_memory(self._dev(handle).memory, mem_ref)
+
+    def _memory_v1(self, handle: Any, mem_ref: Any) -> int:
+        self.calls["memory_v1"] += 1
+        dev = self._dev(handle)
+        return self._fill_memory(dev.memory if dev.memory_v1 is None else dev.memory_v1, mem_ref)
+
+    def _string(self, get: Callable[[Device], str]) -> Callable[..., int]:
+        def fn(handle: Any, buf: Any, size: Any) -> int:
+            buf.value = get(self._dev(handle)).encode()
+            return OK
 
         return fn
 
-    def _init(self) -> None:
-        self.calls["nvmlInit"] += 1
-        if self.init_error is not None:
-            raise err(self.init_error)
+    def _util(self, handle: Any, util_ref: Any) -> int:
+        dev = self._dev(handle)
+        if dev.util is None:
+            return NOT_SUPPORTED
+        util_ref._obj.gpu, util_ref._obj.memory = dev.util, 0
+        return OK
 
-    def _memory(self, handle: tuple[str, int], version: int | None = None) -> Any:
-        dev = self.devices[handle[1]]
-        self.calls["memory_v2" if version else "memory_v1"] += 1
-        spec = dev.memory if version or dev.memory_v1 is None else dev.memory_v1
-        if isinstance(spec, int):
-            raise err(spec)
-        mem = pynvml.c_nvmlMemory_v2_t() if version else pynvml.c_nvmlMemory_t()
-        mem.used, mem.total = spec
-        mem.free = spec[1] - spec[0]
-        return mem
+    def _temperature(self, handle: Any, sensor: Any, temp_ref: Any) -> int:
+        dev = self._dev(handle)
+        if dev.temperature is None:
+            return NOT_SUPPORTED
+        temp_ref._obj.value = dev.temperature
+        return OK
 
-    def _lister(self, key: str) -> Callable[[tuple[str, int]], list[Any]]:
-        def fn(handle: tuple[str, int]) -> list[Any]:
-            self.calls[key] += 1
-            if key not in self.devices[handle[1]].lists:
-                raise err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-            entries = self.devices[handle[1]].lists[key]
+    def _power(self, handle: Any, power_ref: Any) -> int:
+        dev = self._dev(handle)
+        if dev.power_mw is None:
+            return NOT_SUPPORTED
+        power_ref._obj.value = dev.power_mw
+        return OK
+
+    def _samples(self, handle: Any, buf: Any, count_ref: Any, since: Any) -> int:
+        self.calls["samples"] += 1
+        samples = self._dev(handle).samples
+        if isinstance(samples, int):
+            return samples
+        if not samples:
+            return int(pynvml.NVML_ERROR_NOT_FOUND)
+        if buf is None:
+            count_ref._obj.value = len(samples)
+            return int(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        for i, (pid, sm) in enumerate(samples):
+            buf[i].pid, buf[i].smUtil, buf[i].timeStamp = pid, sm, since.value + 1
+        count_ref._obj.value = len(samples)
+        return OK
+
+    def _lister(self, name: str, kind: str, struct: type[ctypes.Structure]) -> Callable[..., int]:
+        """NVML's two-call protocol: INSUFFICIENT_SIZE with the count when the buffer is
+        missing (SUCCESS when there is nothing to list), then fill ``struct`` entries.
+        The driver writes its own layout whatever the caller allocated, as a real one does."""
+
+        def fn(handle: Any, count_ref: Any, buf: Any) -> int:
+            self.calls[name] += 1
+            entries = self._dev(handle).lists[kind]
             if isinstance(entries, int):
-                raise err(entries)
-            return list(entries)
+                return entries
+            count = count_ref._obj
+            if buf is None:
+                count.value = len(entries)
+                return int(pynvml.NVML_ERROR_INSUFFICIENT_SIZE if entries else OK)
+            filled = (struct * len(entries))()
+            for i, (pid, used) in enumerate(entries):
+                filled[i].pid, filled[i].usedGpuMemory = pid, NA if used is None else used
+                if hasattr(filled[i], "gpuInstanceId"):
+                    filled[i].gpuInstanceId = filled[i].computeInstanceId = 0xFFFFFFFF
+                if hasattr(filled[i], "usedGpuCcProtectedMemory"):
+                    # Confidential computing off still reports a small figure: the value
+                    # that a 24-byte reader takes for the next entry's pid.
+                    filled[i].usedGpuCcProtectedMemory = self.driver.cc_bytes
+            size = min(ctypes.sizeof(filled), ctypes.sizeof(buf))
+            ctypes.memmove(buf, filled, size)
+            count.value = len(entries)
+            return OK
 
         return fn
 
@@ -123,15 +265,15 @@ def by_pid(reading: Any) -> dict[int, Any]:
     return {p.pid: p for p in reading.processes}
 
 
-# --- the probe's logic, through FakeNvml ------------------------------------------------
+# --- the basics ---------------------------------------------------------------------
 
 
 def test_h100_two_processes_and_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     me = os.getpid()
-    dev = Device(memory=(19818 * MIB, 81559 * MIB)).both(
+    dev = Device(memory=(19818 * MIB, 81559 * MIB)).with_(
         "Compute", [proc(me, 15690 * MIB), proc(NO_SUCH_PID, 2566 * MIB + 12345)]
     )
-    fake = FakeNvml(monkeypatch, dev)
+    fake = FakeDriver(monkeypatch, dev)
     probe = NvmlProbe()
     r = probe.read()
     assert r.probe == "nvml"
@@ -144,15 +286,24 @@ def test_h100_two_processes_and_device_memory(monkeypatch: pytest.MonkeyPatch) -
     assert [(p.pid, p.memory_mib, p.gpu) for p in r.processes] == sorted(
         [(me, 15690, 0), (NO_SUCH_PID, 2566, 0)]
     )
+    (d,) = r.devices
+    assert (d.index, d.name, d.uuid, d.memory_used_mib, d.memory_total_mib, d.unified) == (
+        0,
+        "NVIDIA H100 80GB HBM3",
+        "GPU-00000000-0000-0000-0000-000000000000",
+        19818,
+        81559,
+        False,
+    )
     assert fake.calls["memory_v2"] == 1 and fake.calls["memory_v1"] == 0  # v2 struct first
-    assert fake.calls["Compute_v2"] == 0  # clean _v3 answer: no fallback
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 0  # clean _v3 answer
     probe.read()
     assert fake.calls["nvmlInit"] == 1  # initialised once, handles kept
 
 
 def test_own_process_shows_its_real_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     me = os.getpid()
-    FakeNvml(monkeypatch, Device().both("Compute", [proc(me, GIB)]))
+    FakeDriver(monkeypatch, Device().with_("Compute", [proc(me, GIB)]))
     (p,) = NvmlProbe().read().processes
     real = psutil.Process(me)
     assert p.command == " ".join(real.cmdline())
@@ -163,7 +314,7 @@ def test_own_process_shows_its_real_command_line(monkeypatch: pytest.MonkeyPatch
 
 def test_unreadable_pid_stays_with_command_none(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not psutil.pid_exists(NO_SUCH_PID)
-    FakeNvml(monkeypatch, Device().both("Compute", [proc(NO_SUCH_PID, 8200 * MIB)]))
+    FakeDriver(monkeypatch, Device().with_("Compute", [proc(NO_SUCH_PID, 8200 * MIB)]))
     r = NvmlProbe().read()
     assert [(p.pid, p.command, p.user, p.container, p.memory_mib) for p in r.processes] == [
         (NO_SUCH_PID, None, None, None, 8200)
@@ -176,11 +327,11 @@ def test_pid_in_compute_and_graphics_is_one_entry_with_larger_memory(
 ) -> None:
     dev = (
         Device()
-        .both("Compute", [proc(NO_SUCH_PID, 700 * MIB), proc(NO_SUCH_PID + 1, 10 * MIB)])
-        .both("Graphics", [proc(NO_SUCH_PID, 500 * MIB)])
-        .both("MPSCompute", [proc(NO_SUCH_PID + 1, 30 * MIB)])
+        .with_("Compute", [proc(NO_SUCH_PID, 700 * MIB), proc(NO_SUCH_PID + 1, 10 * MIB)])
+        .with_("Graphics", [proc(NO_SUCH_PID, 500 * MIB)])
+        .with_("MPSCompute", [proc(NO_SUCH_PID + 1, 30 * MIB)])
     )
-    FakeNvml(monkeypatch, dev)
+    FakeDriver(monkeypatch, dev)
     mem = {p.pid: p.memory_mib for p in NvmlProbe().read().processes}
     assert mem == {NO_SUCH_PID: 700, NO_SUCH_PID + 1: 30}
 
@@ -188,10 +339,10 @@ def test_pid_in_compute_and_graphics_is_one_entry_with_larger_memory(
 def test_used_memory_none_stays_none_and_zero_stays_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = (
         Device()
-        .both("Compute", [proc(NO_SUCH_PID, None), proc(NO_SUCH_PID + 1, 0)])
-        .both("Graphics", [proc(NO_SUCH_PID + 2, None)])
+        .with_("Compute", [proc(NO_SUCH_PID, None), proc(NO_SUCH_PID + 1, 0)])
+        .with_("Graphics", [proc(NO_SUCH_PID + 2, None)])
     )
-    FakeNvml(monkeypatch, dev)
+    FakeDriver(monkeypatch, dev)
     mem = {p.pid: p.memory_mib for p in NvmlProbe().read().processes}
     assert mem == {NO_SUCH_PID: None, NO_SUCH_PID + 1: 0, NO_SUCH_PID + 2: None}
 
@@ -199,25 +350,38 @@ def test_used_memory_none_stays_none_and_zero_stays_zero(monkeypatch: pytest.Mon
 def test_merge_keeps_known_memory_over_none(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = (
         Device()
-        .both("Compute", [proc(NO_SUCH_PID, None), proc(NO_SUCH_PID + 1, 42 * MIB)])
-        .both("Graphics", [proc(NO_SUCH_PID, 42 * MIB), proc(NO_SUCH_PID + 1, None)])
+        .with_("Compute", [proc(NO_SUCH_PID, None), proc(NO_SUCH_PID + 1, 42 * MIB)])
+        .with_("Graphics", [proc(NO_SUCH_PID, 42 * MIB), proc(NO_SUCH_PID + 1, None)])
     )
-    FakeNvml(monkeypatch, dev)
+    FakeDriver(monkeypatch, dev)
     assert [p.memory_mib for p in NvmlProbe().read().processes] == [42, 42]
 
 
-NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+def test_mig_device_memory_that_no_process_accounts_for_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """30 of 80 GiB used, the process's memory N/A: the device figure stays, so the
+    decision can count the 30 GiB as unattributed (not as free)."""
+    dev = Device(memory=(30 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, None)])
+    FakeDriver(monkeypatch, dev)
+    r = NvmlProbe().read()
+    (d,) = r.devices
+    assert (d.memory_used_mib, d.memory_total_mib, d.unified) == (30 * 1024, 80 * 1024, False)
+    assert [p.memory_mib for p in r.processes] == [None]
+
+
+# --- unified memory (GB10) ---------------------------------------------------------------
 
 
 def gb10() -> Device:
     # DGX Spark: memory info v1 and v2 answer NOT_SUPPORTED; per-process memory works.
-    return Device(memory=NOT_SUPPORTED).both(
+    return Device(memory=NOT_SUPPORTED, name="NVIDIA GB10").with_(
         "Compute", [proc(NO_SUCH_PID, 19135 * MIB), proc(NO_SUCH_PID + 1, 865 * MIB)]
     )
 
 
 def test_gb10_not_supported_total_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeNvml(monkeypatch, gb10())
+    fake = FakeDriver(monkeypatch, gb10())
     r = NvmlProbe(gpu_memory_mib=122880).read()
     assert r.unified_memory is True
     assert r.memory_total_mib == 122880
@@ -228,7 +392,7 @@ def test_gb10_not_supported_total_from_config(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_gb10_not_supported_total_from_memtotal(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeNvml(monkeypatch, gb10())
+    FakeDriver(monkeypatch, gb10())
     r = NvmlProbe().read()
     assert r.unified_memory is True
     assert r.memory_total_mib == psutil.virtual_memory().total // MIB
@@ -237,115 +401,281 @@ def test_gb10_not_supported_total_from_memtotal(monkeypatch: pytest.MonkeyPatch)
 
 def test_total_zero_counts_as_unified(monkeypatch: pytest.MonkeyPatch) -> None:
     # The disputed GB10 variant: success with total = free = used = 0.
-    dev = Device(memory=(0, 0)).both("Compute", [proc(NO_SUCH_PID, 100 * MIB)])
-    FakeNvml(monkeypatch, dev)
+    dev = Device(memory=(0, 0)).with_("Compute", [proc(NO_SUCH_PID, 100 * MIB)])
+    FakeDriver(monkeypatch, dev)
     r = NvmlProbe(gpu_memory_mib=1000).read()
     assert (r.unified_memory, r.memory_used_mib, r.memory_total_mib) == (True, 100, 1000)
 
 
+def test_only_the_device_without_a_figure_is_unified(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU without a memory figure no longer turns the whole host unified with
+    MemTotal and drops the others' figures."""
+    normal = Device(memory=(10 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, 10 * GIB)])
+    FakeDriver(monkeypatch, normal, gb10())
+    r = NvmlProbe(gpu_memory_mib=122880).read()
+    d0, d1 = r.devices
+    assert (d0.unified, d0.memory_used_mib, d0.memory_total_mib) == (False, 10240, 81920)
+    assert (d1.unified, d1.memory_used_mib, d1.memory_total_mib) == (True, 20000, 122880)
+    assert (r.memory_used_mib, r.memory_total_mib) == (30240, 81920 + 122880)
+
+
 def test_memory_v2_missing_falls_back_to_v1(monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = Device(memory=pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, memory_v1=(3 * GIB, 16 * GIB))
-    fake = FakeNvml(monkeypatch, dev)
+    fake = FakeDriver(monkeypatch, Device(memory=(3 * GIB, 16 * GIB)), driver=D450)
     probe = NvmlProbe()
     r = probe.read()
     assert (r.memory_used_mib, r.memory_total_mib, r.unified_memory) == (3072, 16384, False)
     probe.read()
-    assert fake.calls["memory_v2"] == 1  # remembered: not tried again
+    assert fake.calls["memory_v2"] == 0
     assert fake.calls["memory_v1"] == 2
+
+
+# --- pids and process structs ------------------------------------------------------------
 
 
 def test_garbage_pid_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     entries = [proc(NO_SUCH_PID, 5 * MIB), proc(BAD_PID, 7 * MIB), proc(0, 9 * MIB)]
-    FakeNvml(monkeypatch, Device().both("Compute", entries))
+    FakeDriver(monkeypatch, Device().with_("Compute", entries))
     r = NvmlProbe().read()
     assert [p.pid for p in r.processes] == [NO_SUCH_PID]
     assert any("dropped 2 invalid pid" in n for n in r.notes)
 
 
-def test_garbage_from_v3_retried_with_v2(monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = Device()
-    dev.lists["Compute_v3"] = [proc(NO_SUCH_PID, 5 * MIB), proc(0, 0)]
-    dev.lists["Compute_v2"] = [proc(NO_SUCH_PID, 5 * MIB), proc(NO_SUCH_PID + 1, 6 * MIB)]
-    fake = FakeNvml(monkeypatch, dev)
-    probe = NvmlProbe()
-    mem = {p.pid: p.memory_mib for p in probe.read().processes}
-    assert mem == {NO_SUCH_PID: 5, NO_SUCH_PID + 1: 6}
-    probe.read()
-    assert fake.calls["Compute_v3"] == 1  # v2 remembered for this list
-    assert fake.calls["Compute_v2"] == 2
-
-
 def test_only_garbage_pids_is_an_error_not_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeNvml(monkeypatch, Device().both("Compute", [proc(BAD_PID, MIB), proc(0, MIB)]))
-    with pytest.raises(ProbeError, match="invalid pids"):
+    FakeDriver(monkeypatch, Device().with_("Compute", [proc(BAD_PID, MIB), proc(0, MIB)]))
+    with pytest.raises(NvmlMismatch, match="invalid pids"):
         NvmlProbe().read()
 
 
-def test_v3_function_not_found_falls_back_to_v2(monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = Device()
-    del dev.lists["Compute_v3"], dev.lists["Graphics_v3"]  # driver < 510.39
-    dev.lists["Compute_v2"] = [proc(NO_SUCH_PID, 300 * MIB)]
-    dev.lists["Graphics_v2"] = [proc(NO_SUCH_PID + 1, 20 * MIB)]
-    FakeNvml(monkeypatch, dev)
-    mem = {p.pid: p.memory_mib for p in NvmlProbe().read().processes}
-    assert mem == {NO_SUCH_PID: 300, NO_SUCH_PID + 1: 20}
+TWO = [proc(NO_SUCH_PID, 2566 * MIB), proc(NO_SUCH_PID + 1, 1542 * MIB)]
+# Three, with a small pid among them: the pid a misaligned read must not invent.
+THREE = [
+    proc(NO_SUCH_PID, 2566 * MIB),
+    proc(4096 + 1, 100 * MIB),
+    proc(NO_SUCH_PID + 1, 1542 * MIB),
+]
+
+
+@pytest.mark.parametrize(
+    ("driver", "call"),
+    [
+        (MODERN, "nvmlDeviceGetComputeRunningProcesses_v3"),
+        (D535_43, "nvmlDeviceGetComputeRunningProcesses_v3"),
+        (D510, "nvmlDeviceGetComputeRunningProcesses_v3"),
+        (D450, "nvmlDeviceGetComputeRunningProcesses_v2"),
+        (D418, "nvmlDeviceGetComputeRunningProcesses"),
+    ],
+    ids=["535.104+", "535.43", "510", "450", "418"],
+)
+def test_every_driver_generation_reads_exact_pids(
+    monkeypatch: pytest.MonkeyPatch, driver: Driver, call: str
+) -> None:
+    fake = FakeDriver(monkeypatch, Device().with_("Compute", THREE), driver=driver)
+    r = NvmlProbe().read()
+    assert [(p.pid, p.memory_mib) for p in r.processes] == sorted(
+        [(NO_SUCH_PID, 2566), (4097, 100), (NO_SUCH_PID + 1, 1542)]
+    )
+    assert fake.calls[call] == 2  # size, then fill: the one call this driver calls for
+    compute = [k for k in fake.calls if k.startswith("nvmlDeviceGetComputeRunningProcesses")]
+    assert sum(fake.calls[k] for k in compute) == 2
+
+
+def test_driver_535_43_cc_memory_is_never_taken_for_a_pid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reported case: the binding's 24-byte view of the 32-byte _v3 struct reads the
+    first entry's ``usedGpuCcProtectedMemory`` (4096) as the second entry's pid: a
+    valid-looking pid, and a real process lost. Choosing the struct by the driver's
+    symbols reads both real pids."""
+    FakeDriver(monkeypatch, Device().with_("Compute", TWO), driver=D535_43)
+    pynvml.nvmlInit()
+    naive = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(pynvml.nvmlDeviceGetHandleByIndex(0))
+    assert [p.pid for p in naive][:2] == [NO_SUCH_PID, 4096]  # what a 24-byte reader sees
+    r = NvmlProbe().read()
+    assert [(p.pid, p.memory_mib) for p in r.processes] == [
+        (NO_SUCH_PID, 2566),
+        (NO_SUCH_PID + 1, 1542),
+    ]
+    assert 4096 not in {p.pid for p in r.processes}
+
+
+def test_struct_sizes_match_the_c_header() -> None:
+    assert [ctypes.sizeof(s) for s in (ProcessInfoV1, ProcessInfoV2, ProcessInfoV3)] == [16, 24, 32]
+
+
+def test_garbage_from_a_misjudged_v3_retried_with_v2(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeDriver(monkeypatch, Device().with_("Compute", TWO), driver=MISJUDGED)
+    probe = NvmlProbe()
+    mem = {p.pid: p.memory_mib for p in probe.read().processes}
+    assert mem == {NO_SUCH_PID: 2566, NO_SUCH_PID + 1: 1542}
+    probe.read()
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2  # one read only
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 4  # then _v2, remembered
 
 
 def test_mps_missing_and_graphics_not_supported_are_skipped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    dev = Device().both("Compute", [proc(NO_SUCH_PID, MIB)]).both("Graphics", NOT_SUPPORTED)
-    del dev.lists["MPSCompute_v3"], dev.lists["MPSCompute_v2"]
-    FakeNvml(monkeypatch, dev)
+    dev = Device().with_("Compute", [proc(NO_SUCH_PID, MIB)]).with_("Graphics", NOT_SUPPORTED)
+    fake = FakeDriver(monkeypatch, dev)
+    fake.missing = {f"nvmlDeviceGetMPSComputeRunningProcesses{s}" for s in ("_v3", "_v2", "")}
     assert [p.pid for p in NvmlProbe().read().processes] == [NO_SUCH_PID]
 
 
-def test_compute_list_failure_is_an_error_not_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeNvml(monkeypatch, Device().both("Compute", NOT_SUPPORTED))
+# --- utilisation, temperature, power ------------------------------------------------------
+
+
+def test_utilisation_temperature_power_and_per_process_sm(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = Device(util=87, temperature=64, power_mw=312_456, samples=[(NO_SUCH_PID, 71)]).with_(
+        "Compute", [proc(NO_SUCH_PID, GIB), proc(NO_SUCH_PID + 1, GIB)]
+    )
+    fake = FakeDriver(monkeypatch, dev)
+    r = NvmlProbe().read()
+    (d,) = r.devices
+    assert (d.utilization_pct, d.temperature_c, d.power_w) == (87, 64, 312.5)
+    sm = {p.pid: p.sm_util_pct for p in r.processes}
+    assert sm == {NO_SUCH_PID: 71, NO_SUCH_PID + 1: None}  # no sample: unknown, not 0
+    assert fake.calls["samples"] == 2  # size, then fill
+
+
+def test_unknown_figures_stay_none_never_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIG answers NOT_SUPPORTED for utilisation; old boards lack power and temperature."""
+    FakeDriver(monkeypatch, Device().with_("Compute", [proc(NO_SUCH_PID, GIB)]))
+    r = NvmlProbe().read()
+    (d,) = r.devices
+    assert (d.utilization_pct, d.temperature_c, d.power_w) == (None, None, None)
+    assert r.processes[0].sm_util_pct is None
+
+
+def test_a_measured_zero_stays_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = Device(util=0, temperature=30, power_mw=0, samples=[(NO_SUCH_PID, 0)])
+    FakeDriver(monkeypatch, dev.with_("Compute", [proc(NO_SUCH_PID, GIB)]))
+    r = NvmlProbe().read()
+    assert (r.devices[0].utilization_pct, r.devices[0].power_w) == (0, 0.0)
+    assert r.processes[0].sm_util_pct == 0
+
+
+# --- one bad GPU, and errors ---------------------------------------------------------------
+
+
+def test_one_process_list_unsupported_gpu_is_unknown_the_other_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    good = Device(memory=(10 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, 10 * GIB)])
+    bad = Device().with_("Compute", NOT_SUPPORTED)
+    FakeDriver(monkeypatch, good, bad)
+    r = NvmlProbe().read()
+    d0, d1 = r.devices
+    assert d0.readable and (d0.memory_used_mib, d0.memory_total_mib) == (10240, 81920)
+    assert d1.error is not None and "compute process list of GPU 1" in d1.error
+    assert [(p.pid, p.gpu) for p in r.processes] == [(NO_SUCH_PID, 0)]
+    assert (r.memory_used_mib, r.memory_total_mib) == (10240, 81920)  # the readable GPU only
+
+
+def test_compute_list_failure_on_the_only_gpu_is_an_error_not_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    FakeDriver(monkeypatch, Device().with_("Compute", NOT_SUPPORTED))
     with pytest.raises(ProbeError, match="compute process list of GPU 0"):
         NvmlProbe().read()
 
 
 def test_no_permission_names_gpu_and_hints_container(monkeypatch: pytest.MonkeyPatch) -> None:
-    dev1 = Device().both("Compute", pynvml.NVML_ERROR_NO_PERMISSION)
-    FakeNvml(monkeypatch, Device(), dev1)
-    with pytest.raises(ProbeError, match="GPU 1") as exc:
+    denied = Device().with_("Compute", pynvml.NVML_ERROR_NO_PERMISSION)
+    FakeDriver(monkeypatch, Device(), denied)
+    r = NvmlProbe().read()
+    assert r.devices[1].error is not None and "GPU 1" in r.devices[1].error
+    assert any("NVIDIA_MIG_MONITOR_DEVICES" in n for n in r.notes)
+    assert r.devices[0].readable
+    # The only GPU refused: no reading at all, with the hint.
+    FakeDriver(monkeypatch, Device().with_("Compute", pynvml.NVML_ERROR_NO_PERMISSION))
+    with pytest.raises(ProbeError, match="GPU 0") as exc:
         NvmlProbe().read()
     assert "NVIDIA_MIG_MONITOR_DEVICES" in exc.value.hint
 
 
 def test_two_gpus_carry_their_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    d0 = Device(memory=(10 * GIB, 80 * GIB)).both("Compute", [proc(NO_SUCH_PID, 10 * GIB)])
-    d1 = Device(memory=(1 * GIB, 80 * GIB)).both("Compute", [proc(NO_SUCH_PID, 1 * GIB)])
-    FakeNvml(monkeypatch, d0, d1)
+    d0 = Device(memory=(10 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, 10 * GIB)])
+    d1 = Device(memory=(1 * GIB, 80 * GIB), uuid="GPU-1").with_(
+        "Compute", [proc(NO_SUCH_PID, 1 * GIB)]
+    )
+    FakeDriver(monkeypatch, d0, d1)
     r = NvmlProbe().read()
     assert r.gpus == 2
     assert [(p.gpu, p.pid, p.memory_mib) for p in r.processes] == [
         (0, NO_SUCH_PID, 10240),
         (1, NO_SUCH_PID, 1024),
     ]
+    assert [(d.index, d.memory_used_mib, d.memory_total_mib) for d in r.devices] == [
+        (0, 10240, 81920),
+        (1, 1024, 81920),
+    ]
+    assert r.devices[1].uuid == "GPU-1"
     assert (r.memory_used_mib, r.memory_total_mib) == (11264, 163840)
 
 
-def test_gpu_is_lost_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_is_lost_is_that_gpu_and_nvml_starts_over(monkeypatch: pytest.MonkeyPatch) -> None:
     lost = Device(memory=pynvml.NVML_ERROR_GPU_IS_LOST)
-    fake = FakeNvml(monkeypatch, Device(), lost)
+    fake = FakeDriver(monkeypatch, Device(), lost)
     probe = NvmlProbe()
-    with pytest.raises(ProbeError, match="GPU 1 is lost") as exc:
-        probe.read()
+    r = probe.read()
+    assert r.devices[1].error is not None and "GPU 1 is lost" in r.devices[1].error
+    assert any("Xid" in n for n in r.notes)
+    assert r.devices[0].readable
+    fake.devices[1] = Device()
+    assert all(d.readable for d in probe.read().devices)  # re-enumerated
+    assert (fake.calls["nvmlInit"], fake.calls["nvmlShutdown"]) == (2, 1)
+
+
+def test_the_only_gpu_lost_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeDriver(monkeypatch, Device(memory=pynvml.NVML_ERROR_GPU_IS_LOST))
+    with pytest.raises(ProbeError, match="GPU 0 is lost") as exc:
+        NvmlProbe().read()
     assert not isinstance(exc.value, NoGpuFound)
     assert "Xid" in exc.value.hint
-    assert fake.calls["nvmlShutdown"] == 1  # dead handles dropped
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        pynvml.NVML_ERROR_UNKNOWN,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        pynvml.NVML_ERROR_RESET_REQUIRED,
+    ],
+)
+def test_any_persistent_error_restarts_nvml_on_the_next_read(
+    monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    fake = FakeDriver(monkeypatch, Device(), Device(memory=code))
+    probe = NvmlProbe()
+    assert not probe.read().devices[1].readable
+    assert fake.calls["nvmlInit"] == 1
     fake.devices[1] = Device()
-    assert probe.read().gpus == 2  # re-enumerated
-    assert fake.calls["nvmlInit"] == 2
+    assert probe.read().devices[1].readable
+    assert (fake.calls["nvmlInit"], fake.calls["nvmlShutdown"]) == (2, 1)
+    probe.read()
+    assert fake.calls["nvmlInit"] == 2  # healthy again: no more restarts
+
+
+def test_a_timeout_does_not_restart_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeDriver(monkeypatch, Device(), Device(memory=pynvml.NVML_ERROR_TIMEOUT))
+    probe = NvmlProbe()
+    probe.read()
+    probe.read()
+    assert fake.calls["nvmlInit"] == 1
+
+
+def test_missing_process_list_function_is_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An old driver that loads NVML but lacks what a read needs: ``auto`` falls back on it."""
+    fake = FakeDriver(monkeypatch, Device())
+    fake.missing = {f"nvmlDeviceGetComputeRunningProcesses{s}" for s in ("_v3", "_v2", "")}
+    with pytest.raises(NvmlMismatch, match="compute process list") as exc:
+        NvmlProbe().read()
+    assert "nvidia-ml-py" in exc.value.hint
 
 
 @pytest.mark.parametrize(
     "code", [pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED]
 )
 def test_no_library_or_driver_is_no_gpu_found(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
-    fake = FakeNvml(monkeypatch, Device())
+    fake = FakeDriver(monkeypatch, Device())
     fake.init_error = code
     with pytest.raises(NoGpuFound, match="no NVIDIA driver") as exc:
         NvmlProbe().read()
@@ -353,7 +683,7 @@ def test_no_library_or_driver_is_no_gpu_found(monkeypatch: pytest.MonkeyPatch, c
 
 
 def test_other_init_errors_are_probe_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeNvml(monkeypatch, Device())
+    fake = FakeDriver(monkeypatch, Device())
     fake.init_error = pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH
     with pytest.raises(ProbeError, match="failed to initialise") as exc:
         NvmlProbe().read()
@@ -362,14 +692,14 @@ def test_other_init_errors_are_probe_errors(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_no_devices_is_no_gpu_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeNvml(monkeypatch)
+    fake = FakeDriver(monkeypatch)
     with pytest.raises(NoGpuFound, match="no GPU"):
         NvmlProbe().read()
     assert fake.calls["nvmlShutdown"] == 1
 
 
 def test_close_shuts_down_once_and_read_reopens(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeNvml(monkeypatch, Device())
+    fake = FakeDriver(monkeypatch, Device())
     probe = NvmlProbe()
     probe.close()  # never opened: nothing to do
     assert fake.calls["nvmlShutdown"] == 0
@@ -395,117 +725,3 @@ def test_real_binding_without_library_is_no_gpu_found() -> None:
     with pytest.raises(NoGpuFound) as exc:
         NvmlProbe().read()
     assert "NVML Shared Library Not Found" in exc.value.message
-
-
-# --- the real binding against fake C symbols (gpustat's NvidiaDriverMock) ---------------
-
-
-class ProcV2(ctypes.Structure):
-    _fields_ = [
-        ("pid", ctypes.c_uint),
-        ("usedGpuMemory", ctypes.c_ulonglong),
-        ("gpuInstanceId", ctypes.c_uint),
-        ("computeInstanceId", ctypes.c_uint),
-    ]
-
-
-class ProcV3_535_43(ctypes.Structure):
-    """The struct driver 535.43 fills for ``_v3``, larger than before with no version bump."""
-
-    _fields_ = [*ProcV2._fields_, ("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
-
-
-class FakeDriver:
-    """C symbols for ``pynvml._nvmlGetFunctionPointer``: one GPU, these compute processes."""
-
-    def __init__(
-        self,
-        monkeypatch: pytest.MonkeyPatch,
-        procs: list[tuple[int, int]],
-        v3: type[ctypes.Structure] | None,
-    ) -> None:
-        self.procs = procs
-        self.calls: Counter[str] = Counter()
-        self.symbols: dict[str, Callable[..., int]] = {
-            "nvmlInitWithFlags": lambda flags: 0,
-            "nvmlShutdown": lambda: 0,
-            "nvmlDeviceGetCount_v2": self._count,
-            "nvmlDeviceGetHandleByIndex_v2": lambda index, device: 0,
-            "nvmlDeviceGetMemoryInfo_v2": self._memory,
-        }
-        for kind in ("Compute", "Graphics"):
-            entries = procs if kind == "Compute" else []
-            name = f"nvmlDeviceGet{kind}RunningProcesses"
-            self.symbols[name + "_v2"] = self._lister(name + "_v2", entries, ProcV2)
-            if v3 is not None:
-                self.symbols[name + "_v3"] = self._lister(name + "_v3", entries, v3)
-        monkeypatch.setattr(pynvml, "_LoadNvmlLibrary", lambda: None)
-        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
-        monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", self._lookup)
-
-    def _lookup(self, name: str) -> Callable[..., int]:
-        if name not in self.symbols:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return self.symbols[name]
-
-    @staticmethod
-    def _count(count_ref: Any) -> int:
-        count_ref._obj.value = 1
-        return int(pynvml.NVML_SUCCESS)
-
-    @staticmethod
-    def _memory(handle: Any, mem_ref: Any) -> int:
-        mem_ref._obj.total, mem_ref._obj.used = 80 * GIB, 4 * GIB
-        return int(pynvml.NVML_SUCCESS)
-
-    def _lister(
-        self, name: str, entries: list[tuple[int, int]], struct: type[ctypes.Structure]
-    ) -> Callable[..., int]:
-        def fn(handle: Any, count_ref: Any, buf: Any) -> int:
-            self.calls[name] += 1
-            count = count_ref._obj
-            if buf is None:  # the sizing call
-                count.value = len(entries)
-                return int(pynvml.NVML_ERROR_INSUFFICIENT_SIZE if entries else pynvml.NVML_SUCCESS)
-            assert count.value >= len(entries)
-            filled = (struct * len(entries))()
-            for i, (pid, used) in enumerate(entries):
-                filled[i].pid, filled[i].usedGpuMemory = pid, used
-                filled[i].gpuInstanceId = filled[i].computeInstanceId = 0xFFFFFFFF
-            assert ctypes.sizeof(buf) >= ctypes.sizeof(filled)
-            ctypes.memmove(buf, filled, ctypes.sizeof(filled))
-            count.value = len(entries)
-            return int(pynvml.NVML_SUCCESS)
-
-        return fn
-
-
-TWO = [(NO_SUCH_PID, 2566 * MIB), (NO_SUCH_PID + 1, 1542 * MIB)]
-
-
-def test_driver_without_v3_symbols_reads_through_v2(monkeypatch: pytest.MonkeyPatch) -> None:
-    driver = FakeDriver(monkeypatch, TWO, v3=None)  # driver < 510.39
-    r = NvmlProbe().read()
-    assert [(p.pid, p.memory_mib) for p in r.processes] == [
-        (NO_SUCH_PID, 2566),
-        (NO_SUCH_PID + 1, 1542),
-    ]
-    assert (r.memory_used_mib, r.memory_total_mib) == (4096, 81920)
-    assert driver.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 2  # size, then fill
-
-
-def test_driver_535_43_v3_struct_mismatch_recovers_through_v2(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    driver = FakeDriver(monkeypatch, TWO, v3=ProcV3_535_43)
-    # What the binding alone makes of it: the second entry is misaligned garbage.
-    pynvml.nvmlInit()
-    garbage = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(None)
-    assert [p.pid for p in garbage] == [NO_SUCH_PID, 0]
-    r = NvmlProbe().read()
-    assert [(p.pid, p.memory_mib) for p in r.processes] == [
-        (NO_SUCH_PID, 2566),
-        (NO_SUCH_PID + 1, 1542),
-    ]
-    assert driver.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 2
-    assert any("_v2" in n for n in r.notes)

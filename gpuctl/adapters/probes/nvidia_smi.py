@@ -19,8 +19,8 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuctl.adapters.probes.nvml import combine_memory, describe_processes, larger, valid_pid
-from gpuctl.core.model import ProbeReading
+from gpuctl.adapters.probes.common import describe_processes, larger, unified_device, valid_pid
+from gpuctl.core.model import GpuDevice, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
 GPU_COLUMNS = ("index", "uuid", "memory.total", "memory.used")
@@ -38,6 +38,9 @@ class SmiGpu:
     uuid: str
     memory_total_mib: int | None
     memory_used_mib: int | None
+    # What nvidia-smi printed instead of a memory figure when that is an error
+    # ("[Insufficient Permissions]", "[Unknown Error]"), not "this device has none" (N/A).
+    memory_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +66,15 @@ def parse_query_gpu(text: str, columns: Sequence[str] = GPU_COLUMNS) -> list[Smi
     rows = []
     for n, row in enumerate(_rows(text, columns, GPU_COLUMNS)):
         index = _int(row.get("index", ""), "index")
+        raw = [row.get("memory.total", ""), row.get("memory.used", "")]
+        errors = [v.strip() for v in raw if _is_error(v)]
         rows.append(
             SmiGpu(
                 index=n if index is None else index,
                 uuid=row.get("uuid", ""),
-                memory_total_mib=_int(row.get("memory.total", ""), "memory.total"),
-                memory_used_mib=_int(row.get("memory.used", ""), "memory.used"),
+                memory_total_mib=_int(raw[0], "memory.total"),
+                memory_used_mib=_int(raw[1], "memory.used"),
+                memory_error=errors[0] if errors else None,
             )
         )
     return rows
@@ -121,6 +127,12 @@ def _rows(text: str, columns: Sequence[str], known: Sequence[str]) -> list[dict[
 def _column(name: str) -> str:
     base = name.split("[", 1)[0].strip().lower()
     return _ALIASES.get(base, base)
+
+
+def _is_error(value: str) -> bool:
+    """A field that says reading failed, as opposed to N/A or Not Supported (GB10)."""
+    v = value.strip().strip("[]").strip().lower()
+    return v in ("insufficient permissions", "unknown error") or v.startswith("gpu is lost")
 
 
 def _int(value: str, column: str) -> int | None:
@@ -186,25 +198,25 @@ class NvidiaSmiProbe:
             key = (gpu, app.pid)
             merged[key] = larger(merged[key], app.memory_mib) if key in merged else app.memory_mib
         processes = describe_processes(merged)
-        # GB10 prints [N/A] (and total 0 means the same): the NVML probe's unified rules.
-        figures = [
-            (g.memory_used_mib, g.memory_total_mib)
-            if g.memory_total_mib and g.memory_used_mib is not None
-            else None
-            for g in gpus
-        ]
-        used, total, unified, note = combine_memory(figures, processes, self._gpu_memory_mib)
-        if note:
-            notes.append(note)
-        return ProbeReading(
-            probe=self.name,
-            processes=processes,
-            memory_used_mib=used,
-            memory_total_mib=total,
-            unified_memory=unified,
-            gpus=len(gpus),
-            notes=tuple(notes),
-        )
+        devices = []
+        for g in gpus:
+            if g.memory_error is not None:
+                devices.append(
+                    GpuDevice(g.index, uuid=g.uuid, error=f"nvidia-smi: {g.memory_error}")
+                )
+                continue
+            device = GpuDevice(g.index, g.memory_used_mib, g.memory_total_mib, uuid=g.uuid)
+            # GB10 prints [N/A] (and total 0 means the same): that device is unified.
+            if not g.memory_total_mib or g.memory_used_mib is None:
+                device, note = unified_device(device, processes, self._gpu_memory_mib)
+                notes.append(note)
+            devices.append(device)
+        if all(not d.readable for d in devices):
+            raise ProbeError(
+                f"nvidia-smi cannot read any GPU's memory ({devices[0].error})",
+                hint="in a container: --pid=host (and NVIDIA_MIG_MONITOR_DEVICES=all on MIG)",
+            )
+        return ProbeReading.of_devices(self.name, processes, devices, notes)
 
     def _run(self, query: str) -> str:
         argv = [self._binary, query, "--format=csv,noheader,nounits"]

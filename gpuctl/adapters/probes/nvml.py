@@ -1,17 +1,22 @@
-"""The NVML probe (``nvidia-ml-py``, imported as ``pynvml``): per-process GPU memory.
+"""The NVML probe (``nvidia-ml-py``, imported as ``pynvml``): per-GPU, per-process memory.
 
 NVML quirks this module works around (as gpustat, nvitop and nvtop met them):
 
 * GB10 / DGX Spark unified memory: ``nvmlDeviceGetMemoryInfo`` (v1 and v2) answers
-  ``NOT_SUPPORTED`` with total = 0, while per-process memory still works. The device
-  figure is then unknown; the total comes from the config or MemTotal and "used" is
-  the sum of the processes (host RAM use would count the OS as GPU use, nvtop #511).
-* ``_v3`` vs ``_v2`` process structs: driver 535.43 grew the v3 struct without a version
-  bump, so a binding and a driver that disagree read garbage pids (``0``,
-  ``0xFFFFFFFF``); drivers < 510.39 have no ``_v3`` symbol at all. We fall back to the
-  ``_v2`` call, which has one struct layout everywhere.
+  ``NOT_SUPPORTED`` with total = 0, while per-process memory still works. That device
+  (and only that device) is unified: its total comes from the config or MemTotal and
+  its "used" is the sum of its processes (host RAM use would count the OS as GPU use,
+  nvtop #511).
+* ``_v3`` vs ``_v2`` process structs (driver 535.43): the struct is chosen by the
+  functions the driver exports, as nvitop does (``nvml_procs``); a list that still reads
+  garbage pids is read again through ``_v2``.
 * Memory-info v1 miscounts used memory on drivers >= 510 (gpustat #141): v2 first.
 * ``usedGpuMemory`` is None where NVML cannot tell (WDDM, some MIG setups); 0 stays 0.
+  The device's used memory that no process accounts for is counted by the decision.
+* One bad GPU (lost, no permission, process list unsupported) is reported as that GPU
+  unknown, the others as they are; only when no GPU can be read does ``read`` fail.
+* Any persistent NVML error makes the next read start NVML over (a lost GPU's handle,
+  a driver reloaded under us, a stale handle after a reset).
 * A pid in another PID namespace has no readable command: it stays, with its memory.
 
 ``pynvml`` is imported on first use only, so importing gpuctl never needs the driver.
@@ -21,31 +26,47 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+import time
 from typing import Any
 
-import psutil
-
-from gpuctl.adapters import procinfo
-from gpuctl.core.model import GpuProcess, ProbeReading
+from gpuctl.adapters.probes.common import (
+    MIB,
+    describe_processes,
+    larger,
+    unified_device,
+    valid_pid,
+)
+from gpuctl.adapters.probes.nvml_procs import (
+    ProcessCall,
+    ProcessInfoV2,
+    choose_process_call,
+    running_processes,
+)
+from gpuctl.core.model import GpuDevice, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
-MIB = 2**20
-# PID_MAX_LIMIT on 64-bit Linux: a pid is always below it, so anything else is garbage
-# read through a mismatched struct (nvitop #75: [1184, 0, 4294967295, ...]).
-PID_LIMIT = 4_194_304
-_ULLONG_MAX = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE, should a binding not map it to None
 # NVML keeps one process list per kind; MPS exists only on newer drivers and bindings.
 _PROCESS_LISTS = ("Compute", "Graphics", "MPSCompute")
 _NO_GPU_HINT = (
     "install the NVIDIA driver; or try `gpuctl demo`, or `--probe sim` for a simulated GPU"
 )
 _MISMATCH_HINT = "nvidia-ml-py may not match the driver: pip install -U 'nvidia-ml-py>=12.535.108'"
+_CONTAINER_HINT = "in a container: --pid=host (and NVIDIA_MIG_MONITOR_DEVICES=all on MIG)"
+_LOST_HINT = "it fell off the bus: see `dmesg` for Xid errors; it needs a reset or reboot"
 
 
-def valid_pid(pid: int) -> bool:
-    """True for a pid the kernel could have issued (not 0, 0xFFFFFFFF or beyond the limit)."""
-    return 0 < pid < PID_LIMIT
+class NvmlMismatch(ProbeError):
+    """The binding and the driver disagree: a function NVML needs is missing, or every
+    pid it lists is garbage. ``probe = "auto"`` falls back to ``nvidia-smi`` on this."""
+
+
+class _DeviceError(Exception):
+    """One GPU's read failed at ``step``."""
+
+    def __init__(self, step: str, error: BaseException) -> None:
+        super().__init__(step)
+        self.step = step
+        self.error = error
 
 
 def _code(err: BaseException) -> int | None:
@@ -60,7 +81,7 @@ class NvmlProbe:
     handles are kept; ``close`` shuts it down. Safe to call from several threads.
 
     Args:
-        gpu_memory_mib: the memory total to report where the device has no figure of
+        gpu_memory_mib: the memory total to report for a device that has no figure of
             its own (unified memory); None means MemTotal of this host.
     """
 
@@ -70,8 +91,10 @@ class NvmlProbe:
         self._gpu_memory_mib = gpu_memory_mib
         self._nv: Any = None
         self._handles: list[Any] = []
+        self._call: ProcessCall | None = None
         self._mem_v2: bool | None = None  # None: not tried yet
-        self._v2_only: set[str] = set()  # process-list kinds whose _v3 call proved unusable
+        self._v2_only: set[str] = set()  # lists whose chosen call read garbage; _v2 did not
+        self._stale = False  # a persistent error: start NVML over on the next read
         self._lock = threading.Lock()
 
     def open(self) -> None:
@@ -90,42 +113,50 @@ class NvmlProbe:
             self._shutdown()
 
     def read(self) -> ProbeReading:
-        """Read memory and processes of every GPU.
+        """Read memory, processes and utilisation of every GPU.
 
         Raises:
             NoGpuFound: no NVML library, driver or GPU.
-            ProbeError: a GPU could not be read (lost, no permission, ...). A failed read
-                never comes back as an empty (idle) process list.
+            NvmlMismatch: the binding does not fit the driver.
+            ProbeError: no GPU could be read. A failed read never comes back as an
+                empty (idle) process list; one bad GPU among good ones comes back as
+                that GPU with ``error`` set.
         """
         with self._lock:
+            if self._stale:
+                self._shutdown()
             nv = self._init()
-            device_mem: list[tuple[int, int] | None] = []
+            devices: list[GpuDevice] = []
             merged: dict[tuple[int, int], int | None] = {}
+            sm_util: dict[tuple[int, int], int] = {}
             notes: list[str] = []
+            failures: list[ProbeError] = []
             for idx, handle in enumerate(self._handles):
-                step = "memory info"
                 try:
-                    device_mem.append(self._memory(nv, handle))
-                    for kind in _PROCESS_LISTS:
-                        step = f"{kind.lower()} process list"
-                        for pid, mem in self._processes(nv, handle, kind, idx, notes):
-                            key = (idx, pid)
-                            merged[key] = larger(merged[key], mem) if key in merged else mem
-                except nv.NVMLError as e:
-                    raise self._error(nv, e, idx, step) from e
-            processes = describe_processes(merged)
+                    device = self._device(
+                        nv, handle, idx, merged=merged, sm_util=sm_util, notes=notes
+                    )
+                except _DeviceError as e:
+                    err = self._error(nv, e.error, idx, e.step)
+                    if isinstance(err, NvmlMismatch):
+                        self._stale = True
+                        raise err from e.error
+                    failures.append(err)
+                    devices.append(GpuDevice(idx, error=err.message))
+                    if err.hint and err.hint not in notes:
+                        notes.append(err.hint)
+                    continue
+                devices.append(device)
+            if failures and len(failures) == len(devices):
+                raise failures[0]
+            processes = describe_processes(merged, sm_util)
+            for i, d in enumerate(devices):
+                if d.readable and d.memory_total_mib is None:
+                    devices[i], note = unified_device(d, processes, self._gpu_memory_mib)
+                    notes.append(note)
             if self._v2_only:
-                notes.append("process lists read through the _v2 call (_v3 missing or mismatched)")
-            used, total, unified, note = combine_memory(device_mem, processes, self._gpu_memory_mib)
-            return ProbeReading(
-                probe=self.name,
-                processes=processes,
-                memory_used_mib=used,
-                memory_total_mib=total,
-                unified_memory=unified,
-                gpus=len(device_mem),
-                notes=(*notes, note) if note else tuple(notes),
-            )
+                notes.append("process lists read through the _v2 call (_v3 mismatched)")
+            return ProbeReading.of_devices(self.name, processes, devices, notes)
 
     # --- NVML calls -----------------------------------------------------------------
 
@@ -164,31 +195,110 @@ class NvmlProbe:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
             raise NoGpuFound("NVML sees no GPU on this machine", hint=_NO_GPU_HINT)
-        self._nv, self._handles = pynvml, handles
+        try:
+            call = choose_process_call(pynvml)
+        except RuntimeError as e:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+            raise NvmlMismatch(f"cannot read NVML's process lists here: {e}") from e
+        self._nv, self._handles, self._call, self._stale = pynvml, handles, call, False
         return pynvml
 
     def _shutdown(self) -> None:
-        nv, self._nv, self._handles = self._nv, None, []
+        nv, self._nv, self._handles, self._stale = self._nv, None, [], False
         if nv is not None:
             with contextlib.suppress(nv.NVMLError):
                 nv.nvmlShutdown()
 
     def _error(self, nv: Any, e: BaseException, idx: int, step: str) -> ProbeError:
+        """The user's words for an NVML error; a persistent one marks NVML for a restart."""
+        if isinstance(e, ProbeError):
+            return e
         code = _code(e)
+        if code != nv.NVML_ERROR_TIMEOUT:
+            # A lost GPU's handle stays dead, a reset GPU's handle is stale, a reloaded
+            # driver needs a new init: start over on the next read, which re-enumerates.
+            self._stale = True
         if code == nv.NVML_ERROR_GPU_IS_LOST:
-            # Its handle stays dead: start over on the next read, which re-enumerates.
-            self._shutdown()
-            return ProbeError(
-                f"GPU {idx} is lost (NVML: {e})",
-                hint="it fell off the bus: see `dmesg` for Xid errors; it needs a reset or reboot",
-            )
+            return ProbeError(f"GPU {idx} is lost (NVML: {e})", hint=_LOST_HINT)
         if code == nv.NVML_ERROR_NO_PERMISSION:
-            return ProbeError(
-                f"NVML refused to read the {step} of GPU {idx}: {e}",
-                hint="in a container: --pid=host (and NVIDIA_MIG_MONITOR_DEVICES=all on MIG)",
-            )
-        hint = _MISMATCH_HINT if code == nv.NVML_ERROR_FUNCTION_NOT_FOUND else ""
-        return ProbeError(f"NVML could not read the {step} of GPU {idx}: {e}", hint)
+            return ProbeError(f"NVML refused to read the {step} of GPU {idx}: {e}", _CONTAINER_HINT)
+        if code == nv.NVML_ERROR_FUNCTION_NOT_FOUND:
+            return NvmlMismatch(f"NVML could not read the {step} of GPU {idx}: {e}", _MISMATCH_HINT)
+        return ProbeError(f"NVML could not read the {step} of GPU {idx}: {e}")
+
+    def _device(
+        self,
+        nv: Any,
+        handle: Any,
+        idx: int,
+        *,
+        merged: dict[tuple[int, int], int | None],
+        sm_util: dict[tuple[int, int], int],
+        notes: list[str],
+    ) -> GpuDevice:
+        """One GPU's figures; its processes go into ``merged`` (and ``sm_util``).
+
+        Raises:
+            _DeviceError: memory or a process list could not be read.
+        """
+        try:
+            memory = self._memory(nv, handle)
+        except nv.NVMLError as e:
+            raise _DeviceError("memory info", e) from e
+        found: dict[tuple[int, int], int | None] = {}
+        for kind in _PROCESS_LISTS:
+            try:
+                listed = self._processes(nv, handle, kind, idx, notes)
+            except nv.NVMLError as e:
+                raise _DeviceError(f"{kind.lower()} process list", e) from e
+            except ProbeError as e:
+                raise _DeviceError(f"{kind.lower()} process list", e) from e
+            for pid, mem in listed:
+                key = (idx, pid)
+                found[key] = larger(found[key], mem) if key in found else mem
+        merged.update(found)
+        sm_util.update(self._process_utilisation(nv, handle, idx))
+        util = self._optional(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+        temp = self._optional(
+            nv, lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU)
+        )
+        power_mw = self._optional(nv, lambda: nv.nvmlDeviceGetPowerUsage(handle))
+        return GpuDevice(
+            index=idx,
+            memory_used_mib=memory[0] if memory else None,
+            memory_total_mib=memory[1] if memory else None,
+            name=_text(self._optional(nv, lambda: nv.nvmlDeviceGetName(handle))),
+            uuid=_text(self._optional(nv, lambda: nv.nvmlDeviceGetUUID(handle))),
+            utilization_pct=_pct(util),
+            temperature_c=int(temp) if isinstance(temp, int) else None,
+            power_w=round(power_mw / 1000, 1) if isinstance(power_mw, int) else None,
+        )
+
+    @staticmethod
+    def _optional(nv: Any, fn: Any) -> Any:
+        """A figure the view shows but no decision needs: unknown (None) when NVML says
+        no (MIG answers NOT_SUPPORTED for utilisation), never 0."""
+        try:
+            return fn()
+        except nv.NVMLError:
+            return None
+
+    def _process_utilisation(self, nv: Any, handle: Any, idx: int) -> dict[tuple[int, int], int]:
+        """SM utilisation per pid over the last second, as nvitop asks for it (now - 1 s:
+        without a recent ``lastSeenTimeStamp`` the samples lag, nvtop #91). A process
+        without a sample stays unknown."""
+        since_us = int((time.time() - 1.0) * 1_000_000)
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(handle, since_us)
+        except nv.NVMLError:
+            return {}  # NOT_FOUND (no sample), NOT_SUPPORTED (MIG): unknown
+        out: dict[tuple[int, int], int] = {}
+        for s in samples:
+            pid, sm = int(s.pid), _pct(s.smUtil)
+            if valid_pid(pid) and sm is not None:
+                out[(idx, pid)] = max(out.get((idx, pid), 0), sm)
+        return out
 
     def _memory(self, nv: Any, handle: Any) -> tuple[int, int] | None:
         """(used, total) MiB of one device, or None where it has no figure (unified memory)."""
@@ -218,7 +328,12 @@ class NvmlProbe:
     def _processes(
         self, nv: Any, handle: Any, kind: str, idx: int, notes: list[str]
     ) -> list[tuple[int, int | None]]:
-        """(pid, MiB) of one NVML process list, garbage pids dropped."""
+        """(pid, MiB) of one NVML process list, garbage pids dropped.
+
+        Raises:
+            NvmlMismatch: every pid listed is garbage (something holds the GPU, and we
+                cannot tell what: that is not "idle").
+        """
         try:
             raw = self._process_list(nv, handle, kind)
         except nv.NVMLError as e:
@@ -233,10 +348,9 @@ class NvmlProbe:
             if kind == "Graphics" and code == nv.NVML_ERROR_NOT_SUPPORTED:
                 return []
             raise
-        out = [(int(p.pid), _mib(p.usedGpuMemory)) for p in raw if valid_pid(int(p.pid))]
+        out = [(pid, None if used is None else used // MIB) for pid, used in raw if valid_pid(pid)]
         if raw and not out:
-            # Something holds the GPU, and we cannot tell what: that is not "idle".
-            raise ProbeError(
+            raise NvmlMismatch(
                 f"NVML listed {len(raw)} {kind.lower()} process(es) on GPU {idx}, "
                 "all with invalid pids",
                 hint=_MISMATCH_HINT,
@@ -245,91 +359,38 @@ class NvmlProbe:
             notes.append(f"GPU {idx}: dropped {len(raw) - len(out)} invalid pid(s) from NVML")
         return out
 
-    def _process_list(self, nv: Any, handle: Any, kind: str) -> list[Any]:
-        """One NVML process list, surviving the ``_v3``/``_v2`` struct mismatch.
-
-        gpustat patches ``pynvml._nvmlGetFunctionPointer`` process-wide to answer the
-        ``_v3`` symbol with the ``_v2`` one, and only on FunctionNotFound. Calling the
-        binding's own ``_v2`` wrapper does the same without touching pynvml for anyone
-        else, and also covers the 535.43 case where ``_v3`` exists but returns garbage.
-        """
-        base = f"nvmlDeviceGet{kind}RunningProcesses"
-        first: list[Any] | None = None
-        if kind not in self._v2_only:
-            try:
-                first = _versioned(nv, base, "_v3")(handle)
-            except nv.NVMLError as e:
-                if _code(e) != nv.NVML_ERROR_FUNCTION_NOT_FOUND:  # driver < 510.39: no _v3
-                    raise
-            if first is not None and all(valid_pid(int(p.pid)) for p in first):
-                return first
+    def _process_list(self, nv: Any, handle: Any, kind: str) -> list[tuple[int, int | None]]:
+        """One process list through the call chosen for this driver; when it still reads
+        garbage pids (a driver that nvitop's rule misjudges), through ``_v2`` instead,
+        which has had one struct layout everywhere."""
+        call = self._call
+        assert call is not None
+        v2 = ProcessCall("_v2", ProcessInfoV2)
+        if kind in self._v2_only:
+            return running_processes(nv, handle, kind, v2)
+        first = running_processes(nv, handle, kind, call)
+        if call.suffix != "_v3" or all(valid_pid(pid) for pid, _ in first):
+            return first
         try:
-            second: list[Any] = _versioned(nv, base, "_v2")(handle)
+            second = running_processes(nv, handle, kind, v2)
         except nv.NVMLError as e:
-            if first is None or _code(e) != nv.NVML_ERROR_FUNCTION_NOT_FOUND:
+            if _code(e) != nv.NVML_ERROR_FUNCTION_NOT_FOUND:
                 raise
             return first  # no _v2 either: keep what _v3 gave, its garbage pids get dropped
-        if all(valid_pid(int(p.pid)) for p in second):
+        if all(valid_pid(pid) for pid, _ in second):
             self._v2_only.add(kind)
-        return second
+            return second
+        return first
 
 
-def combine_memory(
-    figures: Sequence[tuple[int, int] | None],
-    processes: Sequence[GpuProcess],
-    gpu_memory_mib: int | None,
-) -> tuple[int, int, bool, str | None]:
-    """The host's memory from per-device (used, total) MiB, None where a device has none.
-
-    Returns:
-        (used, total, unified, note). Where a device has no figure (GB10 unified memory)
-        "used" is what the GPU processes hold (DESIGN §4: not host RAM use, which counts
-        the OS as GPU use, nvtop #511) and the total is ``gpu_memory_mib``, else MemTotal.
-    """
-    known = [f for f in figures if f is not None]
-    if known and len(known) == len(figures):
-        return sum(u for u, _ in known), sum(t for _, t in known), False, None
-    used = sum(p.memory_mib or 0 for p in processes)
-    if gpu_memory_mib is not None:
-        return used, gpu_memory_mib, True, "unified memory: total from the configured GPU memory"
-    total = psutil.virtual_memory().total // MIB
-    return used, total, True, "unified memory: total is this host's MemTotal"
+def _pct(value: Any) -> int | None:
+    """A percentage NVML gave, or None; out of range is garbage, not 100."""
+    if isinstance(value, int) and 0 <= value <= 100:
+        return value
+    return None
 
 
-def describe_processes(merged: dict[tuple[int, int], int | None]) -> tuple[GpuProcess, ...]:
-    """``{(gpu, pid): memory_mib}`` as GpuProcess entries with command, user and container
-    (a pid whose command cannot be read stays, with ``command`` None)."""
-    return tuple(
-        GpuProcess(
-            pid=pid,
-            command=procinfo.command_of(pid),
-            memory_mib=mem,
-            user=procinfo.user_of(pid),
-            container=procinfo.container_of(pid),
-            gpu=gpu,
-        )
-        for (gpu, pid), mem in sorted(merged.items())
-    )
-
-
-def larger(a: int | None, b: int | None) -> int | None:
-    """The larger of two memory figures, None counting as unknown (not as zero)."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)
-
-
-def _versioned(nv: Any, base: str, suffix: str) -> Any:
-    """The binding's ``base + suffix`` wrapper; a binding without it acts as a driver without it."""
-    fn = getattr(nv, base + suffix, None)
-    if fn is None:
-        raise nv.NVMLError(nv.NVML_ERROR_FUNCTION_NOT_FOUND)
-    return fn
-
-
-def _mib(used_bytes: int | None) -> int | None:
-    if used_bytes is None or used_bytes >= _ULLONG_MAX:
-        return None
-    return int(used_bytes) // MIB
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
