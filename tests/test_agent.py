@@ -56,6 +56,7 @@ STATUS_KEYS = {
     "probe",
     "taken_at",
     "gpus",
+    "devices",
     "processes",
     "host",
     "state_dir",
@@ -143,10 +144,30 @@ def test_status_follows_the_contract(agent: str) -> None:
             "user": "me",
             "container": "3f2a" * 16,
             "gpu": 0,
+            "on_gpu": True,
+            "sm_util_pct": None,
         },
         # Unreadable command: kept, with its memory, as null.
-        {"pid": 4343, "command": None, "memory_mib": 34, "user": None, "container": None, "gpu": 0},
+        {
+            "pid": 4343,
+            "command": None,
+            "memory_mib": 34,
+            "user": None,
+            "container": None,
+            "gpu": 0,
+            "on_gpu": True,
+            "sm_util_pct": None,
+        },
     ]
+    # Per GPU: the one device of this reading, its used memory what its processes hold.
+    (device,) = body["devices"]
+    assert (device["index"], device["memory_used_mib"], device["memory_total_mib"]) == (
+        0,
+        8200 + 34,
+        131072,
+    )
+    assert device["unified"] is True and device["error"] is None
+    assert device["utilization_pct"] is None  # unknown, not 0
     me = host_identity()
     assert body["host"] == {"hostname": me.hostname, "boot_id": me.boot_id}
     assert body["state_dir"] == "/var/lib/gpuctl"

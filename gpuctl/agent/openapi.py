@@ -136,7 +136,16 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "GpuProcess": {
                     "type": "object",
-                    "required": ["pid", "command", "memory_mib", "user", "container", "gpu"],
+                    "required": [
+                        "pid",
+                        "command",
+                        "memory_mib",
+                        "user",
+                        "container",
+                        "gpu",
+                        "on_gpu",
+                        "sm_util_pct",
+                    ],
                     "properties": {
                         "pid": {"type": "integer"},
                         "command": {
@@ -152,7 +161,54 @@ def openapi_document() -> dict[str, Any]:
                             **nullable_str,
                             "description": "Container id, null for a host process.",
                         },
-                        "gpu": {"type": "integer"},
+                        "gpu": {"type": "integer", "description": "The GPU's index."},
+                        "on_gpu": {
+                            "type": "boolean",
+                            "description": (
+                                "false for a server of ours that holds no GPU memory yet "
+                                "(listed for clients that classify by processes)."
+                            ),
+                        },
+                        "sm_util_pct": {
+                            **nullable_int,
+                            "description": "SM utilisation over the last second; null: unknown.",
+                        },
+                    },
+                },
+                "GpuDevice": {
+                    "type": "object",
+                    "required": [
+                        "index",
+                        "name",
+                        "uuid",
+                        "memory_used_mib",
+                        "memory_total_mib",
+                        "unified",
+                        "utilization_pct",
+                        "temperature_c",
+                        "power_w",
+                        "error",
+                    ],
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "name": nullable_str,
+                        "uuid": nullable_str,
+                        "memory_used_mib": nullable_int,
+                        "memory_total_mib": nullable_int,
+                        "unified": {
+                            "type": "boolean",
+                            "description": "The device has no memory figure of its own (GB10).",
+                        },
+                        "utilization_pct": {**nullable_int, "description": "null: unknown."},
+                        "temperature_c": {**nullable_int, "description": "null: unknown."},
+                        "power_w": {
+                            "type": ["number", "null"],
+                            "description": "null: unknown.",
+                        },
+                        "error": {
+                            **nullable_str,
+                            "description": "Why this GPU could not be read; null when it was.",
+                        },
                     },
                 },
                 "StartingProcess": {
@@ -180,6 +236,7 @@ def openapi_document() -> dict[str, Any]:
                         "probe",
                         "taken_at",
                         "gpus",
+                        "devices",
                         "processes",
                         "host",
                         "state_dir",
@@ -188,7 +245,10 @@ def openapi_document() -> dict[str, Any]:
                         "schema": {"const": STATUS_SCHEMA},
                         "is_idle": {
                             "type": "boolean",
-                            "description": "True exactly when `processes` is empty.",
+                            "description": (
+                                "True exactly when `processes` is empty and every GPU "
+                                "could be read."
+                            ),
                         },
                         "memory_used_mib": nullable_int,
                         "memory_total_mib": {
@@ -203,6 +263,14 @@ def openapi_document() -> dict[str, Any]:
                             "description": "UTC, e.g. 2026-11-29T10:00:00Z.",
                         },
                         "gpus": {"type": "integer"},
+                        "devices": {
+                            "type": "array",
+                            "description": (
+                                "Per GPU: a service fits on one GPU, so admission reads these; "
+                                "the memory fields above are their sums over readable GPUs."
+                            ),
+                            "items": {"$ref": "#/components/schemas/GpuDevice"},
+                        },
                         "processes": {
                             "type": "array",
                             "items": {"$ref": "#/components/schemas/GpuProcess"},

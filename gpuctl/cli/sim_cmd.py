@@ -74,6 +74,18 @@ GpuMemoryOpt = Annotated[
         metavar="SIZE",
     ),
 ]
+GpuIndexOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--gpu",
+        help=(
+            "The simulated GPU to claim on. Default: the first of $CUDA_VISIBLE_DEVICES, "
+            "else 0. Several GPUs: GPUCTL_SIM_GPUS=80GiB,80GiB."
+        ),
+        min=0,
+        metavar="INDEX",
+    ),
+]
 NameOpt = Annotated[
     str,
     typer.Option(
@@ -115,6 +127,7 @@ def hold(
     ] = None,
     sim_dir: SimDirOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    gpu: GpuIndexOpt = None,
 ) -> None:
     """Hold simulated GPU memory until SIGTERM/Ctrl-C, like ComfyUI or a notebook would.
 
@@ -122,10 +135,11 @@ def hold(
     """
     with errors_to_exit(), _sim_errors():
         mib, secs, total = memory, duration, gpu_memory
-        from gpuctl.sim.gpu import SimGpu
+        from gpuctl.sim.gpu import SimGpu, default_gpu
         from gpuctl.sim.hold import run_hold
 
-        raise typer.Exit(run_hold(SimGpu(sim_dir, total), name, mib, secs))
+        index = default_gpu() if gpu is None else gpu
+        raise typer.Exit(run_hold(SimGpu(sim_dir, total), name, mib, secs, index))
 
 
 @sim_app.command("model-server", short_help="A fake vLLM that loads slowly, then serves.")
@@ -192,6 +206,7 @@ def model_server(
     ] = None,
     sim_dir: SimDirOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    gpu: GpuIndexOpt = None,
 ) -> None:
     """A fake vLLM: binds its port at once, loads (refusing connections), then serves.
 
@@ -201,7 +216,7 @@ def model_server(
     with errors_to_exit(), _sim_errors():
         mib, load_s, delay_s, total = memory, load_time, token_delay, gpu_memory
         dies_s = engine_dies_after
-        from gpuctl.sim.gpu import SimGpu
+        from gpuctl.sim.gpu import SimGpu, default_gpu
         from gpuctl.sim.model_server import run_model_server
 
         code = run_model_server(
@@ -216,6 +231,7 @@ def model_server(
             enable_sleep_mode=enable_sleep_mode,
             token_delay_s=delay_s,
             engine_dies_after_s=dies_s,
+            gpu=default_gpu() if gpu is None else gpu,
         )
         raise typer.Exit(code)
 

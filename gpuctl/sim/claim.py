@@ -22,12 +22,16 @@ class Claim:
     request thread (sleep mode).
     """
 
-    def __init__(self, gpu: SimGpu, claim_id: str, lock_fd: int, name: str) -> None:
+    def __init__(
+        self, gpu: SimGpu, claim_id: str, lock_fd: int, name: str, device: int = 0
+    ) -> None:
         self.gpu = gpu
         self.claim_id = claim_id
         self.name = name
+        self.device = device
         self._fd: int | None = lock_fd
         self._memory = 0
+        self._util = 0
         self._mutex = threading.Lock()
 
     @property
@@ -42,8 +46,8 @@ class Claim:
         """Hold ``memory_mib`` from now on: grow (if it fits) or shrink.
 
         Raises:
-            SimOutOfMemory: growing would exceed the total beside the other live claims;
-                the claim keeps what it held.
+            SimOutOfMemory: growing would exceed its GPU's total beside the other live
+                claims on that GPU; the claim keeps what it held.
             ValueError: a negative size.
             RuntimeError: the claim was released.
         """
@@ -54,8 +58,12 @@ class Claim:
                 raise RuntimeError("this claim was released")
             with self.gpu._locked():
                 if memory_mib > self._memory:
-                    others = [c for c in self.gpu.claims() if c.claim_id != self.claim_id]
-                    total = self.gpu.total_mib
+                    others = [
+                        c
+                        for c in self.gpu.claims()
+                        if c.claim_id != self.claim_id and c.gpu == self.device
+                    ]
+                    total = self.gpu.device_total_mib(self.device)
                     used_by_others = sum(c.memory_mib for c in others)
                     if memory_mib > total - used_by_others:
                         holders = tuple(
@@ -68,19 +76,31 @@ class Claim:
                             free_mib=total - used_by_others - self._memory,
                             total_mib=total,
                             holders=holders,
+                            gpu=self.device,
                         )
-                self._write(memory_mib)
+                self._write(memory_mib, self._util)
 
-    def _write(self, memory_mib: int) -> None:
+    def set_util(self, util_pct: int) -> None:
+        """Report how busy this process keeps its GPU (0-100), as NVML's per-process
+        SM utilisation would; a no-op once released or when nothing changed."""
+        util = min(max(int(util_pct), 0), 100)
+        with self._mutex:
+            if self._fd is None or util == self._util:
+                return
+            self._write(self._memory, util)
+
+    def _write(self, memory_mib: int, util_pct: int) -> None:
         record: dict[str, Any] = {
             "pid": os.getpid(),
             "name": self.name,
             "memory_mib": memory_mib,
-            "gpu": 0,
+            "gpu": self.device,
+            "util_pct": util_pct,
             "pid_ns": pid_namespace(),
         }
         write_json_atomic(self.gpu.claims_dir / f"{self.claim_id}.json", record)
         self._memory = memory_mib
+        self._util = util_pct
 
     def release(self) -> None:
         """Give the memory back and drop the lock. Safe to call twice."""

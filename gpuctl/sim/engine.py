@@ -8,6 +8,33 @@ import time
 from collections.abc import Iterator
 
 from gpuctl.sim.gpu import Claim
+from gpuctl.sim.vllm_metrics import Gauges, VllmMetrics
+
+# The KV cache the fake engine has room for, in tokens: a 32B model with an 80 GiB
+# budget holds about this much. Requests in flight fill it (the KV-cache usage gauge).
+KV_CACHE_TOKENS = 65536
+
+
+class Request:
+    """One request in flight: its tokens count as generated, the first one times TTFT."""
+
+    def __init__(self, engine: Engine, prompt_tokens: int) -> None:
+        self._engine = engine
+        self._t0 = time.monotonic()
+        self._first = True
+        self.kv_tokens = prompt_tokens
+
+    def token(self) -> None:
+        """Call once per generated token, when it is sent."""
+        e = self._engine
+        with e.metrics.lock:
+            e.metrics.generation_tokens += 1
+            if self._first:
+                e.metrics.ttft.observe(time.monotonic() - self._t0)
+                self._first = False
+        with e.lock:
+            self.kv_tokens += 1
+            e.kv_tokens += 1
 
 
 class Engine:
@@ -42,6 +69,9 @@ class Engine:
         self.host_mib = 0  # weights parked in CPU memory by a level-1 sleep
         self.weights_lost = False  # a level-2 sleep discarded them: reload_weights first
         self.epoch = 0  # a sleep in "abort" mode ends every request of an older epoch
+        self.metrics = VllmMetrics()
+        self.kv_tokens = 0  # the KV cache the requests in flight hold
+        self._util_lock = threading.Lock()
 
     def pool_mib(self, tag: str) -> int:
         """The GPU memory of one sleep-mode pool."""
@@ -49,15 +79,43 @@ class Engine:
         return weights if tag == "weights" else self.memory_mib - weights
 
     @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Count a request as running (``vllm:num_requests_running``) while it is served."""
+    def request(self, prompt_tokens: int = 0) -> Iterator[Request]:
+        """Count a request as running (``vllm:num_requests_running``) while it is served,
+        and keep the GPU busy meanwhile (the claim's utilisation, which the probes read)."""
+        req = Request(self, prompt_tokens)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += prompt_tokens
         with self.lock:
             self.running += 1
+            self.kv_tokens += prompt_tokens
+        self._report_util()
         ok = False
         try:
-            yield
+            yield req
             ok = True
         finally:
             with self.lock:
                 self.running -= 1
                 self.succeeded += ok
+                self.kv_tokens -= req.kv_tokens
+            self._report_util()
+
+    def busy_pct(self) -> int:
+        """How busy the GPU is: idle at 0; one request keeps it at 70 %, each more adds 10."""
+        with self.lock:
+            running = self.running
+        return 0 if running == 0 else min(100, 60 + 10 * running)
+
+    def _report_util(self) -> None:
+        # One writer at a time, so a late "0" cannot overwrite a newer "70".
+        with self._util_lock:
+            self.claim.set_util(self.busy_pct())
+
+    def gauges(self) -> Gauges:
+        with self.lock:
+            return Gauges(
+                running=self.running,
+                waiting=0,
+                succeeded=self.succeeded,
+                kv_cache_usage=min(1.0, self.kv_tokens / KV_CACHE_TOKENS),
+            )

@@ -40,7 +40,8 @@ class SimOutOfMemory(SimError):
         requested_mib: what the failed step tried to allocate on top of what it held.
         free_mib: what was free on the simulated GPU (total minus every live claim).
         total_mib: the simulated GPU's total.
-        holders: (pid, memory_mib) of the other live claims, largest first.
+        holders: (pid, memory_mib) of the other live claims on that GPU, largest first.
+        gpu: the simulated GPU it did not fit on.
     """
 
     def __init__(
@@ -49,14 +50,16 @@ class SimOutOfMemory(SimError):
         free_mib: int,
         total_mib: int,
         holders: tuple[tuple[int, int], ...] = (),
+        gpu: int = 0,
     ) -> None:
+        self.gpu = gpu
         self.requested_mib = requested_mib
         self.free_mib = max(0, free_mib)
         self.total_mib = total_mib
         self.holders = holders
         msg = (
             f"CUDA out of memory. Tried to allocate {cuda_size(requested_mib)}. "
-            f"GPU 0 has a total capacity of {cuda_size(total_mib)} of which "
+            f"GPU {gpu} has a total capacity of {cuda_size(total_mib)} of which "
             f"{cuda_size(self.free_mib)} is free."
         )
         # Real PyTorch names the other processes too; that is what makes the message useful.

@@ -2,10 +2,12 @@
 
 Layout of a sim directory (missing or empty is a valid GPU, created on first use)::
 
-    <sim_dir>/gpu.json              {"total_mib": N}: the total every process agrees on
+    <sim_dir>/gpu.json              {"total_mib": N} (one GPU) or {"devices": [{"total_mib":
+                                    N0}, ...], "total_mib": sum}: what every process agrees on
     <sim_dir>/sim.lock              flock held while a claim grows (covers the fit check)
     <sim_dir>/claims/<pid>.lock     flock held by the claiming process for its lifetime
-    <sim_dir>/claims/<pid>.json     {"pid", "name", "memory_mib", "gpu", "pid_ns"}, atomic
+    <sim_dir>/claims/<pid>.json     {"pid", "name", "memory_mib", "gpu", "util_pct", "pid_ns"},
+                                    written atomically
 
 A claim is live while its ``.lock`` is flock-ed: the kernel drops the lock when the
 process dies, even on ``kill -9``, so a dead process frees its memory the way a real
@@ -25,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuctl.core.units import parse_size_mib
 from gpuctl.sim.claim import Claim
@@ -45,13 +47,18 @@ __all__ = [
     "SimError",
     "SimGpu",
     "SimOutOfMemory",
+    "default_gpu",
     "default_sim_dir",
+    "parse_totals",
     "resolve_sim_dir",
 ]
 
 DEFAULT_TOTAL_MIB = 128 * 1024
 ENV_SIM_DIR = "GPUCTL_SIM_DIR"
 ENV_GPU_MEMORY = "GPUCTL_SIM_GPU_MEMORY"
+# Several simulated GPUs, each with its own total: "80GiB,80GiB" (a comma list of sizes).
+ENV_GPUS = "GPUCTL_SIM_GPUS"
+MAX_DEVICES = 64
 
 _GPU_FILE = "gpu.json"
 _SIM_LOCK = "sim.lock"
@@ -97,35 +104,61 @@ class ClaimInfo:
     memory_mib: int
     gpu: int = 0
     claim_id: str = ""
+    # The share of its GPU the process keeps busy (a model server answering requests).
+    util_pct: int = 0
+
+
+def default_gpu() -> int:
+    """The simulated GPU a workload takes unless told: the first of
+    ``$CUDA_VISIBLE_DEVICES`` (an index, or the sim's ``GPU-sim-N`` uuid), as a CUDA
+    program would; else GPU 0. So a launcher that pins a server with
+    ``CUDA_VISIBLE_DEVICES`` pins the simulated one the same way."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first.startswith("GPU-sim-"):
+        first = first[len("GPU-sim-") :]
+    return int(first) if first.isdigit() else 0
+
+
+def parse_totals(text: str) -> tuple[int, ...]:
+    """``"80GiB,40GiB"`` -> the totals of two simulated GPUs, in MiB.
+
+    Raises:
+        ValueError: an empty list, a size that is not one, or more than 64 GPUs.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or any(not p for p in parts):
+        raise ValueError(f"expected sizes separated by commas, e.g. 80GiB,80GiB: {text!r}")
+    if len(parts) > MAX_DEVICES:
+        raise ValueError(f"at most {MAX_DEVICES} simulated GPUs, got {len(parts)}")
+    return tuple(parse_size_mib(p) for p in parts)
 
 
 class SimGpu:
-    """A simulated GPU in a sim directory.
+    """A simulated GPU host in a sim directory: one or several GPUs, each with its total.
 
     Args:
         sim_dir: the directory; default ``$GPUCTL_SIM_DIR``, else the user state dir.
-        total_mib: the total memory; default ``$GPUCTL_SIM_GPU_MEMORY``, else what
-            ``gpu.json`` says, else 128 GiB. An explicit value (argument or env) is written
-            to ``gpu.json`` so that every process using the directory agrees.
+        total_mib: one GPU of this total; default ``$GPUCTL_SIM_GPU_MEMORY``.
+        totals_mib: several GPUs, one total each; default ``$GPUCTL_SIM_GPUS``
+            (``80GiB,80GiB``). Without either, what ``gpu.json`` says, else one GPU of
+            128 GiB. An explicit value (argument or env) is written to ``gpu.json`` so
+            that every process using the directory agrees.
 
     Raises:
-        SimError: ``$GPUCTL_SIM_GPU_MEMORY`` is not a size, or a total is not positive.
+        SimError: an environment variable is not a size (list), or a total is not positive.
     """
 
-    def __init__(self, sim_dir: Path | str | None = None, total_mib: int | None = None) -> None:
+    def __init__(
+        self,
+        sim_dir: Path | str | None = None,
+        total_mib: int | None = None,
+        *,
+        totals_mib: Sequence[int] | None = None,
+    ) -> None:
         self.sim_dir = resolve_sim_dir(sim_dir)
         self.claims_dir = self.sim_dir / _CLAIMS
-        explicit = total_mib
-        if explicit is None:
-            env = os.environ.get(ENV_GPU_MEMORY, "").strip()
-            if env:
-                try:
-                    explicit = parse_size_mib(env)
-                except ValueError as err:
-                    raise SimError(f"{ENV_GPU_MEMORY}: {err}") from None
-        if explicit is not None and explicit <= 0:
-            raise SimError(f"the simulated GPU's total memory must be positive, got {explicit} MiB")
-        self._explicit_total = explicit
+        explicit = _explicit_totals(total_mib, totals_mib)
+        self._explicit_totals = explicit
         if explicit is not None and self._read_total_file() != explicit:
             try:
                 with self._locked():
@@ -138,25 +171,50 @@ class SimGpu:
     # ------------------------------------------------------------------ total memory
 
     @property
-    def total_mib(self) -> int:
-        """The total memory in MiB (read again each time: another process may have set it)."""
-        if self._explicit_total is not None:
-            return self._explicit_total
+    def totals_mib(self) -> tuple[int, ...]:
+        """Each GPU's total in MiB (read again each time: another process may set them)."""
+        if self._explicit_totals is not None:
+            return self._explicit_totals
         from_file = self._read_total_file()
-        return from_file if from_file is not None else DEFAULT_TOTAL_MIB
+        return from_file if from_file is not None else (DEFAULT_TOTAL_MIB,)
 
-    def _read_total_file(self) -> int | None:
-        try:
-            data = json.loads((self.sim_dir / _GPU_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+    @property
+    def total_mib(self) -> int:
+        """All GPUs' memory together (one GPU: its total)."""
+        return sum(self.totals_mib)
+
+    def device_total_mib(self, gpu: int) -> int:
+        """The total of GPU ``gpu``.
+
+        Raises:
+            SimError: the simulated host has no such GPU.
+        """
+        totals = self.totals_mib
+        if not 0 <= gpu < len(totals):
+            raise SimError(
+                f"the simulated host has no GPU {gpu} (it has {len(totals)})",
+                hint=f"set its GPUs with {ENV_GPUS}=80GiB,80GiB (one size per GPU)",
+            )
+        return totals[gpu]
+
+    def _read_total_file(self) -> tuple[int, ...] | None:
+        data = read_json(self.sim_dir / _GPU_FILE)
+        if data is None:
             return None
-        value = data.get("total_mib") if isinstance(data, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        return None
+        devices = data.get("devices")
+        if isinstance(devices, list) and 0 < len(devices) <= MAX_DEVICES:
+            totals = [d.get("total_mib") if isinstance(d, dict) else None for d in devices]
+            if all(_positive(t) for t in totals):
+                return tuple(totals)  # type: ignore[arg-type]
+            return None
+        value = data.get("total_mib")
+        return (value,) if isinstance(value, int) and _positive(value) else None
 
-    def _write_total_file(self, total_mib: int) -> None:
-        write_json_atomic(self.sim_dir / _GPU_FILE, {"total_mib": total_mib})
+    def _write_total_file(self, totals_mib: tuple[int, ...]) -> None:
+        data: dict[str, Any] = {"total_mib": sum(totals_mib)}
+        if len(totals_mib) > 1:
+            data["devices"] = [{"total_mib": t} for t in totals_mib]
+        write_json_atomic(self.sim_dir / _GPU_FILE, data)
 
     def _ensure_dir(self) -> None:
         """Create the directory and its ``gpu.json`` (under the sim lock: one writer wins)."""
@@ -165,7 +223,7 @@ class SimGpu:
             return
         with self._locked():
             if self._read_total_file() is None:
-                self._write_total_file(self.total_mib)
+                self._write_total_file(self.totals_mib)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -189,9 +247,9 @@ class SimGpu:
         """The live claims (memory 0 included), sorted by pid. Deletes the dead ones it meets."""
         return self._scan()[0]
 
-    def used_mib(self) -> int:
-        """The sum of the live claims."""
-        return sum(c.memory_mib for c in self.claims())
+    def used_mib(self, gpu: int | None = None) -> int:
+        """The sum of the live claims (on GPU ``gpu``; None: on all)."""
+        return sum(c.memory_mib for c in self.claims() if gpu is None or c.gpu == gpu)
 
     def prune(self) -> int:
         """Delete the files of dead claims (and stray temp files); returns how many claims went."""
@@ -264,6 +322,7 @@ class SimGpu:
             name = str(record.get("name", ""))
             memory = int(record.get("memory_mib", 0))
             gpu = int(record.get("gpu", 0))
+            util = int(record.get("util_pct", 0))
         except (KeyError, TypeError, ValueError):
             return None, 0
         holder = holders.holder(st.st_dev, st.st_ino)
@@ -283,25 +342,35 @@ class SimGpu:
             existed = unlink(json_path)
             unlink(lock_path)
             return None, int(existed)
-        return ClaimInfo(pid=pid, name=name, memory_mib=max(0, memory), gpu=gpu, claim_id=stem), 0
+        info = ClaimInfo(
+            pid=pid,
+            name=name,
+            memory_mib=max(0, memory),
+            gpu=gpu,
+            claim_id=stem,
+            util_pct=min(max(util, 0), 100),
+        )
+        return info, 0
 
     # ------------------------------------------------------------------ claiming
 
-    def claim(self, name: str) -> Claim:
-        """Register this process on the simulated GPU with 0 MiB; grow it with ``Claim.set``.
+    def claim(self, name: str, gpu: int = 0) -> Claim:
+        """Register this process on simulated GPU ``gpu`` with 0 MiB; grow it with
+        ``Claim.set``.
 
         Raises:
-            SimError: the sim directory cannot be written.
+            SimError: the sim directory cannot be written, or there is no such GPU.
         """
+        self.device_total_mib(gpu)
         try:
-            return self._claim(name)
+            return self._claim(name, gpu)
         except OSError as err:
             raise SimError(
                 f"cannot write the simulated GPU at {self.sim_dir}: {err.strerror or err}",
                 hint="check the directory's permissions, or pass another --sim-dir",
             ) from err
 
-    def _claim(self, name: str) -> Claim:
+    def _claim(self, name: str, gpu: int) -> Claim:
         self._ensure_dir()
         pid = os.getpid()
         slot = 0
@@ -328,10 +397,10 @@ class SimGpu:
             if (on_disk.st_dev, on_disk.st_ino) != (mine.st_dev, mine.st_ino):
                 os.close(fd)
                 continue
-            claim = Claim(self, stem, fd, name)
+            claim = Claim(self, stem, fd, name, gpu)
             try:
                 with self._locked():
-                    claim._write(0)
+                    claim._write(0, 0)
             except BaseException:
                 claim.release()
                 raise
@@ -340,3 +409,36 @@ class SimGpu:
             f"cannot claim the simulated GPU: {_MAX_CLAIM_SLOTS} claims for pid {pid} already",
             hint=f"run `gpuctl sim reset` (sim dir {self.sim_dir})",
         )
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _explicit_totals(
+    total_mib: int | None, totals_mib: Sequence[int] | None
+) -> tuple[int, ...] | None:
+    """The totals asked for by argument or environment, else None (``gpu.json`` decides)."""
+    explicit: tuple[int, ...]
+    if totals_mib is not None:
+        explicit = tuple(totals_mib)
+    elif total_mib is not None:
+        explicit = (total_mib,)
+    elif os.environ.get(ENV_GPUS, "").strip():
+        try:
+            explicit = parse_totals(os.environ[ENV_GPUS])
+        except ValueError as err:
+            raise SimError(f"{ENV_GPUS}: {err}") from None
+    elif os.environ.get(ENV_GPU_MEMORY, "").strip():
+        try:
+            explicit = (parse_size_mib(os.environ[ENV_GPU_MEMORY].strip()),)
+        except ValueError as err:
+            raise SimError(f"{ENV_GPU_MEMORY}: {err}") from None
+    else:
+        return None
+    if not explicit or len(explicit) > MAX_DEVICES:
+        raise SimError(f"a simulated host has 1 to {MAX_DEVICES} GPUs, not {len(explicit)}")
+    bad = [t for t in explicit if t <= 0]
+    if bad:
+        raise SimError(f"the simulated GPU's total memory must be positive, got {bad[0]} MiB")
+    return explicit

@@ -15,12 +15,14 @@ import os
 import sys
 
 from gpuctl.core.units import format_duration, format_mib, parse_duration_s, parse_size_mib
-from gpuctl.sim.errors import SimOutOfMemory
-from gpuctl.sim.gpu import SimGpu
+from gpuctl.sim.errors import SimError, SimOutOfMemory
+from gpuctl.sim.gpu import SimGpu, default_gpu, parse_totals
 from gpuctl.sim.signals import stop_on_signals
 
 
-def run_hold(sim: SimGpu, name: str, memory_mib: int, duration_s: float | None = None) -> int:
+def run_hold(
+    sim: SimGpu, name: str, memory_mib: int, duration_s: float | None = None, gpu: int = 0
+) -> int:
     """Claim ``memory_mib`` on ``sim`` as ``name`` and hold it; returns the exit code.
 
     Args:
@@ -28,11 +30,12 @@ def run_hold(sim: SimGpu, name: str, memory_mib: int, duration_s: float | None =
         name: what the claim is called (``gpuctl sim ls`` shows it).
         memory_mib: the memory to hold.
         duration_s: release and exit after this long; None holds until a signal.
+        gpu: the simulated GPU to hold it on.
 
     Returns:
         0 after a clean stop, 1 when the memory does not fit (a CUDA-style line on stderr).
     """
-    with stop_on_signals() as stop, sim.claim(name) as claim:
+    with stop_on_signals() as stop, sim.claim(name, gpu) as claim:
         try:
             claim.set(memory_mib)
         except SimOutOfMemory as err:
@@ -40,7 +43,7 @@ def run_hold(sim: SimGpu, name: str, memory_mib: int, duration_s: float | None =
             return 1
         until = f" for {format_duration(duration_s)}" if duration_s is not None else ""
         print(
-            f"INFO holding {format_mib(memory_mib)} of the simulated GPU as {name!r} "
+            f"INFO holding {format_mib(memory_mib)} of simulated GPU {gpu} as {name!r} "
             f"(pid {os.getpid()}){until}; stop with SIGTERM or Ctrl-C",
             flush=True,
         )
@@ -57,14 +60,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", help="release and exit after this long, e.g. 10m")
     parser.add_argument("--sim-dir", help="simulated GPU directory (default $GPUCTL_SIM_DIR)")
     parser.add_argument("--gpu-memory", help="total memory of the simulated GPU, e.g. 128GiB")
+    parser.add_argument(
+        "--gpus", help="several simulated GPUs, one total each: 80GiB,80GiB ($GPUCTL_SIM_GPUS)"
+    )
+    parser.add_argument(
+        "--gpu",
+        type=int,
+        help="the GPU to claim on (default: first of $CUDA_VISIBLE_DEVICES, else 0)",
+    )
     args = parser.parse_args(argv)
     try:
         memory = parse_size_mib(args.memory)
         duration = parse_duration_s(args.duration) if args.duration else None
         total = parse_size_mib(args.gpu_memory) if args.gpu_memory else None
+        totals = parse_totals(args.gpus) if args.gpus else None
+        gpu = default_gpu() if args.gpu is None else args.gpu
+        if gpu < 0:
+            raise ValueError("--gpu must be 0 or more")
     except ValueError as err:
         parser.error(str(err))
-    return run_hold(SimGpu(args.sim_dir, total), args.name, memory, duration)
+    try:
+        return run_hold(
+            SimGpu(args.sim_dir, total, totals_mib=totals), args.name, memory, duration, gpu
+        )
+    except SimError as err:
+        print(f"error: {err.message}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

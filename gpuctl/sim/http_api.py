@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from gpuctl.sim import sleep_mode
 from gpuctl.sim.console import log
-from gpuctl.sim.engine import Engine
+from gpuctl.sim.engine import Engine, Request
 
 _MAX_BODY = 16 * 2**20
 _REPLY = "This is a simulated reply from {model}, served on a simulated GPU by gpuctl."
@@ -192,21 +192,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _metrics(self, _query: dict[str, list[str]], _body: bytes) -> None:
         e = self.engine
-        with e.lock:
-            running, succeeded = e.running, e.succeeded
-        escaped = e.model_id.replace("\\", "\\\\").replace('"', '\\"')
-        label = f'{{model_name="{escaped}"}}'
-        text = (
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-            "# TYPE vllm:num_requests_running gauge\n"
-            f"vllm:num_requests_running{label} {float(running)}\n"
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f"vllm:num_requests_waiting{label} 0.0\n"
-            "# HELP vllm:request_success_total Count of successfully processed requests.\n"
-            "# TYPE vllm:request_success_total counter\n"
-            f"vllm:request_success_total{label} {float(succeeded)}\n"
-        )
+        text = e.metrics.render(e.model_id, e.gauges())
         self._send(HTTPStatus.OK, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     def _chat(self, _query: dict[str, list[str]], body: bytes) -> None:
@@ -257,18 +243,19 @@ class Handler(BaseHTTPRequestHandler):
             "total_tokens": prompt_tokens + n,
         }
         ident = f"chatcmpl-{uuid.uuid4().hex}"
-        with e.request():
+        with e.request(prompt_tokens) as tracker:
             epoch = e.epoch
             if req.get("stream"):
                 opts = req.get("stream_options")
                 with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-                self._stream(ident, tokens, finish, usage if with_usage else None)
+                self._stream(ident, tokens, finish, usage if with_usage else None, tracker)
                 return
             for i in range(len(tokens)):
                 time.sleep(e.token_delay_s)
                 if e.epoch != epoch:  # put to sleep in "abort" mode: the request ends here
                     tokens, finish = tokens[:i], "abort"
                     break
+                tracker.token()
             self._send_json(
                 HTTPStatus.OK,
                 {
@@ -289,7 +276,12 @@ class Handler(BaseHTTPRequestHandler):
             )
 
     def _stream(
-        self, ident: str, tokens: list[str], finish: str, usage: dict[str, int] | None
+        self,
+        ident: str,
+        tokens: list[str],
+        finish: str,
+        usage: dict[str, int] | None,
+        tracker: Request,
     ) -> None:
         """Server-sent events in HTTP/1.1 chunks, ending with ``data: [DONE]``."""
         e = self.engine
@@ -325,6 +317,7 @@ class Handler(BaseHTTPRequestHandler):
                 finish = "abort"
                 break
             event(chunk({"content": tok}, None))
+            tracker.token()
         event(chunk({}, finish))
         if usage is not None:
             event(

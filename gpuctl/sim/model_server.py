@@ -33,7 +33,7 @@ from gpuctl.core.units import format_mib, parse_duration_s, parse_size_mib
 from gpuctl.sim.console import info, log
 from gpuctl.sim.engine import Engine
 from gpuctl.sim.errors import SimError, SimOutOfMemory
-from gpuctl.sim.gpu import Claim, SimGpu
+from gpuctl.sim.gpu import Claim, SimGpu, default_gpu, parse_totals
 from gpuctl.sim.http_api import Server
 from gpuctl.sim.signals import StopFlag, stop_on_signals
 
@@ -117,6 +117,7 @@ def run_model_server(
     enable_sleep_mode: bool = False,
     token_delay_s: float = 0.02,
     engine_dies_after_s: float | None = None,
+    gpu: int = 0,
 ) -> int:
     """Run a fake vLLM on the simulated GPU until SIGTERM/SIGINT; returns the exit code.
 
@@ -134,6 +135,7 @@ def run_model_server(
         token_delay_s: the time each generated token takes.
         engine_dies_after_s: once loaded, /health answers 503 after this long (the
             engine died, the server lives on), for testing how callers handle it.
+        gpu: the simulated GPU it loads onto.
 
     Returns:
         0 after a clean stop; 1 when the port is taken, or the memory does not fit
@@ -169,7 +171,7 @@ def run_model_server(
             f"memory={format_mib(memory_mib)}, load_time={load_time_s:g}s, steps={steps}, "
             f"enable_sleep_mode={enable_sleep_mode}"
         )
-        claim = stack.enter_context(sim.claim(name))
+        claim = stack.enter_context(sim.claim(name, gpu))
         try:
             if not _load(
                 claim, memory_mib, load_time_s, steps=steps, log_every=log_every, stop=stop
@@ -224,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-dies-after", help="/health answers 503 this long after loading")
     parser.add_argument("--sim-dir", help="simulated GPU directory (default $GPUCTL_SIM_DIR)")
     parser.add_argument("--gpu-memory", help="total memory of the simulated GPU, e.g. 128GiB")
+    parser.add_argument(
+        "--gpus", help="several simulated GPUs, one total each: 80GiB,80GiB ($GPUCTL_SIM_GPUS)"
+    )
+    parser.add_argument(
+        "--gpu",
+        type=int,
+        help="the GPU to claim on (default: first of $CUDA_VISIBLE_DEVICES, else 0)",
+    )
     args = parser.parse_args(argv)
     try:
         memory = parse_size_mib(args.memory)
@@ -236,13 +246,17 @@ def main(argv: list[str] | None = None) -> int:
             else None
         )
         total = parse_size_mib(args.gpu_memory) if args.gpu_memory else None
+        totals = parse_totals(args.gpus) if args.gpus else None
+        gpu = default_gpu() if args.gpu is None else args.gpu
+        if gpu < 0:
+            raise ValueError("--gpu must be 0 or more")
         if args.steps < 1:
             raise ValueError("--steps must be at least 1")
     except ValueError as err:
         parser.error(str(err))
     try:
         return run_model_server(
-            SimGpu(args.sim_dir, total),
+            SimGpu(args.sim_dir, total, totals_mib=totals),
             args.name,
             memory,
             load_time,
@@ -253,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_sleep_mode=args.enable_sleep_mode,
             token_delay_s=token_delay,
             engine_dies_after_s=dies,
+            gpu=gpu,
         )
     except SimError as err:
         log(f"error: {err.message}", err=True)

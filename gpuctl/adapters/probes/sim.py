@@ -9,18 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuctl.adapters import procinfo
-from gpuctl.core.model import GpuProcess, ProbeReading
+from gpuctl.core.model import GpuDevice, GpuProcess, ProbeReading
 from gpuctl.errors import ConfigError, ProbeError
 from gpuctl.sim.gpu import ClaimInfo, SimError, SimGpu
 
 
 class SimProbe:
-    """One ``GpuProcess`` per live claim holding memory, with its real pid and command line.
+    """One ``GpuProcess`` per live claim holding memory, with its real pid and command line,
+    and one ``GpuDevice`` per simulated GPU with its own total.
 
     Args:
         sim_dir: the sim directory (default: ``$GPUCTL_SIM_DIR``, else the user state dir).
-        total_mib: the total memory (default: ``$GPUCTL_SIM_GPU_MEMORY``, else the
-            directory's ``gpu.json``, else 128 GiB).
+        total_mib: one GPU of this total (default: ``$GPUCTL_SIM_GPUS`` or
+            ``$GPUCTL_SIM_GPU_MEMORY``, else the directory's ``gpu.json``, else 128 GiB).
     """
 
     name = "sim"
@@ -39,17 +40,17 @@ class SimProbe:
         """
         try:
             claims = self.gpu.claims()
-            total = self.gpu.total_mib
+            totals = self.gpu.totals_mib
         except OSError as err:
             raise ProbeError(
                 f"cannot read the simulated GPU at {self.gpu.sim_dir}: {err.strerror or err}",
                 hint="check the directory's permissions, or pass another --sim-dir",
             ) from err
-        # Like NVML, one entry per process: a process with several claims shows their sum.
-        by_pid: dict[int, list[ClaimInfo]] = {}
+        # Like NVML, one entry per process and GPU: several claims show as their sum.
+        by_key: dict[tuple[int, int], list[ClaimInfo]] = {}
         for claim in claims:
             if claim.memory_mib > 0:
-                by_pid.setdefault(claim.pid, []).append(claim)
+                by_key.setdefault((claim.gpu, claim.pid), []).append(claim)
         processes = tuple(
             GpuProcess(
                 pid=pid,
@@ -57,18 +58,26 @@ class SimProbe:
                 memory_mib=sum(c.memory_mib for c in group),
                 user=procinfo.user_of(pid),
                 container=procinfo.container_of(pid),
-                gpu=group[0].gpu,
+                gpu=gpu,
+                sm_util_pct=min(100, sum(c.util_pct for c in group)),
             )
-            for pid, group in sorted(by_pid.items())
+            for (gpu, pid), group in sorted(by_key.items())
         )
-        return ProbeReading(
-            probe=self.name,
-            processes=processes,
-            memory_used_mib=sum(p.memory_mib or 0 for p in processes),
-            memory_total_mib=total,
-            unified_memory=False,
-            gpus=1,
+        devices = tuple(
+            GpuDevice(
+                index=i,
+                memory_used_mib=sum(p.memory_mib or 0 for p in processes if p.gpu == i),
+                memory_total_mib=total,
+                name="gpuctl simulated GPU",
+                uuid=f"GPU-sim-{i}",
+                # The sim knows every process's share: the GPU is as busy as their sum.
+                utilization_pct=min(100, sum(p.sm_util_pct or 0 for p in processes if p.gpu == i)),
+            )
+            for i, total in enumerate(totals)
         )
+        stray = [p for p in processes if p.gpu >= len(devices)]
+        notes = [f"pid {p.pid} claims GPU {p.gpu}, which the sim does not have" for p in stray]
+        return ProbeReading.of_devices(self.name, processes, devices, notes)
 
     def close(self) -> None:
         """Nothing to close: every read opens and closes its own files."""
