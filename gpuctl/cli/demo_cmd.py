@@ -39,15 +39,25 @@ def demo(
         report = run_demo(narrator, load_time_s=load_time)
         ok = decision_of(report, "vllm")
         narrator.console.print(
-            f"\n[bold green]Demo done[/] (vllm ended {ok}). Next: `gpuctl config path` to configure your own host."
+            f"\n[bold green]Demo done[/] (vllm ended {ok}). "
+            "Next: `gpuctl config init` for your own host.",
+            highlight=False,
         )
 
 
 class RichNarrator:
+    """Tells the demo with Rich: redrawn in place on a terminal, printed once per state
+    otherwise (a pipe, a log file, CI)."""
+
     def __init__(self) -> None:
         from rich.console import Console
 
         self.console = Console()
+        # The decisions last printed. Off a terminal nothing is redrawn, so a panel is
+        # printed only when they change: a chapter whose watch begins in the state the
+        # previous one ended in, or a LOADING watch followed by a READY one, would
+        # otherwise print the same state twice (168-197 lines piped against ~95).
+        self._shown: tuple[tuple[str, str], ...] | None = None
 
     def chapter(self, title: str, text: str) -> None:
         from rich.rule import Rule
@@ -61,6 +71,7 @@ class RichNarrator:
         from gpuctl.render.status_view import render_status
 
         self.console.print(render_status(report, width=self.console.width))
+        self._shown = _state(report)
 
     def results(self, rows: list[dict[str, Any]]) -> None:
         from rich.table import Table
@@ -116,14 +127,17 @@ class RichNarrator:
                     time.sleep(0.5)
                     report = poll()
                     live.update(render_status(report, width=self.console.width), refresh=True)
+            self._shown = _state(report)
             return report
-        last = None
         while True:
-            key = tuple((v.service, v.decision) for h in report.hosts for v in h.verdicts)
-            if key != last:
+            if _state(report) != self._shown:
                 self.show(report)
-                last = key
             if until(report) or time.monotonic() >= deadline:
                 return report
             time.sleep(0.5)
             report = poll()
+
+
+def _state(report: StatusReport) -> tuple[tuple[str, str], ...]:
+    """What a panel shows that matters to the story: each service's decision."""
+    return tuple((v.service, str(v.decision)) for h in report.hosts for v in h.verdicts)

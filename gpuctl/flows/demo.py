@@ -2,12 +2,20 @@
 
 The flow only sequences real processes and real status calls; what the user sees is
 the narrator's job (the CLI gives it a Rich one).
+
+The demo runs on a real machine beside other people's processes, and gpuctl counts a
+host process whose command line holds a service's ``match`` keyword as that service
+starting. With ``match = ["vllm"]``, anyone's ``vllm serve`` (or an editor on
+``vllm.log``) made the first chapter show LOADING and BUSY where it promises IDLE. So every
+keyword, and the name in the fake server's command line, carries a tag unique to the run
+(``gpuctl-demo-<hex>-vllm``); the services keep their short names for the story.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -42,12 +50,18 @@ def decision_of(report: StatusReport, service: str) -> Decision | None:
     return None
 
 
+def demo_tag() -> str:
+    """A tag no process outside this run has in its command line."""
+    return f"gpuctl-demo-{secrets.token_hex(4)}"
+
+
 def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
     """Play the demo; returns the last report. Everything it starts is stopped on return."""
     vllm_port = free_port()
+    tag = demo_tag()
     with SimHost(gpu_memory="128GiB") as host:
         server = (
-            f"{sys.executable} -m gpuctl sim model-server --name vllm --memory 80GiB "
+            f"{sys.executable} -m gpuctl sim model-server --name {tag}-vllm --memory 80GiB "
             f"--load-time {load_time_s}s --port {vllm_port} --sim-dir {host.sim_dir}"
         )
         try:
@@ -60,17 +74,17 @@ def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
 launcher = "process"
 command = "{server}"
 health = "http://127.0.0.1:{vllm_port}/health"
-match = ["vllm"]
+match = ["{tag}-vllm"]
 memory = "80GiB"
 priority = 100
 
 [services.photos]
-match = ["photo-batch"]
+match = ["{tag}-photos"]
 memory = "30GiB"
 priority = 50
 
 [services.trainer]
-match = ["trainer"]
+match = ["{tag}-trainer"]
 memory = "120GiB"
 """
         )
@@ -120,9 +134,19 @@ memory = "120GiB"
                 poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 60
             )
             rows = []
+            deadline = time.monotonic() + load_time_s + 60
             for i, c in enumerate(callers, 1):
-                out, _ = c.communicate(timeout=load_time_s + 60)
-                data = json.loads(out) if out.strip() else {}
+                try:
+                    out, _ = c.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.kill()
+                    c.communicate()
+                    rows.append({"caller": i, "exit": "-", "reason": "still waiting; stopped"})
+                    continue
+                try:
+                    data = json.loads(out) if out.strip() else {}
+                except ValueError:
+                    data = {"reason": "no JSON answer"}
                 rows.append({"caller": i, "exit": c.returncode, **data})
         finally:
             for c in callers:

@@ -1,0 +1,92 @@
+"""``gpuctl demo`` as a newcomer runs it: piped (CI, ``| less``), beside someone else's
+processes whose command lines hold the words the demo's services are about."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import gpuctl_exe
+
+pytestmark = pytest.mark.e2e
+
+SERVICES = ("vllm", "photos", "trainer")
+DECISION = re.compile(r"^│ (vllm|photos|trainer) +([A-Z]+) ", re.MULTILINE)
+
+
+@pytest.fixture
+def foreign_vllm() -> Iterator[subprocess.Popen[bytes]]:
+    """Another user's model server, as far as its command line goes: it names vllm and the
+    words the demo's other services once matched on."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(600)",
+            "vllm",
+            "serve",
+            "photo-batch",
+            "trainer",
+        ]
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def panels(out: str) -> list[tuple[tuple[str, str], ...]]:
+    """Each status panel the demo printed, as its (service, decision) rows."""
+    found = []
+    for panel in out.split("╭─")[1:]:
+        body = panel.split("╰─")[0]
+        found.append(tuple(DECISION.findall(body)))
+    return found
+
+
+def test_demo_piped_beside_a_foreign_vllm(
+    foreign_vllm: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_") and k != "COLUMNS"}
+    env.update(
+        NO_COLOR="1",
+        TERM="dumb",
+        HOME=str(tmp_path),
+        XDG_CONFIG_HOME=str(tmp_path / "config"),
+        XDG_STATE_HOME=str(tmp_path / "state"),
+    )
+    r = subprocess.run(
+        [gpuctl_exe(), "demo", "--load-time", "2s"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = r.stdout
+    assert r.returncode == 0, out[-3000:] + r.stderr
+    assert foreign_vllm.poll() is None  # the foreign process was there all along
+
+    shown = panels(out)
+    assert all(len(p) == len(SERVICES) for p in shown), shown
+    # Chapter 1 promises IDLE for every service, foreign vllm or not.
+    assert shown[0] == tuple((s, "IDLE") for s in SERVICES), out.split("2. ")[0]
+    chapter1 = out.split("2. Someone else")[0]
+    assert "LOADING" not in chapter1 and "BUSY" not in chapter1
+    # Piped, each state is printed once: no panel repeats one already shown.
+    assert len(shown) == len(set(shown)), shown
+    decisions = [dict(p) for p in shown]
+    assert decisions[1]["vllm"] == "FITS" and decisions[1]["trainer"] == "BUSY"
+    assert any(d["vllm"] == "LOADING" for d in decisions)
+    assert decisions[-1]["vllm"] == "READY"
+    assert "1 launch for 3 callers." in out
+    # The foreign process never appears as one of the demo's services' processes.
+    assert str(foreign_vllm.pid) not in out
+    last = [ln for ln in out.splitlines() if ln.strip()][-1]
+    assert "gpuctl config init" in last
