@@ -76,13 +76,15 @@ def snapshot_reader(
 
         def client() -> AgentClient:
             if not made:
+                token = host.token()
                 made.append(
                     AgentClient(
                         agent,
-                        host.token(),
+                        token,
                         timeout_s=host.timeout_s,
                         host_name=host.name,
                         client=http(),
+                        read_token=None if token else host.read_token(),
                     )
                 )
             return made[0]
@@ -205,7 +207,7 @@ def deps_for(
     # per poll costs a connection each time, and 32 waiters polling 4 times a second
     # would burn the CPU.
     http = SharedHttp(closers)
-    store = store_for(host)
+    store = store_for(host, client=http() if host.agent else None)
     closers.append(store.close)
     made: list[Launcher] = []
 
@@ -307,7 +309,10 @@ def status_deps(
             )
         hosts.append(
             HostDeps(
-                h, source, _records_reader(h, closers), snapshot_reader(h, closers, http, lazy=True)
+                h,
+                source,
+                _records_reader(h, closers, http),
+                snapshot_reader(h, closers, http, lazy=True),
             )
         )
     return StatusDeps(
@@ -322,7 +327,7 @@ def status_deps(
 
 
 def _records_reader(
-    host: HostConfig, closers: list[Callable[[], None]]
+    host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp
 ) -> Callable[[], list[Record]]:
     """The host's records, through its agent (within the host's own timeout) or directly;
     the store is opened on first use."""
@@ -330,7 +335,7 @@ def _records_reader(
 
     def read() -> list[Record]:
         if not opened:
-            opened.append(store_for(host, timeout_s=host.timeout_s))
+            opened.append(store_for(host, timeout_s=host.timeout_s, client=http()))
             closers.append(opened[0].close)
         return opened[0].records()
 
@@ -365,9 +370,10 @@ def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> Locks
     """Every host's store (or the named hosts')."""
     hosts = [config.host(h) for h in host_names] if host_names else list(config.hosts.values())
     closers: list[Callable[[], None]] = []
+    http = SharedHttp(closers)
 
     def store_of(h: HostConfig) -> Store:
-        store = store_for(h)
+        store = store_for(h, client=http() if h.agent else None)
         closers.append(store.close)
         return store
 

@@ -22,6 +22,8 @@ from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import Holder
 
 if TYPE_CHECKING:
+    import httpx
+
     from gpuctl.config import HostConfig
 
 __all__ = [
@@ -37,16 +39,21 @@ __all__ = [
 ]
 
 
-def store_for(host: HostConfig, timeout_s: float | None = None) -> Store:
+def store_for(
+    host: HostConfig, timeout_s: float | None = None, *, client: httpx.Client | None = None
+) -> Store:
     """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
     agent request (default: the host's timeout, at least 5 s, as lease calls may wait
-    for a file lock on the host)."""
+    for a file lock on the host); ``client`` is the command's shared HTTP client."""
     if host.agent:
+        token = host.token()
         return AgentStore(
             host.agent,
-            host.token(),
+            token,
             timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
             host_name=host.name,
+            client=client,
+            read_token=None if token else host.read_token(),
         )
     from gpuctl.config.paths import default_state_dir
 

@@ -7,31 +7,55 @@ locks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import check_name
 from gpuctl.adapters.store.codec import decode_record
 from gpuctl.core.record import Holder, Record
 from gpuctl.errors import StoreError
 
+if TYPE_CHECKING:
+    import httpx
+
 
 class AgentStore:
     """The store through the host agent's ``/records`` endpoints (same semantics)."""
 
     def __init__(
-        self, base_url: str, token: str | None, timeout_s: float = 5.0, host_name: str = "?"
+        self,
+        base_url: str,
+        token: str | None,
+        timeout_s: float = 5.0,
+        host_name: str = "?",
+        *,
+        client: httpx.Client | None = None,
+        read_token: str | None = None,
     ) -> None:
+        """``client``: a command's shared client (``agent_client.http_client``), which the
+        command closes; ``read_token``: the host's read-only token, sent with GETs when
+        there is no ``token``."""
         import httpx
+
+        from gpuctl.adapters.agent_client import http_client
 
         self.base_url = base_url.rstrip("/")
         self.host_name = host_name
         self.timeout_s = timeout_s
-        self.token_sent = bool(token)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self._token = token or None
+        self._read_token = self._token or read_token or None
+        self._timeout = httpx.Timeout(timeout_s)
+        self._owned = client is None
+        # No credentials on the client: each request carries its own (a shared client
+        # also talks to health URLs, which must never see the agent's token).
+        self._client = client if client is not None else http_client(timeout_s)
+
+    @property
+    def token_sent(self) -> bool:
+        return self._token is not None
 
     def close(self) -> None:
-        self._client.close()
+        if self._owned:
+            self._client.close()
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """One request; errors as the status client words them (one shared vocabulary).
@@ -42,8 +66,12 @@ class AgentStore:
 
         from gpuctl.adapters.agent_client import parse_response, transport_error
 
+        token = self._read_token if method == "GET" else self._token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            r = self._client.request(method, path, json=body)
+            r = self._client.request(
+                method, self.base_url + path, json=body, headers=headers, timeout=self._timeout
+            )
         except httpx.HTTPError as e:
             raise transport_error(e, self.base_url, self.timeout_s) from None
         if r.status_code in (409, 503):
@@ -59,7 +87,7 @@ class AgentStore:
                     f"the store on {self.host_name}: {data['error']}",
                     hint=hint if isinstance(hint, str) else "",
                 )
-        return parse_response(r, self.base_url, self.host_name, self.token_sent)
+        return parse_response(r, self.base_url, self.host_name, token is not None)
 
     def _record(self, data: Any) -> Record:
         from gpuctl.errors import AgentUnavailable
