@@ -270,3 +270,34 @@ def test_status_only_unknown_service_is_usage_error(cli_env: Path) -> None:
     r = runner.invoke(app, ["status", "--only", "vlm"])
     assert r.exit_code == 2, r.output
     assert "unknown service 'vlm'" in r.output and "vllm" in r.output
+
+
+def test_status_shows_each_simulated_gpu(cli_env: Path) -> None:
+    env = {"GPUCTL_SIM_GPUS": "80GiB,80GiB", "COLUMNS": "100", "NO_COLOR": "1"}
+    sim = cli_env / "sim"
+    hold = subprocess.Popen(
+        [gpuctl_exe(), "sim", "hold", "--name", "comfyui", "--memory", "30GiB", "--gpu", "1"],
+        env={**os.environ, **env, "GPUCTL_SIM_DIR": str(sim)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert hold.stdout is not None
+        hold.stdout.readline()
+        r = subprocess.run(
+            [gpuctl_exe(), "status", "--probe", "sim", "--sim-dir", str(sim)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            check=False,
+            timeout=60,
+        )
+    finally:
+        hold.terminate()
+        hold.communicate()
+    assert r.returncode == 0, r.stderr
+    assert "GPU 0 memory" in r.stdout and "GPU 1 memory" in r.stdout
+    gpu1 = next(line for line in r.stdout.splitlines() if "GPU 1 memory" in line)
+    assert "30.0 GiB / 80.0 GiB" in gpu1
+    row = next(line for line in r.stdout.splitlines() if str(hold.pid) in line)
+    assert "30.0 GiB" in row and " 1 " in row

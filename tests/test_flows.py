@@ -301,3 +301,36 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
     assert report.now == clock.t
     assert report.exit_code == ExitCode.UNKNOWN
     assert isinstance(report.rows[0][1], Record)
+
+
+def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> None:
+    from dataclasses import replace as dc_replace
+
+    from gpuctl.core.model import GpuDevice
+
+    store = DirectStore(tmp_path / "a")
+    starter = holder_here("test")
+    store.acquire("vllm_a", starter, 600)  # a start under way: its budget is promised
+    store.update("vllm_a", starter.id, {"phase": "starting"})
+    agent = Agent(processes=[GpuProcess(9, "python comfy.py", 10 * GIB, gpu=0)])
+    read = agent.read
+
+    def two_gpus(kws: object, pids: object) -> object:
+        snap = read(kws, pids)  # type: ignore[arg-type]
+        return dc_replace(
+            snap,
+            gpus=2,
+            devices=(
+                GpuDevice(0, 12 * GIB, 80 * GIB, utilization_pct=40),
+                GpuDevice(1, 0, 80 * GIB, utilization_pct=None),
+            ),
+        )
+
+    agent.read = two_gpus  # type: ignore[method-assign,assignment]
+    deps = _status_deps(tmp_path, {"a": agent}, {"a": store})
+    (host,) = status(deps).hosts
+    m0, m1 = host.memory
+    assert (m0.gpu, m0.held_mib, m0.total_mib, m0.utilization_pct) == (0, 12 * GIB, 80 * GIB, 40)
+    # held 12 (10 by comfy, 2 unattributed), then vllm's 80 promised: 12 + 80 > 80
+    assert m0.promised_mib == 80 * GIB and m0.free_mib == 80 * GIB - 12 * GIB - 80 * GIB
+    assert (m1.gpu, m1.held_mib, m1.promised_mib, m1.utilization_pct) == (1, 0, 80 * GIB, None)

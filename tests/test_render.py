@@ -7,13 +7,14 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from gpuctl.core.decision import Decision, Health, Verdict
-from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import ExitCode
 from gpuctl.flows.results import (
     EnsureResult,
@@ -332,3 +333,65 @@ def test_sim_ls_text_and_json() -> None:
     obj = sim_ls_to_json(listing)
     assert obj["memory_used_mib"] == 20 * GIB and obj["claims"][0]["name"] == "comfyui"
     assert sim_ls_text(SimListing("/s", None, ()))[-1] == "no claims: the GPU is idle"
+
+
+# ---- several GPUs
+
+
+def _two_gpus(tmp_path: Path) -> StatusReport:
+    base = _report(tmp_path)
+    h = base.hosts[0]
+    assert h.snapshot is not None
+    snap = replace(
+        h.snapshot,
+        processes=(
+            GpuProcess(101, "python photo-batch.py", 20 * GIB, "ana", gpu=1, sm_util_pct=63),
+            GpuProcess(102, "python other.py", 1 * GIB, "bob", gpu=0),
+        ),
+        gpus=2,
+        devices=(
+            GpuDevice(0, 1 * GIB, 80 * GIB, name="H100", utilization_pct=None),
+            GpuDevice(
+                1,
+                20 * GIB,
+                80 * GIB,
+                name="H100",
+                utilization_pct=55,
+                temperature_c=61,
+                power_w=312.4,
+            ),
+        ),
+    )
+    memory = (
+        MemoryUse(0, 1 * GIB, 80 * GIB, 80 * GIB, name="H100"),
+        MemoryUse(
+            1,
+            20 * GIB,
+            0,
+            80 * GIB,
+            utilization_pct=55,
+            name="H100",
+            temperature_c=61,
+            power_w=312.4,
+        ),
+    )
+    return replace(base, hosts=(replace(h, snapshot=snap, memory=memory),))
+
+
+def test_each_gpu_has_its_bar_and_processes_their_gpu(tmp_path: Path) -> None:
+    text = _text(render_status(_two_gpus(tmp_path)), width=100)
+    assert "GPU 0 memory" in text and "GPU 1 memory" in text
+    assert "promised 80.0 GiB" in text  # the starting service counts on the GPU it may take
+    header = next(line for line in text.splitlines() if "PID" in line)
+    assert " GPU " in header and " SM " in header
+    row = next(line for line in text.splitlines() if "photo-batch.py" in line)
+    assert " 1 " in row and "63%" in row
+    other = next(line for line in text.splitlines() if "other.py" in line)
+    assert "?" in other  # its SM share is unknown, not 0
+    assert "util ?" in text and "util 55%" in text
+
+
+def test_wide_shows_temperature_power_and_name(tmp_path: Path) -> None:
+    text = _text(render_status(_two_gpus(tmp_path), wide=True), width=160)
+    assert "61°C" in text and "312 W" in text and "H100" in text
+    assert "?  ?" in text  # GPU 0 has neither figure: unknown, never 0

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Health, Verdict, classify, committed_memory
+from gpuctl.core.decision import Health, Verdict, classify, gpu_rooms
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
 from gpuctl.errors import GpuctlError, StoreError
@@ -74,28 +74,43 @@ def observe(
 def memory_use(
     seen: Observation, services: Sequence[ServiceConfig], total_override_mib: int | None = None
 ) -> tuple[MemoryUse, ...]:
-    """What is held and what is promised, as the decisions count it (for the status bar):
-    promised is what the services that are loading or starting will still take, each at
-    its budget."""
+    """Each GPU's memory as admission counts it (for the status bar): what it holds, and
+    what is promised beyond that to services that are loading or starting (each at its
+    budget, on every GPU it may land on)."""
     snap = seen.snapshot
     if snap is None:
         return ()
-    committed, _ = committed_memory(
-        snap,
-        services,
-        starting_services=starting_services(seen.records.values()),
-        servers=seen.servers,
-    )
-    by_processes = sum(p.memory_mib or 0 for p in snap.processes)
-    return (
-        MemoryUse(
-            gpu=None,
-            held_mib=snap.memory_used_mib,
-            promised_mib=max(0, committed - by_processes),
-            total_mib=snap.memory_total_mib or total_override_mib,
-            unified=snap.unified_memory,
-        ),
-    )
+    rooms = {
+        r.index: r
+        for r in gpu_rooms(
+            snap,
+            services,
+            starting_services=starting_services(seen.records.values()),
+            servers=seen.servers,
+            total_override_mib=total_override_mib,
+        )
+    }
+    devices = snap.device_list()
+    out = []
+    for d in devices:
+        room = rooms.get(d.index)
+        held = d.memory_used_mib
+        committed = room.committed_mib if room else 0
+        out.append(
+            MemoryUse(
+                gpu=d.index if len(devices) > 1 else None,
+                held_mib=held,
+                promised_mib=max(0, committed - (held or 0)),
+                total_mib=room.total_mib if room else d.memory_total_mib,
+                unified=d.unified,
+                utilization_pct=d.utilization_pct,
+                name=d.name,
+                error=d.error,
+                temperature_c=d.temperature_c,
+                power_w=d.power_w,
+            )
+        )
+    return tuple(out)
 
 
 def decide(

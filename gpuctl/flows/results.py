@@ -146,6 +146,8 @@ class MemoryUse:
     utilization_pct: int | None = None
     name: str | None = None
     error: str | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
 
     @property
     def free_mib(self) -> int | None:

@@ -50,16 +50,17 @@ class Glyphs:
     cut: str  # the end of a cut command
     dot: str  # between footer parts
     spark: str  # the sparkline's levels, lowest first
+    degree: str
 
 
-UNICODE = Glyphs("█", "▓", "░", "…", "·", "▁▂▃▄▅▆▇█")
-ASCII = Glyphs("#", "+", ".", "~", "-", "_.-=*#")
+UNICODE = Glyphs("█", "▓", "░", "…", "·", "▁▂▃▄▅▆▇█", "°")
+ASCII = Glyphs("#", "+", ".", "~", "-", "_.-=*#", "")
 
 
 def glyphs(encoding: str | None) -> Glyphs:
     """Unicode where the output encoding can carry it, else ASCII."""
     try:
-        "█▓░…·▁".encode(encoding or "ascii")
+        "█▓░…·▁°".encode(encoding or "ascii")
     except (UnicodeEncodeError, LookupError):
         return ASCII
     return UNICODE
@@ -74,8 +75,11 @@ def short_command(command: str) -> str:
     return " ".join([words[0].rsplit("/", 1)[-1], *words[1:]])
 
 
-def memory_bar(m: MemoryUse, g: Glyphs = UNICODE, label: str = "GPU memory") -> Text:
-    """A stacked bar (held, promised, free) and its legend on the next line."""
+def memory_bar(
+    m: MemoryUse, g: Glyphs = UNICODE, label: str = "GPU memory", wide: bool = False
+) -> Text:
+    """A stacked bar (held, promised, free) and its legend on the next line; ``wide``
+    adds the GPU's name, temperature and power."""
     t = Text(f"{label} ", style="bold")
     total, held = m.total_mib, m.held_mib
     if m.error:
@@ -94,6 +98,12 @@ def memory_bar(m: MemoryUse, g: Glyphs = UNICODE, label: str = "GPU memory") -> 
         t.append(g.free * (_BAR_WIDTH - n_held - n_promised), style="dim")
         t.append(f" {format_mib(held)} / {format_mib(total)}")
     t.append(f"  util {_pct(m.utilization_pct)}")
+    if wide:
+        temp = "?" if m.temperature_c is None else f"{m.temperature_c}{g.degree}C"
+        power = "?" if m.power_w is None else f"{m.power_w:.0f} W"
+        t.append(f"  {temp}  {power}")
+        if m.name:
+            t.append(f"  {m.name}", style="dim")
     if m.unified:
         t.append("  (unified memory)", style="italic dim")
     if held is not None and total:
@@ -166,33 +176,47 @@ def process_table(h: HostReport, wide: bool, width: int = 100, g: Glyphs = UNICO
     # The short columns never shrink: the command takes what is left, and is cut.
     t.add_column("PID", justify="right", no_wrap=True, min_width=5)
     t.add_column("USER", no_wrap=True, min_width=4, max_width=12)
+    many = len(snap.device_list()) > 1
+    sm = any(p.sm_util_pct is not None for p in snap.processes)
+    if many:
+        t.add_column("GPU", justify="right", no_wrap=True)
     t.add_column("GPU MEM", justify="right", no_wrap=True, min_width=9)
+    if sm:
+        t.add_column("SM", justify="right", no_wrap=True)
     t.add_column("SERVICE", no_wrap=True, min_width=7)
     if wide:
         t.add_column("CONTAINER", no_wrap=True)
     t.add_column("COMMAND", overflow="fold" if wide else "ellipsis", no_wrap=not wide)
     names = [s.name for s in h.services] or [""]
     room = max(20, width - 4 - 7 - 13 - 11 - max(8, max(len(n) for n in names) + 2))
+    room -= (5 if many else 0) + (6 if sm else 0)
+    starting_pids = {s.pid for s in snap.starting or ()}
     for p in snap.processes:
+        if not p.on_gpu and p.pid in starting_pids:
+            continue  # listed once, as starting, below
         owner = owner_of(p.command, h.services, p.pid, h.servers)
-        row: list[RenderableType] = [
-            str(p.pid),
-            p.user or "?",
-            format_mib(p.memory_mib),
-            owner.name if owner else "",
-        ]
+        row: list[RenderableType] = [str(p.pid), p.user or "?"]
+        if many:
+            row.append(str(p.gpu))
+        # The agent lists a server of ours that has no GPU context yet for older clients:
+        # it holds nothing, so it reads as starting, as in the JSON's `starting`.
+        row.append(format_mib(p.memory_mib) if p.on_gpu else Text("starting", style="yellow"))
+        if sm:
+            row.append(_pct(p.sm_util_pct))
+        row.append(owner.name if owner else "")
         if wide:
             row.append((p.container or "")[:12])
         row.append(_cmd(p.command, wide, room, g))
         t.add_row(*row)
     for s in snap.starting or ():
         owner = owner_of(s.command, h.services, s.pid, h.servers)
-        row = [
-            str(s.pid),
-            s.user or "?",
-            Text("starting", style="yellow"),
-            owner.name if owner else "",
-        ]
+        row = [str(s.pid), s.user or "?"]
+        if many:
+            row.append("")
+        row.append(Text("starting", style="yellow"))
+        if sm:
+            row.append("")
+        row.append(owner.name if owner else "")
         if wide:
             row.append("")
         row.append(_cmd(s.command, wide, room, g))
@@ -232,7 +256,7 @@ def host_panel(
         snap = h.snapshot
         for m in h.memory:
             label = "GPU memory" if m.gpu is None else f"GPU {m.gpu} memory"
-            parts.append(memory_bar(m, g, label))
+            parts.append(memory_bar(m, g, label, wide))
         if history is not None and h.name in history.series:
             n = len(history.series[h.name])
             parts.append(
