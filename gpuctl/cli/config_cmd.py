@@ -29,7 +29,7 @@ def path(config: ConfigOpt = None) -> None:
             print(f"(does not exist yet: create {p})", file=sys.stderr)
 
 
-@config_app.command("check")
+@config_app.command("check", short_help="Validate the config; exit 1 naming what is wrong.")
 def check(config: ConfigOpt = None) -> None:
     """Validate the config: exit 0 when it is good, 1 naming what is wrong.
 
@@ -95,7 +95,7 @@ def _local_state_dir_warning(conf: Any) -> str | None:
     return None
 
 
-@config_app.command("show")
+@config_app.command("show", short_help="Print the config with defaults filled in, secrets masked.")
 def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Print the config as gpuctl understands it: defaults filled in, secrets masked.
 
@@ -113,7 +113,7 @@ def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
             sys.stdout.write(config_to_toml(conf))
 
 
-@config_app.command("init")
+@config_app.command("init", short_help="Write a commented starter config.")
 def init(
     agent: Annotated[
         str | None,
