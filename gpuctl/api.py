@@ -2,11 +2,19 @@
 
 ::
 
-    from gpuctl.api import ensure_ready
+    from gpuctl.api import ensure_ready, in_use
 
-    result = await ensure_ready("vllm")          # or ensure_ready_sync("vllm")
-    if not result.ready:
-        log.warning("translation skipped: %s", result.reason)
+    async with in_use("vllm"):                   # or: with in_use("vllm"):
+        result = await ensure_ready("vllm")      # or ensure_ready_sync("vllm")
+        if not result.ready:
+            log.warning("translation skipped: %s", result.reason)
+        else:
+            ...                                  # the request: reclaim will not cut it
+
+While an ``in_use`` block runs, the service counts as in use (``gpuctl reclaim`` never
+stops it). The process keeps its own count; the store is written only when that count
+moves between 0 and 1, and renewed every few seconds while busy, so a busy app takes
+no file lock per request.
 
 When the service is already healthy this costs one health request: no agent call, no
 lock, and no file write beyond a touch at most every ``TOUCH_EVERY_S`` per service and
@@ -19,6 +27,7 @@ only for misuse: an unknown service, or a broken config (``gpuctl.errors.UsageEr
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import weakref
@@ -94,6 +103,12 @@ def _service(conf: Config, name: str) -> ServiceConfig:
     return svc
 
 
+def _has_fast_path(svc: ServiceConfig) -> bool:
+    """A health URL whose 200 means ready: not an Ollama model (``/api/ps``), and not a
+    vLLM in sleep mode, which answers ``/health`` while asleep."""
+    return bool(svc.health) and svc.stop != "sleep"
+
+
 def _touch_due(conf: Config, svc: ServiceConfig) -> bool:
     key = (str(conf.path), svc.name)
     now = time.monotonic()
@@ -150,6 +165,8 @@ def ensure_ready_sync(
     """The synchronous twin of ``ensure_ready``."""
     conf = _config(config)
     svc = _service(conf, service)
+    if not _has_fast_path(svc):
+        return _slow_path(conf, service, timeout, wait)
     with _lock:
         client = _sync_clients.get("")
         if client is None:
@@ -183,6 +200,8 @@ async def ensure_ready(
     """
     conf = _config(config)
     svc = _service(conf, service)
+    if not _has_fast_path(svc):
+        return await asyncio.to_thread(_slow_path, conf, service, timeout, wait)
     loop = asyncio.get_running_loop()
     client = _async_clients.get(loop)
     if client is None:
@@ -209,6 +228,149 @@ async def aclose() -> None:
         await client.aclose()
 
 
+class in_use:  # lower case: used like contextlib's context managers
+    """While the block runs, ``service`` counts as in use: ``gpuctl reclaim`` (and any
+    stop) never stops it. A sync and an async context manager::
+
+        with in_use("vllm"): ...
+        async with in_use("vllm"): ...
+
+    Entering when this process already has a block open on the service costs a lock
+    and a counter (no I/O). The first block writes an entry to the host's store (tied to
+    this process like a lease, so a crash leaves nothing behind), the last one removes
+    it; meanwhile a thread renews it, and marks the service used, every
+    ``INFLIGHT_RENEW_S``. When a stop of the service is under way, entering waits for it
+    to end (then ``ensure_ready`` starts the service again).
+
+    A store that cannot be reached does not fail the app: the block runs uncounted and
+    the failure is logged (``gpuctl`` logger). Raises only for misuse (an unknown
+    service or a broken config).
+    """
+
+    __slots__ = ("_use",)
+
+    def __init__(self, service: str, *, config: Config | Path | str | None = None) -> None:
+        conf = _config(config)
+        key = (str(conf.path), service)
+        use = _uses.get(key)
+        if use is None:
+            svc = conf.service(service)  # UsageError for an unknown service
+            with _lock:
+                use = _uses.setdefault(key, _Use(conf, svc))
+        self._use = use
+
+    def __enter__(self) -> None:
+        self._use.enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._use.exit()
+
+    async def __aenter__(self) -> None:
+        if not self._use.enter_fast():
+            await asyncio.to_thread(self._use.enter)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._use.exit_fast():
+            await asyncio.to_thread(self._use.exit)
+
+
+INFLIGHT_TTL_S = 30.0
+INFLIGHT_RENEW_S = 5.0
+INFLIGHT_WAIT_S = 120.0
+
+
+class _Use:
+    """This process's in-flight count for one service, and its entry in the store."""
+
+    def __init__(self, conf: Config, svc: ServiceConfig) -> None:
+        self.conf, self.svc = conf, svc
+        self.count = 0
+        self.lock = threading.Lock()  # held through a 0 <-> 1 transition's I/O
+        self.store: Any = None
+        self.holder: Any = None
+        self.stop_renewing: threading.Event | None = None
+
+    def enter_fast(self) -> bool:
+        """Count one more use when one is already open (no I/O); False otherwise."""
+        with self.lock:
+            if self.count > 0:
+                self.count += 1
+                return True
+        return False
+
+    def exit_fast(self) -> bool:
+        with self.lock:
+            if self.count > 1:
+                self.count -= 1
+                return True
+        return False
+
+    def enter(self) -> None:
+        with self.lock:
+            self.count += 1
+            if self.count == 1:
+                try:
+                    self._begin()
+                except BaseException:
+                    self.count -= 1
+                    raise
+
+    def exit(self) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                self._end()
+
+    def _begin(self) -> None:
+        from gpuctl.adapters.store import holder_here, store_for
+
+        try:
+            if self.store is None:
+                self.store = store_for(self.conf.host(self.svc.host))
+            self.holder = holder_here("in_use")
+            deadline = time.monotonic() + INFLIGHT_WAIT_S
+            while True:
+                granted, _ = self.store.inflight_begin(self.svc.name, self.holder, INFLIGHT_TTL_S)
+                if granted:
+                    break
+                if time.monotonic() >= deadline:
+                    raise GpuctlError(f"{self.svc.name} has been stopping for too long")
+                time.sleep(0.25)  # a stop is under way: the use begins after it
+        except GpuctlError as e:
+            self.holder = None
+            _log.warning("gpuctl: %s is not counted as in use: %s", self.svc.name, e.message)
+            return
+        stop = self.stop_renewing = threading.Event()
+        threading.Thread(
+            target=self._renew, args=(self.store, self.holder, stop), daemon=True,
+            name=f"gpuctl-in-use-{self.svc.name}",
+        ).start()  # fmt: skip
+
+    def _renew(self, store: Any, holder: Any, stop: threading.Event) -> None:
+        while not stop.wait(INFLIGHT_RENEW_S):
+            try:
+                store.inflight_renew(self.svc.name, holder, INFLIGHT_TTL_S)
+            except GpuctlError as e:
+                _log.warning("gpuctl: cannot renew the use of %s: %s", self.svc.name, e.message)
+
+    def _end(self) -> None:
+        if self.stop_renewing is not None:
+            self.stop_renewing.set()
+            self.stop_renewing = None
+        if self.holder is None:
+            return
+        holder, self.holder = self.holder, None
+        try:
+            self.store.inflight_end(self.svc.name, holder.id)
+        except GpuctlError as e:
+            # The entry expires (or is voided with this process) by itself.
+            _log.warning("gpuctl: cannot end the use of %s: %s", self.svc.name, e.message)
+
+
+_uses: dict[tuple[str, str], _Use] = {}
+_log = logging.getLogger("gpuctl")
+
+
 def _reset_for_tests() -> Any:
     """Forget cached configs, clients and touch times (tests load many configs)."""
     with _lock:
@@ -217,4 +379,5 @@ def _reset_for_tests() -> Any:
         for c in _sync_clients.values():
             c.close()
         _sync_clients.clear()
+        _uses.clear()
     _async_clients.clear()

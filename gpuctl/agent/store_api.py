@@ -10,6 +10,10 @@ POST     /records/{svc}/lease/renew          {"holder": id, "ttl_s": N} → reco
 POST     /records/{svc}/lease/release        {"holder": id, "update": {…}} → record
 PATCH    /records/{svc}                      {"holder": id, "update": {…}} → record (409 if not holder)
 POST     /records/{svc}/touch                → record
+POST     /records/{svc}/inflight             {"holder": {…}, "ttl_s": N} → {"granted", "record"}
+POST     /records/{svc}/inflight/renew       {"holder": {…}, "ttl_s": N} → record
+POST     /records/{svc}/inflight/end         {"holder": id} → record
+GET      /records/_inflight                  {"inflight": {svc: holders, …}}
 =======  ==================================  =========================================
 
 Store calls take a file lock and may wait for it, so they run in a worker thread.
@@ -65,6 +69,8 @@ class StoreApi:
             if method == "GET":
                 return 200, {"records": [r.to_dict() for r in store.records()]}
             return 405, {"error": f"{method} is not allowed on /records"}
+        if parts == ["_inflight"] and method == "GET":
+            return 200, {"inflight": store.inflight()}
         svc, rest = parts[0], parts[1:]
         if rest == [] and method == "GET":
             return 200, store.get(svc).to_dict()
@@ -77,6 +83,15 @@ class StoreApi:
             return 200, store.renew(svc, str(data["holder"]), _ttl(data)).to_dict()
         if rest == ["lease", "release"] and method == "POST":
             return 200, store.release(svc, str(data["holder"]), _update(data) or None).to_dict()
+        if rest == ["inflight"] and method == "POST":
+            granted, rec = store.inflight_begin(svc, decode_holder(data["holder"]), _ttl(data))
+            return 200, {"granted": granted, "record": rec.to_dict()}
+        if rest == ["inflight", "renew"] and method == "POST":
+            return 200, store.inflight_renew(
+                svc, decode_holder(data["holder"]), _ttl(data)
+            ).to_dict()
+        if rest == ["inflight", "end"] and method == "POST":
+            return 200, store.inflight_end(svc, str(data["holder"])).to_dict()
         if rest == ["touch"] and method == "POST":
             return 200, store.touch(svc, ready=bool(data.get("ready"))).to_dict()
         return 404, {

@@ -148,7 +148,10 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     deps, svc = ctx.deps, ctx.deps.service
     health = deps.check_health()
     if health.ok:
-        _touch(ctx, ready=True)
+        if _touch(ctx, ready=True) is _STOPPING:
+            # It answers, but a stop (gpuctl stop, reclaim) holds its lease and will end
+            # it: not ready. Wait for the stop, then look again (and start it).
+            return _after_stop(ctx, wait)
         return ctx.result(Outcome.READY, f"{svc.name} answers its health check", Decision.READY)
 
     verdict, seen = look(deps, health)
@@ -325,8 +328,36 @@ def _attempt(
     return a
 
 
-def _touch(ctx: _Ctx, ready: bool = False) -> None:
+_STOPPING = object()
+
+
+def _touch(ctx: _Ctx, ready: bool = False) -> object:
+    """Mark it used; ``_STOPPING`` when a stop holds its lease (the touch then lost)."""
     try:
-        ctx.deps.store.touch(ctx.deps.service.name, ready=ready)
+        rec = ctx.deps.store.touch(ctx.deps.service.name, ready=ready)
     except GpuctlError as e:
         ctx.notes.append(f"could not mark it used: {e.message}")
+        return None
+    from gpuctl.adapters.store.inflight import stopping
+
+    return _STOPPING if stopping(rec) else None
+
+
+def _after_stop(ctx: _Ctx, wait: bool) -> EnsureResult | None:
+    """Wait (within the deadline) for a stop under way to end; None: look again."""
+    deps, svc = ctx.deps, ctx.deps.service
+    from gpuctl.adapters.store.inflight import stopping
+
+    ctx.note_once("found it being stopped; waiting for the stop to end")
+    if not wait:
+        return ctx.result(Outcome.LOADING, "a stop of it is under way", Decision.LOADING)
+    while deps.clock() < ctx.deadline:
+        try:
+            if not stopping(deps.store.get(svc.name)):
+                return None
+        except GpuctlError:
+            pass
+        deps.sleep(0.25)
+    return ctx.result(
+        Outcome.TIMEOUT, f"{svc.name} was still being stopped at the deadline", Decision.LOADING
+    )

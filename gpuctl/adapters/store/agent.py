@@ -143,3 +143,39 @@ class AgentStore:
         return self._record(
             self._call("POST", f"/records/{check_name(service)}/touch", {"ready": ready})
         )
+
+    def inflight_begin(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        data = self._call(
+            "POST",
+            f"/records/{check_name(service)}/inflight",
+            {"holder": holder.to_dict(), "ttl_s": ttl_s},
+        )
+        return bool(data.get("granted")), self._record(data.get("record"))
+
+    def inflight_renew(self, service: str, holder: Holder, ttl_s: float) -> Record:
+        return self._record(
+            self._call(
+                "POST",
+                f"/records/{check_name(service)}/inflight/renew",
+                {"holder": holder.to_dict(), "ttl_s": ttl_s},
+            )
+        )
+
+    def inflight_end(self, service: str, holder_id: str) -> Record:
+        return self._record(
+            self._call(
+                "POST", f"/records/{check_name(service)}/inflight/end", {"holder": holder_id}
+            )
+        )
+
+    def inflight(self) -> dict[str, int]:
+        from gpuctl.errors import AgentUnavailable
+
+        data = self._call("GET", "/records/_inflight")
+        counts = data.get("inflight") if isinstance(data, dict) else None
+        if not isinstance(counts, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in counts.items()
+        ):
+            raise AgentUnavailable(f"the agent at {self.base_url} sent broken in-flight counts")
+        return dict(counts)

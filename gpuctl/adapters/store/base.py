@@ -49,6 +49,23 @@ class Store(Protocol):
         """
         ...
 
+    def inflight_begin(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+        """Count ``holder`` as using ``service`` and mark it used; refused (False) while a
+        stop holds the lease (see ``gpuctl.adapters.store.inflight``)."""
+        ...
+
+    def inflight_renew(self, service: str, holder: Holder, ttl_s: float) -> Record:
+        """Keep ``holder``'s in-flight entry alive, and mark the service used."""
+        ...
+
+    def inflight_end(self, service: str, holder_id: str) -> Record:
+        """``holder_id`` has nothing in flight on ``service`` any more."""
+        ...
+
+    def inflight(self) -> dict[str, int]:
+        """Live in-flight holders per service (only services that have some)."""
+        ...
+
     def close(self) -> None:
         """Free what the store holds (the agent store's connections). Idempotent."""
         ...

@@ -20,11 +20,12 @@ from typing import Any
 
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name
 from gpuctl.adapters.store.codec import decode_record, encode_record
+from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.core.record import Holder, LeaseState, Phase, Record, apply_update, lease_state
 from gpuctl.errors import StoreError
 
 
-class DirectStore:
+class DirectStore(InflightFiles):
     """The records on this machine's file system."""
 
     def __init__(self, state_dir: Path, clock: Any = time.time) -> None:
@@ -265,7 +266,14 @@ class DirectStore:
     def touch(self, service: str, ready: bool = False) -> Record:
         lock = self._locked(service)
         try:
-            rec = self._read(service).touched(self.clock())
+            on_disk = self._read(service)
+            current, _ = self._effective(on_disk)
+            if stopping(current):
+                # A stop (or reclaim) holds the lease and has checked the idle time: a
+                # touch now would lose to it anyway. It changes nothing, and the caller
+                # sees the stop in the record it gets back.
+                return current
+            rec = on_disk.touched(self.clock())
             if ready and rec.phase not in (Phase.RUNNING, Phase.STOPPING):
                 rec = replace(rec.with_phase(Phase.RUNNING, self.clock()), failure=None)
             self._write(replace(rec, recovered=None))

@@ -1,0 +1,198 @@
+"""In-flight counts (issue 8 §2): who is using a service right now, in the store.
+
+Layout::
+
+    <state_dir>/inflight/<service>/<holder id>.json   one holder's entry (a lease's shape)
+
+An entry says "this holder has at least one request in flight on this service". The
+holder keeps its own count in memory and writes only when that count moves between 0
+and at least 1 (``begin`` / ``end``), plus a ``renew`` every few seconds while busy, so
+a busy caller never takes a file lock per request. Like a lease, an entry is tied to
+its holder's pid, start time and boot id: on the same host a holder killed with
+``kill -9`` leaves an entry that counts for nothing (and the next reader deletes it);
+from elsewhere (through the agent) it counts until it expires.
+
+``begin`` takes the service's file lock: it is ordered against a stop's lease. While
+``gpuctl stop`` or ``gpuctl reclaim`` holds the lease, ``begin`` is refused (the caller
+waits and goes on once the stop is over), and whatever ``begin`` wrote before the stop
+took its lease, the stop sees when it checks again under the lease. So a request is
+either counted before the stop decides, or starts after it: never cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gpuctl.adapters.store.base import check_name
+from gpuctl.adapters.store.codec import decode_lease
+from gpuctl.core.record import Holder, Lease, LeaseState, Record, lease_state
+from gpuctl.errors import StoreError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    class _Files(Protocol):
+        """What the mixin uses of ``DirectStore``."""
+
+        state_dir: Path
+        clock: Callable[[], float]
+
+        def _locked(self, service: str) -> Any: ...
+        def _read(self, service: str, *, recover: bool = True) -> Record: ...
+        def _write(self, record: Record) -> None: ...
+        def _effective(self, rec: Record) -> tuple[Record, LeaseState]: ...
+        def _entry_path(self: _Files, service: str, holder_id: str) -> Path: ...
+        def _inflight_dir(self, service: str) -> Path: ...
+        def _write_entry(self: _Files, service: str, entry: Lease) -> None: ...
+
+
+# A lease taken by these entry points is a stop under way: no new use may begin.
+STOP_ENTRIES = frozenset({"stop", "reclaim"})
+_MAX_ENTRY_BYTES = 4096
+
+
+def stopping(record: Record) -> bool:
+    """Whether the record's (effective) lease is a stop under way."""
+    return record.lease is not None and record.lease.entry in STOP_ENTRIES
+
+
+class InflightFiles:
+    """The in-flight entries of a ``DirectStore`` (mixed into it)."""
+
+    def _inflight_dir(self: _Files, service: str) -> Path:
+        return self.state_dir / "inflight" / check_name(service)
+
+    def _entry_path(self: _Files, service: str, holder_id: str) -> Path:
+        if not holder_id or not holder_id.isalnum() or len(holder_id) > 64:
+            raise StoreError(f"bad in-flight holder id {holder_id!r}")
+        return self._inflight_dir(service) / f"{holder_id}.json"
+
+    def inflight_begin(
+        self: _Files, service: str, holder: Holder, ttl_s: float
+    ) -> tuple[bool, Record]:
+        """Count ``holder`` as using ``service`` (its 0 → 1), and mark it used.
+
+        Returns (granted, record): not granted while a stop holds the lease.
+        """
+        lock = self._locked(service)
+        try:
+            rec, _ = self._effective(self._read(service))
+            if stopping(rec):
+                return False, rec
+            self._write_entry(service, holder.lease(self.clock(), ttl_s))
+            rec = replace(rec.touched(self.clock()), recovered=None)
+            self._write(rec)
+            return True, rec
+        finally:
+            lock.release()
+
+    def inflight_renew(self: _Files, service: str, holder: Holder, ttl_s: float) -> Record:
+        """Keep ``holder``'s entry alive and mark the service used (every few seconds)."""
+        lock = self._locked(service)
+        try:
+            self._write_entry(service, holder.lease(self.clock(), ttl_s))
+            rec = self._read(service)
+            if not stopping(self._effective(rec)[0]):
+                rec = rec.touched(self.clock())
+                self._write(replace(rec, recovered=None))
+            return self._effective(rec)[0]
+        finally:
+            lock.release()
+
+    def inflight_end(self: _Files, service: str, holder_id: str) -> Record:
+        """``holder_id`` has nothing in flight any more (its 1 → 0): the idle clock starts."""
+        lock = self._locked(service)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._entry_path(service, holder_id))
+            rec = self._read(service)
+            if not stopping(self._effective(rec)[0]):
+                rec = rec.touched(self.clock())
+                self._write(replace(rec, recovered=None))
+            return self._effective(rec)[0]
+        except OSError as e:
+            raise StoreError(f"cannot end the in-flight entry of {service!r}: {e}") from None
+        finally:
+            lock.release()
+
+    def inflight(self: _Files) -> dict[str, int]:
+        """Live in-flight holders per service (services with none are left out).
+
+        Read without locks; entries whose holder is dead on this host are deleted.
+        """
+        from gpuctl.adapters import procinfo
+
+        base = self.state_dir / "inflight"
+        try:
+            services = [e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise StoreError(f"cannot read {base}: {e.strerror or e}") from None
+        here = procinfo.host_identity()
+        now = self.clock()
+        out: dict[str, int] = {}
+        for service in services:
+            n = 0
+            for path in (base / service).glob("*.json"):
+                entry = _read_entry(path)
+                if entry is None:
+                    continue
+                alive = None
+                if entry.host == here.hostname and entry.boot_id == here.boot_id:
+                    alive = procinfo.is_same_process(entry.pid, entry.pid_start)
+                state = lease_state(
+                    entry, now, here_host=here.hostname, here_boot_id=here.boot_id,
+                    holder_alive=alive,
+                )  # fmt: skip
+                if state is LeaseState.LIVE:
+                    n += 1
+                elif state is LeaseState.VOID:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)  # its holder is dead: nothing is in flight
+            if n:
+                out[service] = n
+        return out
+
+    def _write_entry(self: _Files, service: str, entry: Lease) -> None:
+        path = self._entry_path(service, entry.id)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(entry.to_dict(), f, sort_keys=True)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as e:
+            raise StoreError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _read_entry(path: Path) -> Lease | None:
+    """An entry, or None when it is unreadable or not one (a hostile file counts for
+    nothing rather than crashing every reader; it is left for a human to see)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_MAX_ENTRY_BYTES + 1)
+        if len(raw) > _MAX_ENTRY_BYTES:
+            return None
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            return None
+        entry = decode_lease(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (math.isfinite(entry.expires) and 0 < entry.pid < 2**31):
+        return None
+    return entry
