@@ -12,10 +12,17 @@ appear only with ``GPUCTL_DEBUG=1``.
      ├── AgentUnavailable       agent down, hung, refused us, or spoke nonsense (exit 4)
      │    └── AgentAuthError    401/403 from the agent (exit 4)
      ├── ProbeError             the local GPU probe failed (exit 4)
-     │    └── NoGpuFound        no NVIDIA driver / GPU here (exit 4)
+     │    ├── NoGpuFound        no NVIDIA driver / GPU here (exit 4)
+     │    └── NvmlMismatch      binding and driver disagree (adapters.probes.nvml; exit 4)
      ├── StartFailed            a launch failed or the server died (exit 1)
      ├── StoreError             the state store is unreadable / unwritable (exit 1)
      └── LauncherError          a launcher backend (Docker, Jupyter) refused us (exit 1)
+          └── JupyterUnreachable  the Jupyter server did not answer
+                                  (adapters.launchers.jupyter.errors; exit 1)
+
+``gpuctl.sim`` cannot import this module (it runs on the standard library alone): its
+``SimError`` carries the same ``message``, ``hint`` and ``exit_code``, and the CLI turns
+it into one of these.
 
 A refusal is not an exception: BUSY (exit 3), UNKNOWN (4) and TIMEOUT (5) of ``ensure``
 are outcomes of its result (``gpuctl.flows.results.Outcome``), each with a hint.

@@ -67,7 +67,7 @@ def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
         try:
             host.start_agent()
         except SimHostError as e:
-            raise GpuctlError(str(e), hint="run again with GPUCTL_DEBUG=1") from None
+            raise GpuctlError(e.message, hint=e.hint) from None
         cfg_path = host.write_config(
             f"""
 [services.vllm]

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from gpuctl.sim.errors import SimError
 
-class SimHostError(RuntimeError):
+
+class SimHostError(SimError):
     """The simulated host's agent did not come up."""
 
 
@@ -139,7 +141,10 @@ class SimHost:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise SimHostError(f"the simulated host's agent exited: {self.log_tail('agent')}")
+                raise SimHostError(
+                    f"the simulated host's agent exited: {self.log_tail('agent')}",
+                    hint="run again with GPUCTL_DEBUG=1",
+                )
             try:
                 with urllib.request.urlopen(f"{self.agent_url}/healthz", timeout=0.5) as r:  # noqa: S310  (our loopback agent)
                     if r.status == 200:
