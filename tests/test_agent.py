@@ -134,7 +134,7 @@ def test_status_follows_the_contract(agent: str) -> None:
     assert body["memory_total_mib"] == 131072
     assert body["unified_memory"] is True
     assert body["probe"] == "fake"
-    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", body["taken_at"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", body["taken_at"])
     assert body["gpus"] == 1
     assert body["processes"] == [
         {

@@ -7,15 +7,16 @@ configured without an agent, and by the agent itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 from gpuctl.adapters import procinfo
 from gpuctl.core.model import ProbeReading, Snapshot, snapshot_from_reading
+from gpuctl.core.timestamps import iso_utc
 
 
 def utc_now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    """Now, in gpuctl's one timestamp form (ISO-8601 UTC with milliseconds)."""
+    return iso_utc()
 
 
 def build_snapshot(

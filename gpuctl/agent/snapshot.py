@@ -7,7 +7,6 @@ path (``gpuctl.adapters.local``) uses too: one way to observe a host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 from gpuctl.core.model import (
     HostIdentity,
@@ -16,6 +15,7 @@ from gpuctl.core.model import (
     StartingProcess,
     snapshot_from_reading,
 )
+from gpuctl.core.timestamps import iso_utc
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,8 @@ class Scan:
 
 
 def utc_now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """Now, in gpuctl's one timestamp form (ISO-8601 UTC with milliseconds)."""
+    return iso_utc()
 
 
 def agent_snapshot(
