@@ -6,7 +6,7 @@ C functions of one simulated driver, two-call protocols, structs and error codes
 included. Everything above the C boundary is real: pynvml's wrappers, its error
 classes, and our own ``ctypes`` process-list calls. A driver is described by which
 symbols it exports and which struct layout each process-list symbol fills, so the
-driver history of the monitors reference (§2.4) is a table of presets:
+driver history (as gpustat's mock and nvitop PR #89 record it) is a table of presets:
 
 ======================  =================================================================
 < 450.66                unversioned process lists only (16-byte struct), memory info v1
