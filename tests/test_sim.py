@@ -74,7 +74,14 @@ class Procs:
         self.env = {
             k: v
             for k, v in os.environ.items()
-            if k not in ("GPUCTL_SIM_DIR", "GPUCTL_SIM_GPU_MEMORY", "GPUCTL_DEBUG")
+            if k
+            not in (
+                "GPUCTL_SIM_DIR",
+                "GPUCTL_SIM_GPU_MEMORY",
+                "GPUCTL_SIM_GPUS",
+                "CUDA_VISIBLE_DEVICES",
+                "GPUCTL_DEBUG",
+            )
         }
         self.env["PYTHONUNBUFFERED"] = "1"
 
@@ -129,6 +136,8 @@ class Procs:
 def _no_sim_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUCTL_SIM_DIR", raising=False)
     monkeypatch.delenv("GPUCTL_SIM_GPU_MEMORY", raising=False)
+    monkeypatch.delenv("GPUCTL_SIM_GPUS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
 @pytest.fixture
@@ -652,3 +661,144 @@ def test_default_sim_dir_matches_platformdirs(
     else:
         monkeypatch.setenv("XDG_STATE_HOME", xdg)
     assert default_sim_dir() == cli_default()
+
+
+# ---------------------------------------------------------------------------- several GPUs
+
+
+def test_several_gpus_each_with_its_own_total(tmp_path: Path) -> None:
+    d = tmp_path / "sim"
+    sim = SimGpu(d, totals_mib=(81920, 40960))
+    assert json.loads((d / "gpu.json").read_text()) == {
+        "total_mib": 122880,
+        "devices": [{"total_mib": 81920}, {"total_mib": 40960}],
+    }
+    assert SimGpu(d).totals_mib == (81920, 40960)  # every process agrees through gpu.json
+    with sim.claim("big", gpu=0) as big, sim.claim("small", gpu=1) as small:
+        big.set(81920)  # GPU 0 full ...
+        small.set(40960)  # ... does not touch GPU 1
+        small.set(1024)
+        with pytest.raises(SimOutOfMemory) as exc:
+            small.set(40961)
+        assert "GPU 1 has a total capacity of 40.00 GiB" in exc.value.message
+        assert [(c.name, c.gpu, c.memory_mib) for c in sim.claims()] == [
+            ("big", 0, 81920),
+            ("small", 1, 1024),
+        ]
+        assert (sim.used_mib(0), sim.used_mib(1), sim.used_mib()) == (81920, 1024, 82944)
+    with pytest.raises(SimError, match="no GPU 2"):
+        sim.claim("nowhere", gpu=2)
+
+
+def test_several_gpus_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCTL_SIM_GPUS", "80GiB, 40GiB")
+    assert SimGpu(tmp_path / "a").totals_mib == (81920, 40960)
+    monkeypatch.setenv("GPUCTL_SIM_GPUS", "80GiB,,40GiB")
+    with pytest.raises(SimError, match="GPUCTL_SIM_GPUS"):
+        SimGpu(tmp_path / "b")
+    monkeypatch.setenv("GPUCTL_SIM_GPUS", "80GiB,0")
+    with pytest.raises(SimError, match="GPUCTL_SIM_GPUS"):
+        SimGpu(tmp_path / "c")
+
+
+def test_probe_reports_each_gpu_with_its_claims(procs: Procs, sim_dir: Path) -> None:
+    SimGpu(sim_dir, totals_mib=(81920, 81920))
+    a = hold_on_gpu(procs, sim_dir, "left", "70GiB")
+    b = hold_on_gpu(procs, sim_dir, "right", "10GiB", "--gpu", "1")
+    r = SimProbe(sim_dir).read()
+    assert [(d.index, d.memory_used_mib, d.memory_total_mib) for d in r.devices] == [
+        (0, 71680, 81920),
+        (1, 10240, 81920),
+    ]
+    assert {(p.pid, p.gpu) for p in r.processes} == {(a.pid, 0), (b.pid, 1)}
+    # A third that fits on neither fails the way CUDA does, naming its GPU.
+    c = hold(procs, sim_dir, "third", "71GiB", "--gpu", "1")
+    assert c.wait(15) == 1
+    assert "GPU 1 has a total capacity of 80.00 GiB" in procs.err(c)
+
+
+def test_model_server_claims_the_gpu_cuda_visible_devices_names(
+    procs: Procs, sim_dir: Path
+) -> None:
+    SimGpu(sim_dir, totals_mib=(8192, 8192))
+    procs.env["CUDA_VISIBLE_DEVICES"] = "1"
+    port = free_port()
+    srv = model_server(procs, sim_dir, "pinned", "2GiB", "0.2s", port)
+    wait_healthy(procs, srv, port)
+    assert on_gpu(sim_dir)[srv.pid].gpu == 1
+    assert stop(srv) == 0
+
+
+def test_utilisation_while_answering_and_vllm_metrics(procs: Procs, sim_dir: Path) -> None:
+    """The sim reports a model server busy while it answers (and idle after), and its
+    /metrics carry what vLLM dashboards read, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    srv = model_server(procs, sim_dir, "busy", "1GiB", "0.1s", port, "--token-delay", "50ms")
+    wait_healthy(procs, srv, port)
+    idle = SimProbe(sim_dir).read()
+    assert idle.processes[0].sm_util_pct == 0 and idle.devices[0].utilization_pct == 0
+    url = f"http://127.0.0.1:{port}"
+    body = {"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 40}
+    answer: list[httpx.Response] = []
+    t = threading.Thread(
+        target=lambda: answer.append(
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        )
+    )
+    t.start()
+    busy = wait_until(
+        "the server to show busy",
+        lambda: (r := SimProbe(sim_dir).read()).devices[0].utilization_pct and r,
+    )
+    assert busy.processes[0].sm_util_pct == busy.devices[0].utilization_pct == 70
+    t.join(30)
+    assert answer and answer[0].status_code == 200
+    wait_until(
+        "the server to show idle", lambda: SimProbe(sim_dir).read().devices[0].utilization_pct == 0
+    )
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+
+    def value(name: str, sample: str | None = None) -> float:
+        (s,) = [x for x in families[name].samples if x.name == (sample or name)]
+        return float(s.value)
+
+    assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") == 3
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") == 40
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") == 1
+    ttft = value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_sum")
+    assert 0.05 <= ttft < 5  # one token's delay, at least
+    assert families["vllm:kv_cache_usage_perc"].type == "gauge"
+    assert value("vllm:kv_cache_usage_perc") == 0  # nothing in flight any more
+    assert value("vllm:gpu_cache_usage_perc") == 0
+    assert stop(srv) == 0
+
+
+def test_kv_cache_usage_while_a_request_is_in_flight(procs: Procs, sim_dir: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    srv = model_server(procs, sim_dir, "kv", "1GiB", "0.1s", port, "--token-delay", "50ms")
+    wait_healthy(procs, srv, port)
+    url = f"http://127.0.0.1:{port}"
+    prompt = " ".join(["w"] * 1000)
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 60, "stream": True}
+    t = threading.Thread(
+        target=lambda: httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    )
+    t.start()
+
+    def usage() -> float:
+        for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            if fam.name == "vllm:kv_cache_usage_perc":
+                return float(fam.samples[0].value)
+        raise AssertionError("no vllm:kv_cache_usage_perc")
+
+    in_flight = wait_until("the KV cache to fill", lambda: usage() >= 1000 / 65536 and usage())
+    assert 0 < in_flight < 1
+    t.join(30)
+    wait_until("the KV cache to empty", lambda: usage() == 0)
+    assert stop(srv) == 0

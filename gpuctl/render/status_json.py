@@ -13,14 +13,21 @@
         "memory_promised_mib": 73686,   # promised beyond what is held, to loading services
         "unified_memory": true, "is_idle": false, "taken_at": "…",
         "host": {"hostname": "…", "boot_id": "…"}, "state_dir": "/var/lib/gpuctl",
+        "devices": [{"index": 0, "name": "NVIDIA GB10", "uuid": "GPU-…",
+                     "memory_used_mib": 8234, "memory_total_mib": 131072,
+                     "memory_promised_mib": 73686, "unified": true,
+                     "utilization_pct": 37, "temperature_c": 41, "power_w": 12.5,
+                     "error": null}],   # per GPU; null figures are unknown, never 0
         "processes": [{"pid": 1, "command": "…", "memory_mib": 8200, "user": "me",
-                       "container": null, "gpu": 0, "service": "vllm"}],
+                       "container": null, "gpu": 0, "on_gpu": true, "sm_util_pct": 12,
+                       "service": "vllm"}],
         "starting":  [{"pid": 2, "command": "…", "user": "me", "service": "vllm"}]
       }],
       "services": [{
         "name": "vllm", "host": "dgx", "decision": "LOADING", "reason": "…",
         "health": "refused", "memory_mib": 8200, "budget_mib": 81920,
-        "pids": [1, 2], "priority": 100
+        "pids": [1, 2], "priority": 100,
+        "gpu": null                     # the GPU it fits on (IDLE, FITS), else null
       }]
     }
 
@@ -59,10 +66,16 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
             "taken_at": normalise_iso(snap.taken_at) if snap else None,
             "host": snap.host.to_wire() if snap and snap.host else None,
             "state_dir": snap.state_dir if snap else None,
+            "devices": [],
             "processes": [],
             "starting": [],
         }
         if snap:
+            promised = {m.gpu if m.gpu is not None else 0: m.promised_mib for m in h.memory}
+            for d in snap.device_list():
+                entry["devices"].append(
+                    {**d.to_wire(), "memory_promised_mib": promised.get(d.index)}
+                )
             for p in snap.processes:
                 owner = owner_of(p.command, h.services, p.pid, h.servers)
                 entry["processes"].append({**p.to_wire(), "service": owner.name if owner else None})
@@ -82,6 +95,7 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     "budget_mib": svc.memory_mib,
                     "priority": svc.priority,
                     "pids": [p.pid for p in v.own] + [s.pid for s in v.starting],
+                    "gpu": v.gpu,
                 }
             )
     return {

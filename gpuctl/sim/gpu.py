@@ -139,10 +139,11 @@ class SimGpu:
     Args:
         sim_dir: the directory; default ``$GPUCTL_SIM_DIR``, else the user state dir.
         total_mib: one GPU of this total; default ``$GPUCTL_SIM_GPU_MEMORY``.
-        totals_mib: several GPUs, one total each; default ``$GPUCTL_SIM_GPUS``
-            (``80GiB,80GiB``). Without either, what ``gpu.json`` says, else one GPU of
-            128 GiB. An explicit value (argument or env) is written to ``gpu.json`` so
-            that every process using the directory agrees.
+        totals_mib: several GPUs, one total each. ``$GPUCTL_SIM_GPUS`` (``80GiB,80GiB``)
+            stands in for it and, being the host's definition, wins over a single
+            total. Without any, what ``gpu.json`` says, else one GPU of 128 GiB. An
+            explicit value (argument or env) is written to ``gpu.json`` so that every
+            process using the directory agrees.
 
     Raises:
         SimError: an environment variable is not a size (list), or a total is not positive.
@@ -418,17 +419,22 @@ def _positive(value: object) -> bool:
 def _explicit_totals(
     total_mib: int | None, totals_mib: Sequence[int] | None
 ) -> tuple[int, ...] | None:
-    """The totals asked for by argument or environment, else None (``gpu.json`` decides)."""
+    """The totals asked for, else None (``gpu.json`` decides).
+
+    ``totals_mib`` first; then ``$GPUCTL_SIM_GPUS``, which defines the GPUs of a host
+    (so it wins over a single total, which the CLI also takes from the environment); then
+    ``total_mib`` and ``$GPUCTL_SIM_GPU_MEMORY``, one GPU.
+    """
     explicit: tuple[int, ...]
     if totals_mib is not None:
         explicit = tuple(totals_mib)
-    elif total_mib is not None:
-        explicit = (total_mib,)
     elif os.environ.get(ENV_GPUS, "").strip():
         try:
             explicit = parse_totals(os.environ[ENV_GPUS])
         except ValueError as err:
             raise SimError(f"{ENV_GPUS}: {err}") from None
+    elif total_mib is not None:
+        explicit = (total_mib,)
     elif os.environ.get(ENV_GPU_MEMORY, "").strip():
         try:
             explicit = (parse_size_mib(os.environ[ENV_GPU_MEMORY].strip()),)
