@@ -108,3 +108,79 @@ def test_an_old_agent_body_without_devices_still_parses() -> None:
     assert snap.devices == ()
     (dev,) = snap.device_list()
     assert (dev.memory_used_mib, dev.memory_total_mib) == (1000, 81920)
+
+
+# --- properties: any body yields a Snapshot or a located ValueError -----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+_proc_like = st.fixed_dictionaries(
+    {},
+    optional={
+        k: _values for k in ("pid", "command", "memory_mib", "gpu", "on_gpu", "sm_util_pct", "user")
+    },
+)
+_device_like = st.fixed_dictionaries(
+    {},
+    optional={
+        k: _values
+        for k in (
+            "index",
+            "memory_used_mib",
+            "memory_total_mib",
+            "unified",
+            "utilization_pct",
+            "temperature_c",
+            "power_w",
+            "error",
+        )
+    },
+)
+_body_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "is_idle": st.booleans() | _values,
+        "processes": st.lists(_proc_like, max_size=3) | _values,
+        "devices": st.lists(_device_like, max_size=3) | _values,
+        "starting": st.lists(_values, max_size=2) | _values,
+        "memory_used_mib": _values,
+        "memory_total_mib": _values,
+        "unified_memory": _values,
+        "gpus": _values,
+    },
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(_body_like | _values)
+def test_any_body_is_a_snapshot_or_a_located_error(data: Any) -> None:
+    try:
+        snap = Snapshot.from_wire(data)
+    except ValueError as e:
+        assert str(e)  # says what is wrong
+        return
+    # What parses is sane: exact pids, finite non-negative sizes, and idle only when
+    # nothing runs and every GPU was read.
+    for p in snap.processes:
+        assert 0 < p.pid < 4_194_304
+        assert p.memory_mib is None or p.memory_mib >= 0
+    for d in snap.devices:
+        assert d.memory_total_mib is None or d.memory_total_mib >= 0
+    assert snap.is_idle == (not snap.processes and all(d.readable for d in snap.devices))
+    # And it survives its own wire form.
+    assert Snapshot.from_wire(json.loads(json.dumps(snap.to_wire()))).to_wire() == snap.to_wire()
