@@ -301,3 +301,19 @@ def test_status_shows_each_simulated_gpu(cli_env: Path) -> None:
     assert "30.0 GiB / 80.0 GiB" in gpu1
     row = next(line for line in r.stdout.splitlines() if str(hold.pid) in line)
     assert "30.0 GiB" in row and " 1 " in row
+
+
+@pytest.mark.parametrize(
+    ("cmd", "choices"),
+    [
+        (["status"], "--probe <auto|nvml|nvidia-smi|sim>"),
+        (["agent"], "--probe <auto|nvml|nvidia-smi|sim>"),
+        (["agent"], "--log-level <debug|info|warning|error>"),
+    ],
+)
+def test_option_values_show_their_choices(
+    cli_env: Path, monkeypatch: pytest.MonkeyPatch, cmd: list[str], choices: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "120")
+    r = runner.invoke(create_app(), [*cmd, "--help"])
+    assert r.exit_code == 0 and choices in r.output

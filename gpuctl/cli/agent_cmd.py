@@ -38,6 +38,9 @@ def read_token_file(path: Path) -> str:
     return token
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def register(app: typer.Typer) -> None:
     """Add ``gpuctl agent`` to ``app``."""
 
@@ -109,7 +112,14 @@ def register(app: typer.Typer) -> None:
         log_level: Annotated[
             str,
             typer.Option(
-                "--log-level", help="debug, info, warning or error (on stderr).", metavar="LEVEL"
+                "--log-level",
+                help="How much to log (on stderr).",
+                # The choices, shown as Typer shows an enum's (the check below words the
+                # error as every other option of this command does).
+                metavar="<" + "|".join(LOG_LEVELS) + ">",
+                autocompletion=lambda incomplete: [
+                    v for v in LOG_LEVELS if v.startswith(incomplete)
+                ],
             ),
         ] = "warning",
     ) -> None:
@@ -124,7 +134,7 @@ def register(app: typer.Typer) -> None:
             else:
                 token = os.environ.get("GPUCTL_AGENT_TOKEN", "").strip() or None
             level = log_level.lower()
-            if level not in ("debug", "info", "warning", "error", "critical"):
+            if level not in (*LOG_LEVELS, "critical"):
                 raise UsageError(
                     f"--log-level: expected debug, info, warning or error, got {log_level!r}"
                 )
