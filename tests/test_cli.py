@@ -317,3 +317,50 @@ def test_option_values_show_their_choices(
     monkeypatch.setenv("COLUMNS", "120")
     r = runner.invoke(create_app(), [*cmd, "--help"])
     assert r.exit_code == 0 and choices in r.output
+
+
+def test_watch_on_a_terminal_names_its_interval_and_quits_on_ctrl_c(cli_env: Path) -> None:
+    import pty
+    import select
+    import signal
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [gpuctl_exe(), "status", "--watch", "--interval", "300ms", "--probe", "sim"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "COLUMNS": "100", "TERM": "xterm"},
+        start_new_session=True,
+    )
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline and out.count("▁".encode()) < 3:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:
+                    break
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=20)
+        while select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert "every 300ms" in text and "Ctrl-C to quit" in text, text[-2000:]
+    assert "used" in text and "▁" in text  # the sparkline of an idle GPU
+    assert code == 0
+    assert "Traceback" not in text

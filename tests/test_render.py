@@ -276,13 +276,13 @@ def test_ascii_drawing_where_unicode_cannot_go(tmp_path: Path) -> None:
 
 def test_watch_header_and_sparkline(tmp_path: Path) -> None:
     report = _report(tmp_path)
-    history = MemoryHistory(points=5)
+    history = MemoryHistory(points=5, every_s=30.0)
     for _ in range(7):
         history.add(report)
     assert history.sparkline("dgx") == "▇" * 5  # 100 of 128 GiB used or promised
     text = _text(render_status(report, history=history, interval_s=2.0))
     assert "every 2s" in text and "Ctrl-C to quit" in text
-    assert "▇▇▇▇▇" in text and "last 5 readings" in text
+    assert "▇▇▇▇▇" in text and "last 2m" in text  # 5 readings, 30 s apart
 
 
 def test_sparkline_shows_unknown_as_a_gap(tmp_path: Path) -> None:

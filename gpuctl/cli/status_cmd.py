@@ -160,7 +160,7 @@ def _status(
 
     from rich.live import Live
 
-    history = MemoryHistory().add(report)
+    history = MemoryHistory(every_s=interval).add(report)
     with Live(
         render_status(report, wide, console.width, g=g, history=history, interval_s=interval),
         console=console,

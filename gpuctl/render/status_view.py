@@ -115,6 +115,13 @@ def memory_bar(
     return t
 
 
+def _duration(seconds: float) -> str:
+    """``300ms``, ``2s``, ``2m00s``: short intervals keep their milliseconds."""
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    return format_duration(seconds)
+
+
 def _pct(p: int | None) -> str:
     return "?" if p is None else f"{p}%"  # unknown is never 0
 
@@ -123,9 +130,17 @@ class MemoryHistory:
     """Each host's used share of GPU memory (held and promised) over the last minutes,
     for ``--watch``'s sparkline. Fed one report at a time; keeps ``points`` of them."""
 
-    def __init__(self, points: int = 60) -> None:
+    def __init__(self, points: int = 60, every_s: float | None = None) -> None:
         self.points = points
+        self.every_s = every_s
         self.series: dict[str, deque[float | None]] = {}
+
+    def span(self, host: str) -> str:
+        """What the sparkline covers, in words: ``last 2m`` (or ``5 readings``)."""
+        n = len(self.series.get(host, ()))
+        if self.every_s and n > 1:
+            return f"last {_duration((n - 1) * self.every_s)}"
+        return f"{n} reading{'s' if n != 1 else ''}"
 
     def add(self, report: StatusReport) -> MemoryHistory:
         for h in report.hosts:
@@ -258,12 +273,11 @@ def host_panel(
             label = "GPU memory" if m.gpu is None else f"GPU {m.gpu} memory"
             parts.append(memory_bar(m, g, label, wide))
         if history is not None and h.name in history.series:
-            n = len(history.series[h.name])
             parts.append(
                 Text.assemble(
                     ("used      ", "bold"),
                     history.sparkline(h.name, g),
-                    (f"  last {n} readings", "dim"),
+                    (f"  {history.span(h.name)}", "dim"),
                 )
             )
         parts.append(Text(""))
@@ -303,7 +317,7 @@ def render_status(
     if interval_s is None:
         return Group(*panels)
     head = Text(
-        f"every {format_duration(interval_s)} {g.dot} {report.taken_at} {g.dot} Ctrl-C to quit",
+        f"every {_duration(interval_s)} {g.dot} {report.taken_at} {g.dot} Ctrl-C to quit",
         style="dim",
     )
     return Group(head, *panels)
