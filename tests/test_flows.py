@@ -334,3 +334,14 @@ def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> N
     # held 12 (10 by comfy, 2 unattributed), then vllm's 80 promised: 12 + 80 > 80
     assert m0.promised_mib == 80 * GIB and m0.free_mib == 80 * GIB - 12 * GIB - 80 * GIB
     assert (m1.gpu, m1.held_mib, m1.promised_mib, m1.utilization_pct) == (1, 0, 80 * GIB, None)
+
+
+def test_a_fits_reason_names_the_top_holders_and_a_count(tmp_path: Path) -> None:
+    procs = [GpuProcess(100 + i, f"python job{i}.py", (i + 1) * GIB, user="ana") for i in range(6)]
+    agent = Agent(processes=procs)
+    (host,) = status(_status_deps(tmp_path, {"a": agent}, {"a": DirectStore(tmp_path / "s")})).hosts
+    (v,) = host.verdicts
+    assert v.decision is Decision.FITS
+    assert "job5.py" in v.reason and "job4.py" in v.reason  # the two biggest
+    assert "4 more" in v.reason
+    assert "job0.py" not in v.reason
