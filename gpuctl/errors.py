@@ -16,6 +16,7 @@ appear only with ``GPUCTL_DEBUG=1``.
      │    └── NvmlMismatch      binding and driver disagree (adapters.probes.nvml; exit 4)
      ├── StartFailed            a launch failed or the server died (exit 1)
      ├── StoreError             the state store is unreadable / unwritable (exit 1)
+     │    └── NoStore           the host's agent keeps no records (no --state-dir)
      └── LauncherError          a launcher backend (Docker, Jupyter) refused us (exit 1)
           └── JupyterUnreachable  the Jupyter server did not answer
                                   (adapters.launchers.jupyter.errors; exit 1)
@@ -100,6 +101,14 @@ class StartFailed(GpuctlError):
 
 class StoreError(GpuctlError):
     """The state directory cannot be read or written."""
+
+
+class NoStore(StoreError):
+    """The host's agent was started without a state directory: it keeps no records.
+
+    Not a failure to read them: such a host's snapshot still stands, while a store that
+    fails makes its services UNKNOWN.
+    """
 
 
 class LauncherError(GpuctlError):

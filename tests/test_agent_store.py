@@ -111,6 +111,8 @@ def test_openapi_request_bodies_and_conflicts() -> None:
         "attempt",
         "failure",
         "touch",
+        "start_nonce",
+        "health",
     }
     assert set(schemas["Holder"]["properties"]) == set(holder_here("x").to_dict())
     assert schemas["LeaseRequest"]["properties"]["holder"] == {

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpuctl.adapters.store.codec import decode_lease, decode_record
+from gpuctl.adapters.store.codec import RecordError, decode_record
 from gpuctl.core.record import (
     BACKOFF_MAX_S,
     MAX_ATTEMPTS_KEPT,
@@ -262,15 +262,18 @@ def test_to_dict_has_the_documented_fields() -> None:
     assert set(d["failure"]) == {"at", "error", "log_tail", "count", "backoff_until"}
 
 
-def test_from_dict_fills_defaults_and_drops_junk_it_can_ignore() -> None:
-    rec = decode_record(
-        {"service": "vllm", "handle": "not-a-dict", "attempts": [{"ok": 1}, 3, "x"], "extra": 1}
-    )
-    assert rec == Record("vllm", attempts=({"ok": 1},))
+def test_decode_fills_the_defaults_of_missing_keys() -> None:
+    rec = decode_record({"service": "vllm"})
+    assert rec == Record("vllm")
     assert rec.phase is Phase.STOPPED
     assert rec.last_used is None
     assert decode_record({"service": "vllm", "recovered": "why"}).recovered == "why"
-    assert decode_record({"service": "vllm", "recovered": 3}).recovered is None
+    # a handle and an attempt keep what their launcher put there (scalars only)
+    rec = decode_record(
+        {"service": "vllm", "handle": {"kind": "docker", "id": "abc"}, "attempts": [{"ok": 1}]}
+    )
+    assert rec.handle == {"kind": "docker", "id": "abc"}
+    assert rec.attempts == ({"ok": 1},)
 
 
 @pytest.mark.parametrize(
@@ -297,13 +300,23 @@ def test_from_dict_fills_defaults_and_drops_junk_it_can_ignore() -> None:
         {"service": "vllm", "failure": {"error": "x"}},  # no time
         {"service": "vllm", "failure": "boom"},
         {"service": "vllm", "failure": {"at": 1, "count": "two"}},
+        # what the old reader let through and the agent then choked on
+        {"service": "vllm", "handle": "not-a-dict"},
+        {"service": "vllm", "attempts": [{"ok": 1}, 3, "x"]},
+        {"service": "vllm", "extra": 1},
+        {"service": "vllm", "recovered": 3},
     ],
 )
-def test_from_dict_rejects_garbage(garbage: Any) -> None:
-    with pytest.raises((ValueError, KeyError, TypeError)):
+def test_decode_rejects_garbage(garbage: Any) -> None:
+    with pytest.raises(RecordError):
         decode_record(garbage)
 
 
-def test_lease_from_dict_defaults() -> None:
-    got = decode_lease({"holder": 7, "expires": "12.5"})
-    assert got == Lease("7", "", "", 0, None, "?", 0.0, 12.5)
+def test_a_lease_needs_every_field() -> None:
+    for key in lease().to_dict():
+        if key == "pid_start":
+            continue  # may be unknown (another PID namespace): null, or absent
+        d = {**lease().to_dict()}
+        del d[key]
+        with pytest.raises(RecordError, match=re.escape(f"at $.lease.{key}: missing")):
+            decode_record({"service": "vllm", "lease": d})

@@ -475,6 +475,8 @@ def _records_schemas() -> dict[str, Any]:
                 "attempts",
                 "failure",
                 "recovered",
+                "start_nonce",
+                "health",
             ],
             "properties": {
                 "schema": {"const": RECORD_SCHEMA},
@@ -500,24 +502,49 @@ def _records_schemas() -> dict[str, Any]:
                     "type": ["string", "null"],
                     "description": "Set once when a broken record file was set aside.",
                 },
+                "start_nonce": {
+                    "type": ["string", "null"],
+                    "pattern": "^[0-9a-f]{8,64}$",
+                    "description": "The last start's GPUCTL_START_NONCE (finds its server).",
+                },
+                "health": {
+                    "type": ["string", "null"],
+                    "description": "The URL that tells the server answers (http or https).",
+                },
+            },
+        },
+        "SetAside": {
+            "type": "object",
+            "description": "A record file that failed validation, kept beside the records.",
+            "required": ["service", "file", "at", "size", "why"],
+            "properties": {
+                "service": {"type": "string"},
+                "file": {"type": "string", "description": "Its name in records/."},
+                "at": {**epoch, "description": "When it was set aside."},
+                "size": {"type": "integer", "minimum": 0},
+                "why": {"type": "string", "description": "Where it failed the schema."},
             },
         },
         "RecordList": {
             "type": "object",
             "required": ["records"],
-            "properties": {"records": {"type": "array", "items": _ref("Record")}},
+            "properties": {
+                "records": {"type": "array", "items": _ref("Record")},
+                "set_aside": {"type": "array", "items": _ref("SetAside")},
+            },
         },
         "Holder": {
             "type": "object",
             "description": "Who asks for a lease: a fresh id per call, and its process.",
-            "required": ["id"],
+            "required": ["id", "host", "boot_id", "pid", "entry"],
+            "additionalProperties": False,
             "properties": {
-                "id": {"type": "string"},
-                "host": {"type": "string"},
-                "boot_id": {"type": "string"},
-                "pid": {"type": "integer"},
+                "id": {"type": "string", "minLength": 1, "maxLength": 128},
+                "host": {"type": "string", "maxLength": 255},
+                "boot_id": {"type": "string", "maxLength": 64},
+                "pid": {"type": "integer", "minimum": 1, "maximum": 4194304},
                 "pid_start": nullable_number,
-                "entry": {"type": "string"},
+                "entry": {"type": "string", "maxLength": 64},
             },
         },
         "RecordUpdate": {
@@ -536,6 +563,15 @@ def _records_schemas() -> dict[str, Any]:
                     "properties": {"error": {"type": "string"}, "log_tail": {"type": "string"}},
                 },
                 "touch": {"type": "boolean", "description": "true: last_used = now."},
+                "start_nonce": {
+                    "type": ["string", "null"],
+                    "pattern": "^[0-9a-f]{8,64}$",
+                    "description": "The nonce a start puts in its server's environment.",
+                },
+                "health": {
+                    "type": ["string", "null"],
+                    "description": "The URL that tells the server answers (http or https).",
+                },
             },
         },
         "LeaseRequest": {

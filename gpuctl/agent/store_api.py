@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters.store import DirectStore
-from gpuctl.adapters.store.codec import decode_holder
+from gpuctl.adapters.store.codec import RecordError, decode_holder
 from gpuctl.errors import GpuctlError, StoreError, UsageError
 
 
@@ -42,6 +42,7 @@ class StoreApi:
             return 503, {
                 "error": "this agent has no state directory",
                 "hint": "start it with --state-dir",
+                "code": "no_store",
             }
         parts = [p for p in path.split("/") if p][1:]  # drop "records"
         try:
@@ -52,6 +53,8 @@ class StoreApi:
             return 400, {"error": "the request body must be a JSON object"}
         try:
             return await asyncio.to_thread(self._dispatch, method, parts, data)
+        except RecordError as e:
+            return 400, {"error": f"bad request: {e}"}
         except UsageError as e:
             return 400, {"error": e.message}
         except StoreError as e:
@@ -67,7 +70,10 @@ class StoreApi:
         assert store is not None
         if not parts:
             if method == "GET":
-                return 200, {"records": [r.to_dict() for r in store.records()]}
+                return 200, {
+                    "records": [r.to_dict() for r in store.records()],
+                    "set_aside": [a.to_dict() for a in store.set_aside()],
+                }
             return 405, {"error": f"{method} is not allowed on /records"}
         if parts == ["_inflight"] and method == "GET":
             return 200, {"inflight": store.inflight()}

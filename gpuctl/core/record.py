@@ -116,6 +116,11 @@ class Failure:
 
 @dataclass(frozen=True, slots=True)
 class Record:
+    """One service's record. ``recovered`` says why a broken record file was set aside
+    (and where the copy is); ``start_nonce`` is the nonce the last start put in its
+    server's environment (``GPUCTL_START_NONCE``), so a server whose pid was never
+    recorded can still be found; ``health`` is the URL that tells the server answers."""
+
     service: str
     phase: Phase = Phase.STOPPED
     since: float = 0.0
@@ -125,6 +130,8 @@ class Record:
     attempts: tuple[dict[str, Any], ...] = ()
     failure: Failure | None = None
     recovered: str | None = field(default=None, compare=False)
+    start_nonce: str | None = None
+    health: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +145,8 @@ class Record:
             "attempts": list(self.attempts),
             "failure": self.failure.to_dict() if self.failure else None,
             "recovered": self.recovered,
+            "start_nonce": self.start_nonce,
+            "health": self.health,
         }
 
     # ---- pure transitions (the store applies them under the lock)
@@ -149,6 +158,19 @@ class Record:
 
     def touched(self, now: float) -> Record:
         return replace(self, last_used=now)
+
+    def used(self, now: float, *, ready: bool = False) -> Record:
+        """A use (``gpuctl touch``, ``ensure``, a request): ``last_used = now``.
+
+        ``ready``: the caller saw the server answer its health check, so a start still
+        marked ``starting`` (its launcher was interrupted, or ran with ``--no-wait``) is
+        complete. Nothing else changes the phase: a touch that raced a stop must not
+        bring back a ``stopped``, ``preempted`` or ``failed`` record with no server.
+        """
+        out = self.touched(now)
+        if ready and self.phase is Phase.STARTING:
+            out = replace(out.with_phase(Phase.RUNNING, now), failure=None)
+        return out
 
     def with_attempt(self, attempt: dict[str, Any]) -> Record:
         return replace(self, attempts=(*self.attempts, attempt)[-MAX_ATTEMPTS_KEPT:])
@@ -163,6 +185,27 @@ class Record:
     def idle_for(self, now: float) -> float | None:
         ref = self.last_used if self.last_used is not None else None
         return None if ref is None else max(0.0, now - ref)
+
+
+@dataclass(frozen=True, slots=True)
+class SetAside:
+    """A record file that failed validation and was kept beside the records (its
+    service then started afresh): for ``gpuctl locks`` to show until someone removes it."""
+
+    service: str
+    file: str  # its name in the records folder
+    at: float  # when it was set aside
+    size: int
+    why: str  # where it failed the schema
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "service": self.service,
+            "file": self.file,
+            "at": self.at,
+            "size": self.size,
+            "why": self.why,
+        }
 
 
 def backoff_s(count: int) -> float:
@@ -217,38 +260,72 @@ def in_backoff(record: Record | None, now: float) -> bool:
 def apply_update(record: Record, update: dict[str, Any], now: float) -> Record:
     """Apply a holder's update to a record (the one patch language of both store paths).
 
-    Keys: ``phase`` (a Phase value), ``handle`` (a dict, or None to clear), ``attempt``
-    (a dict appended to the attempts), ``failure`` ({"error", "log_tail"} records a
-    failed start with its back-off; None clears it), ``touch`` (true: last_used = now).
+    Keys: ``phase`` (a Phase value), ``handle`` (an object, or null to clear), ``attempt``
+    (an object appended to the attempts), ``failure`` ({"error", "log_tail"} records a
+    failed start with its back-off; null clears it), ``touch`` (true: last_used = now),
+    ``start_nonce`` (the hex nonce a start puts in its server's environment; null clears
+    it), ``health`` (the URL the agent may poll to see the server answer; null clears it).
+
+    Types are exact (``"no"`` is not a boolean). The store checks the result against its
+    schema before it writes it (``gpuctl.adapters.store.codec``).
 
     Raises:
-        ValueError: an unknown key or a bad value.
+        ValueError: an unknown key or a bad value, naming the key.
     """
     out = record
     for key, value in update.items():
         if key == "phase":
+            if not isinstance(value, str) or value not in _PHASES:
+                raise ValueError(f"update.phase: {value!r} is not one of {', '.join(_PHASES)}")
             out = out.with_phase(Phase(value), now)
         elif key == "handle":
             if value is not None and not isinstance(value, dict):
-                raise ValueError("handle must be an object or null")
+                raise ValueError("update.handle must be an object or null")
             out = replace(out, handle=value)
         elif key == "attempt":
             if not isinstance(value, dict):
-                raise ValueError("attempt must be an object")
-            out = out.with_attempt(value)
+                raise ValueError("update.attempt must be an object")
+            out = out.with_attempt(_clipped(value))
         elif key == "failure":
             if value is None:
                 out = replace(out, failure=None)
             elif isinstance(value, dict):
-                out = out.failed(now, str(value.get("error", "")), str(value.get("log_tail", "")))
+                error, tail = value.get("error", ""), value.get("log_tail", "")
+                if not isinstance(error, str) or not isinstance(tail, str):
+                    raise ValueError("update.failure: error and log_tail must be strings")
+                out = out.failed(now, clip(error), tail[-LOG_TAIL_MAX:])
             else:
-                raise ValueError("failure must be an object or null")
+                raise ValueError("update.failure must be an object or null")
         elif key == "touch":
+            if not isinstance(value, bool):
+                raise ValueError("update.touch must be true or false")
             if value:
                 out = out.touched(now)
+        elif key in ("start_nonce", "health"):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"update.{key} must be a string or null")
+            if key == "start_nonce":
+                out = replace(out, start_nonce=value)
+            else:
+                out = replace(out, health=value)
         else:
             raise ValueError(f"unknown update key {key!r}")
     return out
+
+
+_PHASES = tuple(p.value for p in Phase)
+# What a start failure keeps: one message, and the end of the server's log. A server
+# that printed a megabyte of progress bars must not make its record unwritable.
+ERROR_MAX = 4096
+LOG_TAIL_MAX = 16384
+
+
+def clip(text: str, limit: int = ERROR_MAX) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _clipped(attempt: dict[str, Any]) -> dict[str, Any]:
+    return {k: clip(v) if isinstance(v, str) else v for k, v in attempt.items()}
 
 
 def recorded_servers(records: Iterable[Record]) -> dict[int, str]:

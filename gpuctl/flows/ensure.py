@@ -23,7 +23,7 @@ from typing import Any
 from gpuctl.adapters.store import Holder, holder_here
 from gpuctl.core.decision import Decision, Verdict, owner_of
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
-from gpuctl.errors import GpuctlError, StoreError
+from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.observe import look
 from gpuctl.flows.results import EnsureResult, Outcome
@@ -123,7 +123,14 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     svc = deps.service
     ctx = _Ctx(deps, timeout_s if timeout_s is not None else svc.health_timeout_s)
     for _ in range(MAX_ROUNDS):
-        result = _ensure_round(ctx, wait)
+        try:
+            result = _ensure_round(ctx, wait)
+        except (StoreError, AgentUnavailable) as e:
+            # A lock held too long, a read-only state dir, an agent gone mid-way: still a
+            # result, so --json prints its object (the store's hint names the file).
+            outcome = Outcome.UNKNOWN if isinstance(e, AgentUnavailable) else Outcome.FAILED
+            kw = {"hint": e.hint} if e.hint else {}
+            return ctx.result(outcome, e.message, Decision.UNKNOWN, **kw)
         if result is not None:
             return result
     return ctx.result(

@@ -15,7 +15,7 @@ from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, Verdict, classify, gpu_rooms
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
-from gpuctl.errors import GpuctlError, StoreError
+from gpuctl.errors import GpuctlError, NoStore
 from gpuctl.flows.deps import EnsureDeps, SnapshotReader
 from gpuctl.flows.results import MemoryUse
 
@@ -54,14 +54,17 @@ def observe(
     """Records first, then the snapshot with the recorded servers' pids and the keywords.
 
     Never raises a ``GpuctlError``: a failure becomes the observation's ``error`` (the
-    services are then UNKNOWN). With ``records_required=False`` a store that cannot be
-    read (an agent started without one) leaves the records empty instead.
+    services are then UNKNOWN). With ``records_required=False`` a host that keeps no
+    records (an agent started without a state dir: ``NoStore``) leaves them empty instead;
+    records that cannot be read still make it UNKNOWN.
     """
     records: dict[str, Record] = {}
     try:
         try:
             records = {r.service: r for r in read_records()}
-        except StoreError:
+        except NoStore:
+            # An agent without a state dir keeps no records. Any other store failure
+            # makes the host UNKNOWN: without its leases, IDLE could be a lie.
             if records_required:
                 raise
         pids = sorted(recorded_servers(records.values()))

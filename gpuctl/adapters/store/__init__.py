@@ -21,6 +21,8 @@ from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, Store, check_name,
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import Holder
 
+AGENT_STORE_TIMEOUT_S = LOCK_TIMEOUT_S + 5.0
+
 if TYPE_CHECKING:
     import httpx
 
@@ -43,14 +45,18 @@ def store_for(
     host: HostConfig, timeout_s: float | None = None, *, client: httpx.Client | None = None
 ) -> Store:
     """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
-    agent request (default: the host's timeout, at least 5 s, as lease calls may wait
-    for a file lock on the host); ``client`` is the command's shared HTTP client."""
+    agent request (default: the host's timeout, at least ``AGENT_STORE_TIMEOUT_S``: a
+    lease call may wait ``LOCK_TIMEOUT_S`` for a file lock on the host, and the agent
+    must have the time to say so, naming the lock, rather than look hung); ``client`` is
+    the command's shared HTTP client."""
     if host.agent:
         token = host.token()
         return AgentStore(
             host.agent,
             token,
-            timeout_s=timeout_s if timeout_s is not None else max(host.timeout_s, 5.0),
+            timeout_s=timeout_s
+            if timeout_s is not None
+            else max(host.timeout_s, AGENT_STORE_TIMEOUT_S),
             host_name=host.name,
             client=client,
             read_token=None if token else host.read_token(),

@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import check_name
-from gpuctl.adapters.store.codec import decode_record
-from gpuctl.core.record import Holder, Record
-from gpuctl.errors import StoreError
+from gpuctl.adapters.store.codec import decode_record, decode_set_aside
+from gpuctl.core.record import Holder, Record, SetAside
+from gpuctl.errors import GpuctlError, NoStore, StoreError
+
+# What agents before the "code" key said.
+_NO_STORE = "this agent has no state directory"
 
 if TYPE_CHECKING:
     import httpx
@@ -83,28 +86,45 @@ class AgentStore:
                 data = None
             if isinstance(data, dict) and isinstance(data.get("error"), str):
                 hint = data.get("hint")
-                raise StoreError(
+                # NoStore: an agent without a state dir; the caller may do without records.
+                no_store = data.get("code") == "no_store" or data["error"] == _NO_STORE
+                cls = NoStore if no_store else StoreError
+                raise cls(
                     f"the store on {self.host_name}: {data['error']}",
                     hint=hint if isinstance(hint, str) else "",
                 )
         return parse_response(r, self.base_url, self.host_name, token is not None)
 
     def _record(self, data: Any) -> Record:
-        from gpuctl.errors import AgentUnavailable
-
         try:
             return decode_record(data)
-        except (ValueError, KeyError, TypeError) as e:
-            raise AgentUnavailable(
-                f"the agent at {self.base_url} sent a broken record: {e}"
-            ) from None
+        except ValueError as e:
+            raise self._broken(f"a broken record: {e}") from None
 
     def get(self, service: str) -> Record:
         return self._record(self._call("GET", f"/records/{check_name(service)}"))
 
     def records(self) -> list[Record]:
         data = self._call("GET", "/records")
-        return [self._record(r) for r in (data.get("records") or [])]
+        records = data.get("records") if isinstance(data, dict) else None
+        if not isinstance(records, list):
+            raise self._broken("a record list without its records")
+        return [self._record(r) for r in records]
+
+    def _broken(self, what: str) -> GpuctlError:
+        from gpuctl.errors import AgentUnavailable
+
+        return AgentUnavailable(f"the agent at {self.base_url} sent {what}")
+
+    def set_aside(self) -> list[SetAside]:
+        data = self._call("GET", "/records")
+        if not isinstance(data, dict):
+            raise self._broken("a record list that is not an object")
+        try:
+            # An agent before this key had no such list to give.
+            return decode_set_aside(data.get("set_aside", []))
+        except ValueError as e:
+            raise self._broken(f"a broken set-aside list: {e}") from None
 
     def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
         data = self._call(
@@ -112,7 +132,10 @@ class AgentStore:
             f"/records/{check_name(service)}/lease",
             {"holder": holder.to_dict(), "ttl_s": ttl_s},
         )
-        return bool(data.get("granted")), self._record(data.get("record"))
+        granted = data.get("granted") if isinstance(data, dict) else None
+        if not isinstance(granted, bool):
+            raise self._broken("a lease answer without a boolean 'granted'")
+        return granted, self._record(data.get("record"))
 
     def renew(self, service: str, holder_id: str, ttl_s: float) -> Record:
         return self._record(

@@ -3,15 +3,23 @@
 Layout::
 
     <state_dir>/records/<service>.json   the record (atomic replace)
+    <state_dir>/records/<service>.json.corrupt-<time>   a record that failed the schema, kept
     <state_dir>/locks/<service>.lock     its flock (the file's mtime means nothing)
     <state_dir>/logs/<service>.log       the process launcher's server log
+
+File modes, whatever the umask: folders 0700 and files 0600 for one user. When the
+state folder is shared by a group (its setgid bit is set, or its group is named
+``gpuctl``: ``install -d -m 2770 -g gpuctl /var/lib/gpuctl``), folders are 2770 and
+files 0660, so every member can take leases and nobody else can read them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
 import os
+import re
+import stat
 import tempfile
 import time
 from dataclasses import replace
@@ -19,10 +27,44 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name
-from gpuctl.adapters.store.codec import decode_record, encode_record
+from gpuctl.adapters.store.codec import (
+    MAX_RECORD_BYTES,
+    RecordError,
+    check_record,
+    encode_record,
+    parse_record,
+)
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
-from gpuctl.core.record import Holder, LeaseState, Phase, Record, apply_update, lease_state
-from gpuctl.errors import StoreError
+from gpuctl.core.record import (
+    Holder,
+    LeaseState,
+    Phase,
+    Record,
+    SetAside,
+    apply_update,
+    clip,
+    lease_state,
+)
+from gpuctl.errors import StoreError, UsageError
+
+SUBDIRS = ("records", "locks", "logs")
+SHARED_GROUP = "gpuctl"
+
+
+def shared_by_group(state_dir: Path) -> bool:
+    """Is the state folder meant for a group of users (see the module docstring)?"""
+    try:
+        st = state_dir.stat()
+    except OSError:
+        return False
+    if st.st_mode & stat.S_ISGID:
+        return True
+    try:
+        import grp
+
+        return grp.getgrgid(st.st_gid).gr_name == SHARED_GROUP
+    except (ImportError, KeyError):
+        return False
 
 
 class DirectStore(InflightFiles):
@@ -31,6 +73,7 @@ class DirectStore(InflightFiles):
     def __init__(self, state_dir: Path, clock: Any = time.time) -> None:
         self.state_dir = Path(state_dir)
         self.clock = clock
+        self._modes: tuple[int, int] | None = None  # (folders, files), once known
 
     # ---- files
 
@@ -41,10 +84,37 @@ class DirectStore(InflightFiles):
             self.state_dir / "locks" / f"{service}.lock",
         )
 
+    def modes(self) -> tuple[int, int]:
+        """(folder mode, file mode) for this state folder."""
+        if self._modes is None:
+            shared = shared_by_group(self.state_dir)
+            self._modes = (0o2770, 0o660) if shared else (0o700, 0o600)
+        return self._modes
+
     def _ensure_dirs(self) -> None:
+        """The subfolders, with their modes set explicitly (mkdir's mode goes through the
+        umask: under ``umask 000`` they came out 0777). A folder of ours found too open
+        (made by an older release) is closed; another user's is left as it is."""
         try:
-            for sub in ("records", "locks", "logs"):
-                (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+            if not self.state_dir.is_dir():
+                self.state_dir.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.state_dir.mkdir(mode=0o700)
+                except FileExistsError:
+                    pass  # another caller made it a moment ago
+                else:
+                    os.chmod(self.state_dir, 0o700)
+            dir_mode, _ = self.modes()
+            for sub in SUBDIRS:
+                path = self.state_dir / sub
+                try:
+                    path.mkdir(mode=dir_mode)
+                except FileExistsError:
+                    st = path.stat()
+                    if stat.S_IMODE(st.st_mode) != dir_mode and st.st_uid == os.geteuid():
+                        os.chmod(path, dir_mode)
+                else:
+                    os.chmod(path, dir_mode)
         except OSError as e:
             raise StoreError(
                 f"cannot create the state directory {self.state_dir}: {e.strerror or e}",
@@ -56,34 +126,42 @@ class DirectStore(InflightFiles):
 
         self._ensure_dirs()
         _, lock_path = self._paths(service)
-        # mode 0o666: several users of one GPU host share the lock files (umask applies).
-        return FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S, mode=0o666)
+        # An explicit mode: filelock then sets it with fchmod, whatever the umask.
+        return FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S, mode=self.modes()[1])
 
-    def _read(self, service: str, *, recover: bool = True) -> Record:
-        """The record on disk. A broken one is set aside (``recover``; only under the lock)
-        or, without ``recover``, returned fresh with ``recovered`` saying why."""
+    def _load(self, service: str) -> Record | str:
+        """The record on disk checked against the schema, or why it fails."""
         path, _ = self._paths(service)
         try:
-            raw = path.read_bytes()
+            raw = _read_bounded(path)
         except FileNotFoundError:
             return Record(service=service)
         except OSError as e:
-            raise StoreError(f"cannot read {path}: {e.strerror or e}") from None
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW: a record is never a link elsewhere
+                return "it is a symbolic link"
+            raise StoreError(
+                f"cannot read {path}: {e.strerror or e}",
+                hint=f"the state directory {self.state_dir} must be readable by this user",
+            ) from None
         try:
-            # bytes: json decodes them, so bytes that are not UTF-8 are a ValueError here.
-            rec = decode_record(json.loads(raw))
-        except (ValueError, KeyError, TypeError) as e:
-            why = f"{type(e).__name__}: {e}"
-        else:
-            if rec.service == service:
-                return rec
-            why = f"it names service {rec.service!r}"
-        if not recover:
-            return Record(service=service, recovered=why)
-        return self._recover(service, path, why)
+            rec = parse_record(raw)
+        except RecordError as e:
+            return str(e)
+        if rec.service != service:
+            return f"it names service {rec.service!r}"
+        return rec
+
+    def _read(self, service: str) -> Record:
+        """The record, under its lock: one that fails the schema is set aside."""
+        got = self._load(service)
+        if isinstance(got, str):
+            got = self._recover(service, self._paths(service)[0], got)
+            self._write(got)  # the fresh record; the note goes to this reader only
+        return got
 
     def _recover(self, service: str, path: Path, why: str) -> Record:
-        """A corrupt or half-written record is set aside, never a crash."""
+        """A record that fails the schema is set aside (kept for a person to look at),
+        and the service starts afresh."""
         stamp = int(self.clock())
         saved = path.with_name(f"{path.name}.corrupt-{stamp}")
         n = 1
@@ -92,29 +170,47 @@ class DirectStore(InflightFiles):
             n += 1
         try:
             os.replace(path, saved)
-        except OSError:
-            saved = path
-        return Record(
-            service=service,
-            recovered=f"record was unreadable ({why}); kept as {saved.name}, started afresh",
-        )
+        except OSError as e:
+            raise StoreError(
+                f"the record {path} is unreadable ({why}) and cannot be set aside: "
+                f"{e.strerror or e}",
+                hint=f"move it away by hand; {path.parent} must be writable by this user",
+            ) from None
+        note = f"record was unreadable ({why}); kept as {saved.name}, started afresh"
+        return Record(service=service, recovered=clip(note))
 
     def _write(self, record: Record) -> None:
         path, _ = self._paths(record.service)
-        data = encode_record(record)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            # ``recovered`` is told to the reader that set the file aside, never stored:
+            # ``set_aside()`` lists the kept copies for as long as they are there.
+            data = encode_record(replace(record, recovered=None))
+        except RecordError as e:
+            raise StoreError(
+                f"refusing to write an invalid record for {record.service!r}: {e}"
+            ) from None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as e:
+            raise StoreError(
+                f"cannot write in {path.parent}: {e.strerror or e}",
+                hint=f"{path.parent} must be writable by this user (and on a local disk)",
+            ) from None
         try:
             # Atomic through os.replace: a reader never sees a torn record. No fsync: it
             # costs milliseconds on every lease operation, and after a power loss the
             # records' leases are void anyway (the boot id changes, the servers are gone).
             with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), self.modes()[1])
                 f.write(data)
-            os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            raise StoreError(f"cannot write {path}: {e.strerror or e}") from None
+            raise StoreError(
+                f"cannot write {path}: {e.strerror or e}",
+                hint=f"{path.parent} must be writable by this user (and on a local disk)",
+            ) from None
 
     def _effective(self, rec: Record) -> tuple[Record, LeaseState]:
         from gpuctl.adapters import procinfo
@@ -147,12 +243,17 @@ class DirectStore(InflightFiles):
             # for about a millisecond, so poll finely.
             lock.acquire(poll_interval=0.002)
         except Timeout:
+            path = self._paths(service)[1]
             raise StoreError(
-                f"the lock of {service!r} is held for more than {LOCK_TIMEOUT_S:.0f}s",
-                hint=f"a process is stuck holding {self._paths(service)[1]}",
+                f"the lock of {service!r} ({path}) is held for more than {LOCK_TIMEOUT_S:.0f}s",
+                hint=f"a process is stuck holding it: `fuser -v {path}` names it",
             ) from None
         except OSError as e:
-            raise StoreError(f"cannot lock {service!r}: {e.strerror or e}") from None
+            path = self._paths(service)[1]
+            raise StoreError(
+                f"cannot lock {service!r} ({path}): {e.strerror or e}",
+                hint=f"{path.parent} must be writable by this user (and on a local disk)",
+            ) from None
         return lock
 
     # ---- the interface
@@ -161,45 +262,71 @@ class DirectStore(InflightFiles):
         """Nothing to free: every call opens and closes its own files."""
 
     def get(self, service: str) -> Record:
-        # A broken record is set aside only under its lock: a reader that moved it without
-        # the lock could move away the fresh record a lock holder has just written.
-        rec = self._read(service, recover=False)
-        if rec.recovered:
+        got = self._load(service)
+        if isinstance(got, str):
+            # Set aside only under its lock: a reader that moved it without the lock could
+            # move away the fresh record a lock holder has just written.
             lock = self._locked(service)
             try:
-                rec = self._read(service)
-                if rec.recovered:
-                    self._write(replace(rec, recovered=None))
+                got = self._read(service)
             finally:
                 lock.release()
-        return self._effective(rec)[0]
+        return self._effective(got)[0]
 
     def recorded_pids(self) -> list[int]:
         """The server pids the records name (their launchers' handles), read without locks.
 
         The agent adds these to ``starting``: a recorded server is its service's whatever
-        its command line says.
+        its command line says. A record that fails the schema names no pid (the next
+        locked read sets it aside).
         """
         out: list[int] = []
-        for path in (self.state_dir / "records").glob("*.json"):
-            try:
-                data = json.loads(path.read_bytes())
-            except (OSError, ValueError):
-                continue
-            handle = data.get("handle") if isinstance(data, dict) else None
-            pid = handle.get("pid") if isinstance(handle, dict) else None
-            if isinstance(pid, int) and pid > 0 and data.get("phase") != "stopped":
-                out.append(pid)
+        for path in self._record_paths():
+            got = self._load(path.stem)
+            if isinstance(got, Record):
+                pid = (got.handle or {}).get("pid")
+                if isinstance(pid, int) and got.phase is not Phase.STOPPED:
+                    out.append(pid)
         return out
 
-    def records(self) -> list[Record]:
+    def _record_paths(self) -> list[Path]:
         d = self.state_dir / "records"
         try:
-            names = sorted(p.stem for p in d.glob("*.json"))
-        except OSError:
-            return []
+            paths = sorted(d.glob("*.json"))
+        except OSError as e:
+            raise StoreError(
+                f"cannot list {d}: {e.strerror or e}",
+                hint=f"{d} must be readable by this user",
+            ) from None
         # Names starting with "_" are gpuctl's own locks (the admission lock), not services.
-        return [self.get(n) for n in names if _NAME.fullmatch(n) and not n.startswith("_")]
+        return [p for p in paths if _NAME.fullmatch(p.stem) and not p.stem.startswith("_")]
+
+    def records(self) -> list[Record]:
+        return [self.get(p.stem) for p in self._record_paths()]
+
+    def set_aside(self) -> list[SetAside]:
+        """The record files that failed the schema and were kept, oldest first, each with
+        why it failed (read again, at most ``MAX_RECORD_BYTES`` of it)."""
+        d = self.state_dir / "records"
+        out: list[SetAside] = []
+        try:
+            paths = list(d.glob("*.json.corrupt-*"))
+        except OSError as e:
+            raise StoreError(f"cannot list {d}: {e.strerror or e}") from None
+        for path in paths:
+            m = _KEPT.fullmatch(path.name)
+            if m is None:
+                continue
+            try:
+                size = path.lstat().st_size
+                got: str | Record = (
+                    "it is a symbolic link" if path.is_symlink() else _why(_read_bounded(path))
+                )
+            except OSError as e:
+                got = f"cannot read it: {e.strerror or e}"
+            why = got if isinstance(got, str) else "it passes the schema now"
+            out.append(SetAside(m["service"], path.name, float(m["stamp"]), size, clip(why)))
+        return sorted(out, key=lambda a: (a.at, a.file))
 
     def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
         lock = self._locked(service)
@@ -208,7 +335,7 @@ class DirectStore(InflightFiles):
             if state is LeaseState.LIVE and rec.lease is not None and rec.lease.holder != holder.id:
                 return False, rec
             rec = replace(rec, lease=holder.lease(self.clock(), ttl_s))
-            self._write(replace(rec, recovered=None))
+            self._write(rec)
             return True, rec
         finally:
             lock.release()
@@ -273,17 +400,40 @@ class DirectStore(InflightFiles):
                 # touch now would lose to it anyway. It changes nothing, and the caller
                 # sees the stop in the record it gets back.
                 return current
-            rec = on_disk.touched(self.clock())
-            if ready and rec.phase not in (Phase.RUNNING, Phase.STOPPING):
-                rec = replace(rec.with_phase(Phase.RUNNING, self.clock()), failure=None)
-            self._write(replace(rec, recovered=None))
+            rec = on_disk.used(self.clock(), ready=ready)
+            self._write(rec)
             return self._effective(rec)[0]
         finally:
             lock.release()
 
 
 def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
+    """A holder's update, checked: a bad one is the caller's error (400 on the agent),
+    never a record no reader accepts. A holder's write also ends a recovery note: the
+    record says what is true again."""
     try:
-        return apply_update(rec, update, now)
+        out = replace(apply_update(rec, update, now), recovered=None)
+        check_record(out)
+    except RecordError as e:
+        raise UsageError(f"bad record update: {e}") from None
     except ValueError as e:
-        raise StoreError(f"bad record update: {e}") from None
+        raise UsageError(f"bad record update: {e}") from None
+    return out
+
+
+def _why(raw: bytes) -> str | Record:
+    try:
+        return parse_record(raw)
+    except RecordError as e:
+        return str(e)
+
+
+_KEPT = re.compile(r"(?P<service>.+)\.json\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
+
+
+def _read_bounded(path: Path) -> bytes:
+    """At most one byte past the limit (so the schema can say the file is too big),
+    never through a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(MAX_RECORD_BYTES + 1)

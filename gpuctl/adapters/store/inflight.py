@@ -45,7 +45,8 @@ if TYPE_CHECKING:
         clock: Callable[[], float]
 
         def _locked(self, service: str) -> Any: ...
-        def _read(self, service: str, *, recover: bool = True) -> Record: ...
+        def _read(self, service: str) -> Record: ...
+        def modes(self) -> tuple[int, int]: ...
         def _write(self, record: Record) -> None: ...
         def _effective(self, rec: Record) -> tuple[Record, LeaseState]: ...
         def _entry_path(self: _Files, service: str, holder_id: str) -> Path: ...
@@ -164,10 +165,15 @@ class InflightFiles:
     def _write_entry(self: _Files, service: str, entry: Lease) -> None:
         path = self._entry_path(service, entry.id)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            dir_mode, file_mode = self.modes()
+            for d in (path.parent.parent, path.parent):
+                with contextlib.suppress(FileExistsError):
+                    d.mkdir(mode=dir_mode)
+                    os.chmod(d, dir_mode)  # mkdir's mode goes through the umask
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
             try:
                 with os.fdopen(fd, "w") as f:
+                    os.fchmod(f.fileno(), file_mode)
                     json.dump(entry.to_dict(), f, sort_keys=True)
                 os.replace(tmp, path)
             except BaseException:
