@@ -364,3 +364,14 @@ def test_watch_on_a_terminal_names_its_interval_and_quits_on_ctrl_c(cli_env: Pat
     assert "used" in text and "▁" in text  # the sparkline of an idle GPU
     assert code == 0
     assert "Traceback" not in text
+
+
+def test_every_command_module_is_in_the_lazy_table() -> None:
+    """A new ``cli/*_cmd.py`` must be named in ``COMMANDS``, or it would never register."""
+    from gpuctl.cli.app import COMMANDS
+
+    modules = {p.stem for p in (ROOT / "gpuctl" / "cli").glob("*_cmd.py")}
+    assert modules == set(COMMANDS.values())
+    r = runner.invoke(create_app(), ["--help"])
+    for name in COMMANDS:
+        assert f"\n  {name} " in r.output, name
