@@ -146,3 +146,38 @@ def test_human_view_shows_each_gpu(two_gpus: SimHost) -> None:
     assert "20.0 GiB / 80.0 GiB" in gpu1
     # --wide: temperature and power, unknown on the sim, shown as unknown, not 0.
     assert "?  ?" in gpu1
+
+
+@pytest.mark.e2e
+def test_an_unpinned_service_starts_on_the_gpu_admission_chose(two_gpus: SimHost) -> None:
+    """FITS on GPU 1 must mean it runs on GPU 1: CUDA would put an unpinned server on
+    GPU 0, where 60 GiB does not fit beside 70 (the simulated server dies of OOM there,
+    as a real one would). ensure pins it with CUDA_VISIBLE_DEVICES."""
+    host = two_gpus
+    left, right = unique_name("left"), unique_name("right")
+    host.hold(left, "70GiB")
+    host.spawn(["sim", "hold", "--name", right, "--memory", "10GiB", "--gpu", "1"], right)
+    name, port = unique_name("anygpu"), free_port()
+    command = (
+        f"{sys.executable} -m gpuctl sim model-server --name {name} --memory 60GiB "
+        f"--load-time 1s --port {port}"
+    )
+    cfg = host.write_config(
+        f'[services.{name}]\nlauncher = "process"\ncommand = {json.dumps(command)}\n'
+        f'health = "http://127.0.0.1:{port}/health"\nmatch = ["{name}"]\n'
+        f'memory = "60GiB"\nhealth_timeout = "60s"\n'
+    )
+    try:
+        obj = wait_for(
+            cfg,
+            lambda o: [d["memory_used_mib"] for d in o["hosts"][0]["devices"]] == [71680, 10240],
+        )
+        assert (by_name(obj)[name]["decision"], by_name(obj)[name]["gpu"]) == ("FITS", 1)
+        r = run_ensure(cfg, name, "--timeout", "60s")
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        obj = wait_for(cfg, lambda o: by_name(o)[name]["decision"] == "READY")
+        (h,) = obj["hosts"]
+        assert [p["gpu"] for p in h["processes"] if p["service"] == name] == [1], h["processes"]
+        assert [d["memory_used_mib"] for d in h["devices"]] == [70 * GIB, 70 * GIB]
+    finally:
+        kill_servers(name)

@@ -18,10 +18,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from gpuctl.adapters.store import Holder, holder_here
+from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict, owner_of
+from gpuctl.core.model import Snapshot
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps
@@ -216,6 +219,20 @@ def _admission(ctx: _Ctx) -> Iterator[None]:
             deps.store.release(ADMISSION, holder.id)
 
 
+def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) -> ServiceConfig:
+    """The service as launched: on a host of several GPUs, pinned to the GPU admission
+    found room on (``CUDA_VISIBLE_DEVICES``), since CUDA would otherwise put it on GPU 0,
+    where it may not fit. A service whose ``env`` pins it already is left as it is."""
+    if (
+        verdict.gpu is None
+        or snapshot is None
+        or len(snapshot.device_list()) < 2
+        or "CUDA_VISIBLE_DEVICES" in svc.env
+    ):
+        return svc
+    return replace(svc, env={**svc.env, "CUDA_VISIBLE_DEVICES": str(verdict.gpu)})
+
+
 def _launch_under_lease(
     ctx: _Ctx, holder: Holder, ttl: float, first: Decision, wait: bool
 ) -> EnsureResult | None:
@@ -265,7 +282,7 @@ def _launch_under_lease(
                     {"phase": Phase.STARTING.value, "handle": None, "touch": True},
                 )
                 try:
-                    handle = launcher.start(svc)
+                    handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot))
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
