@@ -345,3 +345,48 @@ def test_a_fits_reason_names_the_top_holders_and_a_count(tmp_path: Path) -> None
     assert "job5.py" in v.reason and "job4.py" in v.reason  # the two biggest
     assert "4 more" in v.reason
     assert "job0.py" not in v.reason
+
+
+def test_a_bystander_reports_the_starters_failure_with_its_log(w: World) -> None:
+    other = holder_here("someone-else")
+    w.store.acquire("vllm", other, 600)
+    polls = {"n": 0}
+
+    def health() -> Health:
+        polls["n"] += 1
+        if polls["n"] == 6:  # the starter gives up and records why
+            w.store.release(
+                "vllm",
+                other.id,
+                {"failure": {"error": "CUDA out of memory", "log_tail": "Traceback\nOOM"}},
+            )
+        return Health("refused", "no")
+
+    deps = w.deps()
+    deps.check_health = health
+    r = ensure(deps)
+    assert (r.outcome, r.exit_code, r.launched) == (Outcome.FAILED, ExitCode.FAILED, False)
+    assert "CUDA out of memory" in r.reason and r.log_tail.endswith("OOM")
+    assert r.hint
+    assert w.launcher.started == []
+
+
+def test_a_bystander_whose_starter_backed_off_for_a_bigger_job_is_busy(w: World) -> None:
+    other = holder_here("someone-else")
+    w.store.acquire("vllm", other, 600)
+    polls = {"n": 0}
+
+    def health() -> Health:
+        polls["n"] += 1
+        if polls["n"] == 6:  # the starter backs off; a foreign job takes the GPU
+            w.store.release("vllm", other.id)
+            w.agent.processes = [GpuProcess(7, "python train.py", 100 * GIB, user="bob")]
+        return Health("refused", "no")
+
+    deps = w.deps()
+    deps.check_health = health
+    r = ensure(deps)
+    assert (r.outcome, r.exit_code, r.decision) == (Outcome.BUSY, ExitCode.BUSY, "BUSY")
+    assert "train.py" in r.reason
+    assert "ask bob" in r.hint
+    assert w.launcher.started == []

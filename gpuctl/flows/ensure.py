@@ -77,6 +77,7 @@ class _Ctx:
 
     def from_wait(self, w: Waited, decision: Decision, **kw: Any) -> EnsureResult:
         assert w.outcome is not None
+        kw.setdefault("hint", refusal_hint(self.deps, w.outcome, w.verdict))
         return self.result(w.outcome, w.reason, w.decision or decision, log_tail=w.log_tail, **kw)
 
 

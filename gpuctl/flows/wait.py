@@ -19,7 +19,7 @@ from typing import Protocol
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Holder
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Decision, Health, owns
+from gpuctl.core.decision import Decision, Health, Verdict, owns
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError
@@ -47,6 +47,7 @@ class Waited:
     reason: str = ""
     log_tail: str = ""
     decision: Decision | None = None  # a new decision the wait found (BUSY), if any
+    verdict: Verdict | None = None  # and the verdict behind it (who holds the GPU)
 
 
 AGAIN = Waited(None)
@@ -216,7 +217,7 @@ class BystanderWatch:
             if self.gone >= 2:
                 if d is Decision.BUSY:
                     # The holder backed off: another service took the memory.
-                    return Waited(Outcome.BUSY, verdict.reason, decision=d)
+                    return Waited(Outcome.BUSY, verdict.reason, decision=d, verdict=verdict)
                 return AGAIN
         else:
             self.gone = 0
