@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from gpuctl.config import Config, ServiceConfig, load_config
-from gpuctl.errors import ConfigError, GpuctlError, UsageError
+from gpuctl.errors import ConfigError, ExitCode, GpuctlError, UsageError
 
 TOUCH_EVERY_S = 30.0
 HEALTH_TIMEOUT_S = 2.0
@@ -142,13 +142,13 @@ def _slow_path(conf: Config, name: str, timeout: float | None, wait: bool) -> Re
     except (UsageError, ConfigError):
         raise
     except GpuctlError as e:
-        return ReadyResult(name, False, "UNKNOWN" if e.exit_code == 4 else "FAILED", e.message)
+        return ReadyResult(name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message)
     try:
         r = ensure(deps, timeout_s=timeout, wait=wait)
     except (UsageError, ConfigError):
         raise
     except GpuctlError as e:
-        return ReadyResult(name, False, "UNKNOWN" if e.exit_code == 4 else "FAILED", e.message)
+        return ReadyResult(name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message)
     finally:
         deps.close()
     decision = _OUTCOME_DECISION[r.outcome]
