@@ -142,13 +142,17 @@ def _slow_path(conf: Config, name: str, timeout: float | None, wait: bool) -> Re
     except (UsageError, ConfigError):
         raise
     except GpuctlError as e:
-        return ReadyResult(name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message)
+        return ReadyResult(
+            name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message
+        )
     try:
         r = ensure(deps, timeout_s=timeout, wait=wait)
     except (UsageError, ConfigError):
         raise
     except GpuctlError as e:
-        return ReadyResult(name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message)
+        return ReadyResult(
+            name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message
+        )
     finally:
         deps.close()
     decision = _OUTCOME_DECISION[r.outcome]

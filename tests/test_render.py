@@ -309,6 +309,9 @@ def test_only_and_user_filter_rows_but_not_memory(tmp_path: Path) -> None:
     assert list(by_user.snapshot.starting or ()) == []
     assert len(by_user.services) == 2
     assert filtered(report) is report
+    text = _text(render_status(filtered(report, users=["nobody"])))
+    assert "showing user nobody" in text and "no process matches the filter" in text
+    assert "held 20.0 GiB" in text  # the memory figures stay the whole host's
 
 
 # ---- locks, sim ls

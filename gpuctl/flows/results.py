@@ -188,6 +188,7 @@ class HostReport:
 class StatusReport:
     hosts: tuple[HostReport, ...]
     taken_at: str = ""
+    filters: tuple[str, ...] = ()  # what --only / --user narrowed, in words
 
     @property
     def exit_code(self) -> ExitCode:

@@ -222,7 +222,8 @@ def filtered(
                 health=tuple(h.health[i] for i in keep),
             )
         )
-    return replace(report, hosts=tuple(hosts))
+    words = tuple(f"only {n}" for n in only) + tuple(f"user {u}" for u in users)
+    return replace(report, hosts=tuple(hosts), filters=words)
 
 
 def _shown(

@@ -182,11 +182,17 @@ def _cmd(cmd: str | None, wide: bool, room: int, g: Glyphs) -> Text:
     return Text(cmd)
 
 
-def process_table(h: HostReport, wide: bool, width: int = 100, g: Glyphs = UNICODE) -> Table | Text:
+def process_table(
+    h: HostReport,
+    wide: bool,
+    width: int = 100,
+    g: Glyphs = UNICODE,
+    empty: str = "no processes on the GPU",
+) -> Table | Text:
     snap = h.snapshot
     assert snap is not None
     if not snap.processes and not snap.starting:
-        return Text("  no processes on the GPU", style="dim")
+        return Text(f"  {empty}", style="dim")
     t = Table(box=None, pad_edge=False, header_style="bold", show_edge=False, expand=False)
     # The short columns never shrink: the command takes what is left, and is cut.
     t.add_column("PID", justify="right", no_wrap=True, min_width=5)
@@ -259,6 +265,8 @@ def host_panel(
     width: int = 100,
     g: Glyphs = UNICODE,
     history: MemoryHistory | None = None,
+    *,
+    filtered: bool = False,
 ) -> Panel:
     title = Text.assemble((h.name, "bold"), "  ", (h.source, "dim"))
     parts: list[RenderableType] = []
@@ -281,7 +289,8 @@ def host_panel(
                 )
             )
         parts.append(Text(""))
-        parts.append(process_table(h, wide, width, g))
+        empty = "no process matches the filter" if filtered else "no processes on the GPU"
+        parts.append(process_table(h, wide, width, g, empty))
         subtitle = f"probe {snap.probe} {g.dot} {normalise_iso(snap.taken_at)}"
     if h.services:
         parts.append(Text(""))
@@ -311,13 +320,15 @@ def render_status(
     With ``interval_s`` (``--watch``) a header names the interval and how to quit, and
     ``history`` adds each host's sparkline of used memory.
     """
+    filtered = bool(report.filters)
     panels: Sequence[RenderableType] = [
-        host_panel(h, wide, width, g, history) for h in report.hosts
+        host_panel(h, wide, width, g, history, filtered=filtered) for h in report.hosts
     ]
-    if interval_s is None:
-        return Group(*panels)
-    head = Text(
-        f"every {_duration(interval_s)} {g.dot} {report.taken_at} {g.dot} Ctrl-C to quit",
-        style="dim",
-    )
-    return Group(head, *panels)
+    heads = []
+    if interval_s is not None:
+        heads.append(
+            f"every {_duration(interval_s)} {g.dot} {report.taken_at} {g.dot} Ctrl-C to quit"
+        )
+    if filtered:
+        heads.append(f"showing {f' {g.dot} '.join(report.filters)} (memory figures: all)")
+    return Group(*(Text(h, style="dim") for h in heads), *panels)
