@@ -123,6 +123,7 @@ COMMANDS: dict[str, str] = {
     "stop": "service_cmd",
     "touch": "service_cmd",
     "locks": "service_cmd",
+    "reclaim": "reclaim_cmd",
     "config": "config_cmd",
     "agent": "agent_cmd",
     "sim": "sim_cmd",

@@ -1,0 +1,261 @@
+"""``gpuctl reclaim``: give the GPU back, from cron (DESIGN §10, issue 8 §1).
+
+Per host, one run at a time (a lease on the pseudo-service ``_reclaim``; a second run
+finds it held and leaves at once). Then:
+
+1. read the host once: its records and its in-flight counts (one list each, whatever
+   the number of services), and a snapshot only when something may be stopped;
+2. judge every service (``gpuctl.core.idle.judge``), reading a server's own in-flight
+   requests (vLLM's ``/metrics``) only for the services past their timeout;
+3. for each service to free: take its lease (without waiting: a lease held means
+   someone is starting, stopping or waking it), judge again under the lease with the
+   record the lease came with and fresh in-flight counts, and only then stop it, put
+   it to sleep, or unload it. While reclaim holds the lease, a touch changes nothing
+   and a new ``in_use`` waits, so either they win (before the lease) or reclaim does;
+4. touch the services busy past their timeout.
+
+Nothing is stopped on a host that could not be read (exit 4), and nothing gpuctl did
+not start: a stop goes by the record's handle only, never by keywords.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpuctl.adapters.launchers.base import Handle, Launcher
+from gpuctl.adapters.store import Store, holder_here
+from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
+from gpuctl.core.model import HostIdentity, Snapshot
+from gpuctl.core.record import Phase, Record
+from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.flows.deps import Closers, SnapshotReader
+
+RUN_LOCK = "_reclaim"
+RUN_LOCK_TTL_S = 15 * 60.0
+STOP_LEASE_MARGIN_S = 60.0
+
+
+@dataclass
+class ReclaimHost:
+    """One host as reclaim sees it: its store, its snapshot, and how to act on a service."""
+
+    host: HostConfig
+    store: Store
+    read_snapshot: SnapshotReader
+    # service -> its server's requests in flight (None: no such metric); raises GpuctlError
+    server_in_flight: Callable[[ServiceConfig], int | None]
+    # (service, snapshot) -> its launcher
+    make_launcher: Callable[[ServiceConfig, Snapshot | None], Launcher]
+    # (service) -> puts a vLLM to sleep at its sleep_level; raises GpuctlError
+    sleep_server: Callable[[ServiceConfig], None]
+
+
+@dataclass
+class ReclaimDeps(Closers):
+    config: Config = field(kw_only=True)
+    hosts: list[ReclaimHost] = field(kw_only=True)
+    here: HostIdentity = field(kw_only=True)
+    clock: Callable[[], float] = field(kw_only=True, default=time.time)
+
+
+@dataclass
+class Planned:
+    """A candidate on a host, and what became of it."""
+
+    host: str
+    candidate: Candidate
+    done: bool = False
+    error: str | None = None
+    hint: str = ""
+
+
+@dataclass
+class HostOutcome:
+    name: str
+    error: str | None = None
+    hint: str = ""
+    busy: str | None = None  # another reclaim runs there (a second run leaves at once)
+
+
+@dataclass
+class ReclaimReport:
+    dry_run: bool
+    hosts: list[HostOutcome] = field(default_factory=list)
+    planned: list[Planned] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if any(h.error for h in self.hosts):
+            return ExitCode.UNKNOWN
+        if any(p.error for p in self.planned):
+            return ExitCode.FAILED
+        return ExitCode.OK
+
+
+def reclaim(deps: ReclaimDeps, *, dry_run: bool = False) -> ReclaimReport:
+    """Reclaim every host in ``deps``. Never raises for a host: its error is reported."""
+    report = ReclaimReport(dry_run)
+    for rh in deps.hosts:
+        outcome = HostOutcome(rh.host.name)
+        report.hosts.append(outcome)
+        try:
+            _reclaim_host(deps, rh, outcome, report.planned, dry_run)
+        except GpuctlError as e:
+            outcome.error, outcome.hint = e.message, e.hint
+    return report
+
+
+def _reclaim_host(
+    deps: ReclaimDeps,
+    rh: ReclaimHost,
+    outcome: HostOutcome,
+    planned: list[Planned],
+    dry_run: bool,
+) -> None:
+    run = holder_here("reclaim")
+    if not dry_run:
+        granted, rec = rh.store.acquire(RUN_LOCK, run, RUN_LOCK_TTL_S)
+        if not granted:
+            lease = rec.lease
+            outcome.busy = (
+                f"another reclaim runs there ({lease.entry} pid {lease.pid} on {lease.host})"
+                if lease
+                else "another reclaim runs there"
+            )
+            return
+    try:
+        services = deps.config.services_on(rh.host.name)
+        records = {r.service: r for r in rh.store.records()}
+        in_flight = rh.store.inflight()
+        now = deps.clock()
+        facts = [_facts(s, records.get(s.name), in_flight, now, rh) for s in services]
+        # One snapshot, and only when something may be freed: where a process launcher's
+        # server runs decides whether this machine can signal it.
+        snapshot: Snapshot | None = None
+        if any(judge(f, now).action.frees for f in facts):
+            snapshot = rh.read_snapshot([], [])
+            facts = [
+                _where(f, s, rh.host, snapshot, deps.here)
+                for f, s in zip(facts, services, strict=True)
+            ]
+        for svc, f in zip(services, facts, strict=True):
+            c = judge(f, now)
+            p = Planned(rh.host.name, c)
+            planned.append(p)
+            if dry_run or c.quiet:
+                continue
+            if c.action is Action.TOUCH:
+                _touch(rh, svc, p)
+            elif c.action.frees:
+                _free(deps, rh, svc, p, snapshot)
+    finally:
+        if not dry_run:
+            with contextlib.suppress(GpuctlError):
+                rh.store.release(RUN_LOCK, run.id)
+
+
+def _facts(
+    svc: ServiceConfig,
+    rec: Record | None,
+    in_flight: dict[str, int],
+    now: float,
+    rh: ReclaimHost,
+) -> IdleFacts:
+    rec = rec or Record(service=svc.name)
+    lease = rec.lease
+    f = IdleFacts(
+        service=svc.name,
+        managed=svc.launcher is not None,
+        idle_timeout_s=svc.idle_timeout_s,
+        stop=svc.stop,
+        launcher=svc.launcher,
+        sleep_level=svc.sleep_level,
+        phase=rec.phase,
+        last_used=rec.last_used,
+        since=rec.since,
+        lease=f"{lease.entry} pid {lease.pid} on {lease.host}" if lease else None,
+        has_handle=bool(rec.handle),
+        store_in_flight=in_flight.get(svc.name, 0),
+    )
+    if needs_in_flight(f, now):
+        try:
+            f = replace(f, server_in_flight=rh.server_in_flight(svc))
+        except GpuctlError as e:
+            f = replace(f, in_flight_error=e.message)
+    return f
+
+
+def _where(
+    f: IdleFacts, svc: ServiceConfig, host: HostConfig, snap: Snapshot, here: HostIdentity
+) -> IdleFacts:
+    """A process-launched server on another machine: only that machine can signal it."""
+    if svc.launcher != "process" or not host.agent:
+        return f
+    there = snap.host
+    if there is not None and (there.hostname, there.boot_id) == (here.hostname, here.boot_id):
+        return f
+    return replace(f, remote_process=there.hostname if there else f"host {host.name}")
+
+
+def _touch(rh: ReclaimHost, svc: ServiceConfig, p: Planned) -> None:
+    try:
+        rh.store.touch(svc.name)
+        p.done = True
+    except GpuctlError as e:
+        p.error, p.hint = f"touch failed: {e.message}", e.hint
+
+
+def _free(
+    deps: ReclaimDeps, rh: ReclaimHost, svc: ServiceConfig, p: Planned, snap: Snapshot | None
+) -> None:
+    """Stop (sleep, unload) one service under its lease, after judging it again there."""
+    holder = holder_here("reclaim")
+    ttl = svc.stop_timeout_s + STOP_LEASE_MARGIN_S
+    granted, rec = rh.store.acquire(svc.name, holder, ttl)
+    if not granted:
+        lease = rec.lease
+        who = f"{lease.entry} pid {lease.pid} on {lease.host}" if lease else "someone"
+        p.candidate = replace(p.candidate, action=Action.KEEP, reason=f"lease held by {who}")
+        return
+    update: dict[str, Any] | None = None
+    touch_after = False
+    try:
+        # Under the lease: the record it came with is fresh (a touch before it counts,
+        # none after it does), and any in_use that began before it is in the counts.
+        now = deps.clock()
+        f = _facts(svc, replace(rec, lease=None), rh.store.inflight(), now, rh)
+        if snap is not None:
+            f = _where(f, svc, rh.host, snap, deps.here)
+        again = judge(f, now)
+        if again.action is not p.candidate.action:
+            p.candidate = again
+            touch_after = again.action is Action.TOUCH
+            return
+        try:
+            if again.action is Action.SLEEP:
+                rh.sleep_server(svc)
+                update = {"phase": Phase.SLEEPING.value}
+            else:
+                handle = Handle.from_dict(rec.handle) if rec.handle else Handle(kind="ollama")
+                launcher = rh.make_launcher(svc, snap)
+                launcher.stop(handle, svc.stop_timeout_s)
+                update = {"phase": Phase.STOPPED.value, "handle": None}
+        except GpuctlError as e:
+            p.error, p.hint = e.message, e.hint
+            return
+        p.done = True
+    finally:
+        with contextlib.suppress(GpuctlError):
+            rh.store.release(svc.name, holder.id, update)
+        if touch_after:
+            _touch(rh, svc, p)
+
+
+def report_lines(report: ReclaimReport) -> Sequence[Planned]:
+    """The candidates worth a line (everything but the quiet keeps)."""
+    return [p for p in report.planned if not p.candidate.quiet or p.error]

@@ -1,0 +1,64 @@
+"""Build the real adapters for ``gpuctl reclaim``: per host its store, its snapshot, the
+servers' in-flight metrics, launchers and vLLM's sleep (one HTTP client for all)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from gpuctl.adapters.launchers.base import Launcher
+from gpuctl.adapters.store import store_for
+from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.model import Snapshot
+from gpuctl.errors import ConfigError
+from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
+from gpuctl.flows.wiring import SharedHttp, launcher_for, snapshot_reader
+
+
+def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> ReclaimDeps:
+    """Every configured host (or the named ones). Raises ``UsageError`` for an unknown one."""
+    from gpuctl.adapters import procinfo
+
+    hosts = [config.host(n) for n in host_names] if host_names else list(config.hosts.values())
+    closers: list[Callable[[], None]] = []
+    http = SharedHttp(closers)
+    return ReclaimDeps(
+        closers,
+        config=config,
+        hosts=[_host(h, closers, http) for h in hosts],
+        here=procinfo.host_identity(),
+    )
+
+
+def _host(host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp) -> ReclaimHost:
+    from gpuctl.adapters import vllm
+
+    store = store_for(host)
+    closers.append(store.close)
+    launchers: dict[str, Launcher] = {}
+
+    def make_launcher(svc: ServiceConfig, snap: Snapshot | None) -> Launcher:
+        if svc.name not in launchers:
+            launchers[svc.name] = launcher_for(svc, host, snap)
+            closers.append(launchers[svc.name].close)
+        return launchers[svc.name]
+
+    def server_in_flight(svc: ServiceConfig) -> int | None:
+        url = vllm.metrics_url(svc.health, svc.metrics)
+        return vllm.in_flight(url, http()) if url else None
+
+    def sleep_server(svc: ServiceConfig) -> None:
+        if not svc.health:
+            raise ConfigError(
+                f'services.{svc.name}.stop = "sleep" needs services.{svc.name}.health '
+                "(vLLM's sleep endpoints are at its origin)"
+            )
+        vllm.sleep(vllm.origin(svc.health), svc.sleep_level or 1, http())
+
+    return ReclaimHost(
+        host=host,
+        store=store,
+        read_snapshot=snapshot_reader(host, closers, http),
+        server_in_flight=server_in_flight,
+        make_launcher=make_launcher,
+        sleep_server=sleep_server,
+    )

@@ -1,0 +1,105 @@
+"""``gpuctl reclaim``: one line per action for cron, or one JSON object.
+
+Text: nothing at all when there is nothing to do (cron mails only what matters); one
+line on stdout per action, and per service that was past its timeout but kept; a host
+that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would".
+
+``gpuctl reclaim --json`` (schema 1)::
+
+    {"schema": 1, "dry_run": false, "exit_code": 0,
+     "hosts": [{"name": "dgx", "ok": true, "error": null, "hint": "",
+                "skipped": null}],            # or "another reclaim runs there (…)"
+     "candidates": [{"host": "dgx", "service": "vllm", "action": "stop",
+                     "reason": "idle 41m > 30m", "idle_s": 2460.0, "done": true,
+                     "error": null, "hint": ""}]}
+
+``action`` is stop, sleep, unload, touch or keep; every configured service of every
+host that was read is a candidate, those with nothing to do as ``keep``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuctl.core.idle import Action
+from gpuctl.flows.reclaim import Planned, ReclaimReport, report_lines
+
+SCHEMA = 1
+
+_DONE = {
+    Action.STOP: "stopped",
+    Action.SLEEP: "put to sleep",
+    Action.UNLOAD: "unloaded",
+    Action.TOUCH: "touched",
+    Action.KEEP: "kept",
+}
+_WOULD = {
+    Action.STOP: "would stop",
+    Action.SLEEP: "would put to sleep",
+    Action.UNLOAD: "would unload",
+    Action.TOUCH: "would touch",
+    Action.KEEP: "would keep",
+}
+_FAILED = {
+    Action.STOP: "failed to stop",
+    Action.SLEEP: "failed to put to sleep",
+    Action.UNLOAD: "failed to unload",
+    Action.TOUCH: "failed to touch",
+    Action.KEEP: "kept",
+}
+
+
+def reclaim_lines(report: ReclaimReport) -> list[str]:
+    """The lines for stdout: one per action (empty when there is nothing to do)."""
+    return [_line(p, report.dry_run) for p in report_lines(report)]
+
+
+def _line(p: Planned, dry_run: bool) -> str:
+    c = p.candidate
+    if p.error:
+        verb = _FAILED[c.action]
+        hint = f" (hint: {p.hint})" if p.hint else ""
+        return f"{verb} {c.service} on {p.host}: {p.error}{hint}"
+    verb = (_WOULD if dry_run else _DONE)[c.action]
+    return f"{verb} {c.service} on {p.host}: {c.reason}"
+
+
+def host_errors(report: ReclaimReport) -> list[str]:
+    """One line per host that could not be read (for stderr)."""
+    out = []
+    for h in report.hosts:
+        if h.error:
+            hint = f"\n  hint: {h.hint}" if h.hint else ""
+            out.append(f"gpuctl: host {h.name} not reclaimed: {h.error}{hint}")
+    return out
+
+
+def reclaim_to_json(report: ReclaimReport) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "dry_run": report.dry_run,
+        "exit_code": int(report.exit_code),
+        "hosts": [
+            {
+                "name": h.name,
+                "ok": h.error is None,
+                "error": h.error,
+                "hint": h.hint,
+                "skipped": h.busy,
+            }
+            for h in report.hosts
+        ],
+        "candidates": [
+            {
+                "host": p.host,
+                "service": p.candidate.service,
+                "action": p.candidate.action.value,
+                "reason": p.candidate.reason,
+                "idle_s": round(p.candidate.idle_s, 1) if p.candidate.idle_s is not None else None,
+                "done": p.done,
+                "error": p.error,
+                "hint": p.hint,
+            }
+            for p in report.planned
+        ],
+    }
