@@ -36,11 +36,44 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
 
+from gpuctl.core.accounting import (
+    GpuRoom,
+    best_fit,
+    candidates,
+    committed_memory,
+    gpu_rooms,
+    held_by,
+    holders_of,
+    on_gpu_text,
+)
 from gpuctl.core.model import GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.ownership import (
+    ServiceSpec,
+    describe_process,
+    loading_match,
+    owner_of,
+    owns,
+)
 from gpuctl.core.record import Record, in_backoff
 from gpuctl.core.units import format_duration, format_mib
+
+# The accounting and ownership helpers are part of the decision's public face: flows,
+# renderers and tests import them from here.
+__all__ = [
+    "NO_HEALTH",
+    "Decision",
+    "GpuRoom",
+    "Health",
+    "ServiceSpec",
+    "Verdict",
+    "classify",
+    "committed_memory",
+    "gpu_rooms",
+    "loading_match",
+    "owner_of",
+    "owns",
+]
 
 
 class Decision(StrEnum):
@@ -53,39 +86,6 @@ class Decision(StrEnum):
     FITS = "FITS"
     PREEMPTABLE = "PREEMPTABLE"
     BUSY = "BUSY"
-
-
-class ServiceSpec(Protocol):
-    """What the decision needs of a service (``gpuctl.config.ServiceConfig`` is one)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def keywords(self) -> tuple[str, ...]: ...
-    @property
-    def memory_mib(self) -> int | None: ...
-    @property
-    def priority(self) -> int: ...
-    @property
-    def health_timeout_s(self) -> float: ...
-    @property
-    def devices(self) -> tuple[int, ...] | None:
-        """The GPU indexes the service may use; None: any one GPU."""
-
-
-def loading_match(
-    spec: ServiceSpec, s: StartingProcess, servers: Mapping[int, str] | None = None
-) -> bool:
-    """A host process not on the GPU that counts as this service loading.
-
-    Either the service's record names it (its launcher recorded its pid), or its command
-    carries a keyword and it is younger than the service's health timeout: a model
-    server does not read weights for longer than that, while a `tail -f` of its log or
-    an editor on its config can sit there for days, and must not block starts.
-    """
-    if servers and s.pid in servers:
-        return servers[s.pid] == spec.name
-    return owns(spec, s.command) and (s.age_s is None or s.age_s < spec.health_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,159 +128,6 @@ class Verdict:
     @property
     def own_memory_mib(self) -> int:
         return sum(p.memory_mib or 0 for p in self.own)
-
-
-def owns(spec: ServiceSpec, command: str | None) -> bool:
-    """True when a command line carries one of the service's match keywords (case-insensitive)."""
-    if not command:
-        return False
-    low = command.lower()
-    return any(k.lower() in low for k in spec.keywords)
-
-
-def owner_of(
-    command: str | None,
-    specs: Sequence[ServiceSpec],
-    pid: int | None = None,
-    servers: Mapping[int, str] | None = None,
-) -> ServiceSpec | None:
-    """The service a process belongs to: the one whose record names its pid (its launcher
-    recorded it: true whatever its command line says), else the first whose keywords match."""
-    if servers and pid is not None and pid in servers:
-        name = servers[pid]
-        return next((s for s in specs if s.name == name), None)
-    for s in specs:
-        if owns(s, command):
-            return s
-    return None
-
-
-def _describe(p: GpuProcess, width: int = 72) -> str:
-    """``pid 123 (python -m vllm… , 8.0 GiB)``: short, but with what tells one job from another.
-
-    The program is named by its base name: a long venv path would push the arguments
-    (the model, the job's name) out of the cut.
-    """
-    if p.command is None:
-        cmd = "<command not visible>"
-    else:
-        words = p.command.split()
-        cmd = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]]) if words else ""
-    if len(cmd) > width:
-        cmd = cmd[: width - 1] + "…"
-    mem = format_mib(p.memory_mib)
-    return f"pid {p.pid} ({cmd}, {mem})"
-
-
-@dataclass(frozen=True, slots=True)
-class GpuRoom:
-    """One GPU as admission sees it: what is held or promised there, and by whom.
-
-    ``committed_mib`` = memory that no process accounts for ("unattributed": driver
-    reserve, processes whose memory NVML cannot tell, processes in another PID
-    namespace) + processes of no service + each service at max(measured, budget) +
-    services starting with nothing on a GPU yet, at their budget on every GPU they may
-    land on. ``error`` is set when the GPU could not be read: nothing is known of it.
-    """
-
-    index: int
-    total_mib: int | None
-    committed_mib: int
-    unattributed_mib: int = 0
-    holders: tuple[GpuProcess, ...] = ()
-    promised: tuple[str, ...] = ()
-    error: str | None = None
-
-    @property
-    def free_mib(self) -> int | None:
-        return None if self.total_mib is None else self.total_mib - self.committed_mib
-
-
-def gpu_rooms(
-    snapshot: Snapshot,
-    specs: Sequence[ServiceSpec],
-    *,
-    exclude: ServiceSpec | None = None,
-    starting_services: Collection[str] = (),
-    servers: Mapping[int, str] | None = None,
-    total_override_mib: int | None = None,
-) -> tuple[GpuRoom, ...]:
-    """Memory already promised on each GPU, and the processes holding it.
-
-    Processes of ``exclude`` (the service being decided) are left out. A configured
-    service counts at max(measured, budget) on the GPU(s) it runs on; a service that is
-    starting (its processes not on a GPU yet, or in ``starting_services``: someone holds
-    its lease, its server may not even exist) counts at its budget on each GPU it may
-    use, since nobody knows yet which one it will take.
-    """
-    everyone = [*specs, exclude] if exclude is not None else list(specs)
-    others = [s for s in specs if exclude is None or s.name != exclude.name]
-    devices = snapshot.device_list()
-    known: dict[int, int] = {}  # what processes account for, per GPU (ours included)
-    loose: dict[int, int] = {}
-    measured: dict[str, dict[int, int]] = {}
-    holders: dict[int, list[GpuProcess]] = {}
-    for p in snapshot.gpu_processes:
-        known[p.gpu] = known.get(p.gpu, 0) + (p.memory_mib or 0)
-        svc = owner_of(p.command, everyone, p.pid, servers)
-        if exclude is not None and svc is not None and svc.name == exclude.name:
-            continue
-        holders.setdefault(p.gpu, []).append(p)
-        if svc is None:
-            loose[p.gpu] = loose.get(p.gpu, 0) + (p.memory_mib or 0)
-        else:
-            per_gpu = measured.setdefault(svc.name, {})
-            per_gpu[p.gpu] = per_gpu.get(p.gpu, 0) + (p.memory_mib or 0)
-    promised = {n for n in starting_services if exclude is None or n != exclude.name}
-    for sp in snapshot.starting or ():
-        svc = owner_of(sp.command, others, sp.pid, servers)
-        if svc is not None and loading_match(svc, sp, servers):
-            promised.add(svc.name)
-    rooms = []
-    for d in devices:
-        if not d.readable:
-            rooms.append(GpuRoom(d.index, None, 0, error=d.error))
-            continue
-        used = d.memory_used_mib
-        unattributed = max(0, used - known.get(d.index, 0)) if used is not None else 0
-        committed = unattributed + loose.get(d.index, 0)
-        names = []
-        for o in others:
-            on = measured.get(o.name, {})
-            if on:
-                if d.index in on:
-                    # A server spread over several GPUs grows to its budget over all of them.
-                    committed += max(on[d.index], (o.memory_mib or 0) // len(on))
-            elif o.name in promised and (o.devices is None or d.index in o.devices):
-                committed += o.memory_mib or 0
-                names.append(o.name)
-        total = d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
-        rooms.append(
-            GpuRoom(
-                d.index,
-                total,
-                committed,
-                unattributed,
-                tuple(holders.get(d.index, ())),
-                tuple(names),
-            )
-        )
-    return tuple(rooms)
-
-
-def committed_memory(
-    snapshot: Snapshot,
-    specs: Sequence[ServiceSpec],
-    exclude: ServiceSpec | None = None,
-    starting_services: Collection[str] = (),
-    servers: Mapping[int, str] | None = None,
-) -> tuple[int, list[GpuProcess]]:
-    """Memory promised over all GPUs together, and the processes holding it (for views
-    of the whole host; admission uses ``gpu_rooms``, one GPU at a time)."""
-    rooms = gpu_rooms(
-        snapshot, specs, exclude=exclude, starting_services=starting_services, servers=servers
-    )
-    return sum(r.committed_mib for r in rooms), [h for r in rooms for h in r.holders]
 
 
 def classify(
@@ -365,7 +212,7 @@ def classify(
         if mine(s.pid, s.command) and loading_match(spec, s, servers) and s.pid not in own_pids
     )
     if own or starting:
-        parts = [_describe(p) for p in own]
+        parts = [describe_process(p) for p in own]
         parts += [f"pid {s.pid} starting (not on the GPU yet)" for s in starting[:3]]
         state = health.detail or health.state
         return Verdict(
@@ -411,7 +258,7 @@ def classify(
         servers=servers,
         total_override_mib=total_override_mib,
     )
-    candidates, unknown = _candidates(spec, rooms)
+    usable, unknown = candidates(spec, rooms)
     if unknown:
         return Verdict(
             name, Decision.UNKNOWN, f"not healthy ({health.detail or health.state}); {unknown}"
@@ -422,106 +269,56 @@ def classify(
     if idle:
         # Nothing runs, but memory nothing accounts for (a process in another PID
         # namespace, a MIG slice we cannot see into) still is not free.
-        room = _best(candidates, need or 0)
-        if need is None or room is not None or all(r.total_mib is None for r in candidates):
-            chosen = room or candidates[0]
+        room = best_fit(usable, need or 0)
+        if need is None or room is not None or all(r.total_mib is None for r in usable):
+            chosen = room or usable[0]
             return Verdict(
-                name, Decision.IDLE, "no process on the GPU" + _on(chosen, many), gpu=chosen.index
+                name,
+                Decision.IDLE,
+                "no process on the GPU" + on_gpu_text(chosen, many),
+                gpu=chosen.index,
             )
 
-    held_by = _held_by(candidates)
+    holders_text = held_by(usable)
     if need is None:
         return Verdict(
             name,
             Decision.BUSY,
-            f"GPU in use by {held_by} (the service has no memory budget, so any other process means busy)",
-            holders=_holders(candidates),
+            f"GPU in use by {holders_text} (the service has no memory budget, so any other process means busy)",
+            holders=holders_of(usable),
         )
-    room = _best(candidates, need)
+    room = best_fit(usable, need)
     if room is not None:
         assert room.free_mib is not None and room.total_mib is not None
         return Verdict(
             name,
             Decision.FITS,
             f"needs {format_mib(need)}, {format_mib(room.free_mib)} of {format_mib(room.total_mib)} "
-            f"free{_on(room, many)} beside {_held_by((room,))}",
+            f"free{on_gpu_text(room, many)} beside {held_by((room,))}",
             holders=room.holders,
             need_mib=need,
             free_mib=room.free_mib,
             gpu=room.index,
         )
-    known = [r for r in candidates if r.total_mib is not None]
+    known = [r for r in usable if r.total_mib is not None]
     if not known:
         return Verdict(
             name,
             Decision.BUSY,
-            f"GPU total memory unknown, cannot tell whether {format_mib(need)} fits beside {held_by}",
-            holders=_holders(candidates),
+            f"GPU total memory unknown, cannot tell whether {format_mib(need)} fits beside {holders_text}",
+            holders=holders_of(usable),
             need_mib=need,
         )
     most = max(known, key=lambda r: (r.free_mib or 0, -r.index))
     assert most.free_mib is not None and most.total_mib is not None
-    where = " on any GPU" if many and len(candidates) > 1 else _on(most, many)
+    where = " on any GPU" if many and len(usable) > 1 else on_gpu_text(most, many)
     best = f" (most on GPU {most.index})" if where == " on any GPU" else ""
     return Verdict(
         name,
         Decision.BUSY,
         f"needs {format_mib(need)} but only {format_mib(max(most.free_mib, 0))} of "
-        f"{format_mib(most.total_mib)} free{where}{best}; held by {_held_by((most,))}",
-        holders=_holders(candidates),
+        f"{format_mib(most.total_mib)} free{where}{best}; held by {held_by((most,))}",
+        holders=holders_of(usable),
         need_mib=need,
         free_mib=most.free_mib,
     )
-
-
-def _candidates(spec: ServiceSpec, rooms: Sequence[GpuRoom]) -> tuple[list[GpuRoom], str]:
-    """The GPUs ``spec`` may use, or why nothing can be decided (a GPU it may use is
-    unreadable: what runs there, and whether it is ours, is unknown)."""
-    by_index = {r.index: r for r in rooms}
-    if spec.devices is None:
-        chosen = list(rooms)
-    else:
-        missing = [i for i in spec.devices if i not in by_index]
-        if missing:
-            have = ", ".join(str(i) for i in sorted(by_index)) or "none"
-            return [], (
-                f"services.{spec.name}.devices names GPU {missing[0]}, which this host does not "
-                f"have (GPUs: {have})"
-            )
-        chosen = [by_index[i] for i in spec.devices]
-    bad = [r for r in chosen if r.error is not None]
-    if bad:
-        r = bad[0]
-        pinned = "" if spec.devices is None else " it is pinned to"
-        return [], f"GPU {r.index}{pinned} cannot be read ({r.error})"
-    return chosen, ""
-
-
-def _best(rooms: Sequence[GpuRoom], need: int) -> GpuRoom | None:
-    """The GPU where ``need`` fits most tightly (best fit: it keeps the roomiest GPUs whole
-    for a bigger service later); the lowest index on a tie."""
-    fits = [r for r in rooms if r.free_mib is not None and need <= r.free_mib]
-    return min(fits, key=lambda r: (r.free_mib, r.index)) if fits else None
-
-
-def _on(room: GpuRoom, many: bool) -> str:
-    return f" on GPU {room.index}" if many else ""
-
-
-def _holders(rooms: Sequence[GpuRoom]) -> tuple[GpuProcess, ...]:
-    return tuple(h for r in rooms for h in r.holders)
-
-
-def _held_by(rooms: Sequence[GpuRoom], top: int = 2) -> str:
-    """The biggest holders by name and a count of the rest, so a reason stays one line or two."""
-    procs = sorted(_holders(rooms), key=lambda p: -(p.memory_mib or 0))
-    parts = [_describe(p) for p in procs[:top]]
-    promised = sorted({n for r in rooms for n in r.promised})
-    rest = len(procs) - top
-    if rest > 0:
-        parts.append(f"{rest} more")
-    parts += [f"{n} (starting)" for n in promised]
-    unattributed = max((r.unattributed_mib for r in rooms), default=0)
-    if unattributed >= 1024:
-        parts.append(f"{format_mib(unattributed)} no process accounts for")
-    return "; ".join(parts) or "other services starting"

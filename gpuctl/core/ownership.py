@@ -1,0 +1,87 @@
+"""Whose is a process: a service's by the pid its record names, else by its keywords.
+
+The decision and the memory accounting both ask this, so it lives on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from gpuctl.core.model import GpuProcess, StartingProcess
+from gpuctl.core.units import format_mib
+
+
+class ServiceSpec(Protocol):
+    """What the decision needs of a service (``gpuctl.config.ServiceConfig`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def keywords(self) -> tuple[str, ...]: ...
+    @property
+    def memory_mib(self) -> int | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def health_timeout_s(self) -> float: ...
+    @property
+    def devices(self) -> tuple[int, ...] | None:
+        """The GPU indexes the service may use; None: any one GPU."""
+
+
+def loading_match(
+    spec: ServiceSpec, s: StartingProcess, servers: Mapping[int, str] | None = None
+) -> bool:
+    """A host process not on the GPU that counts as this service loading.
+
+    Either the service's record names it (its launcher recorded its pid), or its command
+    carries a keyword and it is younger than the service's health timeout: a model
+    server does not read weights for longer than that, while a `tail -f` of its log or
+    an editor on its config can sit there for days, and must not block starts.
+    """
+    if servers and s.pid in servers:
+        return servers[s.pid] == spec.name
+    return owns(spec, s.command) and (s.age_s is None or s.age_s < spec.health_timeout_s)
+
+
+def owns(spec: ServiceSpec, command: str | None) -> bool:
+    """True when a command line carries one of the service's match keywords (case-insensitive)."""
+    if not command:
+        return False
+    low = command.lower()
+    return any(k.lower() in low for k in spec.keywords)
+
+
+def owner_of(
+    command: str | None,
+    specs: Sequence[ServiceSpec],
+    pid: int | None = None,
+    servers: Mapping[int, str] | None = None,
+) -> ServiceSpec | None:
+    """The service a process belongs to: the one whose record names its pid (its launcher
+    recorded it: true whatever its command line says), else the first whose keywords match."""
+    if servers and pid is not None and pid in servers:
+        name = servers[pid]
+        return next((s for s in specs if s.name == name), None)
+    for s in specs:
+        if owns(s, command):
+            return s
+    return None
+
+
+def describe_process(p: GpuProcess, width: int = 72) -> str:
+    """``pid 123 (python -m vllm… , 8.0 GiB)``: short, but with what tells one job from another.
+
+    The program is named by its base name: a long venv path would push the arguments
+    (the model, the job's name) out of the cut.
+    """
+    if p.command is None:
+        cmd = "<command not visible>"
+    else:
+        words = p.command.split()
+        cmd = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]]) if words else ""
+    if len(cmd) > width:
+        cmd = cmd[: width - 1] + "…"
+    mem = format_mib(p.memory_mib)
+    return f"pid {p.pid} ({cmd}, {mem})"
