@@ -184,3 +184,41 @@ def test_any_body_is_a_snapshot_or_a_located_error(data: Any) -> None:
     assert snap.is_idle == (not snap.processes and all(d.readable for d in snap.devices))
     # And it survives its own wire form.
     assert Snapshot.from_wire(json.loads(json.dumps(snap.to_wire()))).to_wire() == snap.to_wire()
+
+
+# --- the one builder: per-GPU figures from a probe reading ---------------------------------
+
+from gpuctl.core.model import ProbeReading, snapshot_from_reading  # noqa: E402
+
+
+def test_builder_fills_each_gpu_by_its_own_rule() -> None:
+    reading = ProbeReading.of_devices(
+        "nvml",
+        [
+            GpuProcess(7, "a", 1000, gpu=0),
+            GpuProcess(8, "b", 300, gpu=1),
+            GpuProcess(9, "c", None, gpu=1),
+            GpuProcess(10, "vllm serve", 0, gpu=0, on_gpu=False),
+        ],
+        [
+            GpuDevice(0, 5000, 81920),  # its own figures: kept (4000 MiB unattributed)
+            GpuDevice(1, None, None, unified=True),  # GB10: processes' sum, configured total
+            GpuDevice(2, error="GPU is lost"),  # unknown stays unknown
+        ],
+    )
+    snap = snapshot_from_reading(
+        reading,
+        taken_at="t",
+        starting=(StartingProcess(10, "vllm serve"), StartingProcess(7, "a")),
+        gpu_memory_mib=122880,
+    )
+    d0, d1, d2 = snap.devices
+    assert (d0.memory_used_mib, d0.memory_total_mib, d0.unified) == (5000, 81920, False)
+    assert (d1.memory_used_mib, d1.memory_total_mib, d1.unified) == (300, 122880, True)
+    assert (d2.memory_used_mib, d2.memory_total_mib, d2.error) == (None, None, "GPU is lost")
+    # The host's figures are sums over the GPUs that could be read.
+    assert (snap.memory_used_mib, snap.memory_total_mib) == (5300, 81920 + 122880)
+    assert snap.unified_memory is True and snap.gpus == 3
+    assert snap.is_idle is False
+    # A process on the GPU is not "starting"; the agent's on_gpu false entry still is.
+    assert [s.pid for s in snap.starting or ()] == [10]
