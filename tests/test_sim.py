@@ -802,3 +802,21 @@ def test_kv_cache_usage_while_a_request_is_in_flight(procs: Procs, sim_dir: Path
     t.join(30)
     wait_until("the KV cache to empty", lambda: usage() == 0)
     assert stop(srv) == 0
+
+
+def test_sim_ls_shows_each_gpu(procs: Procs, sim_dir: Path) -> None:
+    SimGpu(sim_dir, totals_mib=(8192, 4096))
+    a = hold_on_gpu(procs, sim_dir, "lefty", "1GiB")
+    b = hold_on_gpu(procs, sim_dir, "righty", "2GiB", "--gpu", "1")
+    r = procs.cli("sim", "ls", "--json", "--sim-dir", sim_dir)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["gpus"] == [
+        {"index": 0, "memory_total_mib": 8192, "memory_used_mib": 1024},
+        {"index": 1, "memory_total_mib": 4096, "memory_used_mib": 2048},
+    ]
+    assert {(c["pid"], c["gpu"]) for c in data["claims"]} == {(a.pid, 0), (b.pid, 1)}
+    r = procs.cli("sim", "ls", "--sim-dir", sim_dir)
+    assert "GPU 1: 2.0 GiB used of 4.0 GiB" in r.stdout, r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith(str(b.pid)))
+    assert row.split()[:4] == [str(b.pid), "righty", "1", "2.0"]

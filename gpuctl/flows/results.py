@@ -211,7 +211,11 @@ class SimListing:
     sim_dir: str
     total_mib: int | None
     claims: tuple[SimClaim, ...]
+    totals_mib: tuple[int, ...] = ()  # each simulated GPU's total
 
     @property
     def used_mib(self) -> int:
         return sum(c.memory_mib for c in self.claims)
+
+    def gpu_used_mib(self, gpu: int) -> int:
+        return sum(c.memory_mib for c in self.claims if c.gpu == gpu)
