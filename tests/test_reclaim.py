@@ -254,15 +254,13 @@ def test_a_server_gpuctl_did_not_start_is_left_alone(host: SimHost, svc: str) ->
         cfg = host.write_config(
             service_toml(svc, port, model_server_command(svc, port), extra='idle_timeout = "1s"\n')
         )
-        # ensure finds it healthy: its record says running, but names no server of ours.
+        # ensure finds it healthy and marks it used; its record names no server of ours.
         assert gpuctl(cfg, "ensure", svc, "--json").returncode == 0
         idle_past(host, svc, 1.0)
-        r = gpuctl(cfg, "reclaim")
-        assert r.returncode == 0
-        assert (
-            r.stdout.strip()
-            == f"kept {svc} on sim: its record names no server that gpuctl started: left alone"
-        )
+        code, out = reclaim_json(cfg)
+        c = candidate(out, svc)
+        assert code == 0 and c["action"] == "keep" and not c["done"], c
+        assert gpuctl(cfg, "reclaim").returncode == 0
         assert foreign.poll() is None
     finally:
         host.stop(foreign)
