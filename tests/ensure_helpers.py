@@ -120,3 +120,45 @@ def kill_servers(name: str) -> None:
 
 
 __all__ = ["free_port"]
+
+
+def ensure_paused_at(
+    config: Path, name: str, failpoint: str = "ensure.after_spawn", *args: str
+) -> subprocess.Popen[str]:
+    """``gpuctl ensure NAME`` stopped at ``failpoint`` (see ``gpuctl.failpoints``): it
+    returns once the caller sits in that window, for the test to kill it there."""
+    env = cli_env(config)
+    env["GPUCTL_FAILPOINTS"] = f"{failpoint}=pause"
+    p = subprocess.Popen(
+        [gpuctl_exe(), "ensure", name, "--json", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stderr is not None
+    seen = []
+    for line in p.stderr:
+        if line.startswith(f"gpuctl failpoint {failpoint}: pause"):
+            return p
+        seen.append(line)
+    out = p.stdout.read() if p.stdout else ""
+    raise AssertionError(f"never reached {failpoint} (exit {p.wait()}): {out} {''.join(seen)}")
+
+
+def end_in_window(p: subprocess.Popen[str], sig: int) -> None:
+    """Send ``sig`` (SIGKILL, or SIGINT as Ctrl-C) to a caller paused at a failpoint."""
+    import signal as _signal
+
+    p.send_signal(sig)
+    p.wait(timeout=60)
+    if sig == _signal.SIGKILL:
+        assert p.returncode == -_signal.SIGKILL
+    p.communicate()
+
+
+def big_service(name: str, port: int, server_name: str, load_time: str = "6s") -> str:
+    """An 80 GiB service whose server's command line does not carry the service's
+    keyword (only its record or its start nonce tell it is the service's)."""
+    toml = service_toml(name, port, model_server_command(server_name, port, "80GiB", load_time))
+    return toml.replace('memory = "20GiB"', 'memory = "80GiB"')

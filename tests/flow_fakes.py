@@ -12,7 +12,7 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import DirectStore
 from gpuctl.config import Config, ServiceConfig, load_config
 from gpuctl.core.decision import Health
-from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot
+from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import AgentUnavailable
 from gpuctl.flows.deps import EnsureDeps
 
@@ -40,7 +40,9 @@ class Agent:
 
     total_mib: int = 128 * GIB
     processes: list[GpuProcess] = field(default_factory=list)
+    starting: list[StartingProcess] = field(default_factory=list)
     error: str | None = None
+    taken_at: str = "2027-01-15T08:00:00.000Z"
     asked: list[tuple[list[str], list[int]]] = field(default_factory=list)
 
     def read(self, keywords: Sequence[str], pids: Sequence[int]) -> Snapshot:
@@ -53,11 +55,17 @@ class Agent:
             memory_total_mib=self.total_mib,
             unified_memory=False,
             probe="fake",
-            taken_at="2027-01-15T08:00:00.000Z",
+            taken_at=self.taken_at,
             processes=tuple(self.processes),
-            starting=(),
+            starting=tuple(self.starting),
             host=HostIdentity("gpu-host", "boot-1"),
         )
+
+    @property
+    def taken_epoch(self) -> float:
+        from datetime import datetime
+
+        return datetime.fromisoformat(self.taken_at).timestamp()
 
 
 class Health_:
@@ -88,14 +96,25 @@ class Launcher:
     started: list[str] = field(default_factory=list)
     stopped: list[Handle] = field(default_factory=list)
     on_start: Callable[[], None] | None = None
+    nonces: list[str | None] = field(default_factory=list)
+    finds: list[str | None] = field(default_factory=list)
+    found: Handle | None = None  # what find() answers
+    dead_pids: set[int] = field(default_factory=set)  # alive() says False for these
 
-    def start(self, service: ServiceConfig) -> Handle:
+    def start(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle:
         self.started.append(service.name)
+        self.nonces.append(start_nonce)
         if self.on_start:
             self.on_start()
         return Handle(kind=self.kind, pid=4242, pid_start=1.0)
 
+    def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
+        self.finds.append(start_nonce)
+        return self.found
+
     def alive(self, handle: Handle) -> bool | None:
+        if handle.pid in self.dead_pids:
+            return False
         return not self.dies
 
     def stop(self, handle: Handle, grace_s: float) -> None:

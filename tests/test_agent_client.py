@@ -290,12 +290,14 @@ def test_client_sends_the_bearer_token_and_match() -> None:
     url = seen[0].url
     assert url.path == "/status"
     assert url.params["match"] == "vllm,translategemma"
-    # The caller names its own process tree, for the agent to leave out when it runs on
-    # this same machine (the boot id says which machine).
-    from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipes
+    # The caller names its own process tree and its pipeline, for the agent to leave out
+    # when it runs on this same machine (the boot id says which machine). Not its pipes:
+    # a background job writing into the same pipe is a server.
+    from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipeline
 
-    assert url.params["exclude"] == ",".join(map(str, own_lineage()))
-    assert url.params["pipes"] == ",".join(own_pipes())
+    mine = dict.fromkeys([*own_lineage(), *own_pipeline()])
+    assert url.params["exclude"] == ",".join(map(str, mine))
+    assert "pipes" not in url.params
     assert url.params["boot_id"] == host_identity().boot_id
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,50 @@ def test_pipeline_neighbours_are_recognised() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+PIPELINE_PROBE = (
+    "import json; from pathlib import Path; from gpuctl.adapters.procinfo import own_pipeline; "
+    "print(json.dumps(sorted(Path(f'/proc/{p}/comm').read_text().strip() "
+    "for p in own_pipeline())))"
+)
+
+
+def _pipeline_of_probe(script: str) -> list[str]:
+    probe = f'{sys.executable} -c "{PIPELINE_PROBE}"'
+    r = subprocess.run(
+        ["sh", "-c", script.replace("PROBE", probe)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    import json
+
+    return list(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def test_own_pipeline_follows_the_data_transitively() -> None:
+    """`gpuctl … | cat | tee X.log`: both, two pipes away; and what feeds our stdin."""
+    assert _pipeline_of_probe("PROBE | cat | tee /dev/null") == ["cat", "tee"]
+    assert _pipeline_of_probe("sleep 3 | PROBE | cat") == ["cat", "sleep"]
+
+
+def test_own_pipeline_leaves_out_a_background_job_on_the_same_pipe() -> None:
+    """`script | tee log`, the script running `server &` then gpuctl: the server writes
+    into the pipe we write into, but it is not joined to us by a pipe."""
+    got = _pipeline_of_probe("{ sleep 5 & PROBE; kill $!; } | cat")
+    assert got == ["cat"]
+
+
+def test_own_pipeline_without_pipes_is_empty(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    with open(out, "w") as f:
+        subprocess.run(
+            [sys.executable, "-c", PIPELINE_PROBE],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
+    assert out.read_text().strip() == "[]"

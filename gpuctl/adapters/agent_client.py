@@ -272,23 +272,28 @@ class _Base:
         return f"{self.base_url}{path}"
 
     @staticmethod
-    def _params(match: Sequence[str], pids: Sequence[int] = ()) -> dict[str, str]:
+    def _params(
+        match: Sequence[str], pids: Sequence[int] = (), fresh: bool = False
+    ) -> dict[str, str]:
         words = [m for m in match if m]
         if not words:
-            return {}
-        # Our own process tree (the shell or cron job that runs us names the service):
-        # the agent leaves it out of `starting` when it runs on this same machine.
+            return {"fresh": "1"} if fresh else {}
+        # Our own process tree (the shell or cron job that runs us names the service)
+        # and our pipeline (`| cat | tee X.log`): the agent leaves them out of `starting`
+        # when it runs on this same machine. Not the `pipes=` of our stdio: a background
+        # job writing into the same pipe is a server, not our pipeline.
 
-        from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipes
+        from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipeline
 
         params = {
             "match": ",".join(words),
-            "exclude": ",".join(str(p) for p in own_lineage()),
-            "pipes": ",".join(own_pipes()),
+            "exclude": ",".join(str(p) for p in dict.fromkeys([*own_lineage(), *own_pipeline()])),
             "boot_id": host_identity().boot_id,
         }
         if pids:
             params["pids"] = ",".join(str(p) for p in pids)
+        if fresh:
+            params["fresh"] = "1"
         return params
 
 
@@ -329,15 +334,17 @@ class AgentClient(_Base):
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url, self.timeout_s) from exc
 
-    def status(self, match: Sequence[str] = (), pids: Sequence[int] = ()) -> Snapshot:
-        """``GET /status[?match=...]`` as a Snapshot.
+    def status(
+        self, match: Sequence[str] = (), pids: Sequence[int] = (), fresh: bool = False
+    ) -> Snapshot:
+        """``GET /status[?match=...]`` as a Snapshot; ``fresh``: bypass the agent's cache.
 
-        ``curl -H 'Authorization: Bearer …' 'http://dgx:9400/status?match=vllm'``
+        ``curl -H 'Authorization: Bearer …' 'http://dgx:9400/status?match=vllm&fresh=1'``
 
         Raises:
             AgentUnavailable: the agent did not give a valid answer (AgentAuthError for 401/403).
         """
-        resp = self._get("/status", self._params(match, pids))
+        resp = self._get("/status", self._params(match, pids, fresh))
         return parse_status(resp, self.base_url, self.host_name, self.token_sent)
 
     def healthz(self) -> dict[str, Any]:

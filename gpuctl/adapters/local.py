@@ -36,12 +36,11 @@ def build_snapshot(
     starting = None
     if keywords is not None:
         on_gpu = {p.pid for p in reading.processes}
-        # Our own pipeline neighbours (`gpuctl status | grep vllm`) are not servers.
-        pipes = procinfo.own_pipes()
+        # Our own pipeline (`gpuctl status | cat | grep vllm`) is not a server.
         found = [
             s
-            for s in procinfo.find_matching(keywords)
-            if s.pid not in on_gpu and not procinfo.on_pipes(s.pid, pipes)
+            for s in procinfo.find_matching(keywords, procinfo.own_pipeline())
+            if s.pid not in on_gpu
         ]
         seen = {s.pid for s in found} | on_gpu
         found += procinfo.describe_pids(p for p in pids if p not in seen)

@@ -265,21 +265,18 @@ def describe_pids(pids: Iterable[int]) -> list[StartingProcess]:
 
 
 def own_pipes() -> tuple[str, ...]:
-    """The pipes on this process's stdin, stdout and stderr (``pipe:[12345]``)."""
-    out = []
-    for fd in (0, 1, 2):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("pipe:"):
-            out.append(target[len("pipe:") :].strip("[]"))
-    return tuple(out)
+    """The pipes on this process's stdin, stdout and stderr (``12345`` of ``pipe:[12345]``)."""
+    reads, writes = _pipe_ends("self")
+    return tuple(dict.fromkeys([*reads, *writes]))
 
 
 def on_pipes(pid: int, pipes: Iterable[str]) -> bool:
-    """True when ``pid`` reads or writes one of ``pipes``: our neighbour in a pipeline
-    (``gpuctl ensure vllm | tee vllm.log``), which names the service but is not it."""
+    """True when ``pid`` reads or writes one of ``pipes`` on its stdin or stdout.
+
+    Coarse: a background job that writes into the same pipe as the caller (``script |
+    tee log``, where the script runs ``vllm serve … &``) is on it too, and is a server.
+    Callers on the same host send ``own_pipeline()``'s pids instead.
+    """
     wanted = {f"pipe:[{p}]" for p in pipes}
     if not wanted:
         return False
@@ -290,6 +287,80 @@ def on_pipes(pid: int, pipes: Iterable[str]) -> bool:
         except OSError:
             continue
     return False
+
+
+def _pipe_ends(pid: int | str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The pipes ``pid`` reads on stdin, and writes on stdout and stderr."""
+    ends: list[list[str]] = [[], []]
+    for fd in (0, 1, 2):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:["):
+            ends[0 if fd == 0 else 1].append(target[6:-1])
+    return tuple(ends[0]), tuple(ends[1])
+
+
+_PIPELINE_TTL_S = 5.0
+_pipeline_cache: tuple[float, tuple[int, ...]] | None = None
+
+
+def own_pipeline() -> tuple[int, ...]:
+    """The processes joined to this one by pipes, transitively: what reads what we write
+    (``gpuctl ensure X | cat | tee X.log``: cat, then tee) and what writes what we read.
+
+    Followed along the data only, so a background job that merely shares a pipe with us
+    (it writes where we write: ``script | tee``, the script running ``vllm serve … &``)
+    is not in it: it is a server. Only our own processes' descriptors can be read (or
+    all, as root), which is where a pipeline is. Cached for a few seconds.
+    """
+    global _pipeline_cache  # noqa: PLW0603  (one pipeline per process; refreshed now and then)
+    now = time.monotonic()
+    if _pipeline_cache is not None and now - _pipeline_cache[0] < _PIPELINE_TTL_S:
+        return _pipeline_cache[1]
+    found = _pipeline_of(os.getpid())
+    _pipeline_cache = (now, found)
+    return found
+
+
+def _pipeline_of(me: int) -> tuple[int, ...]:
+    my_reads, my_writes = _pipe_ends(me)
+    if not my_reads and not my_writes:
+        return ()
+    readers: dict[str, list[int]] = {}
+    writers: dict[str, list[int]] = {}
+    ends: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return ()
+    for d in names:
+        if not d.isdigit() or int(d) == me:
+            continue
+        pid = int(d)
+        reads, writes = ends[pid] = _pipe_ends(pid)
+        for p in reads:
+            readers.setdefault(p, []).append(pid)
+        for p in writes:
+            writers.setdefault(p, []).append(pid)
+    out: set[int] = set()
+
+    def follow(start: tuple[str, ...], step: dict[str, list[int]], downstream: bool) -> None:
+        todo, seen = list(start), set(start)
+        while todo:
+            for pid in step.get(todo.pop(), ()):
+                if pid in out:
+                    continue
+                out.add(pid)
+                for p in ends[pid][1 if downstream else 0]:
+                    if p not in seen:
+                        seen.add(p)
+                        todo.append(p)
+
+    follow(my_writes, readers, downstream=True)
+    follow(my_reads, writers, downstream=False)
+    return tuple(sorted(out))
 
 
 def pids_with_env(name: str, value: str, proc_root: str = "/proc") -> dict[int, int]:

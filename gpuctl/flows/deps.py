@@ -45,6 +45,9 @@ class EnsureDeps(Closers):
     host: HostConfig = field(kw_only=True)
     store: Store = field(kw_only=True)
     read_snapshot: SnapshotReader = field(kw_only=True)
+    # The same, never from a cache: the re-check under the admission lock and a stop act
+    # on it (None: ``read_snapshot`` reads fresh already, as the local probe does).
+    read_snapshot_fresh: SnapshotReader | None = field(kw_only=True, default=None)
     check_health: Callable[[], Health] = field(kw_only=True)
     make_launcher: Callable[[Snapshot | None], Launcher] = field(kw_only=True)
     handle_alive: Callable[[Record], bool | None] = field(kw_only=True, default=lambda r: None)
@@ -54,6 +57,9 @@ class EnsureDeps(Closers):
     entry: str = field(kw_only=True, default="ensure")
     # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
     wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
+
+    def fresh_reader(self) -> SnapshotReader:
+        return self.read_snapshot_fresh or self.read_snapshot
 
 
 ServiceDeps = EnsureDeps

@@ -16,11 +16,14 @@ agent, a real store and a real launcher, or fakes for pure units. The waits are
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from gpuctl import failpoints
+from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder, holder_here
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict, owner_of
@@ -28,7 +31,7 @@ from gpuctl.core.model import Snapshot
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps
-from gpuctl.flows.observe import look
+from gpuctl.flows.observe import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, LauncherWatch, Waited, wait_ready
 
@@ -194,25 +197,41 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     return _launch_under_lease(ctx, holder, ttl, first, wait)
 
 
+class _AdmissionTimeout(Exception):
+    """The caller's own deadline came while another start held the admission lock."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__(who)
+        self.who = who
+
+
 @contextmanager
 def _admission(ctx: _Ctx) -> Iterator[None]:
     """The host-wide admission lock: a lease on the pseudo-service ``_admission``, held
     only from the re-check to the recorded spawn (milliseconds to seconds). A holder that
-    dies loses it at once on its own host, else at expiry."""
+    dies loses it at once on its own host, else at expiry.
+
+    Waits no longer than the caller's own deadline (``--timeout`` bounds every wait):
+    raises ``_AdmissionTimeout`` then, or ``StoreError`` once a holder has kept it past
+    its own expiry.
+    """
     deps = ctx.deps
     holder = holder_here("admission")
-    deadline = deps.clock() + ADMISSION_TTL_S
+    stuck = deps.clock() + ADMISSION_TTL_S
     while True:
         granted, rec = deps.store.acquire(ADMISSION, holder, ADMISSION_TTL_S)
         if granted:
             break
-        if deps.clock() >= deadline:
-            who = f"{rec.lease.entry} pid {rec.lease.pid} on {rec.lease.host}" if rec.lease else "?"
+        who = f"{rec.lease.entry} pid {rec.lease.pid} on {rec.lease.host}" if rec.lease else "?"
+        now = deps.clock()
+        if now >= ctx.deadline:
+            raise _AdmissionTimeout(who)
+        if now >= stuck:
             raise StoreError(
                 f"another start on this host has held the admission lock too long ({who})",
                 hint="see `gpuctl locks`; the lock expires by itself",
             )
-        deps.sleep(0.05)
+        deps.sleep(min(0.05, max(0.0, ctx.deadline - now)))
     try:
         yield
     finally:
@@ -263,7 +282,26 @@ def _launch_under_lease(
                 return ctx.result(
                     Outcome.READY, f"{svc.name} answers its health check", Decision.READY
                 )
-            verdict, seen = look(deps, health, own_holder=holder.id)
+            # Fresh, never the agent's cached reading: a server spawned a moment ago by a
+            # caller that then died is in no cache yet.
+            verdict, seen = look(deps, health, own_holder=holder.id, fresh=True)
+            own = seen.records.get(svc.name)
+            adopted: Handle | None = None
+            if verdict.decision in (Decision.IDLE, Decision.FITS) and is_orphaned_start(
+                own, held=True
+            ):
+                # A start whose caller died before recording its server: find that server
+                # (by its start nonce) before starting another.
+                assert own is not None
+                try:
+                    adopted = deps.make_launcher(seen.snapshot).find(svc, own.start_nonce)
+                except GpuctlError as e:
+                    release()
+                    return ctx.result(
+                        Outcome.UNKNOWN,
+                        f"cannot tell whether the start under way still runs: {e.message}",
+                        Decision.UNKNOWN,
+                    )
             if verdict.decision not in (Decision.IDLE, Decision.FITS):
                 release()
                 if verdict.decision is not Decision.LOADING:
@@ -271,19 +309,45 @@ def _launch_under_lease(
                 if not wait:
                     return ctx.result(Outcome.LOADING, verdict.reason, verdict.decision)
                 waiting: Verdict | None = verdict
-            else:
+            elif adopted is not None:
                 waiting = None
                 launcher = deps.make_launcher(seen.snapshot)
+                assert own is not None
+                started_at = own.since
+                handle = adopted
+                deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                ctx.notes.append(
+                    f"found the server of an earlier start whose caller went ({_describe(handle)})"
+                )
+            else:
+                waiting = None
+                if deps.clock() >= ctx.deadline:
+                    # Never launch after our own deadline: the caller has given up on us.
+                    release()
+                    return ctx.result(
+                        Outcome.TIMEOUT,
+                        f"did not start {svc.name}: the timeout ran out before it was admitted",
+                        first,
+                    )
+                launcher = deps.make_launcher(seen.snapshot)
                 started_at = deps.clock()
+                nonce = secrets.token_hex(8)
                 # `starting` under the admission lock: from now on the others count this
-                # service at its budget, even before its server exists.
+                # service at its budget, even before its server exists. The nonce goes
+                # into the server's environment: if we die before recording the server,
+                # the next caller finds it by the nonce.
                 deps.store.update(
                     svc.name,
                     holder.id,
-                    {"phase": Phase.STARTING.value, "handle": None, "touch": True},
+                    {
+                        "phase": Phase.STARTING.value,
+                        "handle": None,
+                        "touch": True,
+                        "start_nonce": nonce,
+                    },
                 )
                 try:
-                    handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot))
+                    handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
@@ -297,9 +361,22 @@ def _launch_under_lease(
                         attempt=attempt,
                         **({"hint": hint} if hint else {}),
                     )
-                deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                try:
+                    # The window the nonce covers (a kill -9 here): spawned, not recorded.
+                    failpoints.hit("ensure.after_spawn")
+                finally:
+                    # Recorded even on Ctrl-C, so the next caller need not look for it.
+                    deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
         if waiting is not None:
             return _bystander(ctx, waiting.decision, waiting.reason)
+        if not wait and adopted is not None:
+            release()
+            return ctx.result(
+                Outcome.LOADING,
+                f"found its server loading ({_describe(handle)}); not waiting",
+                Decision.LOADING,
+                handle=handle.to_dict(),
+            )
         if not wait:
             attempt = _attempt(started_at, deps.clock(), launcher.kind, "started")
             release({"attempt": attempt})
@@ -307,7 +384,7 @@ def _launch_under_lease(
                 Outcome.STARTED,
                 f"launched with {launcher.kind}; not waiting",
                 first,
-                launched=True,
+                launched=adopted is None,
                 attempt=attempt,
                 handle=handle.to_dict(),
             )
@@ -332,10 +409,25 @@ def _launch_under_lease(
         elif outcome is Outcome.FAILED:
             update["failure"] = {"error": waited.reason, "log_tail": waited.log_tail}
         release(update)
-        return ctx.from_wait(waited, first, launched=True, attempt=attempt, handle=handle.to_dict())
+        return ctx.from_wait(
+            waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()
+        )
+    except _AdmissionTimeout as e:
+        return ctx.result(
+            Outcome.TIMEOUT,
+            f"did not start {svc.name}: the timeout ran out while another start held the "
+            f"host's admission lock ({e.who})",
+            first,
+        )
     finally:
         if not released:
             release()
+
+
+def _describe(h: Handle) -> str:
+    if h.container_name:
+        return f"container {h.container_name}"
+    return f"pid {h.pid}" if h.pid else h.kind
 
 
 def _attempt(

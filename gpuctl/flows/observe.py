@@ -143,7 +143,10 @@ def decide(
         handle_alive=handle_alive,
         now=now,
         own_holder=own_holder,
-        leased=starting_services(seen.records.values(), exclude=svc.name),
+        leased=[
+            *starting_services(seen.records.values(), exclude=svc.name),
+            *orphaned_starts(seen.records.values(), others, now, exclude=svc.name),
+        ],
         servers=seen.servers,
     )
 
@@ -163,14 +166,47 @@ def _asleep_at_what_they_hold(
     return [replace(o, memory_mib=None) if asleep(o) else o for o in others]
 
 
+def is_orphaned_start(record: Record | None, *, held: bool = False) -> bool:
+    """A start whose caller went (killed, Ctrl-C) between admission and recording its
+    server: phase ``starting``, no live lease, no handle. Its server may be loading
+    unseen (an agent's cached reading, no match keyword yet). ``held``: the caller holds
+    the lease itself now (so the lease on the record is its own)."""
+    return (
+        record is not None
+        and record.phase is Phase.STARTING
+        and (held or record.lease is None)
+        and not record.handle
+    )
+
+
+def orphaned_starts(
+    records: Iterable[Record], services: Sequence[ServiceConfig], now: float, exclude: str = ""
+) -> list[str]:
+    """Services with an orphaned start still within their health timeout: they count at
+    their budget for everyone else until their own next ``ensure`` finds the server (or
+    proves it dead), a ``stop`` ends it, or the health timeout runs out. Counting them
+    as nothing admitted a rival 80 GiB service into a server's memory (an OOM)."""
+    timeout = {s.name: s.health_timeout_s for s in services}
+    return [
+        r.service
+        for r in records
+        if r.service != exclude
+        and r.service in timeout
+        and is_orphaned_start(r)
+        and now < r.since + timeout[r.service]
+    ]
+
+
 def look(
-    deps: EnsureDeps, health: Health, own_holder: str | None = None
+    deps: EnsureDeps, health: Health, own_holder: str | None = None, *, fresh: bool = False
 ) -> tuple[Verdict, Observation]:
     """Ask the store and the agent about ``deps.service``, and decide. Never raises for an
-    unreachable agent or store: the decision is then UNKNOWN."""
+    unreachable agent or store: the decision is then UNKNOWN. ``fresh``: never from the
+    agent's reading cache (the re-check before a launch)."""
     svc = deps.service
     others = deps.config.services_on(svc.host)
-    seen = observe(deps.store.records, deps.read_snapshot, others or [svc])
+    reader = deps.fresh_reader() if fresh else deps.read_snapshot
+    seen = observe(deps.store.records, reader, others or [svc])
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None
     verdict = decide(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from datetime import datetime
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
@@ -42,10 +43,12 @@ def stop(deps: EnsureDeps) -> StopResult:
     result = StopResult(svc.name, deps.host.name)
     try:
         deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
+        # Read after taking the lease, and fresh: a reading cached from before another
+        # stop names pids that stop has ended (and the kernel may have handed on).
         snapshot = None
         with contextlib.suppress(GpuctlError):
             pid = (record.handle or {}).get("pid")
-            snapshot = deps.read_snapshot(keywords([svc]), [pid] if isinstance(pid, int) else [])
+            snapshot = deps.fresh_reader()(keywords([svc]), [pid] if isinstance(pid, int) else [])
         launcher = deps.make_launcher(snapshot)
         if record.handle:
             handle = Handle.from_dict(record.handle)
@@ -53,21 +56,36 @@ def stop(deps: EnsureDeps) -> StopResult:
                 launcher.stop(handle, svc.stop_timeout_s)
                 result.stopped.append(_describe(handle))
         if not result.stopped:
-            found = launcher.find(svc)
+            found = launcher.find(svc, record.start_nonce)
             if found is not None:
                 launcher.stop(found, svc.stop_timeout_s)
                 result.stopped.append(_describe(found))
         if snapshot is not None and not result.stopped:
             # A server whose launcher died before it could record it: find it by keywords.
             # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
-            pids = [p.pid for p in snapshot.processes if owns(svc, p.command)]
+            seen: list[tuple[int, float | None]] = [
+                (p.pid, None) for p in snapshot.processes if owns(svc, p.command)
+            ]
             if record.phase is Phase.STARTING:
                 # A launch was under way and nothing recorded its server: it may still
                 # be reading weights, off the GPU. Otherwise a keyword match off the GPU
                 # is more likely a `tail -f` of its log than a server: left alone.
-                pids += [s.pid for s in snapshot.starting or () if loading_match(svc, s)]
-            for pid in dict.fromkeys(pids):
-                launcher.stop(Handle(kind=launcher.kind, pid=pid), svc.stop_timeout_s)
+                seen += [(s.pid, s.age_s) for s in snapshot.starting or () if loading_match(svc, s)]
+            taken = _epoch(snapshot.taken_at)
+            ages: dict[int, float | None] = {}
+            for pid, age in seen:
+                ages[pid] = age if age is not None else ages.get(pid)
+            for pid, age in ages.items():
+                # The pid with the start time the reading saw (its age), so a pid the
+                # kernel has handed to another process since is never signalled.
+                started = taken - age if taken is not None and age is not None else None
+                handle = Handle(kind=launcher.kind, pid=pid, pid_start=started)
+                local = launcher.kind == "process"
+                if started is None and local and not _started_before(pid, taken):
+                    continue
+                if launcher.alive(handle) is False:
+                    continue  # gone since the reading: not ours to report
+                launcher.stop(handle, svc.stop_timeout_s)
                 result.stopped.append(f"pid {pid}")
         result.reason = (
             f"stopped {', '.join(result.stopped)}"
@@ -82,6 +100,24 @@ def stop(deps: EnsureDeps) -> StopResult:
     return result
 
 
+def _epoch(iso: str) -> float | None:
+    try:
+        return datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        return None
+
+
+def _started_before(pid: int, taken: float | None) -> bool:
+    """Whether ``pid``, a process on this machine, started before the reading that
+    listed it (True where that cannot be told)."""
+    if taken is None:
+        return True
+    from gpuctl.adapters import procinfo
+
+    started = procinfo.start_time(pid)
+    return started is None or started <= taken + 0.5
+
+
 def _describe(h: Handle) -> str:
     if h.container_name:
         return f"container {h.container_name}"
@@ -91,8 +127,10 @@ def _describe(h: Handle) -> str:
 
 
 def touch(deps: EnsureDeps) -> TouchResult:
-    """Mark the service used now."""
-    return TouchResult(deps.service.name, deps.store.touch(deps.service.name))
+    """Mark the service used now. A server that answers its health check completes a
+    ``starting`` record (left by ``--no-wait`` or a killed launcher) to ``running``."""
+    ready = deps.check_health().ok
+    return TouchResult(deps.service.name, deps.store.touch(deps.service.name, ready=ready))
 
 
 def locks(deps: LocksDeps) -> LocksReport:

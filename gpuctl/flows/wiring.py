@@ -60,13 +60,18 @@ class SharedHttp:
 
 
 def snapshot_reader(
-    host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp, *, lazy: bool = False
+    host: HostConfig,
+    closers: list[Callable[[], None]],
+    http: SharedHttp,
+    *,
+    lazy: bool = False,
+    fresh: bool = False,
 ) -> SnapshotReader:
     """How to read the host: ``read(match_keywords, recorded_server_pids)``.
 
     With ``lazy`` the agent's client (and its token) is made on the first read, so a
     missing token is that host's error (``status`` shows the host UNKNOWN), not the
-    command's.
+    command's. ``fresh``: never the agent's cached reading (a local probe always reads).
     """
     if host.agent:
         from gpuctl.adapters.agent_client import AgentClient
@@ -91,7 +96,7 @@ def snapshot_reader(
 
         if not lazy:
             client()
-        return lambda kws, pids: client().status(match=kws, pids=pids)
+        return lambda kws, pids: client().status(match=kws, pids=pids, fresh=fresh)
 
     from gpuctl.adapters.local import local_snapshot
     from gpuctl.config.paths import default_state_dir
@@ -226,6 +231,7 @@ def deps_for(
         host=host,
         store=store,
         read_snapshot=snapshot_reader(host, closers, http),
+        read_snapshot_fresh=snapshot_reader(host, closers, http, fresh=True),
         check_health=_service_health(service, host, http, lambda: make_launcher(None)),
         make_launcher=make_launcher,
         handle_alive=handle_checker(service, host, lambda: make_launcher(None)),

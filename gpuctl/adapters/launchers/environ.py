@@ -25,7 +25,7 @@ _ALWAYS_DROPPED = ("GPUCTL_AGENT_TOKEN", "GPUCTL_FAILPOINTS", "GPUCTL_FAILPOINTS
 def secret_names(host: HostConfig) -> frozenset[str]:
     """The environment variables that hold gpuctl's secrets for ``host``."""
     names = {*_ALWAYS_DROPPED, START_NONCE_ENV}
-    for name in (host.token_env, host.jupyter_token_env):
+    for name in (host.token_env, host.read_token_env, host.jupyter_token_env):
         if name:
             names.add(name)
     return frozenset(names)

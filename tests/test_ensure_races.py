@@ -1,0 +1,300 @@
+"""The millisecond windows of a start, hit on purpose (failpoints), with the process
+launcher on the simulated GPU: real agent, real store, real detached servers.
+
+The docker and jupyter launchers have the same window; their tests live beside their
+other ensure tests (tests/test_ensure_docker.py, tests/test_ensure_jupyter.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpuctl import api
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import (
+    big_service,
+    cli_env,
+    end_in_window,
+    ensure_paused_at,
+    kill_servers,
+    launches_in_log,
+    model_server_command,
+    read_record,
+    run_ensure,
+    server_pids,
+    service_toml,
+    sim_claims,
+    unique_name,
+)
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    api._reset_for_tests()
+    with SimHost(root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+    api._reset_for_tests()
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    made: list[str] = []
+    yield made
+    for n in made:
+        kill_servers(n)
+
+
+def log_of(host: SimHost, name: str) -> Path:
+    return host.state_dir / "logs" / f"{name}.log"
+
+
+def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [gpuctl_exe(), *args],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
+def test_caller_killed_between_spawn_and_record(host: SimHost, names: list[str], sig: int) -> None:
+    """The caller dies after its server is spawned and before it is recorded. A rival
+    80 GiB service asked at once is BUSY (no OOM); the same service asked again waits
+    for that server (found by its start nonce), never starts a second."""
+    a, b = unique_name("win"), unique_name("rival")
+    server = unique_name("anon")  # its command line does not name `a`
+    names += [a, b, server]
+    pa, pb = free_port(), free_port()
+    cfg = host.write_config(
+        big_service(a, pa, server, load_time="4s") + "\n" + big_service(b, pb, b, "1s")
+    )
+    caller = ensure_paused_at(cfg, a)
+    end_in_window(caller, sig)
+    rec = read_record(host, a)
+    assert rec["phase"] == "starting" and rec["start_nonce"]
+    assert bool(rec["handle"]) is (sig == signal.SIGINT)  # Ctrl-C records it on the way out
+    assert len(server_pids(server)) == 1
+
+    r = run_ensure(cfg, b)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert json.loads(r.stdout)["outcome"] == "busy"
+    assert server_pids(b) == []
+
+    r = run_ensure(cfg, a)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0, (out["reason"], out["notes"], r.stderr)
+    assert out["outcome"] == "ready" and out["launched"] is False
+    (pid,) = server_pids(server)
+    assert launches_in_log(log_of(host, a)) == 1
+    assert "CUDA out of memory" not in log_of(host, a).read_text()
+    rec = read_record(host, a)
+    assert rec["phase"] == "running"
+    assert rec["handle"]["pid"] == pid
+    assert [c for c in sim_claims(host, b)] == []
+
+
+def test_orphaned_start_without_a_server_is_started_again(host: SimHost, names: list[str]) -> None:
+    """Killed after admission and before spawning: nothing carries the nonce, so the next
+    caller proves the start dead and launches, once."""
+    a = unique_name("win")
+    names.append(a)
+    pa = free_port()
+    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    env = cli_env(cfg)
+    env["GPUCTL_FAILPOINTS"] = "launch.spawned=kill"  # dies right after its Popen
+    first = subprocess.run(
+        [gpuctl_exe(), "ensure", a, "--json"], env=env, capture_output=True, text=True, check=False
+    )
+    assert first.returncode == -signal.SIGKILL
+    (orphan,) = server_pids(a)  # spawned, then the caller died: same as after_spawn
+    r = run_ensure(cfg, a)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["launched"] is False, r.stdout
+    assert server_pids(a) == [orphan]
+    kill_servers(a)
+    # Now no server carries the nonce: a start that died is started again.
+    rec_file = host.state_dir / "records" / f"{a}.json"
+    data = json.loads(rec_file.read_text())
+    data.update(phase="starting", handle=None, lease=None, since=time.time())
+    rec_file.write_text(json.dumps(data))
+    r = run_ensure(cfg, a)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["launched"] is True, r.stdout
+    assert len(server_pids(a)) == 1
+
+
+def test_timeout_bounds_the_wait_for_the_admission_lock(
+    host: SimHost, names: list[str], tmp_path: Path
+) -> None:
+    """Another caller holds the host's admission lock: `ensure --timeout 3s` gives up at
+    its own deadline (exit 5) and launches nothing, even after the lock is free."""
+    a = unique_name("late")
+    names.append(a)
+    pa = free_port()
+    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    script = tmp_path / "holder.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import time
+            from pathlib import Path
+            from gpuctl.adapters.store import DirectStore, holder_here
+            store = DirectStore(Path({str(host.state_dir)!r}))
+            granted, _ = store.acquire("_admission", holder_here("test"), 600)
+            assert granted
+            print("held", flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    holder = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=cli_env(cfg)
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        r = run_ensure(cfg, a, "--timeout", "3s", timeout=50)
+        out = json.loads(r.stdout)
+        assert r.returncode == 5, (r.stdout, r.stderr)
+        assert out["outcome"] == "timeout" and out["launched"] is False
+        assert "admission" in out["reason"]
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.communicate()
+    time.sleep(1.0)  # anything that would still launch late would have by now
+    assert server_pids(a) == []
+    assert launches_in_log(log_of(host, a)) == 0
+
+
+def test_two_stops_one_pid(host: SimHost, names: list[str]) -> None:
+    """Two stops at once of a server found by its keywords (no record names it): one
+    reports stopping it; the other acts on a fresh reading and reports nothing."""
+    a = unique_name("stop")
+    names.append(a)
+    pa = free_port()
+    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="0s")))
+    host.model_server(a, "20GiB", port=pa, load_time="0s")
+    deadline = time.monotonic() + 20
+    while not sim_claims(host, a):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    procs = [
+        subprocess.Popen(
+            [gpuctl_exe(), "stop", a, "--json"],
+            env=cli_env(cfg),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out)["stopped"])
+    assert sorted(len(s) for s in results) == [0, 1], results
+    assert server_pids(a) == []
+
+
+def test_touch_completes_a_start_that_answers(host: SimHost, names: list[str]) -> None:
+    """After --no-wait the record says `starting`; a touch that sees the server answer
+    moves it to `running` (status only reports)."""
+    a = unique_name("touch")
+    names.append(a)
+    pa = free_port()
+    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    r = run_ensure(cfg, a, "--no-wait")
+    assert r.returncode == 0 and json.loads(r.stdout)["outcome"] == "started", r.stderr
+    assert read_record(host, a)["phase"] == "starting"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{pa}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert gpuctl(cfg, "status", "--json").returncode == 0
+    assert read_record(host, a)["phase"] == "starting"  # status only reports
+    r = gpuctl(cfg, "touch", a)
+    assert r.returncode == 0, r.stderr
+    assert read_record(host, a)["phase"] == "running"
+
+
+@pytest.mark.parametrize("via", ["agent", "direct"])
+def test_pipelines_are_not_servers_but_background_jobs_are(
+    host: SimHost, names: list[str], via: str
+) -> None:
+    """`ensure X | cat | tee X.log` starts X; `status | cat | grep X` does not call X
+    LOADING; a `… X … &` job of the same script, writing into the same pipe, counts."""
+    from tests.ensure_helpers import direct_config
+
+    a = unique_name("pipe")
+    names.append(a)
+    pa = free_port()
+    toml = service_toml(a, pa, model_server_command(a, pa, load_time="1s"))
+    cfg = host.write_config(toml) if via == "agent" else direct_config(host, toml)
+    exe = gpuctl_exe()
+
+    # status | cat | tee X.status | grep X: tee and grep name X, pipes away.
+    r = subprocess.run(
+        ["sh", "-c", f"{exe} status --json | cat | tee {host.base}/{a}.status | grep -q {a}"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    (s,) = json.loads((host.base / f"{a}.status").read_text())["services"]
+    assert s["decision"] != "LOADING", s
+
+    # A background job of the same script that names X, writing into the same pipe as
+    # gpuctl: not in the pipeline, so it counts (LOADING).
+    r = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f"{sys.executable} -c 'import time; time.sleep(30)' {a} & "
+            f"sleep 0.3; {exe} status --json | cat; kill $!",
+        ],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    (s,) = json.loads(r.stdout)["services"]
+    assert s["decision"] == "LOADING", s
+
+    # ensure X --json | cat | tee X.log: starts it, once.
+    log = host.base / f"{a}.out"
+    r = subprocess.run(
+        ["sh", "-c", f"{exe} ensure {a} --json --timeout 60s | cat | tee {log}"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = json.loads(log.read_text())
+    assert out["outcome"] == "ready" and out["launched"] is True, (out, r.stderr)
+    assert len(server_pids(a)) == 1
