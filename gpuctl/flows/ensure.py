@@ -344,6 +344,9 @@ def _launch_under_lease(
                         "handle": None,
                         "touch": True,
                         "start_nonce": nonce,
+                        # The agent polls it to move a start whose caller went (or
+                        # did not wait) to `running` once the server answers.
+                        "health": svc.health,
                     },
                 )
                 try:
