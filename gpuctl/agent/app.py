@@ -46,8 +46,15 @@ from gpuctl.agent.http import (
 )
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import openapi_document
-from gpuctl.agent.query import MAX_MATCH_SETS, parse_exclude, parse_match, parse_pids
+from gpuctl.agent.query import (
+    MAX_MATCH_SETS,
+    parse_exclude,
+    parse_fresh,
+    parse_match,
+    parse_pids,
+)
 from gpuctl.agent.snapshot import Scan, agent_snapshot, utc_now_iso
+from gpuctl.agent.store_api import StoreApi, read_all
 from gpuctl.core.model import HostIdentity, Snapshot, StartingProcess
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, ProbeError
@@ -72,9 +79,16 @@ class AgentSettings:
         gpu_memory_mib: the configured total, for devices that cannot tell (unified
             memory). The caller passes it to the probe; /status falls back to it too.
         host: this machine's identity, reported in /status.
+        read_token: a second, read-only token: good for every GET, a write with it is 403.
+        match: keywords of servers to report, for clients of the original ``/status``,
+            in ``processes`` (``memory_mib`` 0, ``on_gpu`` false) while they load.
+        match_max_age_s: only such processes younger than this count as loading.
     """
 
     token: str | None = None
+    read_token: str | None = None
+    match: tuple[str, ...] = ()
+    match_max_age_s: float = 900.0
     cache_ttl_s: float = 1.0
     state_dir: str | None = None
     gpu_memory_mib: int | None = None
@@ -98,6 +112,7 @@ class AgentApp:
         self.settings = settings
         self.probe = probe
         self._token = settings.token.encode() if settings.token else None
+        self._read_token = settings.read_token.encode() if settings.read_token else None
         self.router = Router()
         self.requests_total: dict[str, int] = {}
         self.probe_errors_total = 0
@@ -114,9 +129,13 @@ class AgentApp:
         self.router.add("GET", "/status", self._get_status)
         self.router.add("GET", "/metrics", self._get_metrics)
 
-        from gpuctl.agent.store_api import StoreApi
+        self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate)
 
-        self.store_api = StoreApi(settings.state_dir)
+    def invalidate(self) -> None:
+        """The store changed: the next /status reads the GPU and the processes afresh."""
+        self._scan.invalidate()
+        for slot in self._matches.values():
+            slot.cell.invalidate()
 
     # -- ASGI entry
 
@@ -139,49 +158,39 @@ class AgentApp:
                 return
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.router.routes.get(scope["path"])
+        path = scope["path"]
+        route = self.router.routes.get(path)
         label = route.path if route is not None else self._not_found_label
         self.requests_total[label] = self.requests_total.get(label, 0) + 1
         method = scope["method"]
         try:
-            if route is None and (
-                scope["path"] == "/records" or scope["path"].startswith("/records/")
-            ):
+            if route is None and (path == "/records" or path.startswith("/records/")):
                 # The state store: path parameters, so it routes itself (store_api.py).
+                op, service = self.store_api.route(method, path)
                 if self._token is not None:
-                    self._check_token(scope)
-                request = Request(scope, receive)
-                status, payload = await self.store_api.handle(
-                    method, scope["path"], await request.body()
-                )
+                    self._check_token(scope, write=self.store_api.is_write(op))
+                body = await Request(scope, receive).body()
+                status, payload = await self.store_api.handle(op, service, body)
                 response = json_response(status, payload)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": response.status,
-                        "headers": response.headers,
-                    }
-                )
-                await send({"type": "http.response.body", "body": response.body})
-                return
-            if route is None:
-                raise HttpError(404, f"no such endpoint: {scope['path']}", "see /openapi.json")
-            handler = route.handlers.get("GET" if method == "HEAD" else method)
-            if handler is None:
-                allowed = ", ".join(self.router.allowed(route))
-                raise HttpError(
-                    405,
-                    f"{method} is not allowed on {route.path}",
-                    f"use {allowed}",
-                    [(b"allow", allowed.encode())],
-                )
-            if route.auth and self._token is not None:
-                self._check_token(scope)
-            response = await handler(Request(scope, receive))
+            else:
+                if route is None:
+                    raise HttpError(404, f"no such endpoint: {path[:200]}", "see /openapi.json")
+                handler = route.handlers.get("GET" if method == "HEAD" else method)
+                if handler is None:
+                    allowed = ", ".join(self.router.allowed(route))
+                    raise HttpError(
+                        405,
+                        f"{method} is not allowed on {route.path}",
+                        f"use {allowed}",
+                        [(b"allow", allowed.encode())],
+                    )
+                if route.auth and self._token is not None:
+                    self._check_token(scope, write=method not in ("GET", "HEAD"))
+                response = await handler(Request(scope, receive))
         except HttpError as err:
             response = error_response(err.status, err.error, err.hint, err.headers)
         except Exception as err:
-            log.exception("%s %s failed", method, scope["path"])
+            log.exception("%s %s failed", method, path)
             response = error_response(
                 500,
                 f"internal error in the agent: {type(err).__name__}: {err}",
@@ -194,7 +203,7 @@ class AgentApp:
             {"type": "http.response.body", "body": b"" if method == "HEAD" else response.body}
         )
 
-    def _check_token(self, scope: Scope) -> None:
+    def _check_token(self, scope: Scope, *, write: bool) -> None:
         assert self._token is not None
         value: bytes | None = None
         for key, val in scope["headers"]:
@@ -209,14 +218,26 @@ class AgentApp:
                 [(b"www-authenticate", b'Bearer realm="gpuctl"')],
             )
         scheme, _, credentials = value.partition(b" ")
-        # compare_digest: the time taken must not tell how much of a guess was right.
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials.strip(), self._token):
-            raise HttpError(
-                401,
-                "the bearer token is wrong",
-                _AUTH_HINT,
-                [(b"www-authenticate", b'Bearer realm="gpuctl", error="invalid_token"')],
-            )
+        credentials = credentials.strip()
+        if scheme.lower() == b"bearer":
+            # compare_digest: the time taken must not tell how much of a guess was right.
+            if hmac.compare_digest(credentials, self._token):
+                return
+            if self._read_token is not None and hmac.compare_digest(credentials, self._read_token):
+                if not write:
+                    return
+                raise HttpError(
+                    403,
+                    "this token is read-only: it cannot change the store",
+                    "use the agent's write token (GPUCTL_AGENT_TOKEN or --token-file) "
+                    "for leases, updates and touches",
+                )
+        raise HttpError(
+            401,
+            "the bearer token is wrong",
+            _AUTH_HINT,
+            [(b"www-authenticate", b'Bearer realm="gpuctl", error="invalid_token"')],
+        )
 
     # -- probe
 
@@ -229,8 +250,8 @@ class AgentApp:
             raise
         return Scan(reading, utc_now_iso())
 
-    async def _current_scan(self) -> Outcome[Scan]:
-        outcome = await self._scan.get()
+    async def _current_scan(self, fresh: bool = False) -> Outcome[Scan]:
+        outcome = await self._scan.get(fresh)
         if outcome.error is not None:
             err = outcome.error
             if isinstance(err, ProbeError):
@@ -282,8 +303,10 @@ class AgentApp:
         return self._openapi
 
     async def _get_status(self, request: Request) -> Response:
-        keywords = parse_match(request.query()) if request.query_string else None
-        scan = await self._current_scan()
+        query = request.query() if request.query_string else {}
+        keywords = parse_match(query)
+        fresh = parse_fresh(query)
+        scan = await self._current_scan(fresh)
         if keywords is None:
             cached = self._plain_body
             if cached is not None and cached[0] is scan:
@@ -293,14 +316,13 @@ class AgentApp:
             self._plain_body = (scan, response)
             return response
         slot = self._match_slot(keywords)
-        matched = await slot.cell.get()
+        matched = await slot.cell.get(fresh)
         if matched.error is not None:
             raise HttpError(
-                500,
+                503,
                 f"reading the host's processes failed: {matched.error}",
                 "see the agent's log on the GPU host",
             )
-        query = request.query()
         exclude, pipes = parse_exclude(query, self.settings.host.boot_id)
         pids = parse_pids(query)
         if exclude or pipes or pids:
@@ -326,11 +348,13 @@ class AgentApp:
         scan = await self._scan.get()
         records: list[Record] | None = None
         store_up: bool | None = None
+        unreadable = 0
         store = self.store_api.store
         if store is not None:
             # A worker thread: reading a record that needs recovery takes its file lock.
             try:
-                records = await asyncio.to_thread(store.records)
+                records, bad = await asyncio.to_thread(read_all, store)
+                unreadable = len(bad)
                 store_up = True
             except GpuctlError as err:
                 log.warning("reading the records for /metrics failed: %s", err)
@@ -345,6 +369,7 @@ class AgentApp:
             gpu_memory_mib=self.settings.gpu_memory_mib,
             records=records,
             store_up=store_up,
+            unreadable_records=unreadable,
             now=time.time(),
         )
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")

@@ -8,6 +8,7 @@ computation await that one instead of starting another.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class Outcome(Generic[T]):
     value: T | None
     error: Exception | None
     expires: float
+    started: float = 0.0
 
 
 class TtlCell(Generic[T]):
@@ -47,29 +49,47 @@ class TtlCell(Generic[T]):
         self._clock = clock
         self._outcome: Outcome[T] | None = None
         self._inflight: asyncio.Future[Outcome[T]] | None = None
+        # Outcomes of computations started before this moment are stale (see invalidate).
+        self._valid_from = -math.inf
 
     @property
     def latest(self) -> Outcome[T] | None:
         return self._outcome
 
-    async def get(self) -> Outcome[T]:
-        outcome = self._outcome
-        if outcome is not None and self._clock() < outcome.expires:
-            return outcome
-        inflight = self._inflight
-        if inflight is None:
-            inflight = self._inflight = asyncio.ensure_future(self._refresh())
-        # shield: a client that hangs up must not cancel the scan the others wait for.
-        return await asyncio.shield(inflight)
+    def invalidate(self) -> None:
+        """Forget what was computed so far: the next ``get`` computes anew.
+
+        A computation under way when this is called does not count either: it may have
+        read the state from before the change that made us call.
+        """
+        self._valid_from = self._clock()
+
+    async def get(self, fresh: bool = False) -> Outcome[T]:
+        """The cached outcome, or a new one; ``fresh``: one computed after this call began."""
+        need = self._clock() if fresh else self._valid_from
+        while True:
+            outcome = self._outcome
+            if outcome is not None and outcome.started >= need and self._clock() < outcome.expires:
+                return outcome
+            inflight = self._inflight
+            if inflight is None:
+                inflight = self._inflight = asyncio.ensure_future(self._refresh())
+            # shield: a client that hangs up must not cancel the scan the others wait for.
+            outcome = await asyncio.shield(inflight)
+            if outcome.started >= need:
+                return outcome
+            # It began before what we need (an invalidation, a fresh read): one more round,
+            # still one computation at a time.
 
     async def _refresh(self) -> Outcome[T]:
+        started = self._clock()
         try:
             try:
                 value = await asyncio.to_thread(self._compute)
             except Exception as err:  # kept and re-delivered to every waiter
-                outcome: Outcome[T] = Outcome(None, err, self._clock() + self._ttl_s)
+                outcome: Outcome[T] = Outcome(None, err, self._clock() + self._ttl_s, started)
             else:
-                outcome = Outcome(value, None, self._clock() + self._ttl_s)
+                outcome = Outcome(value, None, self._clock() + self._ttl_s, started)
             self._outcome = outcome
             return outcome
         finally:

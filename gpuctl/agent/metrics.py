@@ -40,6 +40,7 @@ def render_metrics(
     gpu_memory_mib: int | None,
     records: Sequence[Record] | None = None,
     store_up: bool | None = None,
+    unreadable_records: int = 0,
     now: float | None = None,
 ) -> str:
     """The Prometheus text exposition of one reading, the services' records and the
@@ -107,6 +108,12 @@ def render_metrics(
             "gauge",
             "1 when the agent could read the records in its state directory.",
             [("", 1 if store_up else 0)],
+        )
+        metric(
+            "gpuctl_store_unreadable_records",
+            "gauge",
+            "Record files the agent could not read (set aside by the store, or broken).",
+            [("", unreadable_records)],
         )
     if records is not None:
         at = time.time() if now is None else now

@@ -56,3 +56,16 @@ def parse_pids(query: dict[str, list[str]]) -> list[int]:
     if len(pids) > MAX_MATCH_KEYWORDS:
         raise HttpError(400, f"at most {MAX_MATCH_KEYWORDS} pids per request")
     return [p for p in pids if p > 0]
+
+
+def parse_fresh(query: dict[str, list[str]]) -> bool:
+    """``?fresh=1``: read the GPU and the processes now, not from the reading cache."""
+    values = query.get("fresh")
+    if not values:
+        return False
+    value = values[-1].strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no", ""):
+        return False
+    raise HttpError(400, f"fresh must be 1 or 0, got {value[:20]!r}")

@@ -153,6 +153,9 @@ def serve(
     cache_ttl_s: float = 1.0,
     state_dir: str | os.PathLike[str] | None = None,
     log_level: str = "warning",
+    read_token: str | None = None,
+    match: tuple[str, ...] = (),
+    match_max_age_s: float = 900.0,
 ) -> None:
     """Serve the agent until SIGTERM / Ctrl-C.
 
@@ -165,6 +168,9 @@ def serve(
         cache_ttl_s: how long one probe reading is reused.
         state_dir: the state directory to report in /status.
         log_level: for uvicorn's and gpuctl's loggers.
+        read_token: a read-only token (GETs only); needs ``token``.
+        match: keywords of servers to report to clients of the original /status.
+        match_max_age_s: only such processes younger than this.
 
     Raises:
         UsageError: a bad or busy listen address, or no token off loopback.
@@ -172,7 +178,18 @@ def serve(
     """
     addr = resolve_listen(listen)
     token = token or None
+    read_token = read_token or None
     check_token_policy(addr, token)
+    if read_token is not None and token is None:
+        raise UsageError(
+            "a read-only token needs a write token beside it",
+            hint="set GPUCTL_AGENT_TOKEN or pass --token-file as well",
+        )
+    if read_token is not None and read_token == token:
+        raise UsageError(
+            "the read-only token is the write token",
+            hint="give the read-only token a value of its own",
+        )
     sock = bind_socket(addr)
     try:
         # Lazy: the NVML probe pulls in pynvml.
@@ -193,6 +210,9 @@ def serve(
                 state_dir=state_dir,
                 gpu_memory_mib=gpu_memory_mib,
                 log_level=log_level,
+                read_token=read_token,
+                match=match,
+                match_max_age_s=match_max_age_s,
             )
         finally:
             probe.close()
@@ -210,6 +230,9 @@ def _run(
     state_dir: str | os.PathLike[str] | None,
     gpu_memory_mib: int | None,
     log_level: str,
+    read_token: str | None,
+    match: tuple[str, ...],
+    match_max_age_s: float,
 ) -> None:
     # Lazy (DESIGN §2): the server stack stays out of every other command's start-up.
     import uvicorn
@@ -222,6 +245,9 @@ def _run(
         cache_ttl_s=cache_ttl_s,
         state_dir=os.fspath(state_dir) if state_dir is not None else None,
         gpu_memory_mib=gpu_memory_mib,
+        read_token=read_token,
+        match=match,
+        match_max_age_s=match_max_age_s,
     )
     config = uvicorn.Config(
         create_app(settings, probe),

@@ -9,113 +9,229 @@ POST     /records/{svc}/lease                {"holder": {…}, "ttl_s": N} → {
 POST     /records/{svc}/lease/renew          {"holder": id, "ttl_s": N} → record (409 if not holder)
 POST     /records/{svc}/lease/release        {"holder": id, "update": {…}} → record
 PATCH    /records/{svc}                      {"holder": id, "update": {…}} → record (409 if not holder)
-POST     /records/{svc}/touch                → record
+POST     /records/{svc}/touch                {"ready": bool} → record
 POST     /records/{svc}/inflight             {"holder": {…}, "ttl_s": N} → {"granted", "record"}
 POST     /records/{svc}/inflight/renew       {"holder": {…}, "ttl_s": N} → record
 POST     /records/{svc}/inflight/end         {"holder": id} → record
 GET      /records/_inflight                  {"inflight": {svc: holders, …}}
 =======  ==================================  =========================================
 
-Store calls take a file lock and may wait for it, so they run in a worker thread.
+Every body is validated (``wire.py``) before the store sees it: a bad value is a 400
+naming its field, never a 503 from deep inside the store. Store calls take a file lock
+and may wait for it, so they run in a worker thread. Every write calls ``on_write``, so
+the agent's reading cache never serves a state from before it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters.store import DirectStore
-from gpuctl.adapters.store.codec import RecordError, decode_holder
+from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder
+from gpuctl.agent import wire
+from gpuctl.agent.http import HttpError
+from gpuctl.core.record import Record, apply_update
 from gpuctl.errors import GpuctlError, StoreError, UsageError
+
+log = logging.getLogger("gpuctl.agent")
+
+# path shape (after /records/{svc}) -> method -> operation name
+_ROUTES: dict[tuple[str, ...], dict[str, str]] = {
+    (): {"GET": "get", "PATCH": "update"},
+    ("lease",): {"POST": "acquire"},
+    ("lease", "renew"): {"POST": "renew"},
+    ("lease", "release"): {"POST": "release"},
+    ("touch",): {"POST": "touch"},
+    ("inflight",): {"POST": "inflight_begin"},
+    ("inflight", "renew"): {"POST": "inflight_renew"},
+    ("inflight", "end"): {"POST": "inflight_end"},
+}
+_READS = frozenset({"list", "get", "inflight_list"})
+
+
+def allowed(methods: dict[str, str] | set[str]) -> str:
+    names = set(methods)
+    if "GET" in names:
+        names.add("HEAD")
+    return ", ".join(sorted(names))
+
+
+def read_all(store: DirectStore) -> tuple[list[Record], list[dict[str, str]]]:
+    """Every readable record, and the ones that could not be read (service, error).
+
+    One bad record never takes the list down: ``/records`` and ``/metrics`` go on
+    serving the rest. A store that cannot be read at all is a StoreError.
+    """
+    try:
+        return store.records(), []
+    except StoreError:
+        raise
+    except Exception as err:  # one record broke the whole listing: read them one by one
+        log.warning(
+            "listing the records failed (%s: %s); reading them one by one", type(err).__name__, err
+        )
+    records: list[Record] = []
+    bad: list[dict[str, str]] = []
+    try:
+        names = sorted(p.stem for p in (store.state_dir / "records").glob("*.json"))
+    except OSError as err:
+        raise StoreError(f"cannot list {store.state_dir / 'records'}: {err}") from None
+    for name in names:
+        if not wire.SERVICE_NAME.fullmatch(name) or name.startswith("_"):
+            continue
+        try:
+            records.append(store.get(name))
+        except StoreError:
+            raise
+        except Exception as err:
+            log.warning("the record of %r cannot be read: %s: %s", name, type(err).__name__, err)
+            bad.append({"service": name, "error": f"{type(err).__name__}: {err}"[:500]})
+    return records, bad
 
 
 class StoreApi:
-    def __init__(self, state_dir: str | None) -> None:
+    def __init__(self, state_dir: str | None, on_write: Callable[[], None] = lambda: None) -> None:
         self.store = DirectStore(Path(state_dir)) if state_dir else None
+        self.on_write = on_write
 
-    async def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
-        """Route one request under /records; returns (status, JSON body)."""
+    def route(self, method: str, path: str) -> tuple[str, str | None]:
+        """(operation, service) for a request under /records; HttpError 404/405/400."""
+        parts = [p for p in path.split("/") if p][1:]  # drop "records"
+        if not parts:
+            if method in ("GET", "HEAD"):
+                return "list", None
+            raise HttpError(
+                405,
+                f"{method} is not allowed on /records",
+                "use GET",
+                [(b"allow", b"GET, HEAD")],
+            )
+        if parts == ["_inflight"]:
+            if method in ("GET", "HEAD"):
+                return "inflight_list", None
+            raise HttpError(
+                405,
+                f"{method} is not allowed on /records/_inflight",
+                "use GET",
+                [(b"allow", b"GET, HEAD")],
+            )
+        service, rest = parts[0], tuple(parts[1:])
+        methods = _ROUTES.get(rest)
+        if methods is None:
+            raise HttpError(404, f"no such endpoint: {path[:200]}", "see /openapi.json")
+        wire.check_service_name(service)
+        op = methods.get("GET" if method == "HEAD" and "GET" in methods else method)
+        if op is None:
+            allow = allowed(methods)
+            raise HttpError(
+                405,
+                f"{method} is not allowed on /records/{{service}}{''.join('/' + r for r in rest)}",
+                f"use {allow}",
+                [(b"allow", allow.encode())],
+            )
+        return op, service
+
+    @staticmethod
+    def is_write(op: str) -> bool:
+        return op not in _READS
+
+    async def handle(self, op: str, service: str | None, body: bytes) -> tuple[int, Any]:
+        """Run one routed request; returns (status, JSON body). Bad input raises HttpError."""
         if self.store is None:
             return 503, {
                 "error": "this agent has no state directory",
                 "hint": "start it with --state-dir",
                 "code": "no_store",
             }
-        parts = [p for p in path.split("/") if p][1:]  # drop "records"
+        args = self._validate(op, body)
         try:
-            data = json.loads(body) if body else {}
-        except ValueError:
-            return 400, {"error": "the request body is not JSON"}
-        if not isinstance(data, dict):
-            return 400, {"error": "the request body must be a JSON object"}
-        try:
-            return await asyncio.to_thread(self._dispatch, method, parts, data)
+            return await asyncio.to_thread(self._dispatch, op, service, args)
         except RecordError as e:
-            return 400, {"error": f"bad request: {e}"}
+            return 400, {"error": f"bad request: {e}", "hint": ""}
         except UsageError as e:
-            return 400, {"error": e.message}
+            return 400, {"error": e.message, "hint": e.hint}
         except StoreError as e:
             status = 409 if "no longer ours" in e.message else 503
             return status, {"error": e.message, "hint": e.hint}
         except GpuctlError as e:
-            return 500, {"error": e.message, "hint": e.hint}
-        except (KeyError, TypeError, ValueError) as e:
-            return 400, {"error": f"bad request: {type(e).__name__}: {e}"}
+            return 503, {"error": e.message, "hint": e.hint}
+        except (OverflowError, ValueError, KeyError, TypeError) as e:
+            # A record on disk that breaks the rules (a pid out of range): report it, and
+            # keep serving the others.
+            log.warning("the record of %r cannot be used: %s: %s", service, type(e).__name__, e)
+            return 503, {
+                "error": f"the record of {service!r} cannot be used: {type(e).__name__}: {e}",
+                "hint": "the store sets broken records aside; see `gpuctl locks` on the host",
+            }
+        finally:
+            if self.is_write(op):
+                # Also after a failure: a write may have landed before it failed.
+                self.on_write()
 
-    def _dispatch(self, method: str, parts: list[str], data: dict[str, Any]) -> tuple[int, Any]:
+    def _validate(self, op: str, body: bytes) -> dict[str, Any]:
+        data = wire.parse_body(body)
+        if op in _READS:
+            return {}
+        checks = {
+            "inflight_begin": wire.lease_request,
+            "inflight_renew": wire.lease_request,
+            "inflight_end": wire.end_request,
+            "acquire": wire.lease_request,
+            "renew": wire.renew_request,
+            "release": wire.release_request,
+            "update": wire.holder_update,
+            "touch": wire.touch_request,
+        }
+        args = checks[op](data)
+        update = args.get("update")
+        if update:
+            # The store's own patch language has the last word (a key this agent passes on
+            # but the store does not know yet): try it on an empty record first.
+            try:
+                check_record(apply_update(Record(service="_"), update, 0.0))
+            except RecordError as err:
+                raise wire.BadRequest(f"update{err.where.removeprefix('$')}", err.why) from None
+            except (ValueError, TypeError) as err:
+                raise wire.BadRequest("update", str(err)) from None
+        return args
+
+    def _dispatch(self, op: str, svc: str | None, args: dict[str, Any]) -> tuple[int, Any]:
         store = self.store
         assert store is not None
-        if not parts:
-            if method == "GET":
-                return 200, {
-                    "records": [r.to_dict() for r in store.records()],
-                    "set_aside": [a.to_dict() for a in store.set_aside()],
-                }
-            return 405, {"error": f"{method} is not allowed on /records"}
-        if parts == ["_inflight"] and method == "GET":
+        if op == "list":
+            records, bad = read_all(store)
+            out: dict[str, Any] = {
+                "records": [r.to_dict() for r in records],
+                "set_aside": [a.to_dict() for a in store.set_aside()],
+            }
+            if bad:
+                out["unreadable"] = bad
+            return 200, out
+        if op == "inflight_list":
             return 200, {"inflight": store.inflight()}
-        svc, rest = parts[0], parts[1:]
-        if rest == [] and method == "GET":
+        assert svc is not None
+        if op == "get":
             return 200, store.get(svc).to_dict()
-        if rest == [] and method == "PATCH":
-            return 200, store.update(svc, str(data["holder"]), _update(data)).to_dict()
-        if rest == ["lease"] and method == "POST":
-            granted, rec = store.acquire(svc, decode_holder(data["holder"]), _ttl(data))
+        if op == "update":
+            return 200, store.update(svc, args["holder"], args["update"]).to_dict()
+        if op == "acquire":
+            granted, rec = store.acquire(svc, decode_holder(args["holder"]), args["ttl_s"])
             return 200, {"granted": granted, "record": rec.to_dict()}
-        if rest == ["lease", "renew"] and method == "POST":
-            return 200, store.renew(svc, str(data["holder"]), _ttl(data)).to_dict()
-        if rest == ["lease", "release"] and method == "POST":
-            return 200, store.release(svc, str(data["holder"]), _update(data) or None).to_dict()
-        if rest == ["inflight"] and method == "POST":
-            granted, rec = store.inflight_begin(svc, decode_holder(data["holder"]), _ttl(data))
+        if op == "inflight_begin":
+            granted, rec = store.inflight_begin(svc, decode_holder(args["holder"]), args["ttl_s"])
             return 200, {"granted": granted, "record": rec.to_dict()}
-        if rest == ["inflight", "renew"] and method == "POST":
-            return 200, store.inflight_renew(
-                svc, decode_holder(data["holder"]), _ttl(data)
-            ).to_dict()
-        if rest == ["inflight", "end"] and method == "POST":
-            return 200, store.inflight_end(svc, str(data["holder"])).to_dict()
-        if rest == ["touch"] and method == "POST":
-            return 200, store.touch(svc, ready=bool(data.get("ready"))).to_dict()
-        return 404, {
-            "error": f"no such endpoint: /records/{'/'.join(parts)}",
-            "hint": "see /openapi.json",
-        }
-
-
-def _update(data: dict[str, Any]) -> dict[str, Any]:
-    u = data.get("update") or {}
-    if not isinstance(u, dict):
-        raise ValueError("update must be an object")
-    return u
-
-
-def _ttl(data: dict[str, Any]) -> float:
-    # NaN or infinity would make a lease that never expires (json.loads accepts both).
-    ttl = float(data["ttl_s"])
-    if not math.isfinite(ttl) or ttl <= 0:
-        raise ValueError("ttl_s must be a positive, finite number of seconds")
-    return ttl
+        if op == "inflight_renew":
+            rec = store.inflight_renew(svc, decode_holder(args["holder"]), args["ttl_s"])
+            return 200, rec.to_dict()
+        if op == "inflight_end":
+            return 200, store.inflight_end(svc, args["holder"]).to_dict()
+        if op == "renew":
+            return 200, store.renew(svc, args["holder"], args["ttl_s"]).to_dict()
+        if op == "release":
+            return 200, store.release(svc, args["holder"], args.get("update") or None).to_dict()
+        assert op == "touch"
+        return 200, store.touch(svc, ready=args.get("ready", False)).to_dict()

@@ -18,7 +18,9 @@ from gpuctl.config.model import ProbeName
 from gpuctl.errors import UsageError
 
 
-def read_token_file(path: Path) -> str:
+def read_token_file(
+    path: Path, option: str = "--token-file", env: str = "GPUCTL_AGENT_TOKEN"
+) -> str:
     """The token in ``path``, stripped; warns when group or others can read the file."""
     try:
         st = path.stat()
@@ -26,7 +28,7 @@ def read_token_file(path: Path) -> str:
     except OSError as err:
         raise UsageError(
             f"cannot read the token file {path}: {err.strerror or err}",
-            hint="pass an existing file to --token-file, or set GPUCTL_AGENT_TOKEN",
+            hint=f"pass an existing file to {option}, or set {env}",
         ) from None
     if not token:
         raise UsageError(f"the token file {path} is empty", hint="write the token into it")
@@ -69,6 +71,37 @@ def register(app: typer.Typer) -> None:
                 metavar="FILE",
             ),
         ] = None,
+        read_token_file_: Annotated[
+            Path | None,
+            typer.Option(
+                "--read-token-file",
+                help="File holding a read-only token: good for GET /status, /records and "
+                "/metrics (dashboards, scrapers), refused (403) for writes. "
+                "Default: $GPUCTL_AGENT_READ_TOKEN.",
+                dir_okay=False,
+                metavar="FILE",
+            ),
+        ] = None,
+        match: Annotated[
+            str | None,
+            typer.Option(
+                "--match",
+                help="Comma-separated keywords (vllm,translategemma): for clients of the "
+                "original /status, report matching processes not yet on the GPU in "
+                "`processes` (memory_mib 0, on_gpu false), so is_idle is false while they load.",
+                metavar="KEYWORDS",
+            ),
+        ] = None,
+        match_max_age: Annotated[
+            float,
+            typer.Option(
+                "--match-max-age",
+                parser=duration_parser("--match-max-age"),
+                show_default="15m",
+                help="With --match: only processes younger than this (a loading server), e.g. 15m.",
+                metavar="DURATION",
+            ),
+        ] = 900.0,
         sim_dir: Annotated[
             Path | None,
             typer.Option(
@@ -133,6 +166,15 @@ def register(app: typer.Typer) -> None:
                 token: str | None = read_token_file(token_file.expanduser())
             else:
                 token = os.environ.get("GPUCTL_AGENT_TOKEN", "").strip() or None
+            if read_token_file_ is not None:
+                read_token: str | None = read_token_file(
+                    read_token_file_.expanduser(), "--read-token-file", "GPUCTL_AGENT_READ_TOKEN"
+                )
+            else:
+                read_token = os.environ.get("GPUCTL_AGENT_READ_TOKEN", "").strip() or None
+            keywords = tuple(
+                sorted({w.strip().lower() for w in (match or "").split(",") if w.strip()})
+            )
             level = log_level.lower()
             if level not in (*LOG_LEVELS, "critical"):
                 raise UsageError(
@@ -151,4 +193,7 @@ def register(app: typer.Typer) -> None:
                 cache_ttl_s=cache_ttl,
                 state_dir=str(state),
                 log_level=level,
+                read_token=read_token,
+                match=keywords,
+                match_max_age_s=match_max_age,
             )

@@ -1,0 +1,303 @@
+"""Request bodies off the wire: bounded JSON, then exact types, each error a 400 naming its field.
+
+Every body is hostile until checked. Size and nesting are bounded *before* ``json.loads``
+runs (100,000 nested ``[`` would otherwise blow its recursion limit); ``NaN`` and
+``Infinity`` are refused by the parser; then each endpoint's shape is checked with exact
+types (``"no"`` is not a boolean, ``1.0`` is not a pid), ranges (a pid fits the kernel's
+``PID_MAX_LIMIT``) and finite numbers. What passes can be handed to the store as is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from gpuctl.agent.http import HttpError
+from gpuctl.core.record import Phase
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_DEPTH = 16
+# Linux's PID_MAX_LIMIT (2^22): no pid on any Linux host is larger.
+PID_MAX = 4_194_304
+MAX_TTL_S = 7 * 24 * 3600.0
+MAX_TEXT = 64 * 1024
+MAX_SHORT_TEXT = 256
+# Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
+MAX_EPOCH_S = 1e11
+
+# The store's service names; fullmatch, so a trailing newline does not pass ($ would let it).
+SERVICE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}")
+_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+
+
+class BadRequest(HttpError):
+    """A 400 naming the field (``holder.pid``) and what it should be."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        where = f"{field}: " if field else ""
+        super().__init__(
+            400, f"bad request body: {where}{problem}", "see /openapi.json for the request schemas"
+        )
+        self.field = field
+
+
+def check_service_name(name: str) -> str:
+    if not SERVICE_NAME.fullmatch(name):
+        raise HttpError(
+            400,
+            f"invalid service name {name[:120]!r}",
+            "a name is 1-101 letters, digits, '_', '.' or '-', not starting with '.' or '-'",
+        )
+    return name
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object (an empty body is ``{}``); BadRequest otherwise."""
+    if not body.strip():
+        return {}
+    depth = 0
+    for m in _STRUCTURE.finditer(body):
+        token = m.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise BadRequest("", f"nested deeper than {MAX_DEPTH} levels")
+        elif token in (b"]", b"}"):
+            depth -= 1
+    if len(body) > MAX_BODY_BYTES:
+        raise HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:  # unreachable after the depth bound; kept as a backstop
+        raise BadRequest("", f"nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:  # also UnicodeDecodeError and over-long integers
+        raise BadRequest("", f"not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise BadRequest("", f"expected a JSON object, got {_kind(data)}")
+    return data
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+# ---- field checkers: (value, field path) -> value, or BadRequest
+
+
+def string(value: Any, field: str, *, max_len: int = MAX_SHORT_TEXT, empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise BadRequest(field, f"expected a string, got {_kind(value)}")
+    if len(value) > max_len:
+        raise BadRequest(field, f"longer than {max_len} characters")
+    if not empty and not value:
+        raise BadRequest(field, "must not be empty")
+    return value
+
+
+def boolean(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(field, f"expected true or false, got {_kind(value)}")
+    return value
+
+
+def pid(value: Any, field: str, *, zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(field, f"expected an integer pid, got {_kind(value)}")
+    low = 0 if zero else 1
+    if not low <= value <= PID_MAX:
+        raise BadRequest(field, f"a pid is from {low} to {PID_MAX}, got {value}")
+    return value
+
+
+def number(value: Any, field: str, *, low: float = 0.0, high: float = MAX_EPOCH_S) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(field, f"expected a number, got {_kind(value)}")
+    as_float = float(value)
+    if not math.isfinite(as_float) or not low <= as_float <= high:
+        raise BadRequest(field, f"expected a finite number from {low:g} to {high:g}")
+    return as_float
+
+
+def ttl(value: Any, field: str = "ttl_s") -> float:
+    seconds = number(value, field, low=0.0, high=MAX_TTL_S)
+    if seconds <= 0:
+        raise BadRequest(field, "must be more than 0 seconds")
+    return seconds
+
+
+def nullable(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    def inner(value: Any, field: str) -> Any:
+        return None if value is None else check(value, field)
+
+    return inner
+
+
+def obj(
+    value: Any,
+    field: str,
+    fields: dict[str, Callable[[Any, str], Any]],
+    required: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """An object with only ``fields`` (each checked), ``required`` ones present."""
+    if not isinstance(value, dict):
+        raise BadRequest(field, f"expected an object, got {_kind(value)}")
+    prefix = f"{field}." if field else ""
+    for key in required:
+        if key not in value:
+            raise BadRequest(f"{prefix}{key}", "missing")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        check = fields.get(key)
+        if check is None:
+            raise BadRequest(f"{prefix}{key}", "unknown field")
+        out[key] = check(item, f"{prefix}{key}")
+    return out
+
+
+def free_object(value: Any, field: str) -> dict[str, Any]:
+    """A free-form object (a handle, an attempt): bounded by the body's size and depth;
+    a ``pid`` in it must still be a pid, and its times finite."""
+    if not isinstance(value, dict):
+        raise BadRequest(field, f"expected an object, got {_kind(value)}")
+    if "pid" in value and value["pid"] is not None:
+        pid(value["pid"], f"{field}.pid")
+    for key in ("pid_start", "started", "ended", "duration_s"):
+        if key in value and value[key] is not None:
+            number(value[key], f"{field}.{key}", low=-MAX_EPOCH_S)
+    return value
+
+
+# ---- the request bodies (openapi.py describes the same shapes)
+
+
+def holder(value: Any, field: str) -> dict[str, Any]:
+    """The store's own holder schema (``codec.HOLDER_FIELDS``): one rule on both paths."""
+    from gpuctl.adapters.store.codec import RecordError, decode_holder
+
+    try:
+        decode_holder(value, at=f"$.{field}")
+    except RecordError as err:
+        raise BadRequest(err.where.removeprefix("$."), err.why) from None
+    assert isinstance(value, dict)
+    return value
+
+
+def _codec(name: str) -> Callable[[Any, str], Any]:
+    """One of the store's field checks (``codec.NONCE``, ``codec.URL``), as a wire check."""
+
+    def check(value: Any, field: str) -> Any:
+        from gpuctl.adapters.store import codec
+
+        try:
+            return getattr(codec, name)(value, f"$.{field}")
+        except codec.RecordError as err:
+            raise BadRequest(err.where.removeprefix("$."), err.why) from None
+
+    return check
+
+
+health_url = _codec("URL")
+_nonce = _codec("NONCE")
+
+
+def failure(value: Any, field: str) -> dict[str, Any]:
+    return obj(
+        value,
+        field,
+        {
+            "error": lambda v, f: string(v, f, max_len=MAX_TEXT),
+            "log_tail": lambda v, f: string(v, f, max_len=MAX_TEXT),
+        },
+    )
+
+
+def record_update(value: Any, field: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        for key in value:
+            if key not in _UPDATE_KEYS:
+                # The store's own words, so both store paths say the same.
+                raise BadRequest(field, f"bad record update: unknown update key {key!r}")
+    return obj(
+        value,
+        field,
+        {
+            "phase": _phase,
+            "handle": nullable(free_object),
+            "attempt": free_object,
+            "failure": nullable(failure),
+            "touch": boolean,
+            # Fields of the store's schema that this agent passes on (the store applies them).
+            "start_nonce": nullable(_nonce),
+            "health": nullable(health_url),
+        },
+    )
+
+
+_UPDATE_KEYS = frozenset(
+    {"phase", "handle", "attempt", "failure", "touch", "start_nonce", "health"}
+)
+
+
+def _phase(value: Any, field: str) -> str:
+    if not isinstance(value, str) or value not in {p.value for p in Phase}:
+        allowed = ", ".join(p.value for p in Phase)
+        raise BadRequest(field, f"expected one of {allowed}")
+    return value
+
+
+def lease_request(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(data, "", {"holder": holder, "ttl_s": ttl}, required=("holder", "ttl_s"))
+
+
+def renew_request(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(
+        data,
+        "",
+        {"holder": lambda v, f: string(v, f, empty=False), "ttl_s": ttl},
+        required=("holder", "ttl_s"),
+    )
+
+
+def holder_update(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(
+        data,
+        "",
+        {"holder": lambda v, f: string(v, f, empty=False), "update": record_update},
+        required=("holder", "update"),
+    )
+
+
+def release_request(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(
+        data,
+        "",
+        {"holder": lambda v, f: string(v, f, empty=False), "update": nullable(record_update)},
+        required=("holder",),
+    )
+
+
+def end_request(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(data, "", {"holder": lambda v, f: string(v, f, empty=False)}, required=("holder",))
+
+
+def touch_request(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(data, "", {"ready": boolean})

@@ -1,0 +1,342 @@
+"""Hostile input on the agent's wire, against the real agent on loopback and real files.
+
+Each case here once made the agent accept what it must not, answer 5xx, or serve a stale
+reading: a pid past the kernel's range, NaN, strings for numbers, deep nesting, a
+trailing newline in a name, one bad record file, a read-only token that could write.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from gpuctl.adapters.store import AgentStore, DirectStore, Holder
+from gpuctl.agent.app import AgentSettings, create_app
+from gpuctl.agent.server import serve
+from gpuctl.cli.app import create_app as create_cli
+from gpuctl.core.model import GpuProcess
+from gpuctl.errors import UsageError
+from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+TOKEN = "write-token"
+READ = "read-only-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+RO = {"Authorization": f"Bearer {READ}"}
+SVC = "vllm"
+
+
+@dataclass
+class Agent:
+    url: str
+    probe: FakeProbe
+    state: Path
+
+    def post(self, path: str, body: Any = None, *, raw: bytes | None = None) -> httpx.Response:
+        content = raw if raw is not None else json.dumps(body).encode()
+        return httpx.post(
+            f"{self.url}{path}",
+            headers={**AUTH, "Content-Type": "application/json"},
+            content=content,
+        )
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    state = tmp_path / "state"
+    probe = FakeProbe(reading_of())
+    # A long TTL: a test that sees a change sees it because the cache was bypassed or
+    # invalidated, never because it expired.
+    settings = AgentSettings(token=TOKEN, read_token=READ, cache_ttl_s=300.0, state_dir=str(state))
+    with serve_in_thread(create_app(settings, probe)) as url:
+        yield Agent(url, probe, state)
+
+
+def holder_dict(**over: Any) -> dict[str, Any]:
+    return {**Holder.here("test").to_dict(), **over}
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/lease", {"holder": holder_dict(pid=2147483648), "ttl_s": 60}, "holder.pid"),
+        ("/lease", {"holder": holder_dict(pid=-1), "ttl_s": 60}, "holder.pid"),
+        ("/lease", {"holder": holder_dict(pid="12"), "ttl_s": 60}, "holder.pid"),
+        ("/lease", {"holder": holder_dict(pid=12.0), "ttl_s": 60}, "holder.pid"),
+        ("/lease", {"holder": holder_dict(pid=True), "ttl_s": 60}, "holder.pid"),
+        ("/lease", {"holder": holder_dict(pid_start=1e308), "ttl_s": 60}, "holder.pid_start"),
+        ("/lease", {"holder": holder_dict(id=""), "ttl_s": 60}, "holder.id"),
+        ("/lease", {"holder": holder_dict(), "ttl_s": "60"}, "ttl_s"),
+        ("/lease", {"holder": holder_dict(), "ttl_s": 1e12}, "ttl_s"),
+        ("/lease", {"holder": holder_dict(), "ttl_s": 60, "extra": 1}, "extra"),
+        ("/lease", {"holder": holder_dict(boot_id=["x"]), "ttl_s": 60}, "holder.boot_id"),
+        ("/touch", {"ready": "no"}, "ready"),
+        ("/touch", {"ready": 0}, "ready"),
+    ],
+)
+def test_a_bad_value_is_a_400_naming_its_field(
+    agent: Agent, path: str, body: dict[str, Any], field: str
+) -> None:
+    r = agent.post(f"/records/{SVC}{path}", body)
+    assert r.status_code == 400, r.text
+    assert f"{field}:" in r.json()["error"]
+    assert not (agent.state / "records" / f"{SVC}.json").exists()  # nothing written
+
+
+def test_a_poisoned_pid_never_reaches_the_store(agent: Agent) -> None:
+    r = agent.post(f"/records/{SVC}/lease", {"holder": holder_dict(pid=2147483648), "ttl_s": 60})
+    assert r.status_code == 400
+    assert "holder.pid: a pid is from 0 to 4194304, got 2147483648" in r.json()["error"]
+    # ... and the store keeps working for everyone.
+    assert httpx.get(f"{agent.url}/records", headers=AUTH).status_code == 200
+    assert httpx.get(f"{agent.url}/metrics", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"holder": {"id": "h"}, "ttl_s": NaN}',
+        b'{"holder": {"id": "h"}, "ttl_s": Infinity}',
+        b'{"holder": {"id": "h"}, "ttl_s": -Infinity}',
+        b'{"holder": {"id": "h"}, "ttl_s": 1e400}',
+        b'{"holder": {"id": "h", "pid": 1' + b"0" * 5000 + b'}, "ttl_s": 5}',
+        b"[" * 100_000,
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a": ' * 20 + b"1" + b"}" * 20,
+        b"\xff\xfe not utf-8",
+        b'"just a string"',
+        b"{",
+    ],
+)
+def test_hostile_bodies_are_400(agent: Agent, raw: bytes) -> None:
+    r = agent.post(f"/records/{SVC}/lease", raw=raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith("bad request body")
+
+
+@pytest.mark.parametrize(
+    ("update", "field"),
+    [
+        ({"phase": "bogus"}, "update.phase"),
+        ({"touch": "no"}, "update.touch"),
+        ({"lease": None}, "update"),
+        ({"handle": {"kind": "process", "pid": 2147483648}}, "update.handle.pid"),
+        ({"handle": "x"}, "update.handle"),
+        ({"failure": {"error": 5}}, "update.failure.error"),
+        ({"attempt": {"started": "yesterday"}}, "update.attempt.started"),
+    ],
+)
+def test_an_invalid_update_is_400_not_503(agent: Agent, update: dict[str, Any], field: str) -> None:
+    h = holder_dict()
+    assert agent.post(f"/records/{SVC}/lease", {"holder": h, "ttl_s": 60}).status_code == 200
+    r = httpx.patch(
+        f"{agent.url}/records/{SVC}", headers=AUTH, json={"holder": h["id"], "update": update}
+    )
+    assert r.status_code == 400, r.text
+    assert f"{field}:" in r.json()["error"]
+    r = agent.post(f"/records/{SVC}/lease/release", {"holder": h["id"], "update": update})
+    assert r.status_code == 400, r.text
+    # Nothing changed: the lease is still held, the phase as it was.
+    rec = DirectStore(agent.state).get(SVC)
+    assert rec.lease is not None and rec.phase.value == "stopped"
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("POST", "/records", "GET, HEAD"),
+        ("DELETE", f"/records/{SVC}", "GET, HEAD, PATCH"),
+        ("GET", f"/records/{SVC}/lease", "POST"),
+        ("PUT", f"/records/{SVC}/touch", "POST"),
+        ("POST", "/status", "GET, HEAD"),
+        ("DELETE", "/metrics", "GET, HEAD"),
+    ],
+)
+def test_405_carries_allow(agent: Agent, method: str, path: str, allow: str) -> None:
+    r = httpx.request(method, f"{agent.url}{path}", headers=AUTH)
+    assert r.status_code == 405
+    assert r.headers["allow"] == allow
+
+
+@pytest.mark.parametrize(
+    "path", ["/healthz", "/openapi.json", "/status", "/metrics", "/records", f"/records/{SVC}"]
+)
+def test_head_works_where_get_does(agent: Agent, path: str) -> None:
+    get = httpx.get(f"{agent.url}{path}", headers=AUTH)
+    head = httpx.head(f"{agent.url}{path}", headers=AUTH)
+    assert get.status_code == head.status_code == 200
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+@pytest.mark.parametrize(
+    "name", ["vllm%0A", "vllm%0D%0A", "%0Avllm", "vllm%00", "-vllm", "a" * 102]
+)
+def test_service_names_are_matched_whole(agent: Agent, name: str) -> None:
+    r = httpx.get(f"{agent.url}/records/{name}", headers=AUTH)
+    assert r.status_code == 400
+    assert "invalid service name" in r.json()["error"]
+
+
+# --------------------------------------------------------------------------- bad records on disk
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {"lease": {"holder": "h", "pid": 2147483648, "expires": 9e9, "host": "", "boot_id": ""}},
+        {"handle": {"kind": "process", "pid": 2147483648}, "phase": "running"},
+        {"since": "yesterday"},
+    ],
+)
+def test_one_bad_record_never_takes_records_or_metrics_down(
+    agent: Agent, poison: dict[str, Any]
+) -> None:
+    store = DirectStore(agent.state)
+    h = Holder.here("test")
+    store.acquire("good", h, 60)
+    store.release("good", h.id, {"phase": "running"})
+    bad = {**store.get("good").to_dict(), "service": "bad", **poison}
+    from gpuctl.adapters.procinfo import host_identity
+
+    here = host_identity()
+    if "lease" in poison:
+        # A lease taken here: the store asks whether its holder pid still runs.
+        bad["lease"] = {**poison["lease"], "host": here.hostname, "boot_id": here.boot_id}
+    (agent.state / "records" / "bad.json").write_text(json.dumps(bad))
+    r = httpx.get(f"{agent.url}/records", headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert "good" in [rec["service"] for rec in r.json()["records"]]
+    m = httpx.get(f"{agent.url}/metrics", headers=AUTH)
+    assert m.status_code == 200, m.text
+    assert 'gpuctl_service_phase{service="good"' in m.text
+    one = httpx.get(f"{agent.url}/records/bad", headers=AUTH)
+    assert one.status_code < 500 or one.status_code == 503  # never a 500
+    assert one.status_code != 500
+
+
+# --------------------------------------------------------------------------- fresh truth
+
+
+BUSY = GpuProcess(pid=777, command="vllm serve big", memory_mib=70_000)
+
+
+def status(agent: Agent, **params: str) -> dict[str, Any]:
+    r = httpx.get(f"{agent.url}/status", params=params, headers=AUTH)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def test_fresh_bypasses_the_reading_cache(agent: Agent) -> None:
+    assert status(agent)["is_idle"]
+    agent.probe.reading = reading_of(BUSY)
+    assert status(agent)["is_idle"]  # cached for 300 s
+    assert not status(agent, fresh="1")["is_idle"]
+    assert not status(agent, fresh="1", match="vllm")["is_idle"]
+    bad = httpx.get(f"{agent.url}/status", params={"fresh": "maybe"}, headers=AUTH)
+    assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("write", ["lease", "renew", "release", "update", "touch"])
+def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> None:
+    assert status(agent)["is_idle"]
+    assert status(agent, match="vllm")["is_idle"]
+    store = AgentStore(agent.url, TOKEN)
+    try:
+        h = Holder.here("test")
+        if write != "lease":
+            store.acquire(SVC, h, 60)
+            assert status(agent)["is_idle"]  # that write was seen; now cache again
+        agent.probe.reading = reading_of(BUSY)
+        assert status(agent)["is_idle"]
+        if write == "lease":
+            store.acquire(SVC, h, 60)
+        elif write == "renew":
+            store.renew(SVC, h.id, 60)
+        elif write == "release":
+            store.release(SVC, h.id, {"phase": "running"})
+        elif write == "update":
+            store.update(SVC, h.id, {"phase": "starting"})
+        else:
+            store.touch(SVC)
+    finally:
+        store.close()
+    assert not status(agent)["is_idle"]
+    assert not status(agent, match="vllm")["is_idle"]
+
+
+def test_a_write_refreshes_the_process_scan_too(agent: Agent) -> None:
+    """Right after a launch, the new server shows up under `starting` at once."""
+    kw = f"fresh-{time.time_ns()}"
+    assert status(agent, match=kw)["starting"] == []
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", kw])
+    try:
+        assert status(agent, match=kw)["starting"] == []  # the scan is cached
+        store = AgentStore(agent.url, TOKEN)
+        try:
+            store.touch(SVC)
+        finally:
+            store.close()
+        assert [s["pid"] for s in status(agent, match=kw)["starting"]] == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --------------------------------------------------------------------------- read-only token
+
+
+def test_the_read_token_reads_everything_and_writes_nothing(agent: Agent) -> None:
+    for path in ("/status", "/status?match=vllm", "/metrics", "/records", f"/records/{SVC}"):
+        assert httpx.get(f"{agent.url}{path}", headers=RO).status_code == 200, path
+        assert httpx.head(f"{agent.url}{path}", headers=RO).status_code == 200, path
+    h = holder_dict()
+    writes = [
+        ("POST", f"/records/{SVC}/lease", {"holder": h, "ttl_s": 60}),
+        ("POST", f"/records/{SVC}/lease/renew", {"holder": h["id"], "ttl_s": 60}),
+        ("POST", f"/records/{SVC}/lease/release", {"holder": h["id"]}),
+        ("PATCH", f"/records/{SVC}", {"holder": h["id"], "update": {}}),
+        ("POST", f"/records/{SVC}/touch", {}),
+    ]
+    for method, path, body in writes:
+        r = httpx.request(method, f"{agent.url}{path}", headers=RO, json=body)
+        assert r.status_code == 403, (path, r.text)
+        assert "read-only" in r.json()["error"]
+    assert not (agent.state / "records" / f"{SVC}.json").exists()
+    wrong = httpx.get(f"{agent.url}/status", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+
+
+def test_a_read_token_needs_a_write_token_of_its_own() -> None:
+    with pytest.raises(UsageError, match="needs a write token"):
+        serve("127.0.0.1:0", "sim", None, read_token=READ)
+    with pytest.raises(UsageError, match="is the write token"):
+        serve("127.0.0.1:0", "sim", TOKEN, read_token=TOKEN)
+
+
+# --------------------------------------------------------------------------- numbers on the command line
+
+
+@pytest.mark.parametrize("option", ["--cache-ttl", "--match-max-age"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "1e400", "0s", "-inf"])
+def test_durations_must_be_finite_and_positive(cli_env: Path, option: str, value: str) -> None:
+    result = CliRunner().invoke(create_cli(), ["agent", "--probe", "sim", option, value])
+    assert result.exit_code == 2, result.output
+    assert f"{option}:" in result.output
+    assert "Traceback" not in result.output
