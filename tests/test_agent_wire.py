@@ -20,7 +20,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gpuctl.adapters.store import AgentStore, DirectStore, Holder
+from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.agent.server import serve
 from gpuctl.cli.app import create_app as create_cli
@@ -62,7 +62,7 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
 
 
 def holder_dict(**over: Any) -> dict[str, Any]:
-    return {**Holder.here("test").to_dict(), **over}
+    return {**holder_here("test").to_dict(), **over}
 
 
 # --------------------------------------------------------------------------- bodies
@@ -98,7 +98,7 @@ def test_a_bad_value_is_a_400_naming_its_field(
 def test_a_poisoned_pid_never_reaches_the_store(agent: Agent) -> None:
     r = agent.post(f"/records/{SVC}/lease", {"holder": holder_dict(pid=2147483648), "ttl_s": 60})
     assert r.status_code == 400
-    assert "holder.pid: a pid is from 0 to 4194304, got 2147483648" in r.json()["error"]
+    assert "holder.pid: 2147483648 is out of range (1..4194304)" in r.json()["error"]
     # ... and the store keeps working for everyone.
     assert httpx.get(f"{agent.url}/records", headers=AUTH).status_code == 200
     assert httpx.get(f"{agent.url}/metrics", headers=AUTH).status_code == 200
@@ -208,7 +208,7 @@ def test_one_bad_record_never_takes_records_or_metrics_down(
     agent: Agent, poison: dict[str, Any]
 ) -> None:
     store = DirectStore(agent.state)
-    h = Holder.here("test")
+    h = holder_here("test")
     store.acquire("good", h, 60)
     store.release("good", h.id, {"phase": "running"})
     bad = {**store.get("good").to_dict(), "service": "bad", **poison}
@@ -259,7 +259,7 @@ def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> 
     assert status(agent, match="vllm")["is_idle"]
     store = AgentStore(agent.url, TOKEN)
     try:
-        h = Holder.here("test")
+        h = holder_here("test")
         if write != "lease":
             store.acquire(SVC, h, 60)
             assert status(agent)["is_idle"]  # that write was seen; now cache again

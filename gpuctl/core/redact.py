@@ -86,9 +86,11 @@ def _redact_assignments(text: str) -> str:
 def redact_text(text: str) -> str:
     """One argument or one line with the secret values replaced by ``***``."""
     out = _AUTH_HEADER.sub(
-        lambda m: f"{m.group(1)}{m.group(2) or ''}{m.group(3) or ''}{MASK}"
-        if m.group(2) is not None
-        else f"{m.group(1)}{MASK}",
+        lambda m: (
+            f"{m.group(1)}{m.group(2) or ''}{m.group(3) or ''}{MASK}"
+            if m.group(2) is not None
+            else f"{m.group(1)}{MASK}"
+        ),
         text,
     )
     out = _AUTH_SCHEME.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", out)
