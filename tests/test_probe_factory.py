@@ -110,7 +110,7 @@ def test_auto_falls_back_to_nvidia_smi_when_nvml_reads_fail_on_an_old_driver(
     smi.write_text(
         "#!/bin/sh\n"
         'case "$1" in\n'
-        '  --query-gpu=*) echo "0, GPU-a, 81559, 4000" ;;\n'
+        '  --query-gpu=*) echo "0, GPU-a, 81559, 4000, NVIDIA H100, 5, 40, 70.2" ;;\n'
         '  --query-compute-apps=*) echo "GPU-a, 4194000, 3900" ;;\n'
         "esac\n"
     )

@@ -16,6 +16,7 @@ import pytest
 from gpuctl.adapters.probes.nvidia_smi import (
     APP_COLUMNS,
     GPU_COLUMNS,
+    QUERY_COLUMNS,
     NvidiaSmiProbe,
     SmiApp,
     SmiGpu,
@@ -67,6 +68,15 @@ APPS = "nvidia-smi --query-compute-apps="
 GPUS = "nvidia-smi --query-gpu="
 
 
+VIEW = {
+    H100: ("NVIDIA H100 80GB HBM3", 100, 59, 631.95),
+    H100_MIG: ("NVIDIA H100 80GB HBM3", None, 53, 433.78),
+    H200: ("NVIDIA H200", 100, 52, 627.4),
+    L40S: ("NVIDIA L40S", 9, 54, 110.23),
+    RTX4080: ("NVIDIA GeForce RTX 4080 SUPER", 7, 46, 84.24),
+}
+
+
 @pytest.mark.parametrize(
     ("capture", "apps", "used", "total"),
     [
@@ -84,8 +94,17 @@ def test_captures_under_load(
     # the header names the columns, whatever their order.
     got = parse_compute_apps(section(capture, APPS, "load ::"))
     assert got == [SmiApp(UUID0, pid, mem) for pid, mem in apps]
-    gpus = parse_query_gpu(section(capture, GPUS, "load :: query-gpu"))
-    assert gpus == [SmiGpu(index=0, uuid=UUID0, memory_total_mib=total, memory_used_mib=used)]
+    (gpu,) = parse_query_gpu(section(capture, GPUS, "load :: query-gpu"))
+    assert (gpu.index, gpu.uuid, gpu.memory_total_mib, gpu.memory_used_mib) == (
+        0,
+        UUID0,
+        total,
+        used,
+    )
+    assert gpu.memory_error is None
+    # Utilisation, temperature and power as the capture has them ("100 %", "631.95 W");
+    # MIG prints [N/A] for utilisation, which stays unknown.
+    assert (gpu.name, gpu.utilization_pct, gpu.temperature_c, gpu.power_w) == VIEW[capture]
 
 
 @pytest.mark.parametrize("capture", [H100, H100_MIG, H200, L40S])
@@ -107,12 +126,14 @@ def test_gb10_per_process_memory_without_device_memory() -> None:
     assert parse_compute_apps(apps_text, cols) == [SmiApp(GB10_UUID, 114687, 19135)]
     # --format=csv with a header: [N/A] device memory.
     with_header = section(GB10, GPUS + "index,name,memory.total,memory.free")
-    assert parse_query_gpu(with_header) == [SmiGpu(0, "", None, None)]
+    assert parse_query_gpu(with_header) == [SmiGpu(0, "", None, None, name="NVIDIA GB10")]
     bare = section(GB10, GPUS + "memory.used,memory.total,utilization.memory")
     bare_cols = ("memory.used", "memory.total", "utilization.memory")
     assert parse_query_gpu(bare, bare_cols) == [SmiGpu(0, "", None, None)]
     first = section(GB10, GPUS + "memory.total,memory.used,memory.free,utilization")
-    assert parse_query_gpu(first) == [SmiGpu(0, "", None, None)]
+    assert parse_query_gpu(first) == [
+        SmiGpu(0, "", None, None, utilization_pct=0, temperature_c=35, power_w=11.17)
+    ]
 
 
 # --- parsers: the field quirks ---------------------------------------------------------
@@ -173,7 +194,7 @@ def fake_smi(tmp_path: Path, gpus: str, apps: str, body: str | None = None) -> P
         or f"""#!/bin/sh
 [ "$2" = "--format=csv,noheader,nounits" ] || {{ echo "bad format: $2" >&2; exit 2; }}
 case "$1" in
-  --query-gpu={",".join(GPU_COLUMNS)}) cat "{tmp_path}/gpus.txt" ;;
+  --query-gpu={",".join(QUERY_COLUMNS)}) cat "{tmp_path}/gpus.txt" ;;
   --query-compute-apps={",".join(APP_COLUMNS)}) cat "{tmp_path}/apps.txt" ;;
   *) echo "Invalid combination of input arguments: $1" >&2; exit 2 ;;
 esac
@@ -210,7 +231,9 @@ def test_probe_gb10_unified_memory(tmp_path: Path) -> None:
     )
     # The capture's values, as our own query prints them.
     smi = fake_smi(
-        tmp_path, f"0, {GB10_UUID}, [N/A], [N/A]\n", f"{GB10_UUID}, {app.pid}, {app.memory_mib}\n"
+        tmp_path,
+        f"0, {GB10_UUID}, [N/A], [N/A], NVIDIA H100, [N/A], [N/A], [N/A]\n",
+        f"{GB10_UUID}, {app.pid}, {app.memory_mib}\n",
     )
     r = NvidiaSmiProbe(binary=str(smi), gpu_memory_mib=122880).read()
     assert (r.unified_memory, r.memory_used_mib, r.memory_total_mib) == (True, 19135, 122880)
@@ -223,7 +246,7 @@ def test_probe_names_real_process_and_maps_uuid_to_index(tmp_path: Path) -> None
     me = os.getpid()
     smi = fake_smi(
         tmp_path,
-        "0, GPU-a, 81559, 100\n1, GPU-b, 81559, 9000\n",
+        "0, GPU-a, 81559, 100, NVIDIA H100, [N/A], [N/A], [N/A]\n1, GPU-b, 81559, 9000, NVIDIA H100, [N/A], [N/A], [N/A]\n",
         f"GPU-b, {me}, 8192\nGPU-a, {NO_SUCH_PID}, [N/A]\n",
     )
     r = NvidiaSmiProbe(binary=str(smi)).read()
@@ -260,7 +283,9 @@ def test_probe_missing_binary_is_no_gpu_found(tmp_path: Path) -> None:
 
 
 def test_probe_unparseable_output_is_probe_error(tmp_path: Path) -> None:
-    smi = fake_smi(tmp_path, "0, GPU-a, 81559, 100\n", "GPU-a, twelve, 5\n")
+    smi = fake_smi(
+        tmp_path, "0, GPU-a, 81559, 100, NVIDIA H100, [N/A], [N/A], [N/A]\n", "GPU-a, twelve, 5\n"
+    )
     with pytest.raises(ProbeError, match="unexpected nvidia-smi output"):
         NvidiaSmiProbe(binary=str(smi)).read()
 
@@ -268,7 +293,7 @@ def test_probe_unparseable_output_is_probe_error(tmp_path: Path) -> None:
 def test_probe_one_gpu_without_permission_is_unknown_the_other_as_it_is(tmp_path: Path) -> None:
     smi = fake_smi(
         tmp_path,
-        "0, GPU-a, 81559, 100\n1, GPU-b, [Insufficient Permissions], [Insufficient Permissions]\n",
+        "0, GPU-a, 81559, 100, NVIDIA H100, [N/A], [N/A], [N/A]\n1, GPU-b, [Insufficient Permissions], [Insufficient Permissions], NVIDIA H100, [N/A], [N/A], [N/A]\n",
         f"GPU-a, {NO_SUCH_PID}, 90\n",
     )
     r = NvidiaSmiProbe(binary=str(smi)).read()
@@ -279,7 +304,11 @@ def test_probe_one_gpu_without_permission_is_unknown_the_other_as_it_is(tmp_path
 
 
 def test_probe_no_gpu_readable_is_an_error(tmp_path: Path) -> None:
-    smi = fake_smi(tmp_path, "0, GPU-a, [Insufficient Permissions], [Unknown Error]\n", "")
+    smi = fake_smi(
+        tmp_path,
+        "0, GPU-a, [Insufficient Permissions], [Unknown Error], NVIDIA H100, [N/A], [N/A], [N/A]\n",
+        "",
+    )
     with pytest.raises(ProbeError, match="cannot read any GPU"):
         NvidiaSmiProbe(binary=str(smi)).read()
 
@@ -287,7 +316,7 @@ def test_probe_no_gpu_readable_is_an_error(tmp_path: Path) -> None:
 def test_probe_only_the_gpu_without_a_figure_is_unified(tmp_path: Path) -> None:
     smi = fake_smi(
         tmp_path,
-        f"0, GPU-a, 81559, 9000\n1, {GB10_UUID}, [N/A], [N/A]\n",
+        f"0, GPU-a, 81559, 9000, NVIDIA H100, [N/A], [N/A], [N/A]\n1, {GB10_UUID}, [N/A], [N/A], NVIDIA H100, [N/A], [N/A], [N/A]\n",
         f"GPU-a, {NO_SUCH_PID}, 8900\n{GB10_UUID}, {NO_SUCH_PID + 1}, 19135\n",
     )
     r = NvidiaSmiProbe(binary=str(smi), gpu_memory_mib=122880).read()
@@ -295,3 +324,28 @@ def test_probe_only_the_gpu_without_a_figure_is_unified(tmp_path: Path) -> None:
     assert (d0.unified, d0.memory_used_mib, d0.memory_total_mib) == (False, 9000, 81559)
     assert (d1.unified, d1.memory_used_mib, d1.memory_total_mib) == (True, 19135, 122880)
     assert r.unified_memory is True and r.memory_total_mib == 81559 + 122880
+
+
+def test_probe_reports_utilisation_temperature_and_power(tmp_path: Path) -> None:
+    smi = fake_smi(
+        tmp_path,
+        "0, GPU-a, 81559, 100, NVIDIA H100 80GB HBM3, 37, 61, 312.45\n"
+        "1, GPU-b, 81559, 0, NVIDIA H100 80GB HBM3, [N/A], [N/A], [N/A]\n",
+        "",
+    )
+    d0, d1 = NvidiaSmiProbe(binary=str(smi)).read().devices
+    assert (d0.name, d0.utilization_pct, d0.temperature_c, d0.power_w) == (
+        "NVIDIA H100 80GB HBM3",
+        37,
+        61,
+        312.45,
+    )
+    assert (d1.utilization_pct, d1.temperature_c, d1.power_w) == (None, None, None)
+
+
+@pytest.mark.parametrize("value", ["101", "-5", "nan", "inf", "lots", "1e400"])
+def test_view_figures_out_of_range_are_unknown(tmp_path: Path, value: str) -> None:
+    (gpu,) = parse_query_gpu(f"0, GPU-a, 100, 10, X, {value}, {value}, {value}\n", QUERY_COLUMNS)
+    assert gpu.utilization_pct is None
+    if value not in ("101", "-5"):
+        assert gpu.temperature_c is None and gpu.power_w is None

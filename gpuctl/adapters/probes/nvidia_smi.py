@@ -2,7 +2,8 @@
 
 It runs two queries, each under a timeout (a hung driver makes ``nvidia-smi`` hang):
 
-    nvidia-smi --query-gpu=index,uuid,memory.total,memory.used --format=csv,noheader,nounits
+    nvidia-smi --query-gpu=index,uuid,memory.total,memory.used,name,utilization.gpu,\
+        temperature.gpu,power.draw --format=csv,noheader,nounits
     nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,nounits
 
 Fields can read ``[N/A]``, ``[Not Supported]``, ``Not Supported`` or ``[Insufficient
@@ -13,17 +14,23 @@ Permissions]``; GB10 (unified memory) reports ``[N/A]`` for device memory while
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuctl.adapters.probes.common import describe_processes, larger, unified_device, valid_pid
 from gpuctl.core.model import GpuDevice, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
 GPU_COLUMNS = ("index", "uuid", "memory.total", "memory.used")
+# What the view shows beside memory; each may read [N/A] (MIG has no utilisation) and
+# then stays unknown.
+EXTRA_COLUMNS = ("name", "utilization.gpu", "temperature.gpu", "power.draw")
+QUERY_COLUMNS = GPU_COLUMNS + EXTRA_COLUMNS
 APP_COLUMNS = ("gpu_uuid", "pid", "used_memory")
 # Other names nvidia-smi accepts (and prints in headers) for the same field.
 _ALIASES = {"used_gpu_memory": "used_memory", "memory_used": "used_memory"}
@@ -41,6 +48,10 @@ class SmiGpu:
     # What nvidia-smi printed instead of a memory figure when that is an error
     # ("[Insufficient Permissions]", "[Unknown Error]"), not "this device has none" (N/A).
     memory_error: str | None = None
+    name: str | None = None
+    utilization_pct: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +75,7 @@ def parse_query_gpu(text: str, columns: Sequence[str] = GPU_COLUMNS) -> list[Smi
         ValueError: a row that does not fit the columns, or a number that is not one.
     """
     rows = []
-    for n, row in enumerate(_rows(text, columns, GPU_COLUMNS)):
+    for n, row in enumerate(_rows(text, columns, QUERY_COLUMNS)):
         index = _int(row.get("index", ""), "index")
         raw = [row.get("memory.total", ""), row.get("memory.used", "")]
         errors = [v.strip() for v in raw if _is_error(v)]
@@ -75,6 +86,10 @@ def parse_query_gpu(text: str, columns: Sequence[str] = GPU_COLUMNS) -> list[Smi
                 memory_total_mib=_int(raw[0], "memory.total"),
                 memory_used_mib=_int(raw[1], "memory.used"),
                 memory_error=errors[0] if errors else None,
+                name=_text(row.get("name", "")),
+                utilization_pct=_optional(row.get("utilization.gpu", ""), int, 0, 100),
+                temperature_c=_optional(row.get("temperature.gpu", ""), int, -273, 1000),
+                power_w=_optional(row.get("power.draw", ""), float, 0, 1e5),
             )
         )
     return rows
@@ -129,6 +144,28 @@ def _column(name: str) -> str:
     return _ALIASES.get(base, base)
 
 
+def _text(value: str) -> str | None:
+    v = value.strip()
+    return None if not v or v.startswith("[") or v.lower() in _NOT_AVAILABLE else v
+
+
+def _optional(value: str, kind: type, low: float, high: float) -> Any:
+    """A figure for the view (utilisation, temperature, power): None where nvidia-smi
+    prints N/A or something that is not a number in range; unknown is never 0."""
+    v = value.strip()
+    for unit in ("%", "W", "C"):
+        v = v.removesuffix(unit).strip()
+    if not v or v.startswith("[") or v.lower() in _NOT_AVAILABLE:
+        return None
+    try:
+        number = float(v)
+    except ValueError:
+        return None
+    if not math.isfinite(number) or not low <= number <= high:
+        return None
+    return kind(number) if kind is float else round(number)
+
+
 def _is_error(value: str) -> bool:
     """A field that says reading failed, as opposed to N/A or Not Supported (GB10)."""
     v = value.strip().strip("[]").strip().lower()
@@ -175,10 +212,10 @@ class NvidiaSmiProbe:
             NoGpuFound: the binary does not exist.
             ProbeError: it hung, failed, or printed something we cannot parse.
         """
-        gpu_text = self._run("--query-gpu=" + ",".join(GPU_COLUMNS))
+        gpu_text = self._run("--query-gpu=" + ",".join(QUERY_COLUMNS))
         app_text = self._run("--query-compute-apps=" + ",".join(APP_COLUMNS))
         try:
-            gpus = parse_query_gpu(gpu_text)
+            gpus = parse_query_gpu(gpu_text, QUERY_COLUMNS)
             apps = parse_compute_apps(app_text)
         except ValueError as e:
             raise ProbeError(f"unexpected nvidia-smi output: {e}") from e
@@ -205,7 +242,16 @@ class NvidiaSmiProbe:
                     GpuDevice(g.index, uuid=g.uuid, error=f"nvidia-smi: {g.memory_error}")
                 )
                 continue
-            device = GpuDevice(g.index, g.memory_used_mib, g.memory_total_mib, uuid=g.uuid)
+            device = GpuDevice(
+                g.index,
+                g.memory_used_mib,
+                g.memory_total_mib,
+                name=g.name,
+                uuid=g.uuid,
+                utilization_pct=g.utilization_pct,
+                temperature_c=g.temperature_c,
+                power_w=g.power_w,
+            )
             # GB10 prints [N/A] (and total 0 means the same): that device is unified.
             if not g.memory_total_mib or g.memory_used_mib is None:
                 device, note = unified_device(device, processes, self._gpu_memory_mib)
