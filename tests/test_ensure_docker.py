@@ -237,3 +237,47 @@ def test_failed_start_shows_the_log_and_backs_off(client: Any, host: SimHost, sv
     assert rec["phase"] == "failed"
     assert [a["outcome"] for a in rec["attempts"]] == ["failed"]
     assert rec["failure"]["count"] == 1 and "boom" in rec["failure"]["log_tail"]
+
+
+def test_caller_killed_between_container_start_and_record(
+    client: Any, host: SimHost, svc: str
+) -> None:
+    """The docker launcher's window: the container runs, its caller is killed before it
+    records it. A rival 80 GiB service is BUSY (no OOM); the same service asked again
+    finds the container (never a second)."""
+    import signal
+
+    from tests.ensure_helpers import big_service, end_in_window, ensure_paused_at
+
+    server = unique_name("anon")  # the container's command does not name the service
+    rival = unique_name("rival")
+    port, rival_port = free_port(), free_port()
+    cfg = docker_config(
+        host, svc, port, model_server_command(port, name=server, memory="80GiB", load_time="6s")
+    )
+    text = cfg.read_text().replace('memory = "20GiB"', 'memory = "80GiB"')
+    cfg.write_text(text + "\n" + big_service(rival, rival_port, rival, "1s"))
+    try:
+        caller = ensure_paused_at(cfg, svc)
+        end_in_window(caller, signal.SIGKILL)
+        rec = read_record(host, svc)
+        assert rec["phase"] == "starting" and rec["start_nonce"] and not rec["handle"]
+
+        r = run_ensure(cfg, rival)
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        assert server_pids(rival) == []
+
+        r = run_ensure(cfg, svc, "--timeout", "120s")
+        out = json.loads(r.stdout)
+        assert r.returncode == 0, (out["reason"], out["notes"])
+        assert out["outcome"] == "ready" and out["launched"] is False
+        (ct,) = containers_of(client, svc)
+        assert ct.attrs["RestartCount"] == 0
+        rec = read_record(host, svc)
+        assert rec["phase"] == "running" and rec["handle"]["container_id"] == ct.id
+        assert len(sim_claims(host, server)) == 1
+        logs = ct.logs(stdout=True, stderr=True).decode(errors="replace")
+        assert "CUDA out of memory" not in logs
+    finally:
+        kill_servers(server)
+        kill_servers(rival)

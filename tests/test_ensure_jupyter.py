@@ -175,3 +175,45 @@ def test_failed_start_shows_the_log_and_backs_off(
     assert rec["phase"] == "failed"
     assert [a["outcome"] for a in rec["attempts"]] == ["failed"]
     assert rec["failure"]["count"] == 1 and "boom" in rec["failure"]["log_tail"]
+
+
+def test_caller_killed_between_launch_line_and_record(
+    jupyter: JupyterServer, host: SimHost, svc: str
+) -> None:
+    """The jupyter launcher's window: the launch line is typed and the server runs, its
+    caller is killed before it records it. A rival 80 GiB service is BUSY (no OOM); the
+    same service asked again finds the server by its start nonce (never a second)."""
+    import signal
+
+    from tests.ensure_helpers import big_service, end_in_window, ensure_paused_at
+
+    server = unique_name("anon")  # its command does not name the service
+    rival = unique_name("rival")
+    port, rival_port = free_port(), free_port()
+    cfg = jupyter_config(
+        host, jupyter, svc, port, model_server_command(server, port, "80GiB", "6s")
+    )
+    text = cfg.read_text().replace('memory = "20GiB"', 'memory = "80GiB"')
+    cfg.write_text(text + "\n" + big_service(rival, rival_port, rival, "1s"))
+    try:
+        caller = ensure_paused_at(cfg, svc)
+        end_in_window(caller, signal.SIGKILL)
+        rec = read_record(host, svc)
+        assert rec["phase"] == "starting" and rec["start_nonce"] and not rec["handle"]
+        (first,) = server_pids(server)
+
+        r = run_ensure(cfg, rival)
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        assert server_pids(rival) == []
+
+        r = run_ensure(cfg, svc, "--timeout", "120s")
+        out = json.loads(r.stdout)
+        assert r.returncode == 0, (out["reason"], out["notes"])
+        assert out["outcome"] == "ready" and out["launched"] is False
+        assert server_pids(server) == [first]
+        rec = read_record(host, svc)
+        assert rec["phase"] == "running" and rec["handle"]["pid"] == first
+        assert "CUDA out of memory" not in server_log(jupyter, svc).read_text()
+    finally:
+        kill_servers(server)
+        kill_servers(rival)
