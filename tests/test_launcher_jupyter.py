@@ -165,7 +165,7 @@ def test_launch_script_quotes_everything() -> None:
     )
     assert "cd -- \"$HOME\"/'my dir'" in script
     assert "export A='it'\"'\"'s $HOME'" in script
-    assert 'exec >"$HOME"/logs/s.log 2>&1 </dev/null' in script
+    assert 'exec >>"$HOME"/logs/s.log 2>&1 </dev/null' in script
     assert script.rstrip().endswith("exec srv")
     with pytest.raises(StartFailed, match="not a shell variable"):
         launch_script(service("s", "srv", env={"BAD-NAME": "1"}))

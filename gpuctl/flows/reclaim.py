@@ -12,7 +12,8 @@ finds it held and leaves at once). Then:
    record the lease came with and fresh in-flight counts, and only then stop it, put
    it to sleep, or unload it. While reclaim holds the lease, a touch changes nothing
    and a new ``in_use`` waits, so either they win (before the lease) or reclaim does;
-4. touch the services busy past their timeout.
+4. touch the services busy past their timeout;
+5. rotate the launchers' logs on this machine that grew past their size.
 
 Nothing is stopped on a host that could not be read (exit 4), and nothing gpuctl did
 not start: a stop goes by the record's handle only, never by keywords.
@@ -61,6 +62,8 @@ class ReclaimDeps(Closers):
     hosts: list[ReclaimHost] = field(kw_only=True)
     here: HostIdentity = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
+    # Rotates the launchers' logs on this machine by size; returns the ones rotated.
+    rotate_logs: Callable[[], list[str]] | None = field(kw_only=True, default=None)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class ReclaimReport:
     dry_run: bool
     hosts: list[HostOutcome] = field(default_factory=list)
     planned: list[Planned] = field(default_factory=list)
+    rotated_logs: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -107,6 +111,10 @@ def reclaim(deps: ReclaimDeps, *, dry_run: bool = False) -> ReclaimReport:
             _reclaim_host(deps, rh, outcome, report.planned, dry_run)
         except GpuctlError as e:
             outcome.error, outcome.hint = e.message, e.hint
+    if deps.rotate_logs is not None and not dry_run:
+        # The servers' logs on this machine (the cron job on the GPU host): a server that
+        # runs for weeks must not fill the disk.
+        report.rotated_logs = deps.rotate_logs()
     return report
 
 

@@ -26,7 +26,15 @@ def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> Rec
         config=config,
         hosts=[_host(h, closers, http) for h in hosts],
         here=procinfo.host_identity(),
+        rotate_logs=_rotate_logs,
     )
+
+
+def _rotate_logs() -> list[str]:
+    from gpuctl.adapters.launchers.logfile import rotate_all
+    from gpuctl.config.paths import default_state_dir
+
+    return rotate_all(default_state_dir() / "logs")
 
 
 def _host(host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp) -> ReclaimHost:

@@ -11,7 +11,8 @@ that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would"
                 "skipped": null}],            # or "another reclaim runs there (…)"
      "candidates": [{"host": "dgx", "service": "vllm", "action": "stop",
                      "reason": "idle 41m > 30m", "idle_s": 2460.0, "done": true,
-                     "error": null, "hint": ""}]}
+                     "error": null, "hint": ""}],
+     "rotated_logs": ["vllm.log"]}              # logs on this machine rotated by size
 
 ``action`` is stop, sleep, unload, touch or keep; every configured service of every
 host that was read is a candidate, those with nothing to do as ``keep``.
@@ -102,4 +103,5 @@ def reclaim_to_json(report: ReclaimReport) -> dict[str, Any]:
             }
             for p in report.planned
         ],
+        "rotated_logs": report.rotated_logs,
     }

@@ -76,6 +76,8 @@ def create_kwargs(service: ServiceConfig, environment: Mapping[str, str]) -> dic
         "ports": {_port_key(where, k): int(v) for k, v in service.ports.items()},
         "init": True,
         "restart_policy": {"Name": "no"},
+        # A server that runs for weeks must not fill the disk with its log.
+        "log_config": {"Type": "json-file", "Config": {"max-size": "64m", "max-file": "3"}},
     }
     if service.gpus:
         # == docker run --gpus all

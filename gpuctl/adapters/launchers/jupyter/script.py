@@ -73,7 +73,9 @@ def launch_script(
         # A log that is a symbolic link would make the server write into another file.
         f"[ -L {log} ] && exit {LOG_IS_LINK_EXIT}",
         f"(umask 077; : >>{log}) && chmod 600 -- {log} || exit 1",
-        f"exec >{log} 2>&1 </dev/null",
+        # Appending (>>): gpuctl rotates logs by copying and truncating them, and a
+        # writer that does not append would go on writing past the truncated end.
+        f"exec >>{log} 2>&1 </dev/null",
     ]
     if service.cwd:
         where = shell_path(service.cwd)
