@@ -725,3 +725,59 @@ def test_real_binding_without_library_is_no_gpu_found() -> None:
     with pytest.raises(NoGpuFound) as exc:
         NvmlProbe().read()
     assert "NVML Shared Library Not Found" in exc.value.message
+
+
+# --- the reported cases, from the driver to the decision -------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    memory_mib: int | None
+    priority: int = 50
+    health_timeout_s: float = 600.0
+    devices: tuple[int, ...] | None = None
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        return (self.name,)
+
+
+def _decide(reading: Any, spec: _Spec) -> Any:
+    from gpuctl.core.decision import Health, classify
+    from gpuctl.core.model import snapshot_from_reading
+
+    snap = snapshot_from_reading(reading, taken_at="t")
+    return classify(spec, Health("refused"), snap, others=[])
+
+
+def test_mig_memory_no_process_accounts_for_is_not_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MIG device at 30 of 80 GiB whose process reports no memory gave FITS for an
+    80 GiB service; the 30 GiB are held, so it is BUSY, and 50 GiB still fits."""
+    dev = Device(memory=(30 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, None)])
+    FakeDriver(monkeypatch, dev)
+    reading = NvmlProbe().read()
+    v = _decide(reading, _Spec("llm", 80 * 1024))
+    assert v.decision.value == "BUSY", v.reason
+    assert "30.0 GiB no process accounts for" in v.reason
+    assert _decide(reading, _Spec("small", 50 * 1024)).decision.value == "FITS"
+
+
+def test_two_gpus_at_70_and_10_do_not_make_80_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    d0 = Device(memory=(70 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, 70 * GIB)])
+    d1 = Device(memory=(10 * GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID + 1, 10 * GIB)])
+    FakeDriver(monkeypatch, d0, d1)
+    reading = NvmlProbe().read()
+    assert (reading.memory_used_mib, reading.memory_total_mib) == (80 * 1024, 160 * 1024)
+    v = _decide(reading, _Spec("llm", 80 * 1024))
+    assert v.decision.value == "BUSY", v.reason
+    v = _decide(reading, _Spec("mid", 60 * 1024))
+    assert (v.decision.value, v.gpu) == ("FITS", 1)
+
+
+def test_a_lost_gpu_makes_unpinned_services_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeDriver(monkeypatch, Device(), Device(memory=pynvml.NVML_ERROR_GPU_IS_LOST))
+    reading = NvmlProbe().read()
+    assert _decide(reading, _Spec("any", 1024)).decision.value == "UNKNOWN"
+    assert _decide(reading, _Spec("pinned", 1024, devices=(0,))).decision.value == "IDLE"
+    assert _decide(reading, _Spec("there", 1024, devices=(1,))).decision.value == "UNKNOWN"
