@@ -634,9 +634,13 @@ def test_bad_sizes_and_durations_are_one_line_usage_errors(
 
 
 def test_sim_imports_nothing_of_gpuctl_but_core() -> None:
-    """DESIGN §2: the sim runs in a bare container; it may lean on ``gpuctl.core`` only."""
+    """DESIGN §2: the sim runs in a bare container; every module of it may lean on
+    ``gpuctl.core`` only (run with -S: no site-packages at all)."""
     code = (
-        "import sys, gpuctl.sim.model_server, gpuctl.sim.hold, gpuctl.sim.gpu\n"
+        "import importlib, pkgutil, sys, gpuctl.sim\n"
+        "for m in pkgutil.iter_modules(gpuctl.sim.__path__):\n"
+        "    importlib.import_module('gpuctl.sim.' + m.name)\n"
+        "assert len([m for m in sys.modules if m.startswith('gpuctl.sim.')]) > 10\n"
         "print(sorted(m for m in sys.modules if m.startswith('gpuctl.')"
         " and not m.startswith(('gpuctl.sim', 'gpuctl.core'))))"
     )
