@@ -108,6 +108,7 @@ class FakeDriver:
         self.driver = driver
         self.calls: Counter[str] = Counter()
         self.init_error: int | None = None
+        self.handle_errors: dict[int, int] = {}  # GPU index -> error of its handle
         self.missing: set[str] = set()  # symbols removed on top of the driver's
         monkeypatch.setattr(pynvml, "_LoadNvmlLibrary", lambda: None)
         monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
@@ -162,6 +163,8 @@ class FakeDriver:
         return OK
 
     def _handle(self, index: Any, device_ref: Any) -> int:
+        if index.value in self.handle_errors:
+            return self.handle_errors[index.value]
         # A handle is an opaque pointer: ours holds index + 1 (NULL is no handle).
         ptr = ctypes.c_void_p(index.value + 1)
         ctypes.memmove(ctypes.addressof(device_ref._obj), ctypes.addressof(ptr), ctypes.sizeof(ptr))
@@ -781,3 +784,23 @@ def test_a_lost_gpu_makes_unpinned_services_unknown(monkeypatch: pytest.MonkeyPa
     assert _decide(reading, _Spec("any", 1024)).decision.value == "UNKNOWN"
     assert _decide(reading, _Spec("pinned", 1024, devices=(0,))).decision.value == "IDLE"
     assert _decide(reading, _Spec("there", 1024, devices=(1,))).decision.value == "UNKNOWN"
+
+
+def test_a_gpu_without_a_handle_is_unknown_the_others_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU that fell off the bus before NVML started has no handle at all."""
+    good = Device(memory=(GIB, 80 * GIB)).with_("Compute", [proc(NO_SUCH_PID, GIB)])
+    fake = FakeDriver(monkeypatch, good, Device())
+    fake.handle_errors = {1: pynvml.NVML_ERROR_GPU_IS_LOST}
+    probe = NvmlProbe()
+    r = probe.read()
+    assert r.devices[0].readable and r.devices[0].memory_used_mib == 1024
+    assert r.devices[1].error is not None and "GPU 1 is lost" in r.devices[1].error
+    fake.handle_errors = {}
+    assert all(d.readable for d in probe.read().devices)  # enumerated again: back
+    assert fake.calls["nvmlInit"] == 2
+    # Every handle lost: no reading.
+    fake.handle_errors = {0: pynvml.NVML_ERROR_GPU_IS_LOST, 1: pynvml.NVML_ERROR_GPU_IS_LOST}
+    with pytest.raises(ProbeError, match="is lost"):
+        NvmlProbe().read()

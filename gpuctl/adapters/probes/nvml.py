@@ -133,6 +133,8 @@ class NvmlProbe:
             failures: list[ProbeError] = []
             for idx, handle in enumerate(self._handles):
                 try:
+                    if isinstance(handle, _DeviceError):
+                        raise handle
                     device = self._device(
                         nv, handle, idx, merged=merged, sm_util=sm_util, notes=notes
                     )
@@ -185,12 +187,23 @@ class NvmlProbe:
             raise ProbeError(f"NVML failed to initialise: {e}", hint) from e
         handles: list[Any] = []
         try:
-            for idx in range(pynvml.nvmlDeviceGetCount()):
-                handles.append(pynvml.nvmlDeviceGetHandleByIndex(idx))
+            count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as e:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
-            raise self._error(pynvml, e, len(handles), "device handle") from e
+            raise self._error(pynvml, e, 0, "device count") from e
+        for idx in range(count):
+            try:
+                handles.append(pynvml.nvmlDeviceGetHandleByIndex(idx))
+            except pynvml.NVMLError as e:
+                # A GPU that fell off the bus has no handle: that GPU is unknown, the
+                # others are read (and the next read tries it again).
+                handles.append(_DeviceError("device handle", e))
+        if handles and all(isinstance(h, _DeviceError) for h in handles):
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+            first = handles[0]
+            raise self._error(pynvml, first.error, 0, first.step) from first.error
         if not handles:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
