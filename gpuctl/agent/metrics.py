@@ -134,6 +134,7 @@ def render_metrics(
             "Seconds since a service was last used (services never used have no sample).",
             [(f'{{service="{_label(svc)}"}}', round(s, 3)) for svc, s in idle if s is not None],
         )
+        _start_durations(records, lines)
         metric(
             "gpuctl_service_lease_held",
             "gauge",
@@ -153,3 +154,24 @@ def render_metrics(
         [(f'{{path="{_label(path)}"}}', n) for path, n in sorted(requests_total.items())],
     )
     return "\n".join(lines) + "\n"
+
+
+def _start_durations(records: Sequence[Record], lines: list[str]) -> None:
+    """``gpuctl_start_duration_seconds``: each service's recent successful starts."""
+    from gpuctl.core.durations import histogram, start_durations
+
+    name = "gpuctl_start_duration_seconds"
+    lines.append(
+        f"# HELP {name} How long a service's recent successful starts took (the last few "
+        "kept in its record), seconds."
+    )
+    lines.append(f"# TYPE {name} histogram")
+    for r in records:
+        durations = start_durations(r)
+        if not durations:
+            continue
+        svc = _label(r.service)
+        for le, n in histogram(durations):
+            lines.append(f'{name}_bucket{{service="{svc}",le="{le}"}} {n}')
+        lines.append(f'{name}_sum{{service="{svc}"}} {_number(round(sum(durations), 3))}')
+        lines.append(f'{name}_count{{service="{svc}"}} {len(durations)}')

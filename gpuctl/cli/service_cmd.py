@@ -117,9 +117,16 @@ class _StatusLine:
     def update(self, p: Progress) -> None:
         from rich.markup import escape
 
+        from gpuctl.core.durations import progress
         from gpuctl.core.units import format_duration, format_mib
 
-        parts = [f"[bold]{self.service}[/]: {p.phase}", format_duration(p.elapsed_s)]
+        fraction, eta = progress(p.elapsed_s, p.expected_s)
+        if fraction is None:  # the first start: the spinner alone
+            parts = [f"[bold]{self.service}[/]: {p.phase}", format_duration(p.elapsed_s)]
+        else:
+            filled = int(fraction * 20)
+            bar = "[green]" + "━" * filled + "[/][dim]" + "━" * (20 - filled) + "[/]"
+            parts = [f"[bold]{self.service}[/]: {p.phase}", bar, eta]
         if p.memory_mib is not None:
             parts.append(f"GPU {format_mib(p.memory_mib)}")
         if p.note:

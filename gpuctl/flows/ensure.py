@@ -27,6 +27,7 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder, holder_here
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict, owner_of
+from gpuctl.core.durations import expected_start_s
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
@@ -48,6 +49,9 @@ class _Ctx:
         self.t0 = deps.clock()
         self.deadline = self.t0 + timeout_s
         self.notes: list[str] = []
+        # What a start of it usually takes (the median of its recent ones), for the
+        # progress bar; None before its first successful start.
+        self.expected_s: float | None = None
 
     def elapsed(self) -> float:
         return self.deps.clock() - self.t0
@@ -170,6 +174,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
 
     verdict, seen = look(deps, health)
     first = verdict.decision
+    ctx.expected_s = expected_start_s(seen.records.get(svc.name))
     if first is Decision.FAILED:
         record = seen.records.get(svc.name)
         f = record.failure if record else None

@@ -57,6 +57,7 @@ class Progress:
     memory_mib: int | None = None
     log_line: str = ""
     note: str = ""
+    expected_s: float | None = None  # the median of its recent starts (None: first start)
 
 
 @dataclass

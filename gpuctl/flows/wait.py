@@ -114,7 +114,14 @@ def wait_ready(ctx: Clock, watch: Watch) -> Waited:
                 return end
         if deps.progress is not None:
             deps.progress(
-                Progress(watch.phase, ctx.elapsed(), watch.memory_mib, watch.log_line, watch.note)
+                Progress(
+                    watch.phase,
+                    ctx.elapsed(),
+                    watch.memory_mib,
+                    watch.log_line,
+                    watch.note,
+                    getattr(ctx, "expected_s", None),
+                )
             )
         deps.sleep(poll_pause())
 
