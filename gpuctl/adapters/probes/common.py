@@ -4,6 +4,7 @@ rule for a device without a memory figure of its own (unified memory)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gpuctl.adapters import procinfo
 from gpuctl.core.model import GpuDevice, GpuProcess
@@ -80,3 +81,16 @@ def unified_device(
         ),
         f"GPU {device.index}: {note}",
     )
+
+
+def percent(value: Any) -> int | None:
+    """A percentage NVML gave, or None; out of range is garbage, not 100."""
+    if isinstance(value, int) and 0 <= value <= 100:
+        return value
+    return None
+
+
+def text_of(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None

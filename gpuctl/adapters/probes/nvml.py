@@ -33,6 +33,8 @@ from gpuctl.adapters.probes.common import (
     MIB,
     describe_processes,
     larger,
+    percent,
+    text_of,
     unified_device,
     valid_pid,
 )
@@ -281,9 +283,9 @@ class NvmlProbe:
             index=idx,
             memory_used_mib=memory[0] if memory else None,
             memory_total_mib=memory[1] if memory else None,
-            name=_text(self._optional(nv, lambda: nv.nvmlDeviceGetName(handle))),
-            uuid=_text(self._optional(nv, lambda: nv.nvmlDeviceGetUUID(handle))),
-            utilization_pct=_pct(util),
+            name=text_of(self._optional(nv, lambda: nv.nvmlDeviceGetName(handle))),
+            uuid=text_of(self._optional(nv, lambda: nv.nvmlDeviceGetUUID(handle))),
+            utilization_pct=percent(util),
             temperature_c=int(temp) if isinstance(temp, int) else None,
             power_w=round(power_mw / 1000, 1) if isinstance(power_mw, int) else None,
         )
@@ -308,7 +310,7 @@ class NvmlProbe:
             return {}  # NOT_FOUND (no sample), NOT_SUPPORTED (MIG): unknown
         out: dict[tuple[int, int], int] = {}
         for s in samples:
-            pid, sm = int(s.pid), _pct(s.smUtil)
+            pid, sm = int(s.pid), percent(s.smUtil)
             if valid_pid(pid) and sm is not None:
                 out[(idx, pid)] = max(out.get((idx, pid), 0), sm)
         return out
@@ -394,16 +396,3 @@ class NvmlProbe:
             self._v2_only.add(kind)
             return second
         return first
-
-
-def _pct(value: Any) -> int | None:
-    """A percentage NVML gave, or None; out of range is garbage, not 100."""
-    if isinstance(value, int) and 0 <= value <= 100:
-        return value
-    return None
-
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return value if isinstance(value, str) else None
