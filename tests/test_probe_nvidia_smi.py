@@ -349,3 +349,42 @@ def test_view_figures_out_of_range_are_unknown(tmp_path: Path, value: str) -> No
     assert gpu.utilization_pct is None
     if value not in ("101", "-5"):
         assert gpu.temperature_c is None and gpu.power_w is None
+
+
+# --- properties: whatever nvidia-smi prints, a parse or a ValueError ------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_field = st.sampled_from(
+    ["0", "1", "81559", "[N/A]", "[Not Supported]", "[Insufficient Permissions]", "nan",
+     "inf", "-3", "1e400", "12 MiB", "37 %", "61.5 W", "", "GPU-a", "x,y", "\u00e9"]
+) | st.text(max_size=6)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.lists(_field, min_size=1, max_size=9), max_size=4))
+def test_any_query_gpu_output_parses_or_is_a_value_error(rows: list[list[str]]) -> None:
+    text = "\n".join(", ".join(r) for r in rows)
+    try:
+        gpus = parse_query_gpu(text, QUERY_COLUMNS)
+    except ValueError as e:
+        assert str(e)
+        return
+    for g in gpus:
+        assert g.utilization_pct is None or 0 <= g.utilization_pct <= 100
+        assert g.power_w is None or g.power_w >= 0
+        assert g.memory_total_mib is None or g.memory_total_mib >= 0
+        assert g.memory_used_mib is None or g.memory_used_mib >= 0
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.lists(_field, min_size=1, max_size=4), max_size=4))
+def test_any_compute_apps_output_parses_or_is_a_value_error(rows: list[list[str]]) -> None:
+    text = "\n".join(", ".join(r) for r in rows)
+    try:
+        apps = parse_compute_apps(text)
+    except ValueError as e:
+        assert str(e)
+        return
+    assert all(a.pid >= 0 and (a.memory_mib is None or a.memory_mib >= 0) for a in apps)

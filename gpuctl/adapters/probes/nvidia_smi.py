@@ -179,9 +179,12 @@ def _int(value: str, column: str) -> int | None:
     if v.endswith("MiB"):  # --format=csv without nounits
         v = v[:-3].strip()
     try:
-        return int(v)
+        number = int(v)
     except ValueError:
         raise ValueError(f"{column}: not a number: {value!r}") from None
+    if number < 0:  # a size or a pid is never negative: garbage, not a reading
+        raise ValueError(f"{column}: negative: {value!r}")
+    return number
 
 
 class NvidiaSmiProbe:
