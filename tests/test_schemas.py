@@ -1,0 +1,275 @@
+"""The JSON Schemas in schemas/ (draft 2020-12) against real output: the installed gpuctl's
+``status``, ``ensure`` and ``locks`` with ``--json``, against a real agent on the
+simulated GPU, in the states a script meets (ready, started, loading with a lease held,
+busy, failed, timed out, a host down, a corrupt record set aside).
+
+Each output is checked twice: against the schema as shipped (which lets a consumer
+validate newer output that adds keys), and against a strict copy that refuses any key
+the schema does not declare, so a key added to the output without being documented
+fails here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jsonschema import Draft202012Validator, FormatChecker
+
+from gpuctl.core.decision import Decision
+from gpuctl.core.record import Phase
+from gpuctl.flows.results import Outcome
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import unique_name
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMAS = ROOT / "schemas"
+
+pytestmark = pytest.mark.e2e
+
+
+def load(name: str) -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads((SCHEMAS / f"{name}.schema.json").read_text())
+    return schema
+
+
+def strict(schema: Any) -> Any:
+    """The schema with every declared object closed (``additionalProperties: false``),
+    except those it marks open on purpose (a launcher's handle)."""
+    s = copy.deepcopy(schema)
+
+    def close(node: Any) -> None:
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for v in node.values():
+                close(v)
+        elif isinstance(node, list):
+            for v in node:
+                close(v)
+
+    close(s)
+    return s
+
+
+def check(name: str, obj: Any) -> None:
+    schema = load(name)
+    for variant in (schema, strict(schema)):
+        v = Draft202012Validator(variant, format_checker=FormatChecker())
+        errors = [f"{e.json_path}: {e.message}" for e in v.iter_errors(obj)]
+        assert not errors, (
+            f"schemas/{name}.schema.json does not match the real output "
+            f"(document a new key there):\n" + "\n".join(errors[:10])
+        )
+
+
+@pytest.mark.parametrize("name", ["status", "ensure", "locks"])
+def test_schema_is_valid_draft_2020_12(name: str) -> None:
+    schema = load(name)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    Draft202012Validator.check_schema(schema)
+    Draft202012Validator.check_schema(strict(schema))
+
+
+def test_enums_match_the_code() -> None:
+    status, ensure, locks = load("status"), load("ensure"), load("locks")
+    assert status["$defs"]["service"]["properties"]["decision"]["enum"] == [
+        d.value for d in Decision
+    ]
+    assert ensure["properties"]["outcome"]["enum"] == [o.value for o in Outcome]
+    assert sorted(ensure["properties"]["exit_code"]["enum"]) == sorted(
+        {int(o.exit_code) for o in Outcome}
+    )
+    assert locks["$defs"]["record"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
+
+
+class Host:
+    """A simulated host, its config, and the installed gpuctl run against it."""
+
+    def __init__(self, sim: SimHost, config: Path, names: dict[str, str]) -> None:
+        self.sim, self.config, self.names = sim, config, names
+
+    def run(self, *args: str) -> tuple[int, Any]:
+        r = subprocess.run(
+            [gpuctl_exe(), *args, "--json"],
+            env={**os.environ, "GPUCTL_CONFIG": str(self.config)},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.stdout.strip(), f"no JSON from {args}: {r.stderr}"
+        return r.returncode, json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    root = tmp_path_factory.mktemp("schemas")
+    with SimHost(root=root / "sim") as sim:
+        sim.start_agent()
+        n = {k: unique_name(k) for k in ("chat", "slow", "held", "broken", "huge", "far")}
+        ports = {k: free_port() for k in n}
+        py = sys.executable
+
+        def server(key: str, memory: str, load: str) -> str:
+            return (
+                f"{py} -m gpuctl sim model-server --name {n[key]} --memory {memory} "
+                f"--load-time {load} --port {ports[key]}"
+            )
+
+        broken = f"{py} -c 'import sys; print(\"boom\"); sys.exit(3)' {n['broken']}"
+        config = sim.write_config(
+            f"""
+[hosts.down]
+agent = "http://127.0.0.1:{free_port()}"
+timeout = "1s"
+
+[services.{n["chat"]}]
+host = "sim"
+launcher = "process"
+command = {json.dumps(server("chat", "20GiB", "1s"))}
+health = "http://127.0.0.1:{ports["chat"]}/health"
+memory = "20GiB"
+
+[services.{n["slow"]}]
+host = "sim"
+launcher = "process"
+command = {json.dumps(server("slow", "10GiB", "600s"))}
+health = "http://127.0.0.1:{ports["slow"]}/health"
+memory = "10GiB"
+
+[services.{n["held"]}]
+host = "sim"
+launcher = "process"
+command = {json.dumps(server("held", "5GiB", "600s"))}
+health = "http://127.0.0.1:{ports["held"]}/health"
+memory = "5GiB"
+
+[services.{n["broken"]}]
+host = "sim"
+launcher = "process"
+command = {json.dumps(broken)}
+health = "http://127.0.0.1:{ports["broken"]}/health"
+memory = "10GiB"
+
+[services.{n["huge"]}]
+host = "sim"
+launcher = "process"
+command = "sleep 1000"
+health = "http://127.0.0.1:{ports["huge"]}/health"
+memory = "120GiB"
+
+[services.{n["far"]}]
+host = "down"
+health = "http://127.0.0.1:{ports["far"]}/health"
+memory = "1GiB"
+"""
+        )
+        h = Host(sim, config, n)
+        sim.hold(unique_name("comfy"), "20GiB")
+        try:
+            yield h
+        finally:
+            for key in ("chat", "slow", "held"):
+                subprocess.run(
+                    [gpuctl_exe(), "stop", n[key]],
+                    env={**os.environ, "GPUCTL_CONFIG": str(config)},
+                    capture_output=True,
+                    check=False,
+                )
+
+
+def test_ensure_outcomes(host: Host) -> None:
+    n = host.names
+    seen: dict[str, int] = {}
+    for args in (
+        [n["chat"]],  # started: launched, waited, an attempt and a handle
+        [n["chat"]],  # ready at once
+        [n["broken"]],  # failed, with its log tail
+        [n["huge"]],  # busy, naming who holds the GPU
+        [n["far"]],  # unknown: its host's agent is down
+        [n["slow"], "--timeout", "2s"],  # timeout (and the server keeps loading)
+    ):
+        rc, obj = host.run("ensure", *args)
+        check("ensure", obj)
+        assert obj["exit_code"] == rc
+        seen[obj["outcome"]] = rc
+    assert seen == {"ready": 0, "failed": 1, "busy": 3, "unknown": 4, "timeout": 5}
+
+
+def test_status(host: Host) -> None:
+    rc, obj = host.run("status")
+    check("status", obj)
+    assert rc == 4  # the host "down" is UNKNOWN
+    by_name = {h["name"]: h for h in obj["hosts"]}
+    assert by_name["sim"]["ok"] is True and by_name["sim"]["processes"]
+    assert by_name["sim"]["state_dir"] and by_name["sim"]["taken_at"]
+    assert by_name["down"]["ok"] is False and by_name["down"]["error"]
+
+
+def test_locks_with_a_lease_held_and_a_corrupt_record(host: Host) -> None:
+    n = host.names
+    host.run("ensure", n["broken"])  # a failure and its back-off in the record
+    # This server loads for minutes: the ensure that starts it holds the lease meanwhile.
+    waiter = subprocess.Popen(
+        [gpuctl_exe(), "ensure", n["held"], "--json", "--timeout", "300s"],
+        env={**os.environ, "GPUCTL_CONFIG": str(host.config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            rc, obj = host.run("locks")
+            rows = {r.get("service"): r for r in obj["records"]}
+            held = rows.get(n["held"])
+            if held and held["lease"] is not None:
+                break
+            assert time.monotonic() < deadline, obj
+            time.sleep(0.3)
+        check("locks", obj)
+        # A torn record is set aside, and the read that finds it reports it once.
+        records = host.sim.state_dir / "records"
+        (records / f"{n['huge']}.json").write_text('{"schema": 1, "service": ')
+        rc, obj = host.run("locks")
+        rows = {r.get("service"): r for r in obj["records"]}
+        check("locks", obj)
+        assert rows[n["held"]]["lease"] is not None
+        assert rc == 4 and obj["ok"] is False  # the host "down" is unreadable
+        assert any(r.get("error") and r["host"] == "down" for r in obj["records"])
+        assert held["lease"]["expires_in_s"] > 0
+        assert rows[n["huge"]]["recovered"]
+        assert rows[n["broken"]]["failure"]["count"] >= 1
+    finally:
+        waiter.kill()
+        waiter.wait()
+
+
+def readme_block(after: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(after)
+    m = re.search(r"```json\n(.*?)```", text[start:], re.DOTALL)
+    assert m, f"no JSON block after {after!r} in README.md"
+    return m.group(1)
+
+
+def test_readme_status_example_is_complete() -> None:
+    """README's example of `gpuctl status --json` leaves out no key (state_dir, the host's
+    taken_at, ...): it passes the strict schema, so it has every key and no other."""
+    example = json.loads(readme_block("`gpuctl status --json`, in full:"))
+    check("status", example)
+
+
+def test_readme_points_to_the_schemas() -> None:
+    text = (ROOT / "README.md").read_text()
+    for name in ("status", "ensure", "locks"):
+        assert f"schemas/{name}.schema.json" in text
