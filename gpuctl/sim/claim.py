@@ -87,9 +87,9 @@ class Claim:
         with self._mutex:
             if self._fd is None or util == self._util:
                 return
-            self._write(self._memory, util)
+            self._write(self._memory, util, durable=False)
 
-    def _write(self, memory_mib: int, util_pct: int) -> None:
+    def _write(self, memory_mib: int, util_pct: int, *, durable: bool = True) -> None:
         record: dict[str, Any] = {
             "pid": os.getpid(),
             "name": self.name,
@@ -98,7 +98,7 @@ class Claim:
             "util_pct": util_pct,
             "pid_ns": pid_namespace(),
         }
-        write_json_atomic(self.gpu.claims_dir / f"{self.claim_id}.json", record)
+        write_json_atomic(self.gpu.claims_dir / f"{self.claim_id}.json", record, durable=durable)
         self._memory = memory_mib
         self._util = util_pct
 

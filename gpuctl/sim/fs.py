@@ -18,8 +18,12 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` so a reader sees the old file or the new one, never half of one."""
+def write_json_atomic(path: Path, data: dict[str, Any], *, durable: bool = True) -> None:
+    """Write ``data`` so a reader sees the old file or the new one, never half of one.
+
+    ``durable=False`` skips the fsync, for a figure that is stale as soon as it is written
+    (a claim's utilisation, rewritten on every request) and that nobody needs after a crash.
+    """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -27,7 +31,8 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
             f.flush()
             # mkstemp makes 0600; the host and a container may run as different users.
             os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         unlink(Path(tmp))
