@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from gpuctl.core.model import HostIdentity, StartingProcess
+from gpuctl.core.redact import redact_argv
 
 # /docker/<64hex>, docker-<64hex>.scope, cri-containerd-<64hex>.scope, libpod-<64hex>.scope
 _CGROUP_ID = re.compile(r"(?:docker|cri-containerd|libpod|containerd)[-/]([0-9a-f]{64})")
@@ -69,14 +70,15 @@ def is_same_process(pid: int, started: float | None) -> bool:
 
 
 def command_of(pid: int) -> str | None:
-    """The full command line, or None where it cannot be read (other PID namespace, no permission)."""
+    """The full command line, secrets redacted (``gpuctl.core.redact``), or None where it
+    cannot be read (other PID namespace, no permission)."""
     import psutil  # lazily: the CLI's status path needs none of this
 
     try:
         argv = psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
         return None
-    return " ".join(argv) if argv else None
+    return " ".join(redact_argv(argv)) if argv else None
 
 
 def user_of(pid: int) -> str | None:
@@ -225,7 +227,10 @@ def find_matching(
             created = info.get("create_time")
             age = round(max(0.0, now - created), 1) if created else None
             yield StartingProcess(
-                pid=info["pid"], command=line, user=info.get("username"), age_s=age
+                pid=info["pid"],
+                command=" ".join(redact_argv(argv)),
+                user=info.get("username"),
+                age_s=age,
             )
 
 
@@ -256,7 +261,7 @@ def describe_pids(pids: Iterable[int]) -> list[StartingProcess]:
         out.append(
             StartingProcess(
                 pid=pid,
-                command=" ".join(argv) or f"<pid {pid}>",
+                command=" ".join(redact_argv(argv)) or f"<pid {pid}>",
                 user=user,
                 age_s=round(max(0.0, now - created), 1),
             )

@@ -22,6 +22,7 @@ path is a dict lookup and a ``send``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -53,6 +54,7 @@ from gpuctl.agent.query import (
     parse_match,
     parse_pids,
 )
+from gpuctl.agent.servers import Servers, promote, scan_servers, starting_with_health
 from gpuctl.agent.snapshot import Scan, agent_snapshot, utc_now_iso
 from gpuctl.agent.store_api import StoreApi, read_all
 from gpuctl.core.model import HostIdentity, Snapshot, StartingProcess
@@ -98,8 +100,8 @@ class AgentSettings:
 @dataclass(slots=True)
 class _MatchSlot:
     cell: TtlCell[tuple[StartingProcess, ...]]
-    # (scan outcome, match outcome, response): valid while both outcomes are current.
-    body: tuple[object, object, Response] | None = None
+    # (scan, match, servers outcomes, response): valid while all three are current.
+    body: tuple[object, object, object, Response] | None = None
 
 
 # --------------------------------------------------------------------------- the agent
@@ -117,8 +119,9 @@ class AgentApp:
         self.requests_total: dict[str, int] = {}
         self.probe_errors_total = 0
         self._scan = TtlCell(self._read_probe, settings.cache_ttl_s)
-        self._plain_body: tuple[object, Response] | None = None
+        self._plain_body: tuple[object, object, Response] | None = None
         self._matches: dict[tuple[str, ...], _MatchSlot] = {}
+        self._promoter: asyncio.Task[None] | None = None
 
         self._healthz = json_response(200, {"ok": True, "version": __version__})
         self._openapi = json_response(200, openapi_document())
@@ -130,10 +133,16 @@ class AgentApp:
         self.router.add("GET", "/metrics", self._get_metrics)
 
         self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate)
+        store = self.store_api.store
+        self._servers = TtlCell(
+            lambda: scan_servers(store, settings.match, settings.match_max_age_s),
+            settings.cache_ttl_s,
+        )
 
     def invalidate(self) -> None:
         """The store changed: the next /status reads the GPU and the processes afresh."""
         self._scan.invalidate()
+        self._servers.invalidate()
         for slot in self._matches.values():
             slot.cell.invalidate()
 
@@ -152,10 +161,42 @@ class AgentApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                if self.store_api.store is not None:
+                    self._promoter = asyncio.ensure_future(self._promote_loop())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self._promoter is not None:
+                    self._promoter.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._promoter
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _promote_loop(self) -> None:
+        """Complete ``starting`` -> ``running`` for records whose health URL answers 200."""
+        import httpx
+
+        store = self.store_api.store
+        assert store is not None
+        interval = min(max(self.settings.cache_ttl_s, 0.5), 5.0)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), follow_redirects=False) as client:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    waiting = await asyncio.to_thread(starting_with_health, store)
+                    for record in waiting:
+                        assert record.health is not None
+                        try:
+                            answer = await client.get(record.health)
+                        except httpx.HTTPError:
+                            continue
+                        if answer.status_code == 200 and await asyncio.to_thread(
+                            promote, store, record.service
+                        ):
+                            log.info("%s answers its health check: running", record.service)
+                            self.invalidate()
+                except Exception as err:  # never let the loop die: the next round retries
+                    log.warning("completing starts failed: %s: %s", type(err).__name__, err)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -264,13 +305,16 @@ class AgentApp:
             )
         return outcome
 
-    def snapshot(self, scan: Scan, starting: tuple[StartingProcess, ...] | None) -> Snapshot:
+    def snapshot(
+        self, scan: Scan, starting: tuple[StartingProcess, ...] | None, servers: Servers
+    ) -> Snapshot:
         return agent_snapshot(
             scan,
             starting,
             host=self.settings.host,
             state_dir=self.settings.state_dir,
             gpu_memory_mib=self.settings.gpu_memory_mib,
+            loading=servers.recorded + servers.loading,
         )
 
     def _match_slot(self, keywords: tuple[str, ...]) -> _MatchSlot:
@@ -279,20 +323,21 @@ class AgentApp:
             if len(self._matches) >= MAX_MATCH_SETS:
                 # Forget the oldest keyword set (dicts keep insertion order).
                 del self._matches[next(iter(self._matches))]
-
-            store = self.store_api.store
-
-            def scan_processes() -> tuple[StartingProcess, ...]:
-                found = list(find_matching(keywords))
-                if store is not None:
-                    # The servers the records name count whatever their command line.
-                    seen = {p.pid for p in found}
-                    found += describe_pids(p for p in store.recorded_pids() if p not in seen)
-                return tuple(found)
-
-            slot = _MatchSlot(TtlCell(scan_processes, self.settings.cache_ttl_s))
+            slot = _MatchSlot(
+                TtlCell(lambda: tuple(find_matching(keywords)), self.settings.cache_ttl_s)
+            )
             self._matches[keywords] = slot
         return slot
+
+    async def _current_servers(self, fresh: bool) -> Outcome[Servers]:
+        outcome = await self._servers.get(fresh)
+        if outcome.error is not None:
+            raise HttpError(
+                503,
+                f"reading the host's processes failed: {outcome.error}",
+                "see the agent's log on the GPU host",
+            )
+        return outcome
 
     # -- handlers
 
@@ -307,13 +352,14 @@ class AgentApp:
         keywords = parse_match(query)
         fresh = parse_fresh(query)
         scan = await self._current_scan(fresh)
+        servers = await self._current_servers(fresh)
+        assert scan.value is not None and servers.value is not None
         if keywords is None:
             cached = self._plain_body
-            if cached is not None and cached[0] is scan:
-                return cached[1]
-            assert scan.value is not None
-            response = json_response(200, self.snapshot(scan.value, None).to_wire())
-            self._plain_body = (scan, response)
+            if cached is not None and cached[0] is scan and cached[1] is servers:
+                return cached[2]
+            response = json_response(200, self.snapshot(scan.value, None, servers.value).to_wire())
+            self._plain_body = (scan, servers, response)
             return response
         slot = self._match_slot(keywords)
         matched = await slot.cell.get(fresh)
@@ -323,25 +369,28 @@ class AgentApp:
                 f"reading the host's processes failed: {matched.error}",
                 "see the agent's log on the GPU host",
             )
+        assert matched.value is not None
+        # The servers the records name count whatever their command line.
+        seen = {p.pid for p in matched.value}
+        found = matched.value + tuple(p for p in servers.value.recorded if p.pid not in seen)
         exclude, pipes = parse_exclude(query, self.settings.host.boot_id)
         pids = parse_pids(query)
         if exclude or pipes or pids:
             # Per caller, so not cached. A caller on this host names its own process tree
             # and its pipes (its shell and `| tee vllm.log` name the service, but are not
             # it); `pids` are servers the records name, reported whatever their command.
-            assert scan.value is not None and matched.value is not None
-            mine = [p for p in matched.value if p.pid not in exclude and not on_pipes(p.pid, pipes)]
+            mine = [p for p in found if p.pid not in exclude and not on_pipes(p.pid, pipes)]
             seen = {p.pid for p in mine}
             extra = [p for p in pids if p not in seen]
             if extra:
                 mine += await asyncio.to_thread(describe_pids, extra)
-            return json_response(200, self.snapshot(scan.value, tuple(mine)).to_wire())
+            snap = self.snapshot(scan.value, tuple(mine), servers.value)
+            return json_response(200, snap.to_wire())
         body = slot.body
-        if body is not None and body[0] is scan and body[1] is matched:
-            return body[2]
-        assert scan.value is not None and matched.value is not None
-        response = json_response(200, self.snapshot(scan.value, matched.value).to_wire())
-        slot.body = (scan, matched, response)
+        if body is not None and body[0] is scan and body[1] is matched and body[2] is servers:
+            return body[3]
+        response = json_response(200, self.snapshot(scan.value, found, servers.value).to_wire())
+        slot.body = (scan, matched, servers, response)
         return response
 
     async def _get_metrics(self, request: Request) -> Response:

@@ -6,9 +6,10 @@ path (``gpuctl.adapters.local``) uses too: one way to observe a host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuctl.core.model import (
+    GpuProcess,
     HostIdentity,
     ProbeReading,
     Snapshot,
@@ -38,9 +39,15 @@ def agent_snapshot(
     host: HostIdentity,
     state_dir: str | None,
     gpu_memory_mib: int | None,
+    loading: tuple[StartingProcess, ...] = (),
 ) -> Snapshot:
-    """The ``/status`` snapshot of one scan; ``starting`` None when no keywords were asked."""
-    return snapshot_from_reading(
+    """The ``/status`` snapshot of one scan; ``starting`` None when no keywords were asked.
+
+    ``loading``: servers of ours not on the GPU yet (see ``gpuctl.agent.servers``), listed
+    in ``processes`` with ``on_gpu`` false and ``memory_mib`` 0 for clients of the
+    original API; gpuctl's own accounting skips them (``Snapshot.gpu_processes``).
+    """
+    snap = snapshot_from_reading(
         scan.reading,
         taken_at=scan.taken_at,
         starting=starting,
@@ -48,3 +55,11 @@ def agent_snapshot(
         state_dir=state_dir,
         gpu_memory_mib=gpu_memory_mib,
     )
+    if not loading:
+        return snap
+    listed = {p.pid for p in snap.processes}
+    extra = tuple(
+        GpuProcess(pid=s.pid, command=s.command, memory_mib=0, user=s.user, on_gpu=False)
+        for s in dict((s.pid, s) for s in loading if s.pid not in listed).values()
+    )
+    return replace(snap, processes=snap.processes + extra) if extra else snap

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from gpuctl.core.redact import redact_lines
+
 RECORD_SCHEMA = 1
 MAX_ATTEMPTS_KEPT = 10
 # LocalAI's policy: 10 s after the first failure, doubling, at most 5 minutes.
@@ -293,7 +295,8 @@ def apply_update(record: Record, update: dict[str, Any], now: float) -> Record:
                 error, tail = value.get("error", ""), value.get("log_tail", "")
                 if not isinstance(error, str) or not isinstance(tail, str):
                     raise ValueError("update.failure: error and log_tail must be strings")
-                out = out.failed(now, clip(error), tail[-LOG_TAIL_MAX:])
+                # A server's log and error can echo its command line: its secrets stay out.
+                out = out.failed(now, clip(redact_lines(error)), redact_lines(tail[-LOG_TAIL_MAX:]))
             else:
                 raise ValueError("update.failure must be an object or null")
         elif key == "touch":
@@ -325,7 +328,7 @@ def clip(text: str, limit: int = ERROR_MAX) -> str:
 
 
 def _clipped(attempt: dict[str, Any]) -> dict[str, Any]:
-    return {k: clip(v) if isinstance(v, str) else v for k, v in attempt.items()}
+    return {k: clip(redact_lines(v)) if isinstance(v, str) else v for k, v in attempt.items()}
 
 
 def recorded_servers(records: Iterable[Record]) -> dict[int, str]:

@@ -55,7 +55,7 @@ _AUTH_HEADER = re.compile(
 # "Bearer X", "Basic X" on their own (a header split over arguments, a log line).
 _AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic)(\s+|%20)([^\s'\"]+)")
 # user:password@ in URLs.
-_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@'\"]*:)([^\s@/'\"]+)(@)")
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@'\"]*:)([^\s@'\"]+)(@)")
 # name=value and name: value inside one argument (also several per argument, e.g. a query).
 _ASSIGN = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P<sep>=|:\s*)(?P<value>[^\s&;,'\"]+)")
 
@@ -160,3 +160,10 @@ def redact_command(command: str) -> str:
         if i < len(seps):
             joined.append(seps[i])
     return "".join(joined)
+
+
+def redact_lines(text: str) -> str:
+    """Text of many lines (a log tail, an error message), each line redacted as a command."""
+    if not text:
+        return text
+    return "\n".join(redact_command(line) for line in text.split("\n"))

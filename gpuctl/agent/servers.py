@@ -1,0 +1,101 @@
+"""The servers this host's records name, and the loading servers older clients cannot see.
+
+A record names its server by the launcher's handle (``handle.pid``). A start whose caller
+died between spawning and recording has no handle yet, only its ``start_nonce``: the
+launcher put ``GPUCTL_START_NONCE=<nonce>`` into the server's environment, so the agent
+finds it in ``/proc/<pid>/environ``. Both are reported like any recorded server:
+whatever their command line says, they are that service's.
+
+Clients of the original ``GET /status`` read only ``processes`` and ``is_idle``; a server
+still importing and reading weights holds no GPU memory yet, so they would see an idle
+GPU. For them the agent also lists, in ``processes`` with ``memory_mib: 0`` and
+``on_gpu: false``, the recorded servers and the processes matching the keywords it was
+started with (``--match``) that are younger than ``--match-max-age``.
+
+``promote_ready`` completes ``starting`` -> ``running`` for a record whose health URL
+answers 200, so a start whose launcher went away (``--no-wait``, a killed caller) does
+not stay ``starting`` until the next ``ensure``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpuctl.adapters import procinfo
+from gpuctl.adapters.store import DirectStore
+from gpuctl.core.model import StartingProcess
+from gpuctl.core.record import Phase, Record
+
+log = logging.getLogger("gpuctl.agent")
+
+NONCE_ENV = "GPUCTL_START_NONCE"
+
+
+@dataclass(frozen=True, slots=True)
+class Servers:
+    """One scan: the recorded servers (by pid or nonce) and, for ``--match``, the young
+    keyword matches. Both are live, non-zombie processes; commands are redacted."""
+
+    recorded: tuple[StartingProcess, ...] = ()
+    loading: tuple[StartingProcess, ...] = ()
+
+
+def _records(store: DirectStore) -> list[Record]:
+    from gpuctl.agent.store_api import read_all
+
+    records, _ = read_all(store)
+    return records
+
+
+def server_pids(records: Sequence[Record]) -> list[int]:
+    """The pids of the servers ``records`` name: the handle's pid, or for a start not
+    yet recorded, the process that carries its start nonce."""
+    pids: list[int] = []
+    for r in records:
+        if r.phase is Phase.STOPPED:
+            continue
+        pid = (r.handle or {}).get("pid")
+        if isinstance(pid, int) and pid > 0:
+            pids.append(pid)
+            continue
+        if r.phase is Phase.STARTING and r.start_nonce:
+            found = procinfo.find_by_env(NONCE_ENV, r.start_nonce)
+            if found is not None:
+                pids.append(found)
+    return pids
+
+
+def scan_servers(
+    store: DirectStore | None, match: Sequence[str] = (), max_age_s: float = 900.0
+) -> Servers:
+    """Runs in a worker thread (see ``TtlCell``)."""
+    recorded: list[StartingProcess] = []
+    if store is not None:
+        try:
+            pids = server_pids(_records(store))
+        except Exception as err:  # the store's own failure must not take /status down
+            log.warning("reading the records for /status failed: %s: %s", type(err).__name__, err)
+            pids = []
+        recorded = procinfo.describe_pids(dict.fromkeys(pids))
+    loading: list[StartingProcess] = []
+    if match:
+        seen = {p.pid for p in recorded}
+        loading = [
+            p
+            for p in procinfo.find_matching(match)
+            if p.pid not in seen and p.age_s is not None and p.age_s <= max_age_s
+        ]
+    return Servers(tuple(recorded), tuple(loading))
+
+
+def starting_with_health(store: DirectStore) -> list[Record]:
+    """Records that wait for their server to answer: phase starting, a health URL."""
+    return [r for r in _records(store) if r.phase is Phase.STARTING and r.health]
+
+
+def promote(store: DirectStore, service: str) -> bool:
+    """``starting`` -> ``running`` (the store's touch with ``ready``; it never revives a
+    stopped record). True when the record is running afterwards."""
+    return store.touch(service, ready=True).phase is Phase.RUNNING

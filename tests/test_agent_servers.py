@@ -1,0 +1,235 @@
+"""The servers the agent reports beyond the GPU's process list, against the real agent on
+loopback, real processes and real record files.
+
+- a start whose caller died before recording it is found by its start nonce;
+- a ``starting`` record whose health URL answers moves to ``running`` by itself;
+- clients of the original ``/status`` see loading servers (``on_gpu: false``) and
+  ``is_idle: false`` while gpuctl's own accounting stays as it was;
+- other processes' secrets never leave the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.agent.app import AgentSettings, create_app
+from gpuctl.core.record import Phase
+from gpuctl.core.status_wire import parse_status
+from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+TOKEN = "servers-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SLEEPER = "import time; time.sleep(120)"
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-c", SLEEPER, *args], env=env)
+        started.append(p)
+        return p
+
+    yield spawn
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+def agent(tmp_path: Path, **settings: Any) -> Any:
+    state = tmp_path / "state"
+    return serve_in_thread(
+        create_app(
+            AgentSettings(token=TOKEN, cache_ttl_s=0.2, state_dir=str(state), **settings),
+            FakeProbe(reading_of()),
+        )
+    )
+
+
+def status(url: str, **params: str) -> dict[str, Any]:
+    r = httpx.get(f"{url}/status", params={**params, "fresh": "1"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def starting_record(state: Path, service: str, **update: Any) -> None:
+    """A start under way whose caller is gone: phase starting, no lease, maybe no handle."""
+    store = DirectStore(state)
+    h = holder_here("test")
+    assert store.acquire(service, h, 60)[0]
+    store.release(service, h.id, {"phase": "starting", **update})
+
+
+# --------------------------------------------------------------------------- start nonce
+
+
+def test_a_start_without_a_handle_is_found_by_its_nonce(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    nonce = uuid.uuid4().hex
+    starting_record(tmp_path / "state", "chat", start_nonce=nonce)
+    # Its command line names nothing a keyword would match.
+    server = procs(env={**os.environ, "GPUCTL_START_NONCE": nonce})
+    decoy = procs(env={**os.environ, "GPUCTL_START_NONCE": uuid.uuid4().hex})
+    with agent(tmp_path) as url:
+        assert wait_for(
+            lambda: (
+                server.pid in [s["pid"] for s in status(url, match="nothing-matches")["starting"]]
+            )
+        )
+        body = status(url, match="nothing-matches")
+        assert decoy.pid not in [s["pid"] for s in body["starting"]]
+        # For the original API's clients it is in `processes`, off the GPU.
+        plain = status(url)
+        [entry] = [p for p in plain["processes"] if p["pid"] == server.pid]
+        assert (entry["on_gpu"], entry["memory_mib"]) == (False, 0)
+        assert plain["is_idle"] is False
+
+
+def test_no_nonce_process_no_report(tmp_path: Path) -> None:
+    starting_record(tmp_path / "state", "chat", start_nonce=uuid.uuid4().hex)
+    with agent(tmp_path) as url:
+        body = status(url, match="nothing-matches")
+        assert body["starting"] == []
+        assert body["is_idle"] is True
+
+
+# --------------------------------------------------------------------------- starting -> running
+
+
+class Health:
+    """A model server's health endpoint on loopback: 503 while loading, then 200."""
+
+    def __init__(self) -> None:
+        self.status = 503
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        await send({"type": "http.response.start", "status": self.status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def test_a_healthy_starting_server_becomes_running(tmp_path: Path) -> None:
+    health = Health()
+    store = DirectStore(tmp_path / "state")
+    with serve_in_thread(health) as server, agent(tmp_path) as _url:
+        starting_record(tmp_path / "state", "chat", health=f"{server}/health")
+        starting_record(tmp_path / "state", "silent")  # no health URL: left alone
+        time.sleep(1.5)  # several rounds of the agent's loop while the server loads
+        assert store.get("chat").phase is Phase.STARTING
+        health.status = 200
+        assert wait_for(lambda: store.get("chat").phase is Phase.RUNNING)
+        assert store.get("silent").phase is Phase.STARTING
+
+
+def test_a_stopped_record_is_never_revived(tmp_path: Path) -> None:
+    health = Health()
+    health.status = 200
+    store = DirectStore(tmp_path / "state")
+    h = holder_here("test")
+    store.acquire("chat", h, 60)
+    with serve_in_thread(health) as server:
+        store.release("chat", h.id, {"phase": "stopped", "health": f"{server}/health"})
+        with agent(tmp_path):
+            time.sleep(1.5)
+            assert store.get("chat").phase is Phase.STOPPED
+
+
+# --------------------------------------------------------------------------- the original API
+
+
+def test_original_clients_see_loading_servers(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    kw = f"legacykw{uuid.uuid4().hex[:8]}"
+    loading = procs(kw)
+    with agent(tmp_path, match=(kw,), match_max_age_s=900.0) as url:
+        body = status(url)
+        # What a client of the original contract does: keywords in processes[].command.
+        mine = [p for p in body["processes"] if kw in (p["command"] or "")]
+        assert [p["pid"] for p in mine] == [loading.pid]
+        assert mine[0]["memory_mib"] == 0 and mine[0]["on_gpu"] is False
+        assert body["is_idle"] is False
+        # gpuctl's own reading: nothing holds the GPU; the server is only starting.
+        snap = parse_status(status(url, match=kw))
+        assert snap.gpu_processes == ()
+        assert [s.pid for s in snap.starting or ()] == [loading.pid]
+        loading.kill()
+        loading.wait()
+        assert wait_for(lambda: status(url)["is_idle"] is True)
+
+
+def test_old_matches_are_not_loading(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    kw = f"legacykw{uuid.uuid4().hex[:8]}"
+    procs(kw)
+    with agent(tmp_path, match=(kw,), match_max_age_s=1.0) as url:
+        # Young: loading. Past --match-max-age: a long-running process, not a start.
+        assert status(url)["is_idle"] is False
+        assert wait_for(lambda: status(url)["is_idle"] is True)
+
+
+def test_without_match_keywords_nothing_is_added(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    kw = f"legacykw{uuid.uuid4().hex[:8]}"
+    procs(kw)
+    with agent(tmp_path) as url:
+        assert status(url)["is_idle"] is True
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def test_other_processes_secrets_never_leave_the_agent(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    kw = f"secretkw{uuid.uuid4().hex[:8]}"
+    secrets = [f"sk-{uuid.uuid4().hex}" for _ in range(4)]
+    procs(
+        kw,
+        f"--ServerApp.token={secrets[0]}",
+        "--api-key",
+        secrets[1],
+        "Authorization: Bearer " + secrets[2],
+        f"HF_TOKEN={secrets[3]}",
+    )
+    with agent(tmp_path, match=(kw,)) as url:
+        texts = [
+            httpx.get(f"{url}/status", params={"match": kw}, headers=AUTH).text,
+            httpx.get(f"{url}/status", headers=AUTH).text,
+            httpx.get(f"{url}/metrics", headers=AUTH).text,
+        ]
+    assert kw in texts[0] and kw in texts[1]
+    assert "--ServerApp.token=***" in texts[0]
+    for text in texts:
+        for secret in secrets:
+            assert secret not in text

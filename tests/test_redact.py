@@ -1,0 +1,144 @@
+"""``gpuctl.core.redact``: secret values go, everything else stays (table and property tests)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuctl.core.record import Record, apply_update
+from gpuctl.core.redact import MASK, is_secret_name, redact_argv, redact_command, redact_lines
+
+SECRET_OPTIONS = [
+    "--token",
+    "--api-key",
+    "--apikey",
+    "--hf-token",
+    "--password",
+    "--secret",
+    "--ServerApp.token",
+    "--NotebookApp.password",
+    "--client-secret",
+    "--auth",
+    "-token",
+]
+SECRET_VARS = ["TOKEN", "HF_TOKEN", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD"]
+SAFE_OPTIONS = [
+    "--model",
+    "--max-tokens",
+    "--tokenizer",
+    "--keyword",
+    "--port",
+    "--max-model-len",
+    "--gpu-memory-utilization",
+    "--served-model-name",
+]
+
+# A secret: what real tokens look like (no whitespace, no quotes or separators).
+secret_values = st.text(
+    alphabet=st.characters(whitelist_categories=("Lu", "Ll", "Nd"), whitelist_characters="-_+/"),
+    min_size=12,
+    max_size=40,
+).filter(lambda s: not s.startswith("-"))
+safe_words = st.sampled_from(
+    ["vllm", "serve", "Qwen/Qwen2.5-7B", "python", "-m", "8000", "0.9", "--port", "--model"]
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (
+            "jupyter server --ServerApp.token=abc123 --port 8888",
+            "jupyter server --ServerApp.token=*** --port 8888",
+        ),
+        (
+            "vllm serve Qwen --api-key sk-123 --max-tokens 5 --tokenizer x",
+            "vllm serve Qwen --api-key *** --max-tokens 5 --tokenizer x",
+        ),
+        (
+            "curl -H Authorization: Bearer xyz http://h",
+            "curl -H Authorization: Bearer *** http://h",
+        ),
+        ('curl -H "Authorization: token ghp_1"', 'curl -H "Authorization: token ***"'),
+        ("HF_TOKEN=hf_abc vllm serve", "HF_TOKEN=*** vllm serve"),
+        ("curl https://user:pa55@host/x", "curl https://user:***@host/x"),
+        ("x --auth=Basic abc", "x --auth=Basic ***"),
+        ("app --password hunter2 --keyword foo", "app --password *** --keyword foo"),
+        ("vllm --token --other", "vllm --token --other"),
+        ("python -m vllm.entrypoints.openai.api_server --model Qwen", None),
+        ("", None),
+    ],
+)
+def test_table(line: str, expected: str | None) -> None:
+    assert redact_command(line) == (line if expected is None else expected)
+
+
+def test_names() -> None:
+    for name in SECRET_OPTIONS + SECRET_VARS:
+        assert is_secret_name(name), name
+    for name in SAFE_OPTIONS:
+        assert not is_secret_name(name), name
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.lists(safe_words, max_size=5),
+    after=st.lists(safe_words, max_size=5),
+    option=st.sampled_from(SECRET_OPTIONS),
+    var=st.sampled_from(SECRET_VARS),
+    secret=secret_values,
+    form=st.sampled_from(["eq", "space", "env", "bearer", "header", "url"]),
+)
+def test_a_secret_never_survives(
+    before: list[str], after: list[str], option: str, var: str, secret: str, form: str
+) -> None:
+    middle = {
+        "eq": [f"{option}={secret}"],
+        "space": [option, secret],
+        "env": [f"{var}={secret}"],
+        "bearer": ["-H", "Authorization:", "Bearer", secret],
+        "header": ["-H", f"Authorization: Bearer {secret}"],
+        "url": [f"https://user:{secret}@example.invalid/x"],
+    }[form]
+    argv = [*before, *middle, *after]
+    assert secret not in " ".join(redact_argv(argv))
+    assert secret not in redact_command(" ".join(argv))
+    assert secret not in redact_lines("log: " + " ".join(argv) + "\nnext line")
+    # The words around it stay.
+    red = redact_command(" ".join(argv)).split()
+    assert red[: len(before)] == before
+    assert red[len(red) - len(after) :] == after if after else True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(safe_words, st.sampled_from(SAFE_OPTIONS)), max_size=12))
+def test_lines_without_secrets_are_unchanged(argv: list[str]) -> None:
+    line = " ".join(argv)
+    assert redact_command(line) == line
+    assert redact_argv(argv) == argv
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(max_size=300))
+def test_any_text_is_redacted_once_and_for_all(text: str) -> None:
+    once = redact_command(text)
+    assert redact_command(once) == once  # idempotent
+    assert redact_lines(redact_lines(text)) == redact_lines(text)
+    # Only values are replaced: never a longer secret-free line out of nowhere.
+    assert len(once.split()) == len(text.split()) or MASK in once
+
+
+def test_stored_failures_and_attempts_are_redacted() -> None:
+    update = {
+        "failure": {
+            "error": "exited: vllm serve m --api-key sk-live-abcdef123456",
+            "log_tail": "INFO args: --hf-token hf_secretsecret\nHF_TOKEN=hf_x2 ready",
+        },
+        "attempt": {"outcome": "failed", "error": "Authorization: Bearer tok_zzzzzzzz"},
+    }
+    rec = apply_update(Record(service="x"), update, 1000.0)
+    text = str(rec.to_dict())
+    for secret in ("sk-live-abcdef123456", "hf_secretsecret", "hf_x2", "tok_zzzzzzzz"):
+        assert secret not in text
+    assert rec.failure is not None and "--api-key ***" in rec.failure.error
