@@ -190,11 +190,11 @@ def test_old_matches_are_not_loading(
     tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
 ) -> None:
     kw = f"legacykw{uuid.uuid4().hex[:8]}"
-    procs(kw)
-    with agent(tmp_path, match=(kw,), match_max_age_s=1.0) as url:
+    with agent(tmp_path, match=(kw,), match_max_age_s=4.0) as url:
+        procs(kw)
         # Young: loading. Past --match-max-age: a long-running process, not a start.
-        assert status(url)["is_idle"] is False
-        assert wait_for(lambda: status(url)["is_idle"] is True)
+        assert wait_for(lambda: status(url)["is_idle"] is False, timeout_s=4.0)
+        assert wait_for(lambda: status(url)["is_idle"] is True, timeout_s=30.0)
 
 
 def test_without_match_keywords_nothing_is_added(
