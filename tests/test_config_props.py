@@ -306,3 +306,18 @@ def test_the_strategies_reach_valid_configs() -> None:
     conf = parse_config({"hosts": {"dgx": {"timeout": "2s"}}, "services": {"vllm": {"memory": 1}}})
     assert conf.service("vllm").memory_mib == 1
     _ = (date, datetime, time, Path)  # TOML's date/time values are among the scalars
+
+
+def test_messages_stay_one_short_line() -> None:
+    """A huge or deeply nested value is cut short in the message, never echoed whole."""
+    deep: Any = []
+    for _ in range(5000):
+        deep = [deep]
+    for value in ("9" * 100_000 + "x", ["x"] * 10_000, deep):
+        for parse in (parse_size_mib, parse_duration_s):
+            with pytest.raises(ValueError) as e:
+                parse(value)
+            assert len(str(e.value)) < 200 and "\n" not in str(e.value)
+        with pytest.raises(ConfigError) as c:
+            parse_config({"hosts": {"h": {"timeout": value}}})
+        assert c.value.message.startswith("hosts.h.timeout: ") and len(c.value.message) < 200

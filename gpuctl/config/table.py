@@ -207,5 +207,8 @@ def key_text(k: str) -> str:
 
 def show(v: Any) -> str:
     """A value for an error message, cut short: a config can hold a huge string."""
-    text = repr(v)
+    try:
+        text = repr(v)
+    except RecursionError:
+        return "a deeply nested value"
     return text if len(text) <= 80 else text[:77] + "..."

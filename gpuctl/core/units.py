@@ -22,6 +22,8 @@ _DUR_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)", re.IGNORECASE | re.ASCII
 _DUR_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _NUMBER_RE = re.compile(r"\s*\d+(?:\.\d+)?\s*", re.ASCII)
 
+# Longer than any size or duration anyone writes ("1h 30m 15s 250ms" is 16).
+_MAX_TEXT = 64
 # One PiB: far above any GPU or shared-memory size, far below int overflow anywhere.
 MAX_SIZE_MIB = 1024**3
 # One year: longer than any timeout or idle period anyone means; `time.sleep`,
@@ -36,23 +38,23 @@ def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
     must be finite, at least 1 MiB (or exactly 0 with ``allow_zero``) and at most 1 PiB.
     """
     if isinstance(text, bool):
-        raise ValueError(f"expected a size like '80GiB', got {text!r}")
+        raise ValueError(f"expected a size like '80GiB', got {_shown(text)}")
     if isinstance(text, int):
         mib = float(text) if abs(text) < 2**63 else (-math.inf if text < 0 else math.inf)
-        shown = repr(text)
+        shown = _shown(text)
     elif isinstance(text, float):
         mib = text
-        shown = repr(text)
+        shown = _shown(text)
     elif isinstance(text, str):
-        m = _SIZE_RE.fullmatch(text)
+        m = _SIZE_RE.fullmatch(text) if len(text) <= _MAX_TEXT else None
         if not m:
-            raise ValueError(f"expected a size like '80GiB' or '512MiB', got {text!r}")
+            raise ValueError(f"expected a size like '80GiB' or '512MiB', got {_shown(text)}")
         value = float(m.group(1))
         unit = (m.group(2) or "m")[0].lower()
         mib = value * _SIZE_MIB[unit]
-        shown = repr(text)
+        shown = _shown(text)
     else:
-        raise ValueError(f"expected a size like '80GiB', got {text!r}")
+        raise ValueError(f"expected a size like '80GiB', got {_shown(text)}")
     if math.isnan(mib):
         raise ValueError(f"expected a size like '80GiB', got {shown}")
     if mib < 0:
@@ -72,7 +74,7 @@ def parse_duration_s(text: str | int | float, *, allow_zero: bool = False) -> fl
     0 (or exactly 0 with ``allow_zero``) and at most 365 days.
     """
     if isinstance(text, bool):
-        raise ValueError(f"expected a duration like '30m', got {text!r}")
+        raise ValueError(f"expected a duration like '30m', got {_shown(text)}")
     if isinstance(text, int):
         total = float(text) if abs(text) < 2**63 else (-math.inf if text < 0 else math.inf)
     elif isinstance(text, float):
@@ -80,12 +82,15 @@ def parse_duration_s(text: str | int | float, *, allow_zero: bool = False) -> fl
     elif isinstance(text, str):
         total = _duration_text(text)
     else:
-        raise ValueError(f"expected a duration like '30m', got {text!r}")
-    return _check_duration(total, repr(text), allow_zero)
+        raise ValueError(f"expected a duration like '30m', got {_shown(text)}")
+    return _check_duration(total, _shown(text), allow_zero)
 
 
 def _duration_text(text: str) -> float:
     s = text.strip()
+    if len(s) > _MAX_TEXT:
+        # Scanning a long run of digits for a unit is quadratic; no duration is this long.
+        raise ValueError(f"expected a duration like '30m', '600s' or '1h30m', got {_shown(text)}")
     if _NUMBER_RE.fullmatch(s):
         return float(s)
     pos = 0
@@ -97,8 +102,8 @@ def _duration_text(text: str) -> float:
         pos = m.end()
     if pos == 0 or s[pos:].strip():
         if s.lstrip().startswith("-"):
-            raise ValueError(f"a duration cannot be negative, got {text!r}")
-        raise ValueError(f"expected a duration like '30m', '600s' or '1h30m', got {text!r}")
+            raise ValueError(f"a duration cannot be negative, got {_shown(text)}")
+        raise ValueError(f"expected a duration like '30m', '600s' or '1h30m', got {_shown(text)}")
     return total
 
 
@@ -112,6 +117,15 @@ def _check_duration(total: float, shown: str, allow_zero: bool) -> float:
     if total == 0 and not allow_zero:
         raise ValueError(f"a duration must be more than 0, got {shown}")
     return total
+
+
+def _shown(value: object) -> str:
+    """A value for an error message, cut short: input can be a huge string or a deep list."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "a deeply nested value"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def format_mib(mib: float | None) -> str:
