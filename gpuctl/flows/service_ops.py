@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from datetime import datetime
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
-from gpuctl.core.record import Phase, Record
+from gpuctl.core.record import Phase, Record, SetAside
 from gpuctl.errors import GpuctlError, StoreError
 from gpuctl.flows.deps import EnsureDeps, LocksDeps
 from gpuctl.flows.observe import keywords
@@ -134,17 +135,31 @@ def touch(deps: EnsureDeps) -> TouchResult:
 
 
 def locks(deps: LocksDeps) -> LocksReport:
-    """Every configured service's record on each host (a host that fails is reported)."""
+    """Every configured service's record on each host (a host that fails is reported),
+    and the record files each store set aside as unreadable."""
     rows: list[tuple[str, Record | None, str | None]] = []
+    aside: list[tuple[str, SetAside]] = []
     for h in deps.hosts:
         names = [s.name for s in deps.config.services_on(h.name)]
         try:
-            recs = {r.service: r for r in deps.store_of(h).records()}
+            store = deps.store_of(h)
+            recs = {r.service: r for r in store.records()}
+            kept = store.set_aside()
         except GpuctlError as e:
             rows.append((h.name, None, e.message))
             continue
+        aside += [(h.name, a) for a in kept]
+        last_kept = {a.service: a for a in sorted(kept, key=lambda a: a.at)}
         for n in names:
-            rows.append((h.name, recs.pop(n, Record(service=n)), None))
+            rows.append((h.name, _with_note(recs.pop(n, Record(service=n)), last_kept), None))
         for r in recs.values():  # records of services no longer configured
-            rows.append((h.name, r, None))
-    return LocksReport(rows, deps.clock())
+            rows.append((h.name, _with_note(r, last_kept), None))
+    return LocksReport(rows, deps.clock(), aside)
+
+
+def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:
+    """The record, noting the last copy of it that was set aside (while that copy is kept)."""
+    a = kept.get(record.service)
+    if a is None or record.recovered:
+        return record
+    return replace(record, recovered=f"record was unreadable ({a.why}); kept as {a.file}")
