@@ -33,6 +33,10 @@ RECORD_PATHS = {
     "/records/{service}/lease/renew": {"post"},
     "/records/{service}/lease/release": {"post"},
     "/records/{service}/touch": {"post"},
+    "/records/{service}/inflight": {"post"},
+    "/records/{service}/inflight/renew": {"post"},
+    "/records/{service}/inflight/end": {"post"},
+    "/records/_inflight": {"get"},
 }
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
