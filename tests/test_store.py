@@ -1199,3 +1199,41 @@ def test_locks_touch_and_status_live_with_a_poisoned_record(sim_host: Any) -> No
     assert svc["name"] == "llmz"
     again = json.loads(gpuctl("locks", "--json").stdout)
     assert [a["file"] for a in again["set_aside"]] == [kept["file"]]
+
+
+def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive_it(
+    tmp_path: Path,
+) -> None:
+    """The race as it happened (8 of 8 tries): a waiter's health check passes, ``stop``
+    runs to completion before the waiter's touch, then the waiter touches. The flows
+    and the store are real; the health check itself runs the stop, so the window is hit
+    every time."""
+    from gpuctl.core.decision import Health
+    from gpuctl.flows.ensure import ensure
+    from gpuctl.flows.results import Outcome
+    from gpuctl.flows.service_ops import stop
+    from tests.flow_fakes import world
+
+    w = world(tmp_path)
+    starter = holder("ensure")
+    w.store.acquire("vllm", starter, 60)
+    w.store.release(
+        "vllm", starter.id, {"phase": "running", "handle": {"kind": "process", "pid": 4242}}
+    )
+    stops: list[str] = []
+
+    def health_then_stop() -> Health:
+        if not stops:
+            stops.append(stop(w.deps(entry="stop")).reason)  # the stop, to the end
+        return Health("ready", "HTTP 200", 200)  # what the waiter saw just before
+
+    deps = w.deps()
+    deps.check_health = health_then_stop
+    result = ensure(deps)
+    assert stops == ["stopped pid 4242"]
+    assert [h.pid for h in w.launcher.stopped] == [4242]
+    assert result.outcome is Outcome.READY  # it did answer, when it looked
+    rec = w.store.get("vllm")
+    assert rec.phase is Phase.STOPPED  # and the touch after the stop brought nothing back
+    assert rec.handle is None
+    assert rec.last_used == w.clock()
