@@ -11,7 +11,7 @@ from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.record import Phase, Record, SetAside
 from gpuctl.errors import GpuctlError, StoreError
-from gpuctl.flows.deps import EnsureDeps, LocksDeps
+from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.observe import keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
@@ -55,12 +55,12 @@ def stop(deps: EnsureDeps) -> StopResult:
             handle = Handle.from_dict(record.handle)
             if launcher.alive(handle) is not False:
                 launcher.stop(handle, svc.stop_timeout_s)
-                result.stopped.append(_describe(handle))
+                result.stopped.append(describe_handle(handle))
         if not result.stopped:
             found = launcher.find(svc, record.start_nonce)
             if found is not None:
                 launcher.stop(found, svc.stop_timeout_s)
-                result.stopped.append(_describe(found))
+                result.stopped.append(describe_handle(found))
         if snapshot is not None and not result.stopped:
             # A server whose launcher died before it could record it: find it by keywords.
             # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
@@ -117,14 +117,6 @@ def _started_before(pid: int, taken: float | None) -> bool:
 
     started = procinfo.start_time(pid)
     return started is None or started <= taken + 0.5
-
-
-def _describe(h: Handle) -> str:
-    if h.container_name:
-        return f"container {h.container_name}"
-    if h.pid:
-        return f"pid {h.pid}"
-    return h.kind
 
 
 def touch(deps: EnsureDeps) -> TouchResult:
