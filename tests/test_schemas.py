@@ -191,6 +191,7 @@ memory = "1GiB"
 def test_ensure_outcomes(host: Host) -> None:
     n = host.names
     seen: dict[str, int] = {}
+    said: list[tuple[str, str, str]] = []
     for args in (
         [n["chat"]],  # started: launched, waited, an attempt and a handle
         [n["chat"]],  # ready at once
@@ -203,7 +204,8 @@ def test_ensure_outcomes(host: Host) -> None:
         check("ensure", obj)
         assert obj["exit_code"] == rc
         seen[obj["outcome"]] = rc
-    assert seen == {"ready": 0, "failed": 1, "busy": 3, "unknown": 4, "timeout": 5}
+        said.append((args[0], obj["outcome"], obj["reason"]))
+    assert seen == {"ready": 0, "failed": 1, "busy": 3, "unknown": 4, "timeout": 5}, said
 
 
 def test_status(host: Host) -> None:
