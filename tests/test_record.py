@@ -16,7 +16,9 @@ from gpuctl.adapters.store.codec import (
     MAX_RECORD_BYTES,
     RecordError,
     check_record,
+    decode_holder,
     decode_record,
+    decode_set_aside,
     encode_record,
     parse_record,
 )
@@ -649,3 +651,29 @@ def test_long_failure_texts_are_clipped_not_refused() -> None:
     assert len(rec.failure.log_tail) == LOG_TAIL_MAX
     assert len(rec.attempts[0]["error"]) == ERROR_MAX
     check_record(rec)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(JSON, st.fixed_dictionaries({}, optional=dict.fromkeys(
+    ["id", "host", "boot_id", "pid", "pid_start", "entry"],
+    JSON | st.integers(0, 2**23) | st.text(min_size=1, max_size=8)))))  # fmt: skip
+def test_any_holder_body_is_a_holder_or_a_located_error(data: Any) -> None:
+    """The lease request's holder, as the agent reads it off the wire."""
+    try:
+        h = decode_holder(data)
+    except RecordError as e:
+        assert str(e).startswith("at $.holder")
+    else:
+        assert 1 <= h.pid <= 1 << 22
+        assert decode_holder(h.to_dict()) == h
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON)
+def test_any_set_aside_list_is_a_list_or_a_located_error(data: Any) -> None:
+    try:
+        got = decode_set_aside(data)
+    except RecordError as e:
+        assert str(e).startswith("at $.set_aside")
+    else:
+        assert decode_set_aside([a.to_dict() for a in got]) == got
