@@ -103,6 +103,10 @@ class Trial:
 
 Action = Callable[[Trial, Svc], None]
 ACTIONS: dict[str, tuple[float, Action]] = {}
+# More invariants, checked after each trial, and what to forget between trials (later
+# work registers its own: tests/trials_reclaim.py).
+CHECKS: list[Callable[[Trial], None]] = []
+RESETS: list[Callable[[Trial], None]] = []
 
 
 def action(name: str, weight: float) -> Callable[[Action], Action]:
@@ -295,7 +299,9 @@ def run_trials(
             s.name, s.port, model_server_command(s.name, s.port, f"{s.memory_gib}GiB", s.load_time)
         )
         toml += t.replace('memory = "20GiB"', f'memory = "{s.memory_gib}GiB"').replace(
-            'health_timeout = "60s"', 'health_timeout = "20s"\nstop_timeout = "3s"'
+            'health_timeout = "60s"',
+            # A short idle timeout gives reclaim (tests/trials_reclaim.py) work to do.
+            'health_timeout = "20s"\nstop_timeout = "3s"\nidle_timeout = "2s"',
         )
         toml += "\n"
     trial = Trial(host, host.write_config(toml), services, rng)
@@ -320,12 +326,16 @@ def run_trials(
                         c.proc.wait()
             report.samples += sampler.samples
             check_records(trial)
+            for extra in CHECKS:
+                extra(trial)
             report.trials += 1
             if trial.violations:
                 tag = f"trial {report.trials} (seed {seed})"
                 report.violations += [f"{tag}: {v}" for v in dict.fromkeys(trial.violations)]
                 trial.violations.clear()
             reset(trial)
+            for forget in RESETS:
+                forget(trial)
             if trials is not None and report.trials >= trials:
                 break
             if budget_s is not None and time.monotonic() - t0 >= budget_s:
