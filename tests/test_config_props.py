@@ -20,11 +20,7 @@ from gpuctl.core.units import MAX_DURATION_S, MAX_SIZE_MIB, parse_duration_s, pa
 from gpuctl.errors import ConfigError
 
 SETTINGS = settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
-    database=None,
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 
 # What tomllib can hand us: every TOML type, including inf/nan floats and huge ints.

@@ -41,6 +41,11 @@ DEFAULT_HEALTH_TIMEOUT_S = 10 * 60.0
 DEFAULT_AGENT_TIMEOUT_S = 3.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
 DEFAULT_PRIORITY = 50
+DEFAULT_PROXY_LISTEN = "127.0.0.1:9401"
+# Whisper's uploads: OpenAI caps audio at 25 MB; leave room for the multipart framing.
+DEFAULT_PROXY_MAX_BODY_MIB = 32
+DEFAULT_PROXY_SSE_INTERVAL_S = 10.0
+DEFAULT_PROXY_RETRY_AFTER_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +157,13 @@ class ServiceConfig:
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
     terminal: str | None = None
     pid_mode: str | None = None
+    # The proxy (``gpuctl proxy``): the model names it routes here, the upstream origin
+    # (default: the origin of ``health``), requests at once (None: no limit), and how
+    # long a request waits for a start (None: ``health_timeout_s``).
+    models: tuple[str, ...] = ()
+    url: str | None = None
+    max_concurrent: int | None = None
+    queue_timeout_s: float | None = None
 
     @property
     def keywords(self) -> tuple[str, ...]:
@@ -167,6 +179,35 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """``[proxy]``: how ``gpuctl proxy`` listens and answers.
+
+    Client keys are not values: ``api_keys_file`` (one key a line) or ``api_keys_env``
+    (keys separated by commas or spaces) say where they live, read by ``api_keys()``.
+    """
+
+    listen: str = DEFAULT_PROXY_LISTEN
+    api_keys_file: Path | None = None
+    api_keys_env: str | None = None
+    max_body_mib: int = DEFAULT_PROXY_MAX_BODY_MIB
+    sse_keepalive: bool = True
+    sse_interval_s: float = DEFAULT_PROXY_SSE_INTERVAL_S
+    retry_after_s: float = DEFAULT_PROXY_RETRY_AFTER_S
+    access_log: bool = True
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The client keys (empty: none configured).
+
+        Raises:
+            ConfigError: the variable is unset or empty, or the file cannot be read or
+                holds no key.
+        """
+        from gpuctl.config.secrets import read_key_list
+
+        return read_key_list(self.api_keys_env, self.api_keys_file)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """The whole configuration. ``warnings`` are what the loader noticed but accepted
     (a token file others can read); commands print them on stderr."""
@@ -176,6 +217,7 @@ class Config:
     hosts: Mapping[str, HostConfig] = field(default_factory=dict)
     services: Mapping[str, ServiceConfig] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
     def host(self, name: str) -> HostConfig:
         """The host called ``name``.

@@ -19,6 +19,10 @@ from gpuctl.config.model import (
     DEFAULT_HEALTH_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_PRIORITY,
+    DEFAULT_PROXY_LISTEN,
+    DEFAULT_PROXY_MAX_BODY_MIB,
+    DEFAULT_PROXY_RETRY_AFTER_S,
+    DEFAULT_PROXY_SSE_INTERVAL_S,
     DEFAULT_STOP_TIMEOUT_S,
     LAUNCHERS,
     PROBES,
@@ -27,6 +31,7 @@ from gpuctl.config.model import (
     Config,
     Defaults,
     HostConfig,
+    ProxyConfig,
     ServiceConfig,
     known_hint,
 )
@@ -35,7 +40,7 @@ from gpuctl.core.names import NAME_RULE, is_valid_name
 from gpuctl.core.units import parse_size_mib
 from gpuctl.errors import ConfigError
 
-ROOT_KEYS = ("defaults", "hosts", "services")
+ROOT_KEYS = ("defaults", "hosts", "services", "proxy")
 DEFAULTS_KEYS = ("idle_timeout", "health_timeout", "agent_timeout", "priority")
 HOST_KEYS = (
     "agent",
@@ -81,7 +86,24 @@ SERVICE_KEYS = (
     "stop_timeout",
     "terminal",
     "pid_mode",
+    "models",
+    "url",
+    "max_concurrent",
+    "queue_timeout",
 )
+PROXY_KEYS = (
+    "listen",
+    "api_keys_file",
+    "api_keys_env",
+    "max_body",
+    "sse_keepalive",
+    "sse_interval",
+    "retry_after",
+    "access_log",
+)
+# A model name as clients send it ("Qwen/Qwen3-32B", "qwen3:32b"): printable, no spaces.
+_MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
+MAX_CONCURRENT = 100_000
 
 # Keys a user might put a secret under, and where the secret belongs instead.
 _SECRET_KEYS = {
@@ -150,7 +172,58 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     services: dict[str, ServiceConfig] = {}
     for name, raw in services_table.items():
         services[name] = _service(name, raw, defaults, hosts, path)
-    return Config(path=path, defaults=defaults, hosts=hosts, services=services)
+    _check_models(services)
+    proxy = _proxy(root.get("proxy"), base)
+    return Config(path=path, defaults=defaults, hosts=hosts, services=services, proxy=proxy)
+
+
+def _proxy(raw: Any, base: Path | None) -> ProxyConfig:
+    p = Table("proxy", raw if raw is not None else {}, PROXY_KEYS)
+    listen = p.str_("listen") or DEFAULT_PROXY_LISTEN
+    host, sep, port = listen.rpartition(":")
+    if not (sep and host and port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise p.fail("listen", f"expected HOST:PORT, got {listen!r}", hint="e.g. 127.0.0.1:9401")
+    keys_env = p.pattern("api_keys_env", _ENV_NAME, "an environment variable name")
+    keys_file = p.path("api_keys_file", base)
+    if keys_env and keys_file:
+        raise ConfigError("proxy: set api_keys_env or api_keys_file, not both")
+    max_body = p.size("max_body")
+    return ProxyConfig(
+        listen=listen,
+        api_keys_env=keys_env,
+        api_keys_file=keys_file,
+        max_body_mib=max_body if max_body is not None else DEFAULT_PROXY_MAX_BODY_MIB,
+        sse_keepalive=p.bool_("sse_keepalive", True),
+        sse_interval_s=p.duration("sse_interval", DEFAULT_PROXY_SSE_INTERVAL_S),
+        retry_after_s=p.duration("retry_after", DEFAULT_PROXY_RETRY_AFTER_S),
+        access_log=p.bool_("access_log", True),
+    )
+
+
+def _models(s: Table) -> tuple[str, ...]:
+    names = s.str_list("models")
+    for m in names:
+        if not _MODEL_NAME.fullmatch(m):
+            raise s.fail(
+                "models",
+                f"a model name has no spaces or control characters (200 at most), got {show(m)}",
+            )
+    if len(set(names)) != len(names):
+        raise s.fail("models", f"a model is listed twice: {show(list(names))}")
+    return names
+
+
+def _check_models(services: dict[str, ServiceConfig]) -> None:
+    """One service per model name: the proxy routes by it."""
+    seen: dict[str, str] = {}
+    for svc in services.values():
+        for m in svc.models:
+            if m in seen:
+                raise ConfigError(
+                    f"services.{svc.name}.models: {m!r} is already a model of services.{seen[m]}",
+                    hint="a model name routes to one service; give each its own name",
+                )
+            seen[m] = svc.name
 
 
 def _check_name(kind: str, name: str) -> None:
@@ -243,6 +316,12 @@ def _service(
         stop_timeout_s=s.duration("stop_timeout", DEFAULT_STOP_TIMEOUT_S),
         terminal=s.pattern("terminal", _TERMINAL, "a terminal name of letters, digits and '_'"),
         pid_mode=_container_ref(s, "pid_mode", ("host",), containers_only=True),
+        models=_models(s),
+        url=s.url("url", HTTP),
+        max_concurrent=_max_concurrent(s),
+        queue_timeout_s=(
+            s.duration("queue_timeout", 0.0) if s.get("queue_timeout") is not None else None
+        ),
     )
     _check_service(svc, hosts[host])
     return svc
@@ -283,6 +362,12 @@ def _devices(s: Table) -> tuple[int, ...] | None:
     if len(set(v)) != len(v):
         raise s.fail("devices", f"a GPU is listed twice: {v}")
     return tuple(v)
+
+
+def _max_concurrent(s: Table) -> int | None:
+    if s.get("max_concurrent") is None:
+        return None
+    return s.int_("max_concurrent", 0, 1, MAX_CONCURRENT)
 
 
 def _sleep_level(s: Table) -> int | None:
@@ -404,6 +489,11 @@ def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
         raise ConfigError(
             f"{where}.model: only the ollama launcher takes a model",
             hint='set launcher = "ollama", or put the model in command',
+        )
+    if (svc.models or svc.max_concurrent) and not (svc.url or svc.health or launcher == "ollama"):
+        raise ConfigError(
+            f"{where}.url: missing (the proxy forwards to url, else to the origin of health)",
+            hint='add url = "http://127.0.0.1:8000" or a health URL',
         )
     if svc.stop == "sleep" and not svc.health:
         raise ConfigError(

@@ -93,3 +93,40 @@ def secret_problems(host: HostConfig) -> list[ConfigError]:
         except ConfigError as e:
             problems.append(e)
     return problems
+
+
+def read_key_list(env: str | None, file: Path | None) -> tuple[str, ...]:
+    """The proxy's client keys from ``proxy.api_keys_env`` (separated by commas or
+    whitespace) or ``proxy.api_keys_file`` (one a line, ``#`` comments); () when neither
+    is set.
+
+    Raises:
+        ConfigError: the variable is unset or empty, or the file is missing, unreadable
+            or holds no key.
+    """
+    if env:
+        keys = tuple(k for k in os.environ.get(env, "").replace(",", " ").split() if k)
+        if not keys:
+            raise ConfigError(
+                f"proxy.api_keys_env: environment variable {env} is not set",
+                hint=f"export {env}=<key>[,<key>...], or use api_keys_file",
+            )
+        return keys
+    if file:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError(
+                f"proxy.api_keys_file: cannot read {file}: {reason}",
+                hint="create the file (mode 600, one key a line) or fix the path",
+            ) from None
+        keys = tuple(
+            line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
+        )
+        if not keys:
+            raise ConfigError(
+                f"proxy.api_keys_file: {file} holds no key", hint="write one key a line into it"
+            )
+        return keys
+    return ()

@@ -86,6 +86,24 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "pid_mode": s.pid_mode,
         "stop_timeout": duration_text(s.stop_timeout_s),
         "terminal": s.terminal,
+        "models": list(s.models) or None,
+        "url": s.url,
+        "max_concurrent": s.max_concurrent,
+        "queue_timeout": duration_text(s.queue_timeout_s) if s.queue_timeout_s else None,
+    }
+
+
+def _proxy(conf: Config) -> dict[str, Any]:
+    p = conf.proxy
+    return {
+        "listen": p.listen,
+        "api_keys_env": p.api_keys_env,
+        "api_keys_file": str(p.api_keys_file) if p.api_keys_file else None,
+        "max_body": size_text(p.max_body_mib),
+        "sse_keepalive": p.sse_keepalive,
+        "sse_interval": duration_text(p.sse_interval_s),
+        "retry_after": duration_text(p.retry_after_s),
+        "access_log": p.access_log,
     }
 
 
@@ -102,7 +120,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_to_json(conf: Config) -> dict[str, Any]:
-    """``{"schema": 1, "path", "defaults", "hosts", "services"}`` under the config's key names;
+    """``{"schema": 1, "path", "defaults", "hosts", "services", "proxy"}`` under the config's key names;
     each host adds ``token`` / ``read_token`` / ``jupyter_token``: where the secret comes from, masked."""
     d = conf.defaults
     hosts = {}
@@ -124,6 +142,7 @@ def config_to_json(conf: Config) -> dict[str, Any]:
         },
         "hosts": hosts,
         "services": {n: _drop_none(_service(s)) for n, s in conf.services.items()},
+        "proxy": _drop_none(_proxy(conf)),
     }
 
 
@@ -161,4 +180,6 @@ def config_to_toml(conf: Config) -> str:
     for name, body in obj["services"].items():
         lines += ["", f"[services.{name}]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    lines += ["", "[proxy]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in obj["proxy"].items()]
     return "\n".join(lines) + "\n"

@@ -61,6 +61,7 @@ class Engine:
         self.sleep_lock = threading.Lock()  # one sleep/wake at a time
         self.running = 0
         self.succeeded = 0
+        self.cancelled = 0  # requests whose client went away mid-answer
         self.sleeping = False
         self.sleep_level = 0
         # Sleep mode, as vLLM's CuMemAllocator does it. The memory is in two tagged
@@ -118,4 +119,5 @@ class Engine:
                 waiting=0,
                 succeeded=self.succeeded,
                 kv_cache_usage=min(1.0, self.kv_tokens / KV_CACHE_TOKENS),
+                cancelled=self.cancelled,
             )

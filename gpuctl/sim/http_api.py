@@ -25,6 +25,9 @@ class Server(ThreadingHTTPServer):
     """A ThreadingHTTPServer on a socket that was bound long before it listens."""
 
     daemon_threads = True  # idle keep-alive connections must not hold up a shutdown
+    # vLLM (uvicorn) listens with a backlog of 2048; socketserver's 5 reset connections
+    # as soon as a few dozen clients connect at once.
+    request_queue_size = 2048
     block_on_close = False
 
     def __init__(self, sock: socket.socket, engine: Engine) -> None:
@@ -248,7 +251,14 @@ class Handler(BaseHTTPRequestHandler):
             if req.get("stream"):
                 opts = req.get("stream_options")
                 with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-                self._stream(ident, tokens, finish, usage if with_usage else None, tracker)
+                try:
+                    self._stream(ident, tokens, finish, usage if with_usage else None, tracker)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The client went away: vLLM aborts the request and frees its slot.
+                    with e.lock:
+                        e.cancelled += 1
+                    log(f"INFO:     Aborted request {ident}.")
+                    raise
                 return
             for i in range(len(tokens)):
                 time.sleep(e.token_delay_s)

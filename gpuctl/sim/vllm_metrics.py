@@ -54,6 +54,7 @@ class Gauges:
     waiting: int
     succeeded: int
     kv_cache_usage: float  # 0.0-1.0
+    cancelled: int = 0  # streams whose client went away mid-answer (the sim's own counter)
 
 
 class VllmMetrics:
@@ -98,5 +99,11 @@ class VllmMetrics:
             "(the name before vLLM V1; older dashboards read it).",
             "# TYPE vllm:gpu_cache_usage_perc gauge",
             f"vllm:gpu_cache_usage_perc{lab} {g.kv_cache_usage}",
+            # Not a vLLM metric (vLLM logs "Aborted request"): the tests count with it
+            # that a client going away cancels the request.
+            "# HELP gpuctl_sim_requests_cancelled_total Requests aborted because their client "
+            "went away mid-answer.",
+            "# TYPE gpuctl_sim_requests_cancelled_total counter",
+            f"gpuctl_sim_requests_cancelled_total{lab} {float(g.cancelled)}",
         ]
         return "\n".join(lines) + "\n"

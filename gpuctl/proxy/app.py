@@ -1,0 +1,729 @@
+"""The proxy as a raw ASGI application (DESIGN §11), run by ``gpuctl.proxy.server``.
+
+Endpoints::
+
+    GET  /healthz                   no auth   {"ok": true}
+    GET  /metrics                   key       Prometheus text (metrics.py)
+    GET  /v1/models                 key       every configured model, running or not
+    GET  /v1/models/<id>            key       the server's card when it answers, else ours
+    POST /v1/chat/completions, /v1/completions, /v1/embeddings,
+         /v1/audio/transcriptions, /v1/audio/translations, /v1/rerank, /v1/score
+                                    key       routed by the body's ``model``
+    ANY  /services/<name>/<path>    key       passed through to that service's /<path>
+
+A request for a service that is not known to be ready is held while the service is
+checked or started (``ready.SingleFlight``: the CLI's ensure flow, one per service), up
+to its ``queue_timeout``; a streaming request gets SSE comment lines meanwhile. While
+any request is in flight on a service, it counts in the store (``gpuctl.api.in_use``:
+written on 0 <-> 1 and renewed every few seconds, never per request), so reclaim never
+stops a server that is answering.
+
+Answers are relayed as they arrive: a response with a length is read whole and sent in
+one message, anything else (SSE) chunk by chunk, each ``send`` awaited (uvicorn holds
+it while the client's socket is full, so a slow client slows its upstream read: the
+backpressure is kept end to end). A client that goes away cancels its upstream request
+(the upstream connection is closed). No framework: see ``gpuctl.agent.app`` for why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gpuctl import __version__
+from gpuctl.api import in_use
+from gpuctl.config import Config, ServiceConfig
+from gpuctl.proxy.errors import error_body, retry_after, sse_error_event
+from gpuctl.proxy.metrics import ProxyMetrics
+from gpuctl.proxy.ready import Readiness, SingleFlight, run_ensure
+from gpuctl.proxy.routes import (
+    MODEL_IN_BODY,
+    SERVICES_PREFIX,
+    RouteTable,
+    Upstream,
+    form_field,
+    model_from_json,
+    multipart_boundary,
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("gpuctl.proxy")
+access = logging.getLogger("gpuctl.proxy.access")
+
+# Not forwarded either way (RFC 9110 §7.6.1), plus what httpx or uvicorn set themselves.
+_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+_HOP_STR = frozenset(h.decode() for h in _HOP) | {"date"}
+# A streaming request's first SSE comment waits this long: a service that turns out
+# ready (or busy) within it gets its real status line instead of our 200.
+FIRST_COMMENT_DELAY_S = 1.0
+UPSTREAM_CONNECT_TIMEOUT_S = 10.0
+# A non-streaming completion can take minutes; an upstream silent for longer is gone.
+UPSTREAM_READ_TIMEOUT_S = 600.0
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """How the proxy answers (from ``[proxy]``; see ``gpuctl.config.ProxyConfig``)."""
+
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 32 * 2**20
+    sse_keepalive: bool = True
+    sse_interval_s: float = 10.0
+    retry_after_s: float = 30.0
+    access_log: bool = True
+    pass_authorization: bool = False  # no keys of our own: the client's goes upstream
+
+
+class _State:
+    """The proxy's own view of one service."""
+
+    __slots__ = ("in_flight", "ready", "use")
+
+    def __init__(self, use: in_use) -> None:
+        self.in_flight = 0
+        self.ready = False  # trusted only while in_flight > 0 (see ready.py)
+        self.use = use
+
+
+class _Reply:
+    """What has been sent of one response (our own SSE head, or the upstream's)."""
+
+    __slots__ = ("sent_bytes", "sse", "started", "status")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.sse = False  # we opened an SSE stream ourselves while holding the request
+        self.status = 0
+        self.sent_bytes = 0
+
+
+@dataclass(slots=True)
+class _Call:
+    """One proxied request on its way through."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    reply: _Reply
+    info: dict[str, Any]
+    up: Upstream
+    path: str
+    body: bytes
+    stream: bool
+
+
+class Refusal(Exception):
+    """Answer with ``status`` and an OpenAI error body (or an error event mid-stream)."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, code: str, *, retry_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.retry_s = retry_s
+
+
+class ProxyApp:
+    """The ASGI callable."""
+
+    def __init__(
+        self,
+        conf: Config,
+        routes: RouteTable,
+        settings: ProxySettings,
+        *,
+        ensure: Callable[..., Readiness] = run_ensure,
+    ) -> None:
+        self.conf = conf
+        self.routes = routes
+        self.settings = settings
+        self.metrics = ProxyMetrics()
+        self._keys = tuple(k.encode() for k in settings.api_keys)
+        self._ensure = ensure
+        self._client: httpx.AsyncClient | None = None
+        self._flight: SingleFlight | None = None
+        self._states: dict[str, _State] = {}
+        self.cancelled_upstream = 0  # streams cut short because their client left
+        self._models_body = json.dumps(
+            {
+                "object": "list",
+                "data": [self._card(m, up) for m, up in routes.models()],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            # One client for every upstream: pooled keep-alive connections, enough for
+            # hundreds of concurrent streams.
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    UPSTREAM_READ_TIMEOUT_S, connect=UPSTREAM_CONNECT_TIMEOUT_S, pool=None
+                ),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+                follow_redirects=False,
+                trust_env=False,  # loopback upstreams: never through an HTTP(S)_PROXY
+            )
+        return self._client
+
+    @property
+    def flight(self) -> SingleFlight:
+        if self._flight is None:
+            self._flight = SingleFlight(self.conf, self.client, self._ensure)
+        return self._flight
+
+    @property
+    def launches(self) -> int:
+        return self._flight.launches if self._flight else 0
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _state(self, svc: ServiceConfig) -> _State:
+        st = self._states.get(svc.name)
+        if st is None:
+            st = self._states[svc.name] = _State(in_use(svc.name, config=self.conf))
+        return st
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ------------------------------------------------------------------ requests
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        reply = _Reply()
+        info: dict[str, Any] = {}
+
+        async def sender(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                reply.started = True
+                reply.status = message["status"]
+            else:
+                reply.sent_bytes += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self._route(scope, receive, sender, reply, info)
+        except Refusal as r:
+            await self._refuse(sender, reply, r)
+        finally:
+            svc = info.get("service")
+            if svc is not None:
+                self.metrics.requests[(svc, reply.status)] += 1
+            if self.settings.access_log:
+                client = scope.get("client") or ("-", 0)
+                access.info(
+                    '%s:%s "%s %s" %s service=%s model=%s %.1fms wait=%.2fs%s',
+                    client[0],
+                    client[1],
+                    scope["method"],
+                    scope["path"],
+                    reply.status or "-",
+                    svc or "-",
+                    info.get("model") or "-",
+                    (time.perf_counter() - t0) * 1000,
+                    info.get("waited", 0.0),
+                    " client-gone" if info.get("gone") else "",
+                )
+
+    async def _route(
+        self, scope: Scope, receive: Receive, send: Send, reply: _Reply, info: dict[str, Any]
+    ) -> None:
+        method: str = scope["method"]
+        path: str = scope["path"]
+        if path == "/healthz":
+            await _send_json(send, 200, {"ok": True, "version": __version__})
+            return
+        if not self._authorized(scope):
+            raise Refusal(
+                401,
+                "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key "
+                "from the proxy's api_keys_file or api_keys_env",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
+        if path == "/metrics" and method in ("GET", "HEAD"):
+            body = self.metrics.render(sorted(self.routes.by_name)).encode()
+            await _send(send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+            return
+        if path == "/v1/models" and method in ("GET", "HEAD"):
+            await _send(send, 200, self._models_body, b"application/json")
+            return
+        if path.startswith("/v1/models/") and method in ("GET", "HEAD"):
+            await self._model_card(scope, send, path[len("/v1/models/") :], info)
+            return
+        if path.startswith(SERVICES_PREFIX):
+            name, _, rest = path[len(SERVICES_PREFIX) :].partition("/")
+            up = self.routes.by_name.get(name)
+            if up is None:
+                raise Refusal(
+                    404,
+                    f"no service {name!r} behind this proxy",
+                    "invalid_request_error",
+                    "service_not_found",
+                )
+            info["service"] = name
+            body = await self._body(scope, receive)
+            stream = _wants_stream(scope, body)
+            await self._serve(
+                _Call(scope, receive, send, reply, info, up, "/" + rest, body, stream)
+            )
+            return
+        if path in MODEL_IN_BODY:
+            if method != "POST":
+                raise Refusal(
+                    405, f"{path} takes POST", "invalid_request_error", "method_not_allowed"
+                )
+            body = await self._body(scope, receive)
+            model, stream = self._model_of(scope, body)
+            info["model"] = model
+            if model is None:
+                raise Refusal(
+                    400,
+                    "the request names no model ('model' in the JSON body or form)",
+                    "invalid_request_error",
+                    "model_missing",
+                )
+            up = self.routes.by_model.get(model)
+            if up is None:
+                raise Refusal(
+                    404,
+                    f"The model `{model}` does not exist behind this proxy; GET /v1/models "
+                    "lists the configured ones",
+                    "invalid_request_error",
+                    "model_not_found",
+                )
+            info["service"] = up.service.name
+            await self._serve(_Call(scope, receive, send, reply, info, up, path, body, stream))
+            return
+        raise Refusal(
+            404,
+            f"no route for {method} {path}; models route by their 'model', other paths "
+            "go under /services/<name>/",
+            "invalid_request_error",
+            "not_found",
+        )
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self._keys:
+            return True
+        got = b""
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                got = bytes(v)
+                break
+        scheme, _, key = got.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        key = key.strip()
+        ok = False
+        for k in self._keys:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(key, k)
+        return ok
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    raise Refusal(
+                        400, "bad Content-Length", "invalid_request_error", "bad_request"
+                    ) from None
+                if declared > limit:
+                    raise Refusal(
+                        413,
+                        f"request body over {limit} bytes (the proxy's max_body)",
+                        "invalid_request_error",
+                        "request_too_large",
+                    )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise Refusal(400, "the client went away", "invalid_request_error", "gone")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise Refusal(
+                    413,
+                    f"request body over {limit} bytes (the proxy's max_body)",
+                    "invalid_request_error",
+                    "request_too_large",
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _model_of(self, scope: Scope, body: bytes) -> tuple[str | None, bool]:
+        ctype = _header(scope, b"content-type").decode("latin-1")
+        boundary = multipart_boundary(ctype)
+        if boundary is not None:
+            model = form_field(body, boundary, "model")
+            stream = form_field(body, boundary, "stream")
+            return model, stream == "true"
+        return model_from_json(body)
+
+    @staticmethod
+    def _card(model: str, up: Upstream) -> dict[str, Any]:
+        return {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": f"gpuctl:{up.service.name}",
+        }
+
+    async def _model_card(self, scope: Scope, send: Send, model: str, info: dict[str, Any]) -> None:
+        up = self.routes.by_model.get(model)
+        if up is None:
+            raise Refusal(
+                404,
+                f"The model `{model}` does not exist behind this proxy",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        info["service"], info["model"] = up.service.name, model
+        # The server's own card when it answers now; never a start for a metadata read.
+        try:
+            r = await self.client.get(f"{up.origin}/v1/models/{model}", timeout=2.0)
+            if r.status_code == 200:
+                await _send(send, 200, r.content, b"application/json")
+                return
+        except httpx.HTTPError:
+            pass
+        await _send_json(send, 200, self._card(model, up))
+
+    # ------------------------------------------------------------------ one request
+
+    async def _serve(self, call: _Call) -> None:
+        svc = call.up.service
+        st = self._state(svc)
+        if svc.max_concurrent is not None and st.in_flight >= svc.max_concurrent:
+            raise Refusal(
+                429,
+                f"{svc.name} has {st.in_flight} requests in flight, its max_concurrent",
+                "rate_limit_error",
+                "max_concurrent",
+                retry_s=1,
+            )
+        st.in_flight += 1
+        self.metrics.in_flight[svc.name] += 1
+        entered = False
+        try:
+            await st.use.__aenter__()  # counts in the store on this process's 0 -> 1
+            entered = True
+            attempts = 2  # a refused connection once: the server went, start it again
+            while True:
+                if not st.ready:
+                    await self._wait_ready(call, st)
+                try:
+                    await self._forward(call)
+                    return
+                except httpx.ConnectError as e:
+                    attempts -= 1
+                    st.ready = False
+                    if attempts == 0:
+                        raise Refusal(
+                            502,
+                            f"{svc.name}'s server at {call.up.origin} refused the connection: {e}",
+                            "upstream_error",
+                            "upstream_refused",
+                        ) from None
+        finally:
+            st.in_flight -= 1
+            self.metrics.in_flight[svc.name] -= 1
+            if st.in_flight == 0:
+                st.ready = False  # reclaim may act from now on: look again next time
+            if entered:
+                await st.use.__aexit__(None, None, None)
+
+    async def _wait_ready(self, call: _Call, st: _State) -> None:
+        svc, reply, info, send = call.up.service, call.reply, call.info, call.send
+        t0 = time.monotonic()
+        task = self.flight.get(svc)
+        limit = svc.queue_timeout_s if svc.queue_timeout_s is not None else svc.health_timeout_s
+        deadline = t0 + limit
+        keepalive = call.stream and self.settings.sse_keepalive
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                info["waited"] = time.monotonic() - t0
+                self.metrics.waited(svc.name, info["waited"])
+                raise Refusal(
+                    503,
+                    f"{svc.name} is not ready after {limit:g}s (its queue_timeout); "
+                    f"it may still be loading: {self.flight.loading_text(svc.name)}",
+                    "service_unavailable",
+                    "model_loading",
+                    retry_s=self.settings.retry_after_s,
+                )
+            step = remaining
+            if keepalive:
+                step = min(
+                    step,
+                    self.settings.sse_interval_s if reply.sse else FIRST_COMMENT_DELAY_S,
+                )
+            done, _ = await asyncio.wait({task}, timeout=step)
+            if done:
+                break
+            if keepalive:
+                if not reply.sse:
+                    reply.sse = True
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 200,
+                            "headers": [
+                                (b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"),
+                            ],
+                        }
+                    )
+                comment = f": {self.flight.loading_text(svc.name)}\n\n".encode()
+                await send({"type": "http.response.body", "body": comment, "more_body": True})
+        result = task.result()
+        waited = time.monotonic() - t0
+        info["waited"] = info.get("waited", 0.0) + waited
+        self.metrics.waited(svc.name, waited)
+        if result.cold:
+            self.metrics.cold_starts[svc.name] += 1
+        if result.ok:
+            st.ready = True
+            return
+        raise self._refusal_for(svc, result)
+
+    def _refusal_for(self, svc: ServiceConfig, r: Readiness) -> Refusal:
+        text = r.reason + (f" ({r.hint})" if r.hint else "")
+        later = self.settings.retry_after_s
+        if r.outcome == "busy":
+            return Refusal(503, text, "service_unavailable", "gpu_busy", retry_s=later)
+        if r.outcome == "unknown":
+            return Refusal(503, text, "service_unavailable", "gpu_unknown", retry_s=later)
+        if r.outcome == "timeout":
+            return Refusal(503, text, "service_unavailable", "model_loading", retry_s=later)
+        if r.outcome == "failed":
+            return Refusal(502, text, "upstream_error", "start_failed")
+        return Refusal(503, text, "service_unavailable", r.outcome, retry_s=later)
+
+    async def _forward(self, call: _Call) -> None:
+        svc, scope = call.up.service, call.scope
+        url = call.up.origin + call.path
+        qs = scope.get("query_string") or b""
+        if qs:
+            url += "?" + qs.decode("latin-1")
+        headers = [
+            (k, v)
+            for k, v in scope["headers"]
+            if k not in _HOP and (k != b"authorization" or self.settings.pass_authorization)
+        ]
+        request = self.client.build_request(
+            scope["method"], url, headers=headers, content=call.body
+        )
+        t0 = time.perf_counter()
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.ConnectError:
+            raise
+        except httpx.TimeoutException as e:
+            raise Refusal(
+                504,
+                f"{svc.name}'s server did not answer in time: {type(e).__name__}",
+                "upstream_error",
+                "upstream_timeout",
+            ) from None
+        except httpx.HTTPError as e:
+            raise Refusal(
+                502,
+                f"{svc.name}'s server failed: {type(e).__name__}: {e}",
+                "upstream_error",
+                "upstream_error",
+            ) from None
+        self.metrics.upstream(svc.name, time.perf_counter() - t0)
+        try:
+            await self._relay(call, resp)
+        finally:
+            await resp.aclose()
+
+    async def _relay(self, call: _Call, resp: httpx.Response) -> None:
+        svc, send, reply = call.up.service, call.send, call.reply
+        ctype = resp.headers.get("content-type", "")
+        sse = ctype.startswith("text/event-stream")
+        if reply.sse:
+            # We opened the stream (and said 200) while it loaded: the upstream's status
+            # line has nowhere to go, so a refusal becomes the stream's error event.
+            if resp.status_code != 200:
+                text = (await resp.aread())[:2000].decode("utf-8", "replace")
+                await self._end_with_error(
+                    send,
+                    f"{svc.name} answered {resp.status_code}: {text}",
+                    "upstream_error",
+                    "upstream_status",
+                )
+                return
+        else:
+            headers = [
+                (k.encode("latin-1"), v.encode("latin-1"))
+                for k, v in resp.headers.multi_items()
+                if k not in _HOP_STR
+            ]
+            length = resp.headers.get("content-length")
+            if length is not None and not sse:
+                content = await resp.aread()
+                headers.append((b"content-length", str(len(content)).encode()))
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": headers})  # fmt: skip
+                await send({"type": "http.response.body", "body": content})
+                return
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": headers})  # fmt: skip
+        await self._pump(call, resp, sse)
+
+    async def _pump(self, call: _Call, resp: httpx.Response, sse: bool) -> None:
+        """Chunks as they arrive, until the upstream ends or the client goes."""
+
+        svc, send, receive, info = call.up.service, call.send, call.receive, call.info
+
+        async def copy() -> None:
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        pump = asyncio.create_task(copy())
+        watch = asyncio.create_task(client_gone())
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not pump.done():
+                # The client went away (or we are shut down): stop reading; closing the
+                # response (the caller's finally) closes the upstream connection, which
+                # is how an OpenAI-compatible server learns to abort the request.
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pump
+                if watch.done():
+                    info["gone"] = True
+                    self.cancelled_upstream += 1
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watch
+        if info.get("gone"):
+            return
+        err = pump.exception()
+        if err is None:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if isinstance(err, httpx.HTTPError) and sse:
+            log.warning("%s: the upstream stream failed: %s", svc.name, err)
+            await self._end_with_error(
+                send,
+                f"{svc.name}'s server failed mid-stream: {type(err).__name__}: {err}",
+                "upstream_error",
+                "upstream_failed",
+            )
+            return
+        raise err  # not SSE: let uvicorn cut the connection, so the truncation shows
+
+    async def _end_with_error(self, send: Send, message: str, kind: str, code: str) -> None:
+        await send(
+            {
+                "type": "http.response.body",
+                "body": sse_error_event(message, kind, code),
+                "more_body": False,
+            }
+        )
+
+    async def _refuse(self, send: Send, reply: _Reply, r: Refusal) -> None:
+        if reply.sse:
+            await self._end_with_error(send, r.message, r.kind, r.code)
+            return
+        if reply.started:
+            return  # the answer is under way; nothing sound can be added
+        headers = [_JSON]
+        if r.retry_s is not None:
+            headers.append((b"retry-after", retry_after(r.retry_s)))
+        body = error_body(r.message, r.kind, r.code)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": r.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> bytes:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v)
+    return b""
+
+
+def _wants_stream(scope: Scope, body: bytes) -> bool:
+    if b"text/event-stream" in _header(scope, b"accept"):
+        return True
+    if body[:1] == b"{" and b'"stream"' in body:
+        return model_from_json(body)[1]
+    return False
+
+
+async def _send(send: Send, status: int, body: bytes, ctype: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(send: Send, status: int, obj: Any) -> None:
+    await _send(send, status, json.dumps(obj, separators=(",", ":")).encode(), b"application/json")

@@ -1,0 +1,28 @@
+"""Refusals in OpenAI's JSON error shape, so OpenAI clients raise their usual errors.
+
+::
+
+    {"error": {"message": "...", "type": "...", "param": null, "code": "..."}}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def error_body(message: str, kind: str, code: str, *, holder: str | None = None) -> bytes:
+    err: dict[str, Any] = {"message": message, "type": kind, "param": None, "code": code}
+    if holder:
+        err["gpuctl_holder"] = holder
+    return json.dumps({"error": err}, separators=(",", ":")).encode()
+
+
+def retry_after(seconds: float) -> bytes:
+    return str(max(1, math.ceil(seconds))).encode()
+
+
+def sse_error_event(message: str, kind: str, code: str) -> bytes:
+    """The event that ends a stream the upstream (or the start) failed."""
+    return b"data: " + error_body(message, kind, code) + b"\n\n"

@@ -1,0 +1,138 @@
+"""Making a service ready for the proxy: one check or start per service at a time.
+
+Requests for a service that is not known to be ready join one asyncio task per service
+(single flight in this process); the task asks the server's health URL, and only when
+that fails runs the CLI's own ensure flow (``gpuctl.flows.ensure``) in a worker thread.
+Across proxy processes (and ``gpuctl ensure`` callers) the store's lease already
+serialises starts: only the lease holder launches, the others wait for its server.
+
+A service is trusted as ready only while the proxy has requests in flight on it (the
+store's in-flight count keeps reclaim off it meanwhile). When its last request ends it
+is checked again on the next one, since reclaim or ``gpuctl stop`` may act in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from gpuctl.config import Config, ServiceConfig
+from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.flows.results import EnsureResult, Outcome, Progress
+
+log = logging.getLogger("gpuctl.proxy")
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """How one check or start ended: ``ok`` means forward the request."""
+
+    ok: bool
+    outcome: str  # an Outcome value
+    reason: str
+    hint: str = ""
+    launched: bool = False
+    cold: bool = False  # it went through the ensure flow: the server was not answering
+
+
+def has_fast_path(svc: ServiceConfig) -> bool:
+    """A health URL whose 200 means ready: not an Ollama model (``/api/ps`` tells), and
+    not a vLLM in sleep mode (it answers ``/health`` asleep)."""
+    return bool(svc.health) and svc.stop != "sleep" and svc.launcher != "ollama"
+
+
+def run_ensure(
+    conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
+) -> Readiness:
+    """The CLI's ensure flow, blocking (call it in a worker thread)."""
+    from gpuctl.flows.ensure import ensure
+    from gpuctl.flows.wiring import deps_for
+
+    try:
+        deps = deps_for(conf, name, entry="proxy", progress=progress)
+    except GpuctlError as e:
+        out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
+        return Readiness(False, out.value, e.message, e.hint or "", cold=True)
+    try:
+        r: EnsureResult = ensure(deps, timeout_s=timeout_s, wait=True)
+    except GpuctlError as e:
+        out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
+        return Readiness(False, out.value, e.message, e.hint or "", cold=True)
+    finally:
+        deps.close()
+    ok = r.outcome is Outcome.READY
+    return Readiness(ok, r.outcome.value, r.reason, r.hint, r.launched, cold=True)
+
+
+class SingleFlight:
+    """One readiness task per service; every request for it awaits the same one."""
+
+    def __init__(
+        self,
+        conf: Config,
+        client: httpx.AsyncClient,
+        ensure: Callable[[Config, str, float, Callable[[Progress], None]], Readiness] = run_ensure,
+    ) -> None:
+        self.conf = conf
+        self.client = client
+        self.ensure = ensure
+        self.tasks: dict[str, asyncio.Task[Readiness]] = {}
+        self.progress: dict[str, tuple[float, Progress | None]] = {}
+        self.launches = 0  # starts this proxy's ensure launched (for tests and metrics)
+
+    def get(self, svc: ServiceConfig) -> asyncio.Task[Readiness]:
+        """The service's task under way, or a new one."""
+        task = self.tasks.get(svc.name)
+        if task is None:
+            task = asyncio.create_task(self._run(svc), name=f"gpuctl-proxy-ready-{svc.name}")
+            self.tasks[svc.name] = task
+            name = svc.name
+            task.add_done_callback(lambda t: self._done(name, t))
+        return task
+
+    def _done(self, name: str, task: asyncio.Task[Readiness]) -> None:
+        if self.tasks.get(name) is task:
+            del self.tasks[name]
+        self.progress.pop(name, None)
+        if not task.cancelled() and task.exception() is None and task.result().launched:
+            self.launches += 1
+
+    def loading_text(self, name: str) -> str:
+        """``loading 2m10s of ~5m40s``: how long this start has run (and is expected to)."""
+        from gpuctl.core.units import format_duration
+
+        started, p = self.progress.get(name, (time.monotonic(), None))
+        elapsed = time.monotonic() - started
+        text = f"loading {format_duration(elapsed)}"
+        if p is not None and p.expected_s:
+            text += f" of ~{format_duration(p.expected_s)}"
+        return text
+
+    async def _run(self, svc: ServiceConfig) -> Readiness:
+        if has_fast_path(svc):
+            assert svc.health is not None
+            try:
+                r = await self.client.get(svc.health, timeout=HEALTH_TIMEOUT_S)
+                if r.status_code == 200:
+                    return Readiness(True, Outcome.READY.value, "answers its health check")
+            except httpx.HTTPError:
+                pass
+        self.progress[svc.name] = (time.monotonic(), None)
+
+        def progress(p: Progress) -> None:  # from the worker thread: one assignment
+            self.progress[svc.name] = (self.progress.get(svc.name, (time.monotonic(),))[0], p)
+
+        try:
+            return await asyncio.to_thread(
+                self.ensure, self.conf, svc.name, svc.health_timeout_s, progress
+            )
+        except Exception as e:  # a bug must not leave every waiter hanging
+            log.exception("ensure of %s failed", svc.name)
+            return Readiness(False, Outcome.FAILED.value, f"ensure failed: {e}", cold=True)

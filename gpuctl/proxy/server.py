@@ -1,0 +1,132 @@
+"""Run the proxy: check the listen address and keys, bind, serve with uvicorn.
+
+The listen address is parsed and bound as the agent does it (``gpuctl.agent.server``):
+a busy port is a one-line error with a hint, not uvicorn's bare exit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from gpuctl.config import Config
+from gpuctl.errors import GpuctlError, UsageError
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _setup_logging(log_level: str, access_log: bool) -> None:
+    logger = logging.getLogger("gpuctl.proxy")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("gpuctl proxy: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(log_level.upper())
+    # The access log is INFO by design: one line per request unless access_log = false.
+    logging.getLogger("gpuctl.proxy.access").setLevel(
+        logging.INFO if access_log else logging.WARNING
+    )
+    gpuctl = logging.getLogger("gpuctl")
+    if not gpuctl.handlers:  # in_use's warnings (a store it cannot reach)
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        gpuctl.addHandler(h)
+
+
+def serve(
+    conf: Config, *, listen: str | None = None, host: str | None = None, log_level: str = "warning"
+) -> None:
+    """Serve until SIGTERM / Ctrl-C.
+
+    Raises:
+        UsageError: a bad or busy listen address; no keys off loopback; an unknown host.
+        ConfigError: the keys cannot be read; two services claim one model.
+    """
+    from gpuctl.agent.server import bind_socket, resolve_listen
+    from gpuctl.proxy.app import ProxyApp, ProxySettings
+    from gpuctl.proxy.routes import RouteTable
+
+    p = conf.proxy
+    addr = resolve_listen(listen or p.listen)
+    keys = p.api_keys()
+    if not keys and not addr.loopback:
+        raise UsageError(
+            f"refusing to listen on {addr.text} without client keys",
+            hint="set api_keys_file or api_keys_env in [proxy], or listen on 127.0.0.1",
+        )
+    routes = RouteTable(conf, host)
+    if not routes.by_name:
+        where = f"on host {host!r}" if host else "in the config"
+        raise UsageError(
+            f"no service {where} has an HTTP server to front",
+            hint="give a service health (or url) and models = [...]",
+        )
+    settings = ProxySettings(
+        api_keys=keys,
+        max_body_bytes=p.max_body_mib * 2**20,
+        sse_keepalive=p.sse_keepalive,
+        sse_interval_s=p.sse_interval_s,
+        retry_after_s=p.retry_after_s,
+        access_log=p.access_log,
+        pass_authorization=not keys,
+    )
+    sock = bind_socket(addr)
+    try:
+        import uvicorn
+
+        _setup_logging(log_level, p.access_log)
+        app = ProxyApp(conf, routes, settings)
+        config = uvicorn.Config(
+            app,
+            http="httptools" if _importable("httptools") else "h11",
+            loop="uvloop" if _importable("uvloop") else "asyncio",
+            ws="none",
+            lifespan="on",
+            workers=1,
+            access_log=False,  # ours names the service, the model and the wait
+            server_header=False,
+            proxy_headers=False,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            backlog=2048,
+        )
+        models = len(routes.by_model)
+        auth = f"{len(keys)} client keys" if keys else "no keys: loopback only"
+        banner = (
+            f"gpuctl proxy: listening on {addr.url(sock.getsockname()[1])} "
+            f"({len(routes.by_name)} services, {models} models, {auth})"
+        )
+
+        class _Server(uvicorn.Server):
+            async def startup(self, sockets: list[Any] | None = None) -> None:
+                await super().startup(sockets=sockets)
+                if self.started:
+                    print(banner, file=sys.stderr, flush=True)
+
+        server = _Server(config)
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            server.should_exit = True  # as the agent: exit 0 after a graceful shutdown
+
+        in_main = threading.current_thread() is threading.main_thread()
+        previous: Any = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+        try:
+            server.run(sockets=[sock])
+        except SystemExit as err:
+            raise GpuctlError(
+                f"the proxy failed to start on {addr.text} (exit status {err.code})",
+                hint="see the messages above; run with --log-level debug for more",
+            ) from None
+        finally:
+            if in_main and previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+    finally:
+        sock.close()

@@ -1,0 +1,413 @@
+"""``gpuctl proxy`` end to end: the real proxy process in front of simulated model servers
+that the process launcher starts, on a simulated GPU host with its agent, driven by the
+official ``openai`` client (sync and async) and by raw HTTP where the wire matters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gpuctl.adapters.store import DirectStore
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import (
+    cli_env,
+    launches_in_log,
+    model_server_command,
+    service_toml,
+    sim_claims,
+    unique_name,
+)
+from tests.proxy_helpers import Proxy, sim_metric
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def svc(name: str, port: int, *, memory: str = "20GiB", load: str = "2s", extra: str = "") -> str:
+    toml = service_toml(
+        name,
+        port,
+        model_server_command(name, port, memory, load),
+        extra=f'models = ["{name}", "{name}-alias"]\n{extra}',
+    )
+    return toml.replace('memory = "20GiB"', f'memory = "{memory}"')
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[SimHost]:
+    with SimHost(gpu_memory="100GiB", root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+
+
+def server_log(host: SimHost, name: str) -> Path:
+    """Where the process launcher logs ``name``'s server (each start marked)."""
+    logs = list(host.state_dir.rglob(f"{name}*.log"))
+    assert logs, f"no log for {name} under {host.state_dir}"
+    return logs[0]
+
+
+def inflight(host: SimHost) -> dict[str, int]:
+    return DirectStore(host.state_dir).inflight()
+
+
+def wait_until(what: str, pred: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------- the openai client
+
+
+def test_openai_clients_sync_and_async_streaming_and_not_through_a_cold_start(
+    host: SimHost,
+) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port)))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+
+    models = {m.id: m.owned_by for m in client.models.list()}  # listed while stopped
+    assert models == {name: f"gpuctl:{name}", f"{name}-alias": f"gpuctl:{name}"}
+    assert sim_claims(host, name) == []
+
+    reply = client.chat.completions.create(model=name, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
+    assert len(sim_claims(host, name)) == 1
+
+    stream = client.chat.completions.create(
+        model=name,
+        messages=MSG,  # type: ignore[arg-type]
+        stream=True,
+        max_tokens=7,
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([p for p in pieces if p]) == 7
+
+    async def async_side() -> tuple[str, int]:
+        aclient = openai.AsyncOpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+        r = await aclient.chat.completions.create(model=name, messages=MSG)  # type: ignore[arg-type]
+        s = await aclient.chat.completions.create(
+            model=name,
+            messages=MSG,  # type: ignore[arg-type]
+            stream=True,
+            max_tokens=5,
+        )
+        n = 0
+        async for c in s:
+            n += bool(c.choices and c.choices[0].delta.content)
+        await aclient.close()
+        return r.choices[0].message.content or "", n
+
+    content, n = asyncio.run(async_side())
+    assert "simulated reply" in content and n == 5
+    assert launches_in_log(server_log(host, name)) == 1
+    assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 1
+    assert f'"POST /v1/chat/completions" 200 service={name} model={name}' in proxy.log()
+
+
+def test_cold_start_under_load_32_requests_one_launch_all_answered(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port, load="3s")))
+
+    async def many() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=120)
+        try:
+            replies = await asyncio.gather(
+                *(
+                    aclient.chat.completions.create(model=name, messages=MSG)  # type: ignore[arg-type]
+                    for _ in range(32)
+                )
+            )
+        finally:
+            await aclient.close()
+        return [r.choices[0].message.content or "" for r in replies]
+
+    answers = asyncio.run(many())
+    assert len(answers) == 32 and all("simulated reply" in a for a in answers)
+    assert launches_in_log(server_log(host, name)) == 1
+    assert len(sim_claims(host, name)) == 1
+    assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 32
+
+
+def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: SimHost) -> None:
+    a, b = unique_name("pxa"), unique_name("pxb")
+    pa, pb = free_port(), free_port()
+    conf = host.write_config(svc(a, pa, memory="80GiB") + svc(b, pb, memory="80GiB"))
+    proxy = Proxy(host, conf)
+    body = {"model": a, "messages": MSG}
+    assert httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=60).status_code == 200
+
+    r = httpx.post(proxy.v1 + "/chat/completions", json={**body, "model": b}, timeout=60)
+    assert r.status_code == 503
+    assert int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["code"] == "gpu_busy" and err["type"] == "service_unavailable"
+    assert a in err["message"], err  # who holds the GPU
+    assert sim_claims(host, b) == []
+
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model=b, messages=MSG)  # type: ignore[arg-type]
+    assert caught.value.status_code == 503
+
+
+# --------------------------------------------------------------------- streams and use
+
+
+def _stream_in_thread(url: str, model: str, tokens: int) -> tuple[threading.Thread, list[str]]:
+    got: list[str] = []
+
+    def run() -> None:
+        body = {"model": model, "messages": MSG, "stream": True, "max_tokens": tokens}
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError as e:  # the proxy killed under it
+            got.append(f"error: {type(e).__name__}")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+def test_reclaim_never_cuts_a_stream_and_stops_the_server_once_idle(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, extra='idle_timeout = "1s"'))
+    proxy = Proxy(host, conf)
+    # 250 tokens at 20 ms: a stream of about 5 s, long past the idle timeout.
+    t, got = _stream_in_thread(proxy.url, name, 250)
+    wait_until("the stream to flow", lambda: len(got) > 4)
+    assert inflight(host) == {name: 1}
+    time.sleep(1.5)  # past idle_timeout since the request began
+    r = subprocess.run(
+        [gpuctl_exe(), "reclaim", "--json"], env=cli_env(conf), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    t.join(60)
+    assert got[-2:] == ["data: [DONE]", ""] or got[-1] == "data: [DONE]", got[-3:]
+    assert len(sim_claims(host, name)) == 1  # never stopped under the stream
+    assert inflight(host) == {}  # the request ended: its count is off
+
+    time.sleep(1.5)
+    r = subprocess.run(
+        [gpuctl_exe(), "reclaim"], env=cli_env(conf), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    wait_until("the idle server to stop", lambda: sim_claims(host, name) == [])
+
+
+def test_kill_9_of_the_proxy_mid_stream_leaves_no_count_and_reclaim_stops_it(
+    host: SimHost,
+) -> None:
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, extra='idle_timeout = "1s"'))
+    proxy = Proxy(host, conf)
+    _t, got = _stream_in_thread(proxy.url, name, 2000)
+    wait_until("the stream to flow", lambda: len(got) > 4)
+    entries = list((host.state_dir / "inflight" / name).glob("*.json"))
+    assert len(entries) == 1 and inflight(host) == {name: 1}
+    assert json.loads(entries[0].read_text())["pid"] == proxy.proc.pid
+
+    os.killpg(proxy.proc.pid, signal.SIGKILL)
+    proxy.proc.wait(10)
+    assert inflight(host) == {}  # tied to the dead proxy's pid and boot id: counts for nothing
+    time.sleep(1.2)
+    r = subprocess.run(
+        [gpuctl_exe(), "reclaim"], env=cli_env(conf), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    wait_until("the idle server to stop", lambda: sim_claims(host, name) == [])
+
+
+def test_a_client_that_disconnects_cancels_the_upstream_request(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port)))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    client.chat.completions.create(model=name, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
+    assert sim_metric(port, "gpuctl_sim_requests_cancelled_total") == 0
+
+    stream = client.chat.completions.create(
+        model=name,
+        messages=MSG,  # type: ignore[arg-type]
+        stream=True,
+        max_tokens=5000,
+    )
+    seen = 0
+    for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 3:
+            break
+    stream.close()  # the client goes away mid-answer
+    wait_until(
+        "the upstream to see the cancellation",
+        lambda: sim_metric(port, "gpuctl_sim_requests_cancelled_total") == 1,
+    )
+    wait_until("the server to have nothing running",
+               lambda: sim_metric(port, "vllm:num_requests_running") == 0)  # fmt: skip
+    wait_until("the count to come off", lambda: inflight(host) == {})
+    assert "client-gone" in proxy.log()
+
+
+def test_loading_comments_while_a_stream_waits_then_the_answer(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, load="4s"))
+    text = conf.read_text() + '\n[proxy]\nsse_interval = "500ms"\n'
+    conf.write_text(text)
+    proxy = Proxy(host, conf)
+    body = {"model": name, "messages": MSG, "stream": True, "max_tokens": 3}
+    lines = []
+    with httpx.stream("POST", proxy.v1 + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    comments = [line for line in lines if line.startswith(":")]
+    assert comments and all(c.startswith(": loading ") for c in comments), lines[:5]
+    data = [line for line in lines if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and len(data) == 1 + 3 + 1 + 1
+
+
+def test_upstream_failing_mid_stream_ends_with_an_error_event(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port)))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    client.chat.completions.create(model=name, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(
+        model=name,
+        messages=MSG,  # type: ignore[arg-type]
+        stream=True,
+        max_tokens=5000,
+    )
+    with pytest.raises(openai.APIError) as caught:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                for pid in sim_claims(host, name):
+                    os.kill(pid, signal.SIGKILL)
+    assert "failed mid-stream" in str(caught.value)
+
+
+# --------------------------------------------------------------------- refusals and routing
+
+
+def test_refusals_in_openai_shape_and_passthrough(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    dead = free_port()  # nothing listens there
+    extra = f'[services.{name}x]\nurl = "http://127.0.0.1:{dead}"\nhealth = "http://127.0.0.1:{port}/health"\nmodels = ["refused"]\nmemory = "1GiB"\n'
+    conf = host.write_config(svc(name, port, extra="max_concurrent = 1") + extra)
+    conf.write_text(conf.read_text() + '\n[proxy]\nmax_body = "1MiB"\n')
+    proxy = Proxy(host, conf)
+    post = proxy.v1 + "/chat/completions"
+
+    r = httpx.post(post, json={"model": "nope", "messages": MSG})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(post, json={"messages": MSG})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_missing"
+    r = httpx.post(post, content=b"x" * (2 * 2**20), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+    # /services/<name>/... passes any path through (after starting the server).
+    r = httpx.get(f"{proxy.url}/services/{name}/metrics", timeout=60)
+    assert r.status_code == 200 and "vllm:num_requests_running" in r.text
+    # /v1/models/<id>: the server's own card when it has one (vLLM, like the sim, has
+    # only /v1/models), else ours; never a start for it.
+    r = httpx.get(f"{proxy.v1}/models/{name}")
+    assert r.status_code == 200 and r.json()["id"] == name
+    assert httpx.get(f"{proxy.v1}/models/nope").status_code == 404
+
+    # Upstream refused (its health answers, its url does not): 502.
+    r = httpx.post(post, json={"model": "refused", "messages": MSG}, timeout=60)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_refused"
+
+    # max_concurrent = 1: a second request while one streams is 429.
+    t, got = _stream_in_thread(proxy.url, name, 200)
+    wait_until("the stream to flow", lambda: len(got) > 2)
+    r = httpx.post(post, json={"model": name, "messages": MSG})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "max_concurrent"
+    assert "retry-after" in r.headers
+    t.join(60)
+
+    # whisper's multipart upload: `model` is a form field; routed to the service (whose
+    # sim has no audio endpoint: its own 404 comes back, not the proxy's).
+    r = httpx.post(
+        proxy.v1 + "/audio/transcriptions",
+        data={"model": f"{name}-alias"},
+        files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")},
+        timeout=60,
+    )
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    r = httpx.post(
+        proxy.v1 + "/audio/transcriptions",
+        data={"model": "whisper-nope"},
+        files={"file": ("model", b"x", "audio/wav")},
+    )
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert proxy.metric("gpuctl_proxy_requests_in_flight", name) == 0
+
+
+def test_client_keys_are_required_and_compared(host: SimHost, tmp_path: Path) -> None:
+    name, port = unique_name("px"), free_port()
+    keys = tmp_path / "keys"
+    keys.write_text("# proxy keys\nsk-one\nsk-two\n")
+    conf = host.write_config(svc(name, port))
+    conf.write_text(conf.read_text() + f'\n[proxy]\napi_keys_file = "{keys}"\n')
+    proxy = Proxy(host, conf)
+    assert httpx.get(proxy.v1 + "/models").status_code == 401
+    bad = httpx.get(proxy.v1 + "/models", headers={"authorization": "Bearer sk-three"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    ok = openai.OpenAI(base_url=proxy.v1, api_key="sk-two", max_retries=0)
+    assert {m.id for m in ok.models.list()} == {name, f"{name}-alias"}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=proxy.v1, api_key="sk-nope", max_retries=0).models.list()
+
+
+def test_off_loopback_without_keys_is_refused(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port))
+    r = subprocess.run(
+        [gpuctl_exe(), "proxy", "--listen", f"0.0.0.0:{free_port()}"], env=cli_env(conf),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "refusing to listen on 0.0.0.0" in r.stderr and "api_keys" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_ollama_fronted_through_its_own_v1(host: SimHost) -> None:
+    from tests.ollama_helpers import SimOllama
+
+    ollama = SimOllama(host.sim_dir, host.base, "-m", "qwen3:0.6b=2GiB", "--load-time", "1s")
+    try:
+        name = unique_name("chat")
+        conf = host.write_config(
+            f'[services.{name}]\nlauncher = "ollama"\nmodel = "qwen3:0.6b"\nmemory = "2GiB"\n'
+            f'health_timeout = "60s"\n'
+        )
+        conf.write_text(
+            conf.read_text().replace("[hosts.sim]\n", f'[hosts.sim]\nollama = "{ollama.url}"\n')
+        )
+        proxy = Proxy(host, conf)
+        client = openai.OpenAI(base_url=proxy.v1, api_key="ollama", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["qwen3:0.6b"]
+        assert ollama.ps() == {}
+        reply = client.chat.completions.create(model="qwen3:0.6b", messages=MSG)  # type: ignore[arg-type]
+        assert reply.choices[0].message.content
+        assert "qwen3:0.6b" in ollama.ps()  # loaded by gpuctl's ensure (the ollama launcher)
+        assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 1
+    finally:
+        ollama.kill()
