@@ -275,7 +275,7 @@ def test_probe_errors_are_cached_and_counted() -> None:
     assert probe.calls == 1  # a failing probe is not hammered either
     assert "gpuctl_probe_errors_total 1\n" in metrics
     assert "gpuctl_probe_up 0\n" in metrics
-    assert "gpuctl_gpu_memory_used_mib" not in metrics
+    assert "gpuctl_gpu_memory_used_bytes{" not in metrics
 
 
 @pytest.fixture
@@ -362,18 +362,20 @@ def test_metrics_text() -> None:
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     lines = r.text.splitlines()
-    assert "gpuctl_gpu_memory_used_mib 20000" in lines
-    assert "gpuctl_gpu_memory_total_mib 131072" in lines
+    # Base units, per GPU (issue 11: the _mib names are gone, no aliases).
+    gpu0 = 'gpu="0",uuid="",model=""'
+    assert f"gpuctl_gpu_memory_used_bytes{{{gpu0}}} {20000 * 2**20}" in lines
+    assert f"gpuctl_gpu_memory_total_bytes{{{gpu0}}} {131072 * 2**20}" in lines
+    assert not [x for x in lines if "_mib" in x]
     assert "gpuctl_gpu_processes 3" in lines
     assert "gpuctl_probe_errors_total 0" in lines
     assert "gpuctl_probe_up 1" in lines
-    assert (
-        'gpuctl_process_memory_mib{pid="4242",gpu="0",'
-        'command="python -m vllm.entrypoints.openai.api_server --model Qwen"} 8200'
-    ) in lines
-    assert 'gpuctl_process_memory_mib{pid="4343",gpu="0",command=""} 34' in lines
-    escaped = 'python -c \\"x\\"\\n' + "a" * (80 - len('python -c "x"\n'))
-    assert f'gpuctl_process_memory_mib{{pid="77",gpu="1",command="{escaped}"}} 512' in lines
+    # Per process: gpu, pid and service labels; never the command line (unbounded, and
+    # it may carry secrets).
+    assert f'gpuctl_process_memory_bytes{{gpu="0",pid="4242",service=""}} {8200 * 2**20}' in lines
+    assert f'gpuctl_process_memory_bytes{{gpu="0",pid="4343",service=""}} {34 * 2**20}' in lines
+    assert f'gpuctl_process_memory_bytes{{gpu="1",pid="77",service=""}} {512 * 2**20}' in lines
+    assert "command=" not in r.text
     assert 'gpuctl_agent_requests_total{path="/status"} 1' in lines
     assert 'gpuctl_agent_requests_total{path="/metrics"} 1' in lines
     assert 'gpuctl_agent_requests_total{path="other"} 1' in lines

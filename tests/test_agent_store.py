@@ -33,6 +33,10 @@ RECORD_PATHS = {
     "/records/{service}/lease/renew": {"post"},
     "/records/{service}/lease/release": {"post"},
     "/records/{service}/touch": {"post"},
+    "/records/{service}/inflight": {"post"},
+    "/records/{service}/inflight/renew": {"post"},
+    "/records/{service}/inflight/end": {"post"},
+    "/records/_inflight": {"get"},
 }
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
@@ -196,7 +200,11 @@ def test_metrics_show_phase_lease_and_idle_seconds(agent: str, state_dir: Path) 
     lines = metric_lines(agent)
     assert 'gpuctl_service_phase{service="vllm",phase="running"} 1' in lines
     assert 'gpuctl_service_phase{service="sglang",phase="stopped"} 1' in lines
-    assert len([x for x in lines if x.startswith("gpuctl_service_phase{")]) == 2
+    # A state set: one sample per phase per service, exactly one of them 1.
+    phases = [x for x in lines if x.startswith("gpuctl_service_phase{")]
+    assert len(phases) == 2 * len(Phase)
+    assert len([x for x in phases if x.endswith(" 1")]) == 2
+    assert 'gpuctl_service_phase{service="vllm",phase="stopped"} 0' in lines
     idle = sample(lines, 'gpuctl_service_idle_seconds{service="vllm"}')
     assert 0.05 <= idle < 30
     assert not [x for x in lines if x.startswith('gpuctl_service_idle_seconds{service="sglang"}')]
@@ -210,7 +218,7 @@ def test_metrics_show_phase_lease_and_idle_seconds(agent: str, state_dir: Path) 
     store.touch("vllm")
     lines = metric_lines(agent)
     assert 'gpuctl_service_phase{service="vllm",phase="sleeping"} 1' in lines
-    assert not [x for x in lines if 'service="vllm",phase="running"' in x]
+    assert 'gpuctl_service_phase{service="vllm",phase="running"} 0' in lines
     assert 'gpuctl_service_lease_held{service="vllm"} 0' in lines
     assert sample(lines, 'gpuctl_service_idle_seconds{service="vllm"}') < idle + 5
 
@@ -266,10 +274,8 @@ def test_metrics_parse_as_prometheus_text(agent: str, state_dir: Path) -> None:
     DirectStore(state_dir).touch("vllm")
     text = httpx.get(f"{agent}/metrics", headers=AUTH).text
     families = {f.name: f for f in parser.text_string_to_metric_families(text)}
-    assert families["gpuctl_service_phase"].samples[0].labels == {
-        "service": "vllm",
-        "phase": "stopped",
-    }
+    current = [s for s in families["gpuctl_service_phase"].samples if s.value == 1]
+    assert [s.labels for s in current] == [{"service": "vllm", "phase": "stopped"}]
     assert families["gpuctl_service_idle_seconds"].samples[0].value >= 0
 
 
@@ -297,9 +303,10 @@ def test_render_metrics_idle_seconds_and_numbers() -> None:
     assert not [x for x in lines if 'idle_seconds{service="b"}' in x]
     assert 'gpuctl_service_phase{service="b",phase="failed"} 1' in lines
     assert 'gpuctl_service_lease_held{service="a"} 0' in lines
-    # large figures in full, not 1.128e+06
-    assert "gpuctl_gpu_memory_used_mib 1128000" in lines
-    assert "gpuctl_gpu_memory_total_mib 1153434" in lines
+    # large figures in full, not 1.18e+12
+    gpu0 = 'gpu="0",uuid="",model=""'
+    assert f"gpuctl_gpu_memory_used_bytes{{{gpu0}}} {1_128_000 * 2**20}" in lines
+    assert f"gpuctl_gpu_memory_total_bytes{{{gpu0}}} {1_153_434 * 2**20}" in lines
 
 
 def test_status_is_unchanged_by_the_store(agent: str, state_dir: Path) -> None:

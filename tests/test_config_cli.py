@@ -310,3 +310,16 @@ def test_every_duration_and_size_option_goes_through_the_shared_parsers() -> Non
             assert qual.startswith(("duration_parser.", "size_parser.")), (path, opt, qual)
             checked += 1
     assert checked >= 12, checked
+
+
+def test_a_typo_without_hosts_is_reported_as_the_typo(cli_env: Path) -> None:
+    """Issue 11: `[host.dgx]` once read as `services.vllm.host: missing`."""
+    config_file(cli_env).write_text(
+        '[host.dgx]\nagent = "http://127.0.0.1:9"\n\n[services.vllm]\nmemory = "80GiB"\n'
+    )
+    for args in (["config", "check"], ["status"], ["ensure", "vllm"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1, (args, r.output)
+        assert r.output.startswith("gpuctl: error: host: unknown key\n"), r.output
+        assert "hint: did you mean 'hosts'?" in r.output
+        assert "services.vllm.host" not in r.output

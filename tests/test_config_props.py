@@ -20,7 +20,11 @@ from gpuctl.core.units import MAX_DURATION_S, MAX_SIZE_MIB, parse_duration_s, pa
 from gpuctl.errors import ConfigError
 
 SETTINGS = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
 )
 
 # What tomllib can hand us: every TOML type, including inf/nan floats and huge ints.

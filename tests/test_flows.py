@@ -390,3 +390,37 @@ def test_a_bystander_whose_starter_backed_off_for_a_bigger_job_is_busy(w: World)
     assert "train.py" in r.reason
     assert "ask bob" in r.hint
     assert w.launcher.started == []
+
+
+def test_locks_lists_set_aside_records_and_still_succeeds(tmp_path: Path) -> None:
+    conf = config(tmp_path, '[hosts.a]\nagent = "http://127.0.0.1:9"\n[services.x]\nhost = "a"\n')
+    store = DirectStore(tmp_path / "a")
+    store.touch("x")
+    (tmp_path / "a" / "records" / "x.json").write_text('{"schema": 1, "service": ')  # torn
+    deps = LocksDeps(
+        config=conf, hosts=list(conf.hosts.values()), store_of=lambda h: store, clock=Clock()
+    )
+    report = service_ops.locks(deps)
+    assert report.exit_code == ExitCode.OK and report.ok
+    ((host, kept),) = report.set_aside
+    assert host == "a" and kept.service == "x" and kept.file.startswith("x.json.corrupt-")
+    (_, rec, _) = report.rows[0]
+    assert rec is not None and kept.file in (rec.recovered or "")
+    again = service_ops.locks(deps)  # still listed while the copy is kept
+    assert [a.file for _, a in again.set_aside] == [kept.file]
+
+
+def test_the_bar_counts_an_orphaned_start_as_the_decisions_do(tmp_path: Path) -> None:
+    """A caller killed between admission and recording its server leaves a `starting`
+    record with no lease and no handle: rivals count it at its budget, so the bar does."""
+    clock = Clock()
+    store = DirectStore(tmp_path / "a", clock=clock)
+    h = holder_here("killed-caller")
+    store.acquire("vllm_a", h, 600)
+    store.update("vllm_a", h.id, {"phase": "starting"})
+    store.release("vllm_a", h.id)  # the caller died: its lease is gone, no handle
+    deps = _status_deps(tmp_path, {"a": Agent()}, {"a": store})
+    deps.clock = clock
+    (host,) = status(deps).hosts
+    (m,) = host.memory
+    assert m.promised_mib == 80 * GIB

@@ -105,10 +105,11 @@ def test_hostile_entry_files_count_for_nothing(store: DirectStore, content: byte
 
 
 def test_bad_holder_ids_are_refused(store: DirectStore) -> None:
-    from gpuctl.errors import StoreError
+    from gpuctl.errors import UsageError
 
-    with pytest.raises(StoreError, match="holder id"):
-        store.inflight_end("llm", "../../records/llm")
+    for bad in ("../../records/llm", "", "a" * 65, "ünïcode"):
+        with pytest.raises(UsageError, match="holder id"):
+            store.inflight_end("llm", bad)
 
 
 # ---------------------------------------------------------------------------- via the agent

@@ -67,6 +67,7 @@ def test_ensure_loads_the_model_once_status_shows_it_and_stop_unloads_it(
     st = json.loads(gpuctl(config, "status", "--json").stdout)
     (svc,) = st["services"]
     assert svc["decision"] == "READY"
+    assert svc["memory_mib"] == 20 * GIB  # from /api/ps: Ollama's model has no process
 
     stop = gpuctl(config, "stop", "qwen")
     assert stop.returncode == 0, stop.stderr

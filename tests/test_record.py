@@ -5,13 +5,27 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from gpuctl.adapters.store.codec import RecordError, decode_record
+from gpuctl.adapters.store.codec import (
+    MAX_RECORD_BYTES,
+    RecordError,
+    check_record,
+    decode_holder,
+    decode_record,
+    decode_set_aside,
+    encode_record,
+    parse_record,
+)
 from gpuctl.core.record import (
     BACKOFF_MAX_S,
+    ERROR_MAX,
+    LOG_TAIL_MAX,
     MAX_ATTEMPTS_KEPT,
     RECORD_SCHEMA,
     Failure,
@@ -320,3 +334,346 @@ def test_a_lease_needs_every_field() -> None:
         del d[key]
         with pytest.raises(RecordError, match=re.escape(f"at $.lease.{key}: missing")):
             decode_record({"service": "vllm", "lease": d})
+
+
+# --------------------------------------------------------------------------- the schema
+
+FIXTURES = Path(__file__).parent / "fixtures" / "records"
+
+
+def test_records_written_by_the_previous_release_still_load() -> None:
+    """Records on disk survive the upgrade: every fixture (written by 0.1.0's store
+    before records were validated) passes the schema, and says what it said then."""
+    files = sorted(FIXTURES.glob("*.json"))
+    assert len(files) == 7
+    got = {p.stem: parse_record(p.read_bytes()) for p in files}
+    assert {k: r.phase.value for k, r in got.items()} == {
+        "_admission": "stopped",
+        "comfy": "stopped",
+        "notebook": "stopped",
+        "sglang": "starting",
+        "vllm-docker": "running",
+        "vllm-jupyter": "starting",
+        "whisper": "failed",
+    }
+    docker = got["vllm-docker"]
+    assert docker.handle is not None
+    assert docker.handle["kind"] == "docker"
+    assert docker.handle["container_name"] == "gpuctl-vllm-docker"
+    assert docker.attempts[-1]["outcome"] == "ready"
+    jupyter = got["vllm-jupyter"]
+    assert jupyter.lease is not None
+    assert (jupyter.lease.pid, jupyter.lease.entry) == (4242, "ensure")
+    assert jupyter.handle is not None
+    assert jupyter.handle["terminal"] == "gpuctl-vllm-jupyter-1"
+    whisper = got["whisper"]
+    assert whisper.failure is not None
+    assert whisper.failure.count == 2
+    assert whisper.failure.backoff_until == whisper.failure.at + 20
+    assert "CUDA out of memory" in whisper.failure.log_tail
+    assert whisper.handle is not None
+    assert whisper.handle["kind"] == "process"
+    assert got["comfy"].handle is None
+    assert got["notebook"].last_used is not None
+    for name, rec in got.items():
+        assert rec.service == name
+        assert rec.start_nonce is None
+        assert rec.health is None
+        # and what this release writes back is what it read
+        assert parse_record(encode_record(rec).encode()) == rec
+
+
+def pid_record(pid: Any) -> dict[str, Any]:
+    return {"service": "vllm", "handle": {"kind": "process", "pid": pid}}
+
+
+@pytest.mark.parametrize(
+    ("data", "where", "fragment"),
+    [
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "pid": 2147483648}},
+            "$.lease.pid",
+            "out of range",
+        ),
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "pid": 0}},
+            "$.lease.pid",
+            "out of range",
+        ),
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "pid": -1}},
+            "$.lease.pid",
+            "out of range",
+        ),
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "pid": 4242.0}},
+            "$.lease.pid",
+            "expected an integer",
+        ),
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "pid": True}},
+            "$.lease.pid",
+            "got a boolean",
+        ),
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "pid": "4242"}},
+            "$.lease.pid",
+            "got a string",
+        ),
+        (pid_record(1 << 22 + 1), "$.handle.pid", "out of range"),
+        ({"service": "vllm", "since": float("nan")}, "$.since", "not a finite number"),
+        ({"service": "vllm", "last_used": float("inf")}, "$.last_used", "not a finite number"),
+        ({"service": "vllm", "last_used": 1e308}, "$.last_used", "out of range"),
+        ({"service": "vllm", "since": -1}, "$.since", "out of range"),
+        ({"service": "vllm", "since": True}, "$.since", "got a boolean"),
+        (
+            {"service": "vllm", "lease": {**lease().to_dict(), "expires": 1e308}},
+            "$.lease.expires",
+            "out of range",
+        ),
+        (
+            {"service": "vllm", "failure": {"at": NOW, "count": "no"}},
+            "$.failure.count",
+            "got a string",
+        ),
+        (
+            {"service": "vllm", "failure": {"at": NOW, "count": 0}},
+            "$.failure.count",
+            "out of range",
+        ),
+        (
+            {"service": "vllm", "failure": {"at": NOW, "error": "x" * 70_000}},
+            "$.failure.error",
+            "length",
+        ),
+        ({"service": "vllm", "phase": "no"}, "$.phase", "is not one of"),
+        ({"service": "vllm", "phase": 1}, "$.phase", "is not one of"),
+        ({"service": "vllm", "schema": 2}, "$.schema", "is not one of"),
+        ({"service": "vllm", "schema": True}, "$.schema", "is not one of"),
+        ({"service": "vllm", "service2": 1}, "$.service2", "unknown field"),
+        ({"service": "vllm\n"}, "$.service", "does not match"),
+        ({"service": "../etc/passwd"}, "$.service", "does not match"),
+        ({"service": "vllm", "start_nonce": "XYZ0a1b2c"}, "$.start_nonce", "does not match"),
+        ({"service": "vllm", "start_nonce": "0a1b"}, "$.start_nonce", "length"),
+        ({"service": "vllm", "health": "file:///etc/passwd"}, "$.health", "does not match"),
+        ({"service": "vllm", "health": 8000}, "$.health", "got an integer"),
+        ({"service": "vllm", "recovered": "\ud800"}, "$.recovered", "not valid Unicode"),
+        (
+            {"service": "vllm", "handle": {"kind": "process", "x": [1]}},
+            "$.handle.x",
+            "got an array",
+        ),
+        (
+            {"service": "vllm", "handle": {"kind": "process", "x": {"y": 1}}},
+            "$.handle.x",
+            "got an object",
+        ),
+        (
+            {"service": "vllm", "attempts": [{"started": "now"}]},
+            "$.attempts[0].started",
+            "got a string",
+        ),
+        ({"service": "vllm", "attempts": [{}] * 65}, "$.attempts", "at most 64"),
+    ],
+)
+def test_schema_errors_are_located(data: dict[str, Any], where: str, fragment: str) -> None:
+    with pytest.raises(RecordError) as info:
+        decode_record(data)
+    assert info.value.where == where
+    assert str(info.value).startswith(f"at {where}: ")
+    assert fragment in info.value.why
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"\xff\xfe\x00", "not UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+        (b'{"service": "vllm", "since": NaN}', "not a finite number"),
+        (b'{"service": "vllm", "since": 1e400}', "not a finite number"),
+        (b'{"service": "vllm", "since": Infinity}', "not a finite number"),
+        (b'{"service": "vllm", "lease": ' * 2000 + b"1" + b"}" * 2000, "at $: nested too deep"),
+        (b'{"service": "vllm", "lease": ' * 200 + b"1" + b"}" * 200, "at $.lease.holder: missing"),
+        (b" " * (MAX_RECORD_BYTES + 1), "bytes, at most"),
+        (b"", "not JSON"),
+    ],
+)
+def test_bytes_that_are_no_record_are_located_errors(raw: bytes, fragment: str) -> None:
+    with pytest.raises(RecordError) as info:
+        parse_record(raw)
+    assert fragment in str(info.value)
+
+
+def test_a_valid_record_round_trips_through_the_file_form() -> None:
+    rec = replace(full_record(), start_nonce="0123abcd" * 4, health="http://127.0.0.1:8000/health")
+    assert parse_record(encode_record(rec).encode()) == rec
+
+
+def test_writing_checks_the_schema_too() -> None:
+    with pytest.raises(RecordError, match=re.escape("at $.handle.pid")):
+        check_record(Record("vllm", handle={"pid": 2**31}))
+    with pytest.raises(RecordError, match=re.escape("at $.last_used")):
+        encode_record(Record("vllm", last_used=float("nan")))
+
+
+# ---- properties: whatever the bytes, a Record or a located RecordError
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+FIELD_NAMES = st.sampled_from(
+    ["service", "phase", "since", "last_used", "lease", "handle", "attempts", "failure",
+     "recovered", "schema", "start_nonce", "health", "pid", "holder", "expires", "at",
+     "count", "kind", "pid_start", "granted", "error", "log_tail"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300))
+def test_any_bytes_parse_to_a_record_or_a_located_error(raw: bytes) -> None:
+    try:
+        rec = parse_record(raw)
+    except RecordError as e:
+        assert str(e).startswith("at $")
+    else:
+        assert isinstance(rec, Record)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON)
+def test_any_json_value_decodes_to_a_record_or_a_located_error(data: Any) -> None:
+    try:
+        rec = decode_record(data)
+    except RecordError as e:
+        assert str(e).startswith("at $")
+    else:
+        check_record(rec)  # what was accepted can be written back
+
+
+def _fixture_values() -> list[dict[str, Any]]:
+    return [json.loads(p.read_bytes()) for p in sorted(FIXTURES.glob("*.json"))]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(_fixture_values()),
+    st.lists(st.tuples(FIELD_NAMES, JSON), max_size=3),
+    st.data(),
+)
+def test_real_records_with_fields_swapped_for_junk(
+    base: dict[str, Any], swaps: list[tuple[str, Any]], data: st.DataObject
+) -> None:
+    """Today's records, with fields (top level or one level down) replaced by any JSON:
+    near misses that a random value would rarely reach."""
+    doc = json.loads(json.dumps(base))
+    for key, value in swaps:
+        nested = [k for k, v in doc.items() if isinstance(v, dict)]
+        if nested and data.draw(st.booleans()):
+            doc[data.draw(st.sampled_from(nested))][key] = value
+        else:
+            doc[key] = value
+    try:
+        text = json.dumps(doc)
+    except ValueError:
+        return
+    try:
+        rec = parse_record(text.encode())
+    except RecordError as e:
+        assert str(e).startswith("at $")
+    else:
+        assert parse_record(encode_record(rec).encode()) == rec
+
+
+# --------------------------------------------------------------------------- touch
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("ready", [False, True])
+def test_a_use_only_ever_completes_a_start(phase: Phase, ready: bool) -> None:
+    """A touch sets last_used; with ``ready`` it completes starting -> running, and
+    never brings back a stopped, preempted, failed (or any other) record."""
+    before = Record("vllm", phase=phase, since=NOW - 50, failure=Failure(NOW - 60, "x"))
+    after = before.used(NOW, ready=ready)
+    assert after.last_used == NOW
+    if ready and phase is Phase.STARTING:
+        assert (after.phase, after.since, after.failure) == (Phase.RUNNING, NOW, None)
+    else:
+        assert replace(after, last_used=None) == before
+
+
+# --------------------------------------------------------------------------- updates, exactly typed
+
+
+@pytest.mark.parametrize(
+    ("update", "fragment"),
+    [
+        ({"touch": "no"}, "touch must be true or false"),
+        ({"touch": 1}, "touch must be true or false"),
+        ({"phase": 3}, "is not one of"),
+        ({"failure": {"error": 5}}, "must be strings"),
+        ({"start_nonce": 5}, "start_nonce must be a string or null"),
+        ({"health": ["http://x"]}, "health must be a string or null"),
+    ],
+)
+def test_updates_are_exactly_typed(update: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        apply_update(Record("vllm"), update, NOW)
+
+
+def test_update_sets_and_clears_the_nonce_and_the_health_url() -> None:
+    rec = apply_update(Record("vllm"), {"start_nonce": "ab12cd34", "health": "http://h:1/"}, NOW)
+    assert (rec.start_nonce, rec.health) == ("ab12cd34", "http://h:1/")
+    rec = apply_update(rec, {"start_nonce": None, "health": None}, NOW)
+    assert (rec.start_nonce, rec.health) == (None, None)
+
+
+def test_long_failure_texts_are_clipped_not_refused() -> None:
+    rec = apply_update(
+        Record("vllm"),
+        {
+            "failure": {"error": "e" * 10_000, "log_tail": "x" * 50_000 + "END"},
+            "attempt": {"error": "a" * 9000},
+        },
+        NOW,
+    )
+    assert rec.failure is not None
+    assert len(rec.failure.error) == ERROR_MAX
+    assert rec.failure.log_tail.endswith("END")
+    assert len(rec.failure.log_tail) == LOG_TAIL_MAX
+    assert len(rec.attempts[0]["error"]) == ERROR_MAX
+    check_record(rec)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(JSON, st.fixed_dictionaries({}, optional=dict.fromkeys(
+    ["id", "host", "boot_id", "pid", "pid_start", "entry"],
+    JSON | st.integers(0, 2**23) | st.text(min_size=1, max_size=8)))))  # fmt: skip
+def test_any_holder_body_is_a_holder_or_a_located_error(data: Any) -> None:
+    """The lease request's holder, as the agent reads it off the wire."""
+    try:
+        h = decode_holder(data)
+    except RecordError as e:
+        assert str(e).startswith("at $.holder")
+    else:
+        assert 1 <= h.pid <= 1 << 22
+        assert decode_holder(h.to_dict()) == h
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON)
+def test_any_set_aside_list_is_a_list_or_a_located_error(data: Any) -> None:
+    try:
+        got = decode_set_aside(data)
+    except RecordError as e:
+        assert str(e).startswith("at $.set_aside")
+    else:
+        assert decode_set_aside([a.to_dict() for a in got]) == got

@@ -398,3 +398,22 @@ def test_wide_shows_temperature_power_and_name(tmp_path: Path) -> None:
     text = _text(render_status(_two_gpus(tmp_path), wide=True), width=160)
     assert "61°C" in text and "312 W" in text and "H100" in text
     assert "?  ?" in text  # GPU 0 has neither figure: unknown, never 0
+
+
+def test_locks_json_and_text_list_set_aside_files() -> None:
+    from gpuctl.core.record import Record, SetAside
+    from gpuctl.render.locks import render_locks
+
+    kept = SetAside("x", "x.json.corrupt-1", 1_800_000_000.0, 25, "at $: not JSON")
+    old = SetAside("x", "x.json.corrupt-0", 1_700_000_000.0, 10, "at $.pid: too big")
+    rec = Record(
+        service="x", recovered="record was unreadable (at $: not JSON); kept as x.json.corrupt-1"
+    )
+    report = LocksReport([("a", rec, None)], 1_800_000_010.0, [("a", old), ("a", kept)])
+    obj = locks_to_json(report)
+    assert obj["ok"] is True
+    assert [a["file"] for a in obj["set_aside"]] == ["x.json.corrupt-0", "x.json.corrupt-1"]
+    assert obj["set_aside"][1]["at"] == "2027-01-15T08:00:00.000Z"
+    text = _text(render_locks(report), width=100)
+    assert "kept as x.json.corrupt-1" in text  # the newest, on its row's note
+    assert "kept unreadable record x.json.corrupt-0" in text  # older copies listed below

@@ -26,6 +26,7 @@ import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
 from gpuctl.core.decision import Decision
+from gpuctl.core.idle import Action
 from gpuctl.core.record import Phase
 from gpuctl.flows.results import Outcome
 from gpuctl.sim.host import SimHost, free_port
@@ -73,7 +74,10 @@ def check(name: str, obj: Any) -> None:
         )
 
 
-@pytest.mark.parametrize("name", ["status", "ensure", "locks"])
+NAMES = ["status", "ensure", "locks", "reclaim", "stop"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_schema_is_valid_draft_2020_12(name: str) -> None:
     schema = load(name)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
@@ -91,6 +95,8 @@ def test_enums_match_the_code() -> None:
         {int(o.exit_code) for o in Outcome}
     )
     assert locks["$defs"]["record"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
+    actions = load("reclaim")["$defs"]["candidate"]["properties"]["action"]["enum"]
+    assert actions == [a.value for a in Action]
 
 
 class Host:
@@ -116,7 +122,7 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     root = tmp_path_factory.mktemp("schemas")
     with SimHost(root=root / "sim") as sim:
         sim.start_agent()
-        n = {k: unique_name(k) for k in ("chat", "slow", "held", "broken", "huge", "far")}
+        n = {k: unique_name(k) for k in ("chat", "slow", "held", "idle", "broken", "huge", "far")}
         ports = {k: free_port() for k in n}
         py = sys.executable
 
@@ -154,6 +160,14 @@ command = {json.dumps(server("held", "5GiB", "600s"))}
 health = "http://127.0.0.1:{ports["held"]}/health"
 memory = "5GiB"
 
+[services.{n["idle"]}]
+host = "sim"
+launcher = "process"
+command = {json.dumps(server("idle", "2GiB", "1s"))}
+health = "http://127.0.0.1:{ports["idle"]}/health"
+memory = "2GiB"
+idle_timeout = "1s"
+
 [services.{n["broken"]}]
 host = "sim"
 launcher = "process"
@@ -179,7 +193,7 @@ memory = "1GiB"
         try:
             yield h
         finally:
-            for key in ("chat", "slow", "held"):
+            for key in ("chat", "slow", "held", "idle"):
                 subprocess.run(
                     [gpuctl_exe(), "stop", n[key]],
                     env={**os.environ, "GPUCTL_CONFIG": str(config)},
@@ -191,6 +205,7 @@ memory = "1GiB"
 def test_ensure_outcomes(host: Host) -> None:
     n = host.names
     seen: dict[str, int] = {}
+    said: list[tuple[str, str, str]] = []
     for args in (
         [n["chat"]],  # started: launched, waited, an attempt and a handle
         [n["chat"]],  # ready at once
@@ -203,7 +218,8 @@ def test_ensure_outcomes(host: Host) -> None:
         check("ensure", obj)
         assert obj["exit_code"] == rc
         seen[obj["outcome"]] = rc
-    assert seen == {"ready": 0, "failed": 1, "busy": 3, "unknown": 4, "timeout": 5}
+        said.append((args[0], obj["outcome"], obj["reason"]))
+    assert seen == {"ready": 0, "failed": 1, "busy": 3, "unknown": 4, "timeout": 5}, said
 
 
 def test_status(host: Host) -> None:
@@ -237,21 +253,70 @@ def test_locks_with_a_lease_held_and_a_corrupt_record(host: Host) -> None:
             assert time.monotonic() < deadline, obj
             time.sleep(0.3)
         check("locks", obj)
-        # A torn record is set aside, and the read that finds it reports it once.
-        records = host.sim.state_dir / "records"
-        (records / f"{n['huge']}.json").write_text('{"schema": 1, "service": ')
-        rc, obj = host.run("locks")
-        rows = {r.get("service"): r for r in obj["records"]}
-        check("locks", obj)
-        assert rows[n["held"]]["lease"] is not None
+        lease_rows = rows
         assert rc == 4 and obj["ok"] is False  # the host "down" is unreadable
         assert any(r.get("error") and r["host"] == "down" for r in obj["records"])
-        assert held["lease"]["expires_in_s"] > 0
-        assert rows[n["huge"]]["recovered"]
-        assert rows[n["broken"]]["failure"]["count"] >= 1
     finally:
         waiter.kill()
         waiter.wait()
+    # A torn record is set aside, and the read that finds it reports it. That read must be
+    # locks's own: so a state directory no agent watches, read directly.
+    state = host.config.with_name("direct-state")
+    (state / "records").mkdir(parents=True)
+    (state / "records" / f"{n['huge']}.json").write_text('{"schema": 1, "service": ')
+    direct = host.config.with_name("direct.toml")
+    direct.write_text(
+        f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{host.sim.sim_dir}"\n\n'
+        f'[services.{n["huge"]}]\nmemory = "120GiB"\n'
+    )
+    r = subprocess.run(
+        [gpuctl_exe(), "locks", "--json"],
+        env={**os.environ, "GPUCTL_CONFIG": str(direct), "GPUCTL_STATE_DIR": str(state)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    obj = json.loads(r.stdout)
+    check("locks", obj)
+    rows = {r.get("service"): r for r in obj["records"]}
+    assert rows[n["huge"]]["recovered"], obj
+    assert held["lease"]["expires_in_s"] > 0
+    assert lease_rows[n["broken"]]["failure"]["count"] >= 1
+
+
+def test_reclaim_and_stop(host: Host) -> None:
+    n = host.names
+    for key in ("idle", "chat"):
+        rc, obj = host.run("ensure", n[key])
+        assert rc == 0, obj
+    # Its idle_timeout is 1 s: once past it, reclaim plans a stop (and --dry-run stops nothing).
+    deadline = time.monotonic() + 60
+    while True:
+        rc, plan = host.run("reclaim", "--host", "sim", "--dry-run")
+        cands = {c["service"]: c for c in plan["candidates"]}
+        if cands[n["idle"]]["action"] == "stop":
+            break
+        assert time.monotonic() < deadline, plan
+        time.sleep(0.5)
+    check("reclaim", plan)
+    assert plan["dry_run"] is True and not cands[n["idle"]]["done"]
+
+    rc, done = host.run("reclaim", "--host", "sim")
+    check("reclaim", done)
+    cands = {c["service"]: c for c in done["candidates"]}
+    assert rc == 0 and cands[n["idle"]]["action"] == "stop" and cands[n["idle"]]["done"], done
+    assert {c["action"] for c in done["candidates"]} >= {"stop", "keep"}
+
+    rc, every = host.run("reclaim")  # the host "down" cannot be read: exit 4
+    check("reclaim", every)
+    assert rc == 4 and any(h["ok"] is False and h["error"] for h in every["hosts"])
+
+    rc, stopped = host.run("stop", n["chat"])
+    check("stop", stopped)
+    assert rc == 0 and stopped["stopped"], stopped
+    rc, nothing = host.run("stop", n["huge"])
+    check("stop", nothing)
+    assert rc == 0 and nothing["stopped"] == []
 
 
 def readme_block(after: str) -> str:
@@ -271,5 +336,5 @@ def test_readme_status_example_is_complete() -> None:
 
 def test_readme_points_to_the_schemas() -> None:
     text = (ROOT / "README.md").read_text()
-    for name in ("status", "ensure", "locks"):
+    for name in NAMES:
         assert f"schemas/{name}.schema.json" in text

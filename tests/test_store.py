@@ -735,3 +735,505 @@ def test_processes_on_both_paths_race_one_wins(agent_env: Env, tmp_path: Path) -
     outs = race_processes(agent_env, tmp_path, ["agent", "direct"] * 4)
     assert sorted(o[0] for o in outs) == ["granted"] + ["refused"] * 7
     assert len({o[1] for o in outs}) == 1
+
+
+# --------------------------------------------------------------------------- the poisoned store
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_a_poisoned_lease_is_refused_and_the_records_still_answer(agent_env: Env) -> None:
+    """One POST with pid 2**31 once poisoned the store: GET /records and /metrics
+    answered 500 for good. Now it is a 400 naming the field, and nothing is written."""
+    body = {"holder": {**holder().to_dict(), "pid": 2147483648}, "ttl_s": 60}
+    r = httpx.post(f"{agent_env.url}/records/{SVC}/lease", headers=AUTH, json=body)
+    assert r.status_code == 400
+    assert "holder.pid: 2147483648 is out of range" in r.json()["error"]
+    for field, value, where in [
+        ("pid", True, "$.holder.pid"),
+        ("pid", "4242", "$.holder.pid"),
+        ("pid_start", 1e308, "$.holder.pid_start"),
+        ("entry", ["x"], "$.holder.entry"),
+        ("id", "", "$.holder.id"),
+    ]:
+        body = {"holder": {**holder().to_dict(), field: value}, "ttl_s": 60}
+        r = httpx.post(f"{agent_env.url}/records/{SVC}/lease", headers=AUTH, json=body)
+        assert r.status_code == 400, (field, value)
+        assert f"{where.removeprefix('$.')}:" in r.json()["error"]
+    assert not agent_env.record_path().exists()
+    assert httpx.get(f"{agent_env.url}/records", headers=AUTH).status_code == 200
+    assert httpx.get(f"{agent_env.url}/metrics", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("update", "where"),
+    [
+        ({"handle": {"kind": "process", "pid": 2147483648}}, "$.handle.pid"),
+        ({"handle": {"kind": "process", "pid": True}}, "$.handle.pid"),
+        ({"handle": {"kind": "docker", "deep": [[[[1]]]]}}, "$.handle.deep"),
+        ({"start_nonce": "not hex!"}, "$.start_nonce"),
+        ({"health": "ftp://x/"}, "$.health"),
+        ({"touch": "no"}, "update.touch"),
+    ],
+)
+def test_a_bad_update_is_refused_naming_the_field(
+    env: Env, update: dict[str, Any], where: str
+) -> None:
+    h = holder()
+    env.store.acquire(SVC, h, 60)
+    before = env.record_path().read_bytes()
+    with pytest.raises(UsageError) as info:
+        env.store.update(SVC, h.id, update)
+    assert where.removeprefix("$.") in info.value.message
+    assert env.record_path().read_bytes() == before
+    if env.kind == "agent":
+        r = httpx.patch(
+            f"{env.url}/records/{SVC}", headers=AUTH, json={"holder": h.id, "update": update}
+        )
+        assert r.status_code == 400
+        assert f"{where.removeprefix('$.')}: " in r.json()["error"]
+
+
+POISON = {
+    "huge-pid": json.dumps({"service": SVC, "handle": {"kind": "process", "pid": 2147483648}}),
+    "lease-pid": json.dumps(
+        {
+            "service": SVC,
+            "lease": {
+                **Lease("h", "dgx", "b", 2147483648, None, "x", 1.0, 2e9).to_dict(),
+            },
+        }
+    ),
+    "nan-since": '{"service": "vllm", "since": NaN}',
+    "huge-expiry": json.dumps(
+        {"service": SVC, "lease": Lease("h", "dgx", "b", 1, None, "x", 1.0, 1e308).to_dict()}
+    ),
+    "inf-last-used": '{"service": "vllm", "last_used": 1e999}',
+    "deep": "[" * 100_000 + "]" * 100_000,
+    "not-utf8": '{"service": "vllm", "recovered": "\xff"}',
+    "no-is-not-a-bool": '{"service": "vllm", "failure": {"at": 1, "count": "no"}}',
+    "true-is-not-a-pid": '{"service": "vllm", "handle": {"kind": "process", "pid": true}}',
+}
+
+
+@pytest.mark.parametrize("content", POISON.values(), ids=POISON.keys())
+def test_a_poisoned_record_file_is_set_aside_and_the_rest_works(env: Env, content: str) -> None:
+    other = holder()
+    assert env.store.acquire("sglang", other, 600)[0]
+    path = env.record_path()
+    path.write_bytes(content.encode("latin-1") if "\xff" in content else content.encode())
+    recs = {r.service: r for r in env.store.records()}
+    assert set(recs) == {SVC, "sglang"}
+    assert recs["sglang"].lease is not None
+    assert recs["sglang"].lease.holder == other.id  # the rest of the store is untouched
+    note = recs[SVC].recovered
+    assert note is not None
+    assert "record was unreadable (at $" in note
+    assert recs[SVC].lease is None
+    (kept,) = env.direct.set_aside()
+    assert kept.service == SVC
+    assert kept.file in note
+    assert kept.why.startswith("at $")
+    assert kept.size == len(path.with_name(kept.file).read_bytes())
+    assert env.store.set_aside() == [kept]
+    # the store keeps working, for this service too
+    h = holder()
+    granted, rec = env.store.acquire(SVC, h, 60)
+    assert granted
+    assert rec.lease is not None
+    assert env.store.touch(SVC).last_used is not None
+    assert env.direct.recorded_pids() == []
+    if env.kind == "agent":
+        r = httpx.get(f"{env.url}/records", headers=AUTH)
+        assert r.status_code == 200
+        assert [a["file"] for a in r.json()["set_aside"]] == [kept.file]
+        assert httpx.get(f"{env.url}/metrics", headers=AUTH).status_code == 200
+
+
+def test_the_agent_reads_a_poisoned_record_without_a_500(agent_env: Env) -> None:
+    """The reads that once answered 500: the list, the one record, and the recorded pids
+    the agent's /status asks the store for."""
+    agent_env.record_path().parent.mkdir(parents=True)
+    agent_env.record_path().write_text(POISON["huge-pid"])
+    assert agent_env.direct.recorded_pids() == []
+    r = httpx.get(f"{agent_env.url}/records/{SVC}", headers=AUTH)
+    assert r.status_code == 200
+    assert "at $.handle.pid" in r.json()["recovered"]
+    assert httpx.get(f"{agent_env.url}/status", headers=AUTH).status_code == 200
+
+
+def test_a_record_that_is_a_symlink_is_set_aside_not_followed(env: Env, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps(Record(SVC, phase=Phase.RUNNING).to_dict()))
+    env.record_path().parent.mkdir(parents=True)
+    env.record_path().symlink_to(secret)
+    rec = env.store.get(SVC)
+    assert rec.phase is Phase.STOPPED
+    assert rec.recovered is not None
+    assert "symbolic link" in rec.recovered
+    assert secret.exists()
+
+
+def test_set_aside_copies_are_listed_until_removed(env: Env) -> None:
+    path = env.record_path()
+    path.parent.mkdir(parents=True)
+    for content in ("junk", '{"service": "vllm", "since": NaN}'):
+        path.write_text(content)
+        env.store.get(SVC)
+        env.clock.offset += 1  # another second, another copy
+    kept = env.store.set_aside()
+    assert [k.why.split(":")[0] for k in kept] == ["at $", "at $.since"]
+    assert kept[0].at < kept[1].at
+    for k in kept:
+        (path.parent / k.file).unlink()
+    assert env.store.set_aside() == []
+    assert env.store.get(SVC).recovered is None
+
+
+# --------------------------------------------------------------------------- touch vs stop
+
+
+def stopped_by_a_stop(env: Env) -> None:
+    """A start that ended running, then a ``gpuctl stop`` run to completion."""
+    starter = holder("ensure")
+    env.store.acquire(SVC, starter, 60)
+    env.store.update(
+        SVC, starter.id, {"phase": "starting", "handle": {"kind": "process", "pid": 1}}
+    )
+    env.store.release(SVC, starter.id, {"phase": "running", "touch": True})
+    stopper = holder("stop")
+    assert env.store.acquire(SVC, stopper, 60)[0]
+    env.store.update(SVC, stopper.id, {"phase": "stopping"})
+    env.store.release(SVC, stopper.id, {"phase": "stopped", "handle": None})
+
+
+def test_a_touch_after_a_stop_does_not_bring_it_back(env: Env) -> None:
+    """The waiter that saw the server answer, then paused while ``stop`` ran to the end,
+    touches with ``ready``: the record stays stopped, with no server named."""
+    stopped_by_a_stop(env)
+    env.clock.offset += 5
+    rec = env.store.touch(SVC, ready=True)
+    assert rec.phase is Phase.STOPPED
+    assert rec.handle is None
+    assert rec.last_used == pytest.approx(env.clock(), abs=2)  # the use still counts
+    on_disk = env.direct.get(SVC)
+    assert (on_disk.phase, on_disk.handle) == (Phase.STOPPED, None)
+
+
+@pytest.mark.parametrize("phase", ["preempted", "failed", "stopped", "sleeping", "stopping"])
+def test_a_ready_touch_changes_no_phase_but_starting(env: Env, phase: str) -> None:
+    h = holder()
+    env.store.acquire(SVC, h, 60)
+    env.store.release(SVC, h.id, {"phase": phase})
+    since = env.direct.get(SVC).since
+    env.clock.offset += 5
+    rec = env.store.touch(SVC, ready=True)
+    assert (rec.phase.value, rec.since) == (phase, since)
+
+
+def test_a_ready_touch_completes_a_start(env: Env) -> None:
+    h = holder()
+    env.store.acquire(SVC, h, 60)
+    env.store.release(
+        SVC, h.id, {"phase": "starting", "failure": {"error": "an earlier try", "log_tail": ""}}
+    )
+    env.clock.offset += 5
+    rec = env.store.touch(SVC, ready=True)
+    assert rec.phase is Phase.FAILED  # a failure release is failed, not starting
+    h2 = holder()
+    env.store.acquire(SVC, h2, 60)
+    env.store.release(SVC, h2.id, {"phase": "starting"})
+    rec = env.store.touch(SVC, ready=True)
+    assert rec.phase is Phase.RUNNING
+    assert rec.failure is None
+    assert env.store.touch(SVC, ready=False).phase is Phase.RUNNING
+
+
+# --------------------------------------------------------------------------- file modes
+
+MODES = """
+import os, sys
+from pathlib import Path
+os.umask(0)
+from gpuctl.adapters.store import DirectStore, holder_here
+store = DirectStore(Path(sys.argv[1]))
+h = holder_here("test")
+store.acquire("vllm", h, 60)
+store.release("vllm", h.id, {"touch": True})
+store.inflight_begin("vllm", h, 60)
+"""
+
+
+def modes_under(state_dir: Path) -> dict[str, int]:
+    out = {}
+    for p in [state_dir, *sorted(state_dir.rglob("*"))]:
+        out[str(p.relative_to(state_dir))] = p.stat().st_mode & 0o7777
+    return out
+
+
+def test_modes_for_one_user_whatever_the_umask(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    # a folder an older release made 0777 under umask 000 is closed too
+    (state / "records").mkdir(parents=True)
+    os.chmod(state / "records", 0o777)
+    os.chmod(state, 0o700)
+    subprocess.run([sys.executable, "-c", MODES, str(state)], check=True)
+    modes = modes_under(state)
+    folders = {k: v for k, v in modes.items() if (state / k).is_dir()}
+    files = {k: v for k, v in modes.items() if (state / k).is_file()}
+    assert {"records", "locks", "logs", "records/vllm.json", "locks/vllm.lock"} <= set(modes)
+    assert set(folders.values()) == {0o700}, folders
+    assert set(files.values()) == {0o600}, files
+
+
+def test_modes_for_a_group_shared_state_dir_whatever_the_umask(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o2770)  # install -d -m 2770 -g gpuctl: setgid, the group's
+    subprocess.run([sys.executable, "-c", MODES, str(state)], check=True)
+    modes = modes_under(state)
+    folders = {k: v for k, v in modes.items() if (state / k).is_dir() and k != "."}
+    files = {k: v for k, v in modes.items() if (state / k).is_file()}
+    assert {"records", "locks", "logs", "records/vllm.json", "locks/vllm.lock"} <= set(modes)
+    assert set(folders.values()) == {0o2770}, folders
+    assert set(files.values()) == {0o660}, files
+
+
+def test_a_new_state_dir_is_private(tmp_path: Path) -> None:
+    state = tmp_path / "new" / "state"
+    subprocess.run([sys.executable, "-c", MODES, str(state)], check=True)
+    assert state.stat().st_mode & 0o7777 == 0o700
+
+
+# --------------------------------------------------------------------------- clear store errors
+
+# The path comes in the environment: on its command line it would carry the service's
+# name, and the agent would count this process as the service loading.
+HOLD_LOCK = """
+import fcntl, os, time
+f = open(os.environ["LOCK"], "a")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def held_lock(env: Env) -> Iterator[Path]:
+    lock = env.state_dir / "locks" / f"{SVC}.lock"
+    env.direct.touch("other")  # makes the folders
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "LOCK": str(lock)},
+    ) as p:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "held"
+        try:
+            yield lock
+        finally:
+            p.kill()
+
+
+def test_a_held_lock_is_a_store_error_naming_the_file(
+    env: Env, held_lock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuctl.adapters.store import direct
+
+    monkeypatch.setattr(direct, "LOCK_TIMEOUT_S", 0.3)
+    for call in (
+        lambda: env.store.acquire(SVC, holder(), 60),
+        lambda: env.store.touch(SVC),
+    ):
+        with pytest.raises(StoreError) as info:  # through the agent too: not "agent down"
+            call()
+        assert str(held_lock) in info.value.message
+        assert "held for more than" in info.value.message
+        assert str(held_lock) in info.value.hint
+
+
+DROP_TO_NOBODY_AND_ACQUIRE = """
+import os, sys
+from pathlib import Path
+import filelock
+from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.errors import StoreError
+h = holder_here("t")
+store = DirectStore(Path(sys.argv[1]))
+store.modes()
+if os.geteuid() == 0:  # after the imports: nobody cannot read root's Python
+    os.setgid(65534)
+    os.setuid(65534)
+try:
+    store.acquire("vllm", h, 60)
+except StoreError as e:
+    print("StoreError:", e.message, "|", e.hint)
+"""
+
+
+def test_a_read_only_records_folder_is_a_store_error_with_a_hint() -> None:
+    import shutil
+    import tempfile
+
+    # Root ignores modes: the store runs as nobody in a folder nobody may only read.
+    base = Path(tempfile.mkdtemp(prefix="gpuctl-ro-"))
+    try:
+        os.chmod(base, 0o755)
+        state = base / "state"
+        DirectStore(state).touch("other")
+        os.chmod(state, 0o755)
+        os.chmod(state / "locks", 0o777)
+        os.chmod(state / "records", 0o555)
+        out = subprocess.run(
+            [sys.executable, "-c", DROP_TO_NOBODY_AND_ACQUIRE, str(state)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.startswith("StoreError: cannot write in ")
+        assert str(state / "records") in out.stdout
+        assert "must be writable by this user" in out.stdout
+        assert "Traceback" not in out.stderr
+    finally:
+        shutil.rmtree(base)
+
+
+# --------------------------------------------------------------------------- through the CLI
+
+
+@pytest.fixture
+def sim_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from gpuctl.sim.host import SimHost
+
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    with SimHost(root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+
+
+@pytest.mark.e2e
+def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any) -> None:
+    """Without its records a host's leases are unknown: never IDLE, exit 4."""
+    from tests.conftest import gpuctl_exe
+    from tests.ensure_helpers import cli_env, service_toml
+
+    cfg = sim_host.write_config(service_toml("llmx", 1, "sleep 1"))
+    (sim_host.state_dir / "records").mkdir(parents=True, exist_ok=True)
+    (sim_host.state_dir / "records" / "llmx.json").mkdir()  # no file can be read there
+    out = subprocess.run(
+        [gpuctl_exe(), "status", "--json"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 4, out.stderr
+    (svc,) = json.loads(out.stdout)["services"]
+    assert svc["decision"] == "UNKNOWN"
+    assert "llmx.json" in svc["reason"]
+
+
+@pytest.mark.e2e
+def test_ensure_json_prints_its_object_when_a_lock_is_held(sim_host: Any) -> None:
+    """A lock file held on the host: the agent says so within the client's timeout,
+    and ``ensure --json`` prints its object (exit 1) naming the lock, not the agent."""
+    from tests.ensure_helpers import run_ensure, service_toml
+
+    cfg = sim_host.write_config(service_toml("llmy", 1, "sleep 1"))
+    lock = sim_host.state_dir / "locks" / "llmy.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "LOCK": str(lock)},
+    ) as p:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "held"
+        try:
+            out = run_ensure(cfg, "llmy")
+        finally:
+            p.kill()
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    result = json.loads(out.stdout)
+    assert result["outcome"] == "failed"
+    assert str(lock) in result["reason"]
+    assert "fuser" in result["hint"]
+    assert "agent" not in result["reason"].replace("the store on", "")
+
+
+@pytest.mark.e2e
+def test_locks_touch_and_status_live_with_a_poisoned_record(sim_host: Any) -> None:
+    """The poisoned store, as a user meets it: ``locks`` lists the set-aside file and
+    exits 0, ``touch`` works, ``status`` answers; no "internal error" anywhere."""
+    from tests.conftest import gpuctl_exe
+    from tests.ensure_helpers import cli_env, service_toml
+
+    cfg = sim_host.write_config(service_toml("llmz", 1, "sleep 1"))
+    records = sim_host.state_dir / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    (records / "llmz.json").write_text(POISON["lease-pid"].replace(SVC, "llmz"))
+
+    def gpuctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [gpuctl_exe(), *args], env=cli_env(cfg), capture_output=True, text=True, check=False
+        )
+
+    locks = gpuctl("locks", "--json")
+    assert locks.returncode == 0, locks.stderr
+    report = json.loads(locks.stdout)
+    (kept,) = report["set_aside"]
+    assert kept["service"] == "llmz"
+    assert kept["why"].startswith("at $.lease.pid: 2147483648 is out of range")
+    assert (records / kept["file"]).exists()
+    text = gpuctl("locks")
+    assert text.returncode == 0
+    assert kept["file"] in text.stdout + text.stderr
+    touch = gpuctl("touch", "llmz")
+    assert touch.returncode == 0, touch.stderr
+    status = gpuctl("status", "--json")
+    assert status.returncode == 0, status.stderr  # a pid of 2**31 never held anything
+    (svc,) = json.loads(status.stdout)["services"]
+    assert svc["name"] == "llmz"
+    again = json.loads(gpuctl("locks", "--json").stdout)
+    assert [a["file"] for a in again["set_aside"]] == [kept["file"]]
+
+
+def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive_it(
+    tmp_path: Path,
+) -> None:
+    """The race as it happened (8 of 8 tries): a waiter's health check passes, ``stop``
+    runs to completion before the waiter's touch, then the waiter touches. The flows
+    and the store are real; the health check itself runs the stop, so the window is hit
+    every time."""
+    from gpuctl.core.decision import Health
+    from gpuctl.flows.ensure import ensure
+    from gpuctl.flows.results import Outcome
+    from gpuctl.flows.service_ops import stop
+    from tests.flow_fakes import world
+
+    w = world(tmp_path)
+    starter = holder("ensure")
+    w.store.acquire("vllm", starter, 60)
+    w.store.release(
+        "vllm", starter.id, {"phase": "running", "handle": {"kind": "process", "pid": 4242}}
+    )
+    stops: list[str] = []
+
+    def health_then_stop() -> Health:
+        if not stops:
+            stops.append(stop(w.deps(entry="stop")).reason)  # the stop, to the end
+        return Health("ready", "HTTP 200", 200)  # what the waiter saw just before
+
+    deps = w.deps()
+    deps.check_health = health_then_stop
+    result = ensure(deps)
+    assert stops == ["stopped pid 4242"]
+    assert [h.pid for h in w.launcher.stopped] == [4242]
+    assert result.outcome is Outcome.READY  # it did answer, when it looked
+    rec = w.store.get("vllm")
+    assert rec.phase is Phase.STOPPED  # and the touch after the stop brought nothing back
+    assert rec.handle is None
+    assert rec.last_used == w.clock()

@@ -54,7 +54,7 @@ from gpuctl.agent.query import (
     parse_match,
     parse_pids,
 )
-from gpuctl.agent.servers import Servers, promote, scan_servers, starting_with_health
+from gpuctl.agent.servers import Servers, promote_loop, scan_servers
 from gpuctl.agent.snapshot import Scan, agent_snapshot, utc_now_iso
 from gpuctl.agent.store_api import StoreApi, read_all
 from gpuctl.core.model import HostIdentity, Snapshot, StartingProcess
@@ -162,7 +162,10 @@ class AgentApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 if self.store_api.store is not None:
-                    self._promoter = asyncio.ensure_future(self._promote_loop())
+                    interval = min(max(self.settings.cache_ttl_s, 0.5), 5.0)
+                    self._promoter = asyncio.ensure_future(
+                        promote_loop(self.store_api.store, interval, self.invalidate)
+                    )
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._promoter is not None:
@@ -171,32 +174,6 @@ class AgentApp:
                         await self._promoter
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    async def _promote_loop(self) -> None:
-        """Complete ``starting`` -> ``running`` for records whose health URL answers 200."""
-        import httpx
-
-        store = self.store_api.store
-        assert store is not None
-        interval = min(max(self.settings.cache_ttl_s, 0.5), 5.0)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), follow_redirects=False) as client:
-            while True:
-                await asyncio.sleep(interval)
-                try:
-                    waiting = await asyncio.to_thread(starting_with_health, store)
-                    for record in waiting:
-                        assert record.health is not None
-                        try:
-                            answer = await client.get(record.health)
-                        except httpx.HTTPError:
-                            continue
-                        if answer.status_code == 200 and await asyncio.to_thread(
-                            promote, store, record.service
-                        ):
-                            log.info("%s answers its health check: running", record.service)
-                            self.invalidate()
-                except Exception as err:  # never let the loop die: the next round retries
-                    log.warning("completing starts failed: %s: %s", type(err).__name__, err)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpuctl import __version__
-from gpuctl.core.model import HostIdentity, ProbeReading, reading_memory
-from gpuctl.core.record import Record
+from gpuctl.core.model import HostIdentity, ProbeReading, device_figures
+from gpuctl.core.record import Phase, Record, recorded_servers
 
 
 def _label(value: str) -> str:
@@ -77,31 +77,7 @@ def render_metrics(
         [("", 1 if probe_up else 0)],
     )
     if reading is not None:
-        used, total = reading_memory(reading, gpu_memory_mib)
-        metric("gpuctl_gpu_memory_used_mib", "gauge", "GPU memory in use, MiB.", [("", used)])
-        if total is not None:
-            metric(
-                "gpuctl_gpu_memory_total_mib", "gauge", "GPU memory in total, MiB.", [("", total)]
-            )
-        metric(
-            "gpuctl_gpu_processes",
-            "gauge",
-            "Processes that hold GPU memory.",
-            [("", len(reading.processes))],
-        )
-        metric(
-            "gpuctl_process_memory_mib",
-            "gauge",
-            "GPU memory held by one process, MiB.",
-            [
-                (
-                    f'{{pid="{p.pid}",gpu="{p.gpu}",command="{_label((p.command or "")[:80])}"}}',
-                    p.memory_mib,
-                )
-                for p in reading.processes
-                if p.memory_mib is not None
-            ],
-        )
+        _gpu_metrics(reading, gpu_memory_mib, records, metric)
     if store_up is not None:
         metric(
             "gpuctl_store_up",
@@ -117,14 +93,21 @@ def render_metrics(
         )
     if records is not None:
         at = time.time() if now is None else now
+        # A state set (OpenMetrics' stateset, in 0.0.4 text as a gauge): one sample per
+        # phase for every service with a record, 1 for its phase and 0 for the others,
+        # so a stopped service has samples and `== 1` selects the current phase.
         metric(
             "gpuctl_service_phase",
             "gauge",
-            "A service's phase (stopped, starting, running, sleeping, stopping, preempted, "
-            "failed): one sample, 1, labelled with its current phase.",
+            "A service's phase as a state set: one sample per phase (stopped, starting, "
+            "running, sleeping, stopping, preempted, failed), 1 for the current one.",
             [
-                (f'{{service="{_label(r.service)}",phase="{_label(r.phase.value)}"}}', 1)
+                (
+                    f'{{service="{_label(r.service)}",phase="{phase.value}"}}',
+                    1 if r.phase is phase else 0,
+                )
                 for r in records
+                for phase in Phase
             ],
         )
         idle = [(r.service, r.idle_for(at)) for r in records]
@@ -154,6 +137,82 @@ def render_metrics(
         [(f'{{path="{_label(path)}"}}', n) for path, n in sorted(requests_total.items())],
     )
     return "\n".join(lines) + "\n"
+
+
+MIB = 1 << 20
+
+
+def _gpu_metrics(
+    reading: ProbeReading,
+    gpu_memory_mib: int | None,
+    records: Sequence[Record] | None,
+    metric: Callable[[str, str, str, list[tuple[str, float]]], None],
+) -> None:
+    """Per-GPU memory in bytes, labelled as DCGM and nvidia_gpu_exporter label theirs
+    (``gpu``, ``uuid``, ``model``), and per-process memory with its service.
+
+    A GPU that could not be read has ``gpuctl_gpu_up 0`` and no memory samples: a missing
+    sample is "unknown", a zero would be "free".
+    """
+    devices = device_figures(reading, gpu_memory_mib)
+    labels = {
+        d.index: f'gpu="{d.index}",uuid="{_label(d.uuid or "")}",model="{_label(d.name or "")}"'
+        for d in devices
+    }
+    metric(
+        "gpuctl_gpu_up",
+        "gauge",
+        "1 when this GPU could be read.",
+        [(f"{{{labels[d.index]}}}", 1 if d.readable else 0) for d in devices],
+    )
+    metric(
+        "gpuctl_gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory in use, bytes (unified memory: what its processes hold).",
+        [
+            (f"{{{labels[d.index]}}}", d.memory_used_mib * MIB)
+            for d in devices
+            if d.readable and d.memory_used_mib is not None
+        ],
+    )
+    metric(
+        "gpuctl_gpu_memory_total_bytes",
+        "gauge",
+        "GPU memory in total, bytes (unified memory: the configured --gpu-memory).",
+        [
+            (f"{{{labels[d.index]}}}", d.memory_total_mib * MIB)
+            for d in devices
+            if d.readable and d.memory_total_mib is not None
+        ],
+    )
+    metric(
+        "gpuctl_gpu_utilization_ratio",
+        "gauge",
+        "GPU utilisation over the last sample period, 0 to 1 (no sample: unknown).",
+        [
+            (f"{{{labels[d.index]}}}", round(d.utilization_pct / 100, 4))
+            for d in devices
+            if d.readable and d.utilization_pct is not None
+        ],
+    )
+    on_gpu = [p for p in reading.processes if p.on_gpu]
+    metric("gpuctl_gpu_processes", "gauge", "Processes that hold GPU memory.", [("", len(on_gpu))])
+    # The service a process belongs to, where a record names it; never its command line:
+    # label values must come from a small set, and command lines can carry secrets.
+    services = recorded_servers(records or ())
+    metric(
+        "gpuctl_process_memory_bytes",
+        "gauge",
+        "GPU memory held by one process, bytes; service is empty for a process no record names.",
+        [
+            (
+                f'{{gpu="{p.gpu}",pid="{p.pid}",service="{_label(services.get(p.pid, ""))}"}}',
+                p.memory_mib * MIB,
+            )
+            for p in on_gpu
+            if p.memory_mib is not None
+        ],
+    )
 
 
 def _start_durations(records: Sequence[Record], lines: list[str]) -> None:

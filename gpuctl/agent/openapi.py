@@ -396,6 +396,41 @@ def _records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 {"200": record},
             ),
         },
+        "/records/{service}/inflight": {
+            "parameters": [service],
+            "post": op(
+                "Count the holder as using the service (its first request in flight) and mark "
+                "a use. Refused (granted: false) while a stop or reclaim holds the lease.",
+                {"200": ok("LeaseGrant", "Counted, or not, with the record as it stands.")},
+                requestBody=body("LeaseRequest", "Who uses it, and how long the entry lives."),
+            ),
+        },
+        "/records/{service}/inflight/renew": {
+            "parameters": [service],
+            "post": op(
+                "Keep the holder's in-flight entry alive, and mark a use.",
+                {"200": record},
+                requestBody=body("LeaseRequest", "Who uses it, and how long the entry lives."),
+            ),
+        },
+        "/records/{service}/inflight/end": {
+            "parameters": [service],
+            "post": op(
+                "The holder has nothing in flight on the service any more.",
+                {"200": record},
+                requestBody=body("EndRequest", "The holder's id."),
+            ),
+        },
+        "/records/_inflight": {
+            "get": {
+                "summary": "How many holders have requests in flight, per service.",
+                "responses": {
+                    "200": ok("InflightCounts", "Live holders per service (only those with some)."),
+                    "401": unauthorized,
+                    "503": down,
+                },
+            }
+        },
     }
 
 
@@ -572,6 +607,22 @@ def _records_schemas() -> dict[str, Any]:
                     "type": ["string", "null"],
                     "description": "The URL that tells the server answers (http or https).",
                 },
+            },
+        },
+        "EndRequest": {
+            "type": "object",
+            "required": ["holder"],
+            "properties": {"holder": {**holder_id, "minLength": 1}},
+        },
+        "InflightCounts": {
+            "type": "object",
+            "required": ["inflight"],
+            "properties": {
+                "inflight": {
+                    "type": "object",
+                    "description": "Service name -> live in-flight holders.",
+                    "additionalProperties": {"type": "integer", "minimum": 1},
+                }
             },
         },
         "LeaseRequest": {

@@ -19,8 +19,9 @@ not stay ``starting`` until the next ``ensure``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuctl.adapters import procinfo
@@ -99,3 +100,30 @@ def promote(store: DirectStore, service: str) -> bool:
     """``starting`` -> ``running`` (the store's touch with ``ready``; it never revives a
     stopped record). True when the record is running afterwards."""
     return store.touch(service, ready=True).phase is Phase.RUNNING
+
+
+async def promote_loop(
+    store: DirectStore, interval_s: float, on_change: Callable[[], None]
+) -> None:
+    """Every ``interval_s``: complete ``starting`` -> ``running`` for the records whose
+    health URL answers 200 (runs with the app; cancelled at shutdown)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), follow_redirects=False) as client:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                waiting = await asyncio.to_thread(starting_with_health, store)
+                for record in waiting:
+                    assert record.health is not None
+                    try:
+                        answer = await client.get(record.health)
+                    except httpx.HTTPError:
+                        continue  # still loading (refused, reset, slow): the next round
+                    if answer.status_code == 200 and await asyncio.to_thread(
+                        promote, store, record.service
+                    ):
+                        log.info("%s answers its health check: running", record.service)
+                        on_change()
+            except Exception as err:  # never let the loop die: the next round retries
+                log.warning("completing starts failed: %s: %s", type(err).__name__, err)

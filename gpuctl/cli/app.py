@@ -69,8 +69,8 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
     app = typer.Typer(
         name="gpuctl",
         help=(
-            "Share one big GPU between heavy workloads: see who holds it, and start "
-            "model servers exactly once, when it is safe."
+            "Share one big GPU between heavy workloads: see who holds it, start model "
+            "servers exactly once, reclaim what sits idle."
         ),
         no_args_is_help=True,
         # Completion options are ours (gpuctl.cli.completion): Typer's ignore the shell named.

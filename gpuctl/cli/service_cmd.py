@@ -163,7 +163,7 @@ def stop(
 
 
 def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:
-    """Mark SERVICE as used now (its idle time counts from the last use)."""
+    """Mark SERVICE as used now (reclaim measures idle time from the last use)."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
         from gpuctl.flows.wiring import deps_for

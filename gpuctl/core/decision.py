@@ -101,6 +101,9 @@ class Health:
     state: str
     detail: str = ""
     status_code: int | None = None
+    # What the server says it holds on the GPU, where it says (Ollama's /api/ps
+    # size_vram): an Ollama model has no process of its own to measure.
+    memory_mib: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -57,7 +57,12 @@ _AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic)(\s+|%20)([^\s'\"]+)")
 # user:password@ in URLs.
 _URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@'\"]*:)([^\s@'\"]+)(@)")
 # name=value and name: value inside one argument (also several per argument, e.g. a query).
-_ASSIGN = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P<sep>=|:\s*)(?P<value>[^\s&;,'\"]+)")
+# A name starts only where a letter run starts, and its run is never given back
+# (possessive): otherwise every position of a long run of letters (a log line of
+# "xxxx…") starts a new match that scans to its end, and 16 KiB of log tail took seconds.
+_ASSIGN = re.compile(
+    r"(?<![A-Za-z_])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*+)(?P<sep>=|:\s*)(?P<value>[^\s&;,'\"]+)"
+)
 
 
 def is_secret_name(name: str) -> bool:
@@ -100,7 +105,8 @@ def redact_text(text: str) -> str:
 
 _SCHEMES = frozenset({"bearer", "basic", "token", "digest"})
 _ENDS_IN_SCHEME = re.compile(
-    r"(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)\s*[:=]\s*(?:bearer|basic|token|digest)$", re.IGNORECASE
+    r"(?<![A-Za-z_])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*+)\s*[:=]\s*(?:bearer|basic|token|digest)$",
+    re.IGNORECASE,
 )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuctl.adapters.launchers.base import Launcher
+from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
@@ -112,3 +112,10 @@ class LocksDeps(Closers):
     hosts: list[HostConfig] = field(kw_only=True)
     store_of: Callable[[HostConfig], Store] = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
+
+
+def describe_handle(h: Handle) -> str:
+    """A server by what its launcher recorded: ``container X``, ``pid N`` or the kind."""
+    if h.container_name:
+        return f"container {h.container_name}"
+    return f"pid {h.pid}" if h.pid else h.kind

@@ -15,10 +15,7 @@ agent, a real store and a real launcher, or fakes for pure units. The waits are
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -26,19 +23,21 @@ from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder, holder_here
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Decision, Verdict, owner_of
+from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
-from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.admission import ADMISSION, AdmissionTimeout, admission
+from gpuctl.flows.deps import EnsureDeps, describe_handle
+from gpuctl.flows.hints import refusal_hint
 from gpuctl.flows.observe import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, LauncherWatch, Waited, wait_ready
 
+__all__ = ["ADMISSION", "MAX_ROUNDS", "ensure", "on_its_gpu"]
+
 MAX_ROUNDS = 3
-ADMISSION = "_admission"
-ADMISSION_TTL_S = 60.0
 
 
 class _Ctx:
@@ -93,36 +92,6 @@ _REFUSALS = {
     Decision.UNKNOWN: Outcome.UNKNOWN,
     Decision.FAILED: Outcome.FAILED,
 }
-
-
-def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = None) -> str:
-    """What the user can do about an ``ensure`` that did not end ready (empty otherwise)."""
-    name = deps.service.name
-    if outcome is Outcome.BUSY:
-        services = deps.config.services_on(deps.service.host)
-        ours: dict[str, None] = {}
-        users: dict[str, None] = {}
-        for p in verdict.holders if verdict else ():
-            owner = owner_of(p.command, services, p.pid)
-            if owner is not None:
-                ours.setdefault(owner.name, None)
-            elif p.user:
-                users.setdefault(p.user, None)
-        steps = ["wait and try again"]
-        steps += [f"`gpuctl stop {s}`" for s in list(ours)[:2]]
-        if users:
-            steps.append(f"ask {', '.join(list(users)[:3])} to free it")
-        return "; ".join(steps) + "; `gpuctl status` shows who holds the GPU"
-    if outcome is Outcome.UNKNOWN:
-        return f"check the agent of host {deps.host.name} (`gpuctl status -H {deps.host.name}`)"
-    if outcome is Outcome.FAILED:
-        return f"see its log and `gpuctl locks`; fix the cause, then `gpuctl ensure {name}` again"
-    if outcome is Outcome.TIMEOUT:
-        return (
-            f"it may still be loading: `gpuctl status` shows it; wait longer with "
-            f"`gpuctl ensure {name} --timeout DURATION`"
-        )
-    return ""
 
 
 def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
@@ -184,7 +153,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     if first is Decision.SLEEPING and deps.wake_server is not None:
         from gpuctl.flows.wake import wake
 
-        return wake(ctx, wait, lambda: _admission(ctx), deps.wake_server)
+        return wake(ctx, wait, lambda: admission(ctx), deps.wake_server)
     if first in (Decision.LOADING, Decision.SLEEPING, Decision.PREEMPTABLE):
         ctx.notes.append(f"found it {first.value}: {verdict.reason}")
         _touch(ctx)
@@ -200,48 +169,6 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
             return ctx.result(Outcome.LOADING, "another caller is starting it", Decision.LOADING)
         return _bystander(ctx, Decision.LOADING, "another caller holds the lease")
     return _launch_under_lease(ctx, holder, ttl, first, wait)
-
-
-class _AdmissionTimeout(Exception):
-    """The caller's own deadline came while another start held the admission lock."""
-
-    def __init__(self, who: str) -> None:
-        super().__init__(who)
-        self.who = who
-
-
-@contextmanager
-def _admission(ctx: _Ctx) -> Iterator[None]:
-    """The host-wide admission lock: a lease on the pseudo-service ``_admission``, held
-    only from the re-check to the recorded spawn (milliseconds to seconds). A holder that
-    dies loses it at once on its own host, else at expiry.
-
-    Waits no longer than the caller's own deadline (``--timeout`` bounds every wait):
-    raises ``_AdmissionTimeout`` then, or ``StoreError`` once a holder has kept it past
-    its own expiry.
-    """
-    deps = ctx.deps
-    holder = holder_here("admission")
-    stuck = deps.clock() + ADMISSION_TTL_S
-    while True:
-        granted, rec = deps.store.acquire(ADMISSION, holder, ADMISSION_TTL_S)
-        if granted:
-            break
-        who = f"{rec.lease.entry} pid {rec.lease.pid} on {rec.lease.host}" if rec.lease else "?"
-        now = deps.clock()
-        if now >= ctx.deadline:
-            raise _AdmissionTimeout(who)
-        if now >= stuck:
-            raise StoreError(
-                f"another start on this host has held the admission lock too long ({who})",
-                hint="see `gpuctl locks`; the lock expires by itself",
-            )
-        deps.sleep(min(0.05, max(0.0, ctx.deadline - now)))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(GpuctlError):
-            deps.store.release(ADMISSION, holder.id)
 
 
 def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) -> ServiceConfig:
@@ -278,7 +205,7 @@ def _launch_under_lease(
         # Re-check, then spawn, one service at a time on the host (the admission lock):
         # otherwise two services could each re-check before the other spawned, and both
         # start into the same memory.
-        with _admission(ctx):
+        with admission(ctx):
             # Between our look and the lease, someone may have started it (their lease
             # released, the server loading), or another service may have taken the memory.
             health = deps.check_health()
@@ -322,7 +249,7 @@ def _launch_under_lease(
                 handle = adopted
                 deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
                 ctx.notes.append(
-                    f"found the server of an earlier start whose caller went ({_describe(handle)})"
+                    f"found the server of an earlier start whose caller went ({describe_handle(handle)})"
                 )
             else:
                 waiting = None
@@ -381,7 +308,7 @@ def _launch_under_lease(
             release()
             return ctx.result(
                 Outcome.LOADING,
-                f"found its server loading ({_describe(handle)}); not waiting",
+                f"found its server loading ({describe_handle(handle)}); not waiting",
                 Decision.LOADING,
                 handle=handle.to_dict(),
             )
@@ -420,7 +347,7 @@ def _launch_under_lease(
         return ctx.from_wait(
             waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()
         )
-    except _AdmissionTimeout as e:
+    except AdmissionTimeout as e:
         return ctx.result(
             Outcome.TIMEOUT,
             f"did not start {svc.name}: the timeout ran out while another start held the "
@@ -430,12 +357,6 @@ def _launch_under_lease(
     finally:
         if not released:
             release()
-
-
-def _describe(h: Handle) -> str:
-    if h.container_name:
-        return f"container {h.container_name}"
-    return f"pid {h.pid}" if h.pid else h.kind
 
 
 def _attempt(

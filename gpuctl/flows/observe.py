@@ -75,20 +75,24 @@ def observe(
 
 
 def memory_use(
-    seen: Observation, services: Sequence[ServiceConfig], total_override_mib: int | None = None
+    seen: Observation,
+    services: Sequence[ServiceConfig],
+    now: float,
+    total_override_mib: int | None = None,
 ) -> tuple[MemoryUse, ...]:
     """Each GPU's memory as admission counts it (for the status bar): what it holds, and
     what is promised beyond that to services that are loading or starting (each at its
-    budget, on every GPU it may land on)."""
+    budget, on every GPU it may land on), by the same rules as ``decide``."""
     snap = seen.snapshot
     if snap is None:
         return ()
+    specs, promised = _accounting(seen, services, now)
     rooms = {
         r.index: r
         for r in gpu_rooms(
             snap,
-            services,
-            starting_services=starting_services(seen.records.values()),
+            specs,
+            starting_services=promised,
             servers=seen.servers,
             total_override_mib=total_override_mib,
         )
@@ -132,23 +136,36 @@ def decide(
     error = seen.error
     if error is not None and seen.hint:
         error = f"{error} (hint: {seen.hint})"
+    specs, leased = _accounting(seen, others, now, me=svc.name)
     return classify(
         svc,
         health,
         seen.snapshot,
-        others=_asleep_at_what_they_hold(others, seen.records, svc.name),
+        others=specs,
         agent_error=error,
         total_override_mib=total_override_mib,
         record=record if record is not None else seen.records.get(svc.name),
         handle_alive=handle_alive,
         now=now,
         own_holder=own_holder,
-        leased=[
-            *starting_services(seen.records.values(), exclude=svc.name),
-            *orphaned_starts(seen.records.values(), others, now, exclude=svc.name),
-        ],
+        leased=leased,
         servers=seen.servers,
     )
+
+
+def _accounting(
+    seen: Observation, services: Sequence[ServiceConfig], now: float, me: str = ""
+) -> tuple[list[ServiceConfig], list[str]]:
+    """The services as the memory accounting counts them (a sleeping one at what it
+    holds), and those whose memory is promised though their server may not show yet
+    (a start under way, an orphaned start), leaving out ``me``: one set of rules for the
+    decisions and for the status bar."""
+    specs = _asleep_at_what_they_hold(services, seen.records, me)
+    promised = [
+        *starting_services(seen.records.values(), exclude=me),
+        *orphaned_starts(seen.records.values(), services, now, exclude=me),
+    ]
+    return specs, promised
 
 
 def _asleep_at_what_they_hold(

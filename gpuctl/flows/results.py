@@ -15,7 +15,7 @@ from typing import Any
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, Verdict
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record
+from gpuctl.core.record import Record, SetAside
 from gpuctl.errors import ExitCode
 
 
@@ -120,6 +120,9 @@ class TouchResult:
 class LocksReport:
     rows: list[tuple[str, Record | None, str | None]]  # (host, record, error)
     now: float
+    # Record files that failed validation and were kept beside the records, per host:
+    # listed until someone removes them (they do not make the report fail).
+    set_aside: list[tuple[str, SetAside]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

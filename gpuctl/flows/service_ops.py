@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from datetime import datetime
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
-from gpuctl.core.record import Phase, Record
+from gpuctl.core.record import Phase, Record, SetAside
 from gpuctl.errors import GpuctlError, StoreError
-from gpuctl.flows.deps import EnsureDeps, LocksDeps
+from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.observe import keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
@@ -54,12 +55,12 @@ def stop(deps: EnsureDeps) -> StopResult:
             handle = Handle.from_dict(record.handle)
             if launcher.alive(handle) is not False:
                 launcher.stop(handle, svc.stop_timeout_s)
-                result.stopped.append(_describe(handle))
+                result.stopped.append(describe_handle(handle))
         if not result.stopped:
             found = launcher.find(svc, record.start_nonce)
             if found is not None:
                 launcher.stop(found, svc.stop_timeout_s)
-                result.stopped.append(_describe(found))
+                result.stopped.append(describe_handle(found))
         if snapshot is not None and not result.stopped:
             # A server whose launcher died before it could record it: find it by keywords.
             # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
@@ -118,14 +119,6 @@ def _started_before(pid: int, taken: float | None) -> bool:
     return started is None or started <= taken + 0.5
 
 
-def _describe(h: Handle) -> str:
-    if h.container_name:
-        return f"container {h.container_name}"
-    if h.pid:
-        return f"pid {h.pid}"
-    return h.kind
-
-
 def touch(deps: EnsureDeps) -> TouchResult:
     """Mark the service used now. A server that answers its health check completes a
     ``starting`` record (left by ``--no-wait`` or a killed launcher) to ``running``."""
@@ -134,17 +127,31 @@ def touch(deps: EnsureDeps) -> TouchResult:
 
 
 def locks(deps: LocksDeps) -> LocksReport:
-    """Every configured service's record on each host (a host that fails is reported)."""
+    """Every configured service's record on each host (a host that fails is reported),
+    and the record files each store set aside as unreadable."""
     rows: list[tuple[str, Record | None, str | None]] = []
+    aside: list[tuple[str, SetAside]] = []
     for h in deps.hosts:
         names = [s.name for s in deps.config.services_on(h.name)]
         try:
-            recs = {r.service: r for r in deps.store_of(h).records()}
+            store = deps.store_of(h)
+            recs = {r.service: r for r in store.records()}
+            kept = store.set_aside()
         except GpuctlError as e:
             rows.append((h.name, None, e.message))
             continue
+        aside += [(h.name, a) for a in kept]
+        last_kept = {a.service: a for a in sorted(kept, key=lambda a: a.at)}
         for n in names:
-            rows.append((h.name, recs.pop(n, Record(service=n)), None))
+            rows.append((h.name, _with_note(recs.pop(n, Record(service=n)), last_kept), None))
         for r in recs.values():  # records of services no longer configured
-            rows.append((h.name, r, None))
-    return LocksReport(rows, deps.clock())
+            rows.append((h.name, _with_note(r, last_kept), None))
+    return LocksReport(rows, deps.clock(), aside)
+
+
+def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:
+    """The record, noting the last copy of it that was set aside (while that copy is kept)."""
+    a = kept.get(record.service)
+    if a is None or record.recovered:
+        return record
+    return replace(record, recovered=f"record was unreadable ({a.why}); kept as {a.file}")

@@ -146,7 +146,7 @@ def status(deps: StatusDeps) -> StatusReport:
                     elapsed_s=deps.monotonic() - started,
                     gpu_memory_mib=hd.host.gpu_memory_mib,
                     servers=obs.servers,
-                    memory=memory_use(obs, services, hd.host.gpu_memory_mib),
+                    memory=memory_use(obs, services, now, hd.host.gpu_memory_mib),
                 )
             )
     return StatusReport(hosts=tuple(reports), taken_at=taken_at)

@@ -44,7 +44,18 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
                 "error": None,
             }
         )
-    return {"schema": 1, "ok": report.ok, "records": rows}
+    aside = [
+        {
+            "host": host,
+            "service": a.service,
+            "file": a.file,
+            "at": _iso(a.at),
+            "size": a.size,
+            "why": a.why,
+        }
+        for host, a in report.set_aside
+    ]
+    return {"schema": 1, "ok": report.ok, "records": rows, "set_aside": aside}
 
 
 def render_locks(report: LocksReport) -> RenderableType:
@@ -107,6 +118,12 @@ def render_locks(report: LocksReport) -> RenderableType:
             notes.append(Text(f"{host}/{rec.service}: last failure: {fail}", style="red"))
         if rec.recovered:
             notes.append(Text(f"{host}/{rec.service}: note: {rec.recovered}", style="yellow"))
+    noted = " ".join(n.plain for n in notes)
+    for host, a in report.set_aside:
+        if a.file not in noted:  # older copies (the newest is noted on its row)
+            notes.append(
+                Text(f"{host}/{a.service}: kept unreadable record {a.file}", style="yellow")
+            )
     return Group(t, *notes) if notes else t
 
 

@@ -91,7 +91,10 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     "decision": v.decision.value,
                     "reason": v.reason,
                     "health": hh.state,
-                    "memory_mib": v.own_memory_mib,
+                    # An Ollama model has no process: its server says what it holds.
+                    "memory_mib": v.own_memory_mib
+                    if v.own or hh.memory_mib is None
+                    else hh.memory_mib,
                     "budget_mib": svc.memory_mib,
                     "priority": svc.priority,
                     "pids": [p.pid for p in v.own] + [s.pid for s in v.starting],

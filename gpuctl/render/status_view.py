@@ -251,8 +251,10 @@ def service_table(h: HostReport) -> Table:
     t.add_column("DECISION", no_wrap=True)
     t.add_column("MEMORY", justify="right", no_wrap=True)
     t.add_column("REASON", overflow="fold", ratio=1)
-    for svc, v in zip(h.services, h.verdicts, strict=True):
+    for svc, v, hh in zip(h.services, h.verdicts, h.health, strict=True):
         mem = format_mib(v.own_memory_mib) if v.own else "-"
+        if not v.own and hh.memory_mib is not None:
+            mem = format_mib(hh.memory_mib)  # an Ollama model: what /api/ps says it holds
         if svc.memory_mib:
             mem += f" / {format_mib(svc.memory_mib)}"
         t.add_row(svc.name, Text(v.decision.value, style=DECISION_STYLE[v.decision]), mem, v.reason)

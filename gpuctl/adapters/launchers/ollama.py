@@ -178,7 +178,11 @@ class OllamaLauncher:
             return _unreachable(e)
         found = loaded.get(self.model)
         if found is not None and self._loader is not None and self._loader.poll() is None:
-            return Health("refused", f"{self.model} is loading in Ollama ({_placed(found)})")
+            return Health(
+                "refused",
+                f"{self.model} is loading in Ollama ({_placed(found)})",
+                memory_mib=found.vram_mib,
+            )
         return _listed(self.url, self.model, found)
 
     # -- the Launcher protocol
@@ -356,7 +360,7 @@ def _unreachable(e: LauncherError) -> Health:
 def _listed(url: str, model: str, found: LoadedModel | None) -> Health:
     if found is None:
         return Health("refused", f"{model} is not loaded in Ollama at {url}")
-    return Health("ready", f"{model} is loaded in Ollama ({_placed(found)})", 200)
+    return Health("ready", f"{model} is loaded in Ollama ({_placed(found)})", 200, found.vram_mib)
 
 
 def _open_log(path: Path) -> Any:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gpuctl.adapters.store.base import check_name
 from gpuctl.adapters.store.codec import decode_record, decode_set_aside
 from gpuctl.core.record import Holder, Record, SetAside
-from gpuctl.errors import GpuctlError, NoStore, StoreError
+from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
 _NO_STORE = "this agent has no state directory"
@@ -77,15 +77,21 @@ class AgentStore:
             )
         except httpx.HTTPError as e:
             raise transport_error(e, self.base_url, self.timeout_s) from None
-        if r.status_code in (409, 503):
+        if r.status_code in (400, 409, 503):
             # The agent answered, but its store could not do it (not the lease holder, a
-            # lock held too long, no state dir): the same StoreError the files give.
+            # lock held too long, no state dir): the same StoreError the files give. A
+            # 400 is a request the files would refuse too (a bad update): a UsageError.
             try:
                 data = r.json()
             except ValueError:
                 data = None
             if isinstance(data, dict) and isinstance(data.get("error"), str):
                 hint = data.get("hint")
+                if r.status_code == 400:
+                    raise UsageError(
+                        f"the store on {self.host_name} refused it: {data['error']}",
+                        hint=hint if isinstance(hint, str) else "",
+                    )
                 # NoStore: an agent without a state dir; the caller may do without records.
                 no_store = data.get("code") == "no_store" or data["error"] == _NO_STORE
                 cls = NoStore if no_store else StoreError

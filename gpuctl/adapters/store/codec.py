@@ -105,10 +105,11 @@ def _text(max_len: int, *, min_len: int = 0, pattern: re.Pattern[str] | None = N
             raise RecordError(at, f"length {len(v)} is out of range ({min_len}..{max_len})")
         if pattern is not None and not pattern.fullmatch(v):
             raise RecordError(at, f"{v[:80]!r} does not match {pattern.pattern}")
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RecordError(at, "not valid Unicode (a lone surrogate)") from None
+        if not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RecordError(at, "not valid Unicode (a lone surrogate)") from None
         return v
 
     return check
@@ -166,19 +167,31 @@ def _object(fields: Mapping[str, tuple[Check, Any]], *, extra: Check | None = No
     may carry more than gpuctl reads).
     """
 
+    table = tuple((name, inner, default) for name, (inner, default) in fields.items())
+    # The children's paths, per parent path: formatted once, not on every read (the
+    # agent checks every record on every /records).
+    paths: dict[str, tuple[str, ...]] = {}
+
     def check(v: Any, at: str) -> dict[str, Any]:
         if type(v) is not dict:
             raise RecordError(at, f"expected an object, got {_type_name(v)}")
+        where = paths.get(at)
+        if where is None:
+            where = tuple(f"{at}.{name}" for name, _, _ in table)
+            if len(paths) < 256:
+                paths[at] = where
         out: dict[str, Any] = {}
-        for name, (inner, default) in fields.items():
+        seen = 0
+        for (name, inner, default), here in zip(table, where, strict=True):
             if name in v:
-                out[name] = inner(v[name], f"{at}.{name}")
+                out[name] = inner(v[name], here)
+                seen += 1
             elif default is _REQUIRED:
-                raise RecordError(f"{at}.{name}", "missing")
+                raise RecordError(here, "missing")
             elif default is not _ABSENT:
                 out[name] = default
-        unknown = [k for k in v if k not in fields]
-        if unknown:
+        if seen < len(v):
+            unknown = [k for k in v if k not in fields]
             if extra is None:
                 raise RecordError(f"{at}.{unknown[0]}", "unknown field")
             if len(unknown) > MAX_EXTRA_KEYS:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import stat
@@ -46,6 +47,8 @@ from gpuctl.core.record import (
     lease_state,
 )
 from gpuctl.errors import StoreError, UsageError
+
+log = logging.getLogger("gpuctl.store")
 
 SUBDIRS = ("records", "locks", "logs")
 SHARED_GROUP = "gpuctl"
@@ -177,6 +180,9 @@ class DirectStore(InflightFiles):
                 hint=f"move it away by hand; {path.parent} must be writable by this user",
             ) from None
         note = f"record was unreadable ({why}); kept as {saved.name}, started afresh"
+        # For the agent's log (and journald): the one reader told in the record may be a
+        # status nobody reads; `gpuctl locks` lists the copy until it is removed.
+        log.warning("%s: %s", path, note)
         return Record(service=service, recovered=clip(note))
 
     def _write(self, record: Record) -> None:

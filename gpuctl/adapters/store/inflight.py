@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpuctl.adapters.store.base import check_name
 from gpuctl.adapters.store.codec import decode_lease
 from gpuctl.core.record import Holder, Lease, LeaseState, Record, lease_state
-from gpuctl.errors import StoreError
+from gpuctl.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -71,8 +71,14 @@ class InflightFiles:
         return self.state_dir / "inflight" / check_name(service)
 
     def _entry_path(self: _Files, service: str, holder_id: str) -> Path:
-        if not holder_id or not holder_id.isalnum() or len(holder_id) > 64:
-            raise StoreError(f"bad in-flight holder id {holder_id!r}")
+        if (
+            not holder_id
+            or not holder_id.isalnum()
+            or not holder_id.isascii()
+            or len(holder_id) > 64
+        ):
+            # A usage error (400 on the wire): the id names a file, so it is checked whole.
+            raise UsageError(f"bad in-flight holder id {holder_id[:80]!r}: letters and digits only")
         return self._inflight_dir(service) / f"{holder_id}.json"
 
     def inflight_begin(

@@ -1,0 +1,50 @@
+"""Randomised trials on a simulated GPU host (tests/trials.py), as many as asked:
+
+    .venv/bin/python bench/trials.py --trials 50 [--seed N] [--actions 8]
+
+Prints the trials run, the actions taken by kind, the invariant samples taken, the
+time, and every violation (exit 1 when there is one). The suite runs the same loop for
+about a minute (tests/test_trials.py); this is for longer hunts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `tests.trials`
+
+from gpuctl.sim.host import SimHost
+from tests.trials import run_trials
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--actions", type=int, default=8, help="actions per trial")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else time.time_ns() % 1_000_000
+    with (
+        tempfile.TemporaryDirectory(prefix="gpuctl-trials-") as tmp,
+        SimHost(root=Path(tmp) / "host") as host,
+    ):
+        host.start_agent()
+        report = run_trials(host, seed=seed, trials=args.trials, actions_per_trial=args.actions)
+    print(
+        f"seed {report.seed}: {report.trials} trials, {sum(report.actions.values())} actions "
+        f"in {report.seconds:.0f} s, {report.samples} invariant samples"
+    )
+    for name, n in sorted(report.actions.items()):
+        print(f"  {name:24} {n}")
+    for v in report.violations:
+        print(f"VIOLATION {v}")
+    print("no violations" if not report.violations else f"{len(report.violations)} violations")
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

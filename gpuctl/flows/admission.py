@@ -1,0 +1,58 @@
+"""The host-wide admission lock of ``ensure``: re-check and spawn, one start at a time
+per host, so two services never each re-check before the other spawned and start into
+the same memory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from gpuctl.adapters.store import holder_here
+from gpuctl.errors import GpuctlError, StoreError
+from gpuctl.flows.wait import Clock
+
+ADMISSION = "_admission"
+ADMISSION_TTL_S = 60.0
+
+
+class AdmissionTimeout(Exception):
+    """The caller's own deadline came while another start held the admission lock."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__(who)
+        self.who = who
+
+
+@contextmanager
+def admission(ctx: Clock) -> Iterator[None]:
+    """The host-wide admission lock: a lease on the pseudo-service ``_admission``, held
+    only from the re-check to the recorded spawn (milliseconds to seconds). A holder that
+    dies loses it at once on its own host, else at expiry.
+
+    Waits no longer than the caller's own deadline (``--timeout`` bounds every wait):
+    raises ``AdmissionTimeout`` then, or ``StoreError`` once a holder has kept it past
+    its own expiry.
+    """
+    deps = ctx.deps
+    holder = holder_here("admission")
+    stuck = deps.clock() + ADMISSION_TTL_S
+    while True:
+        granted, rec = deps.store.acquire(ADMISSION, holder, ADMISSION_TTL_S)
+        if granted:
+            break
+        who = f"{rec.lease.entry} pid {rec.lease.pid} on {rec.lease.host}" if rec.lease else "?"
+        now = deps.clock()
+        if now >= ctx.deadline:
+            raise AdmissionTimeout(who)
+        if now >= stuck:
+            raise StoreError(
+                f"another start on this host has held the admission lock too long ({who})",
+                hint="see `gpuctl locks`; the lock expires by itself",
+            )
+        deps.sleep(min(0.05, max(0.0, ctx.deadline - now)))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(GpuctlError):
+            deps.store.release(ADMISSION, holder.id)

@@ -1,0 +1,38 @@
+"""What a user can do about an ``ensure`` that did not end ready: the ``hint:`` line
+every refusal (BUSY, UNKNOWN, FAILED, not ready in time) ends with."""
+
+from __future__ import annotations
+
+from gpuctl.core.decision import Verdict, owner_of
+from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.results import Outcome
+
+
+def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = None) -> str:
+    """What the user can do about an ``ensure`` that did not end ready (empty otherwise)."""
+    name = deps.service.name
+    if outcome is Outcome.BUSY:
+        services = deps.config.services_on(deps.service.host)
+        ours: dict[str, None] = {}
+        users: dict[str, None] = {}
+        for p in verdict.holders if verdict else ():
+            owner = owner_of(p.command, services, p.pid)
+            if owner is not None:
+                ours.setdefault(owner.name, None)
+            elif p.user:
+                users.setdefault(p.user, None)
+        steps = ["wait and try again"]
+        steps += [f"`gpuctl stop {s}`" for s in list(ours)[:2]]
+        if users:
+            steps.append(f"ask {', '.join(list(users)[:3])} to free it")
+        return "; ".join(steps) + "; `gpuctl status` shows who holds the GPU"
+    if outcome is Outcome.UNKNOWN:
+        return f"check the agent of host {deps.host.name} (`gpuctl status -H {deps.host.name}`)"
+    if outcome is Outcome.FAILED:
+        return f"see its log and `gpuctl locks`; fix the cause, then `gpuctl ensure {name}` again"
+    if outcome is Outcome.TIMEOUT:
+        return (
+            f"it may still be loading: `gpuctl status` shows it; wait longer with "
+            f"`gpuctl ensure {name} --timeout DURATION`"
+        )
+    return ""
