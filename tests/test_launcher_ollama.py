@@ -159,7 +159,7 @@ def test_the_load_goes_on_when_the_caller_exits_at_once(
 def test_the_loader_reports_what_ollama_refused(
     server: SimOllama, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gpuctl.adapters.launchers.ollama import load, main
+    from gpuctl.adapters.launchers.ollama_loader import load, main
 
     assert load(server.url, "nope:7b", 60, 10) == 1
     assert "HTTP 404" in capsys.readouterr().out

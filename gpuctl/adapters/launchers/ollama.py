@@ -9,7 +9,7 @@ Ollama runs as a daemon that gpuctl does not start; its models load on demand. S
 
 - **start** checks that Ollama has the model (``/api/tags``), then sends the empty
   generate request from a small detached process (``python -m
-  gpuctl.adapters.launchers.ollama``), so the load goes on when the caller is
+  gpuctl.adapters.launchers.ollama_loader``), so the load goes on when the caller is
   interrupted or runs ``ensure --no-wait``: Ollama drops a load whose client went away
   before it began. Its ``keep_alive`` is the service's ``idle_timeout`` (``-1`` for
   ``"never"``), so Ollama's own expiry agrees with ``gpuctl reclaim``.
@@ -26,15 +26,12 @@ Ollama runs as a daemon that gpuctl does not start; its models load on demand. S
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,7 +208,7 @@ class OllamaLauncher:
         if start_nonce:
             env["GPUCTL_START_NONCE"] = start_nonce
         argv = [
-            sys.executable, "-m", "gpuctl.adapters.launchers.ollama",
+            sys.executable, "-m", "gpuctl.adapters.launchers.ollama_loader",
             self.url, self.model, str(self.keep_alive), str(service.health_timeout_s),
         ]  # fmt: skip
         try:
@@ -334,7 +331,7 @@ class OllamaLauncher:
 
         if not procinfo.is_same_process(handle.pid, handle.pid_start):
             return False
-        return "gpuctl.adapters.launchers.ollama" in (procinfo.command_of(handle.pid) or "")
+        return "gpuctl.adapters.launchers.ollama_loader" in (procinfo.command_of(handle.pid) or "")
 
 
 def check_ollama(url: str, model: str, timeout_s: float, client: httpx.Client) -> Health:
@@ -394,51 +391,3 @@ def _error_text(r: Any) -> str:
     except (ValueError, AttributeError):
         err = None
     return str(err)[:200] if err else ""
-
-
-def load(url: str, model: str, keep_alive: int, timeout_s: float) -> int:
-    """The detached loader: one empty generate request; 0 when the model loaded.
-
-    Standard library only (it starts in a few tens of milliseconds), and its output is
-    the service's loader log.
-    """
-    body = json.dumps(
-        {"model": model, "prompt": "", "keep_alive": keep_alive, "stream": False}
-    ).encode()
-    req = urllib.request.Request(  # noqa: S310 - the host's configured Ollama URL
-        url.rstrip("/") + "/api/generate",
-        data=body,
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"--- gpuctl: loading {model} into Ollama at {url} ({stamp})", flush=True)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:  # noqa: S310
-            reply = json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:500].decode(errors="replace")
-        print(f"error: Ollama answered HTTP {e.code}: {detail}", flush=True)
-        return 1
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", flush=True)
-        return 1
-    print(f"loaded: {reply.get('done_reason', 'done') if isinstance(reply, dict) else reply}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gpuctl.adapters.launchers.ollama URL MODEL KEEP_ALIVE TIMEOUT_S``."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4:
-        print(main.__doc__, file=sys.stderr)
-        return 2
-    try:
-        return load(args[0], args[1], int(args[2]), float(args[3]))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
