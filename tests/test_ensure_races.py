@@ -216,11 +216,18 @@ def test_two_stops_one_pid(host: SimHost, names: list[str]) -> None:
 
 def test_touch_completes_a_start_that_answers(host: SimHost, names: list[str]) -> None:
     """After --no-wait the record says `starting`; a touch that sees the server answer
-    moves it to `running` (status only reports)."""
+    moves it to `running` (status only reports). On the direct path, with the agent
+    stopped: an agent on the same store completes it itself once it sees the record's
+    health URL answer."""
+    from tests.ensure_helpers import direct_config
+
+    for proc in host.procs:  # the agent
+        host.stop(proc)
+    host.procs.clear()
     a = unique_name("touch")
     names.append(a)
     pa = free_port()
-    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    cfg = direct_config(host, service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
     r = run_ensure(cfg, a, "--no-wait")
     assert r.returncode == 0 and json.loads(r.stdout)["outcome"] == "started", r.stderr
     assert read_record(host, a)["phase"] == "starting"

@@ -148,3 +148,19 @@ def test_touch_completes_starting_only_when_the_server_answers(w: World) -> None
     w.health.ready_after(0)
     service_ops.touch(w.deps(entry="touch"))
     assert w.store.get("vllm").phase is Phase.RUNNING
+
+
+def test_status_calls_an_orphaned_start_loading_until_its_health_timeout(w: World) -> None:
+    """`status` never calls a service free while a start of it may be loading unseen."""
+    from gpuctl.core.decision import Decision, Health
+    from gpuctl.flows.observe import Observation, decide
+
+    orphan(w, "vllm")
+    svc = w.config.service("vllm")
+    others = w.config.services_on("dgx")
+    seen = Observation({r.service: r for r in w.store.records()}, Agent().read([], []))
+    refused = Health("refused", "connection refused")
+    v = decide(svc, refused, seen, others=others, now=w.clock.t)
+    assert v.decision is Decision.LOADING, v.reason
+    later = decide(svc, refused, seen, others=others, now=w.clock.t + 61)
+    assert later.decision is Decision.IDLE

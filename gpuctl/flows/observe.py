@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Health, Verdict, classify, gpu_rooms
+from gpuctl.core.decision import Decision, Health, Verdict, classify, gpu_rooms
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
 from gpuctl.errors import GpuctlError, NoStore
@@ -131,26 +131,47 @@ def decide(
     record: Record | None = None,
     handle_alive: bool | None = None,
     own_holder: str | None = None,
+    orphan_is_loading: bool = True,
 ) -> Verdict:
-    """Classify ``svc`` on what was seen (the one call of ``classify`` in the flows)."""
+    """Classify ``svc`` on what was seen (the one call of ``classify`` in the flows).
+
+    A start of ``svc`` whose caller went before recording its server (``orphaned_starts``)
+    is LOADING while its health timeout runs, where nothing else says so: its server may
+    be reading weights unseen, and it is never called free. ``ensure`` asks with
+    ``orphan_is_loading=False``: it looks for that server itself, under the lease.
+    """
     error = seen.error
     if error is not None and seen.hint:
         error = f"{error} (hint: {seen.hint})"
     specs, leased = _accounting(seen, others, now, me=svc.name)
-    return classify(
+    own = record if record is not None else seen.records.get(svc.name)
+    verdict = classify(
         svc,
         health,
         seen.snapshot,
         others=specs,
         agent_error=error,
         total_override_mib=total_override_mib,
-        record=record if record is not None else seen.records.get(svc.name),
+        record=own,
         handle_alive=handle_alive,
         now=now,
         own_holder=own_holder,
         leased=leased,
         servers=seen.servers,
     )
+    if (
+        orphan_is_loading
+        and verdict.decision in (Decision.IDLE, Decision.FITS)
+        and own is not None
+        and orphaned_starts([own], [svc], now)
+    ):
+        return replace(
+            verdict,
+            decision=Decision.LOADING,
+            reason="a start is under way whose caller went before recording its server "
+            f"(counted until {svc.health_timeout_s:.0f}s after it began)",
+        )
+    return verdict
 
 
 def _accounting(
@@ -235,5 +256,6 @@ def look(
         total_override_mib=deps.host.gpu_memory_mib,
         handle_alive=alive,
         own_holder=own_holder,
+        orphan_is_loading=False,
     )
     return verdict, seen
