@@ -93,3 +93,14 @@ def test_metrics_show_a_histogram_prometheus_can_parse() -> None:
     assert samples[("gpuctl_start_duration_seconds_bucket", "360")] == 3
     assert samples[("gpuctl_start_duration_seconds_bucket", "240")] == 0
     assert all(s.labels["service"] == "vllm" for s in fam.samples)
+
+
+def test_a_waiter_expects_what_is_left_of_a_start_under_way() -> None:
+    from gpuctl.core.record import Phase
+    from gpuctl.flows.ensure import _expected
+
+    assert _expected(REC, 1000.0) == 340.0  # our own start: all of it
+    under_way = replace(REC, phase=Phase.STARTING, since=1000.0)
+    assert _expected(under_way, 1100.0) == 240.0
+    assert _expected(under_way, 2000.0) == 1.0  # late: nearly done, never negative
+    assert _expected(None, 0.0) is None

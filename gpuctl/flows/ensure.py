@@ -26,7 +26,7 @@ from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import LEASE_MARGIN_S, Phase
+from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.admission import ADMISSION, AdmissionTimeout, admission
 from gpuctl.flows.deps import EnsureDeps, describe_handle
@@ -143,7 +143,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
 
     verdict, seen = look(deps, health)
     first = verdict.decision
-    ctx.expected_s = expected_start_s(seen.records.get(svc.name))
+    ctx.expected_s = _expected(seen.records.get(svc.name), deps.clock())
     if first is Decision.FAILED:
         record = seen.records.get(svc.name)
         f = record.failure if record else None
@@ -372,6 +372,15 @@ def _attempt(
     if error:
         a["error"] = error
     return a
+
+
+def _expected(record: Record | None, now: float) -> float | None:
+    """What is left of a start, by the median of the recent ones: all of it for a start
+    of our own; for one under way already (we wait for it), less what it has run."""
+    expected = expected_start_s(record)
+    if expected is None or record is None or record.phase is not Phase.STARTING:
+        return expected
+    return max(1.0, expected - max(0.0, now - record.since))
 
 
 _STOPPING = object()
