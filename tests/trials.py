@@ -15,8 +15,9 @@ killed inside the spawn-to-record window), lets every caller finish, and checks:
   its service's record, or the record is such a start (``starting`` or ``running``, no
   handle); never ``stopped`` or ``failed`` with a server running.
 
-Actions are registered by name with a weight (``@action("name", weight)``), so later
-work (reclaim, preemption, ``run``) adds its own without touching the loop. Used by
+Actions are registered by name with a weight (``@action("name", weight)``), and
+end-of-trial invariants with ``@check``, so later work (reclaim, preemption, ``run``)
+adds its own without touching the loop. Used by
 ``tests/test_trials.py`` (bounded in time) and ``bench/trials.py`` (``--trials N``).
 """
 
@@ -221,6 +222,17 @@ class Sampler:
             self._stop.wait(0.05)
 
 
+Check = Callable[[Trial], None]
+CHECKS: list[Check] = []
+
+
+def check(fn: Check) -> Check:
+    """Register an end-of-trial invariant: it appends to ``trial.violations``."""
+    CHECKS.append(fn)
+    return fn
+
+
+@check
 def check_records(t: Trial) -> None:
     """Once every caller is done: do the records tell the truth about the processes?"""
     for s in t.services:
@@ -325,7 +337,8 @@ def run_trials(
                         c.proc.kill()
                         c.proc.wait()
             report.samples += sampler.samples
-            check_records(trial)
+            for end_check in CHECKS:
+                end_check(trial)
             for extra in CHECKS:
                 extra(trial)
             report.trials += 1

@@ -294,6 +294,59 @@ def on_pipes(pid: int, pipes: Iterable[str]) -> bool:
     return False
 
 
+_NEAR_ANCESTORS = 3
+_MAX_CANDIDATES = 2000
+
+
+def _pipeline_candidates(me: int) -> list[int]:
+    """Processes that may share a pipe with us: the descendants of our nearest ancestors
+    (a pipe is made by an ancestor, a shell, and handed to its children), else all.
+
+    Reading three descriptors of every process costs tens of milliseconds on a busy
+    host; a shell's few children cost almost nothing.
+    """
+    ancestors = [p for p in own_lineage()[1 : 1 + _NEAR_ANCESTORS] if p > 1]
+    seen: set[int] = set()
+    todo = list(ancestors)
+    while todo:
+        kids = _children(todo.pop())
+        if kids is None or len(seen) > _MAX_CANDIDATES:
+            return [int(d) for d in _listdir("/proc") if d.isdigit() and int(d) != me]
+        for k in kids:
+            if k not in seen and k != me:
+                seen.add(k)
+                todo.append(k)
+    return sorted(seen)
+
+
+def _children(pid: int) -> list[int] | None:
+    """``pid``'s children (``/proc/<pid>/task/<pid>/children``); None where the kernel
+    does not offer that file. Threads other than the main one may fork too: all tasks."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []  # gone
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(w) for w in f.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended
+            return None
+        except OSError:
+            continue
+    return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def _pipe_ends(pid: int | str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The pipes ``pid`` reads on stdin, and writes on stdout and stderr."""
     ends: list[list[str]] = [[], []]
@@ -336,14 +389,7 @@ def _pipeline_of(me: int) -> tuple[int, ...]:
     readers: dict[str, list[int]] = {}
     writers: dict[str, list[int]] = {}
     ends: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return ()
-    for d in names:
-        if not d.isdigit() or int(d) == me:
-            continue
-        pid = int(d)
+    for pid in _pipeline_candidates(me):
         reads, writes = ends[pid] = _pipe_ends(pid)
         for p in reads:
             readers.setdefault(p, []).append(pid)
