@@ -21,6 +21,7 @@ from gpuctl.adapters.store.codec import (
     decode_set_aside,
     encode_record,
     parse_record,
+    salvage,
 )
 from gpuctl.core.record import (
     BACKOFF_MAX_S,
@@ -677,3 +678,37 @@ def test_any_set_aside_list_is_a_list_or_a_located_error(data: Any) -> None:
         assert str(e).startswith("at $.set_aside")
     else:
         assert decode_set_aside([a.to_dict() for a in got]) == got
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_fixture_values()), st.lists(st.tuples(FIELD_NAMES, JSON), max_size=3))
+def test_salvage_keeps_what_passes_and_never_raises(
+    base: dict[str, Any], swaps: list[tuple[str, Any]]
+) -> None:
+    doc = {**base, **dict(swaps)}
+    try:
+        raw = json.dumps(doc).encode()
+    except ValueError:
+        return
+    rec = salvage(raw, base["service"])
+    check_record(rec)
+    assert rec.service == base["service"]
+    if doc.get("service") != base["service"]:
+        assert rec == Record(base["service"])  # another service's record: nothing of it
+        return
+    for key, value in doc.items():
+        if key in ("service", "recovered", "schema"):
+            continue
+        try:
+            ok = decode_record({"service": base["service"], key: value})
+        except RecordError:
+            continue
+        assert getattr(rec, key) == getattr(ok, key)  # every field that passes is kept
+
+
+def test_salvage_of_what_is_no_record_of_this_service_keeps_nothing() -> None:
+    fresh = Record("vllm")
+    assert salvage(b"\xff", "vllm") == fresh
+    assert salvage(b"[1]", "vllm") == fresh
+    assert salvage(b'{"service": "sglang", "phase": "running"}', "vllm") == fresh
+    assert salvage(b"[" * 100_000, "vllm") == fresh

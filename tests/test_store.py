@@ -1237,3 +1237,33 @@ def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive
     assert rec.phase is Phase.STOPPED  # and the touch after the stop brought nothing back
     assert rec.handle is None
     assert rec.last_used == w.clock()
+
+
+def test_a_start_under_way_survives_its_poisoned_lease(env: Env) -> None:
+    """The poisoned record of the report: a start under way whose lease names pid
+    2**31. The file is set aside; what passes is kept, so the start still counts (an
+    orphaned start: phase starting, its nonce, no lease) instead of reading as stopped."""
+    since = env.clock() - 5
+    poisoned = {
+        "schema": 1,
+        "service": SVC,
+        "phase": "starting",
+        "since": since,
+        "last_used": since,
+        "start_nonce": "0123456789abcdef",
+        "health": "http://127.0.0.1:8000/health",
+        "lease": Lease("h", "dgx", "b", 2147483648, None, "ensure", since, since + 600).to_dict(),
+        "handle": None,
+    }
+    env.record_path().parent.mkdir(parents=True)
+    env.record_path().write_text(json.dumps(poisoned))
+    rec = env.store.get(SVC)
+    assert rec.recovered is not None
+    assert "at $.lease.pid" in rec.recovered
+    assert "kept its valid fields" in rec.recovered
+    assert (rec.phase, rec.since, rec.start_nonce) == (Phase.STARTING, since, "0123456789abcdef")
+    assert rec.health == "http://127.0.0.1:8000/health"
+    assert rec.lease is None
+    assert env.direct.get(SVC) == rec  # and so it stays on disk
+    (kept,) = env.store.set_aside()
+    assert kept.why.startswith("at $.lease.pid")

@@ -23,6 +23,7 @@ Bounds (generous for what gpuctl writes, tight enough that nothing can overflow)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -365,6 +366,32 @@ def parse_record(raw: bytes) -> Record:
         # A string of "[" deeper than Python's stack: no record nests like that.
         raise RecordError("$", "nested too deep") from None
     return decode_record(data)
+
+
+def salvage(raw: bytes, service: str) -> Record:
+    """What can be kept of a record file that failed the schema: every top-level field
+    that passes on its own (a lease only whole). The file itself is set aside; this is
+    the fresh record that replaces it.
+
+    Keeping what is sound keeps what a reader must not lose: a start under way (phase
+    ``starting`` with its nonce, or its recorded server) still counts after a lease
+    with a pid of 2**31 is dropped, rather than the service reading as stopped and IDLE.
+    A file that is not a JSON object, or names another service, keeps nothing.
+    """
+    try:
+        if len(raw) > MAX_RECORD_BYTES:
+            return Record(service)
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return Record(service)
+    if type(data) is not dict or data.get("service") != service:
+        return Record(service)
+    kept: dict[str, Any] = {"service": service}
+    for name, (check, _) in RECORD_FIELDS.items():
+        if name in data and name not in ("service", "recovered"):
+            with contextlib.suppress(RecordError):
+                kept[name] = check(data[name], f"$.{name}")
+    return decode_record(kept)
 
 
 # ---- encoding

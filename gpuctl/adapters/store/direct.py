@@ -34,6 +34,7 @@ from gpuctl.adapters.store.codec import (
     check_record,
     encode_record,
     parse_record,
+    salvage,
 )
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.core.record import (
@@ -164,7 +165,11 @@ class DirectStore(InflightFiles):
 
     def _recover(self, service: str, path: Path, why: str) -> Record:
         """A record that fails the schema is set aside (kept for a person to look at),
-        and the service starts afresh."""
+        and the service goes on with the fields of it that pass (``codec.salvage``)."""
+        try:
+            fresh = salvage(_read_bounded(path), service)
+        except OSError:  # a symbolic link (never followed), or gone
+            fresh = Record(service=service)
         stamp = int(self.clock())
         saved = path.with_name(f"{path.name}.corrupt-{stamp}")
         n = 1
@@ -179,11 +184,12 @@ class DirectStore(InflightFiles):
                 f"{e.strerror or e}",
                 hint=f"move it away by hand; {path.parent} must be writable by this user",
             ) from None
-        note = f"record was unreadable ({why}); kept as {saved.name}, started afresh"
+        kept = "started afresh" if fresh == Record(service) else "kept its valid fields"
+        note = f"record was unreadable ({why}); kept as {saved.name}, {kept}"
         # For the agent's log (and journald): the one reader told in the record may be a
         # status nobody reads; `gpuctl locks` lists the copy until it is removed.
         log.warning("%s: %s", path, note)
-        return Record(service=service, recovered=clip(note))
+        return replace(fresh, recovered=clip(note))
 
     def _write(self, record: Record) -> None:
         path, _ = self._paths(record.service)
