@@ -236,7 +236,7 @@ def test_memory_bar_shows_held_and_promised_so_it_agrees_with_the_decisions(
 
 
 def test_view_fits_80_columns(tmp_path: Path) -> None:
-    text = _text(render_status(_report(tmp_path)), width=80)
+    text = _text(render_status(_report(tmp_path), width=80), width=80)
     assert max(len(line) for line in text.splitlines()) <= 80
 
 
@@ -417,3 +417,15 @@ def test_locks_json_and_text_list_set_aside_files() -> None:
     text = _text(render_locks(report), width=100)
     assert "kept as x.json.corrupt-1" in text  # the newest, on its row's note
     assert "kept unreadable record x.json.corrupt-0" in text  # older copies listed below
+
+
+def test_a_long_command_takes_the_room_that_is_left(tmp_path: Path) -> None:
+    base = _report(tmp_path)
+    h = base.hosts[0]
+    assert h.snapshot is not None
+    long = "python3 serve.py " + " ".join(f"--option-{i} value-{i}" for i in range(20))
+    snap = replace(h.snapshot, processes=(GpuProcess(7, long, 1 * GIB, "ana"),), starting=())
+    text = _text(render_status(replace(base, hosts=(replace(h, snapshot=snap),)), width=80), 80)
+    (row,) = [line for line in text.splitlines() if "serve.py" in line]
+    assert len(row) <= 80 and row.rstrip(" │").endswith("…")
+    assert len(row.rstrip(" │")) >= 76  # cut at the border, not short of it

@@ -182,6 +182,28 @@ def _cmd(cmd: str | None, wide: bool, room: int, g: Glyphs) -> Text:
     return Text(cmd)
 
 
+def _command_room(h: HostReport, width: int, *, many: bool, sm: bool, wide: bool) -> int:
+    """What is left of ``width`` for the COMMAND column once the panel's border and the
+    other columns (each as wide as its widest cell, two spaces between) are drawn."""
+    snap = h.snapshot
+    assert snap is not None
+    pids = [p.pid for p in snap.processes] + [s.pid for s in snap.starting or ()]
+    users = [p.user for p in snap.processes] + [s.user for s in snap.starting or ()]
+    widths = [
+        max(5, *(len(str(pid)) for pid in pids)),  # PID
+        min(12, max(4, *(len(u or "?") for u in users))),  # USER
+        max(9, *(len(format_mib(p.memory_mib)) for p in snap.processes), 8),  # GPU MEM
+        max(7, *(len(s.name) for s in h.services), 0),  # SERVICE
+    ]
+    if many:
+        widths.append(3)
+    if sm:
+        widths.append(4)
+    if wide:
+        widths.append(12)
+    return max(20, width - 4 - sum(widths) - 2 * len(widths))
+
+
 def process_table(
     h: HostReport,
     wide: bool,
@@ -208,9 +230,7 @@ def process_table(
     if wide:
         t.add_column("CONTAINER", no_wrap=True)
     t.add_column("COMMAND", overflow="fold" if wide else "ellipsis", no_wrap=not wide)
-    names = [s.name for s in h.services] or [""]
-    room = max(20, width - 4 - 7 - 13 - 11 - max(8, max(len(n) for n in names) + 2))
-    room -= (5 if many else 0) + (6 if sm else 0)
+    room = _command_room(h, width, many=many, sm=sm, wide=wide)
     starting_pids = {s.pid for s in snap.starting or ()}
     for p in snap.processes:
         if not p.on_gpu and p.pid in starting_pids:
