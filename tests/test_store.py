@@ -1267,3 +1267,45 @@ def test_a_start_under_way_survives_its_poisoned_lease(env: Env) -> None:
     assert env.direct.get(SVC) == rec  # and so it stays on disk
     (kept,) = env.store.set_aside()
     assert kept.why.startswith("at $.lease.pid")
+
+
+@pytest.mark.e2e
+def test_ensure_json_prints_its_object_when_records_are_read_only(tmp_path: Path) -> None:
+    """A read-only ``records/`` once gave "internal error: PermissionError". Run as
+    root, modes do not stop a write, so the folder is bind-mounted read-only in a mount
+    namespace of the command's own (nothing outside it sees the mount)."""
+    import shutil
+
+    from gpuctl.sim.host import SimHost
+    from tests.conftest import gpuctl_exe
+    from tests.ensure_helpers import cli_env, direct_config, service_toml
+
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-m", "true"], capture_output=True, check=False)
+    if unshare is None or probe.returncode != 0:
+        pytest.skip("needs unshare -m (a mount namespace) to make a folder read-only")
+    with SimHost(root=tmp_path / "simhost") as host:
+        cfg = direct_config(host, service_toml("llmro", 1, "sleep 1"))
+        env = {**cli_env(cfg), "GPUCTL_STATE_DIR": str(host.state_dir)}
+        DirectStore(host.state_dir).touch("llmro")  # the folders and a record exist
+        records = host.state_dir / "records"
+        script = (
+            f'mount --bind "{records}" "{records}" && '
+            f'mount -o remount,bind,ro "{records}" && '
+            f'exec "{gpuctl_exe()}" ensure llmro --json'
+        )
+        out = subprocess.run(
+            [unshare, "-m", "sh", "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    result = json.loads(out.stdout)
+    assert result["outcome"] == "failed"
+    assert f"cannot write in {records}" in result["reason"]
+    assert "Read-only file system" in result["reason"]
+    assert "must be writable" in result["hint"]
+    assert "internal error" not in out.stderr
