@@ -314,3 +314,33 @@ def test_status_is_unchanged_by_the_store(agent: str, state_dir: Path) -> None:
     status = httpx.get(f"{agent}/status", headers=AUTH).json()
     assert "records" not in status
     assert status["state_dir"] == str(state_dir)
+
+
+def test_the_openapi_document_says_what_the_store_schema_checks() -> None:
+    """The agent documents the records with the store's own tables: the two must not drift
+    (a client built from /openapi.json would send what the store refuses)."""
+    from gpuctl.adapters.store.codec import (
+        FAILURE_FIELDS,
+        HOLDER_FIELDS,
+        LEASE_FIELDS,
+        PID_MAX,
+        RECORD_FIELDS,
+    )
+    from gpuctl.adapters.store.schema import REQUIRED
+
+    schemas = openapi_document()["components"]["schemas"]
+
+    def required(table: dict[str, Any]) -> set[str]:
+        return {k for k, (_, default) in table.items() if default is REQUIRED}
+
+    holder = schemas["Holder"]
+    assert set(holder["properties"]) == set(HOLDER_FIELDS)
+    assert set(holder["required"]) == required(HOLDER_FIELDS)
+    assert holder["properties"]["pid"]["minimum"] == 1
+    assert holder["properties"]["pid"]["maximum"] == PID_MAX
+    assert set(schemas["Lease"]["properties"]) == set(LEASE_FIELDS)
+    assert set(schemas["Failure"]["properties"]) == set(FAILURE_FIELDS)
+    # every record the store writes carries every field (null when unset)
+    assert set(schemas["Record"]["properties"]) == set(RECORD_FIELDS)
+    assert set(schemas["Record"]["required"]) == set(RECORD_FIELDS)
+    assert set(Record("x").to_dict()) == set(RECORD_FIELDS)
