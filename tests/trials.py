@@ -104,9 +104,8 @@ class Trial:
 
 Action = Callable[[Trial, Svc], None]
 ACTIONS: dict[str, tuple[float, Action]] = {}
-# More invariants, checked after each trial, and what to forget between trials (later
-# work registers its own: tests/trials_reclaim.py).
-CHECKS: list[Callable[[Trial], None]] = []
+# What to forget between trials (later work registers its own: tests/trials_reclaim.py);
+# its invariants register with @check below.
 RESETS: list[Callable[[Trial], None]] = []
 
 
@@ -339,8 +338,6 @@ def run_trials(
             report.samples += sampler.samples
             for end_check in CHECKS:
                 end_check(trial)
-            for extra in CHECKS:
-                extra(trial)
             report.trials += 1
             if trial.violations:
                 tag = f"trial {report.trials} (seed {seed})"

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import cli_env
-from tests.trials import ACTIONS, CHECKS, RESETS, Caller, Svc, Trial, action
+from tests.trials import ACTIONS, RESETS, Caller, Svc, Trial, action
+from tests.trials import check as end_check
 
 IDLE_TIMEOUT_S = 2.0  # what tests/trials.py configures, so reclaim has work to do
 
@@ -177,6 +178,7 @@ def _stopped_by(reclaim: Timed) -> set[str]:
     }
 
 
+@end_check
 def check(t: Trial) -> None:
     log = log_of(t)
     for r in log.requests:
@@ -215,5 +217,4 @@ def reset(t: Trial) -> None:
     _logs.pop(id(t), None)
 
 
-CHECKS.append(check)
 RESETS.append(reset)
