@@ -1309,3 +1309,63 @@ def test_ensure_json_prints_its_object_when_records_are_read_only(tmp_path: Path
     assert "Read-only file system" in result["reason"]
     assert "must be writable" in result["hint"]
     assert "internal error" not in out.stderr
+
+
+def peer_answering(status: int, body: bytes) -> Any:
+    """An ASGI app that answers every request with ``status`` and ``body`` as JSON: an
+    agent gone wrong, or something else on its port."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+BROKEN_ANSWERS = {
+    "deep": (200, b"[" * 100_000 + b"]" * 100_000),
+    "deep-error": (503, b'{"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "not-an-object": (200, b"[1, 2]"),
+    "records-not-a-list": (200, b'{"records": {"vllm": 1}}'),
+    "poisoned-record": (
+        200,
+        json.dumps({"records": [{"service": SVC, "handle": {"pid": 2**31}}]}).encode(),
+    ),
+    "granted-no": (200, b'{"granted": "no", "record": {"service": "vllm"}}'),
+}
+
+
+@pytest.mark.parametrize(("status", "body"), BROKEN_ANSWERS.values(), ids=BROKEN_ANSWERS.keys())
+def test_an_agent_that_answers_nonsense_is_unavailable_not_a_crash(
+    status: int, body: bytes
+) -> None:
+    """Whatever the peer on the agent's port answers, the agent store raises one of
+    gpuctl's errors (UNKNOWN for status), never RecursionError or a KeyError."""
+    from gpuctl.errors import AgentUnavailable
+
+    with serve_in_thread(peer_answering(status, body)) as url:
+        store = AgentStore(url, TOKEN, host_name="testhost")
+        try:
+            with pytest.raises(AgentUnavailable):  # none of them is a list of records
+                store.records()
+            for call in (
+                store.set_aside,  # an answer without the key is an agent before it: []
+                lambda: store.get(SVC),
+                lambda: store.acquire(SVC, holder(), 60),
+                lambda: store.touch(SVC),
+            ):
+                try:
+                    got = call()
+                except (AgentUnavailable, StoreError):
+                    continue
+                assert got == [], got  # the one sound answer among these
+        finally:
+            store.close()

@@ -104,7 +104,8 @@ def _looks_like_html(resp: httpx.Response) -> bool:
 def _json_or_none(resp: httpx.Response) -> Any:
     try:
         return json.loads(resp.content)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: nested deeper than Python's stack (a hostile or broken peer).
         return None
 
 

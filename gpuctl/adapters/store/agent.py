@@ -67,7 +67,7 @@ class AgentStore:
         """
         import httpx
 
-        from gpuctl.adapters.agent_client import parse_response, transport_error
+        from gpuctl.adapters.agent_client import _json_or_none, parse_response, transport_error
 
         token = self._read_token if method == "GET" else self._token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -81,10 +81,7 @@ class AgentStore:
             # The agent answered, but its store could not do it (not the lease holder, a
             # lock held too long, no state dir): the same StoreError the files give. A
             # 400 is a request the files would refuse too (a bad update): a UsageError.
-            try:
-                data = r.json()
-            except ValueError:
-                data = None
+            data = _json_or_none(r)
             if isinstance(data, dict) and isinstance(data.get("error"), str):
                 hint = data.get("hint")
                 if r.status_code == 400:
