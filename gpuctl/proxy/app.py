@@ -79,6 +79,8 @@ _HOP = frozenset(
     }
 )
 _HOP_STR = frozenset(h.decode() for h in _HOP) | {"date"}
+# How long the in-flight count stays after a service's last request ends.
+LINGER_S = 2.0
 # A streaming request's first SSE comment waits this long: a service that turns out
 # ready (or busy) within it gets its real status line instead of our 200.
 FIRST_COMMENT_DELAY_S = 1.0
@@ -102,14 +104,22 @@ class ProxySettings:
 
 
 class _State:
-    """The proxy's own view of one service."""
+    """The proxy's own view of one service.
 
-    __slots__ = ("in_flight", "ready", "use")
+    The proxy holds one ``in_use`` count on the service while any of its requests is in
+    flight, and ``LINGER_S`` after the last one ends: a client that sends one request
+    after another moves no count in the store (and needs no new readiness check).
+    """
+
+    __slots__ = ("held", "in_flight", "lock", "ready", "release", "use")
 
     def __init__(self, use: in_use) -> None:
         self.in_flight = 0
-        self.ready = False  # trusted only while in_flight > 0 (see ready.py)
+        self.held = False  # this proxy's in_use count is open (the store has our entry)
+        self.ready = False  # trusted only while held (see ready.py)
         self.use = use
+        self.lock = asyncio.Lock()  # one hold or release at a time
+        self.release: asyncio.TimerHandle | None = None
 
 
 class _Reply:
@@ -171,6 +181,7 @@ class ProxyApp:
         self._flight: SingleFlight | None = None
         self._states: dict[str, _State] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
+        self._releases: set[asyncio.Task[None]] = set()
         self._models_body = json.dumps(
             {
                 "object": "list",
@@ -184,16 +195,11 @@ class ProxyApp:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
+            from gpuctl.proxy.upstream import make_client
+
             # One client for every upstream: pooled keep-alive connections, enough for
             # hundreds of concurrent streams.
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    UPSTREAM_READ_TIMEOUT_S, connect=UPSTREAM_CONNECT_TIMEOUT_S, pool=None
-                ),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-                follow_redirects=False,
-                trust_env=False,  # loopback upstreams: never through an HTTP(S)_PROXY
-            )
+            self._client = make_client(UPSTREAM_READ_TIMEOUT_S, UPSTREAM_CONNECT_TIMEOUT_S)
         return self._client
 
     @property
@@ -207,6 +213,12 @@ class ProxyApp:
         return self._flight.launches if self._flight else 0
 
     async def aclose(self) -> None:
+        for st in self._states.values():
+            if st.release is not None:
+                st.release.cancel()
+                st.release = None
+            if st.held and not st.in_flight:
+                await self._release(st)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -457,10 +469,8 @@ class ProxyApp:
             )
         st.in_flight += 1
         self.metrics.in_flight[svc.name] += 1
-        entered = False
         try:
-            await st.use.__aenter__()  # counts in the store on this process's 0 -> 1
-            entered = True
+            await self._hold(st)
             attempts = 2  # a refused connection once: the server went, start it again
             while True:
                 if not st.ready:
@@ -481,10 +491,36 @@ class ProxyApp:
         finally:
             st.in_flight -= 1
             self.metrics.in_flight[svc.name] -= 1
-            if st.in_flight == 0:
-                st.ready = False  # reclaim may act from now on: look again next time
-            if entered:
-                await st.use.__aexit__(None, None, None)
+            if st.in_flight == 0 and st.held and st.release is None:
+                st.release = asyncio.get_running_loop().call_later(
+                    LINGER_S, self._start_release, st
+                )
+
+    async def _hold(self, st: _State) -> None:
+        """Count this proxy as using the service (in the store on its 0 -> 1)."""
+        if st.release is not None:
+            st.release.cancel()
+            st.release = None
+        if st.held:
+            return
+        async with st.lock:
+            if not st.held:
+                await st.use.__aenter__()
+                st.held = True
+
+    def _start_release(self, st: _State) -> None:
+        st.release = None
+        task = asyncio.get_running_loop().create_task(self._release(st))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, st: _State) -> None:
+        async with st.lock:
+            if st.in_flight or not st.held:
+                return
+            st.held = False
+            st.ready = False  # reclaim may act from now on: look again next time
+            await st.use.__aexit__(None, None, None)
 
     async def _wait_ready(self, call: _Call, st: _State) -> None:
         svc, reply, info, send = call.up.service, call.reply, call.info, call.send

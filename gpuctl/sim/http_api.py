@@ -41,6 +41,9 @@ class Server(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: with Nagle's algorithm the body waits
+    # for the client's delayed ACK (40 ms a request). uvicorn, and so vLLM, set NODELAY.
+    disable_nagle_algorithm = True
     server_version = "uvicorn"
     sys_version = ""
 

@@ -1,0 +1,260 @@
+"""What ``gpuctl proxy`` adds in front of a warm model server, beside LiteLLM's proxy.
+
+One simulated host (its agent, the in-flight counts through it), two simulated vLLM
+servers already loaded (``fast``: no delay per token, for latency; ``stream``: a delay
+per token, for streams), ``gpuctl proxy`` fronting both (a client key, the access log
+on, as deployed) and, when its venv is there, LiteLLM's proxy pointed at the same two
+servers (its master key; ``pip install 'litellm[proxy]'`` into ``--litellm-venv``, never
+into gpuctl's own). Then ``wrk`` (keep-alive, ``--latency``) drives each target in
+turn, interleaved over ``--rounds`` rounds so that the machine's noise falls on all of
+them alike:
+
+- non-streaming, ``max_tokens`` 1, ``--connections`` (64) clients: p50 and p99 per
+  target; *added* = proxy minus direct, medians over the rounds;
+- streaming, ``--stream-tokens`` tokens per answer at 64 and 256 concurrent streams:
+  tokens/s = completed answers/s x tokens per answer (each answer is the same size on
+  every path), as a ratio to direct.
+
+Usage::
+
+    python bench/proxy_bench.py [--rounds 3] [--duration 5s] [--connections 64]
+        [--litellm-venv /tmp/litellm-venv]
+
+Targets of the issue (10): added p50 <= 1 ms and p99 <= 5 ms; streaming >= 95 % of
+direct at 64 streams; added latency <= half of LiteLLM's. This is a measurement, not a
+test: it exits 1 only when a server or wrk fails, or a response was not a 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpuctl.sim.host import SimHost, free_port
+
+_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def parse_wrk(text: str) -> dict[str, float]:
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
+    lat: dict[str, float] = {}
+    for pct, value, unit in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", text, re.M):
+        lat[pct] = float(value) * _UNIT_MS[unit]
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
+    errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    n_err = sum(int(x) for x in errs.groups()) if errs else 0
+    return {
+        "rps": rps,
+        "p50": lat.get("50", float("nan")),
+        "p99": lat.get("99", float("nan")),
+        "bad": float(int(bad.group(1)) if bad else 0) + n_err,
+    }
+
+
+def wrk(
+    url: str, body: dict[str, object], key: str | None, conns: int, duration: str
+) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write('wrk.method = "POST"\n')
+        f.write(f"wrk.body = {json.dumps(json.dumps(body))}\n")
+        f.write('wrk.headers["Content-Type"] = "application/json"\n')
+        if key:
+            f.write(f'wrk.headers["Authorization"] = "Bearer {key}"\n')
+        script = f.name
+    try:
+        out = subprocess.run(
+            ["wrk", "-t2", f"-c{conns}", f"-d{duration}", "--timeout", "30s", "--latency",
+             "-s", script, url],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        os.unlink(script)
+    return parse_wrk(out)
+
+
+def wait_ok(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited with status {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    sys.exit(f"{what} did not answer {url} in time")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", default="5s")
+    ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--stream-tokens", type=int, default=50)
+    ap.add_argument("--token-delay", default="10ms")
+    ap.add_argument("--litellm-venv", default="/tmp/litellm-venv")
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is not on PATH")
+
+    key = "sk-bench-" + secrets.token_hex(16)
+    with SimHost(gpu_memory="100GiB") as host:
+        host.start_agent()
+        fast_port, stream_port = free_port(), free_port()
+        servers = [
+            host.model_server("fast", "1GiB", "0", fast_port, "--token-delay", "0"),
+            host.model_server(
+                "stream", "1GiB", "0", stream_port, "--token-delay", args.token_delay
+            ),
+        ]
+        for port, proc in zip((fast_port, stream_port), servers, strict=True):
+            wait_ok(f"http://127.0.0.1:{port}/health", proc, "a sim model server")
+        services = ""
+        for name, port in (("fast", fast_port), ("stream", stream_port)):
+            services += (
+                f'[services.{name}]\nlauncher = "process"\n'
+                f'command = "{sys.executable} -m gpuctl sim model-server --name {name}"\n'
+                f'health = "http://127.0.0.1:{port}/health"\nmodels = ["{name}"]\n'
+                f'memory = "1GiB"\n\n'
+            )
+        keys = host.base / "proxy.keys"
+        keys.write_text(key + "\n")
+        conf = host.write_config(services + f'[proxy]\napi_keys_file = "{keys}"\n')
+        pport = free_port()
+        proxy = host.spawn(
+            ["proxy", "--listen", f"127.0.0.1:{pport}"], "proxy", {"GPUCTL_CONFIG": str(conf)}
+        )
+        wait_ok(f"http://127.0.0.1:{pport}/healthz", proxy, "gpuctl proxy")
+        targets: dict[str, tuple[str, str | None]] = {
+            "direct": ("http://127.0.0.1:{port}", None),
+            "gpuctl": (f"http://127.0.0.1:{pport}", key),
+        }
+        litellm = Path(args.litellm_venv) / "bin" / "litellm"
+        ll_proc = None
+        if litellm.exists():
+            lport = free_port()
+            (host.base / "litellm.yaml").write_text(
+                "model_list:\n"
+                + "".join(
+                    f"  - model_name: {n}\n    litellm_params:\n      model: openai/{n}\n"
+                    f"      api_base: http://127.0.0.1:{p}/v1\n      api_key: none\n"
+                    for n, p in (("fast", fast_port), ("stream", stream_port))
+                )
+                + "litellm_settings:\n  telemetry: false\n"
+            )
+            env = {
+                **os.environ,
+                "LITELLM_MASTER_KEY": key,
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch off this machine
+                "LITELLM_TELEMETRY": "False",
+            }
+            with open(host.base / "litellm.log", "wb") as log:
+                ll_proc = subprocess.Popen(
+                    [str(litellm), "--config", str(host.base / "litellm.yaml"), "--port",
+                     str(lport), "--host", "127.0.0.1", "--num_workers", "1"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            wait_ok(f"http://127.0.0.1:{lport}/health/liveliness", ll_proc, "LiteLLM", 300)
+            targets["litellm"] = (f"http://127.0.0.1:{lport}", key)
+        else:
+            print(f"LiteLLM: not run ({litellm} is missing; pip install 'litellm[proxy]' there)")
+        try:
+            return run(args, targets, fast_port, stream_port)
+        finally:
+            if ll_proc is not None:
+                ll_proc.terminate()
+                ll_proc.wait(30)
+            host.stop(proxy)
+            for s in servers:
+                host.stop(s)
+
+
+def run(
+    args: argparse.Namespace,
+    targets: dict[str, tuple[str, str | None]],
+    fast_port: int,
+    stream_port: int,
+) -> int:
+    def url(name: str, port: int) -> str:
+        base, _ = targets[name]
+        return base.format(port=port) + "/v1/chat/completions"
+
+    # Warm every path once (connections, LiteLLM's first-request set-up).
+    for name, (_, k) in targets.items():
+        for model, port in (("fast", fast_port), ("stream", stream_port)):
+            h = {"Authorization": f"Bearer {k}"} if k else {}
+            r = httpx.post(url(name, port), json={"model": model, "messages": MSG, "max_tokens": 1},
+                           headers=h, timeout=60)  # fmt: skip
+            if r.status_code != 200:
+                sys.exit(f"{name} answered {r.status_code}: {r.text[:200]}")
+
+    fast_body = {"model": "fast", "messages": MSG, "max_tokens": 1}
+    stream_body = {"model": "stream", "messages": MSG, "stream": True,
+                   "max_tokens": args.stream_tokens}  # fmt: skip
+    lat: dict[str, list[dict[str, float]]] = {n: [] for n in targets}
+    streams: dict[tuple[str, int], list[float]] = {}
+    bad = 0
+    for rnd in range(args.rounds):
+        for name, (_, k) in targets.items():
+            m = wrk(url(name, fast_port), fast_body, k, args.connections, args.duration)
+            lat[name].append(m)
+            bad += int(m["bad"])
+        for conns in (64, 256):
+            for name, (_, k) in targets.items():
+                m = wrk(url(name, stream_port), stream_body, k, conns, args.duration)
+                streams.setdefault((name, conns), []).append(m["rps"] * args.stream_tokens)
+                bad += int(m["bad"])
+        print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(m[key] for m in lat[name])
+
+    print(f"\nnon-streaming, max_tokens 1, {args.connections} clients, "
+          f"{args.rounds} rounds x {args.duration} (medians):")  # fmt: skip
+    print(
+        f"  {'target':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}"
+    )
+    d50, d99 = med("direct", "p50"), med("direct", "p99")
+    added: dict[str, tuple[float, float]] = {}
+    for name in targets:
+        a50, a99 = med(name, "p50") - d50, med(name, "p99") - d99
+        added[name] = (a50, a99)
+        print(f"  {name:8} {med(name, 'rps'):8.0f} {med(name, 'p50'):8.2f} {med(name, 'p99'):8.2f}"
+              f" {a50:10.2f} {a99:10.2f}")  # fmt: skip
+    print("  target: gpuctl added p50 <= 1 ms, p99 <= 5 ms")
+    if "litellm" in added:
+        g, ll = added["gpuctl"], added["litellm"]
+        print(f"  gpuctl / LiteLLM added latency: p50 {g[0] / ll[0]:.2f}x, p99 {g[1] / ll[1]:.2f}x"
+              " (target <= 0.5x)")  # fmt: skip
+    print(f"\nstreaming, {args.stream_tokens} tokens per answer, {args.token_delay} per token"
+          f" (tokens/s, medians):")  # fmt: skip
+    for conns in (64, 256):
+        direct = statistics.median(streams[("direct", conns)])
+        for name in targets:
+            v = statistics.median(streams[(name, conns)])
+            print(f"  {conns:3} streams  {name:8} {v:9.0f} tokens/s  {v / direct:6.1%} of direct")
+    print("  target: gpuctl >= 95 % of direct at 64 streams")
+    print(f"\nerrors (non-2xx, socket): {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
