@@ -1114,12 +1114,15 @@ def sim_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 @pytest.mark.e2e
-def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any) -> None:
-    """Without its records a host's leases are unknown: never IDLE, exit 4."""
+@pytest.mark.parametrize("path", ["agent", "direct"])
+def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: str) -> None:
+    """Without its records a host's leases are unknown: never IDLE, exit 4, through the
+    agent and on the files directly."""
     from tests.conftest import gpuctl_exe
-    from tests.ensure_helpers import cli_env, service_toml
+    from tests.ensure_helpers import cli_env, direct_config, service_toml
 
-    cfg = sim_host.write_config(service_toml("llmx", 1, "sleep 1"))
+    services = service_toml("llmx", 1, "sleep 1")
+    cfg = sim_host.write_config(services) if path == "agent" else direct_config(sim_host, services)
     (sim_host.state_dir / "records").mkdir(parents=True, exist_ok=True)
     (sim_host.state_dir / "records" / "llmx.json").mkdir()  # no file can be read there
     out = subprocess.run(
