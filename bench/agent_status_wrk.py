@@ -6,7 +6,10 @@ host), optionally puts a few simulated GPU processes on it, then runs::
     wrk -t2 -c32 -d10s --latency -H 'Authorization: Bearer …' http://127.0.0.1:PORT/status
 
 and prints requests/s, p50 and p99, and the ratio to the target (2000 req/s on a
-2-core machine). Usage::
+2-core machine). In the same run it measures ``GET /healthz`` (a fixed answer, the
+server stack's floor) the same way and prints ``/status`` as a share of it, so what the
+status path itself costs (auth, the cached reading, query parsing) shows side by side.
+Usage::
 
     python bench/agent_status_wrk.py [--duration 10s] [--connections 32] [--threads 2]
         [--holds 3] [--match vllm]
@@ -128,21 +131,31 @@ def main() -> int:
                 time.sleep(0.2)
             body = r.content
             print(f"status body: {len(body)} bytes, {len(r.json()['processes'])} GPU processes")
-            out = subprocess.run(
-                ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}",
-                 "--latency", "-H", f"Authorization: Bearer {token}", target],
-                capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
+
+            def run_wrk(where: str) -> str:
+                return subprocess.run(
+                    ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}",
+                     "--latency", "-H", f"Authorization: Bearer {token}", where],
+                    capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+
+            out = run_wrk(target)
+            floor = run_wrk(f"{url}/healthz")
         finally:
             for p in reversed(procs):
                 p.terminate()
             for p in procs:
                 p.wait(10)
     rps, p50, p99, bad = parse_wrk(out)
+    floor_rps, floor_p50, _, _ = parse_wrk(floor)
     print(
         f"wrk -t{args.threads} -c{args.connections} -d{args.duration}: "
         f"{rps:,.0f} req/s, p50 {p50:.2f} ms, p99 {p99:.2f} ms "
         f"({rps / TARGET_RPS:.1f}x the {TARGET_RPS:,.0f} req/s target, {os.cpu_count()} CPUs)"
+    )
+    print(
+        f"/healthz in the same run: {floor_rps:,.0f} req/s, p50 {floor_p50:.2f} ms; "
+        f"/status runs at {rps / floor_rps:.2f}x of it"
     )
     if bad:
         print(f"error: {bad} responses were not 2xx/3xx", file=sys.stderr)

@@ -74,7 +74,7 @@ def holder_dict(**over: Any) -> dict[str, Any]:
         ("/lease", {"holder": holder_dict(pid=2147483648), "ttl_s": 60}, "holder.pid"),
         ("/lease", {"holder": holder_dict(pid=-1), "ttl_s": 60}, "holder.pid"),
         ("/lease", {"holder": holder_dict(pid="12"), "ttl_s": 60}, "holder.pid"),
-        ("/lease", {"holder": holder_dict(pid=12.0), "ttl_s": 60}, "holder.pid"),
+        ("/lease", {"holder": holder_dict(pid=12.5), "ttl_s": 60}, "holder.pid"),
         ("/lease", {"holder": holder_dict(pid=True), "ttl_s": 60}, "holder.pid"),
         ("/lease", {"holder": holder_dict(pid_start=1e308), "ttl_s": 60}, "holder.pid_start"),
         ("/lease", {"holder": holder_dict(id=""), "ttl_s": 60}, "holder.id"),
@@ -340,3 +340,34 @@ def test_durations_must_be_finite_and_positive(cli_env: Path, option: str, value
     assert result.exit_code == 2, result.output
     assert f"{option}:" in result.output
     assert "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------- /status parameters
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"fersh": "1"},
+        {"fresh": "yes"},
+        {"match": ",".join(f"k{i}" for i in range(33))},
+        {"match": "x" * 201},
+        {"match": "a", "pids": "0"},
+        {"match": "a", "pids": "4194305"},
+        {"match": "a", "pids": "1,,2"},
+        {"pids": "12x"},  # checked even where it would be ignored
+        {"exclude": "-1"},
+        {"pipes": "pipe:[1]"},
+    ],
+)
+def test_bad_status_parameters_are_400(agent: Agent, params: dict[str, str]) -> None:
+    r = httpx.get(f"{agent.url}/status", params=params, headers=AUTH)
+    assert r.status_code == 400, r.text
+
+
+def test_json_integers_may_be_written_as_floats(agent: Agent) -> None:
+    """JSON has one number type: 4242.0 is the integer 4242 (JSON Schema agrees)."""
+    h = holder_dict()
+    r = agent.post(f"/records/{SVC}/lease", {"holder": {**h, "pid": float(h["pid"])}, "ttl_s": 60})
+    assert r.status_code == 200, r.text
+    assert r.json()["record"]["lease"]["pid"] == h["pid"]

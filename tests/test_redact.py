@@ -99,7 +99,8 @@ def test_a_secret_never_survives(
         "env": [f"{var}={secret}"],
         "bearer": ["-H", "Authorization:", "Bearer", secret],
         "header": ["-H", f"Authorization: Bearer {secret}"],
-        "url": [f"https://user:{secret}@example.invalid/x"],
+        # RFC 3986: a password in a URL holds no unescaped "/".
+        "url": [f"https://user:{secret.replace('/', '%2F')}@example.invalid/x"],
     }[form]
     argv = [*before, *middle, *after]
     assert secret not in " ".join(redact_argv(argv))
@@ -142,3 +143,27 @@ def test_stored_failures_and_attempts_are_redacted() -> None:
     for secret in ("sk-live-abcdef123456", "hf_secretsecret", "hf_x2", "tok_zzzzzzzz"):
         assert secret not in text
     assert rec.failure is not None and "--api-key ***" in rec.failure.error
+
+
+@pytest.mark.timeout(120)  # a hang guard: quadratic matching would take tens of minutes here
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "x" * 65536,
+        "a-" * 32768,
+        "a." * 32768,
+        "a:" * 32768,
+        "a=" * 32768,
+        "http://" + "a" * 65536,
+        "a://b:" * 10000,
+        "Authorization: " * 4000,
+        "x:" + " " * 60000,
+    ],
+    ids=lambda s: f"{s[:8]!r}x{len(s)}",
+)
+def test_hostile_lines_cost_linear_time(hostile: str) -> None:
+    """Other people's command lines are input: every pattern is bounded, so 64 KiB of
+    the worst shapes is redacted at once (the first took minutes before they were)."""
+    for _ in range(3):
+        assert redact_lines(hostile).count(MASK) <= hostile.count(":") + hostile.count("=") + 1
+        redact_command(hostile)

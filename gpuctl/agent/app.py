@@ -49,6 +49,7 @@ from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import openapi_document
 from gpuctl.agent.query import (
     MAX_MATCH_SETS,
+    check_known,
     parse_exclude,
     parse_fresh,
     parse_match,
@@ -326,8 +327,12 @@ class AgentApp:
 
     async def _get_status(self, request: Request) -> Response:
         query = request.query() if request.query_string else {}
+        check_known(query)
         keywords = parse_match(query)
         fresh = parse_fresh(query)
+        # Checked whether or not they are used: a bad value is a 400 wherever it is.
+        exclude, pipes = parse_exclude(query, self.settings.host.boot_id)
+        pids = parse_pids(query)
         scan = await self._current_scan(fresh)
         servers = await self._current_servers(fresh)
         assert scan.value is not None and servers.value is not None
@@ -350,8 +355,6 @@ class AgentApp:
         # The servers the records name count whatever their command line.
         seen = {p.pid for p in matched.value}
         found = matched.value + tuple(p for p in servers.value.recorded if p.pid not in seen)
-        exclude, pipes = parse_exclude(query, self.settings.host.boot_id)
-        pids = parse_pids(query)
         if exclude or pipes or pids:
             # Per caller, so not cached. A caller on this host names its own process tree
             # and its pipes (its shell and `| tee vllm.log` name the service, but are not

@@ -177,8 +177,8 @@ class StoreApi:
         if op in _READS:
             return {}
         checks = {
-            "inflight_begin": wire.lease_request,
-            "inflight_renew": wire.lease_request,
+            "inflight_begin": wire.inflight_request,
+            "inflight_renew": wire.inflight_request,
             "inflight_end": wire.end_request,
             "acquire": wire.lease_request,
             "renew": wire.renew_request,

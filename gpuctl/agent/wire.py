@@ -58,6 +58,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _number_value(text: str) -> float | int:
+    """JSON has one number type: ``12.0`` is the integer 12 (as JSON Schema says), so a
+    pid written by a client that only has floats is still a pid. Fractions stay floats."""
+    value = float(text)
+    if value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    return value
+
+
 def parse_body(body: bytes) -> dict[str, Any]:
     """The body as a JSON object (an empty body is ``{}``); BadRequest otherwise."""
     if not body.strip():
@@ -74,7 +83,7 @@ def parse_body(body: bytes) -> dict[str, Any]:
     if len(body) > MAX_BODY_BYTES:
         raise HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
+        data = json.loads(body, parse_constant=_reject_constant, parse_float=_number_value)
     except RecursionError:  # unreachable after the depth bound; kept as a backstop
         raise BadRequest("", f"nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as err:  # also UnicodeDecodeError and over-long integers
@@ -295,8 +304,25 @@ def release_request(data: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# In-flight entries are files named by their holder's id (gpuctl's are uuid hex).
+INFLIGHT_ID = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def inflight_id(value: Any, field: str) -> str:
+    text = string(value, field)
+    if not INFLIGHT_ID.fullmatch(text):
+        raise BadRequest(field, "expected 1 to 64 ASCII letters and digits")
+    return text
+
+
+def inflight_request(data: dict[str, Any]) -> dict[str, Any]:
+    args = lease_request(data)
+    inflight_id(args["holder"].get("id"), "holder.id")
+    return args
+
+
 def end_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(data, "", {"holder": lambda v, f: string(v, f, empty=False)}, required=("holder",))
+    return obj(data, "", {"holder": inflight_id}, required=("holder",))
 
 
 def touch_request(data: dict[str, Any]) -> dict[str, Any]:

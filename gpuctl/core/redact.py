@@ -49,19 +49,24 @@ _NOT_SECRET = frozenset({"max_tokens", "tokens", "keys"})
 _WORD_SPLIT = re.compile(r"[-_.:/]+|(?<=[a-z0-9])(?=[A-Z])")
 
 # "Authorization: <scheme> X" (GitHub's "token X" too): the credentials go, the scheme stays.
+# Every repetition that a failed match could retry from each position is bounded, so a
+# hostile command line or log (64 KiB of one character) costs linear time, not
+# quadratic: these run on other people's command lines.
 _AUTH_HEADER = re.compile(
     r"(?i)\b((?:proxy-)?authorization\s*[:=]\s*)(?:([a-z][a-z0-9-]*)(\s+|%20))?([^\s'\"]+)"
 )
 # "Bearer X", "Basic X" on their own (a header split over arguments, a log line).
 _AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic)(\s+|%20)([^\s'\"]+)")
 # user:password@ in URLs.
-_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@'\"]*:)([^\s@'\"]+)(@)")
+_URL_PASSWORD = re.compile(
+    r"(?i)(?<![a-z0-9+.-])([a-z][a-z0-9+.-]{0,31}://[^\s/:@'\"]{0,256}:)([^\s@/'\"]{1,1024})(@)"
+)
 # name=value and name: value inside one argument (also several per argument, e.g. a query).
-# A name starts only where a letter run starts, and its run is never given back
-# (possessive): otherwise every position of a long run of letters (a log line of
-# "xxxx…") starts a new match that scans to its end, and 16 KiB of log tail took seconds.
+# The name is the last word before the separator (``--ServerApp.token=`` gives ``token``,
+# ``--api-key=`` gives ``key``), and starts only where a word starts.
 _ASSIGN = re.compile(
-    r"(?<![A-Za-z_])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*+)(?P<sep>=|:\s*)(?P<value>[^\s&;,'\"]+)"
+    r"(?<![A-Za-z0-9_])(?P<name>[A-Za-z_][A-Za-z0-9_]{0,63})(?P<sep>=|:\s{0,8})"
+    r"(?P<value>[^\s&;,'\"]+)"
 )
 
 
@@ -105,7 +110,8 @@ def redact_text(text: str) -> str:
 
 _SCHEMES = frozenset({"bearer", "basic", "token", "digest"})
 _ENDS_IN_SCHEME = re.compile(
-    r"(?<![A-Za-z_])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*+)\s*[:=]\s*(?:bearer|basic|token|digest)$",
+    r"(?<![A-Za-z0-9_])(?P<name>[A-Za-z_][A-Za-z0-9_]{0,63})\s{0,8}[:=]\s{0,8}"
+    r"(?:bearer|basic|token|digest)$",
     re.IGNORECASE,
 )
 

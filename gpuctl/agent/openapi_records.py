@@ -1,0 +1,500 @@
+"""The /records part of the agent's OpenAPI document: the state store's paths and schemas.
+
+The request schemas say exactly what the agent accepts (``gpuctl.agent.wire`` and the
+store's record schema, ``gpuctl.adapters.store.codec``), bounds included, so a client
+generated from them never sends what the agent refuses, and schemathesis can hold the
+agent to them (``tests/test_agent_schemathesis.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuctl.adapters.store import codec
+from gpuctl.agent import wire
+from gpuctl.core.names import NAME_PATTERN
+from gpuctl.core.record import RECORD_SCHEMA, Phase
+
+# The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
+# for store failures, a "hint".
+SERVICE_NAME_PATTERN = NAME_PATTERN  # the one rule (gpuctl.core.names), matched in full
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
+    """The /records paths: list, read, lease (take, renew, release), patch, touch."""
+
+    def err(description: str) -> dict[str, Any]:
+        return {
+            "description": description,
+            "content": {"application/json": {"schema": _ref("StoreError")}},
+        }
+
+    def body(schema: str, description: str) -> dict[str, Any]:
+        return {
+            "required": True,
+            "description": description,
+            "content": {"application/json": {"schema": _ref(schema)}},
+        }
+
+    def ok(schema: str, description: str) -> dict[str, Any]:
+        return {
+            "description": description,
+            "content": {"application/json": {"schema": _ref(schema)}},
+        }
+
+    service = {
+        "name": "service",
+        "in": "path",
+        "required": True,
+        "description": "The service's name, as in the config.",
+        "schema": {"type": "string", "pattern": SERVICE_NAME_PATTERN},
+    }
+    bad = err("A bad service name or request body.")
+    down = err(
+        "The store cannot be used: no state directory (agent started without one), "
+        "or it cannot be read, written or locked."
+    )
+    conflict = err("The caller does not hold the lease (any more): it expired, or was voided.")
+    common = {"400": bad, "401": unauthorized, "503": down}
+
+    def op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {"summary": summary, **extra, "responses": {**responses, **common}}
+
+    record = ok("Record", "The record after the operation.")
+    return {
+        "/records": {
+            "get": {
+                "summary": "Every service's record (an expired or void lease reads as none).",
+                "responses": {
+                    "200": ok("RecordList", "The records, by service name."),
+                    "401": unauthorized,
+                    "503": down,
+                },
+            }
+        },
+        "/records/{service}": {
+            "parameters": [service],
+            "get": op(
+                "One service's record; a service without one reads as stopped.",
+                {"200": ok("Record", "The record (an expired or void lease reads as none).")},
+            ),
+            "patch": op(
+                "Change the record, as the lease holder.",
+                {"200": record, "409": conflict},
+                requestBody=body("HolderUpdate", "Who asks, and what changes."),
+            ),
+        },
+        "/records/{service}/lease": {
+            "parameters": [service],
+            "post": op(
+                "Take the lease (the right to start or stop the service) unless another "
+                "holder has a live one. A holder may take its own lease again.",
+                {"200": ok("LeaseGrant", "Granted, or not, with the record as it stands.")},
+                requestBody=body("LeaseRequest", "Who asks, and for how long."),
+            ),
+        },
+        "/records/{service}/lease/renew": {
+            "parameters": [service],
+            "post": op(
+                "Extend the lease, as its holder.",
+                {"200": record, "409": conflict},
+                requestBody=body("RenewRequest", "The holder's id and the new time to live."),
+            ),
+        },
+        "/records/{service}/lease/release": {
+            "parameters": [service],
+            "post": op(
+                "Apply an update and drop the lease, if the caller still holds it; "
+                "otherwise nothing changes.",
+                {"200": record},
+                requestBody=body("ReleaseRequest", "The holder's id and a last update."),
+            ),
+        },
+        "/records/{service}/touch": {
+            "parameters": [service],
+            "post": op(
+                "Mark a use: last_used = now. Needs no lease.",
+                {"200": record},
+                requestBody={
+                    **body("TouchRequest", "Whether the caller saw it answer."),
+                    "required": False,
+                },
+            ),
+        },
+        "/records/{service}/inflight": {
+            "parameters": [service],
+            "post": op(
+                "Count the caller as using the service (requests in flight), and mark a use; "
+                "refused while a stop holds the lease.",
+                {"200": ok("LeaseGrant", "Counted, or not, with the record as it stands.")},
+                requestBody=body("InflightRequest", "Who uses it, and for how long at most."),
+            ),
+        },
+        "/records/{service}/inflight/renew": {
+            "parameters": [service],
+            "post": op(
+                "Keep the caller's in-flight entry alive, and mark a use.",
+                {"200": record},
+                requestBody=body("InflightRequest", "Who uses it, and for how long at most."),
+            ),
+        },
+        "/records/{service}/inflight/end": {
+            "parameters": [service],
+            "post": op(
+                "The caller has nothing in flight on the service any more.",
+                {"200": record},
+                requestBody=body("InflightEnd", "The holder's id."),
+            ),
+        },
+        "/records/_inflight": {
+            "get": {
+                "summary": "Live in-flight holders per service (services that have some).",
+                "responses": {
+                    "200": ok("InflightList", "Counts by service."),
+                    "401": unauthorized,
+                    "503": down,
+                },
+            }
+        },
+    }
+
+
+def records_schemas() -> dict[str, Any]:
+    """The schemas of the /records endpoints (``gpuctl.core.record``, ``Holder``)."""
+    number = {"type": "number"}
+    nullable_number = {"type": ["number", "null"]}
+    epoch = {**number, "description": "Seconds since the epoch."}
+    ttl = {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "maximum": wire.MAX_TTL_S,
+        "description": "Seconds until the lease expires by itself (finite, at most a week).",
+    }
+    holder_id = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": wire.MAX_SHORT_TEXT,
+        "description": "The holder's id (Holder.id).",
+    }
+    inflight_id = {
+        "type": "string",
+        "pattern": f"^{wire.INFLIGHT_ID.pattern}$",
+        "description": "The holder's id: it names the entry's file (uuid hex does).",
+    }
+    time = {"type": "number", "minimum": 0, "maximum": codec.TIME_MAX}
+    nullable_time = {**time, "type": ["number", "null"]}
+    pid = {"type": "integer", "minimum": 1, "maximum": codec.PID_MAX}
+
+    def text(most: int, least: int = 0) -> dict[str, Any]:
+        return {"type": "string", "minLength": least, "maxLength": most}
+
+    def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+        return {"oneOf": [schema, {"type": "null"}]}
+
+    # A handle or an attempt may carry more than gpuctl reads: scalars only (the codec).
+    scalar = {
+        "anyOf": [
+            {"type": "null"},
+            {"type": "boolean"},
+            {"type": "integer", "minimum": -(2**53), "maximum": 2**53},
+            {"type": "number", "minimum": -1e15, "maximum": 1e15},
+            text(4096),
+        ]
+    }
+    extra = {
+        "additionalProperties": scalar,
+        "propertyNames": {"minLength": 1, "maxLength": 64},
+    }
+    return {
+        "StoreError": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {"type": "string", "description": "What went wrong."},
+                "hint": {"type": "string", "description": "What fixes it (may be empty)."},
+            },
+        },
+        "Phase": {"type": "string", "enum": [p.value for p in Phase]},
+        "Lease": {
+            "type": "object",
+            "description": "The right to start (or stop) a service; only the holder launches.",
+            "required": [
+                "holder",
+                "host",
+                "boot_id",
+                "pid",
+                "pid_start",
+                "entry",
+                "granted",
+                "expires",
+            ],
+            "properties": {
+                "holder": holder_id,
+                "host": {"type": "string", "description": "The holder's hostname."},
+                "boot_id": {"type": "string", "description": "The holder's kernel boot id."},
+                "pid": {"type": "integer"},
+                "pid_start": {
+                    **nullable_number,
+                    "description": "The holder process's start time: a reused pid is not it.",
+                },
+                "entry": {"type": "string", "description": "ensure, proxy, cron, …"},
+                "granted": epoch,
+                "expires": epoch,
+            },
+        },
+        "Failure": {
+            "type": "object",
+            "required": ["at", "error", "log_tail", "count", "backoff_until"],
+            "properties": {
+                "at": epoch,
+                "error": {"type": "string"},
+                "log_tail": {"type": "string"},
+                "count": {"type": "integer", "description": "Consecutive failed starts."},
+                "backoff_until": {
+                    **epoch,
+                    "description": "No new start before this (10 s, doubling, at most 300 s).",
+                },
+            },
+        },
+        "Record": {
+            "type": "object",
+            "description": "A service's state on this host (DESIGN §3).",
+            "required": [
+                "schema",
+                "service",
+                "phase",
+                "since",
+                "last_used",
+                "lease",
+                "handle",
+                "attempts",
+                "failure",
+                "recovered",
+                "start_nonce",
+                "health",
+            ],
+            "properties": {
+                "schema": {"const": RECORD_SCHEMA},
+                "service": {"type": "string"},
+                "phase": _ref("Phase"),
+                "since": {**epoch, "description": "When the phase last changed."},
+                "last_used": {**nullable_number, "description": "When it was last used."},
+                "lease": {
+                    "oneOf": [_ref("Lease"), {"type": "null"}],
+                    "description": "A live lease, else null (expired and void ones read as null).",
+                },
+                "handle": {
+                    "type": ["object", "null"],
+                    "description": "What the launcher needs to find the server again.",
+                },
+                "attempts": {
+                    "type": "array",
+                    "items": {"type": "object"},
+                    "description": "The last start attempts (at most 10).",
+                },
+                "failure": {"oneOf": [_ref("Failure"), {"type": "null"}]},
+                "recovered": {
+                    "type": ["string", "null"],
+                    "description": "Set once when a broken record file was set aside.",
+                },
+                "start_nonce": {
+                    "type": ["string", "null"],
+                    "pattern": "^[0-9a-f]{8,64}$",
+                    "description": "The last start's GPUCTL_START_NONCE (finds its server).",
+                },
+                "health": {
+                    "type": ["string", "null"],
+                    "description": "The URL that tells the server answers (http or https).",
+                },
+            },
+        },
+        "SetAside": {
+            "type": "object",
+            "description": "A record file that failed validation, kept beside the records.",
+            "required": ["service", "file", "at", "size", "why"],
+            "properties": {
+                "service": {"type": "string"},
+                "file": {"type": "string", "description": "Its name in records/."},
+                "at": {**epoch, "description": "When it was set aside."},
+                "size": {"type": "integer", "minimum": 0},
+                "why": {"type": "string", "description": "Where it failed the schema."},
+            },
+        },
+        "RecordList": {
+            "type": "object",
+            "required": ["records"],
+            "properties": {
+                "records": {"type": "array", "items": _ref("Record")},
+                "set_aside": {"type": "array", "items": _ref("SetAside")},
+            },
+        },
+        "Holder": {
+            "type": "object",
+            "description": "Who asks for a lease: a fresh id per call, and its process.",
+            "required": ["id", "host", "boot_id", "pid", "entry"],
+            "additionalProperties": False,
+            "properties": {
+                "id": {"type": "string", "minLength": 1, "maxLength": 128},
+                "host": {"type": "string", "maxLength": 255},
+                "boot_id": {"type": "string", "maxLength": 64},
+                "pid": pid,
+                "pid_start": nullable_time,
+                "entry": {"type": "string", "maxLength": 64},
+            },
+        },
+        "RecordUpdate": {
+            "type": "object",
+            "description": "Changes to a record; every key is optional.",
+            "additionalProperties": False,
+            "properties": {
+                "phase": _ref("Phase"),
+                "handle": nullable(
+                    {
+                        "type": "object",
+                        "description": "What the launcher needs to find its server again.",
+                        "properties": {
+                            "kind": text(32, 1),
+                            "pid": nullable(pid),
+                            "pid_start": nullable_time,
+                            "container_id": nullable(text(128)),
+                            "container_name": nullable(text(255)),
+                            "terminal": nullable(text(255)),
+                            "log": nullable(text(4096)),
+                        },
+                        "maxProperties": 7 + codec.MAX_EXTRA_KEYS,
+                        **extra,
+                    }
+                ),
+                "attempt": {
+                    "type": "object",
+                    "description": "Appended to the attempts.",
+                    "properties": {
+                        "started": time,
+                        "ended": time,
+                        "duration_s": {
+                            "type": "number",
+                            "minimum": -codec.DURATION_MAX,
+                            "maximum": codec.DURATION_MAX,
+                        },
+                        "launcher": text(32),
+                        "outcome": text(32),
+                        "error": nullable(text(codec.TEXT_MAX)),
+                    },
+                    "maxProperties": 6 + codec.MAX_EXTRA_KEYS,
+                    **extra,
+                },
+                "failure": nullable(
+                    {
+                        "type": "object",
+                        "description": (
+                            "A failed start: phase failed, count + 1, a back-off. null clears it."
+                        ),
+                        "additionalProperties": False,
+                        "properties": {
+                            "error": text(codec.TEXT_MAX),
+                            "log_tail": text(codec.TEXT_MAX),
+                        },
+                    }
+                ),
+                "touch": {"type": "boolean", "description": "true: last_used = now."},
+                "start_nonce": {
+                    "type": ["string", "null"],
+                    "pattern": "^[0-9a-f]{8,64}$",
+                    "description": "The nonce a start puts in its server's environment.",
+                },
+                "health": {
+                    "type": ["string", "null"],
+                    "minLength": 8,
+                    "maxLength": 2048,
+                    # The store's rule (codec.URL); \x1c-\x1f and \x85 spelled out, as
+                    # Python's \s holds them and JSON Schema's (ECMA's) does not.
+                    "pattern": r"^[hH][tT][tT][pP][sS]?://[^\s\x1c-\x1f\x85/?#]+[^\s\x1c-\x1f\x85]*$",
+                    "description": "The URL that tells the server answers (http or https).",
+                },
+            },
+        },
+        "LeaseRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder", "ttl_s"],
+            "properties": {"holder": _ref("Holder"), "ttl_s": ttl},
+        },
+        "LeaseGrant": {
+            "type": "object",
+            "required": ["granted", "record"],
+            "properties": {
+                "granted": {
+                    "type": "boolean",
+                    "description": "false: someone else holds a live lease (see record.lease).",
+                },
+                "record": _ref("Record"),
+            },
+        },
+        "RenewRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder", "ttl_s"],
+            "properties": {"holder": holder_id, "ttl_s": ttl},
+        },
+        "HolderUpdate": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder", "update"],
+            "properties": {"holder": holder_id, "update": _ref("RecordUpdate")},
+        },
+        "ReleaseRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder"],
+            "properties": {
+                "holder": holder_id,
+                "update": nullable(_ref("RecordUpdate")),
+            },
+        },
+        "TouchRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "ready": {
+                    "type": "boolean",
+                    "description": (
+                        "The caller saw the server answer: a record still starting becomes "
+                        "running (a stopped one stays stopped)."
+                    ),
+                }
+            },
+        },
+        "InflightEnd": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder"],
+            "properties": {"holder": inflight_id},
+        },
+        "InflightRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder", "ttl_s"],
+            "properties": {
+                "holder": {
+                    "allOf": [_ref("Holder"), {"properties": {"id": inflight_id}}],
+                    "description": "As for a lease; the id names the entry's file.",
+                },
+                "ttl_s": ttl,
+            },
+        },
+        "InflightList": {
+            "type": "object",
+            "required": ["inflight"],
+            "properties": {
+                "inflight": {
+                    "type": "object",
+                    "description": "Requests in flight, by service.",
+                    "additionalProperties": {"type": "integer", "minimum": 1},
+                }
+            },
+        },
+    }
