@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuctl.adapters.store import codec
+from gpuctl.adapters.store import codec, schema
 from gpuctl.agent import wire
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.record import RECORD_SCHEMA, Phase
@@ -365,7 +365,7 @@ def records_schemas() -> dict[str, Any]:
                             "terminal": nullable(text(255)),
                             "log": nullable(text(4096)),
                         },
-                        "maxProperties": 7 + codec.MAX_EXTRA_KEYS,
+                        "maxProperties": 7 + schema.MAX_EXTRA_KEYS,
                         **extra,
                     }
                 ),
@@ -384,7 +384,7 @@ def records_schemas() -> dict[str, Any]:
                         "outcome": text(32),
                         "error": nullable(text(codec.TEXT_MAX)),
                     },
-                    "maxProperties": 6 + codec.MAX_EXTRA_KEYS,
+                    "maxProperties": 6 + schema.MAX_EXTRA_KEYS,
                     **extra,
                 },
                 "failure": nullable(
