@@ -33,6 +33,9 @@ class ProbeName(StrEnum):
 PROBES: tuple[str, ...] = tuple(p.value for p in ProbeName)
 LAUNCHERS = ("docker", "jupyter", "process", "ollama")
 STOP_ACTIONS = ("stop", "sleep")
+# A server answers requests; a batch works through its items and may be preempted and
+# resumed (``resume = true``) without losing them.
+SERVICE_KINDS = ("server", "batch")
 SLEEP_LEVELS = (1, 2)
 
 DEFAULT_IDLE_TIMEOUT_S = 30 * 60.0
@@ -164,6 +167,12 @@ class ServiceConfig:
     url: str | None = None
     max_concurrent: int | None = None
     queue_timeout_s: float | None = None
+    # Priorities (DESIGN §10): ``preempt`` lets ``ensure`` stop services of strictly lower
+    # priority to make room (as ``ensure --preempt``); ``resume`` brings a preempted one
+    # back once it fits (reclaim, the end of ``gpuctl run``, ``gpuctl resume``).
+    preempt: bool = False
+    resume: bool = False
+    kind: str = "server"
 
     @property
     def keywords(self) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from gpuctl.config.model import (
     DEFAULT_STOP_TIMEOUT_S,
     LAUNCHERS,
     PROBES,
+    SERVICE_KINDS,
     SLEEP_LEVELS,
     STOP_ACTIONS,
     Config,
@@ -90,6 +91,9 @@ SERVICE_KEYS = (
     "url",
     "max_concurrent",
     "queue_timeout",
+    "preempt",
+    "resume",
+    "kind",
 )
 PROXY_KEYS = (
     "listen",
@@ -322,8 +326,14 @@ def _service(
         queue_timeout_s=(
             s.duration("queue_timeout", 0.0) if s.get("queue_timeout") is not None else None
         ),
+        preempt=s.bool_("preempt", False),
+        resume=s.bool_("resume", False),
+        kind=s.choice("kind", SERVICE_KINDS, "server") or "server",
     )
     _check_service(svc, hosts[host])
+    if svc.resume and svc.launcher is None:
+        # Only a service gpuctl starts can be brought back.
+        raise s.fail("resume", "needs a launcher", hint="add launcher = ..., or drop resume")
     return svc
 
 

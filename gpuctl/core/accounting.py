@@ -11,7 +11,7 @@ with ``candidates`` and ``best_fit`` and names the holders with ``held_by``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuctl.core.model import GpuProcess, Snapshot
@@ -37,6 +37,9 @@ class GpuRoom:
     holders: tuple[GpuProcess, ...] = ()
     promised: tuple[str, ...] = ()
     error: str | None = None
+    # What each service running here counts for in ``committed_mib`` (max of measured
+    # and budget): what stopping it would give back, for the victim planner.
+    shares: tuple[tuple[str, int], ...] = ()
 
     @property
     def free_mib(self) -> int | None:
@@ -92,12 +95,15 @@ def gpu_rooms(
         unattributed = max(0, used - known.get(d.index, 0)) if used is not None else 0
         committed = unattributed + loose.get(d.index, 0)
         names = []
+        shares = []
         for o in others:
             on = measured.get(o.name, {})
             if on:
                 if d.index in on:
                     # A server spread over several GPUs grows to its budget over all of them.
-                    committed += max(on[d.index], (o.memory_mib or 0) // len(on))
+                    share = max(on[d.index], (o.memory_mib or 0) // len(on))
+                    committed += share
+                    shares.append((o.name, share))
             elif o.name in promised and (o.devices is None or d.index in o.devices):
                 committed += o.memory_mib or 0
                 names.append(o.name)
@@ -110,6 +116,7 @@ def gpu_rooms(
                 unattributed,
                 tuple(holders.get(d.index, ())),
                 tuple(names),
+                shares=tuple(shares),
             )
         )
     return tuple(rooms)
@@ -168,10 +175,13 @@ def holders_of(rooms: Sequence[GpuRoom]) -> tuple[GpuProcess, ...]:
     return tuple(h for r in rooms for h in r.holders)
 
 
-def held_by(rooms: Sequence[GpuRoom], top: int = 2) -> str:
-    """The biggest holders by name and a count of the rest, so a reason stays one line or two."""
+def held_by(
+    rooms: Sequence[GpuRoom], top: int = 2, label: Callable[[GpuProcess], str] | None = None
+) -> str:
+    """The biggest holders by name and a count of the rest, so a reason stays one line or two.
+    ``label`` adds to a process what it is to gpuctl (its service and priority)."""
     procs = sorted(holders_of(rooms), key=lambda p: -(p.memory_mib or 0))
-    parts = [describe_process(p) for p in procs[:top]]
+    parts = [describe_process(p) + (label(p) if label else "") for p in procs[:top]]
     promised = sorted({n for r in rooms for n in r.promised})
     rest = len(procs) - top
     if rest > 0:

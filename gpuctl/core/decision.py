@@ -15,11 +15,13 @@ LOADING     someone else holds its lease, or a process of this service is on the
 FAILED      the last start failed and its back-off has not run out
 IDLE        no GPU process at all, and no other service is starting
 FITS        others hold GPU memory, but this service's budget fits on one GPU beside them
-BUSY        it fits on no GPU it may use (or has no budget and anything else runs): say who
+PREEMPTABLE it fits on no GPU as things are, but would on one once some victims stop:
+            managed services of strictly lower priority, or ``gpuctl run --preemptible``
+            jobs, with nothing in flight (``gpuctl.core.plan``); only when the caller
+            hands in ``victims`` (what it knows of the running services)
+BUSY        it fits on no GPU it may use (or has no budget and anything else runs): say
+            who (pid, command, memory; the service and its priority when it is ours)
 =========== ==============================================================
-
-``classify`` never answers PREEMPTABLE yet; its enum member exists so that the wire
-format stays as it is when preemption comes.
 
 Memory is accounted per GPU (``gpu_rooms``): a service fits on one GPU, or on one of
 the GPUs its ``devices`` names, and the verdict says which (best fit). On each GPU, a
@@ -55,6 +57,7 @@ from gpuctl.core.ownership import (
     owner_of,
     owns,
 )
+from gpuctl.core.plan import Plan, VictimFacts, held_back, plan_victims
 from gpuctl.core.record import Record, in_backoff
 from gpuctl.core.units import format_duration, format_mib
 
@@ -125,8 +128,10 @@ class Verdict:
     holders: tuple[GpuProcess, ...] = ()
     need_mib: int | None = None
     free_mib: int | None = None
-    # The GPU it fits on (IDLE, FITS): where a launch should put it.
+    # The GPU it fits on (IDLE, FITS; PREEMPTABLE: once the plan's victims stop).
     gpu: int | None = None
+    # PREEMPTABLE: what to stop, and where.
+    plan: Plan | None = None
 
     @property
     def own_memory_mib(self) -> int:
@@ -147,6 +152,8 @@ def classify(
     own_holder: str | None = None,
     leased: Collection[str] = (),
     servers: Mapping[int, str] | None = None,
+    victims: Mapping[str, VictimFacts] | None = None,
+    force: bool = False,
 ) -> Verdict:
     """Decide the state of ``spec`` (see the module docstring for the rows).
 
@@ -169,6 +176,10 @@ def classify(
         servers: the pids the services' records name (their launchers recorded them),
             and whose they are: a recorded server is its service's, whatever its
             command line, and at any age.
+        victims: what the caller knows of the running services as victims (their
+            priority, in-flight requests, leases, restart cost); None: PREEMPTABLE is
+            not considered (the answer is BUSY).
+        force: victims with requests in flight may be planned too (``--force``).
     """
     everyone = [spec, *(o for o in others if o.name != spec.name)]
 
@@ -282,7 +293,11 @@ def classify(
                 gpu=chosen.index,
             )
 
-    holders_text = held_by(usable)
+    def label(p: GpuProcess) -> str:
+        o = owner_of(p.command, everyone, p.pid, servers)
+        return f" = {o.name}, priority {o.priority}" if o is not None else ""
+
+    holders_text = held_by(usable, label=label)
     if need is None:
         return Verdict(
             name,
@@ -312,15 +327,38 @@ def classify(
             holders=holders_of(usable),
             need_mib=need,
         )
+    if victims is not None:
+        plan = plan_victims(need, usable, victims, priority=spec.priority, force=force)
+        if plan is not None:
+            on = next(r for r in usable if r.index == plan.gpu)
+            assert on.total_mib is not None
+            stops = "stops" if len(plan.victims) == 1 else "stop"
+            return Verdict(
+                name,
+                Decision.PREEMPTABLE,
+                f"needs {format_mib(need)} but only {format_mib(max(plan.free_mib, 0))} of "
+                f"{format_mib(on.total_mib)} free{on_gpu_text(on, many)}; fits once "
+                f"{plan.describe()} {stops}",
+                holders=holders_of(usable),
+                need_mib=need,
+                free_mib=plan.free_mib,
+                gpu=plan.gpu,
+                plan=plan,
+            )
     most = max(known, key=lambda r: (r.free_mib or 0, -r.index))
     assert most.free_mib is not None and most.total_mib is not None
     where = " on any GPU" if many and len(usable) > 1 else on_gpu_text(most, many)
     best = f" (most on GPU {most.index})" if where == " on any GPU" else ""
+    kept = ""
+    if victims is not None:
+        kept_back = held_back(usable, victims, priority=spec.priority, force=force)
+        kept = f"; not stoppable: {'; '.join(kept_back[:3])}" if kept_back else ""
     return Verdict(
         name,
         Decision.BUSY,
         f"needs {format_mib(need)} but only {format_mib(max(most.free_mib, 0))} of "
-        f"{format_mib(most.total_mib)} free{where}{best}; held by {held_by((most,))}",
+        f"{format_mib(most.total_mib)} free{where}{best}; held by "
+        f"{held_by((most,), label=label)}{kept}",
         holders=holders_of(usable),
         need_mib=need,
         free_mib=most.free_mib,

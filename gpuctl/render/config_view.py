@@ -90,6 +90,9 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "url": s.url,
         "max_concurrent": s.max_concurrent,
         "queue_timeout": duration_text(s.queue_timeout_s) if s.queue_timeout_s else None,
+        "preempt": s.preempt or None,
+        "resume": s.resume or None,
+        "kind": s.kind if s.kind != "server" else None,
     }
 
 

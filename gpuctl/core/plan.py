@@ -1,0 +1,194 @@
+"""Victim planning for preemption (DESIGN §10): which running work to stop so a service fits.
+
+``plan_victims`` is pure. A service that fits on no GPU it may use is PREEMPTABLE when
+stopping some *victims* on one GPU would free enough memory there. A victim is:
+
+- a managed service (gpuctl started it, and its record names its server) of strictly
+  lower priority than the one asking, with no start, stop or wake under way (no lease)
+  and no request in flight (unless ``force``: then in-flight work may be cut short), or
+- a ``gpuctl run`` job started with ``--preemptible``, of strictly lower priority.
+
+Never a foreign process (it has no share: ``GpuRoom.shares`` lists services only), never
+a ``run`` job that is not preemptible, never equal or higher priority.
+
+Among the sets of victims that free enough on one GPU, the plan takes:
+
+1. the fewest stops;
+2. then the cheapest to bring back: the recorded start durations (a victim never started
+   successfully costs more than any measured one);
+3. then the least recently used (the most recent use among the victims is the oldest);
+4. then the lowest GPU index, then names in order (a stable answer).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuctl.core.accounting import GpuRoom
+from gpuctl.core.units import format_mib
+
+# Above this many subsets of the least size, the greedy choice (largest first) is taken:
+# a host runs a handful of services, so this bounds the work, not the answers.
+MAX_SUBSETS = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class VictimFacts:
+    """What the planner knows of a running service (or ``gpuctl run`` job) beyond its share.
+
+    ``managed``: gpuctl can stop it (a launcher, and a record naming its server).
+    ``preemptible``: a job's ``--preemptible``; a managed service always is (by priority).
+    ``in_flight``: requests in flight (server metric + store counts); None: unknown.
+    ``leased``: a lease is held on it (a start, stop or wake under way).
+    ``restart_s``: the median of its recorded start durations; None: never measured.
+    """
+
+    name: str
+    priority: int
+    managed: bool = True
+    job: bool = False
+    preemptible: bool = True
+    in_flight: int | None = 0
+    leased: bool = False
+    restart_s: float | None = None
+    last_used: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    name: str
+    gpu: int
+    frees_mib: int
+    priority: int
+    job: bool = False
+    restart_s: float | None = None
+    last_used: float | None = None
+
+    def describe(self) -> str:
+        what = "run job " if self.job else ""
+        return f"{what}{self.name} (priority {self.priority}, {format_mib(self.frees_mib)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Stop ``victims`` (all on ``gpu``); then ``need_mib`` fits there."""
+
+    gpu: int
+    victims: tuple[Victim, ...]
+    need_mib: int
+    free_mib: int  # free there now
+
+    @property
+    def frees_mib(self) -> int:
+        return sum(v.frees_mib for v in self.victims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.victims)
+
+    def describe(self) -> str:
+        return ", ".join(v.describe() for v in self.victims)
+
+
+def why_not(f: VictimFacts | None, priority: int, force: bool = False) -> str | None:
+    """None when ``f`` may be stopped for work of ``priority``; else why not, in words."""
+    if f is None or not f.managed:
+        return "not started by gpuctl"
+    if f.job and not f.preemptible:
+        return "a run job, not --preemptible"
+    if f.priority >= priority:
+        return f"priority {f.priority} is not below {priority}"
+    if f.leased:
+        return "a start or stop of it is under way"
+    if not force:
+        if f.in_flight is None:
+            return "its requests in flight cannot be read"
+        if f.in_flight > 0:
+            n = f.in_flight
+            return f"{n} request{'s' if n != 1 else ''} in flight (--force stops it anyway)"
+    return None
+
+
+def plan_victims(
+    need_mib: int,
+    rooms: Sequence[GpuRoom],
+    facts: Mapping[str, VictimFacts],
+    *,
+    priority: int,
+    force: bool = False,
+) -> Plan | None:
+    """The best plan over ``rooms`` (the GPUs the service may use), or None when no set of
+    permitted victims frees enough on any one of them. A GPU that cannot be read, or
+    whose total is unknown, offers no plan: nobody knows what stopping would give back."""
+    best: tuple[tuple[object, ...], Plan] | None = None
+    for room in rooms:
+        free = room.free_mib
+        if room.error is not None or free is None:
+            continue
+        short = need_mib - free
+        if short <= 0:
+            continue  # it fits there already: not the planner's question
+        pool = [
+            Victim(name, room.index, mib, f.priority, f.job, f.restart_s, f.last_used)
+            for name, mib in room.shares
+            if mib > 0
+            and (f := facts.get(name)) is not None
+            and why_not(f, priority, force) is None
+        ]
+        chosen = _cheapest(pool, short)
+        if chosen is None:
+            continue
+        key = (*_cost(chosen), room.index)
+        plan = Plan(room.index, chosen, need_mib, free)
+        if best is None or key < best[0]:
+            best = (key, plan)
+    return best[1] if best else None
+
+
+def held_back(
+    rooms: Sequence[GpuRoom],
+    facts: Mapping[str, VictimFacts],
+    *,
+    priority: int,
+    force: bool = False,
+) -> list[str]:
+    """Each running service on ``rooms`` that may not be stopped, and why (for BUSY)."""
+    out: dict[str, str] = {}
+    for room in rooms:
+        for name, _mib in room.shares:
+            why = why_not(facts.get(name), priority, force)
+            if why is not None:
+                out.setdefault(name, f"{name}: {why}")
+    return list(out.values())
+
+
+def _cheapest(pool: list[Victim], short: int) -> tuple[Victim, ...] | None:
+    if sum(v.frees_mib for v in pool) < short:
+        return None
+    greedy = sorted(pool, key=lambda v: (-v.frees_mib, v.name))
+    k, acc = 0, 0
+    while acc < short:
+        acc += greedy[k].frees_mib
+        k += 1
+    # k is the least number of stops (the k largest shares are the most k stops can free).
+    if _n_subsets(len(pool), k) > MAX_SUBSETS:
+        return tuple(sorted(greedy[:k], key=lambda v: v.name))
+    ordered = sorted(pool, key=lambda v: v.name)
+    enough = (c for c in itertools.combinations(ordered, k) if sum(v.frees_mib for v in c) >= short)
+    return min(enough, key=_cost)
+
+
+def _cost(victims: Sequence[Victim]) -> tuple[object, ...]:
+    unmeasured = sum(1 for v in victims if v.restart_s is None)
+    restart = sum(v.restart_s or 0.0 for v in victims)
+    # Never used sorts as the oldest use.
+    latest_use = max((v.last_used or 0.0) for v in victims)
+    return (len(victims), unmeasured, restart, latest_use, tuple(v.name for v in victims))
+
+
+def _n_subsets(n: int, k: int) -> int:
+    import math
+
+    return math.comb(n, k)

@@ -1,0 +1,298 @@
+"""Table tests of the victim planner (gpuctl.core.plan) and PREEMPTABLE in classify."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from gpuctl.core.accounting import GpuRoom
+from gpuctl.core.decision import Decision, Health, classify
+from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.plan import VictimFacts, held_back, plan_victims, why_not
+
+GiB = 1024
+
+
+def room(index: int, total_gib: int | None, **shares_gib: int) -> GpuRoom:
+    """A GPU where each named service holds its share, and ``_foreign`` a foreign process."""
+    committed = sum(shares_gib.values()) * GiB
+    shares = tuple((n, g * GiB) for n, g in shares_gib.items() if n != "_foreign")
+    return GpuRoom(index, None if total_gib is None else total_gib * GiB, committed, shares=shares)
+
+
+def f(name: str, priority: int = 50, **kw: object) -> VictimFacts:
+    return VictimFacts(name, priority, **kw)  # type: ignore[arg-type]
+
+
+FACTS = {
+    "batch": f("batch", 50, restart_s=20.0, last_used=100.0),
+    "small": f("small", 40, restart_s=5.0, last_used=300.0),
+    "small2": f("small2", 40, restart_s=5.0, last_used=200.0),
+    "slow": f("slow", 40, restart_s=300.0, last_used=50.0),
+    "whisper": f("whisper", 60, job=True, preemptible=False),
+    "pjob": f("pjob", 30, job=True, preemptible=True),
+    "chat": f("chat", 100),
+    "peer": f("peer", 100),
+    "busy": f("busy", 10, in_flight=2),
+    "blind": f("blind", 10, in_flight=None),
+    "leased": f("leased", 10, leased=True),
+    "foreign": f("foreign", 0, managed=False),
+}
+
+PLAN_CASES = [
+    # (id, need GiB, rooms, priority, force, expected victims or None, expected gpu)
+    (
+        "the batch makes room; whisper stays",
+        80,
+        [room(0, 120, batch=30, whisper=15)],
+        100,
+        False,
+        ("batch",),
+        0,
+    ),
+    (
+        "nothing fits even with every victim",
+        110,
+        [room(0, 120, batch=30, whisper=15)],
+        100,
+        False,
+        None,
+        None,
+    ),
+    (
+        "a non-preemptible run job is never a victim",
+        110,
+        [room(0, 120, whisper=15)],
+        100,
+        False,
+        None,
+        None,
+    ),
+    ("a preemptible run job is", 110, [room(0, 120, pjob=15)], 100, False, ("pjob",), 0),
+    ("equal priority never", 80, [room(0, 120, peer=50)], 100, False, None, None),
+    ("higher priority never", 80, [room(0, 120, chat=50)], 50, False, None, None),
+    ("foreign never", 80, [room(0, 120, foreign=50)], 100, False, None, None),
+    ("unregistered foreign memory never", 80, [room(0, 120, _foreign=50)], 100, False, None, None),
+    ("in flight: not without --force", 80, [room(0, 120, busy=50)], 100, False, None, None),
+    ("in flight: with --force", 80, [room(0, 120, busy=50)], 100, True, ("busy",), 0),
+    (
+        "in flight unknown: not without --force",
+        80,
+        [room(0, 120, blind=50)],
+        100,
+        False,
+        None,
+        None,
+    ),
+    (
+        "a lease held: never, even with --force",
+        80,
+        [room(0, 120, leased=50)],
+        100,
+        True,
+        None,
+        None,
+    ),
+    (
+        "fewest stops beats cheapest",
+        80,
+        [room(0, 120, slow=40, small=20, small2=20)],
+        100,
+        False,
+        ("slow",),
+        0,
+    ),
+    (
+        "cheapest to bring back among equals",
+        80,
+        [room(0, 120, slow=40, batch=40)],
+        100,
+        False,
+        ("batch",),
+        0,
+    ),
+    (
+        "least recently used among equal costs",
+        40,
+        [room(0, 120, small=30, small2=30, _foreign=50)],
+        100,
+        False,
+        ("small2",),
+        0,
+    ),
+    (
+        "per GPU: the GPU where one stop suffices",
+        60,
+        [room(0, 80, small=20, small2=20, _foreign=30), room(1, 80, batch=40)],
+        100,
+        False,
+        ("batch",),
+        1,
+    ),
+    (
+        "per GPU: never the sum over two GPUs",
+        100,
+        [room(0, 80, batch=40), room(1, 80, slow=40)],
+        100,
+        False,
+        None,
+        None,
+    ),
+    (
+        "an unreadable GPU offers nothing",
+        80,
+        [GpuRoom(0, None, 0, error="lost")],
+        100,
+        False,
+        None,
+        None,
+    ),
+    ("total unknown offers nothing", 80, [room(0, None, batch=30)], 100, False, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("need", "rooms", "prio", "force", "want", "gpu"),
+    [c[1:] for c in PLAN_CASES],
+    ids=[c[0] for c in PLAN_CASES],
+)
+def test_plan(
+    need: int,
+    rooms: list[GpuRoom],
+    prio: int,
+    force: bool,
+    want: tuple[str, ...] | None,
+    gpu: int | None,
+) -> None:
+    plan = plan_victims(need * GiB, rooms, FACTS, priority=prio, force=force)
+    if want is None:
+        assert plan is None
+        return
+    assert plan is not None
+    assert plan.names == want
+    assert plan.gpu == gpu
+    free = next(r for r in rooms if r.index == gpu).free_mib
+    assert free is not None and free + plan.frees_mib >= need * GiB
+
+
+@pytest.mark.parametrize(
+    ("facts", "prio", "force", "words"),
+    [
+        (FACTS["whisper"], 100, False, "not --preemptible"),
+        (FACTS["peer"], 100, False, "not below 100"),
+        (FACTS["busy"], 100, False, "2 requests in flight"),
+        (FACTS["blind"], 100, False, "cannot be read"),
+        (FACTS["leased"], 100, True, "under way"),
+        (FACTS["foreign"], 100, True, "not started by gpuctl"),
+        (None, 100, True, "not started by gpuctl"),
+    ],
+)
+def test_why_not(facts: VictimFacts | None, prio: int, force: bool, words: str) -> None:
+    why = why_not(facts, prio, force)
+    assert why is not None and words in why
+
+
+def test_why_not_permits() -> None:
+    assert why_not(FACTS["batch"], 100) is None
+    assert why_not(FACTS["pjob"], 100) is None
+    assert why_not(FACTS["busy"], 100, force=True) is None
+
+
+def test_held_back_names_each_once() -> None:
+    rooms = [room(0, 120, whisper=15, batch=30), room(1, 120, whisper=15)]
+    assert held_back(rooms, FACTS, priority=100) == ["whisper: a run job, not --preemptible"]
+
+
+def test_many_victims_stays_bounded() -> None:
+    # 40 equal victims: the least number of stops is found without trying every subset.
+    shares = {f"v{i:02d}": 3 for i in range(40)}
+    facts = {n: f(n, 10) for n in shares}
+    plan = plan_victims(100 * GiB, [room(0, 120, **shares)], facts, priority=50)
+    assert plan is not None and len(plan.victims) == 34
+
+
+# ---- PREEMPTABLE in classify, from a snapshot
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    memory_mib: int | None = None
+    priority: int = 50
+    match: tuple[str, ...] = ()
+    health_timeout_s: float = 600.0
+    devices: tuple[int, ...] | None = None
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        return self.match or (self.name,)
+
+
+CHAT = Spec("chat", 80 * GiB, 100, ("vllm",))
+BATCH = Spec("batch", 30 * GiB, 50, ("photo-batch",))
+WHISPER = Spec("whisper", 15 * GiB, 60, ("whisper",))
+REFUSED = Health("refused", "connection refused")
+
+
+def scene(*procs: GpuProcess, total_gib: int = 120) -> Snapshot:
+    used = sum(p.memory_mib or 0 for p in procs)
+    return Snapshot(used, total_gib * GiB, False, "sim", "t", tuple(procs), ())
+
+
+BATCH_P = GpuProcess(30, "python photo-batch.py", 30 * GiB)
+WHISPER_P = GpuProcess(40, "whisper-job --model large", 15 * GiB)
+STRANGER = GpuProcess(50, "python train.py", 30 * GiB)
+
+
+def decide(snapshot: Snapshot, victims: dict[str, VictimFacts] | None, force: bool = False):  # type: ignore[no-untyped-def]
+    return classify(
+        CHAT,
+        REFUSED,
+        snapshot,
+        others=[BATCH, WHISPER],
+        now=1000.0,
+        servers={30: "batch", 40: "whisper"},
+        victims=victims,
+        force=force,
+    )
+
+
+VICTIMS = {
+    "batch": VictimFacts("batch", 50, restart_s=20.0),
+    "whisper": VictimFacts("whisper", 60, job=True, preemptible=False),
+}
+
+
+def test_classify_preemptable_names_the_plan() -> None:
+    v = decide(scene(BATCH_P, WHISPER_P), VICTIMS)
+    assert v.decision is Decision.PREEMPTABLE
+    assert v.plan is not None and v.plan.names == ("batch",)
+    assert v.gpu == 0
+    assert "batch (priority 50, 30.0 GiB)" in v.reason
+    assert "whisper" not in v.reason.split("fits once")[1]
+
+
+def test_classify_without_victim_facts_stays_busy() -> None:
+    v = decide(scene(BATCH_P, WHISPER_P), None)
+    assert v.decision is Decision.BUSY
+    # BUSY names who holds the GPU, and the service and priority when it is ours.
+    assert "pid 30 (python photo-batch.py, 30.0 GiB) = batch, priority 50" in v.reason
+
+
+def test_classify_busy_when_only_foreign_and_unstoppable() -> None:
+    v = decide(scene(STRANGER, WHISPER_P), VICTIMS)
+    assert v.decision is Decision.BUSY
+    assert "pid 50 (python train.py" in v.reason
+    assert "whisper: a run job, not --preemptible" in v.reason
+
+
+def test_classify_in_flight_needs_force() -> None:
+    busy = {**VICTIMS, "batch": VictimFacts("batch", 50, in_flight=3)}
+    assert decide(scene(BATCH_P, WHISPER_P), busy).decision is Decision.BUSY
+    assert decide(scene(BATCH_P, WHISPER_P), busy, force=True).decision is Decision.PREEMPTABLE
+
+
+def test_classify_fits_is_never_preemptable() -> None:
+    v = decide(scene(WHISPER_P), VICTIMS)
+    assert v.decision is Decision.FITS
