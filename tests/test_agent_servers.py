@@ -233,3 +233,64 @@ def test_other_processes_secrets_never_leave_the_agent(
     for text in texts:
         for secret in secrets:
             assert secret not in text
+
+
+# --------------------------------------------------------------------------- the installed CLI
+
+
+@pytest.mark.e2e
+def test_the_installed_agent_takes_match_and_a_read_token(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    from tests.agent_helpers import free_port
+    from tests.conftest import gpuctl_exe
+
+    kw = f"clikw{uuid.uuid4().hex[:8]}"
+    read_file = tmp_path / "read.token"
+    read_file.write_text("read-only-secret\n")
+    read_file.chmod(0o600)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "GPUCTL_AGENT_TOKEN": TOKEN,
+        "GPUCTL_STATE_DIR": str(tmp_path / "state"),
+        "GPUCTL_CONFIG": str(tmp_path / "config.toml"),
+    }
+    agent_proc = subprocess.Popen(
+        [gpuctl_exe(), "agent", "--probe", "sim", "--listen", f"127.0.0.1:{port}",
+         "--sim-dir", str(tmp_path / "sim"), "--cache-ttl", "200ms",
+         "--read-token-file", str(read_file), "--match", f"{kw},other", "--match-max-age", "10m"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: _answers(url, agent_proc), timeout_s=30)
+        loading = procs(kw)
+        ro = {"Authorization": "Bearer read-only-secret"}
+        assert wait_for(
+            lambda: (
+                loading.pid
+                in [
+                    p["pid"]
+                    for p in httpx.get(f"{url}/status", headers=ro).json()["processes"]
+                    if p["on_gpu"] is False
+                ]
+            )
+        )
+        assert httpx.get(f"{url}/metrics", headers=ro).status_code == 200
+        write = httpx.post(f"{url}/records/chat/touch", headers=ro, json={})
+        assert write.status_code == 403
+        assert httpx.post(f"{url}/records/chat/touch", headers=AUTH, json={}).status_code == 200
+    finally:
+        agent_proc.terminate()
+        agent_proc.communicate(timeout=10)
+
+
+def _answers(url: str, proc: subprocess.Popen[bytes]) -> bool:
+    if proc.poll() is not None:
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        pytest.fail(f"the agent exited with {proc.returncode}: {err}")
+    try:
+        return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False
