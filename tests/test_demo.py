@@ -86,6 +86,10 @@ def test_demo_piped_beside_a_foreign_vllm(
     assert any(d["vllm"] == "LOADING" for d in decisions)
     assert decisions[-1]["vllm"] == "READY"
     assert "1 launch for 3 callers." in out
+    # The proxy chapter: a chat request to the stopped server, held through its start.
+    proxy_part = out.split("5. A chat request to a stopped server")[1]
+    assert ": loading" in proxy_part or "(answered at once)" not in proxy_part
+    assert "This is a simulated reply from qwen" in proxy_part.replace("\n", " ")
     # The foreign process never appears as one of the demo's services' processes.
     assert str(foreign_vllm.pid) not in out
     last = [ln for ln in out.splitlines() if ln.strip()][-1]

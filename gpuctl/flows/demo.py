@@ -62,7 +62,7 @@ def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
     with SimHost(gpu_memory="128GiB") as host:
         server = (
             f"{sys.executable} -m gpuctl sim model-server --name {tag}-vllm --memory 80GiB "
-            f"--load-time {load_time_s}s --port {vllm_port} --sim-dir {host.sim_dir}"
+            f"--load-time {load_time_s}s --port {vllm_port} --sim-dir {host.sim_dir} --model qwen"
         )
         try:
             host.start_agent()
@@ -77,6 +77,7 @@ health = "http://127.0.0.1:{vllm_port}/health"
 match = ["{tag}-vllm"]
 memory = "80GiB"
 priority = 100
+models = ["qwen"]
 
 [services.photos]
 match = ["{tag}-photos"]
@@ -86,6 +87,9 @@ priority = 50
 [services.trainer]
 match = ["{tag}-trainer"]
 memory = "120GiB"
+
+[proxy]
+sse_interval = "1s"
 """
         )
         config = load_config(cfg_path)
@@ -106,7 +110,7 @@ memory = "120GiB"
             "ComfyUI (not managed by us) takes 20 GiB. gpuctl sees it at process level:\n"
             "vLLM's 80 GiB still FITS beside it; a 120 GiB trainer is BUSY, and gpuctl says who holds the GPU.",
         )
-        host.hold("comfyui", "20GiB")
+        comfyui = host.hold("comfyui", "20GiB")
         report = narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.FITS, 10)
 
         narrator.chapter(
@@ -167,9 +171,108 @@ memory = "120GiB"
             capture_output=True,
             check=False,
         )
+        _proxy_chapter(
+            narrator,
+            host,
+            cfg_path=cfg_path,
+            poll=poll,
+            comfyui=comfyui,
+            load_time_s=load_time_s,
+        )
+        subprocess.run(
+            [sys.executable, "-m", "gpuctl", "stop", "vllm"],
+            env=env,
+            capture_output=True,
+            check=False,
+        )
         narrator.chapter(
-            "5. Done",
+            "6. Done",
             "Cleaning up: every process of the demo is stopped and its directory removed.",
         )
         time.sleep(0.2)
         return report
+
+
+def _proxy_chapter(
+    narrator: Narrator,
+    host: SimHost,
+    *,
+    cfg_path: Any,
+    poll: Callable[[], StatusReport],
+    comfyui: subprocess.Popen[bytes],
+    load_time_s: float,
+) -> None:
+    """A chat request through ``gpuctl proxy`` to the stopped server, watched as it comes up."""
+    import threading
+
+    import httpx
+
+    host.stop(comfyui)
+    proxy_port = free_port()
+    proxy = host.spawn(
+        ["proxy", "--listen", f"127.0.0.1:{proxy_port}"], "proxy", {"GPUCTL_CONFIG": str(cfg_path)}
+    )
+    url = f"http://127.0.0.1:{proxy_port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proxy.poll() is not None or time.monotonic() > deadline:
+            raise GpuctlError(f"gpuctl proxy did not start: {host.log_tail('proxy')}")
+        time.sleep(0.1)
+    narrator.chapter(
+        "5. A chat request to a stopped server",
+        f"ComfyUI is gone and vLLM is stopped. `gpuctl proxy` listens at {url}; an app sends\n"
+        "it an OpenAI chat request for model 'qwen' (vllm's `models`), streaming. The proxy\n"
+        "runs the same ensure as the CLI, holds the request while the server loads (sending\n"
+        "': loading …' comments so the client does not time out), then streams the answer.",
+    )
+    lines: list[str] = []
+    failure: list[str] = []
+
+    def ask() -> None:
+        body = {
+            "model": "qwen",
+            "stream": True,
+            "max_tokens": 12,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
+        try:
+            with httpx.stream(
+                "POST", url + "/v1/chat/completions", json=body, timeout=load_time_s + 60
+            ) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+        except httpx.HTTPError as e:
+            failure.append(f"{type(e).__name__}: {e}")
+
+    client = threading.Thread(target=ask, daemon=True)
+    client.start()
+    # Shown from the moment the proxy's start is under way: the idle GPU before it
+    # looks as chapter 1 did.
+    until = time.monotonic() + 15
+    while decision_of(poll(), "vllm") is not Decision.LOADING and time.monotonic() < until:
+        time.sleep(0.1)
+    narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 60)
+    client.join(load_time_s + 60)
+    comments = [ln for ln in lines if ln.startswith(":")]
+    words = []
+    for ln in lines:
+        if ln.startswith("data: {"):
+            try:
+                event = json.loads(ln[6:])
+                if "error" in event:
+                    failure.append(str(event["error"].get("message")))
+                    continue
+                words.append(str(event["choices"][0]["delta"].get("content") or ""))
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                continue
+    shown = [*comments[:2], *(["…"] if len(comments) > 3 else []), *comments[-1:]]
+    text = " · ".join(dict.fromkeys(shown)) if comments else "(answered at once)"
+    answer = "".join(words).strip() or ("; ".join(failure) or "no answer")
+    narrator.chapter(
+        "   what the client saw",
+        f"{text}\nthe answer: {answer}",
+    )
