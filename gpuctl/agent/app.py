@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from gpuctl import __version__
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.procinfo import describe_pids, find_matching, host_identity, on_pipes
+from gpuctl.agent.auth import Tokens
 from gpuctl.agent.cache import Outcome, TtlCell
 from gpuctl.agent.http import (
     ASGIApp,
@@ -63,11 +63,6 @@ from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, ProbeError
 
 log = logging.getLogger("gpuctl.agent")
-
-_AUTH_HINT = (
-    "send 'Authorization: Bearer <token>' with the token the agent was started with "
-    "(GPUCTL_AGENT_TOKEN or --token-file on the GPU host)"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +109,7 @@ class AgentApp:
     def __init__(self, settings: AgentSettings, probe: Probe) -> None:
         self.settings = settings
         self.probe = probe
-        self._token = settings.token.encode() if settings.token else None
-        self._read_token = settings.read_token.encode() if settings.read_token else None
+        self._tokens = Tokens(settings.token, settings.read_token)
         self.router = Router()
         self.requests_total: dict[str, int] = {}
         self.probe_errors_total = 0
@@ -186,8 +180,7 @@ class AgentApp:
             if route is None and (path == "/records" or path.startswith("/records/")):
                 # The state store: path parameters, so it routes itself (store_api.py).
                 op, service = self.store_api.route(method, path)
-                if self._token is not None:
-                    self._check_token(scope, write=self.store_api.is_write(op))
+                self._tokens.check(scope, write=self.store_api.is_write(op))
                 body = await Request(scope, receive).body()
                 status, payload = await self.store_api.handle(op, service, body)
                 response = json_response(status, payload)
@@ -203,8 +196,8 @@ class AgentApp:
                         f"use {allowed}",
                         [(b"allow", allowed.encode())],
                     )
-                if route.auth and self._token is not None:
-                    self._check_token(scope, write=method not in ("GET", "HEAD"))
+                if route.auth:
+                    self._tokens.check(scope, write=method not in ("GET", "HEAD"))
                 response = await handler(Request(scope, receive))
         except HttpError as err:
             response = error_response(err.status, err.error, err.hint, err.headers)
@@ -220,42 +213,6 @@ class AgentApp:
         )
         await send(
             {"type": "http.response.body", "body": b"" if method == "HEAD" else response.body}
-        )
-
-    def _check_token(self, scope: Scope, *, write: bool) -> None:
-        assert self._token is not None
-        value: bytes | None = None
-        for key, val in scope["headers"]:
-            if key == b"authorization":
-                value = bytes(val)
-                break
-        if value is None:
-            raise HttpError(
-                401,
-                "this agent requires a bearer token",
-                _AUTH_HINT,
-                [(b"www-authenticate", b'Bearer realm="gpuctl"')],
-            )
-        scheme, _, credentials = value.partition(b" ")
-        credentials = credentials.strip()
-        if scheme.lower() == b"bearer":
-            # compare_digest: the time taken must not tell how much of a guess was right.
-            if hmac.compare_digest(credentials, self._token):
-                return
-            if self._read_token is not None and hmac.compare_digest(credentials, self._read_token):
-                if not write:
-                    return
-                raise HttpError(
-                    403,
-                    "this token is read-only: it cannot change the store",
-                    "use the agent's write token (GPUCTL_AGENT_TOKEN or --token-file) "
-                    "for leases, updates and touches",
-                )
-        raise HttpError(
-            401,
-            "the bearer token is wrong",
-            _AUTH_HINT,
-            [(b"www-authenticate", b'Bearer realm="gpuctl", error="invalid_token"')],
         )
 
     # -- probe
