@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -494,7 +495,9 @@ def test_the_container_gets_the_nonce_and_no_secrets(
     launcher = DockerLauncher(None, timeout_s=30.0, secrets=secret_names(host))
     try:
         svc = make_service(env={"KEEP": "1", "DGX_TOKEN": "given"})
-        handle = launcher.start(svc, start_nonce="d0cca1")
+        # Unique per run: other runs of this suite may share the machine.
+        nonce = secrets.token_hex(8)
+        handle = launcher.start(svc, start_nonce=nonce)
         env = client.containers.get(handle.container_id).attrs["Config"]["Env"]
         assert f"{START_NONCE_ENV}=d0cca1" in env
         assert "KEEP=1" in env
@@ -502,9 +505,9 @@ def test_the_container_gets_the_nonce_and_no_secrets(
         assert not any(e.startswith("GPUCTL_AGENT_TOKEN=") for e in env)
         # The nonce tells the server's host pid, as the agent will look for it.
         assert handle.pid is not None
-        found = procinfo.pids_with_env(START_NONCE_ENV, "d0cca1")
+        found = procinfo.pids_with_env(START_NONCE_ENV, nonce)
         assert handle.pid in found
-        assert launcher.find(svc, "d0cca1") == launcher.find(svc)
+        assert launcher.find(svc, nonce) == launcher.find(svc)
         assert launcher.find(svc) is not None
     finally:
         launcher.close()

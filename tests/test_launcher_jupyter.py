@@ -504,7 +504,9 @@ def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
         out = tmp_path / "env.json"
         code = 'import json, os, sys, time; json.dump(dict(os.environ), open(sys.argv[1], "w")); time.sleep(600)'
         svc = service("envdump", f"{PY} -c '{code}' {out}")
-        handle = launcher.start(svc, start_nonce="c0ffee")
+        # Unique per run: other runs of this suite may share the machine.
+        nonce = secrets.token_hex(8)
+        handle = launcher.start(svc, start_nonce=nonce)
         assert handle.pid is not None
         pids.append(handle.pid)
         wait_until(out.exists, 20, "the environment dump")
@@ -513,13 +515,13 @@ def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
         for name in ("GPUCTL_AGENT_TOKEN", "DGX_TOKEN", "LAB_TOKEN"):
             assert name not in env
         assert env["HARMLESS"] == "kept"
-        assert env[START_NONCE_ENV] == "c0ffee"
+        assert env[START_NONCE_ENV] == nonce
 
-        found = launcher.find(svc, "c0ffee")
+        found = launcher.find(svc, nonce)
         assert found is not None
         assert found.pid == handle.pid
         assert found.pid_start == pytest.approx(handle.pid_start, abs=2)
-        assert launcher.find(svc, "0ther") is None
+        assert launcher.find(svc, secrets.token_hex(8)) is None
         assert launcher.find(svc) is None
         launcher.stop(handle, grace_s=5)
-        assert launcher.find(svc, "c0ffee") is None
+        assert launcher.find(svc, nonce) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import stat
 import sys
@@ -63,14 +64,16 @@ def test_server_gets_no_secrets_but_the_nonce(
     launcher = ProcessLauncher(tmp_path / "logs", secrets=secret_names(host))
     out = tmp_path / "env.json"
     svc = ServiceConfig(name="envdump", host="dgx", command=f"{DUMP_ENV} {out}")
-    handle = launcher.start(svc, start_nonce="abc123")
+    # Unique per run: other runs of this suite may share the machine.
+    nonce = secrets.token_hex(8)
+    handle = launcher.start(svc, start_nonce=nonce)
     assert handle.pid is not None
     pids.append(handle.pid)
     env = read_env(out)
     for name in ("GPUCTL_AGENT_TOKEN", "DGX_TOKEN", "LAB_TOKEN", "GPUCTL_FAILPOINTS"):
         assert name not in env
     assert env["HARMLESS"] == "kept"
-    assert env[START_NONCE_ENV] == "abc123"
+    assert env[START_NONCE_ENV] == nonce
 
 
 def test_service_env_may_set_a_secret_on_purpose(
@@ -141,18 +144,20 @@ def test_an_existing_log_is_made_private(tmp_path: Path, pids: list[int]) -> Non
 def test_find_by_nonce(tmp_path: Path, pids: list[int]) -> None:
     launcher = ProcessLauncher(tmp_path / "logs")
     svc = ServiceConfig(name="found", host="h", command=f"{PY} -c 'import time; time.sleep(600)'")
-    handle = launcher.start(svc, start_nonce="feed42")
+    # Unique per run: other runs of this suite may share the machine.
+    nonce = secrets.token_hex(8)
+    handle = launcher.start(svc, start_nonce=nonce)
     assert handle.pid is not None
     pids.append(handle.pid)
-    found = launcher.find(svc, "feed42")
+    found = launcher.find(svc, nonce)
     assert found is not None
     assert found.pid == handle.pid
     assert found.pid_start == pytest.approx(handle.pid_start)
-    assert launcher.find(svc, "0ther") is None
+    assert launcher.find(svc, secrets.token_hex(8)) is None
     assert launcher.find(svc, None) is None
     os.kill(handle.pid, signal.SIGKILL)
     os.waitpid(handle.pid, 0)
-    assert launcher.find(svc, "feed42") is None
+    assert launcher.find(svc, nonce) is None
 
 
 def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: list[int]) -> None:
@@ -164,13 +169,15 @@ def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: list[int])
         host="h",
         command=f"sh -c '{PY} -c \"import time; time.sleep(600)\" & wait'",
     )
-    handle = launcher.start(svc, start_nonce="beef01")
+    # Unique per run: other runs of this suite may share the machine.
+    nonce = secrets.token_hex(8)
+    handle = launcher.start(svc, start_nonce=nonce)
     assert handle.pid is not None
     pids.append(handle.pid)
     deadline = time.monotonic() + 10
-    while len(procinfo.pids_with_env(START_NONCE_ENV, "beef01")) < 2:
+    while len(procinfo.pids_with_env(START_NONCE_ENV, nonce)) < 2:
         assert time.monotonic() < deadline, "the child never started"
         time.sleep(0.05)
-    assert procinfo.find_by_env(START_NONCE_ENV, "beef01") == handle.pid
+    assert procinfo.find_by_env(START_NONCE_ENV, nonce) == handle.pid
     with contextlib.suppress(OSError):
         os.killpg(handle.pid, signal.SIGKILL)
