@@ -499,7 +499,7 @@ def test_the_container_gets_the_nonce_and_no_secrets(
         nonce = secrets.token_hex(8)
         handle = launcher.start(svc, start_nonce=nonce)
         env = client.containers.get(handle.container_id).attrs["Config"]["Env"]
-        assert f"{START_NONCE_ENV}=d0cca1" in env
+        assert f"{START_NONCE_ENV}={nonce}" in env
         assert "KEEP=1" in env
         assert "DGX_TOKEN=given" in env
         assert not any(e.startswith("GPUCTL_AGENT_TOKEN=") for e in env)
