@@ -424,3 +424,16 @@ def test_the_bar_counts_an_orphaned_start_as_the_decisions_do(tmp_path: Path) ->
     (host,) = status(deps).hosts
     (m,) = host.memory
     assert m.promised_mib == 80 * GIB
+
+
+def test_a_reader_bug_is_that_hosts_unknown_with_a_hint(tmp_path: Path) -> None:
+    agents = {"a": Agent(), "b": Agent()}
+    deps = _status_deps(tmp_path, agents, {h: DirectStore(tmp_path / h) for h in agents})
+
+    def broken(kws: object, pids: object) -> object:
+        raise KeyError("surprise")
+
+    deps.hosts[1].read_snapshot = broken  # type: ignore[assignment]
+    a, b = status(deps).hosts
+    assert a.ok
+    assert not b.ok and "KeyError" in (b.error or "") and "GPUCTL_DEBUG=1" in (b.hint or "")

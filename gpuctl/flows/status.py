@@ -73,7 +73,10 @@ def _observe_host(hd: HostDeps, services: Sequence[Any]) -> Observation:
             records_required=False,
         )
     except Exception as e:  # a reader bug must not hide the other hosts
-        return Observation(error=f"{type(e).__name__}: {e}")
+        return Observation(
+            error=f"internal error: {type(e).__name__}: {e}",
+            hint="a bug in gpuctl: run again with GPUCTL_DEBUG=1 for the traceback, and report it",
+        )
 
 
 def _health_target(s: Any, deps: StatusDeps) -> bool:
