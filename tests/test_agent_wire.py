@@ -18,10 +18,14 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.agent import wire
 from gpuctl.agent.app import AgentSettings, create_app
+from gpuctl.agent.http import HttpError
 from gpuctl.agent.server import serve
 from gpuctl.cli.app import create_app as create_cli
 from gpuctl.core.model import GpuProcess
@@ -371,3 +375,50 @@ def test_json_integers_may_be_written_as_floats(agent: Agent) -> None:
     r = agent.post(f"/records/{SVC}/lease", {"holder": {**h, "pid": float(h["pid"])}, "ttl_s": 60})
     assert r.status_code == 200, r.text
     assert r.json()["record"]["lease"]["pid"] == h["pid"]
+
+
+# --------------------------------------------------------------------------- properties (pure)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+VALIDATORS = [
+    wire.lease_request,
+    wire.renew_request,
+    wire.holder_update,
+    wire.release_request,
+    wire.touch_request,
+    wire.end_request,
+    wire.inflight_request,
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_any_body_is_an_object_or_a_4xx(body: bytes) -> None:
+    try:
+        data = wire.parse_body(body)
+    except HttpError as err:
+        assert 400 <= err.status < 500
+    else:
+        assert isinstance(data, dict)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["holder", "ttl_s", "update", "ready", "x"]), json_values, max_size=4
+    )
+)
+def test_any_object_passes_a_validator_or_is_a_400_naming_a_field(data: dict[str, object]) -> None:
+    for check in VALIDATORS:
+        try:
+            check(data)
+        except wire.BadRequest as err:
+            assert err.status == 400
+            assert err.error.startswith("bad request body")
