@@ -100,3 +100,21 @@ def test_service_phase_is_a_state_set(families: dict[str, Any]) -> None:
         assert set(mine) == {p.value for p in Phase}
         assert [p for p, v in mine.items() if v == 1] == [current]
         assert sum(mine.values()) == 1
+
+
+def test_store_requests_share_one_label(tmp_path: Path) -> None:
+    """Requests per endpoint: the store's paths carry service names, so they count under
+    one label, or every service name would become a time series."""
+    app = create_app(
+        AgentSettings(token=TOKEN, state_dir=str(tmp_path / "state")), FakeProbe(reading())
+    )
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serve_in_thread(app) as url:
+        for name in ("a", "b", "c"):
+            httpx.get(f"{url}/records/{name}", headers=auth)
+        httpx.get(f"{url}/nope", headers=auth)
+        text = httpx.get(f"{url}/metrics", headers=auth).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counts = {s.labels["path"]: s.value for s in families["gpuctl_agent_requests"].samples}
+    assert counts["/records"] == 3
+    assert counts["other"] == 1

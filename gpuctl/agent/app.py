@@ -120,7 +120,6 @@ class AgentApp:
 
         self._healthz = json_response(200, {"ok": True, "version": __version__})
         self._openapi = json_response(200, openapi_document())
-        self._not_found_label = "other"
 
         self.router.add("GET", "/healthz", self._get_healthz, auth=False)
         self.router.add("GET", "/openapi.json", self._get_openapi, auth=False)
@@ -173,11 +172,13 @@ class AgentApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         route = self.router.routes.get(path)
-        label = route.path if route is not None else self._not_found_label
+        store_path = route is None and (path == "/records" or path.startswith("/records/"))
+        # One label for the whole store (service names would make the label set unbounded).
+        label = route.path if route is not None else "/records" if store_path else "other"
         self.requests_total[label] = self.requests_total.get(label, 0) + 1
         method = scope["method"]
         try:
-            if route is None and (path == "/records" or path.startswith("/records/")):
+            if store_path:
                 # The state store: path parameters, so it routes itself (store_api.py).
                 op, service = self.store_api.route(method, path)
                 self._tokens.check(scope, write=self.store_api.is_write(op))

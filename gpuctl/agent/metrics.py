@@ -133,7 +133,7 @@ def render_metrics(
     metric(
         "gpuctl_agent_requests_total",
         "counter",
-        "HTTP requests by endpoint ('other' for unknown paths).",
+        "HTTP requests by endpoint ('/records' for every store path, 'other' for unknown ones).",
         [(f'{{path="{_label(path)}"}}', n) for path, n in sorted(requests_total.items())],
     )
     return "\n".join(lines) + "\n"
