@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import threading
@@ -298,7 +299,8 @@ def run_trials(
 ) -> Report:
     """Run ``trials`` trials, or as many as fit in ``budget_s`` (at least one)."""
     rng = random.Random(seed)
-    prefix = f"t{seed % 10_000:04d}"
+    # Names no other run on this machine carries (servers are told apart by name).
+    prefix = f"t{secrets.token_hex(4)}"
     services = [
         Svc(f"{prefix}big", free_port(), 80, "1.5s"),
         Svc(f"{prefix}rival", free_port(), 80, "1s"),
