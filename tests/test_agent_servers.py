@@ -294,3 +294,25 @@ def _answers(url: str, proc: subprocess.Popen[bytes]) -> bool:
         return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_agent_log_keeps_secrets_out() -> None:
+    import io
+    import logging
+
+    from gpuctl.agent.server import log_handler
+
+    stream = io.StringIO()
+    handler = log_handler(stream)
+    logger = logging.getLogger("gpuctl.agent.test-redaction")
+    logger.addHandler(handler)
+    try:
+        logger.warning(
+            "the record of %r cannot be read: %s", "chat", "health https://u:pa55w0rd@h/x"
+        )
+        logger.warning("server: vllm serve m --api-key %s", "sk-live-123456")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    assert "pa55w0rd" not in text and "sk-live-123456" not in text
+    assert "https://u:***@h/x" in text and "--api-key ***" in text

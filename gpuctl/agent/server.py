@@ -134,12 +134,32 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+class RedactingFilter(logging.Filter):
+    """Secrets out of the agent's log: a message can quote a command line, a record's
+    error or a URL with a password (``gpuctl.core.redact``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from gpuctl.core.redact import redact_lines
+
+        text = record.getMessage()
+        redacted = redact_lines(text)
+        if redacted != text:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+def log_handler(stream: Any = None) -> logging.Handler:
+    """The agent's log handler: one line per message, secrets redacted."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter("gpuctl agent: %(levelname)s: %(message)s"))
+    handler.addFilter(RedactingFilter())
+    return handler
+
+
 def _setup_logging(log_level: str) -> None:
     logger = logging.getLogger("gpuctl")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("gpuctl agent: %(levelname)s: %(message)s"))
-        logger.addHandler(handler)
+        logger.addHandler(log_handler())
     logger.setLevel(log_level.upper())
 
 

@@ -35,6 +35,7 @@ from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.record import Record, apply_update
+from gpuctl.core.redact import redact_lines
 from gpuctl.errors import GpuctlError, StoreError, UsageError
 
 log = logging.getLogger("gpuctl.agent")
@@ -89,7 +90,8 @@ def read_all(store: DirectStore) -> tuple[list[Record], list[dict[str, str]]]:
             raise
         except Exception as err:
             log.warning("the record of %r cannot be read: %s: %s", name, type(err).__name__, err)
-            bad.append({"service": name, "error": f"{type(err).__name__}: {err}"[:500]})
+            why = redact_lines(f"{type(err).__name__}: {err}"[:500])
+            bad.append({"service": name, "error": why})
     return records, bad
 
 
