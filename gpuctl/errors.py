@@ -1,6 +1,6 @@
 """The one exception tree of gpuctl, and its exit codes.
 
-Every error carries the exit code the CLI returns for it (DESIGN §7) and a hint
+Every error carries the exit code the CLI returns for it (README: Exit codes) and a hint
 that names the fix. Commands convert these to one line on stderr; tracebacks
 appear only with ``GPUCTL_DEBUG=1``.
 
@@ -35,7 +35,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Exit codes, the contract of DESIGN §7."""
+    """Exit codes, a documented contract (README: Exit codes); scripts rely on them."""
 
     OK = 0
     FAILED = 1

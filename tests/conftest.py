@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 from collections.abc import Iterator
@@ -11,6 +12,16 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost
+
+# Tests on one machine share its process table: a keyword or a service name that a stray
+# process of another run (or another test) carries would count as that service. Every name
+# a test matches against real processes carries this run's tag (or is unique_name()'s).
+RUN_TAG = secrets.token_hex(3)
+
+
+def tagged(word: str) -> str:
+    """``word`` made this run's own: ``trainer`` -> ``trainer-1a2b3c``."""
+    return f"{word}-{RUN_TAG}"
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from gpuctl.agent.server import parse_listen, resolve_listen, serve
 from gpuctl.cli.agent_cmd import read_token_file
 from gpuctl.cli.app import create_app as create_cli
 from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.status_wire import parse_status
 from gpuctl.errors import AgentUnavailable, ProbeError, UsageError
 from tests.agent_helpers import FakeProbe, free_port, reading_of, serve_in_thread
 from tests.conftest import gpuctl_exe
@@ -172,7 +173,7 @@ def test_status_follows_the_contract(agent: str) -> None:
     assert body["host"] == {"hostname": me.hostname, "boot_id": me.boot_id}
     assert body["state_dir"] == "/var/lib/gpuctl"
     # And the client reads it back to the same Snapshot.
-    assert Snapshot.from_wire(body).to_wire() == body
+    assert parse_status(body).to_wire() == body
 
 
 def test_idle_exactly_when_no_processes() -> None:

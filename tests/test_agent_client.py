@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuctl.adapters.agent_client import AgentClient, AsyncAgentClient, http_client
+from gpuctl.adapters.agent_client import AgentClient, AsyncAgentClient
+from gpuctl.adapters.http_clients import http_client
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.model import GpuProcess, Snapshot
 from gpuctl.errors import AgentAuthError, AgentUnavailable, ExitCode
@@ -293,7 +294,8 @@ def test_client_sends_the_bearer_token_and_match() -> None:
     # The caller names its own process tree and its pipeline, for the agent to leave out
     # when it runs on this same machine (the boot id says which machine). Not its pipes:
     # a background job writing into the same pipe is a server.
-    from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipeline
+    from gpuctl.adapters.pipeline import own_pipeline
+    from gpuctl.adapters.procinfo import host_identity, own_lineage
 
     mine = dict.fromkeys([*own_lineage(), *own_pipeline()])
     assert url.params["exclude"] == ",".join(map(str, mine))

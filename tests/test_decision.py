@@ -1,4 +1,4 @@
-"""Table tests of the pure decision (DESIGN §4)."""
+"""Table tests of the pure decision (README: How it decides)."""
 
 from __future__ import annotations
 

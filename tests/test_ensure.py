@@ -23,7 +23,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, tagged
 from tests.ensure_helpers import (
     cli_env,
     direct_config,
@@ -291,7 +291,8 @@ def test_busy_and_unknown_never_start(host: SimHost, svc: str, tmp_path: Path) -
         'memory = "20GiB"', 'memory = "120GiB"'
     )
     cfg = host.write_config(big)
-    holder = host.hold("comfyui", "20GiB")
+    comfy = tagged("comfyui")
+    holder = host.hold(comfy, "20GiB")
     deadline = time.monotonic() + 10
     r = run_ensure(cfg, svc)
     while r.returncode != 3 and time.monotonic() < deadline:
@@ -299,7 +300,7 @@ def test_busy_and_unknown_never_start(host: SimHost, svc: str, tmp_path: Path) -
         r = run_ensure(cfg, svc)
     out = json.loads(r.stdout)
     assert r.returncode == 3 and out["outcome"] == "busy"
-    assert f"pid {holder.pid}" in out["reason"] and "comfyui" in out["reason"]
+    assert f"pid {holder.pid}" in out["reason"] and comfy in out["reason"]
     host.stop(holder)
     host.stop(host.procs[0])  # the agent: now nobody can tell us what runs
     r = run_ensure(cfg, svc)

@@ -19,8 +19,8 @@ from gpuctl.cli.app import create_app
 
 runner = CliRunner()
 
-# DESIGN §7's commands. A planned one that the app does not have yet must not be promised.
-DESIGN_COMMANDS = [
+# The commands README lists. A planned one that the app does not have yet must not be promised.
+README_COMMANDS = [
     "status",
     "ensure",
     "stop",
@@ -74,7 +74,7 @@ def test_help_promises_only_real_commands(path: tuple[str, ...]) -> None:
     text = help_text(path)
     commands = real_commands()
     tops = {p[0] for p in commands if p}
-    for name in DESIGN_COMMANDS:
+    for name in README_COMMANDS:
         if name in tops:
             continue
         pattern = DISTINCTIVE.get(name, rf"\bgpuctl {name}\b")

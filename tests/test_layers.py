@@ -1,131 +1,398 @@
-"""The layer fences (DESIGN §2) hold: a deliberate bad import in each folder fails ruff
-(TID251, banned-api, from that folder's ruff.toml), and an allowed one passes."""
+"""The house holds: each layer's fence (its folder's ruff.toml, rule TID251 banned-api) fails
+a deliberate bad import written into a file of that layer, the real tree passes them, the
+core and the sim import nothing but the standard library and gpuctl.core, no package imports
+in a cycle, and no module grows past its size without a reason at its top."""
 
 from __future__ import annotations
 
+import ast
+import re
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "gpuctl"
 RUFF = str(Path(sys.executable).with_name("ruff"))
 
+# The folders with a fence. The proxy's is checked once gpuctl/proxy/ exists.
+FENCED = ("core", "adapters", "flows", "render", "sim", "proxy")
 
-def _ruff(path: str, source: str) -> subprocess.CompletedProcess[str]:
-    """``ruff check`` of ``source`` as if it were the file ``path`` (its folder's config)."""
+
+def _tree_copy(tmp: Path) -> Path:
+    """A copy of the lint configuration (root and every folder's ruff.toml) and nothing else,
+    so a bad file written there is linted exactly as it would be in the real tree."""
+    shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
+    for cfg in PKG.rglob("ruff.toml"):
+        dest = tmp / cfg.relative_to(ROOT)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(cfg, dest)
+    return tmp
+
+
+def _ruff_file(tmp: Path, rel: str, source: str) -> subprocess.CompletedProcess[str]:
+    """Write ``source`` as ``rel`` in a copy of the tree and run the real ``ruff check`` on it
+    (every rule of the config; the tests look for TID251)."""
+    root = _tree_copy(tmp)
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
     return subprocess.run(
-        [RUFF, "check", "--no-cache", "--select", "TID251", "--stdin-filename", path, "-"],
-        input=source,
+        [RUFF, "check", "--no-cache", "--output-format", "concise", rel],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=root,
         check=False,
     )
 
 
 BANNED = [
-    ("gpuctl/core/x.py", "from gpuctl.adapters import procinfo"),
-    ("gpuctl/core/x.py", "from gpuctl.agent import app"),
-    ("gpuctl/core/x.py", "from gpuctl.render import status_view"),
-    ("gpuctl/core/x.py", "from gpuctl.sim import gpu"),
-    ("gpuctl/core/x.py", "from gpuctl import api"),
-    ("gpuctl/core/x.py", "import websockets"),
-    ("gpuctl/core/x.py", "import pynvml"),
-    ("gpuctl/adapters/x.py", "from gpuctl.flows import ensure"),
-    ("gpuctl/adapters/x.py", "from gpuctl.cli import common"),
-    ("gpuctl/adapters/x.py", "from gpuctl.agent import app"),
-    ("gpuctl/adapters/x.py", "from gpuctl.render.status_view import render_status"),
-    ("gpuctl/adapters/probes/x.py", "from gpuctl.flows.results import Outcome"),
-    ("gpuctl/flows/x.py", "from gpuctl.cli.common import say"),
-    ("gpuctl/flows/x.py", "from gpuctl.render.results import ensure_text"),
-    ("gpuctl/flows/x.py", "from gpuctl.agent.app import create_app"),
-    ("gpuctl/flows/x.py", "import rich"),
-    ("gpuctl/render/x.py", "from gpuctl.adapters.store import DirectStore"),
-    ("gpuctl/render/x.py", "import httpx"),
-    ("gpuctl/sim/x.py", "import httpx"),
-    ("gpuctl/sim/x.py", "import platformdirs"),
-    ("gpuctl/sim/x.py", "from gpuctl.adapters import procinfo"),
-    ("gpuctl/sim/x.py", "from gpuctl.errors import GpuctlError"),
-    ("gpuctl/sim/x.py", "from gpuctl.config import load_config"),
+    ("core", "from gpuctl.adapters import procinfo", "gpuctl.adapters"),
+    ("core", "from gpuctl import adapters", "gpuctl.adapters"),
+    ("core", "import gpuctl.flows.ensure", "gpuctl.flows"),
+    ("core", "from gpuctl.agent import app", "gpuctl.agent"),
+    ("core", "from gpuctl.render import status_view", "gpuctl.render"),
+    ("core", "from gpuctl.sim import gpu", "gpuctl.sim"),
+    ("core", "from gpuctl import api", "gpuctl.api"),
+    ("core", "from gpuctl.errors import GpuctlError", "gpuctl.errors"),
+    ("core", "from gpuctl.config import load_config", "gpuctl.config"),
+    ("core", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("core", "from gpuctl.proxy import app", "gpuctl.proxy"),
+    ("core", "import websockets", "websockets"),
+    ("core", "import pynvml", "pynvml"),
+    ("core", "import httpx", "httpx"),
+    ("core", "import platformdirs", "platformdirs"),
+    ("core", "import typer", "typer"),
+    ("core", "from rich.table import Table", "rich"),
+    ("core", "import subprocess", "subprocess"),
+    ("adapters", "from gpuctl.flows import ensure", "gpuctl.flows"),
+    ("adapters", "from gpuctl.cli import common", "gpuctl.cli"),
+    ("adapters", "from gpuctl.agent import app", "gpuctl.agent"),
+    ("adapters", "from gpuctl.render.status_view import render_status", "gpuctl.render"),
+    ("adapters/probes", "from gpuctl.flows.results import Outcome", "gpuctl.flows"),
+    ("adapters/store", "import gpuctl.cli.app", "gpuctl.cli"),
+    ("adapters", "import rich", "rich"),
+    ("flows", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("flows", "from gpuctl.render.results import ensure_text", "gpuctl.render"),
+    ("flows", "from gpuctl.agent.app import create_app", "gpuctl.agent"),
+    ("flows", "import rich", "rich"),
+    ("render", "from gpuctl.adapters.store import DirectStore", "gpuctl.adapters"),
+    ("render", "import gpuctl.adapters.procinfo", "gpuctl.adapters"),
+    ("render", "import httpx", "httpx"),
+    ("sim", "import httpx", "httpx"),
+    ("sim", "import platformdirs", "platformdirs"),
+    ("sim", "from gpuctl.adapters import procinfo", "gpuctl.adapters"),
+    ("sim", "from gpuctl.adapters.probes.sim import SimProbe", "gpuctl.adapters"),
+    ("sim", "from gpuctl.errors import GpuctlError", "gpuctl.errors"),
+    ("sim", "from gpuctl.config import load_config", "gpuctl.config"),
+    ("sim", "from gpuctl.flows import ensure", "gpuctl.flows"),
+    ("proxy", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("proxy", "from gpuctl.render.results import ensure_text", "gpuctl.render"),
+    ("proxy", "import rich", "rich"),
 ]
 
 ALLOWED = [
-    ("gpuctl/core/x.py", "from gpuctl.core.units import format_mib"),
-    ("gpuctl/adapters/x.py", "from gpuctl.core.model import Snapshot"),
-    ("gpuctl/flows/x.py", "from gpuctl.adapters.store import DirectStore"),
-    ("gpuctl/render/x.py", "from rich.table import Table"),
-    ("gpuctl/render/x.py", "from gpuctl.flows.results import StatusReport"),
-    ("gpuctl/sim/x.py", "from gpuctl.core.units import parse_size_mib"),
-    ("gpuctl/sim/x.py", "import fcntl"),
+    ("core", "from gpuctl.core.units import format_mib"),
+    ("core", "import dataclasses"),
+    ("adapters", "from gpuctl.core.model import Snapshot"),
+    ("adapters", "import httpx"),
+    ("flows", "from gpuctl.adapters.store import DirectStore"),
+    ("render", "from rich.table import Table"),
+    ("render", "from gpuctl.flows.results import StatusReport"),
+    ("sim", "from gpuctl.core.units import parse_size_mib"),
+    ("sim", "import fcntl"),
+    ("proxy", "from gpuctl.flows import ensure"),
 ]
 
 
-@pytest.mark.parametrize(("path", "line"), BANNED)
-def test_a_bad_import_fails_ruff(path: str, line: str) -> None:
-    r = _ruff(path, line + "\n")
-    assert r.returncode == 1, (path, line, r.stdout, r.stderr)
-    assert "TID251" in r.stdout
+def _needs_layer(layer: str) -> None:
+    if not (PKG / layer.split("/", maxsplit=1)[0]).is_dir():
+        pytest.skip(f"gpuctl/{layer} does not exist yet")
 
 
-@pytest.mark.parametrize(("path", "line"), ALLOWED)
-def test_an_allowed_import_passes(path: str, line: str) -> None:
-    r = _ruff(path, line + "\n")
-    assert r.returncode == 0, (path, line, r.stdout, r.stderr)
+@pytest.mark.parametrize(("layer", "line", "banned"), BANNED)
+def test_a_bad_import_fails_ruff(tmp_path: Path, layer: str, line: str, banned: str) -> None:
+    _needs_layer(layer)
+    r = _ruff_file(tmp_path, f"gpuctl/{layer}/fence_probe.py", f"{line}\n\n__all__ = []\n")
+    assert r.returncode == 1, (layer, line, r.stdout, r.stderr)
+    assert f"TID251 `{banned}` is banned" in r.stdout, (layer, line, r.stdout)
 
 
-def _package_graph() -> dict[str, set[str]]:
-    """gpuctl's packages (and top-level modules) and which others each imports, counting
-    imports inside functions too (a lazy import is still an edge)."""
-    import ast
+@pytest.mark.parametrize(("layer", "line"), ALLOWED)
+def test_an_allowed_import_passes_its_fence(tmp_path: Path, layer: str, line: str) -> None:
+    _needs_layer(layer)
+    r = _ruff_file(tmp_path, f"gpuctl/{layer}/fence_probe.py", f"{line}\n")
+    assert r.returncode in (0, 1), (r.stdout, r.stderr)  # 1: an unused import (F401) only
+    assert "TID251" not in r.stdout, (layer, line, r.stdout)
+
+
+def test_every_fenced_layer_has_its_fence() -> None:
+    for layer in FENCED:
+        if (PKG / layer).is_dir():
+            assert (PKG / layer / "ruff.toml").is_file(), f"gpuctl/{layer} has no ruff.toml"
+
+
+def test_the_real_tree_passes_the_fences() -> None:
+    r = subprocess.run(
+        [RUFF, "check", "--no-cache", "--select", "TID", "gpuctl"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _banned(layer: str) -> set[str]:
+    cfg = tomllib.loads((PKG / layer / "ruff.toml").read_text())
+    return set(cfg["lint"]["flake8-tidy-imports"]["banned-api"])
+
+
+# Distributions whose import name is not their own name.
+_IMPORT_NAME = {"nvidia-ml-py": "pynvml"}
+
+
+def _runtime_imports() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra, more in project["optional-dependencies"].items():
+        if extra != "test":
+            reqs += more
+    names = set()
+    for req in reqs:
+        dist = re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower()
+        names.add(_IMPORT_NAME.get(dist, dist.replace("-", "_")))
+    return names
+
+
+def _gpuctl_parts() -> set[str]:
+    return {
+        f"gpuctl.{p.name.removesuffix('.py')}"
+        for p in PKG.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
+    }
+
+
+@pytest.mark.parametrize("layer", ["core", "sim"])
+def test_the_bare_layers_ban_every_installed_package_and_every_other_layer(layer: str) -> None:
+    """The ban lists of core and sim name every package gpuctl installs (a new dependency
+    must be added to them) and every gpuctl package but the core."""
+    banned = _banned(layer)
+    missing = (_runtime_imports() | (_gpuctl_parts() - {"gpuctl.core", "gpuctl.__init__"})) - {
+        f"gpuctl.{layer}"
+    }
+    assert not missing - banned, f"gpuctl/{layer}/ruff.toml does not ban {sorted(missing - banned)}"
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every absolute import in ``path`` (inside functions too), as (line, module)."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+@pytest.mark.parametrize("layer", ["core", "sim"])
+def test_the_bare_layers_import_only_the_standard_library_and_core(layer: str) -> None:
+    """Beyond any list: every import in core and sim is standard library, __future__ or
+    gpuctl.core (sim may import itself)."""
+    own = {"gpuctl.core"} | ({"gpuctl.sim"} if layer == "sim" else set())
+    bad = []
+    for path in sorted((PKG / layer).rglob("*.py")):
+        for line, mod in _imports(path):
+            top = mod.split(".")[0]
+            if top in sys.stdlib_module_names or top == "__future__":
+                continue
+            if any(mod == o or mod.startswith(o + ".") for o in own):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _without_type_checking(tree: ast.Module) -> ast.Module:
+    """``tree`` less its ``if TYPE_CHECKING:`` blocks."""
+
+    class Drop(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> ast.AST | None:
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                return None
+            return self.generic_visit(node)
+
+    return Drop().visit(tree)
+
+
+def _package_graph(depth: int) -> dict[str, set[str]]:
+    """gpuctl's packages, cut at ``depth`` dotted parts below gpuctl (1: adapters, flows...;
+    2: adapters.probes, adapters.store...), and which others each imports, counting imports
+    inside functions and relative imports too (a lazy import is still an edge).
+    A module that is not a package counts as a node of its own, so ``depth=2`` also finds
+    cycles between the modules directly inside a package. Between modules of one package a
+    reference made only for type annotations (``if TYPE_CHECKING:``) is no edge; between
+    packages (``depth=1``) it counts like any other."""
+
+    def node(mod: str) -> str | None:
+        parts = mod.split(".")
+        if parts[0] != "gpuctl" or len(parts) < 2:
+            return None
+        cut = ["gpuctl"]
+        for p in parts[1 : depth + 1]:
+            cut.append(p)
+            if not (ROOT.joinpath(*cut)).is_dir():
+                break
+        here = ROOT.joinpath(*cut)
+        if not here.is_dir() and not here.with_suffix(".py").exists():
+            return None  # a name imported from a module, not a module
+        return ".".join(cut)
 
     graph: dict[str, set[str]] = {}
-    for path in (ROOT / "gpuctl").rglob("*.py"):
-        rel = path.relative_to(ROOT / "gpuctl").parts
-        src = rel[0].removesuffix(".py")
-        if src == "__main__":
+    for path in PKG.rglob("*.py"):
+        mod = _module_of(path)
+        src = node(mod) if mod != "gpuctl" else None
+        if src is None or src == "gpuctl.__main__":
             continue
         edges = graph.setdefault(src, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text())
+        if depth > 1:
+            tree = _without_type_checking(tree)
+        for tree_node in ast.walk(tree):
             names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if isinstance(tree_node, ast.Import):
+                names = [a.name for a in tree_node.names]
+            elif isinstance(tree_node, ast.ImportFrom):
+                base = tree_node.module or ""
+                if tree_node.level:
+                    anchor = mod.split(".")
+                    up = tree_node.level - (1 if is_pkg else 0)
+                    anchor = anchor[: len(anchor) - up] if up else anchor
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [base] + [f"{base}.{a.name}" for a in tree_node.names]
             for name in names:
-                parts = name.split(".")
-                if (
-                    parts[0] == "gpuctl"
-                    and len(parts) > 1
-                    and parts[1] != src
-                    and (
-                        (ROOT / "gpuctl" / parts[1]).is_dir()
-                        or (ROOT / "gpuctl" / f"{parts[1]}.py").exists()
-                    )
-                ):
-                    edges.add(parts[1])
+                dst = node(name)
+                if dst is not None and dst != src and not src.startswith(dst + "."):
+                    # a package importing its own parent's __init__ is not an edge out
+                    edges.add(dst)
     return graph
 
 
-def test_no_package_cycles() -> None:
-    graph = _package_graph()
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 on the path, 2 done
     path: list[str] = []
 
-    def visit(n: str) -> None:
+    def visit(n: str) -> list[str] | None:
         state[n] = 1
         path.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                cycle = [*path[path.index(m) :], m]
-                raise AssertionError(" -> ".join(cycle))
-            if m not in state:
-                visit(m)
+                return [*path[path.index(m) :], m]
+            if m not in state and (found := visit(m)):
+                return found
         path.pop()
         state[n] = 2
+        return None
 
     for n in sorted(graph):
-        if n not in state:
-            visit(n)
-    assert {"core", "adapters", "flows", "render", "cli", "sim"} <= set(graph)
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_no_package_cycles(depth: int) -> None:
+    graph = _package_graph(depth)
+    assert {"gpuctl.core", "gpuctl.adapters", "gpuctl.flows", "gpuctl.cli"} <= {
+        n.split(".")[0] + "." + n.split(".")[1] for n in graph
+    }
+    assert any(graph.values()), "the graph has no edges: the scan found no imports"
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
+
+
+# Past about 400 lines a module usually holds several ideas; one that holds one long idea
+# says why at its top. None may pass 800.
+SOFT_LIMIT = 400
+HARD_LIMIT = 800
+
+
+def _long_because(path: Path) -> bool:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    head = "\n".join(doc.splitlines()[:5])
+    return "Long because" in head
+
+
+def _size_offenders(root: Path) -> list[str]:
+    too_long = []
+    for path in sorted((root / "gpuctl").rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        rel = path.relative_to(root)
+        if n > HARD_LIMIT:
+            too_long.append(f"{rel}: {n} lines (over {HARD_LIMIT}: split it)")
+        elif n > SOFT_LIMIT and not _long_because(path):
+            too_long.append(
+                f"{rel}: {n} lines (over {SOFT_LIMIT}: split it, or say 'Long because ...' "
+                "in its docstring's first lines)"
+            )
+    return too_long
+
+
+def test_the_size_check_fails_a_long_module(tmp_path: Path) -> None:
+    pkg = tmp_path / "gpuctl"
+    pkg.mkdir()
+    body = "x = 1\n" * (SOFT_LIMIT + 10)
+    (pkg / "short.py").write_text('"""Short."""\n' + "x = 1\n" * 10)
+    (pkg / "long.py").write_text('"""Several ideas."""\n' + body)
+    (pkg / "why.py").write_text('"""One table.\n\nLong because it is one table."""\n' + body)
+    (pkg / "late.py").write_text('"""One.\n\n\n\n\n\nLong because too late."""\n' + body)
+    (pkg / "huge.py").write_text('"""Long because huge."""\n' + "x = 1\n" * HARD_LIMIT)
+    found = _size_offenders(tmp_path)
+    assert [f.split(":")[0] for f in found] == [
+        "gpuctl/huge.py",
+        "gpuctl/late.py",
+        "gpuctl/long.py",
+    ]
+
+
+def test_modules_are_short_or_say_why() -> None:
+    too_long = _size_offenders(ROOT)
+    assert not too_long, "\n".join(too_long)
+
+
+def test_the_repo_stands_alone() -> None:
+    """No source cites a design document the repository does not carry ("DESIGN §N")."""
+    cited = []
+    for top in ("gpuctl", "tests", "bench", "scripts"):
+        for path in sorted((ROOT / top).rglob("*")):
+            if (
+                path.is_file()
+                and path.suffix in (".py", ".toml", ".md", "")
+                and path != Path(__file__)
+            ):
+                text = path.read_text(errors="replace")
+                if re.search(r"DESIGN(\.md)? ?§", text):
+                    cited.append(str(path.relative_to(ROOT)))
+    readme = (ROOT / "README.md").read_text()
+    assert not re.search(r"DESIGN(\.md)? ?§", readme)
+    assert not cited, cited

@@ -89,7 +89,7 @@ def test_container_id_from_cgroup() -> None:
 
 
 def test_pipeline_neighbours_are_recognised() -> None:
-    from gpuctl.adapters.procinfo import on_pipes
+    from gpuctl.adapters.pipeline import on_pipes
 
     r, w = os.pipe()
     try:
@@ -110,7 +110,7 @@ def test_pipeline_neighbours_are_recognised() -> None:
 
 
 PIPELINE_PROBE = (
-    "import json; from pathlib import Path; from gpuctl.adapters.procinfo import own_pipeline; "
+    "import json; from pathlib import Path; from gpuctl.adapters.pipeline import own_pipeline; "
     "print(json.dumps(sorted(Path(f'/proc/{p}/comm').read_text().strip() "
     "for p in own_pipeline())))"
 )

@@ -1,4 +1,4 @@
-"""The pure core of the state store (DESIGN §3): back-off, lease state, updates, the record's JSON."""
+"""The pure core of the state store: back-off, lease state, updates, the record's JSON."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulated GPU (DESIGN §8), tested the way it is used: with real processes.
+"""The simulated GPU, tested the way it is used: with real processes.
 
 Every workload here is a real ``python -m gpuctl sim ...`` process; the probe sees its
 real pid and command line, and killing it (even with SIGKILL, even leaving a zombie)
@@ -634,7 +634,7 @@ def test_bad_sizes_and_durations_are_one_line_usage_errors(
 
 
 def test_sim_imports_nothing_of_gpuctl_but_core() -> None:
-    """DESIGN §2: the sim runs in a bare container; every module of it may lean on
+    """The sim runs in a bare container; every module of it may lean on
     ``gpuctl.core`` only (run with -S: no site-packages at all)."""
     code = (
         "import importlib, pkgutil, sys, gpuctl.sim\n"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, tagged
 from tests.ensure_helpers import (
     cli_env,
     kill_servers,
@@ -99,7 +99,7 @@ def test_a_wake_that_does_not_fit_is_busy_and_leaves_it_asleep(host: SimHost, sv
     assert gpuctl(cfg, "ensure", svc, "--json").returncode == 0
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
         assert http.post("/sleep", params={"level": 1}).status_code == 200
-        squatter = host.hold("squatter", "100GiB")
+        squatter = host.hold(tagged("squatter"), "100GiB")
         try:
             r = gpuctl(cfg, "ensure", svc, "--json")
             assert r.returncode == 3, r.stdout + r.stderr

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, tagged
 from tests.ensure_helpers import kill_servers, unique_name
 
 
@@ -73,16 +73,15 @@ memory = "120GiB"
         assert decisions(obj) == {llm: "IDLE", "photos": "IDLE", "trainer": "IDLE"}
         assert obj["hosts"][0]["is_idle"] is True and obj["hosts"][0]["probe"] == "sim"
 
-        hold = sim_host.hold("comfyui", "20GiB")
+        comfy = tagged("comfyui")
+        hold = sim_host.hold(comfy, "20GiB")
         obj = wait_for(cfg, lambda o: decisions(o)["trainer"] == "BUSY")
         d = decisions(obj)
         assert d[llm] == "FITS" and d["trainer"] == "BUSY"
         (trainer,) = [s for s in obj["services"] if s["name"] == "trainer"]
-        assert f"pid {hold.pid}" in trainer["reason"] and "comfyui" in trainer["reason"]
+        assert f"pid {hold.pid}" in trainer["reason"] and comfy in trainer["reason"]
         (proc,) = obj["hosts"][0]["processes"]
-        assert (
-            proc["pid"] == hold.pid and proc["memory_mib"] == 20480 and "comfyui" in proc["command"]
-        )
+        assert proc["pid"] == hold.pid and proc["memory_mib"] == 20480 and comfy in proc["command"]
 
         server = sim_host.model_server(llm, "80GiB", "4s", port)
         obj = wait_for(cfg, lambda o: decisions(o)[llm] == "LOADING", 10)
@@ -135,8 +134,10 @@ def test_one_dead_host_does_not_slow_the_others(sim_host: SimHost, tmp_path: Pat
 
 @pytest.mark.e2e
 def test_human_view_names_everything(sim_host: SimHost) -> None:
-    cfg = sim_host.write_config('[services.trainer]\nmatch = ["trainer"]\nmemory = "120GiB"\n')
-    hold = sim_host.hold("comfyui", "20GiB")
+    trainer = tagged("trainer")
+    cfg = sim_host.write_config(f'[services.{trainer}]\nmatch = ["{trainer}"]\nmemory = "120GiB"\n')
+    comfy = tagged("comfyui")
+    hold = sim_host.hold(comfy, "20GiB")
     env = {**os.environ, "GPUCTL_CONFIG": str(cfg), "COLUMNS": "140", "NO_COLOR": "1"}
     deadline = time.monotonic() + 10
     while True:
@@ -147,5 +148,5 @@ def test_human_view_names_everything(sim_host: SimHost) -> None:
             break
         time.sleep(0.3)
     assert r.returncode == 0, r.stderr
-    for word in ("GPU memory", "20.0 GiB / 128.0 GiB", str(hold.pid), "comfyui", "trainer", "BUSY"):
+    for word in ("GPU memory", "20.0 GiB / 128.0 GiB", str(hold.pid), comfy, trainer, "BUSY"):
         assert word in r.stdout, (word, r.stdout)

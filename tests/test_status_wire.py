@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gpuctl.core.model import GpuDevice, GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.status_wire import parse_status
 
 
 def body(**over: Any) -> dict[str, Any]:
@@ -64,7 +65,7 @@ DEV = {"index": 0, "memory_used_mib": 1000, "memory_total_mib": 81920}
 )
 def test_hostile_values_are_located_errors(data: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError) as exc:
-        Snapshot.from_wire(data)
+        parse_status(data)
     assert needle in str(exc.value)
 
 
@@ -90,7 +91,7 @@ def test_per_gpu_figures_round_trip_through_json() -> None:
         ),
     )  # fmt: skip
     wire = json.loads(json.dumps(snap.to_wire()))
-    back = Snapshot.from_wire(wire)
+    back = parse_status(wire)
     assert back == snap
     assert wire["devices"][1]["utilization_pct"] == 0  # a measured 0 stays 0 ...
     assert wire["devices"][0]["utilization_pct"] is None  # ... and unknown stays null
@@ -104,7 +105,7 @@ def test_an_unreadable_gpu_makes_an_empty_host_not_idle() -> None:
 
 
 def test_an_old_agent_body_without_devices_still_parses() -> None:
-    snap = Snapshot.from_wire(body())
+    snap = parse_status(body())
     assert snap.devices == ()
     (dev,) = snap.device_list()
     assert (dev.memory_used_mib, dev.memory_total_mib) == (1000, 81920)
@@ -170,7 +171,7 @@ _body_like = st.fixed_dictionaries(
 @given(_body_like | _values)
 def test_any_body_is_a_snapshot_or_a_located_error(data: Any) -> None:
     try:
-        snap = Snapshot.from_wire(data)
+        snap = parse_status(data)
     except ValueError as e:
         assert str(e)  # says what is wrong
         return
@@ -183,7 +184,7 @@ def test_any_body_is_a_snapshot_or_a_located_error(data: Any) -> None:
         assert d.memory_total_mib is None or d.memory_total_mib >= 0
     assert snap.is_idle == (not snap.processes and all(d.readable for d in snap.devices))
     # And it survives its own wire form.
-    assert Snapshot.from_wire(json.loads(json.dumps(snap.to_wire()))).to_wire() == snap.to_wire()
+    assert parse_status(json.loads(json.dumps(snap.to_wire()))).to_wire() == snap.to_wire()
 
 
 # --- the one builder: per-GPU figures from a probe reading ---------------------------------

@@ -1,4 +1,4 @@
-"""The client of a GPU host's agent (DESIGN §5), sync and async.
+"""The client of a GPU host's agent (README: The agent), sync and async.
 
 ``AgentClient.status(["vllm"])`` is the same request as::
 
@@ -28,6 +28,7 @@ import httpx
 from gpuctl import __version__
 from gpuctl.adapters.http_clients import async_http_client, http_client
 from gpuctl.core.model import Snapshot
+from gpuctl.core.status_wire import parse_status as snapshot_from_wire
 from gpuctl.errors import AgentAuthError, AgentUnavailable
 
 __all__ = [
@@ -119,14 +120,32 @@ def _json_or_none(resp: httpx.Response) -> Any:
         return None
 
 
-def parse_response(resp: httpx.Response, url: str, host_name: str | None, token_sent: bool) -> Any:
-    """The JSON body of a 2xx answer, or the AgentUnavailable that explains the answer."""
+def parse_response(
+    resp: httpx.Response,
+    url: str,
+    host_name: str | None,
+    token_sent: bool,
+    *,
+    read_only: bool = False,
+) -> Any:
+    """The JSON body of a 2xx answer, or the AgentUnavailable that explains the answer.
+
+    ``read_only``: the token sent was the host's read-only one, with a write; the agent's
+    403 then means that (an AgentAuthError, exit 4 like every refused token).
+    """
     code = resp.status_code
     if code in (401, 403):
+        where = f"hosts.{host_name}" if host_name else "the host's"
         if host_name:
             fix = f"check hosts.{host_name}.token_env / token_file"
         else:
             fix = "check the host's token_env / token_file in the config"
+        if read_only and code == 403:
+            raise AgentAuthError(
+                f"the agent at {url} refused a write with the read-only token (HTTP 403)",
+                hint=f"ensure, touch and stop write: set {where}.token_env or token_file to "
+                "the agent's token (the read token is enough for status and locks)",
+            )
         if token_sent:
             message = f"the agent at {url} refused our token (HTTP {code})"
         else:
@@ -164,7 +183,7 @@ def parse_status(
     """A ``/status`` answer as a Snapshot; anything off-contract is AgentUnavailable."""
     data = parse_response(resp, url, host_name, token_sent)
     try:
-        return Snapshot.from_wire(data)
+        return snapshot_from_wire(data)
     except ValueError as err:
         raise AgentUnavailable(
             f"{url} answered something that is not the gpuctl status contract: {err}",
@@ -223,7 +242,8 @@ class _Base:
         # when it runs on this same machine. Not the `pipes=` of our stdio: a background
         # job writing into the same pipe is a server, not our pipeline.
 
-        from gpuctl.adapters.procinfo import host_identity, own_lineage, own_pipeline
+        from gpuctl.adapters.pipeline import own_pipeline
+        from gpuctl.adapters.procinfo import host_identity, own_lineage
 
         params = {
             "match": ",".join(words),

@@ -1,4 +1,4 @@
-"""Health checks of model servers (vLLM semantics, DESIGN §4).
+"""Health checks of model servers (vLLM semantics: ``/health`` answers 200 once ready).
 
 ``curl -s -o /dev/null -w '%{http_code}' http://dgx:8000/health``
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpuctl.adapters import procinfo
+from gpuctl.adapters.pipeline import own_pipeline
 from gpuctl.core.model import ProbeReading, Snapshot, snapshot_from_reading
 from gpuctl.core.timestamps import iso_utc
 
@@ -27,7 +28,8 @@ def build_snapshot(
     gpu_memory_mib: int | None = None,
     pids: Sequence[int] = (),
 ) -> Snapshot:
-    """Add host identity and the ``starting`` list (DESIGN §4) to a probe reading.
+    """Add host identity and the ``starting`` list (processes that match a service but hold
+    no GPU memory yet: a server still loading) to a probe reading.
 
     ``keywords`` None means "not asked": the snapshot carries no ``starting`` list.
     ``pids`` are servers the records name: listed under ``starting`` when alive and not
@@ -37,11 +39,7 @@ def build_snapshot(
     if keywords is not None:
         on_gpu = {p.pid for p in reading.processes}
         # Our own pipeline (`gpuctl status | cat | grep vllm`) is not a server.
-        found = [
-            s
-            for s in procinfo.find_matching(keywords, procinfo.own_pipeline())
-            if s.pid not in on_gpu
-        ]
+        found = [s for s in procinfo.find_matching(keywords, own_pipeline()) if s.pid not in on_gpu]
         seen = {s.pid for s in found} | on_gpu
         found += procinfo.describe_pids(p for p in pids if p not in seen)
         starting = tuple(found)

@@ -1,4 +1,4 @@
-"""The GPU host agent as a raw ASGI application (DESIGN §5).
+"""The GPU host agent as a raw ASGI application (README: The agent).
 
 No web framework: Starlette/FastAPI would cost import time and a good share of the
 throughput, and the agent needs only a handful of fixed routes. ``create_app`` builds the
@@ -25,11 +25,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpuctl import __version__
+from gpuctl.adapters.pipeline import on_pipes
 from gpuctl.adapters.probes.base import Probe
-from gpuctl.adapters.procinfo import describe_pids, find_matching, host_identity, on_pipes
+from gpuctl.adapters.procinfo import describe_pids, find_matching
 from gpuctl.agent.auth import Tokens
 from gpuctl.agent.cache import Outcome, TtlCell
 from gpuctl.agent.http import (
@@ -56,41 +57,17 @@ from gpuctl.agent.query import (
     parse_pids,
 )
 from gpuctl.agent.servers import Servers, promote_loop, scan_servers
+from gpuctl.agent.settings import AgentSettings
 from gpuctl.agent.snapshot import Scan, agent_snapshot, utc_now_iso
 from gpuctl.agent.store_api import StoreApi, read_all
-from gpuctl.core.model import HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, ProbeError
 
+# AgentSettings lives in settings.py; callers build both from here.
+__all__ = ["AgentApp", "AgentSettings", "create_app"]
+
 log = logging.getLogger("gpuctl.agent")
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSettings:
-    """How the agent answers.
-
-    Attributes:
-        token: the bearer token every endpoint but /healthz and /openapi.json requires;
-            None means no auth (the server only allows that on loopback).
-        cache_ttl_s: how long one probe reading (and one match scan) is reused.
-        state_dir: the state directory this agent uses, reported in /status.
-        gpu_memory_mib: the configured total, for devices that cannot tell (unified
-            memory). The caller passes it to the probe; /status falls back to it too.
-        host: this machine's identity, reported in /status.
-        read_token: a second, read-only token: good for every GET, a write with it is 403.
-        match: keywords of servers to report, for clients of the original ``/status``,
-            in ``processes`` (``memory_mib`` 0, ``on_gpu`` false) while they load.
-        match_max_age_s: only such processes younger than this count as loading.
-    """
-
-    token: str | None = None
-    read_token: str | None = None
-    match: tuple[str, ...] = ()
-    match_max_age_s: float = 900.0
-    cache_ttl_s: float = 1.0
-    state_dir: str | None = None
-    gpu_memory_mib: int | None = None
-    host: HostIdentity = field(default_factory=host_identity)
 
 
 @dataclass(slots=True)

@@ -254,7 +254,7 @@ def _run(
     match: tuple[str, ...],
     match_max_age_s: float,
 ) -> None:
-    # Lazy (DESIGN §2): the server stack stays out of every other command's start-up.
+    # Lazy: the server stack stays out of every other command's start-up.
     import uvicorn
 
     from gpuctl.agent.app import AgentSettings, create_app

@@ -61,7 +61,7 @@ def check(config: ConfigOpt = None) -> None:
 
 def _local_state_dir_warning(conf: Any) -> str | None:
     """On the GPU host itself, warn when this CLI's state dir differs from its agent's:
-    two stores would mean two truths (DESIGN §3)."""
+    two stores would mean two truths."""
     from gpuctl.adapters import procinfo
     from gpuctl.config.paths import default_state_dir
     from gpuctl.errors import GpuctlError

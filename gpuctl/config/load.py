@@ -13,7 +13,7 @@ from gpuctl.errors import ConfigError
 
 def load_config(explicit: Path | None = None) -> Config:
     """Load the config from ``explicit`` (``--config``), else ``$GPUCTL_CONFIG``, else the
-    user config dir (DESIGN §6).
+    user config dir (``~/.config/gpuctl/config.toml`` on Linux).
 
     A missing default file is an empty config (no hosts, no services: ``status`` probes
     this machine). A file the user named must exist. Token files that others can read

@@ -1,4 +1,4 @@
-"""The configuration as frozen dataclasses (DESIGN §6): what the rest of gpuctl reads.
+"""The configuration as frozen dataclasses: what the rest of gpuctl reads.
 
 Values here are already validated and converted (sizes in MiB, durations in seconds);
 ``parse`` builds them, ``load`` finds the file. Secrets are not values: a host names

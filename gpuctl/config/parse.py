@@ -14,15 +14,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from gpuctl.config.docker_fields import container_ref, ipc_mode, ports, shm_size, volumes
 from gpuctl.config.model import (
     DEFAULT_AGENT_TIMEOUT_S,
     DEFAULT_HEALTH_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_PRIORITY,
-    DEFAULT_PROXY_LISTEN,
-    DEFAULT_PROXY_MAX_BODY_MIB,
-    DEFAULT_PROXY_RETRY_AFTER_S,
-    DEFAULT_PROXY_SSE_INTERVAL_S,
     DEFAULT_STOP_TIMEOUT_S,
     LAUNCHERS,
     PROBES,
@@ -32,13 +29,12 @@ from gpuctl.config.model import (
     Config,
     Defaults,
     HostConfig,
-    ProxyConfig,
     ServiceConfig,
     known_hint,
 )
-from gpuctl.config.table import Table, key_text, show, tname
+from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
+from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
 from gpuctl.core.names import NAME_RULE, is_valid_name
-from gpuctl.core.units import parse_size_mib
 from gpuctl.errors import ConfigError
 
 ROOT_KEYS = ("defaults", "hosts", "services", "proxy")
@@ -95,20 +91,6 @@ SERVICE_KEYS = (
     "resume",
     "kind",
 )
-PROXY_KEYS = (
-    "listen",
-    "api_keys_file",
-    "api_keys_env",
-    "max_body",
-    "sse_keepalive",
-    "sse_interval",
-    "retry_after",
-    "access_log",
-)
-# A model name as clients send it ("Qwen/Qwen3-32B", "qwen3:32b"): printable, no spaces.
-_MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
-MAX_CONCURRENT = 100_000
-
 # Keys a user might put a secret under, and where the secret belongs instead.
 _SECRET_KEYS = {
     "token": "token",
@@ -124,29 +106,8 @@ MAX_PRIORITY = 1_000_000
 # NVML indexes GPUs from 0; no machine has anywhere near this many.
 MAX_DEVICE_INDEX = 1023
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _TERMINAL = re.compile(r"\w{1,100}", re.ASCII)
-_DOCKER_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
 _IMAGE = re.compile(r"[^\s\x00-\x1f]+")
-_IPC_MODES = ("none", "private", "shareable", "host")
-_VOLUME_MODES = frozenset(
-    [
-        "ro",
-        "rw",
-        "z",
-        "Z",
-        "shared",
-        "rshared",
-        "slave",
-        "rslave",
-        "private",
-        "rprivate",
-        "nocopy",
-        "consistent",
-        "cached",
-        "delegated",
-    ]
-)
 
 
 def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
@@ -176,58 +137,9 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     services: dict[str, ServiceConfig] = {}
     for name, raw in services_table.items():
         services[name] = _service(name, raw, defaults, hosts, path)
-    _check_models(services)
-    proxy = _proxy(root.get("proxy"), base)
+    check_models(services)
+    proxy = parse_proxy(root.get("proxy"), base)
     return Config(path=path, defaults=defaults, hosts=hosts, services=services, proxy=proxy)
-
-
-def _proxy(raw: Any, base: Path | None) -> ProxyConfig:
-    p = Table("proxy", raw if raw is not None else {}, PROXY_KEYS)
-    listen = p.str_("listen") or DEFAULT_PROXY_LISTEN
-    host, sep, port = listen.rpartition(":")
-    if not (sep and host and port.isascii() and port.isdigit() and int(port) <= 65535):
-        raise p.fail("listen", f"expected HOST:PORT, got {listen!r}", hint="e.g. 127.0.0.1:9401")
-    keys_env = p.pattern("api_keys_env", _ENV_NAME, "an environment variable name")
-    keys_file = p.path("api_keys_file", base)
-    if keys_env and keys_file:
-        raise ConfigError("proxy: set api_keys_env or api_keys_file, not both")
-    max_body = p.size("max_body")
-    return ProxyConfig(
-        listen=listen,
-        api_keys_env=keys_env,
-        api_keys_file=keys_file,
-        max_body_mib=max_body if max_body is not None else DEFAULT_PROXY_MAX_BODY_MIB,
-        sse_keepalive=p.bool_("sse_keepalive", True),
-        sse_interval_s=p.duration("sse_interval", DEFAULT_PROXY_SSE_INTERVAL_S),
-        retry_after_s=p.duration("retry_after", DEFAULT_PROXY_RETRY_AFTER_S),
-        access_log=p.bool_("access_log", True),
-    )
-
-
-def _models(s: Table) -> tuple[str, ...]:
-    names = s.str_list("models")
-    for m in names:
-        if not _MODEL_NAME.fullmatch(m):
-            raise s.fail(
-                "models",
-                f"a model name has no spaces or control characters (200 at most), got {show(m)}",
-            )
-    if len(set(names)) != len(names):
-        raise s.fail("models", f"a model is listed twice: {show(list(names))}")
-    return names
-
-
-def _check_models(services: dict[str, ServiceConfig]) -> None:
-    """One service per model name: the proxy routes by it."""
-    seen: dict[str, str] = {}
-    for svc in services.values():
-        for m in svc.models:
-            if m in seen:
-                raise ConfigError(
-                    f"services.{svc.name}.models: {m!r} is already a model of services.{seen[m]}",
-                    hint="a model name routes to one service; give each its own name",
-                )
-            seen[m] = svc.name
 
 
 def _check_name(kind: str, name: str) -> None:
@@ -247,7 +159,7 @@ def _host(name: str, raw: Any, defaults: Defaults, base: Path | None) -> HostCon
     h = Table(f"hosts.{name}", raw, HOST_KEYS)
     pairs = {}
     for what in ("token", "read_token", "jupyter_token"):
-        env = h.pattern(f"{what}_env", _ENV_NAME, "an environment variable name")
+        env = h.pattern(f"{what}_env", ENV_NAME, "an environment variable name")
         file = h.path(f"{what}_file", base)
         if env and file:
             raise ConfigError(f"hosts.{name}: set {what}_env or {what}_file, not both")
@@ -312,17 +224,17 @@ def _service(
         env=s.str_map("env"),
         log=s.str_("log"),
         gpus=s.bool_("gpus", True),
-        ipc_mode=_ipc_mode(s),
-        shm_size=_shm_size(s),
-        volumes=_volumes(s),
-        ports=_ports(s),
-        network=_container_ref(s, "network", ("host", "bridge", "none")),
+        ipc_mode=ipc_mode(s),
+        shm_size=shm_size(s),
+        volumes=volumes(s),
+        ports=ports(s),
+        network=container_ref(s, "network", ("host", "bridge", "none")),
         stop_timeout_s=s.duration("stop_timeout", DEFAULT_STOP_TIMEOUT_S),
         terminal=s.pattern("terminal", _TERMINAL, "a terminal name of letters, digits and '_'"),
-        pid_mode=_container_ref(s, "pid_mode", ("host",), containers_only=True),
-        models=_models(s),
+        pid_mode=container_ref(s, "pid_mode", ("host",), containers_only=True),
+        models=models(s),
         url=s.url("url", HTTP),
-        max_concurrent=_max_concurrent(s),
+        max_concurrent=max_concurrent(s),
         queue_timeout_s=(
             s.duration("queue_timeout", 0.0) if s.get("queue_timeout") is not None else None
         ),
@@ -374,12 +286,6 @@ def _devices(s: Table) -> tuple[int, ...] | None:
     return tuple(v)
 
 
-def _max_concurrent(s: Table) -> int | None:
-    if s.get("max_concurrent") is None:
-        return None
-    return s.int_("max_concurrent", 0, 1, MAX_CONCURRENT)
-
-
 def _sleep_level(s: Table) -> int | None:
     v = s.get("sleep_level")
     if v is None:
@@ -387,87 +293,6 @@ def _sleep_level(s: Table) -> int | None:
     if isinstance(v, bool) or v not in SLEEP_LEVELS:
         raise s.fail("sleep_level", f"expected 1 or 2, got {show(v)}")
     return int(v)
-
-
-def _ipc_mode(s: Table) -> str | None:
-    v = s.str_("ipc_mode")
-    if v is None or v in _IPC_MODES:
-        return v
-    if v.startswith("container:") and _DOCKER_REF.fullmatch(v.removeprefix("container:")):
-        return v
-    raise s.fail("ipc_mode", f"expected {', '.join(_IPC_MODES)} or container:NAME, got {v!r}")
-
-
-def _container_ref(
-    s: Table, key: str, words: tuple[str, ...], *, containers_only: bool = False
-) -> str | None:
-    v = s.str_(key)
-    if v is None or v in words:
-        return v
-    if v.startswith("container:") and _DOCKER_REF.fullmatch(v.removeprefix("container:")):
-        return v
-    if not containers_only and _DOCKER_REF.fullmatch(v):
-        return v  # a user-defined network
-    shown = ", ".join(words) + (
-        " or container:NAME" if containers_only else ", a network name or container:NAME"
-    )
-    raise s.fail(key, f"expected {shown}, got {v!r}")
-
-
-def _shm_size(s: Table) -> str | None:
-    v = s.get("shm_size")
-    if v is None:
-        return None
-    try:
-        parse_size_mib(v)
-    except ValueError as e:
-        raise s.fail("shm_size", str(e)) from None
-    return str(v).strip()
-
-
-def _volumes(s: Table) -> tuple[str, ...]:
-    out = s.str_list("volumes")
-    for spec in out:
-        parts = spec.split(":")
-        ok = len(parts) in (2, 3) and parts[0] and parts[1].startswith("/")
-        if ok and len(parts) == 3:
-            ok = all(m in _VOLUME_MODES for m in parts[2].split(","))
-        if not ok:
-            raise s.fail(
-                "volumes",
-                f"expected 'host:container[:ro]', got {spec!r}",
-                hint="e.g. '/data/hf:/root/.cache/huggingface:ro'",
-            )
-    return out
-
-
-def _ports(s: Table) -> dict[str, int]:
-    raw = s.get("ports")
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise s.fail("ports", f'expected a table like {{ "8000" = 8000 }}, got {show(raw)}')
-    out: dict[str, int] = {}
-    for k, value in raw.items():
-        v = value
-        port, _, proto = k.partition("/")
-        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536) or proto not in (
-            "",
-            "tcp",
-            "udp",
-            "sctp",
-        ):
-            raise ConfigError(
-                f"{s.loc('ports')}.{key_text(k)}: expected a container port like '8000' or '8000/tcp'"
-            )
-        if isinstance(v, str) and v.isascii() and v.strip().isdigit():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536:
-            raise ConfigError(
-                f"{s.loc('ports')}.{key_text(k)}: expected a port number (1-65535), got {show(v)}"
-            )
-        out[k] = v
-    return out
 
 
 def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
@@ -512,7 +337,7 @@ def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
     # Jupyter writes `export NAME=value` into a bash script; the other launchers hand
     # the environment over as a mapping, where only '=' cannot be in a name.
     for key in svc.env:
-        if launcher == "jupyter" and not _ENV_NAME.fullmatch(key):
+        if launcher == "jupyter" and not ENV_NAME.fullmatch(key):
             raise ConfigError(
                 f"{where}.env.{key_text(key)}: not a shell variable name",
                 hint="use letters, digits and '_' only, not starting with a digit",

@@ -1,4 +1,4 @@
-"""Where gpuctl keeps its files: state, the simulated GPU, the config (DESIGN §3, §6).
+"""Where gpuctl keeps its files: state (records, locks, logs), the simulated GPU, the config.
 
 Each path can be overridden by an environment variable; the defaults come from
 ``platformdirs``. Nothing here creates a directory: callers that write do that.

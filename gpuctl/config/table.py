@@ -18,6 +18,8 @@ from gpuctl.errors import ConfigError
 
 # Schemes whose address is a local path (unix:///var/run/docker.sock), not a host.
 _PATH_SCHEMES = ("unix", "npipe")
+# An environment variable name as a shell writes it (the Jupyter launcher exports them).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 
 
 class Table:

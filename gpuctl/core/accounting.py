@@ -1,4 +1,4 @@
-"""Memory per GPU, as admission counts it (DESIGN §4).
+"""Memory per GPU, as admission counts it (README: How it decides).
 
 A service fits on one GPU, never on the sum of several. On each GPU: memory no process
 accounts for ("unattributed": processes whose memory NVML cannot tell, as on MIG, or

@@ -1,4 +1,4 @@
-"""The decision (DESIGN §4): what state is a service in, and may it start now?
+"""The decision (README: How it decides): what state is a service in, and may it start now?
 
 ``classify`` is a pure function of the service's health answer, the agent's snapshot
 (or why there is none), the service's spec and the other services' specs. The rows

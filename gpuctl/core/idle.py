@@ -1,4 +1,4 @@
-"""Idle selection for ``gpuctl reclaim`` (DESIGN §10): which services to stop, and why.
+"""Idle selection for ``gpuctl reclaim``: which services to stop, and why.
 
 ``judge`` is a pure function of one service's facts (its spec, its record, what is in
 flight) and the clock. A managed service is stopped only when every one of these holds:

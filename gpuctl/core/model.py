@@ -1,4 +1,4 @@
-"""Plain data shared by every layer, and the agent's wire format (DESIGN §5).
+"""Plain data shared by every layer, and the agent's wire format (``GET /status``).
 
 ``Snapshot.to_wire`` / ``Snapshot.from_wire`` are the contract of ``GET /status``.
 ``from_wire`` (in ``gpuctl.core.status_wire``) validates strictly: an agent that answers
@@ -189,13 +189,6 @@ class Snapshot:
         if self.starting is not None:
             out["starting"] = [s.to_wire() for s in self.starting]
         return out
-
-    @classmethod
-    def from_wire(cls, data: object) -> Snapshot:
-        """Parse an agent's ``/status`` body. Raises ValueError naming the first bad field."""
-        from gpuctl.core.status_wire import parse_status
-
-        return parse_status(data)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A service's record and its lease (DESIGN §3), as plain data with pure rules.
+"""A service's record and its lease, as plain data with pure rules.
 
 The record is the one shared truth about a service on its GPU host: its phase, when it
 was last used, who holds the right to start or stop it (the lease), how to find its

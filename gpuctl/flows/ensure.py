@@ -1,6 +1,11 @@
 """``ensure``: make a service ready, starting it only when that is safe, exactly once.
 
-The flow of the original design, made safe (DESIGN §3-§4):
+Long because it is one flow whose steps share one context and must be read in order: the
+rounds and the launch under the admission lease (re-check, record, release) are where
+exactly-once is decided. Its admission, deps, hints, results, observation and waits live
+beside it.
+
+The steps (a service is started only after a fresh look under the admission lease):
 
 1. health check; if it answers: touch, done (READY);
 2. otherwise ask the store and the agent, and decide (``gpuctl.flows.observe``);
@@ -27,7 +32,7 @@ from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
-from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
+from gpuctl.errors import AgentAuthError, AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.admission import ADMISSION, AdmissionTimeout, admission
 from gpuctl.flows.deps import EnsureDeps, describe_handle
 from gpuctl.flows.hints import refusal_hint
@@ -390,6 +395,10 @@ def _touch(ctx: _Ctx, ready: bool = False) -> object:
     """Mark it used; ``_STOPPING`` when a stop holds its lease (the touch then lost)."""
     try:
         rec = ctx.deps.store.touch(ctx.deps.service.name, ready=ready)
+    except AgentAuthError:
+        # Not a passing failure: with a token that may not write (the read-only one)
+        # every use would go unrecorded, and reclaim would stop the server under its user.
+        raise
     except GpuctlError as e:
         ctx.notes.append(f"could not mark it used: {e.message}")
         return None

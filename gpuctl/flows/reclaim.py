@@ -1,4 +1,4 @@
-"""``gpuctl reclaim``: give the GPU back, from cron (DESIGN §10, issue 8 §1).
+"""``gpuctl reclaim``: give the GPU back, from cron (README: Giving the GPU back).
 
 Per host, one run at a time (a lease on the pseudo-service ``_reclaim``; a second run
 finds it held and leaves at once). Then:

@@ -11,7 +11,7 @@ def list_claims(sim_dir: Path | None, total_mib: int | None) -> SimListing:
     from gpuctl.adapters.procinfo import command_of
     from gpuctl.sim.gpu import SimGpu
 
-    sim = SimGpu(sim_dir, total_mib)
+    sim = SimGpu(sim_dir, total_mib, define=False)  # a listing never changes the GPUs
     claims = tuple(
         SimClaim(c.pid, c.name, c.memory_mib, c.gpu, command_of(c.pid)) for c in sim.claims()
     )

@@ -2,7 +2,8 @@
 ``status`` and ``locks`` ask.
 
 A host with an agent is reached through its agent by every entry point; a host
-without one is this machine, with the store used directly (DESIGN §3).
+without one is this machine, with the store used directly (one store per host: the
+records live on the GPU host, so every caller sees the same truth).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class SharedHttp:
 
     Agent calls, record calls and health checks all go through it: each client costs a
     connection pool, and a TLS context when an ``https://`` URL is asked (see
-    ``agent_client.http_client``). Closed with the command's other clients.
+    ``http_clients.http_client``). Closed with the command's other clients.
     """
 
     def __init__(self, closers: list[Callable[[], None]]) -> None:
@@ -52,7 +53,7 @@ class SharedHttp:
     def __call__(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
-                from gpuctl.adapters.agent_client import http_client
+                from gpuctl.adapters.http_clients import http_client
 
                 self._client = http_client()
                 self._closers.append(self._client.close)

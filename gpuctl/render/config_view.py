@@ -1,4 +1,4 @@
-"""``gpuctl config show``: the loaded config under its own key names (DESIGN §6).
+"""``gpuctl config show``: the loaded config under its own key names (those of the TOML).
 
 Sizes and durations are written back the way a user writes them (``80GiB``, ``30m``),
 so the TOML view can be pasted into a config file. Secrets never appear: only where

@@ -1,4 +1,4 @@
-"""The simulated GPU: a directory of memory claims, each held by a live process (DESIGN §8).
+"""The simulated GPU: a directory of memory claims, each held by a live process.
 
 Layout of a sim directory (missing or empty is a valid GPU, created on first use)::
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuctl.core.units import format_mib
 from gpuctl.sim.claim import Claim
 from gpuctl.sim.errors import SimError, SimOutOfMemory
 from gpuctl.sim.fs import age_s, read_json, unlink, write_json_atomic
@@ -70,6 +71,10 @@ _CLAIMS = "claims"
 _MAX_CLAIM_SLOTS = 64
 
 
+def _shown(totals: Sequence[int]) -> str:
+    return ",".join(format_mib(t) for t in totals)
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimInfo:
     """One live claim on the simulated GPU.
@@ -99,6 +104,11 @@ class SimGpu:
             total. Without any, what ``gpu.json`` says, else one GPU of 128 GiB. An
             explicit value (argument or env) is written to ``gpu.json`` so that every
             process using the directory agrees.
+        define: True for the ``gpuctl sim`` commands that make the simulated host (its
+            workloads). A reader (the sim probe, ``sim ls``) passes False: it never
+            writes ``gpu.json`` (a read must not change the hardware), and where
+            ``gpu.json`` names the GPUs they win over the totals it was given
+            (``totals_mismatch`` says so). Its totals hold only while there is no file.
 
     Raises:
         SimError: an environment variable is not a size (list), or a total is not positive.
@@ -110,12 +120,14 @@ class SimGpu:
         total_mib: int | None = None,
         *,
         totals_mib: Sequence[int] | None = None,
+        define: bool = True,
     ) -> None:
         self.sim_dir = resolve_sim_dir(sim_dir)
         self.claims_dir = self.sim_dir / _CLAIMS
         explicit = explicit_totals(total_mib, totals_mib)
         self._explicit_totals = explicit
-        if explicit is not None and self._read_total_file() != explicit:
+        self._define = define
+        if define and explicit is not None and self._read_total_file() != explicit:
             try:
                 with self._locked():
                     self._write_total_file(explicit)
@@ -129,10 +141,25 @@ class SimGpu:
     @property
     def totals_mib(self) -> tuple[int, ...]:
         """Each GPU's total in MiB (read again each time: another process may set them)."""
-        if self._explicit_totals is not None:
+        if self._define and self._explicit_totals is not None:
             return self._explicit_totals
         from_file = self._read_total_file()
-        return from_file if from_file is not None else (DEFAULT_TOTAL_MIB,)
+        if from_file is not None:
+            return from_file
+        return self._explicit_totals or (DEFAULT_TOTAL_MIB,)
+
+    def totals_mismatch(self) -> str | None:
+        """For a reader: why the totals it was given are not the ones it reports (the
+        directory's ``gpu.json`` says otherwise); None when they agree or none were given."""
+        if self._define or self._explicit_totals is None:
+            return None
+        from_file = self._read_total_file()
+        if from_file is None or from_file == self._explicit_totals:
+            return None
+        return (
+            f"the simulated GPUs in {self.sim_dir} are {_shown(from_file)}, not the "
+            f"{_shown(self._explicit_totals)} asked; reading what gpu.json says"
+        )
 
     @property
     def total_mib(self) -> int:

@@ -115,8 +115,9 @@ class SimHost:
         self.procs.append(proc)
         return proc
 
-    def start_agent(self, timeout_s: float = 20.0) -> None:
-        """Start ``gpuctl agent --probe sim`` on a free loopback port and wait for /healthz."""
+    def start_agent(self, timeout_s: float = 20.0, args: Sequence[str] = ()) -> None:
+        """Start ``gpuctl agent --probe sim [ARGS]`` on a free loopback port and wait for
+        /healthz."""
         import urllib.error
         import urllib.request
 
@@ -134,6 +135,7 @@ class SimHost:
                 str(self.state_dir),
                 "--cache-ttl",
                 "0.2s",
+                *args,
             ],
             "agent",
             {"GPUCTL_AGENT_TOKEN": self.token},
@@ -216,15 +218,15 @@ class SimHost:
 
         if not self.sim_dir.exists():
             return
-        pids = {c.pid for c in SimGpu(self.sim_dir).claims()}
+        pids = {c.pid for c in SimGpu(self.sim_dir, define=False).claims()}
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and SimGpu(self.sim_dir).claims():
+            while time.monotonic() < deadline and SimGpu(self.sim_dir, define=False).claims():
                 time.sleep(0.1)
-            if not SimGpu(self.sim_dir).claims():
+            if not SimGpu(self.sim_dir, define=False).claims():
                 return
         if self._own_root and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)

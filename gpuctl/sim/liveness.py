@@ -1,4 +1,4 @@
-"""Who holds a claim's flock, and whether that process still lives (DESIGN §3: a zombie is dead).
+"""Who holds a claim's flock, and whether that process still lives (a zombie is dead).
 
 ``/proc/locks`` names each flock's holder in the reader's PID namespace, which is how a
 host sees the real pid of a claim made in a container.
@@ -79,7 +79,8 @@ def pid_namespace() -> str | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """True when ``pid`` runs and is not a zombie (a zombie has exited; see DESIGN §3)."""
+    """True when ``pid`` runs and is not a zombie (a zombie has exited: where PID 1 does not
+    reap orphans, ``kill(pid, 0)`` still succeeds on it)."""
     if pid <= 0:
         return False
     try:

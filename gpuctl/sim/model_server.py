@@ -6,7 +6,8 @@ What it copies from vLLM (its readiness as a client sees it):
   check during the load gets *connection refused*, and a second server on the same
   port fails at once with "address already in use".
 - It claims its GPU memory step by step while loading, after a first step with none
-  (the window in which NVML does not see a model server yet, DESIGN §4), and dies with
+  (the window in which NVML does not see a model server yet: it is only "starting"),
+  and dies with
   a CUDA-style out-of-memory error when a step does not fit.
 - Then it serves ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``
   (JSON or SSE stream), ``GET /metrics`` (``vllm:num_requests_running``), and with

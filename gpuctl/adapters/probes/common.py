@@ -63,7 +63,7 @@ def unified_total(gpu_memory_mib: int | None) -> tuple[int, str]:
 def unified_device(
     device: GpuDevice, processes: Sequence[GpuProcess], gpu_memory_mib: int | None
 ) -> tuple[GpuDevice, str]:
-    """``device`` as a unified one: "used" is what its processes hold (DESIGN §4: not host
+    """``device`` as a unified one: "used" is what its processes hold (not host
     RAM use, which counts the OS as GPU use, nvtop #511)."""
     total, note = unified_total(gpu_memory_mib)
     used = sum(p.memory_mib or 0 for p in processes if p.gpu == device.index)

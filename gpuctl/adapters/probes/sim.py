@@ -6,6 +6,7 @@ It lives with the other probes, not in ``gpuctl.sim``: it names processes throug
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from gpuctl.adapters import procinfo
@@ -21,16 +22,22 @@ class SimProbe:
     Args:
         sim_dir: the sim directory (default: ``$GPUCTL_SIM_DIR``, else the user state dir).
         total_mib: one GPU of this total (default: ``$GPUCTL_SIM_GPUS`` or
-            ``$GPUCTL_SIM_GPU_MEMORY``, else the directory's ``gpu.json``, else 128 GiB).
+            ``$GPUCTL_SIM_GPU_MEMORY``), used only while the directory has no ``gpu.json``.
+            A read never changes the simulated hardware: where ``gpu.json`` names the
+            GPUs (as ``gpuctl sim`` wrote them), they are read, and a total that
+            disagrees is a note of the reading.
     """
 
     name = "sim"
 
     def __init__(self, sim_dir: Path | None = None, total_mib: int | None = None) -> None:
         try:
-            self.gpu = SimGpu(sim_dir, total_mib)
+            self.gpu = SimGpu(sim_dir, total_mib, define=False)
         except SimError as err:  # a bad $GPUCTL_SIM_GPU_MEMORY or total
             raise ConfigError(err.message, err.hint) from err
+        mismatch = self.gpu.totals_mismatch()
+        if mismatch:
+            logging.getLogger("gpuctl.probe").warning("warning: %s", mismatch)
 
     def read(self) -> ProbeReading:
         """List the claims: a directory listing, a few small JSON files, one flock try each.
@@ -77,6 +84,9 @@ class SimProbe:
         )
         stray = [p for p in processes if p.gpu >= len(devices)]
         notes = [f"pid {p.pid} claims GPU {p.gpu}, which the sim does not have" for p in stray]
+        mismatch = self.gpu.totals_mismatch()
+        if mismatch:
+            notes.append(mismatch)
         return ProbeReading.of_devices(self.name, processes, devices, notes)
 
     def close(self) -> None:

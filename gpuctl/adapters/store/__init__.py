@@ -1,4 +1,4 @@
-"""The GPU host's state store (DESIGN §3): one JSON record per service, each changed only
+"""The GPU host's state store: one JSON record per service, each changed only
 under that service's file lock and written atomically.
 
 One interface (``Store``, in ``base``), two implementations:

@@ -34,12 +34,12 @@ class AgentStore:
         client: httpx.Client | None = None,
         read_token: str | None = None,
     ) -> None:
-        """``client``: a command's shared client (``agent_client.http_client``), which the
-        command closes; ``read_token``: the host's read-only token, sent with GETs when
-        there is no ``token``."""
+        """``client``: a command's shared client (``http_clients.http_client``), which the
+        command closes; ``read_token``: the host's read-only token, sent when there is no
+        ``token`` (a write with it is refused: 403, an AgentAuthError that says so)."""
         import httpx
 
-        from gpuctl.adapters.agent_client import http_client
+        from gpuctl.adapters.http_clients import http_client
 
         self.base_url = base_url.rstrip("/")
         self.host_name = host_name
@@ -69,7 +69,10 @@ class AgentStore:
 
         from gpuctl.adapters.agent_client import _json_or_none, parse_response, transport_error
 
-        token = self._read_token if method == "GET" else self._token
+        # A write with only the read-only token configured still sends it: the agent's 403
+        # then says exactly that (rather than a 401 "we have no token").
+        token = self._read_token if method == "GET" else (self._token or self._read_token)
+        read_only = method != "GET" and self._token is None and token is not None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             r = self._client.request(
@@ -96,7 +99,9 @@ class AgentStore:
                     f"the store on {self.host_name}: {data['error']}",
                     hint=hint if isinstance(hint, str) else "",
                 )
-        return parse_response(r, self.base_url, self.host_name, token is not None)
+        return parse_response(
+            r, self.base_url, self.host_name, token is not None, read_only=read_only
+        )
 
     def _record(self, data: Any) -> Record:
         try:

@@ -24,7 +24,6 @@ import errno
 import logging
 import os
 import re
-import stat
 import tempfile
 import time
 from dataclasses import replace
@@ -33,13 +32,13 @@ from typing import Any
 
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name
 from gpuctl.adapters.store.codec import (
-    MAX_RECORD_BYTES,
     RecordError,
     check_record,
     encode_record,
     parse_record,
     salvage,
 )
+from gpuctl.adapters.store.files import folder_modes, make_state_dirs, read_bounded
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.core.record import (
     Holder,
@@ -54,25 +53,6 @@ from gpuctl.core.record import (
 from gpuctl.errors import StoreError, UsageError
 
 log = logging.getLogger("gpuctl.store")
-
-SUBDIRS = ("records", "locks", "logs")
-SHARED_GROUP = "gpuctl"
-
-
-def shared_by_group(state_dir: Path) -> bool:
-    """Is the state folder meant for a group of users (see the module docstring)?"""
-    try:
-        st = state_dir.stat()
-    except OSError:
-        return False
-    if st.st_mode & stat.S_ISGID:
-        return True
-    try:
-        import grp
-
-        return grp.getgrgid(st.st_gid).gr_name == SHARED_GROUP
-    except (ImportError, KeyError):
-        return False
 
 
 class DirectStore(InflightFiles):
@@ -95,39 +75,12 @@ class DirectStore(InflightFiles):
     def modes(self) -> tuple[int, int]:
         """(folder mode, file mode) for this state folder."""
         if self._modes is None:
-            shared = shared_by_group(self.state_dir)
-            self._modes = (0o2770, 0o660) if shared else (0o700, 0o600)
+            self._modes = folder_modes(self.state_dir)
         return self._modes
 
     def _ensure_dirs(self) -> None:
-        """The subfolders, with their modes set explicitly (mkdir's mode goes through the
-        umask: under ``umask 000`` they came out 0777). A folder of ours found too open
-        (made by an older release) is closed; another user's is left as it is."""
-        try:
-            if not self.state_dir.is_dir():
-                self.state_dir.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    self.state_dir.mkdir(mode=0o700)
-                except FileExistsError:
-                    pass  # another caller made it a moment ago
-                else:
-                    os.chmod(self.state_dir, 0o700)
-            dir_mode, _ = self.modes()
-            for sub in SUBDIRS:
-                path = self.state_dir / sub
-                try:
-                    path.mkdir(mode=dir_mode)
-                except FileExistsError:
-                    st = path.stat()
-                    if stat.S_IMODE(st.st_mode) != dir_mode and st.st_uid == os.geteuid():
-                        os.chmod(path, dir_mode)
-                else:
-                    os.chmod(path, dir_mode)
-        except OSError as e:
-            raise StoreError(
-                f"cannot create the state directory {self.state_dir}: {e.strerror or e}",
-                hint="set GPUCTL_STATE_DIR to a writable local directory (not NFS)",
-            ) from None
+        """The subfolders, with their modes (``files.make_state_dirs``)."""
+        make_state_dirs(self.state_dir, self.modes()[0])
 
     def _lock(self, service: str) -> Any:
         from filelock import FileLock
@@ -141,7 +94,7 @@ class DirectStore(InflightFiles):
         """The record on disk checked against the schema, or why it fails."""
         path, _ = self._paths(service)
         try:
-            raw = _read_bounded(path)
+            raw = read_bounded(path)
         except FileNotFoundError:
             return Record(service=service)
         except OSError as e:
@@ -171,7 +124,7 @@ class DirectStore(InflightFiles):
         """A record that fails the schema is set aside (kept for a person to look at),
         and the service goes on with the fields of it that pass (``codec.salvage``)."""
         try:
-            fresh = salvage(_read_bounded(path), service)
+            fresh = salvage(read_bounded(path), service)
         except OSError:  # a symbolic link (never followed), or gone
             fresh = Record(service=service)
         stamp = int(self.clock())
@@ -336,7 +289,7 @@ class DirectStore(InflightFiles):
             try:
                 size = path.lstat().st_size
                 got: str | Record = (
-                    "it is a symbolic link" if path.is_symlink() else _why(_read_bounded(path))
+                    "it is a symbolic link" if path.is_symlink() else _why(read_bounded(path))
                 )
             except OSError as e:
                 got = f"cannot read it: {e.strerror or e}"
@@ -445,11 +398,3 @@ def _why(raw: bytes) -> str | Record:
 
 
 _KEPT = re.compile(r"(?P<service>.+)\.json\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
-
-
-def _read_bounded(path: Path) -> bytes:
-    """At most one byte past the limit (so the schema can say the file is too big),
-    never through a symbolic link."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(MAX_RECORD_BYTES + 1)

@@ -1,4 +1,4 @@
-"""In-flight counts (issue 8 §2): who is using a service right now, in the store.
+"""In-flight counts: who is using a service right now, in the store.
 
 Layout::
 

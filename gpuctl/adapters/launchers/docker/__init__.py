@@ -17,7 +17,7 @@ file system, e.g. a compile cache, survives); a changed one is removed and recre
 One idea per module: ``spec`` builds what ``containers.create`` gets (pure, no engine),
 ``errors`` turns library exceptions into gpuctl's, ``pids`` finds the server's host pid
 behind Docker's init, and ``launcher`` is the lifecycle. ``docker`` itself is imported
-lazily (it costs 120-360 ms, DESIGN §2 / STYLE 2).
+lazily (it costs 120-360 ms of start-up that no other command should pay).
 """
 
 from gpuctl.adapters.launchers.docker.launcher import DEFAULT_URL, DockerLauncher

@@ -111,7 +111,7 @@ class JupyterApi:
     @contextmanager
     def terminal(self, client: httpx.Client, name: str) -> Iterator[Terminal]:
         """The named terminal (created if missing) with an open websocket."""
-        # websockets is imported here, not at module level: keep CLI start fast (DESIGN §2).
+        # websockets is imported here, not at module level: keep CLI start fast.
         from websockets.exceptions import InvalidStatus, WebSocketException
         from websockets.sync.client import connect
 

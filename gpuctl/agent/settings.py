@@ -1,0 +1,37 @@
+"""How the agent answers: its tokens, keywords, cache and identity (``gpuctl agent``'s
+options, parsed by ``gpuctl.cli.agent_cmd``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuctl.adapters.procinfo import host_identity
+from gpuctl.core.model import HostIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """How the agent answers.
+
+    Attributes:
+        token: the bearer token every endpoint but /healthz and /openapi.json requires;
+            None means no auth (the server only allows that on loopback).
+        cache_ttl_s: how long one probe reading (and one match scan) is reused.
+        state_dir: the state directory this agent uses, reported in /status.
+        gpu_memory_mib: the configured total, for devices that cannot tell (unified
+            memory). The caller passes it to the probe; /status falls back to it too.
+        host: this machine's identity, reported in /status.
+        read_token: a second, read-only token: good for every GET, a write with it is 403.
+        match: keywords of servers to report, for clients of the original ``/status``,
+            in ``processes`` (``memory_mib`` 0, ``on_gpu`` false) while they load.
+        match_max_age_s: only such processes younger than this count as loading.
+    """
+
+    token: str | None = None
+    read_token: str | None = None
+    match: tuple[str, ...] = ()
+    match_max_age_s: float = 900.0
+    cache_ttl_s: float = 1.0
+    state_dir: str | None = None
+    gpu_memory_mib: int | None = None
+    host: HostIdentity = field(default_factory=host_identity)
