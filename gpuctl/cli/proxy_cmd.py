@@ -1,4 +1,4 @@
-"""``gpuctl proxy``: an OpenAI-compatible front that starts servers on demand (DESIGN §11).
+"""``gpuctl proxy``: an OpenAI-compatible front that starts servers on demand.
 
 The server stack is imported inside the command, so ``gpuctl --help`` does not pay for it.
 """

@@ -1,5 +1,4 @@
-"""``gpuctl proxy``: an OpenAI-compatible front that starts the right server on demand
-(DESIGN §11).
+"""``gpuctl proxy``: an OpenAI-compatible front that starts the right server on demand.
 
 Modules: ``routes`` (which service a request is for: its ``model``, a JSON field or a
 multipart form field, or ``/services/<name>/``), ``errors`` (OpenAI's error shape),

@@ -1,4 +1,8 @@
-"""The proxy as a raw ASGI application (DESIGN §11), run by ``gpuctl.proxy.server``.
+"""The proxy as a raw ASGI application, run by ``gpuctl.proxy.server``.
+
+Long because it is one request's path through the proxy (route, authorize, read the
+body, hold it until the service is ready, forward, refuse), whose steps share the app's
+per-service state; the routes, readiness, relay, errors and metrics live beside it.
 
 Endpoints::
 
@@ -18,22 +22,18 @@ any request is in flight on a service, it counts in the store (``gpuctl.api.in_u
 written on 0 <-> 1 and renewed every few seconds, never per request), so reclaim never
 stops a server that is answering.
 
-Answers are relayed as they arrive: a response with a length is read whole and sent in
-one message, anything else (SSE) chunk by chunk, each ``send`` awaited (uvicorn holds
-it while the client's socket is full, so a slow client slows its upstream read: the
-backpressure is kept end to end). A client that goes away cancels its upstream request
-(the upstream connection is closed). No framework: see ``gpuctl.agent.app`` for why.
+Answers are relayed as they arrive, with backpressure, and a client that goes away
+cancels its upstream request (``relay``). No framework: see ``gpuctl.agent.app`` for why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +42,10 @@ import httpx
 from gpuctl import __version__
 from gpuctl.api import in_use
 from gpuctl.config import Config, ServiceConfig
-from gpuctl.proxy.errors import error_body, retry_after, sse_error_event
+from gpuctl.proxy.errors import error_body, retry_after
 from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import Readiness, SingleFlight, run_ensure
+from gpuctl.proxy.relay import HOP, Message, Receive, Scope, Send, end_with_error, relay
 from gpuctl.proxy.routes import (
     MODEL_IN_BODY,
     SERVICES_PREFIX,
@@ -55,30 +56,9 @@ from gpuctl.proxy.routes import (
     multipart_boundary,
 )
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 log = logging.getLogger("gpuctl.proxy")
 access = logging.getLogger("gpuctl.proxy.access")
 
-# Not forwarded either way (RFC 9110 §7.6.1), plus what httpx or uvicorn set themselves.
-_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-    }
-)
-_HOP_STR = frozenset(h.decode() for h in _HOP) | {"date"}
 # How long the in-flight count stays after a service's last request ends.
 LINGER_S = 2.0
 # A streaming request's first SSE comment waits this long: a service that turns out
@@ -599,7 +579,7 @@ class ProxyApp:
         headers = [
             (k, v)
             for k, v in scope["headers"]
-            if k not in _HOP and (k != b"authorization" or self.settings.pass_authorization)
+            if k not in HOP and (k != b"authorization" or self.settings.pass_authorization)
         ]
         request = self.client.build_request(
             scope["method"], url, headers=headers, content=call.body
@@ -625,104 +605,21 @@ class ProxyApp:
             ) from None
         self.metrics.upstream(svc.name, time.perf_counter() - t0)
         try:
-            await self._relay(call, resp)
+            if await relay(
+                resp,
+                send=call.send,
+                receive=call.receive,
+                name=call.up.service.name,
+                opened_sse=call.reply.sse,
+            ):
+                call.info["gone"] = True
+                self.cancelled_upstream += 1
         finally:
             await resp.aclose()
 
-    async def _relay(self, call: _Call, resp: httpx.Response) -> None:
-        svc, send, reply = call.up.service, call.send, call.reply
-        ctype = resp.headers.get("content-type", "")
-        sse = ctype.startswith("text/event-stream")
-        if reply.sse:
-            # We opened the stream (and said 200) while it loaded: the upstream's status
-            # line has nowhere to go, so a refusal becomes the stream's error event.
-            if resp.status_code != 200:
-                text = (await resp.aread())[:2000].decode("utf-8", "replace")
-                await self._end_with_error(
-                    send,
-                    f"{svc.name} answered {resp.status_code}: {text}",
-                    "upstream_error",
-                    "upstream_status",
-                )
-                return
-        else:
-            headers = [
-                (k.encode("latin-1"), v.encode("latin-1"))
-                for k, v in resp.headers.multi_items()
-                if k not in _HOP_STR
-            ]
-            length = resp.headers.get("content-length")
-            if length is not None and not sse:
-                content = await resp.aread()
-                headers.append((b"content-length", str(len(content)).encode()))
-                await send({"type": "http.response.start", "status": resp.status_code,
-                            "headers": headers})  # fmt: skip
-                await send({"type": "http.response.body", "body": content})
-                return
-            await send({"type": "http.response.start", "status": resp.status_code,
-                        "headers": headers})  # fmt: skip
-        await self._pump(call, resp, sse)
-
-    async def _pump(self, call: _Call, resp: httpx.Response, sse: bool) -> None:
-        """Chunks as they arrive, until the upstream ends or the client goes."""
-
-        svc, send, receive, info = call.up.service, call.send, call.receive, call.info
-
-        async def copy() -> None:
-            async for chunk in resp.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
-        async def client_gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        pump = asyncio.create_task(copy())
-        watch = asyncio.create_task(client_gone())
-        try:
-            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not pump.done():
-                # The client went away (or we are shut down): stop reading; closing the
-                # response (the caller's finally) closes the upstream connection, which
-                # is how an OpenAI-compatible server learns to abort the request.
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pump
-                if watch.done():
-                    info["gone"] = True
-                    self.cancelled_upstream += 1
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watch
-        if info.get("gone"):
-            return
-        err = pump.exception()
-        if err is None:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        if isinstance(err, httpx.HTTPError) and sse:
-            log.warning("%s: the upstream stream failed: %s", svc.name, err)
-            await self._end_with_error(
-                send,
-                f"{svc.name}'s server failed mid-stream: {type(err).__name__}: {err}",
-                "upstream_error",
-                "upstream_failed",
-            )
-            return
-        raise err  # not SSE: let uvicorn cut the connection, so the truncation shows
-
-    async def _end_with_error(self, send: Send, message: str, kind: str, code: str) -> None:
-        await send(
-            {
-                "type": "http.response.body",
-                "body": sse_error_event(message, kind, code),
-                "more_body": False,
-            }
-        )
-
     async def _refuse(self, send: Send, reply: _Reply, r: Refusal) -> None:
         if reply.sse:
-            await self._end_with_error(send, r.message, r.kind, r.code)
+            await end_with_error(send, r.message, r.kind, r.code)
             return
         if reply.started:
             return  # the answer is under way; nothing sound can be added

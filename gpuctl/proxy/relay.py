@@ -1,0 +1,143 @@
+"""Relaying an upstream answer to the proxy's client, and the ASGI types both use.
+
+A response with a length is read whole and sent in one message, anything else (SSE)
+chunk by chunk, each ``send`` awaited (uvicorn holds it while the client's socket is
+full, so a slow client slows its upstream read: the backpressure is kept end to end). A
+client that goes away cancels its upstream request: the caller then closes the response,
+which closes the upstream connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+
+from gpuctl.proxy.errors import sse_error_event
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("gpuctl.proxy")
+
+# Not forwarded either way (RFC 9110 §7.6.1), plus what httpx or uvicorn set themselves.
+HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+_HOP_STR = frozenset(h.decode() for h in HOP) | {"date"}
+
+
+async def relay(
+    resp: httpx.Response, *, send: Send, receive: Receive, name: str, opened_sse: bool
+) -> bool:
+    """Send the upstream's answer (for service ``name``) to the client; True when the
+    client went away before it ended.
+
+    ``opened_sse``: the proxy already opened an SSE stream (and said 200) while the
+    service loaded, so only the events go.
+    """
+    ctype = resp.headers.get("content-type", "")
+    sse = ctype.startswith("text/event-stream")
+    if opened_sse:
+        # The upstream's status line has nowhere to go: a refusal becomes the stream's
+        # error event.
+        if resp.status_code != 200:
+            text = (await resp.aread())[:2000].decode("utf-8", "replace")
+            await end_with_error(
+                send,
+                f"{name} answered {resp.status_code}: {text}",
+                "upstream_error",
+                "upstream_status",
+            )
+            return False
+    else:
+        headers = [
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in resp.headers.multi_items()
+            if k not in _HOP_STR
+        ]
+        length = resp.headers.get("content-length")
+        if length is not None and not sse:
+            content = await resp.aread()
+            headers.append((b"content-length", str(len(content)).encode()))
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": headers})  # fmt: skip
+            await send({"type": "http.response.body", "body": content})
+            return False
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": headers})  # fmt: skip
+    return await _pump(resp, send, receive, name, sse)
+
+
+async def _pump(resp: httpx.Response, send: Send, receive: Receive, name: str, sse: bool) -> bool:
+    """Chunks as they arrive, until the upstream ends or the client goes (True then)."""
+
+    async def copy() -> None:
+        async for chunk in resp.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def client_gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    gone = False
+    pump = asyncio.create_task(copy())
+    watch = asyncio.create_task(client_gone())
+    try:
+        await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not pump.done():
+            # The client went away (or we are shut down): stop reading; closing the
+            # response (the caller's finally) closes the upstream connection, which
+            # is how an OpenAI-compatible server learns to abort the request.
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+            gone = watch.done()
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watch
+    if gone:
+        return True
+    err = pump.exception()
+    if err is None:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return False
+    if isinstance(err, httpx.HTTPError) and sse:
+        log.warning("%s: the upstream stream failed: %s", name, err)
+        await end_with_error(
+            send,
+            f"{name}'s server failed mid-stream: {type(err).__name__}: {err}",
+            "upstream_error",
+            "upstream_failed",
+        )
+        return False
+    raise err  # not SSE: let uvicorn cut the connection, so the truncation shows
+
+
+async def end_with_error(send: Send, message: str, kind: str, code: str) -> None:
+    """End the SSE stream the client holds with an OpenAI-style error event."""
+    await send(
+        {
+            "type": "http.response.body",
+            "body": sse_error_event(message, kind, code),
+            "more_body": False,
+        }
+    )
