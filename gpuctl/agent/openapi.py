@@ -21,7 +21,7 @@ from gpuctl.agent.openapi_records import (
 
 
 def openapi_document() -> dict[str, Any]:
-    """The hand-written OpenAPI 3.1 description of every endpoint (DESIGN §5)."""
+    """The hand-written OpenAPI 3.1 description of every endpoint (``GET /openapi.json``)."""
     error = {"$ref": "#/components/schemas/Error"}
     nullable_int = {"type": ["integer", "null"]}
     nullable_str = {"type": ["string", "null"]}

@@ -265,7 +265,7 @@ def records_schemas() -> dict[str, Any]:
         },
         "Record": {
             "type": "object",
-            "description": "A service's state on this host (DESIGN §3).",
+            "description": "A service's record on this host: its phase, lease, handle and history.",
             "required": [
                 "schema",
                 "service",

@@ -167,7 +167,7 @@ class ServiceConfig:
     url: str | None = None
     max_concurrent: int | None = None
     queue_timeout_s: float | None = None
-    # Priorities (DESIGN §10): ``preempt`` lets ``ensure`` stop services of strictly lower
+    # Priorities: ``preempt`` lets ``ensure`` stop services of strictly lower
     # priority to make room (as ``ensure --preempt``); ``resume`` brings a preempted one
     # back once it fits (reclaim, the end of ``gpuctl run``, ``gpuctl resume``).
     preempt: bool = False

@@ -1,4 +1,4 @@
-"""Victim planning for preemption (DESIGN §10): which running work to stop so a service fits.
+"""Victim planning for preemption: which running work to stop so a service fits.
 
 ``plan_victims`` is pure. A service that fits on no GPU it may use is PREEMPTABLE when
 stopping some *victims* on one GPU would free enough memory there. A victim is:
