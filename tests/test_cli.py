@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from gpuctl.cli.app import create_app
 from gpuctl.sim.host import free_port
-from tests.conftest import config_file, gpuctl_exe, has_nvidia
+from tests.conftest import config_file, gpuctl_exe, has_nvidia, tagged
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -276,7 +276,17 @@ def test_status_shows_each_simulated_gpu(cli_env: Path) -> None:
     env = {"GPUCTL_SIM_GPUS": "80GiB,80GiB", "COLUMNS": "100", "NO_COLOR": "1"}
     sim = cli_env / "sim"
     hold = subprocess.Popen(
-        [gpuctl_exe(), "sim", "hold", "--name", "comfyui", "--memory", "30GiB", "--gpu", "1"],
+        [
+            gpuctl_exe(),
+            "sim",
+            "hold",
+            "--name",
+            tagged("comfyui"),
+            "--memory",
+            "30GiB",
+            "--gpu",
+            "1",
+        ],
         env={**os.environ, **env, "GPUCTL_SIM_DIR": str(sim)},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -27,6 +27,7 @@ import pytest
 from gpuctl.adapters.probes.sim import SimProbe
 from gpuctl.core.model import GpuProcess
 from gpuctl.sim.gpu import DEFAULT_TOTAL_MIB, SimError, SimGpu, SimOutOfMemory
+from tests.conftest import tagged
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -365,9 +366,10 @@ def _can_unshare_pid() -> bool:
 @pytest.mark.skipif(not _can_unshare_pid(), reason="cannot make a PID namespace here (unshare)")
 def test_claim_from_another_pid_namespace_shows_its_host_pid(procs: Procs, sim_dir: Path) -> None:
     """As from a container: the claim records pid 1, the probe shows the real host pid."""
+    box = tagged("in-a-box")
     wrapper = procs.start(
         "-U", "-r", "-p", "-f", "--mount-proc", "--kill-child",
-        sys.executable, "-m", "gpuctl", "sim", "hold", "--name", "in-a-box", "--memory", "2GiB",
+        sys.executable, "-m", "gpuctl", "sim", "hold", "--name", box, "--memory", "2GiB",
         "--sim-dir", sim_dir,
         argv0=(),
         exe="unshare",
@@ -378,7 +380,7 @@ def test_claim_from_another_pid_namespace_shows_its_host_pid(procs: Procs, sim_d
         (record,) = [json.loads(f.read_text()) for f in (sim_dir / "claims").glob("*.json")]
         assert record["pid"] == 1, "inside its namespace it is pid 1"
         assert pid not in (1, wrapper.pid) and proc.memory_mib == 2048
-        assert proc.command is not None and "in-a-box" in proc.command
+        assert proc.command is not None and box in proc.command
     finally:
         os.kill(pid, signal.SIGTERM)
     assert wrapper.wait(10) == 0
@@ -576,7 +578,7 @@ def test_model_server_runs_with_nothing_but_the_stdlib(procs: Procs, sim_dir: Pa
     assert check.stdout.strip() == "[]"
     port = free_port()
     srv = procs.start(
-        "--name", "bare", "--memory", "1GiB", "--load-time", "0.2s", "--port", str(port),
+        "--name", tagged("bare"), "--memory", "1GiB", "--load-time", "0.2s", "--port", str(port),
         "--sim-dir", sim_dir,
         argv0=("-S", "-m", "gpuctl.sim.model_server"),
     )  # fmt: skip

@@ -19,9 +19,13 @@ import openai
 import pytest
 
 from gpuctl.sim.ollama_models import normalize_model, parse_keep_alive, parse_model_spec
+from tests.conftest import tagged
 from tests.ollama_helpers import SimOllama, claims_mib, wait_until
 
 GIB = 1024
+
+
+COMFY = tagged("comfyui")
 
 
 @pytest.fixture
@@ -271,12 +275,12 @@ def test_no_room_evicts_idle_models_then_offloads_to_cpu(
 
     # Someone else holds 10 GiB: the model is split, part on the GPU, the rest on the CPU.
     holder = subprocess.Popen(
-        [sys.executable, "-m", "gpuctl", "sim", "hold", "--name", "comfyui", "--memory", "10GiB",
+        [sys.executable, "-m", "gpuctl", "sim", "hold", "--name", COMFY, "--memory", "10GiB",
          "--sim-dir", str(sim_dir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        wait_until("the holder on the GPU", lambda: "comfyui" in claims_mib(sim_dir))
+        wait_until("the holder on the GPU", lambda: COMFY in claims_mib(sim_dir))
         client.generate(model="big", prompt="")
         (model,) = client.ps().models
         assert model.size == 20 * 2**30

@@ -14,9 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import tagged
 from tests.ollama_helpers import claims_mib, free_port, wait_until
 
 GIB = 1024
+
+
+# The server's name is this run's own: a stray "vllm" of another run matches nothing here.
+VLLM = tagged("vllm")
 
 
 class Server:
@@ -27,7 +32,7 @@ class Server:
         env["PYTHONUNBUFFERED"] = "1"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuctl", "sim", "model-server", "--name", "vllm",
+                [sys.executable, "-m", "gpuctl", "sim", "model-server", "--name", VLLM,
                  "--memory", "8GiB", "--load-time", "0.2s", "--port", str(self.port),
                  "--sim-dir", str(sim_dir), "--enable-sleep-mode", *args],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -76,7 +81,7 @@ def content(reply: dict[str, object]) -> str:
 
 
 def test_level_1_parks_the_weights_in_cpu_memory(server: Server, sim_dir: Path) -> None:
-    assert claims_mib(sim_dir) == {"vllm": 8 * GIB}
+    assert claims_mib(sim_dir) == {VLLM: 8 * GIB}
     r = server.http.post("/sleep", params={"level": 1})
     assert r.json() == {"status": "sleeping", "level": 1}
     assert claims_mib(sim_dir) == {}, "level 1 gives the GPU memory back"
@@ -88,7 +93,7 @@ def test_level_1_parks_the_weights_in_cpu_memory(server: Server, sim_dir: Path) 
         == 503
     )
     assert server.http.post("/wake_up").json()["status"] == "awake"
-    assert claims_mib(sim_dir) == {"vllm": 8 * GIB}
+    assert claims_mib(sim_dir) == {VLLM: 8 * GIB}
     assert "simulated reply" in content(server.reply())
 
 
@@ -99,11 +104,11 @@ def test_level_2_discards_the_weights_until_reload(server: Server, sim_dir: Path
     # vLLM's documented order: weights, reload_weights, then the KV cache.
     r = server.http.post("/wake_up", params={"tags": "weights"})
     assert r.json() == {"status": "sleeping", "tags": ["weights"]}
-    assert claims_mib(sim_dir) == {"vllm": 4 * GIB}
+    assert claims_mib(sim_dir) == {VLLM: 4 * GIB}
     assert server.http.get("/is_sleeping").json() == {"is_sleeping": True}
     assert server.http.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 200
     assert server.http.post("/wake_up", params={"tags": "kv_cache"}).json()["status"] == "awake"
-    assert claims_mib(sim_dir) == {"vllm": 8 * GIB}
+    assert claims_mib(sim_dir) == {VLLM: 8 * GIB}
     assert "simulated reply" in content(server.reply())
 
 
@@ -117,7 +122,7 @@ def test_level_2_woken_without_reload_answers_nonsense(server: Server) -> None:
 
 def test_level_0_keeps_the_memory(server: Server, sim_dir: Path) -> None:
     server.http.post("/sleep", params={"level": 0})
-    assert claims_mib(sim_dir) == {"vllm": 8 * GIB}
+    assert claims_mib(sim_dir) == {VLLM: 8 * GIB}
     assert server.http.get("/is_sleeping").json() == {"is_sleeping": True}
 
 
