@@ -1,8 +1,5 @@
 """``gpuctl sim ollama``: a fake Ollama server on the simulated GPU.
 
-Long because it is one HTTP surface: Ollama's routes and its OpenAI-compatible ones
-share one request handler and its streaming helpers (the models live in ollama_models.py).
-
 It behaves like Ollama where gpuctl (and Ollama's own clients) look:
 
 - It listens at once (Ollama's server does; its *models* load on demand) and answers
