@@ -54,12 +54,23 @@ def ensure(
     no_wait: Annotated[
         bool, typer.Option("--no-wait", help="Start it if that is safe, but do not wait for it.")
     ] = False,
+    preempt: Annotated[
+        bool,
+        typer.Option(
+            "--preempt",
+            help="If it fits only once lower-priority services stop, stop them (as preempt = true).",
+        ),
+    ] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="With --preempt: stop victims even with requests in flight."),
+    ] = False,
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
     """Make SERVICE ready: start it only if that is safe, exactly once, and wait through its cold start.
 
-    Exit 0 ready · 1 failed · 3 BUSY · 4 UNKNOWN (agent unreachable) · 5 not ready in time.
+    Exit 0 ready · 1 failed · 3 BUSY (or PREEMPTABLE without --preempt) · 4 UNKNOWN (agent unreachable) · 5 not ready in time.
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
@@ -79,6 +90,7 @@ def ensure(
             )
         line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
         deps = deps_for(conf, service, host, progress=line.update if line else None)
+        deps.preempt, deps.force = preempt, force
         try:
             result = run(deps, timeout_s=timeout_s, wait=not no_wait)
         except KeyboardInterrupt:

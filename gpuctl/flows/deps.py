@@ -57,6 +57,19 @@ class EnsureDeps(Closers):
     entry: str = field(kw_only=True, default="ensure")
     # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
     wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
+    # Preemption (DESIGN §10): carry out a PREEMPTABLE plan (``--preempt``; the service's
+    # ``preempt = true`` too), and plan victims with requests in flight (``--force``).
+    preempt: bool = field(kw_only=True, default=False)
+    force: bool = field(kw_only=True, default=False)
+    # (another service, snapshot) -> its launcher, to stop a victim with
+    launcher_for: Callable[[ServiceConfig, Snapshot | None], Launcher] | None = field(
+        kw_only=True, default=None
+    )
+    # (another service) -> its server's requests in flight (vLLM's /metrics); None: no
+    # such metric; raises GpuctlError when it cannot be read
+    server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
+        kw_only=True, default=None
+    )
 
     def fresh_reader(self) -> SnapshotReader:
         return self.read_snapshot_fresh or self.read_snapshot

@@ -40,7 +40,7 @@ from gpuctl.flows.observe import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, LauncherWatch, Waited, wait_ready
 
-__all__ = ["ADMISSION", "MAX_ROUNDS", "ensure", "on_its_gpu"]
+__all__ = ["ADMISSION", "MAX_ROUNDS", "ensure", "launch_under_lease", "on_its_gpu"]
 
 MAX_ROUNDS = 3
 
@@ -94,6 +94,8 @@ class _Ctx:
 
 _REFUSALS = {
     Decision.BUSY: Outcome.BUSY,
+    # Without --preempt (or preempt = true) a plan is only reported: exit 3, naming it.
+    Decision.PREEMPTABLE: Outcome.BUSY,
     Decision.UNKNOWN: Outcome.UNKNOWN,
     Decision.FAILED: Outcome.FAILED,
 }
@@ -153,13 +155,17 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
         record = seen.records.get(svc.name)
         f = record.failure if record else None
         return ctx.from_verdict(verdict, log_tail=f.log_tail if f else "")
+    if first is Decision.PREEMPTABLE and (deps.preempt or svc.preempt) and verdict.plan:
+        from gpuctl.flows.preempt import preempt
+
+        return preempt(ctx, verdict, seen.snapshot, wait)
     if first in _REFUSALS:
         return ctx.from_verdict(verdict)
     if first is Decision.SLEEPING and deps.wake_server is not None:
         from gpuctl.flows.wake import wake
 
         return wake(ctx, wait, lambda: admission(ctx), deps.wake_server)
-    if first in (Decision.LOADING, Decision.SLEEPING, Decision.PREEMPTABLE):
+    if first in (Decision.LOADING, Decision.SLEEPING):
         ctx.notes.append(f"found it {first.value}: {verdict.reason}")
         _touch(ctx)
         if not wait:
@@ -173,7 +179,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
         if not wait:
             return ctx.result(Outcome.LOADING, "another caller is starting it", Decision.LOADING)
         return _bystander(ctx, Decision.LOADING, "another caller holds the lease")
-    return _launch_under_lease(ctx, holder, ttl, first, wait)
+    return launch_under_lease(ctx, holder, ttl, first, wait)
 
 
 def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) -> ServiceConfig:
@@ -190,7 +196,7 @@ def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) 
     return replace(svc, env={**svc.env, "CUDA_VISIBLE_DEVICES": str(verdict.gpu)})
 
 
-def _launch_under_lease(
+def launch_under_lease(
     ctx: _Ctx, holder: Holder, ttl: float, first: Decision, wait: bool
 ) -> EnsureResult | None:
     deps, svc = ctx.deps, ctx.deps.service
@@ -425,3 +431,7 @@ def _after_stop(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     return ctx.result(
         Outcome.TIMEOUT, f"{svc.name} was still being stopped at the deadline", Decision.LOADING
     )
+
+
+# One ``ensure`` call's context, as the preemption flow sees it.
+Ctx = _Ctx

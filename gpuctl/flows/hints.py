@@ -11,6 +11,12 @@ from gpuctl.flows.results import Outcome
 def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = None) -> str:
     """What the user can do about an ``ensure`` that did not end ready (empty otherwise)."""
     name = deps.service.name
+    if outcome is Outcome.BUSY and verdict is not None and verdict.plan is not None:
+        stops = ", ".join(verdict.plan.names)
+        return (
+            f"`gpuctl ensure {name} --preempt` stops {stops} to make room (or set "
+            f"preempt = true in [services.{name}]); or wait and try again"
+        )
     if outcome is Outcome.BUSY:
         services = deps.config.services_on(deps.service.host)
         ours: dict[str, None] = {}

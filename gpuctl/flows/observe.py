@@ -8,12 +8,13 @@ with the keywords of every service on the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, Verdict, classify, gpu_rooms
 from gpuctl.core.model import Snapshot
+from gpuctl.core.plan import VictimFacts
 from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
 from gpuctl.errors import GpuctlError, NoStore
 from gpuctl.flows.deps import EnsureDeps, SnapshotReader
@@ -132,6 +133,8 @@ def decide(
     handle_alive: bool | None = None,
     own_holder: str | None = None,
     orphan_is_loading: bool = True,
+    victims: Mapping[str, VictimFacts] | None = None,
+    force: bool = False,
 ) -> Verdict:
     """Classify ``svc`` on what was seen (the one call of ``classify`` in the flows).
 
@@ -158,6 +161,8 @@ def decide(
         own_holder=own_holder,
         leased=leased,
         servers=seen.servers,
+        victims=victims,
+        force=force,
     )
     if (
         orphan_is_loading
@@ -247,15 +252,83 @@ def look(
     seen = observe(deps.store.records, reader, others or [svc])
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None
+    now = deps.clock()
     verdict = decide(
         svc,
         health,
         seen,
         others=others,
-        now=deps.clock(),
+        now=now,
         total_override_mib=deps.host.gpu_memory_mib,
         handle_alive=alive,
         own_holder=own_holder,
         orphan_is_loading=False,
     )
+    if verdict.decision is Decision.BUSY and svc.memory_mib is not None:
+        # Would stopping lower-priority work make room? Asked only when it does not fit:
+        # the in-flight counts cost a store read, and a server's a request each.
+        victims = victim_facts(deps, seen, others, svc)
+        if victims:
+            verdict = decide(
+                svc,
+                health,
+                seen,
+                others=others,
+                now=now,
+                total_override_mib=deps.host.gpu_memory_mib,
+                handle_alive=alive,
+                own_holder=own_holder,
+                orphan_is_loading=False,
+                victims=victims,
+                force=deps.force,
+            )
     return verdict, seen
+
+
+def victim_facts(
+    deps: EnsureDeps, seen: Observation, others: Sequence[ServiceConfig], svc: ServiceConfig
+) -> dict[str, VictimFacts]:
+    """What the planner needs of each other service that runs: its priority, whether
+    gpuctl can stop it (a launcher, and a record naming its server), a lease on it, what
+    a restart costs (its recorded start durations), its last use, and its requests in
+    flight (the store's counts and, for services of lower priority, the server's own
+    metric). A count that cannot be read is unknown: such a service is no victim."""
+    from gpuctl.core.durations import expected_start_s
+
+    candidates = [
+        o
+        for o in others
+        if o.name != svc.name
+        and (r := seen.records.get(o.name)) is not None
+        and r.phase in (Phase.RUNNING, Phase.STARTING)
+    ]
+    if not candidates:
+        return {}
+    try:
+        counts: dict[str, int] | None = deps.store.inflight()
+    except GpuctlError:
+        counts = None
+    out: dict[str, VictimFacts] = {}
+    for o in candidates:
+        r = seen.records[o.name]
+        in_flight: int | None = None if counts is None else counts.get(o.name, 0)
+        if (
+            in_flight == 0
+            and o.priority < svc.priority
+            and deps.server_in_flight is not None
+            and o.launcher != "ollama"
+        ):
+            try:
+                in_flight = deps.server_in_flight(o) or 0
+            except GpuctlError:
+                in_flight = None
+        out[o.name] = VictimFacts(
+            o.name,
+            o.priority,
+            managed=o.launcher is not None and bool(r.handle),
+            in_flight=in_flight,
+            leased=r.lease is not None or r.phase is not Phase.RUNNING,
+            restart_s=expected_start_s(r),
+            last_used=r.last_used,
+        )
+    return out
