@@ -57,7 +57,7 @@ class EnsureDeps(Closers):
     entry: str = field(kw_only=True, default="ensure")
     # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
     wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
-    # Preemption (DESIGN §10): carry out a PREEMPTABLE plan (``--preempt``; the service's
+    # Preemption: carry out a PREEMPTABLE plan (``--preempt``; the service's
     # ``preempt = true`` too), and plan victims with requests in flight (``--force``).
     preempt: bool = field(kw_only=True, default=False)
     force: bool = field(kw_only=True, default=False)

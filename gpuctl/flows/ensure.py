@@ -158,7 +158,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     if first is Decision.PREEMPTABLE and (deps.preempt or svc.preempt) and verdict.plan:
         from gpuctl.flows.preempt import preempt
 
-        return preempt(ctx, verdict, seen.snapshot, wait)
+        return preempt(ctx, verdict, seen.snapshot, wait, launch_under_lease)
     if first in _REFUSALS:
         return ctx.from_verdict(verdict)
     if first is Decision.SLEEPING and deps.wake_server is not None:

@@ -1,4 +1,4 @@
-"""Preemption (DESIGN §10): make room for a service by stopping lower-priority work.
+"""Preemption: make room for a service by stopping lower-priority work.
 
 ``ensure X --preempt`` (or X's ``preempt = true``) on a PREEMPTABLE verdict:
 
@@ -22,6 +22,7 @@ gpuctl did not start is ever stopped.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +50,17 @@ class _Taken:
     record: Record
 
 
-def preempt(
-    ctx: Ctx, verdict: Verdict, snapshot: Snapshot | None, wait: bool
-) -> EnsureResult | None:
-    """Carry out ``verdict.plan`` and start the service; None: look again (the plan went
-    stale: a victim's lease was taken, or the service's own)."""
-    from gpuctl.flows.ensure import launch_under_lease
+# ensure's launch_under_lease, handed in by ensure (importing it here would make the two
+# modules import each other).
+Launch = Callable[["Ctx", Holder, float, Decision, bool], EnsureResult | None]
 
+
+def preempt(
+    ctx: Ctx, verdict: Verdict, snapshot: Snapshot | None, wait: bool, launch: Launch
+) -> EnsureResult | None:
+    """Carry out ``verdict.plan`` and start the service with ``launch`` (ensure's
+    ``launch_under_lease``); None: look again (the plan went stale: a victim's lease was
+    taken, or the service's own)."""
     deps, svc = ctx.deps, ctx.deps.service
     plan = verdict.plan
     assert plan is not None
@@ -77,7 +82,7 @@ def preempt(
         if back is not None:
             return back
         own_released = True  # launch_under_lease releases it from here on
-        return launch_under_lease(ctx, holder, ttl, Decision.PREEMPTABLE, wait)
+        return launch(ctx, holder, ttl, Decision.PREEMPTABLE, wait)
     finally:
         if not own_released:
             with contextlib.suppress(GpuctlError):

@@ -10,8 +10,9 @@ from gpuctl.adapters.store import store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.errors import ConfigError
+from gpuctl.flows.launcher_wiring import launcher_for
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
-from gpuctl.flows.wiring import SharedHttp, launcher_for, snapshot_reader
+from gpuctl.flows.wiring import SharedHttp, snapshot_reader
 
 
 def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> ReclaimDeps:

@@ -1,0 +1,91 @@
+"""The launcher a service names, built for its host; and how to tell cheaply whether the
+server a record points to still runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuctl.adapters.launchers.base import Handle, Launcher
+from gpuctl.config import HostConfig, ServiceConfig
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Record
+from gpuctl.errors import GpuctlError, LauncherError, UsageError
+
+
+def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | None) -> Launcher:
+    from gpuctl.adapters.launchers.environ import secret_names
+
+    kind = service.launcher
+    if kind is None:
+        raise UsageError(
+            f"service {service.name!r} has no launcher, so gpuctl cannot start it",
+            hint=f"set services.{service.name}.launcher to docker, jupyter or process",
+        )
+    if kind == "process":
+        from gpuctl.adapters import procinfo
+        from gpuctl.adapters.launchers.process import ProcessLauncher
+        from gpuctl.config.paths import default_state_dir
+
+        here = procinfo.host_identity()
+        if host.agent:
+            # The process launcher runs commands on this machine only: refuse to start a
+            # "remote" server on the laptop.
+            there = snapshot.host if snapshot else None
+            if there is None or (there.hostname, there.boot_id) != (here.hostname, here.boot_id):
+                name = there.hostname if there else "unknown"
+                raise LauncherError(
+                    f"the process launcher starts commands on this machine ({here.hostname}), "
+                    f"but host {host.name!r} is {name}",
+                    hint=f"use launcher = 'jupyter' or 'docker' for services.{service.name}, "
+                    "or run gpuctl on the GPU host",
+                )
+        state_dir = (
+            Path(snapshot.state_dir) if snapshot and snapshot.state_dir else default_state_dir()
+        )
+        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secret_names(host))
+    if kind == "docker":
+        from gpuctl.adapters.launchers.docker import DockerLauncher
+
+        return DockerLauncher(host.docker, secrets=secret_names(host))
+    if kind == "ollama":
+        from gpuctl.adapters.launchers.ollama import OllamaLauncher
+        from gpuctl.config.paths import default_state_dir
+
+        assert host.ollama is not None and service.model is not None  # checked at load
+        # The loader runs on this machine (it is an HTTP client), so its log is here.
+        return OllamaLauncher(
+            host.ollama,
+            service.model,
+            keep_alive_s=service.idle_timeout_s,
+            log_dir=default_state_dir() / "logs",
+        )
+    from gpuctl.adapters.launchers.jupyter import JupyterLauncher
+
+    assert host.jupyter is not None
+    return JupyterLauncher(
+        host.jupyter, host.jupyter_token(), host_name=host.name, secrets=secret_names(host)
+    )
+
+
+def handle_checker(
+    service: ServiceConfig, host: HostConfig, docker: Callable[[], Launcher]
+) -> Callable[[Record], bool | None]:
+    """How to tell whether the server a record points to still runs, where that is cheap."""
+
+    def check(record: Record) -> bool | None:
+        if not record.handle:
+            return None
+        handle = Handle.from_dict(record.handle)
+        if handle.kind == "process" and handle.pid and not host.agent:
+            from gpuctl.adapters import procinfo
+
+            return procinfo.is_same_process(handle.pid, handle.pid_start)
+        if handle.kind == "docker" and service.launcher == "docker":
+            try:
+                return docker().alive(handle)
+            except GpuctlError:
+                return None
+        return None  # jupyter: asking costs a websocket round trip; the keywords tell
+
+    return check
