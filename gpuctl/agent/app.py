@@ -8,7 +8,8 @@ Endpoints::
 
     GET /healthz          no auth   {"ok": true, "version": ...}
     GET /openapi.json     no auth   the OpenAPI 3.1 document of this API (openapi.py)
-    GET /status[?match=]  bearer    Snapshot.to_wire(); 503 when the probe fails
+    GET /status[?match=]  bearer    Snapshot.to_wire(); 503 when the probe fails (?fresh=1:
+                                    bypass the reading cache; query.py)
     GET /metrics          bearer    Prometheus text (metrics.py)
     … /records…           bearer    the state store (store_api.py)
 
