@@ -183,3 +183,62 @@ def test_in_flight_victim_needs_force(host: SimHost, names: tuple[str, str]) -> 
         holder.kill()
         holder.wait()
         holder.stdout.close()
+
+
+def test_resume_command_and_reclaim_bring_the_batch_back(
+    host: SimHost, names: tuple[str, str]
+) -> None:
+    """A preempted ``resume = true`` batch: ``gpuctl resume`` refuses while the chat holds
+    the GPU (exit 3, nothing stopped); ``gpuctl reclaim`` stops the idle chat and then
+    brings the batch back."""
+    chat, batch = names
+    pc, pb = free_port(), free_port()
+    cfg = host.write_config(
+        service(chat, pc, 100, 100, 'preempt = true\nidle_timeout = "2s"')
+        + "\n"
+        + service(batch, pb, 30, 50, 'resume = true\nkind = "batch"')
+    )
+    assert run_ensure(cfg, batch).returncode == 0
+    assert run_ensure(cfg, chat).returncode == 0
+    assert read_record(host, batch)["phase"] == "preempted"
+
+    def gpuctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [gpuctl_exe(), *args],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    r = gpuctl("resume", batch, "--json")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert json.loads(r.stdout)["decision"] == "BUSY"
+    assert len(server_pids(chat)) == 1 and server_pids(batch) == []
+    assert read_record(host, batch)["phase"] == "preempted"
+
+    # A dry run says it would try; nothing changes.
+    r = gpuctl("reclaim", "--dry-run", "--json")
+    out = json.loads(r.stdout)
+    assert [x["service"] for x in out["resumed"]] == [batch] and out["resumed"][0]["dry_run"]
+    assert server_pids(batch) == []
+
+    import time
+
+    deadline = time.time() + 60
+    while True:  # past the chat's idle timeout of 2 s
+        r = gpuctl("reclaim", "--json")
+        out = json.loads(r.stdout)
+        assert r.returncode == 0, r.stdout + r.stderr
+        if out["resumed"] and out["resumed"][0]["started"]:
+            break
+        assert time.time() < deadline, out
+        time.sleep(0.5)
+    assert server_pids(chat) == []
+    assert len(server_pids(batch)) == 1
+    assert read_record(host, batch)["phase"] in ("starting", "running")
+    assert launches_in_log(log_of(host, batch)) == 2
+    # Text output for cron: one line per action.
+    r = gpuctl("resume", batch)
+    assert r.returncode == 0, r.stdout + r.stderr

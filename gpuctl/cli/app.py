@@ -124,6 +124,7 @@ COMMANDS: dict[str, str] = {
     "touch": "service_cmd",
     "locks": "service_cmd",
     "reclaim": "reclaim_cmd",
+    "resume": "resume_cmd",
     "proxy": "proxy_cmd",
     "config": "config_cmd",
     "agent": "agent_cmd",

@@ -35,6 +35,7 @@ from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase, Record
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import Closers, SnapshotReader
+from gpuctl.flows.resume import Resumed
 
 RUN_LOCK = "_reclaim"
 RUN_LOCK_TTL_S = 15 * 60.0
@@ -64,6 +65,11 @@ class ReclaimDeps(Closers):
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     # Rotates the launchers' logs on this machine by size; returns the ones rotated.
     rotate_logs: Callable[[], list[str]] | None = field(kw_only=True, default=None)
+    # (host, its store, dry run) -> the preempted ``resume = true`` services brought back
+    # (``gpuctl.flows.resume``), after the stops; None: resumes nothing.
+    resume: Callable[[HostConfig, Store, bool], list[Resumed]] | None = field(
+        kw_only=True, default=None
+    )
 
 
 @dataclass
@@ -91,12 +97,14 @@ class ReclaimReport:
     hosts: list[HostOutcome] = field(default_factory=list)
     planned: list[Planned] = field(default_factory=list)
     rotated_logs: list[str] = field(default_factory=list)
+    # (host, resume): preempted services brought back (or tried) after the stops.
+    resumed: list[tuple[str, Resumed]] = field(default_factory=list)
 
     @property
     def exit_code(self) -> ExitCode:
         if any(h.error for h in self.hosts):
             return ExitCode.UNKNOWN
-        if any(p.error for p in self.planned):
+        if any(p.error for p in self.planned) or any(r.failed for _, r in self.resumed):
             return ExitCode.FAILED
         return ExitCode.OK
 
@@ -109,6 +117,12 @@ def reclaim(deps: ReclaimDeps, *, dry_run: bool = False) -> ReclaimReport:
         report.hosts.append(outcome)
         try:
             _reclaim_host(deps, rh, outcome, report.planned, dry_run)
+            if deps.resume is not None and outcome.busy is None:
+                # After the stops, highest priority first: what they freed may let a
+                # preempted batch come back.
+                report.resumed += [
+                    (rh.host.name, r) for r in deps.resume(rh.host, rh.store, dry_run)
+                ]
         except GpuctlError as e:
             outcome.error, outcome.hint = e.message, e.hint
     if deps.rotate_logs is not None and not dry_run:

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from gpuctl.adapters.launchers.base import Launcher
-from gpuctl.adapters.store import store_for
+from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.errors import ConfigError
 from gpuctl.flows.launcher_wiring import launcher_for
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
+from gpuctl.flows.resume import Resumed
 from gpuctl.flows.wiring import SharedHttp, snapshot_reader
 
 
@@ -28,7 +29,18 @@ def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> Rec
         hosts=[_host(h, closers, http) for h in hosts],
         here=procinfo.host_identity(),
         rotate_logs=_rotate_logs,
+        resume=lambda host, store, dry_run: _resume(config, host, store, dry_run),
     )
+
+
+def _resume(config: Config, host: HostConfig, store: Store, dry_run: bool) -> list[Resumed]:
+    from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
+    from gpuctl.flows.wiring import deps_for
+
+    due = to_resume(config, host.name, store)
+    if dry_run:
+        return [Resumed(s.name, would=True) for s in due]
+    return resume_preempted(due, lambda s: deps_for(config, s.name, entry="reclaim"))
 
 
 def _rotate_logs() -> list[str]:

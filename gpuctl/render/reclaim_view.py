@@ -12,7 +12,9 @@ that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would"
      "candidates": [{"host": "dgx", "service": "vllm", "action": "stop",
                      "reason": "idle 41m > 30m", "idle_s": 2460.0, "done": true,
                      "error": null, "hint": ""}],
-     "rotated_logs": ["vllm.log"]}              # logs on this machine rotated by size
+     "rotated_logs": ["vllm.log"],              # logs on this machine rotated by size
+     "resumed": [{"host": "dgx", "service": "photos", "outcome": "started",
+                  "reason": "…", "started": true, "dry_run": false}]}
 
 ``action`` is stop, sleep, unload, touch or keep; every configured service of every
 host that was read is a candidate, those with nothing to do as ``keep``.
@@ -51,8 +53,18 @@ _FAILED = {
 
 
 def reclaim_lines(report: ReclaimReport) -> list[str]:
-    """The lines for stdout: one per action (empty when there is nothing to do)."""
-    return [_line(p, report.dry_run) for p in report_lines(report)]
+    """The lines for stdout: one per action (empty when there is nothing to do). A
+    preempted service that still does not fit is no action (cron stays quiet)."""
+    lines = [_line(p, report.dry_run) for p in report_lines(report)]
+    for host, r in report.resumed:
+        if r.would:
+            lines.append(f"would resume {r.service} on {host} if it fits")
+        elif r.error is not None:
+            lines.append(f"failed to resume {r.service} on {host}: {r.error}")
+        elif r.result is not None and (r.started or r.failed):
+            verb = "resumed" if r.started else "failed to resume"
+            lines.append(f"{verb} {r.service} on {host}: {r.result.reason}")
+    return lines
 
 
 def _line(p: Planned, dry_run: bool) -> str:
@@ -104,4 +116,15 @@ def reclaim_to_json(report: ReclaimReport) -> dict[str, Any]:
             for p in report.planned
         ],
         "rotated_logs": report.rotated_logs,
+        "resumed": [
+            {
+                "host": host,
+                "service": r.service,
+                "outcome": r.result.outcome.value if r.result else None,
+                "reason": r.result.reason if r.result else (r.error or ""),
+                "started": r.started,
+                "dry_run": r.would,
+            }
+            for host, r in report.resumed
+        ],
     }
