@@ -90,12 +90,6 @@ def in_flight(url: str, client: httpx.Client, timeout_s: float = 2.0) -> int | N
         raise LauncherError(f"cannot read {url}: {e}") from None
 
 
-def service_in_flight(health: str | None, metrics: str | None, client: httpx.Client) -> int | None:
-    """``in_flight`` at a service's metrics URL (``metrics_url``); None without one."""
-    url = metrics_url(health, metrics)
-    return in_flight(url, client) if url else None
-
-
 def is_sleeping(base: str, client: httpx.Client, timeout_s: float = 2.0) -> bool | None:
     """``GET /is_sleeping``; None when the server does not say (no sleep mode, no answer)."""
     try:

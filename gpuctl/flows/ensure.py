@@ -431,3 +431,7 @@ def _after_stop(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     return ctx.result(
         Outcome.TIMEOUT, f"{svc.name} was still being stopped at the deadline", Decision.LOADING
     )
+
+
+# One ``ensure`` call's context, as the preemption flow sees it.
+Ctx = _Ctx

@@ -1,4 +1,4 @@
-"""Resume (DESIGN §10): bring a preempted service back once it fits.
+"""Resume: bring a preempted service back once it fits.
 
 A resume is an ``ensure`` that never preempts: the service comes back when it fits beside
 what runs now (IDLE, FITS), else it stays preempted and the answer is BUSY (exit 3). It

@@ -147,13 +147,21 @@ def deps_for(
             closers.append(launcher.close)
         return made[0]
 
-    others: dict[str, Launcher] = {}  # preemption's victims'
+    others: dict[str, Launcher] = {}
 
     def launcher_of(svc: ServiceConfig, snapshot: Snapshot | None) -> Launcher:
+        if svc.name == service.name:
+            return make_launcher(snapshot)
         if svc.name not in others:
             others[svc.name] = launcher_for(svc, host, snapshot)
             closers.append(others[svc.name].close)
         return others[svc.name]
+
+    def server_in_flight(svc: ServiceConfig) -> int | None:
+        from gpuctl.adapters import vllm
+
+        url = vllm.metrics_url(svc.health, svc.metrics)
+        return vllm.in_flight(url, http()) if url else None
 
     return EnsureDeps(
         closers,
@@ -161,7 +169,7 @@ def deps_for(
         service=service,
         host=host,
         launcher_for=launcher_of,
-        server_in_flight=lambda svc: _in_flight(svc, http),
+        server_in_flight=server_in_flight,
         store=store,
         read_snapshot=snapshot_reader(host, closers, http),
         read_snapshot_fresh=snapshot_reader(host, closers, http, fresh=True),
@@ -172,12 +180,6 @@ def deps_for(
         progress=progress,
         entry=entry,
     )
-
-
-def _in_flight(svc: ServiceConfig, http: SharedHttp) -> int | None:
-    from gpuctl.adapters import vllm
-
-    return vllm.service_in_flight(svc.health, svc.metrics, http())
 
 
 def _service_health(
