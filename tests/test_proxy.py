@@ -411,3 +411,28 @@ def test_ollama_fronted_through_its_own_v1(host: SimHost) -> None:
         assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 1
     finally:
         ollama.kill()
+
+
+def test_a_client_that_leaves_while_held_is_never_forwarded(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port, load="4s")))
+    body = {"model": name, "messages": MSG, "max_tokens": 3}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=1.0)  # leaves after 1 s
+    wait_until("the start to finish", lambda: len(sim_claims(host, name)) == 1, 60)
+    wait_until("the server to answer", lambda: _answers(port), 60)
+    wait_until("the proxy to log the request", lambda: " 499 " in proxy.log())
+    assert "client-gone" in proxy.log()
+    time.sleep(0.5)  # had it been forwarded, the server would have served it by now
+    assert sim_metric(port, "vllm:request_success_total") == 0
+    assert sim_metric(port, "vllm:generation_tokens_total") == 0
+    # The start went on for whoever comes next: this one is served at once.
+    r = httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -45,7 +45,16 @@ from gpuctl.config import Config, ServiceConfig
 from gpuctl.proxy.errors import error_body, retry_after
 from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import Readiness, SingleFlight, run_ensure
-from gpuctl.proxy.relay import HOP, Message, Receive, Scope, Send, end_with_error, relay
+from gpuctl.proxy.relay import (
+    HOP,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    client_gone,
+    end_with_error,
+    relay,
+)
 from gpuctl.proxy.routes import (
     MODEL_IN_BODY,
     SERVICES_PREFIX,
@@ -127,6 +136,10 @@ class _Call:
     path: str
     body: bytes
     stream: bool
+
+
+class ClientGone(Exception):
+    """The client went away while its request was held."""
 
 
 class Refusal(Exception):
@@ -245,6 +258,9 @@ class ProxyApp:
             await self._route(scope, receive, sender, reply, info)
         except Refusal as r:
             await self._refuse(sender, reply, r)
+        except ClientGone:
+            info["gone"] = True
+            reply.status = reply.status or 499  # nginx's word for it, in the log and metrics
         finally:
             svc = info.get("service")
             if svc is not None:
@@ -503,12 +519,44 @@ class ProxyApp:
             await st.use.__aexit__(None, None, None)
 
     async def _wait_ready(self, call: _Call, st: _State) -> None:
-        svc, reply, info, send = call.up.service, call.reply, call.info, call.send
+        svc, info = call.up.service, call.info
         t0 = time.monotonic()
         task = self.flight.get(svc)
         limit = svc.queue_timeout_s if svc.queue_timeout_s is not None else svc.health_timeout_s
         deadline = t0 + limit
         keepalive = call.stream and self.settings.sse_keepalive
+        # A client that leaves while it is held is let go at once (its request is never
+        # forwarded); the start goes on for the others.
+        gone = asyncio.create_task(client_gone(call.receive))
+        try:
+            await self._hold_until_ready(
+                call, task, gone, t0=t0, deadline=deadline, keepalive=keepalive
+            )
+        finally:
+            gone.cancel()
+        result = task.result()
+        waited = time.monotonic() - t0
+        info["waited"] = info.get("waited", 0.0) + waited
+        self.metrics.waited(svc.name, waited)
+        if result.cold:
+            self.metrics.cold_starts[svc.name] += 1
+        if result.ok:
+            st.ready = True
+            return
+        raise self._refusal_for(svc, result)
+
+    async def _hold_until_ready(
+        self,
+        call: _Call,
+        task: asyncio.Task[Readiness],
+        gone: asyncio.Task[None],
+        *,
+        t0: float,
+        deadline: float,
+        keepalive: bool,
+    ) -> None:
+        svc, reply, info, send = call.up.service, call.reply, call.info, call.send
+        limit = deadline - t0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -528,9 +576,14 @@ class ProxyApp:
                     step,
                     self.settings.sse_interval_s if reply.sse else FIRST_COMMENT_DELAY_S,
                 )
-            done, _ = await asyncio.wait({task}, timeout=step)
-            if done:
-                break
+            done, _ = await asyncio.wait(
+                {task, gone}, timeout=step, return_when=asyncio.FIRST_COMPLETED
+            )
+            if gone in done:
+                info["waited"] = time.monotonic() - t0
+                raise ClientGone
+            if task in done:
+                return
             if keepalive:
                 if not reply.sse:
                     reply.sse = True
@@ -546,16 +599,6 @@ class ProxyApp:
                     )
                 comment = f": {self.flight.loading_text(svc.name)}\n\n".encode()
                 await send({"type": "http.response.body", "body": comment, "more_body": True})
-        result = task.result()
-        waited = time.monotonic() - t0
-        info["waited"] = info.get("waited", 0.0) + waited
-        self.metrics.waited(svc.name, waited)
-        if result.cold:
-            self.metrics.cold_starts[svc.name] += 1
-        if result.ok:
-            st.ready = True
-            return
-        raise self._refusal_for(svc, result)
 
     def _refusal_for(self, svc: ServiceConfig, r: Readiness) -> Refusal:
         text = r.reason + (f" ({r.hint})" if r.hint else "")

@@ -93,13 +93,9 @@ async def _pump(resp: httpx.Response, send: Send, receive: Receive, name: str, s
         async for chunk in resp.aiter_raw():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
-    async def client_gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
     gone = False
     pump = asyncio.create_task(copy())
-    watch = asyncio.create_task(client_gone())
+    watch = asyncio.create_task(client_gone(receive))
     try:
         await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -130,6 +126,12 @@ async def _pump(resp: httpx.Response, send: Send, receive: Receive, name: str, s
         )
         return False
     raise err  # not SSE: let uvicorn cut the connection, so the truncation shows
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (call it once the request body is read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def end_with_error(send: Send, message: str, kind: str, code: str) -> None:
