@@ -11,6 +11,8 @@ them alike:
 
 - non-streaming, ``max_tokens`` 1, ``--connections`` (64) clients: p50 and p99 per
   target; *added* = proxy minus direct, medians over the rounds;
+- the CPU each path spends per request (the proxy's process, LiteLLM's, the server's
+  for direct), from ``/proc``: steadier than latency on a loaded machine;
 - streaming, ``--stream-tokens`` tokens per answer at 64 and 256 concurrent streams:
   tokens/s = completed answers/s x tokens per answer (each answer is the same size on
   every path), as a ratio to direct.
@@ -58,7 +60,9 @@ def parse_wrk(text: str) -> dict[str, float]:
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
     errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
     n_err = sum(int(x) for x in errs.groups()) if errs else 0
+    n = re.search(r"(\d+) requests in", text)
     return {
+        "n": float(n.group(1)) if n else 0.0,
         "rps": rps,
         "p50": lat.get("50", float("nan")),
         "p99": lat.get("99", float("nan")),
@@ -85,6 +89,21 @@ def wrk(
     finally:
         os.unlink(script)
     return parse_wrk(out)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (LiteLLM's workers)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def wait_ok(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 120) -> None:
@@ -147,6 +166,7 @@ def main() -> int:
             "direct": ("http://127.0.0.1:{port}", None),
             "gpuctl": (f"http://127.0.0.1:{pport}", key),
         }
+        pids = {"direct": servers[0].pid, "gpuctl": proxy.pid}
         litellm = Path(args.litellm_venv) / "bin" / "litellm"
         ll_proc = None
         if litellm.exists():
@@ -174,10 +194,11 @@ def main() -> int:
                 )  # fmt: skip
             wait_ok(f"http://127.0.0.1:{lport}/health/liveliness", ll_proc, "LiteLLM", 300)
             targets["litellm"] = (f"http://127.0.0.1:{lport}", key)
+            pids["litellm"] = ll_proc.pid
         else:
             print(f"LiteLLM: not run ({litellm} is missing; pip install 'litellm[proxy]' there)")
         try:
-            return run(args, targets, fast_port, stream_port)
+            return run(args, targets, pids, fast_port, stream_port)
         finally:
             if ll_proc is not None:
                 ll_proc.terminate()
@@ -190,6 +211,7 @@ def main() -> int:
 def run(
     args: argparse.Namespace,
     targets: dict[str, tuple[str, str | None]],
+    pids: dict[str, int],
     fast_port: int,
     stream_port: int,
 ) -> int:
@@ -214,7 +236,9 @@ def run(
     bad = 0
     for rnd in range(args.rounds):
         for name, (_, k) in targets.items():
+            c0 = cpu_s(pids[name])
             m = wrk(url(name, fast_port), fast_body, k, args.connections, args.duration)
+            m["cpu_ms"] = (cpu_s(pids[name]) - c0) * 1000 / max(1.0, m["n"])
             lat[name].append(m)
             bad += int(m["bad"])
         for conns in (64, 256):
@@ -238,12 +262,15 @@ def run(
         a50, a99 = med(name, "p50") - d50, med(name, "p99") - d99
         added[name] = (a50, a99)
         print(f"  {name:8} {med(name, 'rps'):8.0f} {med(name, 'p50'):8.2f} {med(name, 'p99'):8.2f}"
-              f" {a50:10.2f} {a99:10.2f}")  # fmt: skip
+              f" {a50:10.2f} {a99:10.2f} {med(name, 'cpu_ms'):11.2f}")  # fmt: skip
     print("  target: gpuctl added p50 <= 1 ms, p99 <= 5 ms")
     if "litellm" in added:
         g, ll = added["gpuctl"], added["litellm"]
         print(f"  gpuctl / LiteLLM added latency: p50 {g[0] / ll[0]:.2f}x, p99 {g[1] / ll[1]:.2f}x"
               " (target <= 0.5x)")  # fmt: skip
+        print(
+            f"  gpuctl / LiteLLM CPU per request: {med('gpuctl', 'cpu_ms') / med('litellm', 'cpu_ms'):.2f}x"
+        )
     print(f"\nstreaming, {args.stream_tokens} tokens per answer, {args.token_delay} per token"
           f" (tokens/s, medians):")  # fmt: skip
     for conns in (64, 256):
