@@ -79,8 +79,10 @@ def test_demo_piped_beside_a_foreign_vllm(
     assert shown[0] == tuple((s, "IDLE") for s in SERVICES), out.split("2. ")[0]
     chapter1 = out.split("2. Someone else")[0]
     assert "LOADING" not in chapter1 and "BUSY" not in chapter1
-    # Piped, each state is printed once: no panel repeats one already shown.
-    assert len(shown) == len(set(shown)), shown
+    # Piped, each state is printed once: no panel repeats the one before it (a later
+    # chapter may come back to an earlier state, the proxy's READY after LOADING say).
+    repeats = [i for i in range(1, len(shown)) if shown[i] == shown[i - 1]]
+    assert not repeats, shown
     decisions = [dict(p) for p in shown]
     assert decisions[1]["vllm"] == "FITS" and decisions[1]["trainer"] == "BUSY"
     assert any(d["vllm"] == "LOADING" for d in decisions)
@@ -89,7 +91,8 @@ def test_demo_piped_beside_a_foreign_vllm(
     # The proxy chapter: a chat request to the stopped server, held through its start.
     proxy_part = out.split("5. A chat request to a stopped server")[1]
     assert ": loading" in proxy_part or "(answered at once)" not in proxy_part
-    assert "This is a simulated reply from qwen" in proxy_part.replace("\n", " ")
+    # Rich wraps the answer at the terminal's width (and may keep a space before the break).
+    assert "This is a simulated reply from qwen" in " ".join(proxy_part.split())
     # The foreign process never appears as one of the demo's services' processes.
     assert str(foreign_vllm.pid) not in out
     last = [ln for ln in out.splitlines() if ln.strip()][-1]
