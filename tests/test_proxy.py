@@ -436,3 +436,38 @@ def _answers(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_preemption_by_policy_and_never_under_a_stream(host: SimHost) -> None:
+    batch, ask, pre = unique_name("pxb"), unique_name("pxa"), unique_name("pxp")
+    pb, pa, pp = free_port(), free_port(), free_port()
+    conf = host.write_config(
+        svc(batch, pb, memory="30GiB", extra="priority = 50")
+        + svc(ask, pa, memory="80GiB", extra="priority = 100")
+        + svc(pre, pp, memory="80GiB", extra="priority = 100\npreempt = true")
+    )
+    proxy = Proxy(host, conf)
+    post = proxy.v1 + "/chat/completions"
+    assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
+
+    # A stream in flight on the batch: not a victim, even for a service that may preempt.
+    t, got = _stream_in_thread(proxy.url, batch, 250)
+    wait_until("the stream to flow", lambda: len(got) > 4)
+    r = httpx.post(post, json={"model": pre, "messages": MSG}, timeout=60)
+    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+    t.join(60)
+    assert got[-1] == "data: [DONE]" or got[-2] == "data: [DONE]", got[-3:]
+    wait_until("the batch's count to come off", lambda: inflight(host) == {})
+
+    # Without preempt = true: 503, naming what would have to stop.
+    r = httpx.post(post, json={"model": ask, "messages": MSG}, timeout=60)
+    assert r.status_code == 503, r.text
+    assert f"fits once {batch}" in r.json()["error"]["message"]
+    assert len(sim_claims(host, batch)) == 1
+
+    # With it: the idle batch is preempted and the request answered.
+    r = httpx.post(post, json={"model": pre, "messages": MSG}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert sim_claims(host, batch) == [] and len(sim_claims(host, pre)) == 1
+    rec = json.loads((host.state_dir / "records" / f"{batch}.json").read_text())
+    assert rec["phase"] == "preempted"
