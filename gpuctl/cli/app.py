@@ -125,6 +125,7 @@ COMMANDS: dict[str, str] = {
     "locks": "service_cmd",
     "reclaim": "reclaim_cmd",
     "resume": "resume_cmd",
+    "run": "run_cmd",
     "proxy": "proxy_cmd",
     "config": "config_cmd",
     "agent": "agent_cmd",

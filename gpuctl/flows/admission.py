@@ -5,12 +5,12 @@ the same memory."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
-from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store import Store, holder_here
 from gpuctl.errors import GpuctlError, StoreError
-from gpuctl.flows.wait import Clock
 
 ADMISSION = "_admission"
 ADMISSION_TTL_S = 60.0
@@ -24,8 +24,27 @@ class AdmissionTimeout(Exception):
         self.who = who
 
 
+class _Deps(Protocol):
+    @property
+    def store(self) -> Store: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def sleep(self) -> Callable[[float], None]: ...
+
+
+class AdmissionCtx(Protocol):
+    """What the lock needs of its caller (``ensure``, ``gpuctl run``): the store, the
+    clock and the caller's deadline."""
+
+    @property
+    def deps(self) -> _Deps: ...
+    @property
+    def deadline(self) -> float: ...
+
+
 @contextmanager
-def admission(ctx: Clock) -> Iterator[None]:
+def admission(ctx: AdmissionCtx) -> Iterator[None]:
     """The host-wide admission lock: a lease on the pseudo-service ``_admission``, held
     only from the re-check to the recorded spawn (milliseconds to seconds). A holder that
     dies loses it at once on its own host, else at expiry.

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Decision, Health, Verdict, classify, gpu_rooms
+from gpuctl.core.decision import Decision, Health, ServiceSpec, Verdict, classify, gpu_rooms
+from gpuctl.core.jobs import job_specs
 from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts
 from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
@@ -122,7 +123,7 @@ def memory_use(
 
 
 def decide(
-    svc: ServiceConfig,
+    svc: ServiceSpec,
     health: Health,
     seen: Observation,
     *,
@@ -181,12 +182,16 @@ def decide(
 
 def _accounting(
     seen: Observation, services: Sequence[ServiceConfig], now: float, me: str = ""
-) -> tuple[list[ServiceConfig], list[str]]:
+) -> tuple[list[ServiceSpec], list[str]]:
     """The services as the memory accounting counts them (a sleeping one at what it
     holds), and those whose memory is promised though their server may not show yet
     (a start under way, an orphaned start), leaving out ``me``: one set of rules for the
     decisions and for the status bar."""
-    specs = _asleep_at_what_they_hold(services, seen.records, me)
+    # ``gpuctl run`` jobs count like services, by the pid their record names.
+    specs: list[ServiceSpec] = [
+        *_asleep_at_what_they_hold(services, seen.records, me),
+        *job_specs(seen.records.values(), exclude=me),
+    ]
     promised = [
         *starting_services(seen.records.values(), exclude=me),
         *orphaned_starts(seen.records.values(), services, now, exclude=me),
@@ -223,7 +228,7 @@ def is_orphaned_start(record: Record | None, *, held: bool = False) -> bool:
 
 
 def orphaned_starts(
-    records: Iterable[Record], services: Sequence[ServiceConfig], now: float, exclude: str = ""
+    records: Iterable[Record], services: Sequence[ServiceSpec], now: float, exclude: str = ""
 ) -> list[str]:
     """Services with an orphaned start still within their health timeout: they count at
     their budget for everyone else until their own next ``ensure`` finds the server (or
@@ -302,8 +307,6 @@ def victim_facts(
         and (r := seen.records.get(o.name)) is not None
         and r.phase in (Phase.RUNNING, Phase.STARTING)
     ]
-    if not candidates:
-        return {}
     try:
         counts: dict[str, int] | None = deps.store.inflight()
     except GpuctlError:
@@ -330,5 +333,10 @@ def victim_facts(
             leased=r.lease is not None or r.phase is not Phase.RUNNING,
             restart_s=expected_start_s(r),
             last_used=r.last_used,
+        )
+    for job in job_specs(seen.records.values(), exclude=svc.name):
+        # A run job has no requests: --preemptible says whether it may be stopped.
+        out[job.name] = VictimFacts(
+            job.name, job.priority, job=True, preemptible=job.preemptible, in_flight=0
         )
     return out

@@ -26,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.adapters.jobs import JOB_GRACE_S, stop_job
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder, holder_here
 from gpuctl.core.decision import Decision, Verdict
+from gpuctl.core.jobs import is_job
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
 from gpuctl.errors import GpuctlError
@@ -100,9 +102,9 @@ def _stop_victims(
     done: list[str] = []
     try:
         for name in names:
-            vs = deps.config.service(name)
+            grace = JOB_GRACE_S if is_job(name) else deps.config.service(name).stop_timeout_s
             h = holder_here("preempt")
-            ok, rec = deps.store.acquire(name, h, vs.stop_timeout_s + STOP_LEASE_MARGIN_S)
+            ok, rec = deps.store.acquire(name, h, grace + STOP_LEASE_MARGIN_S)
             if not ok:
                 return None, None
             taken.append(_Taken(name, h, rec))
@@ -116,13 +118,20 @@ def _stop_victims(
             if counts.get(t.name, 0) > 0 and not deps.force:
                 return None, None
         for t in list(taken):
-            vs = deps.config.service(t.name)
             assert deps.launcher_for is not None and t.record.handle is not None
+            update: dict[str, Any] = {"phase": Phase.PREEMPTED.value, "handle": None}
             try:
-                # The snapshot says which machine the agent runs on: a process launcher
-                # signals a server only on its own machine.
-                launcher = deps.launcher_for(vs, snapshot)
-                launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s)
+                if is_job(t.name):
+                    # A `gpuctl run --preemptible` job: SIGTERM, grace, SIGKILL. Its
+                    # handle stays, so its `gpuctl run` can say it was preempted.
+                    stop_job(t.record.handle)
+                    update = {"phase": Phase.PREEMPTED.value}
+                else:
+                    vs = deps.config.service(t.name)
+                    # The snapshot says which machine the agent runs on: a process
+                    # launcher signals a server only on its own machine.
+                    launcher = deps.launcher_for(vs, snapshot)
+                    launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s)
             except GpuctlError as e:
                 return done, ctx.result(
                     Outcome.FAILED,
@@ -130,7 +139,6 @@ def _stop_victims(
                     Decision.PREEMPTABLE,
                     **({"hint": e.hint} if e.hint else {}),
                 )
-            update: dict[str, Any] = {"phase": Phase.PREEMPTED.value, "handle": None}
             deps.store.release(t.name, t.holder.id, update)
             taken.remove(t)
             done.append(t.name)

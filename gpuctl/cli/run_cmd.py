@@ -1,0 +1,110 @@
+"""``gpuctl run -- CMD…``: an ad-hoc GPU job admitted under the host's memory budget."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from gpuctl.cli.common import (
+    ConfigOpt,
+    HostOpt,
+    duration_parser,
+    errors_to_exit,
+    fail,
+    open_config,
+    say,
+    size_parser,
+)
+from gpuctl.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "run",
+        short_help="Run CMD once its GPU memory fits (exit code: CMD's).",
+        context_settings={"allow_interspersed_args": False},
+    )(run)
+
+
+def run(
+    cmd: Annotated[
+        list[str] | None,
+        typer.Argument(help="The command and its arguments, after --.", metavar="CMD"),
+    ] = None,
+    memory: Annotated[
+        int | None,
+        typer.Option(
+            "--memory",
+            "-m",
+            parser=size_parser("--memory"),
+            help="Its GPU memory budget, e.g. 15GiB (required).",
+            metavar="SIZE",
+        ),
+    ] = None,
+    priority: Annotated[
+        int, typer.Option("--priority", "-p", help="Higher wins (default 50, as services).")
+    ] = 50,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", "-n", help="The job's name (default: CMD's program name)."),
+    ] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="If it does not fit, wait until it does.")
+    ] = False,
+    preemptible: Annotated[
+        bool,
+        typer.Option(
+            "--preemptible", help="Higher-priority work may stop it (SIGTERM, grace, SIGKILL)."
+        ),
+    ] = False,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            "-t",
+            parser=duration_parser("--timeout"),
+            help="With --wait: give up after this long.",
+            metavar="DURATION",
+        ),
+    ] = None,
+    host: HostOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Run CMD (never through a shell) once MEMORY fits on the host's GPU, counted like a service while it runs.
+
+    Exit: CMD's own · 3 BUSY (before CMD starts) · 4 UNKNOWN · 5 timeout · 126/127 CMD cannot be started.
+    """
+    with errors_to_exit():
+        from gpuctl.flows.run import RunRequest, run_deps
+        from gpuctl.flows.run import run as run_job
+
+        if not cmd:
+            fail(UsageError("no command given", hint="gpuctl run --memory 15GiB -- CMD ARGS…"))
+        if memory is None:
+            fail(UsageError("--memory is required", hint="e.g. --memory 15GiB"))
+        assert cmd is not None and memory is not None
+        conf = open_config(config)
+        deps = run_deps(conf, host, lambda line: say(f"gpuctl run: {line}"))
+        req = RunRequest(
+            argv=cmd,
+            memory_mib=memory,
+            priority=priority,
+            name=name,
+            wait=wait,
+            preemptible=preemptible,
+            timeout_s=timeout,
+        )
+        try:
+            result = run_job(deps, req)
+        finally:
+            deps.close()
+        if not result.started:
+            say(f"gpuctl run: {result.name} not started: {result.reason}")
+            if result.hint:
+                say(f"  hint: {result.hint}")
+        elif result.preempted:
+            say(f"gpuctl run: {result.reason}")
+        for s in result.resumed:
+            say(f"gpuctl run: resumed {s}")
+        raise typer.Exit(result.exit_code)

@@ -1,0 +1,73 @@
+"""Ad-hoc jobs (``gpuctl run``) as the decisions see them: records named ``run.<name>``.
+
+A job has no config table: its record is its spec. While CMD runs, the record holds its
+pid and start time and the job's budget, priority and whether it may be preempted (the
+handle, ``kind = "run"``). The record names the pid, so the agent reports the process
+whether or not it is on the GPU yet, and every decision counts it at the larger of what
+it holds and its budget, like a service. Once CMD has died the pid is no longer reported
+and the job counts for nothing: the record is void even when ``gpuctl run`` itself was
+killed and never wrote that CMD ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpuctl.core.record import Phase, Record
+
+PREFIX = "run."
+# A job's process is its own: no keyword, only its recorded pid, makes a process its.
+JOB_HEALTH_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A running ``gpuctl run`` job, as a ``ServiceSpec`` for the decision."""
+
+    name: str
+    memory_mib: int | None
+    priority: int
+    preemptible: bool = False
+    pid: int | None = None
+    pid_start: float | None = None
+    devices: tuple[int, ...] | None = None
+    health_timeout_s: float = JOB_HEALTH_TIMEOUT_S
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def job(self) -> str:
+        """The name the user gave (``whisper`` for the record ``run.whisper``)."""
+        return self.name[len(PREFIX) :]
+
+
+def is_job(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def job_spec(record: Record) -> JobSpec | None:
+    """The job a record describes, or None (not a job's, ended, or not one we wrote)."""
+    h = record.handle or {}
+    if not is_job(record.service) or record.phase is not Phase.RUNNING or h.get("kind") != "run":
+        return None
+    pid, mem, prio = h.get("pid"), h.get("memory_mib"), h.get("priority")
+    if not isinstance(pid, int) or not isinstance(mem, int) or not isinstance(prio, int):
+        return None
+    start = h.get("pid_start")
+    return JobSpec(
+        record.service,
+        mem,
+        prio,
+        preemptible=h.get("preemptible") is True,
+        pid=pid,
+        pid_start=float(start) if isinstance(start, int | float) else None,
+    )
+
+
+def job_specs(records: Iterable[Record], exclude: str = "") -> list[JobSpec]:
+    """Every job the records describe (their processes may have ended: a job whose pid
+    the agent no longer reports counts for nothing)."""
+    return [j for r in records if r.service != exclude and (j := job_spec(r)) is not None]

@@ -1,0 +1,343 @@
+"""``gpuctl run``: an ad-hoc GPU job under the same budget as the services.
+
+1. Admission, under the host-wide admission lock ``ensure`` uses: a fresh look at the
+   host, and the job decided like a service of its budget and priority (IDLE, FITS:
+   start; BUSY: exit 3 naming the holders, before CMD starts; UNKNOWN: exit 4).
+   ``--wait`` looks again until it fits (or the timeout).
+2. CMD is started directly (never through a shell) in its own session, and recorded as
+   ``run.<name>`` before the lock is released: its pid, start time, budget, priority and
+   whether it may be preempted. From then on every decision counts it; once CMD dies its
+   pid is no longer reported and it counts for nothing, even if ``gpuctl run`` was
+   killed and never wrote that it ended.
+3. Signals ``gpuctl run`` receives are passed to CMD; its exit code is returned (128+N
+   for a signal N). CMD that cannot be started: 127 (not found) or 126 (not executable),
+   as ``env`` does.
+4. When CMD has ended: the record says so (``stopped``, or ``preempted`` when a
+   higher-priority ensure stopped it), and preempted ``resume = true`` services that fit
+   now are brought back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuctl.adapters import procinfo
+from gpuctl.adapters.store import Store, holder_here
+from gpuctl.config import Config, HostConfig
+from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
+from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
+from gpuctl.core.model import HostIdentity
+from gpuctl.core.record import Phase, Record
+from gpuctl.core.units import format_mib
+from gpuctl.errors import GpuctlError
+from gpuctl.flows.admission import AdmissionTimeout, admission
+from gpuctl.flows.deps import Closers, SnapshotReader
+from gpuctl.flows.observe import decide, observe
+
+# Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
+FORWARDED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+RECORD_TTL_S = 60.0
+WAIT_POLL_S = 0.5
+EXIT_BUSY, EXIT_UNKNOWN, EXIT_TIMEOUT = 3, 4, 5
+EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    argv: Sequence[str]
+    memory_mib: int
+    priority: int = 50
+    name: str | None = None
+    wait: bool = False
+    preemptible: bool = False
+    timeout_s: float | None = None
+
+
+@dataclass
+class RunDeps(Closers):
+    config: Config = field(kw_only=True)
+    host: HostConfig = field(kw_only=True)
+    store: Store = field(kw_only=True)
+    read_snapshot: SnapshotReader = field(kw_only=True)  # fresh, never a cached reading
+    here: HostIdentity = field(kw_only=True)
+    clock: Callable[[], float] = field(kw_only=True, default=time.time)
+    sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
+    # Brings back preempted `resume = true` services that fit (after CMD ends).
+    resume: Callable[[], list[str]] | None = field(kw_only=True, default=None)
+    # Told once, before CMD starts: what was decided (for a line on stderr).
+    tell: Callable[[str], None] = field(kw_only=True, default=lambda _line: None)
+
+
+@dataclass
+class RunResult:
+    """How ``gpuctl run`` ended. ``started``: CMD ran (its exit code is ``exit_code``)."""
+
+    name: str
+    exit_code: int
+    reason: str
+    started: bool = False
+    preempted: bool = False
+    decision: str = ""
+    hint: str = ""
+    pid: int | None = None
+    resumed: list[str] = field(default_factory=list)
+
+
+class _Ctx:
+    """What the admission lock needs: the deps (store, clock, sleep) and a deadline."""
+
+    def __init__(self, deps: RunDeps, deadline: float) -> None:
+        self.deps = deps
+        self.deadline = deadline
+
+
+def job_name(argv: Sequence[str], wanted: str | None, records: Sequence[Record]) -> str:
+    """The job's name: ``--name``, else CMD's program name, made a valid name, with a
+    suffix (``-2``, ``-3``…) when another live job already has it."""
+    base = wanted or os.path.basename(argv[0]) or "job"
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", base).lstrip(".-")[:80] or "job"
+    live = set()
+    for r in records:
+        j = job_spec(r)
+        if j is not None and j.pid is not None and procinfo.is_same_process(j.pid, j.pid_start):
+            live.add(j.job)
+    name, n = base, 1
+    while name in live:
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def run(deps: RunDeps, req: RunRequest) -> RunResult:
+    """Admit the job, run CMD, and return how it ended (never raises for a refusal)."""
+    deadline = deps.clock() + (req.timeout_s if req.timeout_s is not None else float("inf"))
+    try:
+        records = deps.store.records()
+    except GpuctlError as e:
+        return RunResult(req.name or "", EXIT_UNKNOWN, e.message, hint=e.hint)
+    name = job_name(req.argv, req.name, records)
+    spec = JobSpec(PREFIX + name, req.memory_mib, req.priority, preemptible=req.preemptible)
+    told = False
+    while True:
+        try:
+            with admission(_Ctx(deps, deadline)):
+                verdict, largest = _look(deps, spec)
+                if verdict.decision in (Decision.IDLE, Decision.FITS):
+                    started = _start(deps, spec, req, verdict, name)
+                    if isinstance(started, RunResult):
+                        return started
+                    proc = started
+                    break
+        except AdmissionTimeout as e:
+            return RunResult(name, EXIT_TIMEOUT, f"the timeout ran out in the admission ({e.who})")
+        except GpuctlError as e:
+            return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
+        refusal = _refusal(name, verdict, largest)
+        if not req.wait or refusal.exit_code == EXIT_UNKNOWN:
+            return refusal
+        if deps.clock() + WAIT_POLL_S > deadline:
+            refusal.exit_code = EXIT_TIMEOUT
+            refusal.reason = f"still waiting at the timeout: {refusal.reason}"
+            return refusal
+        if not told:
+            deps.tell(f"waiting for room: {verdict.reason}")
+            told = True
+        deps.sleep(WAIT_POLL_S)
+    code = _wait(proc)
+    result = RunResult(spec.job, code, f"{name} exited with {code}", started=True, pid=proc.pid)
+    result.preempted = _ended(deps, spec.name)
+    if result.preempted:
+        result.reason = f"{name} was preempted for higher-priority work (exit {code})"
+    if deps.resume is not None:
+        with contextlib.suppress(GpuctlError):
+            result.resumed = deps.resume()
+    return result
+
+
+def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
+    """The job's verdict, and the largest GPU's total (None: unknown)."""
+    services = deps.config.services_on(deps.host.name)
+    seen = observe(deps.store.records, deps.read_snapshot, services)
+    totals = [
+        d.memory_total_mib if d.memory_total_mib is not None else deps.host.gpu_memory_mib
+        for d in (seen.snapshot.device_list() if seen.snapshot else ())
+    ]
+    known = [t for t in totals if t is not None]
+    verdict = decide(
+        spec,
+        NO_HEALTH,
+        seen,
+        others=services,
+        now=deps.clock(),
+        total_override_mib=deps.host.gpu_memory_mib,
+        orphan_is_loading=False,
+    )
+    return verdict, (max(known) if known else None)
+
+
+def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
+    if verdict.decision is Decision.UNKNOWN:
+        return RunResult(
+            name,
+            EXIT_UNKNOWN,
+            verdict.reason,
+            decision=verdict.decision.value,
+            hint="check the host's agent (`gpuctl status`); nothing was started",
+        )
+    reason = verdict.reason
+    if largest is not None and verdict.need_mib is not None and verdict.need_mib > largest:
+        reason = (
+            f"needs {format_mib(verdict.need_mib)}, more than the GPU has "
+            f"({format_mib(largest)}): it can never fit"
+        )
+    return RunResult(
+        name,
+        EXIT_BUSY,
+        reason,
+        decision=verdict.decision.value,
+        hint="wait for room with --wait; `gpuctl status` shows who holds the GPU",
+    )
+
+
+def _start(
+    deps: RunDeps, spec: JobSpec, req: RunRequest, verdict: Verdict, name: str
+) -> subprocess.Popen[bytes] | RunResult:
+    """Spawn CMD and record it (under the admission lock, by the caller)."""
+    env = dict(os.environ)
+    env["GPUCTL_RUN_JOB"] = name
+    if verdict.gpu is not None and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = str(verdict.gpu)
+    try:
+        # Its own session: a kill -9 of gpuctl run leaves CMD running (and recorded),
+        # and a preemption signals its whole process group.
+        proc = subprocess.Popen(list(req.argv), env=env, start_new_session=True)
+    except FileNotFoundError as e:
+        return RunResult(name, EXIT_NOT_FOUND, f"{req.argv[0]}: {e.strerror}")
+    except (PermissionError, IsADirectoryError, OSError) as e:
+        return RunResult(name, EXIT_CANNOT_EXECUTE, f"{req.argv[0]}: {e.strerror or e}")
+    handle: dict[str, Any] = {
+        "kind": "run",
+        "pid": proc.pid,
+        "pid_start": procinfo.start_time(proc.pid),
+        "memory_mib": spec.memory_mib,
+        "priority": spec.priority,
+        "preemptible": spec.preemptible,
+        "host": deps.here.hostname,
+        "boot_id": deps.here.boot_id,
+        "command": os.path.basename(req.argv[0])[:200],
+    }
+    holder = holder_here("run")
+    try:
+        granted, _ = deps.store.acquire(spec.name, holder, RECORD_TTL_S)
+        if not granted:
+            raise GpuctlError(f"the record {spec.name} is held by another caller")
+        deps.store.release(
+            spec.name,
+            holder.id,
+            {"phase": Phase.RUNNING.value, "handle": handle, "touch": True, "failure": None},
+        )
+    except GpuctlError:
+        # Unrecorded, it would hold memory nobody counts: it does not run.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc
+
+
+def _wait(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for CMD, passing on the signals we get; its exit code (128+N for signal N)."""
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 - code if code < 0 else code
+
+
+def _ended(deps: RunDeps, name: str) -> bool:
+    """Write that CMD ended; True when it had been preempted (the record says so)."""
+    holder = holder_here("run")
+    give_up = deps.clock() + 30.0
+    while True:
+        # A preemption holds the job's lease while it stops CMD: wait for it to write
+        # ``preempted`` (its stop takes the grace period at most).
+        try:
+            granted, rec = deps.store.acquire(name, holder, RECORD_TTL_S)
+        except GpuctlError:
+            return False
+        if granted or deps.clock() > give_up:
+            break
+        deps.sleep(0.1)
+    preempted = rec.phase is Phase.PREEMPTED
+    if granted:
+        update: dict[str, Any] = {"handle": None}
+        if not preempted:
+            update["phase"] = Phase.STOPPED.value
+        with contextlib.suppress(GpuctlError):
+            deps.store.release(name, holder.id, update)
+    return preempted
+
+
+def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None]) -> RunDeps:
+    """The real adapters for ``gpuctl run`` on ``host_name`` (default: the only host).
+
+    Raises:
+        UsageError: no such host, or several and none named.
+    """
+    from gpuctl.adapters.store import store_for
+    from gpuctl.errors import UsageError
+    from gpuctl.flows.wiring import SharedHttp, snapshot_reader
+
+    if host_name is None:
+        if len(config.hosts) != 1:
+            raise UsageError(
+                "gpuctl run needs --host when the config has several hosts",
+                hint=f"known hosts: {', '.join(sorted(config.hosts)) or 'none'}",
+            )
+        host_name = next(iter(config.hosts))
+    host = config.host(host_name)
+    closers: list[Callable[[], None]] = []
+    http = SharedHttp(closers)
+    store = store_for(host, client=http() if host.agent else None)
+    closers.append(store.close)
+
+    def resume() -> list[str]:
+        from gpuctl.flows.resume import resume_preempted, to_resume
+        from gpuctl.flows.wiring import deps_for
+
+        due = to_resume(config, host.name, store)
+        done = resume_preempted(due, lambda s: deps_for(config, s.name, entry="run"))
+        return [r.service for r in done if r.started]
+
+    return RunDeps(
+        closers,
+        config=config,
+        host=host,
+        store=store,
+        read_snapshot=snapshot_reader(host, closers, http, fresh=True),
+        here=procinfo.host_identity(),
+        resume=resume,
+        tell=tell,
+    )
