@@ -320,6 +320,7 @@ def victim_facts(
             and o.priority < svc.priority
             and deps.server_in_flight is not None
             and o.launcher != "ollama"
+            and o.kind != "batch"  # a batch answers no requests: nothing can be in flight
         ):
             try:
                 in_flight = deps.server_in_flight(o) or 0
