@@ -132,6 +132,8 @@ class Verdict:
     gpu: int | None = None
     # PREEMPTABLE: what to stop, and where.
     plan: Plan | None = None
+    # What the user can do about it, where the decision knows better than the caller.
+    hint: str = ""
 
     @property
     def own_memory_mib(self) -> int:

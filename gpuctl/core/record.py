@@ -210,6 +210,51 @@ class SetAside:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A host's records and its set-aside record files, read together (one ``GET
+    /records``): a set-aside file can hide a start the fresh record no longer shows."""
+
+    records: list[Record]
+    set_aside: list[SetAside] = field(default_factory=list)
+
+
+def hidden_by_set_aside(
+    service: str,
+    record: Record | None,
+    set_aside: Iterable[SetAside],
+    timeout_s: float,
+    now: float,
+    *,
+    own_holder: str | None = None,
+) -> SetAside | None:
+    """The set-aside file of ``service`` that may hide a start still loading unseen, or
+    None.
+
+    A record whose phase could not be salvaged (not JSON, a lease without a sound phase)
+    starts afresh as ``stopped`` since the moment it was set aside (``codec.salvage``): if
+    the file hid a start, its server may be reading weights with nothing to say so. That
+    doubt lasts for the service's health timeout from the set-aside (``at`` is the second
+    it happened in, floored), and ends earlier when a sound record is written after it: a
+    phase other than ``stopped``, a phase change, or someone else's lease granted since
+    (``own_holder``'s own lease proves nothing to itself). A salvage that kept a sound
+    phase keeps its own ``since``, and that phase speaks for itself.
+    """
+    latest = max((a for a in set_aside if a.service == service), key=lambda a: a.at, default=None)
+    if latest is None or now >= latest.at + 1.0 + timeout_s:
+        return None
+    after = latest.at + 1.0
+    if record is not None:
+        lease = record.lease
+        if (
+            record.phase is not Phase.STOPPED
+            or not latest.at <= record.since < after
+            or (lease is not None and lease.holder != own_holder and lease.granted >= after)
+        ):
+            return None
+    return latest
+
+
 def backoff_s(count: int) -> float:
     """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min."""
     if count <= 0:

@@ -17,7 +17,7 @@ from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record
+from gpuctl.core.record import Listing, Record
 from gpuctl.flows.results import Progress
 
 # (match keywords, recorded server pids) -> the host's snapshot
@@ -93,7 +93,7 @@ class HostDeps:
 
     host: HostConfig
     source: str  # the agent's URL, or which local probe
-    read_records: Callable[[], list[Record]]
+    read_records: Callable[[], Listing | list[Record]]
     read_snapshot: SnapshotReader
 
 

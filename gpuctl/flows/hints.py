@@ -11,6 +11,8 @@ from gpuctl.flows.results import Outcome
 def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = None) -> str:
     """What the user can do about an ``ensure`` that did not end ready (empty otherwise)."""
     name = deps.service.name
+    if verdict is not None and verdict.hint:
+        return verdict.hint
     if outcome is Outcome.BUSY and verdict is not None and verdict.plan is not None:
         stops = ", ".join(verdict.plan.names)
         return (

@@ -16,7 +16,16 @@ from gpuctl.core.decision import Decision, Health, ServiceSpec, Verdict, classif
 from gpuctl.core.jobs import job_specs
 from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts
-from gpuctl.core.record import Phase, Record, recorded_servers, starting_services
+from gpuctl.core.record import (
+    Listing,
+    Phase,
+    Record,
+    SetAside,
+    hidden_by_set_aside,
+    recorded_servers,
+    starting_services,
+)
+from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
 from gpuctl.flows.deps import EnsureDeps, SnapshotReader
 from gpuctl.flows.results import MemoryUse
@@ -33,12 +42,14 @@ def keywords(services: Iterable[ServiceConfig]) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """What a host said: its records and its snapshot, or why there is no snapshot."""
+    """What a host said: its records and its snapshot, or why there is no snapshot;
+    ``set_aside``: its record files set aside as unreadable."""
 
     records: dict[str, Record] = field(default_factory=dict)
     snapshot: Snapshot | None = None
     error: str | None = None
     hint: str | None = None
+    set_aside: tuple[SetAside, ...] = ()
 
     @property
     def servers(self) -> dict[int, str]:
@@ -47,7 +58,7 @@ class Observation:
 
 
 def observe(
-    read_records: Callable[[], Iterable[Record]],
+    read_records: Callable[[], Listing | Iterable[Record]],
     read_snapshot: SnapshotReader,
     services: Sequence[ServiceConfig],
     *,
@@ -61,9 +72,14 @@ def observe(
     records that cannot be read still make it UNKNOWN.
     """
     records: dict[str, Record] = {}
+    aside: tuple[SetAside, ...] = ()
     try:
         try:
-            records = {r.service: r for r in read_records()}
+            got = read_records()
+            if isinstance(got, Listing):
+                aside = tuple(got.set_aside)
+                got = got.records
+            records = {r.service: r for r in got}
         except NoStore:
             # An agent without a state dir keeps no records. Any other store failure
             # makes the host UNKNOWN: without its leases, IDLE could be a lie.
@@ -72,8 +88,8 @@ def observe(
         pids = sorted(recorded_servers(records.values()))
         snapshot = read_snapshot(keywords(services), pids)
     except GpuctlError as e:
-        return Observation(records, None, e.message, e.hint or None)
-    return Observation(records, snapshot)
+        return Observation(records, None, e.message, e.hint or None, aside)
+    return Observation(records, snapshot, set_aside=aside)
 
 
 def memory_use(
@@ -143,6 +159,11 @@ def decide(
     is LOADING while its health timeout runs, where nothing else says so: its server may
     be reading weights unseen, and it is never called free. ``ensure`` asks with
     ``orphan_is_loading=False``: it looks for that server itself, under the lease.
+
+    A service whose record was set aside and started afresh may hide a start the same
+    way, with no nonce left to find its server by: UNKNOWN until its health answers or
+    its health timeout has passed (``hidden_start``), for ``ensure`` too (never a blind
+    start).
     """
     error = seen.error
     if error is not None and seen.hint:
@@ -165,6 +186,12 @@ def decide(
         victims=victims,
         force=force,
     )
+    if verdict.decision not in (Decision.READY, Decision.SLEEPING, Decision.UNKNOWN):
+        # A server that answers its health check is no hidden start: it wins.
+        aside = hidden_start(seen, svc, own, now, own_holder)
+        if aside is not None:
+            reason, hint = _hidden_words(svc, aside)
+            return replace(verdict, decision=Decision.UNKNOWN, reason=reason, hint=hint)
     if (
         orphan_is_loading
         and verdict.decision in (Decision.IDLE, Decision.FITS)
@@ -178,6 +205,32 @@ def decide(
             f"(counted until {svc.health_timeout_s:.0f}s after it began)",
         )
     return verdict
+
+
+def hidden_start(
+    seen: Observation,
+    svc: ServiceConfig,
+    record: Record | None,
+    now: float,
+    own_holder: str | None = None,
+) -> SetAside | None:
+    """The set-aside file that may hide a start of ``svc`` (``hidden_by_set_aside``)."""
+    if not seen.set_aside:
+        return None
+    return hidden_by_set_aside(
+        svc.name, record, seen.set_aside, svc.health_timeout_s, now, own_holder=own_holder
+    )
+
+
+def _hidden_words(svc: ServiceConfig, aside: SetAside) -> tuple[str, str]:
+    """(reason, hint) for a start a set-aside record may hide."""
+    until = iso_utc(aside.at + 1.0 + svc.health_timeout_s)
+    return (
+        f"its record was set aside as unreadable (records/{aside.file}); a start it hid "
+        f"may be loading unseen until {until}",
+        f"once no start of {svc.name} is under way, remove records/{aside.file} "
+        f"(`gpuctl locks` lists it); or wait until {until}, or until its health answers",
+    )
 
 
 def _accounting(
@@ -195,6 +248,13 @@ def _accounting(
     promised = [
         *starting_services(seen.records.values(), exclude=me),
         *orphaned_starts(seen.records.values(), services, now, exclude=me),
+        # A start a set-aside record may hide counts at its budget too (never free while
+        # it may load unseen).
+        *(
+            s.name
+            for s in services
+            if s.name != me and hidden_start(seen, s, seen.records.get(s.name), now)
+        ),
     ]
     return specs, promised
 
@@ -254,7 +314,7 @@ def look(
     svc = deps.service
     others = deps.config.services_on(svc.host)
     reader = deps.fresh_reader() if fresh else deps.read_snapshot
-    seen = observe(deps.store.records, reader, others or [svc])
+    seen = observe(deps.store.listing, reader, others or [svc])
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None
     now = deps.clock()

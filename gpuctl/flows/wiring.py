@@ -18,7 +18,7 @@ from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record
+from gpuctl.core.record import Listing
 from gpuctl.errors import UsageError
 from gpuctl.flows.deps import (
     EnsureDeps,
@@ -275,16 +275,16 @@ def status_deps(
 
 def _records_reader(
     host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp
-) -> Callable[[], list[Record]]:
-    """The host's records, through its agent (within the host's own timeout) or directly;
-    the store is opened on first use."""
+) -> Callable[[], Listing]:
+    """The host's records and set-aside files, through its agent (within the host's own
+    timeout) or directly; the store is opened on first use."""
     opened: list[Store] = []
 
-    def read() -> list[Record]:
+    def read() -> Listing:
         if not opened:
             opened.append(store_for(host, timeout_s=host.timeout_s, client=http()))
             closers.append(opened[0].close)
-        return opened[0].records()
+        return opened[0].listing()
 
     return read
 

@@ -89,7 +89,7 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     "name": svc.name,
                     "host": h.name,
                     "decision": v.decision.value,
-                    "reason": v.reason,
+                    "reason": f"{v.reason} (hint: {v.hint})" if v.hint else v.reason,
                     "health": hh.state,
                     # An Ollama model has no process: its server says what it holds.
                     "memory_mib": v.own_memory_mib

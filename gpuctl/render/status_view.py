@@ -277,7 +277,8 @@ def service_table(h: HostReport) -> Table:
             mem = format_mib(hh.memory_mib)  # an Ollama model: what /api/ps says it holds
         if svc.memory_mib:
             mem += f" / {format_mib(svc.memory_mib)}"
-        t.add_row(svc.name, Text(v.decision.value, style=DECISION_STYLE[v.decision]), mem, v.reason)
+        reason = f"{v.reason} (hint: {v.hint})" if v.hint else v.reason
+        t.add_row(svc.name, Text(v.decision.value, style=DECISION_STYLE[v.decision]), mem, reason)
     return t
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import check_name
 from gpuctl.adapters.store.codec import decode_record, decode_set_aside
-from gpuctl.core.record import Holder, Record, SetAside
+from gpuctl.core.record import Holder, Listing, Record, SetAside
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
@@ -113,11 +113,14 @@ class AgentStore:
         return self._record(self._call("GET", f"/records/{check_name(service)}"))
 
     def records(self) -> list[Record]:
+        return self.listing().records
+
+    def listing(self) -> Listing:
         data = self._call("GET", "/records")
         records = data.get("records") if isinstance(data, dict) else None
         if not isinstance(records, list):
             raise self._broken("a record list without its records")
-        return [self._record(r) for r in records]
+        return Listing([self._record(r) for r in records], self._set_aside(data))
 
     def _broken(self, what: str) -> GpuctlError:
         from gpuctl.errors import AgentUnavailable
@@ -125,7 +128,9 @@ class AgentStore:
         return AgentUnavailable(f"the agent at {self.base_url} sent {what}")
 
     def set_aside(self) -> list[SetAside]:
-        data = self._call("GET", "/records")
+        return self._set_aside(self._call("GET", "/records"))
+
+    def _set_aside(self, data: Any) -> list[SetAside]:
         if not isinstance(data, dict):
             raise self._broken("a record list that is not an object")
         try:

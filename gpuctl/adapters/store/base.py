@@ -7,7 +7,7 @@ import uuid
 from typing import Any, Protocol
 
 from gpuctl.core.names import NAME_RE
-from gpuctl.core.record import Holder, Record, SetAside
+from gpuctl.core.record import Holder, Listing, Record, SetAside
 from gpuctl.errors import UsageError
 
 # The one rule for names, shared with the config and the agent's OpenAPI document.
@@ -25,6 +25,11 @@ class Store(Protocol):
     def records(self) -> list[Record]:
         """Every service's record. A record file that fails validation is set aside and
         its service listed afresh, with ``recovered`` saying why and where the copy is."""
+        ...
+
+    def listing(self) -> Listing:
+        """``records()`` and then ``set_aside()``, in one read where the store can (the
+        agent's ``GET /records`` carries both)."""
         ...
 
     def set_aside(self) -> list[SetAside]:

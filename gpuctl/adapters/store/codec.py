@@ -244,7 +244,7 @@ def parse_record(raw: bytes) -> Record:
     return decode_record(data)
 
 
-def salvage(raw: bytes, service: str) -> Record:
+def salvage(raw: bytes, service: str, now: float | None = None) -> Record:
     """What can be kept of a record file that failed the schema: every top-level field
     that passes on its own (a lease only whole). The file itself is set aside; this is
     the fresh record that replaces it.
@@ -253,21 +253,32 @@ def salvage(raw: bytes, service: str) -> Record:
     ``starting`` with its nonce, or its recorded server) still counts after a lease
     with a pid of 2**31 is dropped, rather than the service reading as stopped and IDLE.
     A file that is not a JSON object, or names another service, keeps nothing.
+
+    ``now``: where no sound phase is kept, the record is ``stopped`` since ``now`` (the
+    set-aside), whatever ``since`` the file said: readers take a ``stopped`` record that
+    began at a set-aside as one that may hide a start (``core.record.hidden_by_set_aside``).
     """
+    kept = _sound_fields(raw, service)
+    if "phase" not in kept and now is not None:
+        kept["since"] = now
+    return decode_record(kept)
+
+
+def _sound_fields(raw: bytes, service: str) -> dict[str, Any]:
+    kept: dict[str, Any] = {"service": service}
     try:
         if len(raw) > MAX_RECORD_BYTES:
-            return Record(service)
+            return kept
         data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
-        return Record(service)
+        return kept
     if type(data) is not dict or data.get("service") != service:
-        return Record(service)
-    kept: dict[str, Any] = {"service": service}
+        return kept
     for name, (check, _) in RECORD_FIELDS.items():
         if name in data and name not in ("service", "recovered"):
             with contextlib.suppress(RecordError):
                 kept[name] = check(data[name], f"$.{name}")
-    return decode_record(kept)
+    return kept
 
 
 # ---- encoding

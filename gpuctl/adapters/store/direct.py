@@ -43,6 +43,7 @@ from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.core.record import (
     Holder,
     LeaseState,
+    Listing,
     Phase,
     Record,
     SetAside,
@@ -123,11 +124,12 @@ class DirectStore(InflightFiles):
     def _recover(self, service: str, path: Path, why: str) -> Record:
         """A record that fails the schema is set aside (kept for a person to look at),
         and the service goes on with the fields of it that pass (``codec.salvage``)."""
+        now = self.clock()
         try:
-            fresh = salvage(read_bounded(path), service)
+            fresh = salvage(read_bounded(path), service, now)
         except OSError:  # a symbolic link (never followed), or gone
-            fresh = Record(service=service)
-        stamp = int(self.clock())
+            fresh = Record(service=service, since=now)
+        stamp = int(now)
         saved = path.with_name(f"{path.name}.corrupt-{stamp}")
         n = 1
         while saved.exists():  # two recoveries in one second keep both copies
@@ -141,7 +143,11 @@ class DirectStore(InflightFiles):
                 f"{e.strerror or e}",
                 hint=f"move it away by hand; {path.parent} must be writable by this user",
             ) from None
-        kept = "started afresh" if fresh == Record(service) else "kept its valid fields"
+        kept = (
+            "started afresh"
+            if replace(fresh, since=0.0) == Record(service)
+            else "kept its valid fields"
+        )
         note = f"record was unreadable ({why}); kept as {saved.name}, {kept}"
         # For the agent's log (and journald): the one reader told in the record may be a
         # status nobody reads; `gpuctl locks` lists the copy until it is removed.
@@ -272,6 +278,10 @@ class DirectStore(InflightFiles):
 
     def records(self) -> list[Record]:
         return [self.get(p.stem) for p in self._record_paths()]
+
+    def listing(self) -> Listing:
+        # Records first: reading them sets aside what fails, and the list then names it.
+        return Listing(self.records(), self.set_aside())
 
     def set_aside(self) -> list[SetAside]:
         """The record files that failed the schema and were kept, oldest first, each with
