@@ -208,28 +208,23 @@ def decide(
 
 
 def hidden_start(
-    seen: Observation,
-    svc: ServiceConfig,
-    record: Record | None,
-    now: float,
-    own_holder: str | None = None,
+    seen: Observation, svc: ServiceSpec, rec: Record | None, now: float, holder: str | None = None
 ) -> SetAside | None:
     """The set-aside file that may hide a start of ``svc`` (``hidden_by_set_aside``)."""
-    if not seen.set_aside:
-        return None
-    return hidden_by_set_aside(
-        svc.name, record, seen.set_aside, svc.health_timeout_s, now, own_holder=own_holder
+    kept, timeout = seen.set_aside, svc.health_timeout_s
+    return (
+        hidden_by_set_aside(svc.name, rec, kept, timeout, now, own_holder=holder) if kept else None
     )
 
 
-def _hidden_words(svc: ServiceConfig, aside: SetAside) -> tuple[str, str]:
+def _hidden_words(svc: ServiceSpec, aside: SetAside) -> tuple[str, str]:
     """(reason, hint) for a start a set-aside record may hide."""
-    until = iso_utc(aside.at + 1.0 + svc.health_timeout_s)
+    until, file = iso_utc(aside.at + 1.0 + svc.health_timeout_s), f"records/{aside.file}"
     return (
-        f"its record was set aside as unreadable (records/{aside.file}); a start it hid "
-        f"may be loading unseen until {until}",
-        f"once no start of {svc.name} is under way, remove records/{aside.file} "
-        f"(`gpuctl locks` lists it); or wait until {until}, or until its health answers",
+        f"its record was set aside as unreadable ({file}); a start it hid may be loading "
+        f"unseen until {until}",
+        f"once no start of {svc.name} is under way, remove {file} (`gpuctl locks` lists "
+        f"it); or wait until {until}, or until its health answers",
     )
 
 

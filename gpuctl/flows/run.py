@@ -172,7 +172,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
 def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
     """The job's verdict, and the largest GPU's total (None: unknown)."""
     services = deps.config.services_on(deps.host.name)
-    seen = observe(deps.store.records, deps.read_snapshot, services)
+    seen = observe(deps.store.listing, deps.read_snapshot, services)
     totals = [
         d.memory_total_mib if d.memory_total_mib is not None else deps.host.gpu_memory_mib
         for d in (seen.snapshot.device_list() if seen.snapshot else ())
