@@ -73,13 +73,15 @@ def preempt(
         return None  # someone else is starting it: look again (a bystander waits)
     own_released = False
     try:
+        t_stop = deps.clock()
         stopped, failure = _stop_victims(ctx, [v.name for v in plan.victims], snapshot)
+        stop_s = deps.clock() - t_stop
         if failure is not None:
             return failure
         if stopped is None:
             return None
         names = ", ".join(stopped)
-        ctx.notes.append(f"preempted {names} to make room")
+        ctx.notes.append(f"preempted {names} to make room (their stops took {stop_s:.2f}s)")
         back = _wait_for_memory(ctx, holder.id)
         if back is not None:
             return back

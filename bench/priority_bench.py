@@ -1,0 +1,99 @@
+"""Benchmarks for sharing by priority, side by side in one run on a local sim agent:
+
+1. `gpuctl run --memory 15GiB -- true` (a job that fits) against `gpuctl status --json`
+   of the same host, alternating; medians and their ratio (target: at most 1.2x).
+2. Preemption: from starting `gpuctl ensure chat --preempt --no-wait` to the chat
+   server's launch (the start its record notes), less the victim's own stop (as the
+   ensure measured it); the median overhead (target: at most 0.5 s).
+
+    python bench/priority_bench.py [--runs 20] [--cycles 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpuctl.sim.host import SimHost, free_port
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return time.perf_counter() - t0
+
+
+def service(name: str, port: int, gib: int, prio: int) -> str:
+    cmd = (
+        f"{sys.executable} -m gpuctl sim model-server --name {name} --memory {gib}GiB "
+        f"--load-time 1s --port {port}"
+    )
+    return (
+        f'[services.{name}]\nlauncher = "process"\ncommand = {json.dumps(cmd)}\n'
+        f'health = "http://127.0.0.1:{port}/health"\nmemory = "{gib}GiB"\npriority = {prio}\n'
+        f'health_timeout = "60s"\nstop_timeout = "10s"\n'
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--cycles", type=int, default=5)
+    args = ap.parse_args()
+    exe = str(Path(sys.executable).with_name("gpuctl"))
+    with SimHost(gpu_memory="120GiB") as host:
+        host.start_agent()
+        host.hold("comfyui", "10GiB")
+        chat, batch = "benchchat", "benchbatch"
+        cfg = host.write_config(
+            service(chat, free_port(), 80, 100) + "\n" + service(batch, free_port(), 40, 50)
+        )
+        env = {**os.environ, **host.env(), "GPUCTL_CONFIG": str(cfg)}
+        run_t, status_t = [], []
+        for _ in range(args.runs):
+            run_t.append(timed([exe, "run", "--memory", "15GiB", "--", "true"], env))
+            status_t.append(timed([exe, "status", "--json"], env))
+        r, s = statistics.median(run_t), statistics.median(status_t)
+        print(f"run -- true     median {r * 1000:7.1f} ms (n={args.runs})")
+        print(f"status --json   median {s * 1000:7.1f} ms (n={args.runs})")
+        print(f"ratio run/status: {r / s:.2f}x (target <= 1.2x)")
+
+        overheads, stops = [], []
+        for _ in range(args.cycles):
+            ok = subprocess.run([exe, "ensure", batch], env=env, capture_output=True, check=False)
+            assert ok.returncode == 0, ok.stderr
+            t0 = time.time()
+            p = subprocess.run(
+                [exe, "ensure", chat, "--preempt", "--no-wait", "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            out = json.loads(p.stdout)
+            assert p.returncode == 0, p.stdout
+            launched_at = out["attempt"]["started"]
+            note = next(n for n in out["notes"] if n.startswith("preempted"))
+            m = re.search(r"stops took ([0-9.]+)s", note)
+            assert m is not None, note
+            stop_s = float(m.group(1))
+            stops.append(stop_s)
+            overheads.append(launched_at - t0 - stop_s)
+            subprocess.run([exe, "stop", chat], env=env, capture_output=True, check=False)
+        o = statistics.median(overheads)
+        print(
+            f"preemption: victims' stop median {statistics.median(stops):.3f} s; "
+            f"ensure --preempt to launch beyond it: median {o:.3f} s, "
+            f"max {max(overheads):.3f} s (n={args.cycles}, target <= 0.5 s)"
+        )
+
+
+if __name__ == "__main__":
+    main()
