@@ -316,3 +316,44 @@ def test_the_agent_log_keeps_secrets_out() -> None:
     text = stream.getvalue()
     assert "pa55w0rd" not in text and "sk-live-123456" not in text
     assert "https://u:***@h/x" in text and "--api-key ***" in text
+
+
+# --------------------------------------------------------------------------- direct writes
+
+
+def test_a_write_straight_to_the_files_is_seen_at_once(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    """A ``DirectStore`` on the host (cron, a user without the agent) writes the record
+    files itself: the agent's reading cache must not hide what it wrote. The cache lives
+    a minute here, so only noticing the write can show it."""
+    state = tmp_path / "state"
+    server = procs()
+    app = create_app(
+        AgentSettings(token=TOKEN, cache_ttl_s=60.0, state_dir=str(state)),
+        FakeProbe(reading_of()),
+    )
+
+    def cached(**params: str) -> dict[str, Any]:
+        r = httpx.get(f"{url}/status", params=params, headers=AUTH)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    with serve_in_thread(app) as url:
+        assert cached(match="nothing-matches")["starting"] == []  # now in the cache
+        assert cached()["is_idle"] is True
+        store = DirectStore(state)
+        h = holder_here("cron")
+        assert store.acquire("chat", h, 60)[0]
+        handle = {"kind": "process", "pid": server.pid}
+        store.release("chat", h.id, {"phase": "starting", "handle": handle})
+        body = cached(match="nothing-matches")
+        assert [s["pid"] for s in body["starting"]] == [server.pid]
+        plain = cached()
+        assert server.pid in [p["pid"] for p in plain["processes"]]
+        assert plain["is_idle"] is False
+        # And a second write in the same moment (the folder's mtime may not move).
+        store.acquire("chat", h, 60)
+        store.release("chat", h.id, {"phase": "stopped", "handle": None})
+        assert cached(match="nothing-matches")["starting"] == []

@@ -33,7 +33,7 @@ from gpuctl.adapters.pipeline import on_pipes
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.procinfo import describe_pids, find_matching
 from gpuctl.agent.auth import Tokens
-from gpuctl.agent.cache import Outcome, TtlCell
+from gpuctl.agent.cache import FolderStamp, Outcome, TtlCell
 from gpuctl.agent.http import (
     ASGIApp,
     HttpError,
@@ -109,6 +109,10 @@ class AgentApp:
         self._servers = TtlCell(
             lambda: scan_servers(store, settings.match, settings.match_max_age_s),
             settings.cache_ttl_s,
+        )
+        # Writes straight to the files (not through us) must not leave a stale reading.
+        self._records_stamp = (
+            FolderStamp(store.state_dir / "records") if store is not None else None
         )
 
     def invalidate(self) -> None:
@@ -269,6 +273,8 @@ class AgentApp:
         # Checked whether or not they are used: a bad value is a 400 wherever it is.
         exclude, pipes = parse_exclude(query, self.settings.host.boot_id)
         pids = parse_pids(query)
+        if self._records_stamp is not None and self._records_stamp.changed():
+            self.invalidate()
         scan = await self._current_scan(fresh)
         servers = await self._current_servers(fresh)
         assert scan.value is not None and servers.value is not None

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -94,3 +96,32 @@ class TtlCell(Generic[T]):
             return outcome
         finally:
             self._inflight = None
+
+
+class FolderStamp:
+    """Notices writes made to a folder behind the agent's back.
+
+    The agent's own store writes invalidate its caches; a ``DirectStore`` on the same
+    host (cron, a user without the agent) writes the files directly. Every record write
+    is a rename into ``records/``, so the folder's (inode, mtime) changes with it: one
+    ``stat`` per read tells. The kernel stamps mtime from a coarse clock (a tick of
+    1-10 ms), so a second write in the tick of the first leaves it as it was: while the
+    stamp is younger than ``settle_ns`` it counts as changed on every look.
+    """
+
+    def __init__(self, path: Path, settle_ns: int = 50_000_000) -> None:
+        self._path = path
+        self._settle_ns = settle_ns
+        self._last: tuple[int, int] | None = None
+
+    def changed(self) -> bool:
+        try:
+            st = os.stat(self._path)
+        except OSError:  # not made yet, or gone: nothing to compare until it is there
+            stamp = None
+        else:
+            stamp = (st.st_ino, st.st_mtime_ns)
+        if stamp != self._last:
+            self._last = stamp
+            return True
+        return stamp is not None and time.time_ns() - stamp[1] < self._settle_ns
