@@ -88,8 +88,14 @@ def test_demo_piped_beside_a_foreign_vllm(
     assert any(d["vllm"] == "LOADING" for d in decisions)
     assert decisions[-1]["vllm"] == "READY"
     assert "1 launch for 3 callers." in out
+    # The priorities chapter: PREEMPTABLE without --preempt (exit 3), one launch with it;
+    # reclaim stops the idle vLLM and resumes the batch, every photo done once.
+    prio = out.split("5. Priorities")[1].split("6. A chat request")[0]
+    assert "PREEMPTABLE" in prio and "1 launch for 2 callers." in prio
+    assert "stopped vllm on sim" in prio and "resumed photos on sim" in prio
+    assert "after resuming: 30 of 30, 0 done twice." in " ".join(prio.split())
     # The proxy chapter: a chat request to the stopped server, held through its start.
-    proxy_part = out.split("5. A chat request to a stopped server")[1]
+    proxy_part = out.split("6. A chat request to a stopped server")[1]
     assert ": loading" in proxy_part or "(answered at once)" not in proxy_part
     # Rich wraps the answer at the terminal's width (and may keep a space before the break).
     assert "This is a simulated reply from qwen" in " ".join(proxy_part.split())

@@ -33,7 +33,8 @@ def demo(
 ) -> None:
     """A guided tour on a simulated GPU: IDLE, FITS, BUSY, LOADING, READY. Cleans up after itself."""
     with errors_to_exit():
-        from gpuctl.flows.demo import decision_of, run_demo
+        from gpuctl.flows.demo import run_demo
+        from gpuctl.flows.demo_priority import decision_of
 
         narrator = RichNarrator()
         report = run_demo(narrator, load_time_s=load_time)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
 from gpuctl.errors import GpuctlError
+from gpuctl.flows.demo_priority import IDLE_S, decision_of, photos_toml, priority_chapter
 from gpuctl.flows.status import StatusReport, gather
 from gpuctl.sim.host import SimHost, SimHostError, free_port
 
@@ -40,14 +41,6 @@ class Narrator(Protocol):
     ) -> StatusReport: ...
     def results(self, rows: list[dict[str, Any]]) -> None: ...
     def locks(self, config_path: str) -> None: ...
-
-
-def decision_of(report: StatusReport, service: str) -> Decision | None:
-    for h in report.hosts:
-        for v in h.verdicts:
-            if v.service == service:
-                return v.decision
-    return None
 
 
 def demo_tag() -> str:
@@ -77,12 +70,10 @@ health = "http://127.0.0.1:{vllm_port}/health"
 match = ["{tag}-vllm"]
 memory = "80GiB"
 priority = 100
+idle_timeout = "{IDLE_S:g}s"
 models = ["qwen"]
 
-[services.photos]
-match = ["{tag}-photos"]
-memory = "30GiB"
-priority = 50
+{photos_toml(tag, free_port(), host.base / "photos", host.sim_dir)}
 
 [services.trainer]
 match = ["{tag}-trainer"]
@@ -171,6 +162,14 @@ sse_interval = "1s"
             capture_output=True,
             check=False,
         )
+        priority_chapter(
+            narrator,
+            title="5. Priorities: the chat preempts the photo batch",
+            env=env,
+            poll=poll,
+            items=host.base / "photos",
+            load_time_s=load_time_s,
+        )
         _proxy_chapter(
             narrator,
             host,
@@ -186,7 +185,7 @@ sse_interval = "1s"
             check=False,
         )
         narrator.chapter(
-            "6. Done",
+            "7. Done",
             "Cleaning up: every process of the demo is stopped and its directory removed.",
         )
         time.sleep(0.2)
@@ -224,7 +223,7 @@ def _proxy_chapter(
             raise GpuctlError(f"gpuctl proxy did not start: {host.log_tail('proxy')}")
         time.sleep(0.1)
     narrator.chapter(
-        "5. A chat request to a stopped server",
+        "6. A chat request to a stopped server",
         f"ComfyUI is gone and vLLM is stopped. `gpuctl proxy` listens at {url}; an app sends\n"
         "it an OpenAI chat request for model 'qwen' (vllm's `models`), streaming. The proxy\n"
         "runs the same ensure as the CLI, holds the request while the server loads (sending\n"

@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", required=True, help="the folder of items")
     parser.add_argument("--port", type=int, required=True, help="its /health port")
     parser.add_argument("--per-item", default="200ms", help="time per item")
+    parser.add_argument("--sim-dir", help="simulated GPU directory (default $GPUCTL_SIM_DIR)")
     args = parser.parse_args(argv)
     try:
         return run_batch(
-            SimGpu(None),
+            SimGpu(args.sim_dir),
             args.name,
             parse_size_mib(args.memory),
             items=Path(args.items),

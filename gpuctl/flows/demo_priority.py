@@ -1,0 +1,144 @@
+"""``gpuctl demo``'s chapter on priorities: the chat LLM preempts the photo batch, and
+the batch resumes from its checkpoint once the LLM has been reclaimed.
+
+The photo batch is ``gpuctl.sim.batch``: it works through a folder of items and
+checkpoints each, so the chapter can show that none was done twice or lost.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuctl.core.decision import Decision
+from gpuctl.flows.status import StatusReport
+
+
+class Narrator(Protocol):
+    """What the chapter uses of ``gpuctl.flows.demo.Narrator``."""
+
+    def chapter(self, title: str, text: str) -> None: ...
+    def watch(
+        self,
+        poll: Callable[[], StatusReport],
+        until: Callable[[StatusReport], bool],
+        timeout_s: float,
+    ) -> StatusReport: ...
+    def results(self, rows: list[dict[str, Any]]) -> None: ...
+
+
+def decision_of(report: StatusReport, service: str) -> Decision | None:
+    for h in report.hosts:
+        for v in h.verdicts:
+            if v.service == service:
+                return v.decision
+    return None
+
+
+ITEMS = 30
+# vLLM's idle_timeout in the demo's config: reclaim stops it once idle this long.
+IDLE_S = 2.0
+
+
+def photos_toml(tag: str, port: int, items: Path, sim_dir: Path) -> str:
+    """The demo's photo batch as a managed, resumable service."""
+    items.mkdir(parents=True, exist_ok=True)
+    for i in range(ITEMS):
+        (items / f"photo{i:03d}.jpg").write_text(f"photo {i}\n")
+    cmd = (
+        f"{sys.executable} -m gpuctl.sim.batch --name {tag}-photos --memory 30GiB "
+        f"--items {items} --port {port} --per-item 100ms --sim-dir {sim_dir}"
+    )
+    return f"""
+[services.photos]
+launcher = "process"
+command = {json.dumps(cmd)}
+health = "http://127.0.0.1:{port}/health"
+match = ["{tag}-photos"]
+memory = "30GiB"
+priority = 50
+resume = true
+kind = "batch"
+idle_timeout = "never"
+stop_timeout = "5s"
+"""
+
+
+def priority_chapter(
+    narrator: Narrator,
+    *,
+    title: str,
+    env: dict[str, str],
+    poll: Callable[[], StatusReport],
+    items: Path,
+    load_time_s: float,
+) -> None:
+    """Play the chapter; leaves vLLM and the batch stopped."""
+
+    def gpuctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuctl", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    log = items / ".done.log"
+
+    def done() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    narrator.chapter(
+        title,
+        f"The photo batch (30 GiB, priority 50, resume = true) works through {ITEMS} photos,\n"
+        "checkpointing each. ComfyUI still holds 20 GiB, so vLLM (80 GiB, priority 100) fits\n"
+        "only if the batch stops: PREEMPTABLE. A plain `gpuctl ensure vllm` says so and exits 3;\n"
+        "`gpuctl ensure vllm --preempt` stops the batch (marked preempted), waits for its memory\n"
+        "and starts vLLM once. When vLLM has sat idle past its idle_timeout, `gpuctl reclaim`\n"
+        "stops it and resumes the batch from its checkpoint.",
+    )
+    gpuctl("ensure", "photos")
+    narrator.watch(poll, lambda r: decision_of(r, "photos") is Decision.READY, 30)
+    until = time.monotonic() + 30
+    while done() < 5 and time.monotonic() < until:
+        time.sleep(0.1)
+    rows: list[dict[str, Any]] = []
+    for caller, args in (("ensure vllm", ()), ("ensure vllm --preempt", ("--preempt",))):
+        r = gpuctl("ensure", "vllm", "--json", *args, timeout=load_time_s + 60)
+        try:
+            data = json.loads(r.stdout) if r.stdout.strip() else {}
+        except ValueError:
+            data = {"reason": "no JSON answer"}
+        rows.append({"caller": caller, "exit": r.returncode, **data})
+    narrator.results(rows)
+    at_preemption = done()
+    narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.READY, 30)
+    time.sleep(IDLE_S + 0.2)
+    said: list[str] = []
+    until = time.monotonic() + 30
+    while time.monotonic() < until:
+        r = gpuctl("reclaim")
+        said += [ln for ln in r.stdout.splitlines() if ln.strip()]
+        if any(ln.startswith("resumed photos") for ln in said):
+            break
+        time.sleep(0.5)
+    narrator.watch(poll, lambda r: decision_of(r, "photos") is Decision.READY, 30)
+    until = time.monotonic() + 60
+    while done() < ITEMS and time.monotonic() < until:
+        time.sleep(0.1)
+    lines = log.read_text().splitlines() if log.exists() else []
+    twice = len(lines) - len(set(lines))
+    narrator.chapter(
+        "   what reclaim did",
+        "\n".join(said) + f"\nphotos done before the preemption: {at_preemption}; after resuming: "
+        f"{len(set(lines))} of {ITEMS}, {twice} done twice.",
+    )
+    gpuctl("stop", "photos")
+    gpuctl("stop", "vllm")
