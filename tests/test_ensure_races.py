@@ -73,18 +73,23 @@ def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.parametrize("via", ["agent", "direct"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
-def test_caller_killed_between_spawn_and_record(host: SimHost, names: list[str], sig: int) -> None:
+def test_caller_killed_between_spawn_and_record(
+    host: SimHost, names: list[str], sig: int, via: str
+) -> None:
     """The caller dies after its server is spawned and before it is recorded. A rival
     80 GiB service asked at once is BUSY (no OOM); the same service asked again waits
-    for that server (found by its start nonce), never starts a second."""
+    for that server (found by its start nonce), never starts a second, and records it.
+    Through the agent and on the direct path (no agent: this machine read by gpuctl)."""
+    from tests.ensure_helpers import direct_config
+
     a, b = unique_name("win"), unique_name("rival")
     server = unique_name("anon")  # its command line does not name `a`
     names += [a, b, server]
     pa, pb = free_port(), free_port()
-    cfg = host.write_config(
-        big_service(a, pa, server, load_time="4s") + "\n" + big_service(b, pb, b, "1s")
-    )
+    toml = big_service(a, pa, server, load_time="4s") + "\n" + big_service(b, pb, b, "1s")
+    cfg = host.write_config(toml) if via == "agent" else direct_config(host, toml)
     caller = ensure_paused_at(cfg, a)
     end_in_window(caller, sig)
     rec = read_record(host, a)

@@ -186,3 +186,50 @@ def test_status_and_ensure_through_the_agent(sim_host: Any) -> None:
     result = json.loads(out.stdout)
     assert result["outcome"] == "unknown" and kept[0] in result["hint"]
     assert launches_in_log(sim_host.state_dir / "logs" / f"{name}.log") == 0
+
+
+# ---- the direct path finds a start's server by its nonce, as the agent does
+
+
+@pytest.mark.e2e
+def test_the_direct_path_reports_a_server_found_by_its_nonce(tmp_path: Path) -> None:
+    """No agent: ``status`` reads this machine itself. A start whose caller died before
+    recording its server left only the nonce; the server holds GPU memory under a command
+    line no keyword matches. It is the service's, with its real memory, as through the
+    agent (``adapters.recorded_servers.find_servers`` on both paths)."""
+    import uuid
+
+    from gpuctl.adapters.store import DirectStore
+    from gpuctl.sim.host import SimHost
+    from tests.conftest import gpuctl_exe
+    from tests.ensure_helpers import cli_env, direct_config, service_toml
+
+    name = f"llmn{uuid.uuid4().hex[:6]}"
+    nonce = uuid.uuid4().hex
+    with SimHost(root=tmp_path / "simhost") as host:
+        cfg = direct_config(host, service_toml(name, 1, "sleep 1"))
+        store = DirectStore(host.state_dir)
+        h = holder_here("ensure")
+        assert store.acquire(name, h, 600)[0]
+        store.release(name, h.id, {"phase": "starting", "start_nonce": nonce})
+        server = host.spawn(
+            ["sim", "hold", "--name", "ghostload", "--memory", "30GiB"],
+            "ghost",
+            extra_env={"GPUCTL_START_NONCE": nonce},
+        )
+        from tests.ensure_helpers import sim_claims
+
+        deadline = time.monotonic() + 20
+        while not sim_claims(host, "ghostload") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sim_claims(host, "ghostload") == [server.pid]
+        env = {**cli_env(cfg), "GPUCTL_STATE_DIR": str(host.state_dir)}
+        out = subprocess.run(
+            [gpuctl_exe(), "status", "--json"], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        (svc,) = report["services"]
+        assert svc["memory_mib"] == 30 * 1024, svc
+        (proc,) = [p for hh in report["hosts"] for p in hh["processes"] if p["pid"] == server.pid]
+        assert proc["service"] == name

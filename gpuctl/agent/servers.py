@@ -1,10 +1,9 @@
 """The servers this host's records name, and the loading servers older clients cannot see.
 
-A record names its server by the launcher's handle (``handle.pid``). A start whose caller
-died between spawning and recording has no handle yet, only its ``start_nonce``: the
-launcher put ``GPUCTL_START_NONCE=<nonce>`` into the server's environment, so the agent
-finds it in ``/proc/<pid>/environ``. Both are reported like any recorded server:
-whatever their command line says, they are that service's.
+The servers the records name, by handle or by start nonce, are found by
+``gpuctl.adapters.recorded_servers.find_servers`` (the direct path uses it too) and
+reported like any recorded server: whatever their command line says, they are that
+service's.
 
 Clients of the original ``GET /status`` read only ``processes`` and ``is_idle``; a server
 still importing and reading weights holds no GPU memory yet, so they would see an idle
@@ -25,13 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuctl.adapters import procinfo
+from gpuctl.adapters.recorded_servers import find_servers
 from gpuctl.adapters.store import DirectStore
 from gpuctl.core.model import StartingProcess
 from gpuctl.core.record import Phase, Record
 
 log = logging.getLogger("gpuctl.agent")
-
-NONCE_ENV = "GPUCTL_START_NONCE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,24 +48,6 @@ def _records(store: DirectStore) -> list[Record]:
     return records
 
 
-def server_pids(records: Sequence[Record]) -> list[int]:
-    """The pids of the servers ``records`` name: the handle's pid, or for a start not
-    yet recorded, the process that carries its start nonce."""
-    pids: list[int] = []
-    for r in records:
-        if r.phase is Phase.STOPPED:
-            continue
-        pid = (r.handle or {}).get("pid")
-        if isinstance(pid, int) and pid > 0:
-            pids.append(pid)
-            continue
-        if r.phase is Phase.STARTING and r.start_nonce:
-            found = procinfo.find_by_env(NONCE_ENV, r.start_nonce)
-            if found is not None:
-                pids.append(found)
-    return pids
-
-
 def scan_servers(
     store: DirectStore | None, match: Sequence[str] = (), max_age_s: float = 900.0
 ) -> Servers:
@@ -75,7 +55,7 @@ def scan_servers(
     recorded: list[StartingProcess] = []
     if store is not None:
         try:
-            pids = server_pids(_records(store))
+            pids = list(find_servers(_records(store)))
         except Exception as err:  # the store's own failure must not take /status down
             log.warning("reading the records for /status failed: %s: %s", type(err).__name__, err)
             pids = []

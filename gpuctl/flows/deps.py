@@ -8,7 +8,7 @@ against a loopback agent. No flow reaches for an adapter, ``time.time`` or
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,9 @@ from gpuctl.flows.results import Progress
 
 # (match keywords, recorded server pids) -> the host's snapshot
 SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]
+# records -> {pid: service} of their servers found on this machine (the direct path:
+# ``adapters.recorded_servers.find_servers``, as the agent finds them on its host)
+ServerFinder = Callable[[Iterable[Record]], dict[int, str]]
 
 
 @dataclass
@@ -95,6 +98,7 @@ class HostDeps:
     source: str  # the agent's URL, or which local probe
     read_records: Callable[[], Listing | list[Record]]
     read_snapshot: SnapshotReader
+    find_servers: ServerFinder | None = None
 
 
 @dataclass

@@ -27,7 +27,7 @@ from gpuctl.core.record import (
 )
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
-from gpuctl.flows.deps import EnsureDeps, SnapshotReader
+from gpuctl.flows.deps import EnsureDeps, ServerFinder, SnapshotReader
 from gpuctl.flows.results import MemoryUse
 
 
@@ -50,11 +50,13 @@ class Observation:
     error: str | None = None
     hint: str | None = None
     set_aside: tuple[SetAside, ...] = ()
+    # Servers found on this machine for the records (the direct path: by start nonce too).
+    found: dict[int, str] = field(default_factory=dict)
 
     @property
     def servers(self) -> dict[int, str]:
         """The pids the records name, and whose they are."""
-        return recorded_servers(self.records.values())
+        return {**recorded_servers(self.records.values()), **self.found}
 
 
 def observe(
@@ -63,16 +65,19 @@ def observe(
     services: Sequence[ServiceConfig],
     *,
     records_required: bool = True,
+    find_servers: ServerFinder | None = None,
 ) -> Observation:
     """Records first, then the snapshot with the recorded servers' pids and the keywords.
 
     Never raises a ``GpuctlError``: a failure becomes the observation's ``error`` (the
     services are then UNKNOWN). With ``records_required=False`` a host that keeps no
     records (an agent started without a state dir: ``NoStore``) leaves them empty instead;
-    records that cannot be read still make it UNKNOWN.
+    records that cannot be read still make it UNKNOWN. ``find_servers``: the records'
+    servers found on this machine (no agent), as the agent finds them on its host.
     """
     records: dict[str, Record] = {}
     aside: tuple[SetAside, ...] = ()
+    found: dict[int, str] = {}
     try:
         try:
             got = read_records()
@@ -85,11 +90,13 @@ def observe(
             # makes the host UNKNOWN: without its leases, IDLE could be a lie.
             if records_required:
                 raise
-        pids = sorted(recorded_servers(records.values()))
+        if find_servers is not None:
+            found = find_servers(records.values())
+        pids = sorted({*recorded_servers(records.values()), *found})
         snapshot = read_snapshot(keywords(services), pids)
     except GpuctlError as e:
-        return Observation(records, None, e.message, e.hint or None, aside)
-    return Observation(records, snapshot, set_aside=aside)
+        return Observation(records, None, e.message, e.hint or None, aside, found)
+    return Observation(records, snapshot, set_aside=aside, found=found)
 
 
 def memory_use(
@@ -159,11 +166,7 @@ def decide(
     is LOADING while its health timeout runs, where nothing else says so: its server may
     be reading weights unseen, and it is never called free. ``ensure`` asks with
     ``orphan_is_loading=False``: it looks for that server itself, under the lease.
-
-    A service whose record was set aside and started afresh may hide a start the same
-    way, with no nonce left to find its server by: UNKNOWN until its health answers or
-    its health timeout has passed (``hidden_start``), for ``ensure`` too (never a blind
-    start).
+    A record set aside with no phase left may hide a start too: UNKNOWN (``hidden_start``).
     """
     error = seen.error
     if error is not None and seen.hint:
@@ -243,8 +246,7 @@ def _accounting(
     promised = [
         *starting_services(seen.records.values(), exclude=me),
         *orphaned_starts(seen.records.values(), services, now, exclude=me),
-        # A start a set-aside record may hide counts at its budget too (never free while
-        # it may load unseen).
+        # A start a set-aside record may hide counts at its budget too.
         *(
             s.name
             for s in services
@@ -309,6 +311,9 @@ def look(
     svc = deps.service
     others = deps.config.services_on(svc.host)
     reader = deps.fresh_reader() if fresh else deps.read_snapshot
+    # No ``find_servers``: ensure finds a start's server itself, under the lease, and
+    # records its handle (``launcher.find`` by the nonce); attributed here, it would only
+    # be waited for, and stay unrecorded.
     seen = observe(deps.store.listing, reader, others or [svc])
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None

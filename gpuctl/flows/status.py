@@ -71,6 +71,7 @@ def _observe_host(hd: HostDeps, services: Sequence[Any]) -> Observation:
             services,
             # An agent started without a state dir has no records: its snapshot still stands.
             records_required=False,
+            find_servers=hd.find_servers,
         )
     except Exception as e:  # a reader bug must not hide the other hosts
         return Observation(

@@ -25,6 +25,7 @@ from gpuctl.flows.deps import (
     HostDeps,
     LocalProbeOptions,
     LocksDeps,
+    ServerFinder,
     SnapshotReader,
     StatusDeps,
 )
@@ -111,6 +112,16 @@ def snapshot_reader(
         return replace(snap, state_dir=state_dir)
 
     return read
+
+
+def server_finder(host: HostConfig) -> ServerFinder | None:
+    """The records' servers found on this machine, for a host read without an agent (the
+    agent finds them on its own host)."""
+    if host.agent:
+        return None
+    from gpuctl.adapters.recorded_servers import find_servers
+
+    return find_servers
 
 
 def deps_for(
@@ -260,6 +271,7 @@ def status_deps(
                 source,
                 _records_reader(h, closers, http),
                 snapshot_reader(h, closers, http, lazy=True),
+                server_finder(h),
             )
         )
     return StatusDeps(
