@@ -150,3 +150,34 @@ def test_human_view_names_everything(sim_host: SimHost) -> None:
     assert r.returncode == 0, r.stderr
     for word in ("GPU memory", "20.0 GiB / 128.0 GiB", str(hold.pid), comfy, trainer, "BUSY"):
         assert word in r.stdout, (word, r.stdout)
+
+
+@pytest.mark.e2e
+def test_locks_with_an_unreadable_host(sim_host: SimHost) -> None:
+    """The host that answered gets its table; the one that did not, an error and a hint on
+    stderr (not a cell of the table), and the exit code is 4 (UNKNOWN), text or JSON."""
+    svc = unique_name("vllm")
+    dead = free_port()
+    cfg = sim_host.write_config(
+        f'[services.{svc}]\nhost = "sim"\nhealth = "http://127.0.0.1:{free_port()}/health"\n'
+        'memory = "8GiB"\n'
+    )
+    cfg.write_text(
+        cfg.read_text()
+        + f'\n[hosts.down]\nagent = "http://127.0.0.1:{dead}"\ntoken_env = "GPUCTL_DEMO_TOKEN"\n'
+    )
+    env = {**os.environ, "GPUCTL_CONFIG": str(cfg), "COLUMNS": "80", "NO_COLOR": "1"}
+    r = subprocess.run(
+        [gpuctl_exe(), "locks"], env=env, capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 4, r.stderr
+    assert svc in r.stdout and "down" not in r.stdout and "refused" not in r.stdout
+    err = r.stderr.splitlines()
+    assert err[0] == f"gpuctl: error: down: connection refused by http://127.0.0.1:{dead}", err
+    assert err[1].startswith("  hint: ") and "gpuctl agent" in err[1]
+    r = subprocess.run(
+        [gpuctl_exe(), "locks", "--json"], env=env, capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 4
+    rows = {row["host"]: row for row in json.loads(r.stdout)["records"]}
+    assert "refused" in rows["down"]["error"] and rows["sim"]["service"] == svc

@@ -222,7 +222,10 @@ def locks(
         else:
             from rich.console import Console
 
-            from gpuctl.render.locks import render_locks
+            from gpuctl.render.locks import locks_errors, render_locks
 
-            Console().print(render_locks(report))
+            if any(rec is not None for _, rec, _ in report.rows) or report.set_aside:
+                Console().print(render_locks(report))
+            for line in locks_errors(report):
+                say(line)
         raise typer.Exit(report.exit_code)

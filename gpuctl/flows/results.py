@@ -123,6 +123,8 @@ class LocksReport:
     # Record files that failed validation and were kept beside the records, per host:
     # listed until someone removes them (they do not make the report fail).
     set_aside: list[tuple[str, SetAside]] = field(default_factory=list)
+    # What to do about a host whose records could not be read (by host; None: no advice).
+    hints: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -131,6 +131,7 @@ def locks(deps: LocksDeps) -> LocksReport:
     and the record files each store set aside as unreadable."""
     rows: list[tuple[str, Record | None, str | None]] = []
     aside: list[tuple[str, SetAside]] = []
+    hints: dict[str, str | None] = {}
     for h in deps.hosts:
         names = [s.name for s in deps.config.services_on(h.name)]
         try:
@@ -139,6 +140,7 @@ def locks(deps: LocksDeps) -> LocksReport:
             kept = store.set_aside()
         except GpuctlError as e:
             rows.append((h.name, None, e.message))
+            hints[h.name] = e.hint
             continue
         aside += [(h.name, a) for a in kept]
         last_kept = {a.service: a for a in sorted(kept, key=lambda a: a.at)}
@@ -146,7 +148,7 @@ def locks(deps: LocksDeps) -> LocksReport:
             rows.append((h.name, _with_note(recs.pop(n, Record(service=n)), last_kept), None))
         for r in recs.values():  # records of services no longer configured
             rows.append((h.name, _with_note(r, last_kept), None))
-    return LocksReport(rows, deps.clock(), aside)
+    return LocksReport(rows, deps.clock(), aside, hints)
 
 
 def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:

@@ -58,6 +58,18 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
     return {"schema": 1, "ok": report.ok, "records": rows, "set_aside": aside}
 
 
+def locks_errors(report: LocksReport) -> list[str]:
+    """The lines for stderr about each host whose records could not be read."""
+    lines: list[str] = []
+    for host, rec, err in report.rows:
+        if rec is None:
+            lines.append(f"gpuctl: error: {host}: {err}")
+            hint = report.hints.get(host)
+            if hint:
+                lines.append(f"  hint: {hint}")
+    return lines
+
+
 def render_locks(report: LocksReport) -> RenderableType:
     from rich.console import Group
     from rich.table import Table
@@ -79,12 +91,9 @@ def render_locks(report: LocksReport) -> RenderableType:
         t.add_column(col, no_wrap=True)
     now = report.now
     notes: list[Text] = []
-    for host, rec, err in report.rows:
+    for host, rec, _err in report.rows:
         if rec is None:
-            t.add_row(
-                host, "", Text("UNKNOWN", style="bold magenta"), Text(err or "", style="magenta")
-            )
-            continue
+            continue  # said on stderr (locks_errors): an error squeezed into a cell is unreadable
         lease = rec.lease
         holder = f"{lease.entry} pid {lease.pid}@{lease.host}" if lease else "-"
         fail = ""
