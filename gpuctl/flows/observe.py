@@ -43,14 +43,14 @@ def keywords(services: Iterable[ServiceConfig]) -> list[str]:
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What a host said: its records and its snapshot, or why there is no snapshot;
-    ``set_aside``: its record files set aside as unreadable."""
+    ``set_aside``: its record files set aside as unreadable; ``found``: servers found on
+    this machine for the records (the direct path: by start nonce too)."""
 
     records: dict[str, Record] = field(default_factory=dict)
     snapshot: Snapshot | None = None
     error: str | None = None
     hint: str | None = None
     set_aside: tuple[SetAside, ...] = ()
-    # Servers found on this machine for the records (the direct path: by start nonce too).
     found: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -311,10 +311,7 @@ def look(
     svc = deps.service
     others = deps.config.services_on(svc.host)
     reader = deps.fresh_reader() if fresh else deps.read_snapshot
-    # No ``find_servers``: ensure finds a start's server itself, under the lease, and
-    # records its handle (``launcher.find`` by the nonce); attributed here, it would only
-    # be waited for, and stay unrecorded.
-    seen = observe(deps.store.listing, reader, others or [svc])
+    seen = observe(deps.store.listing, reader, others or [svc])  # ensure finds servers itself
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None
     now = deps.clock()
