@@ -264,6 +264,21 @@ def test_a_recorded_server_is_its_service_whatever_its_command() -> None:
     )
 
 
+def test_a_keyword_match_names_its_command_and_may_not_be_ours() -> None:
+    """Someone's `python3 -c … vllm serve …` not on the GPU yet: the reason names its short
+    command (secrets redacted, cut), and the hint says how to stop it counting, since only
+    a keyword says it is the service's. A recorded server gets no such hint."""
+    cmd = "/opt/venv/bin/python3 -c import x vllm serve --api-key s3cr3t " + "x" * 200
+    early = snap(starting=(StartingProcess(29519, cmd, age_s=5.0),))
+    v = classify(VLLM, REFUSED, early)
+    assert v.decision is Decision.LOADING
+    assert "pid 29519 starting (not on the GPU yet): python3 -c import x vllm serve" in v.reason
+    assert "s3cr3t" not in v.reason and "…" in v.reason and len(v.reason) < 160
+    assert "not yours? narrow the service's `match` keywords" in v.hint
+    recorded = classify(VLLM, REFUSED, early, servers={29519: "vllm"})
+    assert recorded.decision is Decision.LOADING and recorded.hint == ""
+
+
 # --- per GPU (issue: memory is per GPU, not summed) ------------------------------------
 
 from gpuctl.core.decision import gpu_rooms  # noqa: E402

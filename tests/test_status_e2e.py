@@ -181,3 +181,37 @@ def test_locks_with_an_unreadable_host(sim_host: SimHost) -> None:
     assert r.returncode == 4
     rows = {row["host"]: row for row in json.loads(r.stdout)["records"]}
     assert "refused" in rows["down"]["error"] and rows["sim"]["service"] == svc
+
+
+@pytest.mark.e2e
+def test_ensure_waiting_on_a_keyword_match_names_it(sim_host: SimHost) -> None:
+    """Someone else's process whose command line carries the service's keyword keeps
+    `ensure` waiting (it may be loading); when the wait ends, the reason names that
+    process's command and the hint says how to stop it counting."""
+    word = tagged("vllm")
+    svc = unique_name("chat")
+    cfg = sim_host.write_config(
+        f'[services.{svc}]\nhost = "sim"\nhealth = "http://127.0.0.1:{free_port()}/health"\n'
+        f'memory = "8GiB"\nmatch = ["{word}"]\nlauncher = "process"\ncommand = "sleep 60"\n'
+    )
+    other = subprocess.Popen(
+        ["python3", "-c", "import time; time.sleep(60)", word, "serve"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        r = subprocess.run(
+            [gpuctl_exe(), "ensure", svc, "--timeout", "2s"],
+            env={**os.environ, "GPUCTL_CONFIG": str(cfg), "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        other.kill()
+        other.wait()
+    assert r.returncode == 5, r.stderr
+    assert f"pid {other.pid} starting (not on the GPU yet): python3 -c" in r.stderr, r.stderr
+    assert f"{word} serve" in r.stderr
+    hints = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("hint:")]
+    assert len(hints) == 1 and "not yours? narrow the service's `match` keywords" in hints[0]

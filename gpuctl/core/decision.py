@@ -56,6 +56,7 @@ from gpuctl.core.ownership import (
     loading_match,
     owner_of,
     owns,
+    short_command,
 )
 from gpuctl.core.plan import Plan, VictimFacts, held_back, plan_victims
 from gpuctl.core.record import Record, in_backoff
@@ -229,14 +230,27 @@ def classify(
     )
     if own or starting:
         parts = [describe_process(p) for p in own]
-        parts += [f"pid {s.pid} starting (not on the GPU yet)" for s in starting[:3]]
+        parts += [
+            f"pid {s.pid} starting (not on the GPU yet): {short_command(s.command, 60)}"
+            for s in starting[:3]
+        ]
         state = health.detail or health.state
+        # Only a keyword says these are the service's (no record names their pid): they may
+        # be someone else's job whose command line happens to carry the word.
+        by_keyword = not any(p in (servers or {}) for p in (*own_pids, *(s.pid for s in starting)))
+        hint = (
+            f"not yours? narrow the service's `match` keywords ([services.{name}] match); "
+            f"if it is, wait: `gpuctl ensure {name} --timeout DURATION`"
+            if by_keyword
+            else ""
+        )
         return Verdict(
             name,
             Decision.LOADING,
             f"{'; '.join(parts)}; health: {state}",
             own=own,
             starting=starting,
+            hint=hint,
         )
 
     if handle_alive and record is not None and record.handle:

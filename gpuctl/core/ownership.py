@@ -76,12 +76,18 @@ def describe_process(p: GpuProcess, width: int = 72) -> str:
     The program is named by its base name: a long venv path would push the arguments
     (the model, the job's name) out of the cut.
     """
-    if p.command is None:
-        cmd = "<command not visible>"
-    else:
-        words = p.command.split()
-        cmd = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]]) if words else ""
+    mem = format_mib(p.memory_mib)
+    return f"pid {p.pid} ({short_command(p.command, width)}, {mem})"
+
+
+def short_command(command: str | None, width: int = 72) -> str:
+    """The program by its base name and its arguments, secrets redacted, cut to ``width``."""
+    from gpuctl.core.redact import redact_command
+
+    if command is None:
+        return "<command not visible>"
+    words = redact_command(command).split()
+    cmd = " ".join([words[0].rsplit("/", 1)[-1], *words[1:]]) if words else ""
     if len(cmd) > width:
         cmd = cmd[: width - 1] + "…"
-    mem = format_mib(p.memory_mib)
-    return f"pid {p.pid} ({cmd}, {mem})"
+    return cmd

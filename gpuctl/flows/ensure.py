@@ -127,13 +127,16 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     )
 
 
-def _bystander(ctx: _Ctx, decision: Decision, reason: str) -> EnsureResult | None:
-    """Wait for someone else's start; None when it ended and this caller may start it."""
+def _bystander(ctx: _Ctx, decision: Decision, reason: str, hint: str = "") -> EnsureResult | None:
+    """Wait for someone else's start; None when it ended and this caller may start it.
+    ``hint``: the decision's own advice, kept for a timeout (the start may not be ours)."""
     waited = wait_ready(ctx, BystanderWatch(ctx, reason))
     if waited.outcome is None:
         return None
     if waited.outcome is Outcome.READY:
         _touch(ctx, ready=True)
+    if waited.outcome is Outcome.TIMEOUT and hint and waited.verdict is None:
+        return ctx.from_wait(waited, decision, hint=hint)
     return ctx.from_wait(waited, decision)
 
 
@@ -169,8 +172,8 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
         ctx.notes.append(f"found it {first.value}: {verdict.reason}")
         _touch(ctx)
         if not wait:
-            return ctx.result(Outcome.LOADING, verdict.reason, first)
-        return _bystander(ctx, first, verdict.reason)
+            return ctx.result(Outcome.LOADING, verdict.reason, first, hint=verdict.hint)
+        return _bystander(ctx, first, verdict.reason, verdict.hint)
     # IDLE or FITS: take the lease; whoever holds it is the only one who launches.
     holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
@@ -250,7 +253,9 @@ def launch_under_lease(
                 if verdict.decision is not Decision.LOADING:
                     return ctx.from_verdict(verdict)
                 if not wait:
-                    return ctx.result(Outcome.LOADING, verdict.reason, verdict.decision)
+                    return ctx.result(
+                        Outcome.LOADING, verdict.reason, verdict.decision, hint=verdict.hint
+                    )
                 waiting: Verdict | None = verdict
             elif adopted is not None:
                 waiting = None
@@ -314,7 +319,7 @@ def launch_under_lease(
                     # Recorded even on Ctrl-C, so the next caller need not look for it.
                     deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
         if waiting is not None:
-            return _bystander(ctx, waiting.decision, waiting.reason)
+            return _bystander(ctx, waiting.decision, waiting.reason, waiting.hint)
         if not wait and adopted is not None:
             release()
             return ctx.result(
