@@ -159,7 +159,7 @@ def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -
     r = runner.invoke(app, ["config", "path"])
     assert r.exit_code == 0 and r.stdout.strip() == str(cfg)
     r = runner.invoke(app, ["config", "check"])
-    assert r.exit_code == 0 and "ok (1 hosts, 1 services)" in r.stdout
+    assert r.exit_code == 0 and "ok (1 host, 1 service)" in r.stdout
     for args in (["config", "show"], ["config", "show", "--json"]):
         r = runner.invoke(app, args)
         assert r.exit_code == 0

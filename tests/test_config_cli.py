@@ -153,7 +153,7 @@ def test_check_passes_when_the_tokens_are_there(
     )
     r = runner.invoke(app, ["config", "check"])
     assert r.exit_code == 0, r.output
-    assert "ok (1 hosts, 0 services)" in r.output
+    assert "ok (1 host, 0 services)" in r.output
 
 
 # --------------------------------------------------------------------------- config init
@@ -184,10 +184,11 @@ def test_init_without_a_gpu_points_at_an_agent(cli_env: Path) -> None:
     assert h.agent == f"http://127.0.0.1:{port}"
     assert h.token_file == token and h.token() == token.read_text().strip()
     assert "#" in cfg.read_text()  # commented
+    assert f"gpuctl agent --listen 0.0.0.0:{port} --token-file" in cfg.read_text()
 
     r = runner.invoke(app, ["config", "check", "--config", str(cfg)])
     assert r.exit_code == 0, r.output
-    assert "ok (1 hosts, 0 services)" in r.output
+    assert "ok (1 host, 0 services)" in r.output
 
 
 @pytest.mark.skipif(has_nvidia(), reason="this machine has an NVIDIA GPU")

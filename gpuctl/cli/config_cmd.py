@@ -56,7 +56,10 @@ def check(config: ConfigOpt = None) -> None:
         if not p.exists():
             print(f"{p}: no config file (an empty config: status probes this machine)")
         else:
-            print(f"{p}: ok ({len(conf.hosts)} hosts, {len(conf.services)} services)")
+            from gpuctl.core.units import plural
+
+            hosts, services = plural(len(conf.hosts), "host"), plural(len(conf.services), "service")
+            print(f"{p}: ok ({hosts}, {services})")
 
 
 def _local_state_dir_warning(conf: Any) -> str | None:

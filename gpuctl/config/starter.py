@@ -42,7 +42,7 @@ probe = "auto"              # auto | nvml | nvidia-smi | sim
 _AGENT_HOST = """
 # No GPU answers on this machine: the GPU host runs `gpuctl agent`, and gpuctl asks it.
 # On the GPU host, with a copy of the token file:
-#   gpuctl agent --listen 0.0.0.0:9400 --token-file {token_file}
+#   gpuctl agent --listen 0.0.0.0:{port} --token-file {token_file}
 [hosts.{name}]
 agent = "{agent}"
 # The token file sits beside this file, mode 600; never put a token itself in the config.
@@ -92,9 +92,17 @@ def starter_text(host: str, *, gpu_here: bool, agent: str, token_file: Path) -> 
         body = _LOCAL_HOST.format(name=host)
     else:
         rel = token_file.name
+        from urllib.parse import urlsplit
+
+        try:
+            url = urlsplit(agent)
+            port = url.port or (443 if url.scheme == "https" else 80)
+        except ValueError:  # checked before; the comment is no place to fail
+            port = 9400
         body = _AGENT_HOST.format(
             name=host,
             agent=agent,
+            port=port,
             token_file=token_file,
             token_rel=rel,
         )

@@ -74,15 +74,20 @@ class Candidate:
 
 
 def short_duration(seconds: float) -> str:
-    """``2460`` → ``41m``; ``45`` → ``45s``; ``3900`` → ``1h05m``; ``90000`` → ``1d01h``."""
+    """``2460`` → ``41m``; ``64`` → ``1m04s``; ``60`` → ``1m``; ``3900`` → ``1h05m``.
+
+    The shared formatter's form, with the seconds kept under 10 minutes (``idle 1m > 1m``
+    read as a contradiction) and dropped where they are zero or too small to matter.
+    """
+    from gpuctl.core.units import format_duration
+
     s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
+    if s < 600:
+        text = format_duration(s)
+        return text[:-3] if text.endswith("m00s") else text
     if s < 3600:
         return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+    return format_duration(s)
 
 
 def idle_for(f: IdleFacts, now: float) -> float:

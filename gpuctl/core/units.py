@@ -151,3 +151,8 @@ def format_duration(seconds: float | None) -> str:
     if s < 86400:
         return f"{s // 3600}h{(s % 3600) // 60:02d}m"
     return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+
+
+def plural(n: int, word: str) -> str:
+    """``1 host``, ``2 hosts``, ``0 services``: a count and its noun (regular plurals)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -98,11 +98,13 @@ def serve(
             timeout_graceful_shutdown=5,
             backlog=2048,
         )
-        models = len(routes.by_model)
-        auth = f"{len(keys)} client keys" if keys else "no keys: loopback only"
+        from gpuctl.core.units import plural
+
+        models = plural(len(routes.by_model), "model")
+        auth = plural(len(keys), "client key") if keys else "no keys: loopback only"
         banner = (
             f"gpuctl proxy: listening on {addr.url(sock.getsockname()[1])} "
-            f"({len(routes.by_name)} services, {models} models, {auth})"
+            f"({plural(len(routes.by_name), 'service')}, {models}, {auth})"
         )
 
         class _Server(uvicorn.Server):
