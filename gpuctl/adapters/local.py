@@ -15,11 +15,6 @@ from gpuctl.core.model import ProbeReading, Snapshot, snapshot_from_reading
 from gpuctl.core.timestamps import iso_utc
 
 
-def utc_now_iso() -> str:
-    """Now, in gpuctl's one timestamp form (ISO-8601 UTC with milliseconds)."""
-    return iso_utc()
-
-
 def build_snapshot(
     reading: ProbeReading,
     keywords: Sequence[str] | None,
@@ -45,7 +40,7 @@ def build_snapshot(
         starting = tuple(found)
     return snapshot_from_reading(
         reading,
-        taken_at=utc_now_iso(),
+        taken_at=iso_utc(),
         starting=starting,
         host=procinfo.host_identity(),
         state_dir=state_dir,

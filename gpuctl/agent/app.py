@@ -59,10 +59,11 @@ from gpuctl.agent.query import (
 )
 from gpuctl.agent.servers import Servers, promote_loop, scan_servers
 from gpuctl.agent.settings import AgentSettings
-from gpuctl.agent.snapshot import Scan, agent_snapshot, utc_now_iso
+from gpuctl.agent.snapshot import Scan, agent_snapshot
 from gpuctl.agent.store_api import StoreApi, read_all
 from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
+from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, ProbeError
 
 # AgentSettings lives in settings.py; callers build both from here.
@@ -207,7 +208,7 @@ class AgentApp:
         except Exception:
             self.probe_errors_total += 1
             raise
-        return Scan(reading, utc_now_iso())
+        return Scan(reading, iso_utc())
 
     async def _current_scan(self, fresh: bool = False) -> Outcome[Scan]:
         outcome = await self._scan.get(fresh)

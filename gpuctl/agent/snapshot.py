@@ -16,7 +16,6 @@ from gpuctl.core.model import (
     StartingProcess,
     snapshot_from_reading,
 )
-from gpuctl.core.timestamps import iso_utc
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +24,6 @@ class Scan:
 
     reading: ProbeReading
     taken_at: str
-
-
-def utc_now_iso() -> str:
-    """Now, in gpuctl's one timestamp form (ISO-8601 UTC with milliseconds)."""
-    return iso_utc()
 
 
 def agent_snapshot(

@@ -60,6 +60,16 @@ HostOpt = Annotated[
         metavar="HOST",
     ),
 ]
+HostsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--host",
+        "-H",
+        help="Host name from the config (repeatable). Default: every host.",
+        autocompletion=complete_host,
+        metavar="HOST",
+    ),
+]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON object (with a `schema` version) on stdout.")
 ]

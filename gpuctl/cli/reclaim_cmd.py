@@ -9,8 +9,8 @@ import typer
 
 from gpuctl.cli.common import (
     ConfigOpt,
+    HostsOpt,
     JsonOpt,
-    complete_host,
     errors_to_exit,
     fail,
     open_config,
@@ -24,16 +24,7 @@ def register(app: typer.Typer) -> None:
 
 
 def reclaim(
-    host: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--host",
-            "-H",
-            help="Host name from the config (repeatable). Default: every host.",
-            autocompletion=complete_host,
-            metavar="HOST",
-        ),
-    ] = None,
+    host: HostsOpt = None,
     all_hosts: Annotated[
         bool, typer.Option("--all", "-a", help="Every configured host (the default).")
     ] = False,

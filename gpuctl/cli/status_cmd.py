@@ -9,8 +9,8 @@ import typer
 
 from gpuctl.cli.common import (
     ConfigOpt,
+    HostsOpt,
     JsonOpt,
-    complete_host,
     complete_service,
     duration_parser,
     errors_to_exit,
@@ -33,16 +33,7 @@ def register(app: typer.Typer) -> None:
 
 
 def status(
-    host: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--host",
-            "-H",
-            help="Host name from the config (repeatable). Default: every host.",
-            autocompletion=complete_host,
-            metavar="HOST",
-        ),
-    ] = None,
+    host: HostsOpt = None,
     all_hosts: Annotated[
         bool, typer.Option("--all", "-a", help="Every configured host, at once.")
     ] = False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, ServiceSpec, Verdict, classify, gpu_rooms
@@ -314,36 +315,25 @@ def look(
     seen = observe(deps.store.listing, reader, others or [svc])  # ensure finds servers itself
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None
-    now = deps.clock()
-    verdict = decide(
+    judge = partial(
+        decide,
         svc,
         health,
         seen,
         others=others,
-        now=now,
+        now=deps.clock(),
         total_override_mib=deps.host.gpu_memory_mib,
         handle_alive=alive,
         own_holder=own_holder,
         orphan_is_loading=False,
     )
+    verdict = judge()
     if verdict.decision is Decision.BUSY and svc.memory_mib is not None:
         # Would stopping lower-priority work make room? Asked only when it does not fit:
         # the in-flight counts cost a store read, and a server's a request each.
         victims = victim_facts(deps, seen, others, svc)
         if victims:
-            verdict = decide(
-                svc,
-                health,
-                seen,
-                others=others,
-                now=now,
-                total_override_mib=deps.host.gpu_memory_mib,
-                handle_alive=alive,
-                own_holder=own_holder,
-                orphan_is_loading=False,
-                victims=victims,
-                force=deps.force,
-            )
+            verdict = judge(victims=victims, force=deps.force)
     return verdict, seen
 
 
