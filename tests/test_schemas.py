@@ -217,6 +217,8 @@ def test_ensure_outcomes(host: Host) -> None:
         rc, obj = host.run("ensure", *args)
         check("ensure", obj)
         assert obj["exit_code"] == rc
+        # No hint is null (as in status --json), never "": a refusal always has one.
+        assert (obj["hint"] is None) == (rc == 0), obj
         seen[obj["outcome"]] = rc
         said.append((args[0], obj["outcome"], obj["reason"]))
     assert seen == {"ready": 0, "failed": 1, "busy": 3, "unknown": 4, "timeout": 5}, said
@@ -299,6 +301,8 @@ def test_reclaim_and_stop(host: Host) -> None:
         assert time.monotonic() < deadline, plan
         time.sleep(0.5)
     check("reclaim", plan)
+    assert [h["hint"] for h in plan["hosts"]] == [None]
+    assert all(c["hint"] is None for c in plan["candidates"])
     assert plan["dry_run"] is True and not cands[n["idle"]]["done"]
 
     rc, done = host.run("reclaim", "--host", "sim")

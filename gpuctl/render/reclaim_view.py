@@ -7,11 +7,11 @@ that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would"
 ``gpuctl reclaim --json`` (schema 1)::
 
     {"schema": 1, "dry_run": false, "exit_code": 0,
-     "hosts": [{"name": "dgx", "ok": true, "error": null, "hint": "",
+     "hosts": [{"name": "dgx", "ok": true, "error": null, "hint": null,
                 "skipped": null}],            # or "another reclaim runs there (…)"
      "candidates": [{"host": "dgx", "service": "vllm", "action": "stop",
                      "reason": "idle 41m > 30m", "idle_s": 2460.0, "done": true,
-                     "error": null, "hint": ""}],
+                     "error": null, "hint": null}],
      "rotated_logs": ["vllm.log"],              # logs on this machine rotated by size
      "resumed": [{"host": "dgx", "service": "photos", "outcome": "started",
                   "reason": "…", "started": true, "dry_run": false}]}
@@ -97,7 +97,7 @@ def reclaim_to_json(report: ReclaimReport) -> dict[str, Any]:
                 "name": h.name,
                 "ok": h.error is None,
                 "error": h.error,
-                "hint": h.hint,
+                "hint": h.hint or None,  # null for no hint, as in status --json
                 "skipped": h.busy,
             }
             for h in report.hosts
@@ -111,7 +111,7 @@ def reclaim_to_json(report: ReclaimReport) -> dict[str, Any]:
                 "idle_s": round(p.candidate.idle_s, 1) if p.candidate.idle_s is not None else None,
                 "done": p.done,
                 "error": p.error,
-                "hint": p.hint,
+                "hint": p.hint or None,
             }
             for p in report.planned
         ],

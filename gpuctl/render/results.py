@@ -9,7 +9,7 @@ when printed. No Rich here: ``ensure --json`` pays for the standard library only
     {"schema": 1, "service": "vllm", "host": "dgx", "outcome": "ready", "exit_code": 0,
      "reason": "…", "decision": "IDLE", "launched": true, "waited_s": 312.5,
      "attempt": {…} | null, "log_tail": "", "handle": {…} | null, "notes": [],
-     "hint": ""}
+     "hint": null}                     # or what to do about a refusal
 
 ``stop --json`` (schema 1)::
 
@@ -41,7 +41,7 @@ def ensure_to_json(result: EnsureResult) -> dict[str, Any]:
         "log_tail": result.log_tail,
         "handle": result.handle,
         "notes": list(result.notes),
-        "hint": result.hint,
+        "hint": result.hint or None,  # null for no hint, as in status --json
     }
 
 
