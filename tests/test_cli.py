@@ -385,3 +385,19 @@ def test_every_command_module_is_in_the_lazy_table() -> None:
     r = runner.invoke(create_app(), ["--help"])
     for name in COMMANDS:
         assert f"\n  {name} " in r.output, name
+
+
+def test_status_with_a_sim_dir_that_is_not_there(cli_env: Path) -> None:
+    """A --sim-dir named on the command line that does not exist is a typo, not an idle
+    GPU: exit 4 with a hint, no panel. The default folder ($GPUCTL_SIM_DIR, not created
+    yet) is still an empty simulated GPU."""
+    missing = cli_env / "nope" / "x"
+    r = runner.invoke(app, ["status", "--probe", "sim", "--sim-dir", str(missing), "--json"])
+    assert r.exit_code == 4
+    assert r.stdout == ""
+    assert f"gpuctl: error: --sim-dir {missing}: no such directory" in r.stderr
+    assert "hint: check the path" in r.stderr
+    assert not (cli_env / "sim").exists()
+    r = runner.invoke(app, ["status", "--probe", "sim", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["ok"] is True

@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from gpuctl.flows.results import StatusReport
 
 
+def _named_on_the_command_line(sim_dir: Path) -> bool:
+    """``--sim-dir`` itself, not ``$GPUCTL_SIM_DIR`` (the option's fallback)."""
+    import os
+
+    return os.environ.get("GPUCTL_SIM_DIR") != str(sim_dir)
+
+
 def register(app: typer.Typer) -> None:
     app.command("status", short_help="Who holds the GPU, and each service's decision.")(status)
 
@@ -103,6 +110,18 @@ def status(
         conf = open_config(config)
         for name in only or ():
             conf.service(name)  # an unknown service is a usage error, with a suggestion
+        if sim_dir is not None and not sim_dir.is_dir() and _named_on_the_command_line(sim_dir):
+            # The default folder (or $GPUCTL_SIM_DIR) may not exist yet: an idle simulated
+            # GPU. A folder named here that is not there is a typo: saying "idle" would be
+            # saying free without knowing.
+            from gpuctl.errors import ProbeError
+
+            fail(
+                ProbeError(
+                    f"--sim-dir {sim_dir}: no such directory",
+                    hint=f"check the path; for an empty simulated GPU there: mkdir -p {sim_dir}",
+                )
+            )
         local = LocalProbeOptions(probe=probe.value, sim_dir=sim_dir)
         deps = status_deps(conf, host or None, local=local)
         try:
