@@ -58,12 +58,18 @@ def test_in_flight_from_vllm_metrics() -> None:
         'vllm:request_success_total{model_name="m"} 99.0\n'
     )
     assert parse_in_flight(text) == 6
-    assert parse_in_flight("vllm:num_requests_running 0.0\n") == 0
-    assert parse_in_flight("# nothing of vLLM here\nfoo 1\n") is None
+    both = "vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0\n"
+    assert parse_in_flight(both) == 0
+    # "0 in flight" needs both gauges: a page without one says nothing about the requests
+    # (it used to read as 0, and reclaim stopped a busy server).
+    for missing in ("vllm:num_requests_running 0.0\n", "# nothing of vLLM here\nfoo 1\n", "",
+                    "vllm_num_requests_running 0\nvllm_num_requests_waiting 0\n"):  # fmt: skip
+        with pytest.raises(ValueError, match="no vllm:num_requests_"):
+            parse_in_flight(missing)
     for bad in ("vllm:num_requests_running NaN\n", "vllm:num_requests_waiting -1\n",
-                "vllm:num_requests_running +Inf\n"):  # fmt: skip
+                "vllm:num_requests_running +Inf\n", "vllm:num_requests_running 0.5\n"):  # fmt: skip
         with pytest.raises(ValueError, match="bad metric"):
-            parse_in_flight(bad)
+            parse_in_flight(bad + both)
 
 
 def test_where_the_metrics_are() -> None:

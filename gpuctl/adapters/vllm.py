@@ -50,44 +50,62 @@ def metrics_url(health: str | None, metrics: str | None) -> str | None:
     return None
 
 
-def parse_in_flight(text: str) -> int | None:
-    """Running plus waiting requests from Prometheus text; None when neither is there.
+def parse_in_flight(text: str) -> int:
+    """Running plus waiting requests from Prometheus text.
+
+    "Nothing in flight" is only ever read from a page that carries both of vLLM's
+    gauges with whole, finite, non-negative values: a page without them (another
+    server's metrics, ``vllm_num_requests_running``, an empty page) or with 0.5 says
+    nothing about the requests, and reclaim must then keep the server.
 
     Raises:
-        ValueError: a value that is not a finite, non-negative number.
+        ValueError: a gauge missing, or a value that is not a whole non-negative number.
     """
-    total = 0.0
-    seen = False
-    for _name, value in _METRIC.findall(text):
-        v = float(value)
-        if not math.isfinite(v) or v < 0:
+    total = 0
+    seen: set[str] = set()
+    for name, value in _METRIC.findall(text):
+        try:
+            v = float(value)
+        except ValueError:
+            raise ValueError(f"bad metric value {value!r}") from None
+        if not math.isfinite(v) or v < 0 or v != int(v):
             raise ValueError(f"bad metric value {value!r}")
-        total += v
-        seen = True
-    return round(total) if seen else None
+        total += int(v)
+        seen.add(name)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        if name not in seen:
+            raise ValueError(f"no {name} gauge on the page")
+    return total
 
 
 def in_flight(url: str, client: httpx.Client, timeout_s: float = 2.0) -> int | None:
     """The requests a vLLM server is running or has queued, from its ``/metrics``.
 
-    Returns None when the server has no such metrics (not a vLLM, or no server).
+    Returns None when the server has no ``/metrics`` at all (404: not a vLLM).
 
     Raises:
-        LauncherError: the metrics cannot be read (an error, not "nothing in flight":
-            reclaim never stops a server it cannot read).
+        LauncherError: the metrics cannot be read, or the page lacks vLLM's two gauges
+            (an error, not "nothing in flight": reclaim never stops a server it cannot
+            read).
     """
+    from gpuctl.core.redact import redact_text, show_url
+
+    shown = show_url(url)
     try:
         r = client.get(url, timeout=timeout_s)
     except httpx.HTTPError as e:
-        raise LauncherError(f"cannot read {url}: {type(e).__name__}: {e}") from None
+        # httpx's own words may repeat the URL: the password goes from those too.
+        raise LauncherError(
+            f"cannot read {shown}: {type(e).__name__}: {redact_text(str(e))}"
+        ) from None
     if r.status_code == 404:
         return None
     if r.status_code != 200:
-        raise LauncherError(f"cannot read {url}: HTTP {r.status_code}")
+        raise LauncherError(f"cannot read {shown}: HTTP {r.status_code}")
     try:
         return parse_in_flight(r.text)
     except ValueError as e:
-        raise LauncherError(f"cannot read {url}: {e}") from None
+        raise LauncherError(f"cannot read {shown}: {e}") from None
 
 
 def is_sleeping(base: str, client: httpx.Client, timeout_s: float = 2.0) -> bool | None:

@@ -70,6 +70,23 @@ _ASSIGN = re.compile(
 )
 
 
+def show_url(url: str) -> str:
+    """A configured URL as gpuctl prints it: ``http://u:PW@h/m`` → ``http://u:***@h/m``
+    (a user alone, ``http://TOKEN@h``, may be the secret: ``http://***@h``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact_text(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, colon, _pw = userinfo.partition(":")
+    shown = f"{user}:{MASK}" if colon else MASK
+    return urlunsplit(parts._replace(netloc=f"{shown}@{hostport}"))
+
+
 def is_secret_name(name: str) -> bool:
     """True for option or variable names whose value is a secret (see the module docstring)."""
     bare = name.lstrip("-").strip()
