@@ -401,3 +401,23 @@ def test_status_with_a_sim_dir_that_is_not_there(cli_env: Path) -> None:
     r = runner.invoke(app, ["status", "--probe", "sim", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["ok"] is True
+
+
+def test_proxy_on_a_taken_port_names_the_proxy(
+    cli_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    monkeypatch.setenv("DGX_TOKEN", "t")
+    config_file(cli_env).write_text(
+        '[hosts.dgx]\nagent = "http://127.0.0.1:9"\ntoken_env = "DGX_TOKEN"\n'
+        '[services.vllm]\nhealth = "http://127.0.0.1:9/health"\nmemory = "80GiB"\n'
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = runner.invoke(app, ["proxy", "--listen", f"127.0.0.1:{port}"])
+    assert r.exit_code == 2
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in r.stderr
+    assert "another `gpuctl proxy`?" in r.stderr and "gpuctl agent" not in r.stderr

@@ -430,6 +430,9 @@ def test_model_server_refuses_while_loading_then_serves_like_vllm(
     assert any(m is not None and 0 < m < 8192 for m in seen), f"memory grew in steps: {seen}"
     assert twin.wait(30) == 1
     assert "address already in use" in procs.err(twin)
+    err = procs.err(twin).strip().splitlines()
+    assert err[-2].startswith("gpuctl: error: cannot listen on 127.0.0.1:"), err
+    assert err[-1].startswith("  hint: ") and "--port" in err[-1]
 
     proc = on_gpu(sim_dir)[srv.pid]
     assert proc.memory_mib == 8192 and proc.command is not None and "simvllm-t" in proc.command

@@ -215,3 +215,23 @@ def test_ensure_waiting_on_a_keyword_match_names_it(sim_host: SimHost) -> None:
     assert f"{word} serve" in r.stderr
     hints = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("hint:")]
     assert len(hints) == 1 and "not yours? narrow the service's `match` keywords" in hints[0]
+
+
+@pytest.mark.e2e
+def test_ensure_with_a_refused_token_hints_once(sim_host: SimHost) -> None:
+    svc = unique_name("chat")
+    cfg = sim_host.write_config(
+        f'[services.{svc}]\nhost = "sim"\nhealth = "http://127.0.0.1:{free_port()}/health"\n'
+        'memory = "1GiB"\nlauncher = "process"\ncommand = "sleep 60"\n'
+    )
+    r = subprocess.run(
+        [gpuctl_exe(), "ensure", svc],
+        env={**os.environ, "GPUCTL_CONFIG": str(cfg), "GPUCTL_DEMO_TOKEN": "wrong"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 4, r.stderr
+    assert "refused our token (HTTP 401)" in r.stderr
+    assert r.stderr.count("hint") == 1, r.stderr
+    assert "  hint: check hosts.sim.token_env / token_file" in r.stderr

@@ -91,8 +91,9 @@ def resolve_listen(listen: str) -> ListenAddress:
     )
 
 
-def bind_socket(addr: ListenAddress) -> socket.socket:
-    """A bound (not yet listening) TCP socket, or a UsageError that says why not."""
+def bind_socket(addr: ListenAddress, who: str = "gpuctl agent") -> socket.socket:
+    """A bound (not yet listening) TCP socket, or a UsageError that says why not.
+    ``who``: the command binding it, named in the hint as the likely holder."""
     sock = socket.socket(addr.family, socket.SOCK_STREAM)
     try:
         # Lets a restarted agent rebind while old connections sit in TIME_WAIT. On Linux it
@@ -104,7 +105,7 @@ def bind_socket(addr: ListenAddress) -> socket.socket:
         if err.errno == errno.EADDRINUSE:
             raise UsageError(
                 f"cannot listen on {addr.text}: address already in use",
-                hint="another process (another `gpuctl agent`?) holds that port; "
+                hint=f"another process (another `{who}`?) holds that port; "
                 "stop it or pick another port with --listen",
             ) from None
         if err.errno == errno.EADDRNOTAVAIL:

@@ -170,8 +170,6 @@ def decide(
     A record set aside with no phase left may hide a start too: UNKNOWN (``hidden_start``).
     """
     error = seen.error
-    if error is not None and seen.hint:
-        error = f"{error} (hint: {seen.hint})"
     specs, leased = _accounting(seen, others, now, me=svc.name)
     own = record if record is not None else seen.records.get(svc.name)
     verdict = classify(
@@ -190,6 +188,10 @@ def decide(
         victims=victims,
         force=force,
     )
+    if seen.snapshot is None and seen.hint and verdict.decision is Decision.UNKNOWN:
+        # The agent's own advice (a refused token: which key to check) is the hint, once;
+        # not words inside the reason that the caller's hint line would repeat.
+        verdict = replace(verdict, hint=verdict.hint or seen.hint)
     if verdict.decision not in (Decision.READY, Decision.SLEEPING, Decision.UNKNOWN):
         # A server that answers its health check is no hidden start: it wins.
         aside = hidden_start(seen, svc, own, now, own_holder)

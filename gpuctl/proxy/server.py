@@ -78,7 +78,7 @@ def serve(
         access_log=p.access_log,
         pass_authorization=not keys,
     )
-    sock = bind_socket(addr)
+    sock = bind_socket(addr, who="gpuctl proxy")
     try:
         import uvicorn
 

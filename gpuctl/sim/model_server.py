@@ -158,12 +158,17 @@ def run_model_server(
                 stack.callback(guard.close)
             sock = _bind(host, port)
         except OSError as err:
-            reason = "address already in use" if err.errno == errno.EADDRINUSE else err.strerror
-            log(
-                f"ERROR [Errno {err.errno}] error while attempting to bind on address "
-                f"({host!r}, {port}): {reason}",
-                err=True,
+            in_use = err.errno == errno.EADDRINUSE
+            reason = "address already in use" if in_use else err.strerror or str(err)
+            hint = (
+                "another process (another model server?) holds that port; stop it or pick "
+                "another --port"
+                if in_use
+                else "pick another --host or --port"
             )
+            # An error and a hint, like every gpuctl command (not a socket's raw words).
+            log(f"gpuctl: error: cannot listen on {host}:{port}: {reason}", err=True)
+            log(f"  hint: {hint}", err=True)
             return 1
         stack.callback(sock.close)
         info(f"vLLM API server version 0.0.0+gpuctl.sim (pid {os.getpid()})")
