@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -136,6 +137,11 @@ def test_check_fails_when_a_token_it_needs_is_missing(
     assert r.exit_code == 1, r.output
     assert expect in r.output and "Traceback" not in r.output
     assert "ok (" not in r.output
+    assert "\n  hint: " in r.stderr, r.stderr  # what to do, as status says it
+    if "read_" not in host and "jupyter" not in host:  # status needs this token
+        s = runner.invoke(app, ["status", "--json"])
+        (h,) = json.loads(s.stdout)["hosts"]
+        assert h["hint"] and f"  hint: {h['hint']}" in r.stderr
 
 
 def test_check_passes_when_the_tokens_are_there(

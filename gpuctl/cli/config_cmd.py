@@ -42,7 +42,7 @@ def check(config: ConfigOpt = None) -> None:
 
         p, _ = config_path(config)
         conf = load_config(config)
-        problems = [str(e) for h in conf.hosts.values() for e in secret_problems(h)]
+        problems = [e for h in conf.hosts.values() for e in secret_problems(h)]
         warnings = list(conf.warnings)
         local_dir = None if problems else _local_state_dir_warning(conf)
         if local_dir:
@@ -50,8 +50,11 @@ def check(config: ConfigOpt = None) -> None:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         if problems:
-            for msg in problems:
-                print(f"gpuctl: error: {msg}", file=sys.stderr)
+            for e in problems:
+                # The same hint status gives for the same token problem.
+                print(f"gpuctl: error: {e.message}", file=sys.stderr)
+                if e.hint:
+                    print(f"  hint: {e.hint}", file=sys.stderr)
             raise typer.Exit(ExitCode.FAILED)
         if not p.exists():
             print(f"{p}: no config file (an empty config: status probes this machine)")
