@@ -103,6 +103,10 @@ def test_nothing_to_do_is_silent(host: SimHost, svc: str) -> None:
     c = candidate(out, svc)
     assert c["action"] == "keep" and c["reason"].startswith("idle ") and not c["done"]
     assert len(server_pids(svc)) == 1
+    # A person trying --dry-run learns it looked (stderr; stdout stays the actions).
+    dry = gpuctl(cfg, "reclaim", "--dry-run")
+    assert (dry.returncode, dry.stdout) == (0, "")
+    assert dry.stderr == "nothing to reclaim on sim (1 service checked)\n"
 
 
 def test_an_idle_server_is_stopped_with_one_line(host: SimHost, svc: str) -> None:
@@ -110,6 +114,7 @@ def test_an_idle_server_is_stopped_with_one_line(host: SimHost, svc: str) -> Non
     idle_past(host, svc, 1.0)
     dry = gpuctl(cfg, "reclaim", "--dry-run")
     assert dry.returncode == 0 and dry.stdout.startswith(f"would stop {svc} on sim: idle ")
+    assert "nothing to reclaim" not in dry.stderr
     assert len(server_pids(svc)) == 1, "--dry-run changes nothing"
     r = gpuctl(cfg, "reclaim")
     assert r.returncode == 0, r.stderr

@@ -50,7 +50,12 @@ def reclaim(
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
         from gpuctl.flows.reclaim import reclaim as run
         from gpuctl.flows.reclaim_wiring import reclaim_deps
-        from gpuctl.render.reclaim_view import host_errors, reclaim_lines, reclaim_to_json
+        from gpuctl.render.reclaim_view import (
+            host_errors,
+            nothing_due,
+            reclaim_lines,
+            reclaim_to_json,
+        )
 
         conf = open_config(config)
         deps = reclaim_deps(conf, host)
@@ -63,7 +68,7 @@ def reclaim(
         else:
             for line in reclaim_lines(report):
                 print(line)
-            for line in host_errors(report):
+            for line in [*nothing_due(report), *host_errors(report)]:
                 print(line, file=sys.stderr)
         sys.stdout.flush()
         raise typer.Exit(int(report.exit_code))

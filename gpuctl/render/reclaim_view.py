@@ -2,7 +2,8 @@
 
 Text: nothing at all when there is nothing to do (cron mails only what matters); one
 line on stdout per action, and per service that was past its timeout but kept; a host
-that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would".
+that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would", and
+"nothing to reclaim on HOST (N services checked)" on stderr where nothing is due.
 
 ``gpuctl reclaim --json`` (schema 1)::
 
@@ -75,6 +76,22 @@ def _line(p: Planned, dry_run: bool) -> str:
         return f"{verb} {c.service} on {p.host}: {p.error}{hint}"
     verb = (_WOULD if dry_run else _DONE)[c.action]
     return f"{verb} {c.service} on {p.host}: {c.reason}"
+
+
+def nothing_due(report: ReclaimReport) -> list[str]:
+    """``--dry-run`` only (cron's run stays silent): for stderr, one line per host read
+    where nothing would be done, so a person trying it sees it looked."""
+    if not report.dry_run:
+        return []
+    acted = {p.host for p in report_lines(report)} | {h for h, _ in report.resumed}
+    out = []
+    for h in report.hosts:
+        if h.error or h.busy or h.name in acted:
+            continue
+        n = sum(1 for p in report.planned if p.host == h.name)
+        checked = f"{n} service checked" if n == 1 else f"{n} services checked"
+        out.append(f"nothing to reclaim on {h.name} ({checked})")
+    return out
 
 
 def host_errors(report: ReclaimReport) -> list[str]:
