@@ -117,3 +117,13 @@ def test_usage_names_arguments_in_capitals(path: tuple[str, ...]) -> None:
     rest = usage[len(f"Usage: gpuctl {' '.join(path)}") :].split()
     for word in rest:
         assert re.fullmatch(r"\[?[A-Z][A-Z_]*\]?(\.\.\.)?", word), f"{usage!r}: {word!r}"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: " ".join(p) or "gpuctl")
+def test_help_shows_no_markup_and_never_points_to_itself(path: tuple[str, ...]) -> None:
+    """Docstrings feed the help: no RST ``literal`` marks; and a command's help does not
+    send the reader to that same command."""
+    text = help_text(path)
+    assert "``" not in text, f"`gpuctl {' '.join(path)} --help` shows RST markup"
+    if path:
+        assert f"`gpuctl {' '.join(path)}`" not in text, f"{path} --help refers to itself"

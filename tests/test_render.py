@@ -429,3 +429,21 @@ def test_a_long_command_takes_the_room_that_is_left(tmp_path: Path) -> None:
     (row,) = [line for line in text.splitlines() if "serve.py" in line]
     assert len(row) <= 80 and row.rstrip(" │").endswith("…")
     assert len(row.rstrip(" │")) >= 76  # cut at the border, not short of it
+
+
+def test_reasons_in_ascii_cut_with_the_tables_marker_and_keep_brackets(tmp_path: Path) -> None:
+    """A reason's own "…" (a cut command) is drawn as the ASCII table's "~", not "?"; and a
+    reason is text, not Rich markup: "[services.vllm]" or a command's "[x]" stay."""
+    report = _report(tmp_path)
+    (h,) = report.hosts
+    reason = "pid 202 (vllm serve --tag [big] mod…)"
+    h = replace(h, verdicts=(replace(h.verdicts[0], reason=reason), h.verdicts[1]))
+    report = replace(report, hosts=(h,))
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii", errors="replace")
+    console = Console(file=out, width=100, color_system=None, legacy_windows=False)
+    console.print(render_status(report, False, console.width, g=glyphs(console.encoding)))
+    out.flush()
+    text = raw.getvalue().decode("ascii")
+    assert "(vllm serve --tag [big] mod~)" in text, text
+    assert "?" not in text.replace("util ?", ""), text

@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = "warning",
     ) -> None:
-        """Run the GPU host agent: /status, /metrics and /openapi.json over HTTP."""
+        """Run the GPU host agent: /status, /records, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
             # Lazy: uvicorn and the app load only when the agent really starts.
             from gpuctl.agent.server import serve

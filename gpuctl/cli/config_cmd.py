@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -17,8 +18,20 @@ def register(app: typer.Typer) -> None:
     app.add_typer(config_app, name="config")
 
 
+# `config path`'s own --config: the shared help points here ("see `gpuctl config path`").
+_PathConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Config file. Default: $GPUCTL_CONFIG, else the user config dir.",
+        metavar="FILE",
+    ),
+]
+
+
 @config_app.command("path")
-def path(config: ConfigOpt = None) -> None:
+def path(config: _PathConfigOpt = None) -> None:
     """Print where the config file is read from (and whether it exists)."""
     with errors_to_exit():
         from gpuctl.config import config_path
@@ -33,8 +46,8 @@ def path(config: ConfigOpt = None) -> None:
 def check(config: ConfigOpt = None) -> None:
     """Validate the config: exit 0 when it is good, 1 naming what is wrong.
 
-    Beyond the file itself, every secret it names must be there: an unset ``token_env``
-    or a ``token_file`` that is missing, a folder or empty fails the check.
+    Beyond the file itself, every secret it names must be there: an unset token_env
+    or a token_file that is missing, a folder or empty fails the check.
     """
     with errors_to_exit():
         from gpuctl.config import config_path, load_config

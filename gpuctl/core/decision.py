@@ -239,7 +239,7 @@ def classify(
         # be someone else's job whose command line happens to carry the word.
         by_keyword = not any(p in (servers or {}) for p in (*own_pids, *(s.pid for s in starting)))
         hint = (
-            f"not yours? narrow the service's `match` keywords ([services.{name}] match); "
+            f"not yours? narrow the service's `match` keywords (services.{name}.match); "
             f"if it is, wait: `gpuctl ensure {name} --timeout DURATION`"
             if by_keyword
             else ""

@@ -265,7 +265,7 @@ def process_table(
     return t
 
 
-def service_table(h: HostReport) -> Table:
+def service_table(h: HostReport, g: Glyphs = UNICODE) -> Table:
     t = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
     t.add_column("SERVICE", no_wrap=True)
     t.add_column("DECISION", no_wrap=True)
@@ -278,7 +278,12 @@ def service_table(h: HostReport) -> Table:
         if svc.memory_mib:
             mem += f" / {format_mib(svc.memory_mib)}"
         reason = f"{v.reason} (hint: {v.hint})" if v.hint else v.reason
-        t.add_row(svc.name, Text(v.decision.value, style=DECISION_STYLE[v.decision]), mem, reason)
+        if g.cut != "…":  # the reasons' own cut marker, drawn as the table's
+            reason = reason.replace("…", g.cut)
+        # Text, not markup: a command line's "[...]" is data, never a style.
+        t.add_row(
+            svc.name, Text(v.decision.value, style=DECISION_STYLE[v.decision]), mem, Text(reason)
+        )
     return t
 
 
@@ -317,7 +322,7 @@ def host_panel(
         subtitle = f"probe {snap.probe} {g.dot} {normalise_iso(snap.taken_at)}"
     if h.services:
         parts.append(Text(""))
-        parts.append(service_table(h))
+        parts.append(service_table(h, g))
     return Panel(
         Group(*parts),
         title=title,
