@@ -421,3 +421,16 @@ def test_proxy_on_a_taken_port_names_the_proxy(
     assert r.exit_code == 2
     assert f"cannot listen on 127.0.0.1:{port}: address already in use" in r.stderr
     assert "another `gpuctl proxy`?" in r.stderr and "gpuctl agent" not in r.stderr
+
+
+def test_touch_on_a_stopped_service_says_it_is_not_running(cli_env: Path) -> None:
+    config_file(cli_env).write_text(
+        '[hosts.local]\nprobe = "sim"\n'
+        f'[services.vllm]\nhost = "local"\nhealth = "http://127.0.0.1:{free_port()}/health"\n'
+        'memory = "80GiB"\n'
+    )
+    r = runner.invoke(app, ["touch", "vllm"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.strip() == (
+        "vllm: marked as used (it is not running: stopped; `gpuctl ensure vllm` starts it)"
+    )

@@ -75,4 +75,12 @@ def stop_text(result: StopResult) -> list[str]:
 
 
 def touch_text(result: TouchResult) -> list[str]:
+    """``vllm: marked as used``, noting when its record says it is not running (a touch
+    only postpones reclaim; it starts nothing)."""
+    phase = result.record.phase.value
+    if phase in ("stopped", "preempted", "failed"):
+        return [
+            f"{result.service}: marked as used (it is not running: {phase}; "
+            f"`gpuctl ensure {result.service}` starts it)"
+        ]
     return [f"{result.service}: marked as used"]
