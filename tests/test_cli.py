@@ -434,3 +434,28 @@ def test_touch_on_a_stopped_service_says_it_is_not_running(cli_env: Path) -> Non
     assert r.stderr.strip() == (
         "vllm: marked as used (it is not running: stopped; `gpuctl ensure vllm` starts it)"
     )
+
+
+def test_sim_ls_warns_once_when_its_total_differs_from_the_sim_dirs(cli_env: Path) -> None:
+    sim = cli_env / "sim"
+    args = ["--name", tagged("held"), "--memory", "1GiB", "--gpu-memory", "128GiB"]
+    hold = subprocess.Popen(
+        [gpuctl_exe(), "sim", "hold", *args, "--sim-dir", str(sim)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert hold.stdout is not None
+        hold.stdout.readline()  # it holds the memory, gpu.json is written
+        r = runner.invoke(app, ["sim", "ls", "--sim-dir", str(sim), "--gpu-memory", "64GiB"])
+        same = runner.invoke(app, ["sim", "ls", "--sim-dir", str(sim), "--gpu-memory", "128GiB"])
+    finally:
+        hold.terminate()
+        hold.communicate()
+    assert r.exit_code == 0, r.output
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
+    assert len(warnings) == 1 and "128.0 GiB" in warnings[0] and "64.0 GiB" in warnings[0]
+    assert "of 128.0 GiB" in r.stdout  # gpu.json is what is read
+    assert same.exit_code == 0 and "warning" not in same.stderr
+    help_text = runner.invoke(app, ["sim", "ls", "--help"]).stdout
+    assert "saved in" not in " ".join(help_text.split())

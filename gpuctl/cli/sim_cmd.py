@@ -317,11 +317,29 @@ def ollama(
         raise typer.Exit(code)
 
 
+# A reader's --gpu-memory: used only where the sim dir has no gpu.json yet (never saved).
+_ReadGpuMemoryOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--gpu-memory",
+        parser=size_parser("--gpu-memory ($GPUCTL_SIM_GPU_MEMORY)"),
+        help=(
+            "Total of the simulated GPU while the sim dir has no gpu.json (a listing never "
+            "saves it; where gpu.json differs, it is read, with a warning). Default: "
+            "$GPUCTL_SIM_GPU_MEMORY, else 128GiB."
+        ),
+        envvar="GPUCTL_SIM_GPU_MEMORY",
+        show_envvar=False,
+        metavar="SIZE",
+    ),
+]
+
+
 @sim_app.command("ls")
 def ls(
     json_out: JsonOpt = False,
     sim_dir: SimDirOpt = None,
-    gpu_memory: GpuMemoryOpt = None,
+    gpu_memory: _ReadGpuMemoryOpt = None,
 ) -> None:
     """List the simulated GPU's claims: pid, name, memory, command."""
     with errors_to_exit(), _sim_errors():
@@ -329,6 +347,8 @@ def ls(
         from gpuctl.render.sim_view import sim_ls_text, sim_ls_to_json
 
         listing = list_claims(sim_dir, gpu_memory)
+        if listing.warning:
+            say(f"warning: {listing.warning}")
         if json_out:
             print_json(sim_ls_to_json(listing))
             return

@@ -218,6 +218,8 @@ class SimListing:
     total_mib: int | None
     claims: tuple[SimClaim, ...]
     totals_mib: tuple[int, ...] = ()  # each simulated GPU's total
+    # The total asked (--gpu-memory) differs from what gpu.json says (which is read).
+    warning: str | None = None
 
     @property
     def used_mib(self) -> int:

@@ -15,4 +15,6 @@ def list_claims(sim_dir: Path | None, total_mib: int | None) -> SimListing:
     claims = tuple(
         SimClaim(c.pid, c.name, c.memory_mib, c.gpu, command_of(c.pid)) for c in sim.claims()
     )
-    return SimListing(str(sim.sim_dir), sim.total_mib, claims, sim.totals_mib)
+    return SimListing(
+        str(sim.sim_dir), sim.total_mib, claims, sim.totals_mib, sim.totals_mismatch() or None
+    )
