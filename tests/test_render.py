@@ -397,7 +397,7 @@ def test_each_gpu_has_its_bar_and_processes_their_gpu(tmp_path: Path) -> None:
 def test_wide_shows_temperature_power_and_name(tmp_path: Path) -> None:
     text = _text(render_status(_two_gpus(tmp_path), wide=True), width=160)
     assert "61°C" in text and "312 W" in text and "H100" in text
-    assert "?  ?" in text  # GPU 0 has neither figure: unknown, never 0
+    assert "temperature ?  power ?" in text  # GPU 0 has neither figure: unknown, never 0
 
 
 def test_locks_json_and_text_list_set_aside_files() -> None:
@@ -447,3 +447,15 @@ def test_reasons_in_ascii_cut_with_the_tables_marker_and_keep_brackets(tmp_path:
     text = raw.getvalue().decode("ascii")
     assert "(vllm serve --tag [big] mod~)" in text, text
     assert "?" not in text.replace("util ?", ""), text
+
+
+def test_wide_header_fits_80_columns(tmp_path: Path) -> None:
+    """--wide at 80 columns: the bar keeps its line; name, temperature and power get one
+    of their own, labelled (unknown as "?"), instead of wrapping off the bar's end."""
+    lines = _text(render_status(_two_gpus(tmp_path), wide=True), width=80).splitlines()
+    bars = [i for i, ln in enumerate(lines) if "util " in ln]
+    assert bars
+    for i in bars:
+        assert lines[i].rstrip(" │").endswith(("%", "?")), lines[i]
+        assert "temperature " in lines[i + 1] and "power " in lines[i + 1], lines[i + 1]
+    assert "temperature 61°C  power 312 W" in "\n".join(lines)

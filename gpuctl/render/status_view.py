@@ -98,14 +98,17 @@ def memory_bar(
         t.append(g.free * (_BAR_WIDTH - n_held - n_promised), style="dim")
         t.append(f" {format_mib(held)} / {format_mib(total)}")
     t.append(f"  util {_pct(m.utilization_pct)}")
-    if wide:
-        temp = "?" if m.temperature_c is None else f"{m.temperature_c}{g.degree}C"
-        power = "?" if m.power_w is None else f"{m.power_w:.0f} W"
-        t.append(f"  {temp}  {power}")
-        if m.name:
-            t.append(f"  {m.name}", style="dim")
     if m.unified:
         t.append("  (unified memory)", style="italic dim")
+    if wide:
+        # A line of its own, labelled: appended to the bar it wrapped at 80 columns, and
+        # a bare "?  ?" said nothing.
+        temp = "?" if m.temperature_c is None else f"{m.temperature_c}{g.degree}C"
+        power = "?" if m.power_w is None else f"{m.power_w:.0f} W"
+        t.append("\n")
+        if m.name:
+            t.append(f"{m.name}  ", style="dim")
+        t.append(f"temperature {temp}  power {power}")
     if held is not None and total:
         # The legend goes on its own line, unindented, so it fits 80 columns.
         free = max(0, total - held - m.promised_mib)
