@@ -91,6 +91,12 @@ class ProbeError(GpuctlError):
     exit_code = ExitCode.UNKNOWN
 
 
+class Undecided(GpuctlError):
+    """gpuctl cannot tell (a start may be hidden): it says so rather than guess."""
+
+    exit_code = ExitCode.UNKNOWN
+
+
 class NoGpuFound(ProbeError):
     """There is no NVIDIA GPU (or driver) on this machine."""
 

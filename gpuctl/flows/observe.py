@@ -196,7 +196,7 @@ def decide(
         # A server that answers its health check is no hidden start: it wins.
         aside = hidden_start(seen, svc, own, now, own_holder)
         if aside is not None:
-            reason, hint = _hidden_words(svc, aside)
+            reason, hint = hidden_words(svc, aside)
             return replace(verdict, decision=Decision.UNKNOWN, reason=reason, hint=hint)
     if (
         orphan_is_loading
@@ -223,7 +223,7 @@ def hidden_start(
     )
 
 
-def _hidden_words(svc: ServiceSpec, aside: SetAside) -> tuple[str, str]:
+def hidden_words(svc: ServiceSpec, aside: SetAside) -> tuple[str, str]:
     """(reason, hint) for a start a set-aside record may hide."""
     until, file = iso_utc(aside.at + 1.0 + svc.health_timeout_s), f"records/{aside.file}"
     return (

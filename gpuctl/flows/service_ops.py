@@ -9,10 +9,10 @@ from datetime import datetime
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
-from gpuctl.core.record import Phase, Record, SetAside
-from gpuctl.errors import GpuctlError, StoreError
+from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside
+from gpuctl.errors import GpuctlError, StoreError, Undecided
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
-from gpuctl.flows.observe import keywords
+from gpuctl.flows.observe import hidden_words, keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
 STOP_LEASE_WAIT_S = 10.0
@@ -43,7 +43,11 @@ def stop(deps: EnsureDeps) -> StopResult:
         deps.sleep(0.25)
     result = StopResult(svc.name, deps.host.name)
     try:
-        deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
+        aside = _hidden_start(deps, record, holder.id)
+        if aside is None:
+            # (Not while a set-aside record may hide a start: a phase written now would
+            # end that doubt, and a rival would be let in beside a server still loading.)
+            deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
         # Read after taking the lease, and fresh: a reading cached from before another
         # stop names pids that stop has ended (and the kernel may have handed on).
         snapshot = None
@@ -67,7 +71,7 @@ def stop(deps: EnsureDeps) -> StopResult:
             seen: list[tuple[int, float | None]] = [
                 (p.pid, None) for p in snapshot.processes if owns(svc, p.command)
             ]
-            if record.phase is Phase.STARTING:
+            if record.phase is Phase.STARTING or aside is not None:
                 # A launch was under way and nothing recorded its server: it may still
                 # be reading weights, off the GPU. Otherwise a keyword match off the GPU
                 # is more likely a `tail -f` of its log than a server: left alone.
@@ -88,6 +92,9 @@ def stop(deps: EnsureDeps) -> StopResult:
                     continue  # gone since the reading: not ours to report
                 launcher.stop(handle, svc.stop_timeout_s)
                 result.stopped.append(f"pid {pid}")
+        if aside is not None and not result.stopped:
+            reason, hint = hidden_words(svc, aside)
+            raise Undecided(f"{svc.name}: found nothing of it running, but {reason}", hint=hint)
         result.reason = (
             f"stopped {', '.join(result.stopped)}"
             if result.stopped
@@ -99,6 +106,19 @@ def stop(deps: EnsureDeps) -> StopResult:
             deps.store.release(svc.name, holder.id)
         raise
     return result
+
+
+def _hidden_start(deps: EnsureDeps, record: Record, holder_id: str) -> SetAside | None:
+    """The set-aside record file that may hide a start of the service still loading
+    (``core.record.hidden_by_set_aside``); None when there is none or it cannot be read."""
+    try:
+        kept = deps.store.set_aside()
+    except GpuctlError:
+        return None
+    svc = deps.service
+    return hidden_by_set_aside(
+        svc.name, record, kept, svc.health_timeout_s, deps.clock(), own_holder=holder_id
+    )
 
 
 def _epoch(iso: str) -> float | None:

@@ -264,13 +264,25 @@ def salvage(raw: bytes, service: str, now: float | None = None) -> Record:
     return decode_record(kept)
 
 
+# A nonce anywhere in a file too broken to parse (cut short, say): it still finds the
+# server that start spawned, which is all ``stop`` and ``ensure`` need of it.
+_NONCE_IN_TEXT = re.compile(r'"start_nonce"\s{0,8}:\s{0,8}"([0-9a-f]{1,128})"')
+
+
 def _sound_fields(raw: bytes, service: str) -> dict[str, Any]:
     kept: dict[str, Any] = {"service": service}
+    if len(raw) > MAX_RECORD_BYTES:
+        return kept
+    # Leniently: a BOM before it, or a byte that is not UTF-8 inside one string (a
+    # failure's error), spoils one field at most, not the start the record stands for.
+    text = raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8", errors="replace")
     try:
-        if len(raw) > MAX_RECORD_BYTES:
-            return kept
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(text)
     except (ValueError, RecursionError):
+        nonce = _NONCE_IN_TEXT.search(text)
+        if nonce is not None and service_named(text, service):
+            with contextlib.suppress(RecordError):
+                kept["start_nonce"] = RECORD_FIELDS["start_nonce"][0](nonce.group(1), "$")
         return kept
     if type(data) is not dict or data.get("service") != service:
         return kept
@@ -279,6 +291,11 @@ def _sound_fields(raw: bytes, service: str) -> dict[str, Any]:
             with contextlib.suppress(RecordError):
                 kept[name] = check(data[name], f"$.{name}")
     return kept
+
+
+def service_named(text: str, service: str) -> bool:
+    """Whether a broken record's text names ``service`` (its nonce is only kept then)."""
+    return re.search(r'"service"\s{0,8}:\s{0,8}' + re.escape(json.dumps(service)), text) is not None
 
 
 # ---- encoding

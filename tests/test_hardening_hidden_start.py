@@ -1,0 +1,101 @@
+"""The attacker's reproduction of a hidden start, on real processes: the caller of
+``ensure`` is killed -9 between spawning its server and recording it
+(``GPUCTL_FAILPOINTS=ensure.after_spawn=pause``), then the service's record file is made
+undecodable (a UTF-8 BOM before it, a lone ``\\xff`` byte inside ``failure.error``, the file
+cut in half). While that server loads, the next ``ensure`` must not start it a second
+time, a rival 80 GiB service must not be let in beside it (OOM), and ``stop`` must not
+say that nothing of it was running. Real agent, real CLI, real detached servers on the
+simulated GPU."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuctl import api
+from gpuctl.sim.host import SimHost, free_port
+from tests.ensure_helpers import (
+    big_service,
+    end_in_window,
+    ensure_paused_at,
+    kill_servers,
+    launches_in_log,
+    run_ensure,
+    server_pids,
+    sim_claims,
+    unique_name,
+)
+from tests.test_ensure_races import gpuctl
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    api._reset_for_tests()
+    with SimHost(root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+    api._reset_for_tests()
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    made: list[str] = []
+    yield made
+    for n in made:
+        kill_servers(n)
+
+
+def _bom(raw: bytes) -> bytes:
+    return b"\xef\xbb\xbf" + raw
+
+
+def _ff_in_error(raw: bytes) -> bytes:
+    data = json.loads(raw)
+    data["failure"] = {"at": 1.0, "error": "MARK", "log_tail": "", "count": 1, "backoff_until": 0}
+    return json.dumps(data).encode().replace(b"MARK", b"boom \xff here")
+
+
+def _truncated(raw: bytes) -> bytes:
+    return raw[: len(raw) // 2]
+
+
+@pytest.mark.parametrize(
+    "spoil", [_bom, _ff_in_error, _truncated], ids=["bom", "xff-in-error", "truncated"]
+)
+def test_an_undecodable_record_of_a_loading_server_hides_nothing(
+    host: SimHost, names: list[str], spoil: Callable[[bytes], bytes]
+) -> None:
+    a, b = unique_name("hid"), unique_name("rival")
+    server = unique_name("anon")  # its command line does not name `a`
+    names += [a, b, server]
+    pa, pb = free_port(), free_port()
+    toml = big_service(a, pa, server, load_time="40s") + "\n" + big_service(b, pb, b, "1s")
+    cfg = host.write_config(toml)
+    end_in_window(ensure_paused_at(cfg, a), signal.SIGKILL)
+    (pid,) = server_pids(server)
+    path = host.state_dir / "records" / f"{a}.json"
+    path.write_bytes(spoil(path.read_bytes()))
+
+    r = run_ensure(cfg, b)
+    assert r.returncode in (3, 4), (r.stdout, r.stderr)  # busy or unknown: never started
+    assert server_pids(b) == [] and sim_claims(host, b) == []
+
+    r = run_ensure(cfg, a, "--no-wait")
+    assert r.returncode != 0 or json.loads(r.stdout)["launched"] is False, r.stdout
+    assert server_pids(server) == [pid], "started twice"
+    assert launches_in_log(host.state_dir / "logs" / f"{a}.log") == 1
+
+    s = gpuctl(cfg, "stop", a)
+    said = s.stdout + s.stderr
+    assert "nothing of it was running" not in said, said
+    if s.returncode == 0:  # found by its start nonce (kept from the broken file): stopped
+        assert server_pids(server) == [], said
+    else:  # nothing left to find it by: it says it cannot tell, and why
+        assert s.returncode == 4 and "set aside as unreadable" in said, said
+        assert server_pids(server) == [pid]
