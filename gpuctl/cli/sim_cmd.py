@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,6 +24,13 @@ from gpuctl.cli.common import (
     print_json,
     say,
     size_parser,
+)
+from gpuctl.cli.sim_options import (
+    GpuIndexOpt,
+    GpuMemoryOpt,
+    NameOpt,
+    ReadGpuMemoryOpt,
+    SimDirOpt,
 )
 from gpuctl.errors import GpuctlError, UsageError
 
@@ -47,54 +53,6 @@ def _sim_errors() -> Iterator[None]:
         yield
     except SimError as err:
         raise GpuctlError(err.message, err.hint) from err
-
-
-SimDirOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--sim-dir",
-        help="Simulated GPU directory. Default: $GPUCTL_SIM_DIR, else <user state dir>/sim.",
-        envvar="GPUCTL_SIM_DIR",
-        show_envvar=False,
-        metavar="DIR",
-    ),
-]
-GpuMemoryOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--gpu-memory",
-        parser=size_parser("--gpu-memory ($GPUCTL_SIM_GPU_MEMORY)"),
-        help=(
-            "Total memory of the simulated GPU, e.g. 128GiB; saved in the sim dir for every "
-            "process that uses it. Default: $GPUCTL_SIM_GPU_MEMORY, else the saved value, "
-            "else 128GiB."
-        ),
-        envvar="GPUCTL_SIM_GPU_MEMORY",
-        show_envvar=False,
-        metavar="SIZE",
-    ),
-]
-GpuIndexOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--gpu",
-        help=(
-            "The simulated GPU to claim on. Default: the first of $CUDA_VISIBLE_DEVICES, "
-            "else 0. Several GPUs: GPUCTL_SIM_GPUS=80GiB,80GiB."
-        ),
-        min=0,
-        metavar="INDEX",
-    ),
-]
-NameOpt = Annotated[
-    str,
-    typer.Option(
-        "--name",
-        help="What the process is called (its command line carries it).",
-        show_default=False,
-        metavar="NAME",
-    ),
-]
 
 
 def register(app: typer.Typer) -> None:
@@ -317,29 +275,11 @@ def ollama(
         raise typer.Exit(code)
 
 
-# A reader's --gpu-memory: used only where the sim dir has no gpu.json yet (never saved).
-_ReadGpuMemoryOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--gpu-memory",
-        parser=size_parser("--gpu-memory ($GPUCTL_SIM_GPU_MEMORY)"),
-        help=(
-            "Total of the simulated GPU while the sim dir has no gpu.json (a listing never "
-            "saves it; where gpu.json differs, it is read, with a warning). Default: "
-            "$GPUCTL_SIM_GPU_MEMORY, else 128GiB."
-        ),
-        envvar="GPUCTL_SIM_GPU_MEMORY",
-        show_envvar=False,
-        metavar="SIZE",
-    ),
-]
-
-
 @sim_app.command("ls")
 def ls(
     json_out: JsonOpt = False,
     sim_dir: SimDirOpt = None,
-    gpu_memory: _ReadGpuMemoryOpt = None,
+    gpu_memory: ReadGpuMemoryOpt = None,
 ) -> None:
     """List the simulated GPU's claims: pid, name, memory, command."""
     with errors_to_exit(), _sim_errors():
