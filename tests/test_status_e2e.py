@@ -234,4 +234,4 @@ def test_ensure_with_a_refused_token_hints_once(sim_host: SimHost) -> None:
     assert r.returncode == 4, r.stderr
     assert "refused our token (HTTP 401)" in r.stderr
     assert r.stderr.count("hint") == 1, r.stderr
-    assert "  hint: check hosts.sim.token_env / token_file" in r.stderr
+    assert "  hint: check hosts.sim.token_env / token_file; `gpuctl status -H sim`" in r.stderr

@@ -191,7 +191,9 @@ def decide(
     if seen.snapshot is None and seen.hint and verdict.decision is Decision.UNKNOWN:
         # The agent's own advice (a refused token: which key to check) is the hint, once;
         # not words inside the reason that the caller's hint line would repeat.
-        verdict = replace(verdict, hint=verdict.hint or seen.hint)
+        host = next((o.host for o in others if o.name == svc.name), None)
+        where = f"; `gpuctl status -H {host}` shows that host" if host else ""
+        verdict = replace(verdict, hint=verdict.hint or f"{seen.hint}{where}")
     if verdict.decision not in (Decision.READY, Decision.SLEEPING, Decision.UNKNOWN):
         # A server that answers its health check is no hidden start: it wins.
         aside = hidden_start(seen, svc, own, now, own_holder)
