@@ -52,6 +52,9 @@ class Svc:
     port: int
     memory_gib: int
     load_time: str
+    # Priorities for preemption (tests/trials_priority.py): higher wins.
+    priority: int = 50
+    extra: str = ""
 
 
 @dataclass
@@ -302,9 +305,9 @@ def run_trials(
     # Names no other run on this machine carries (servers are told apart by name).
     prefix = f"t{secrets.token_hex(4)}"
     services = [
-        Svc(f"{prefix}big", free_port(), 80, "1.5s"),
-        Svc(f"{prefix}rival", free_port(), 80, "1s"),
-        Svc(f"{prefix}small", free_port(), 20, "0.5s"),
+        Svc(f"{prefix}big", free_port(), 80, "1.5s", 100),
+        Svc(f"{prefix}rival", free_port(), 80, "1s", 60),
+        Svc(f"{prefix}small", free_port(), 20, "0.5s", 40, "resume = true"),
     ]
     toml = ""
     for s in services:
@@ -316,7 +319,7 @@ def run_trials(
             # A short idle timeout gives reclaim (tests/trials_reclaim.py) work to do.
             'health_timeout = "20s"\nstop_timeout = "3s"\nidle_timeout = "2s"',
         )
-        toml += "\n"
+        toml += f"priority = {s.priority}\n{s.extra}\n"
     trial = Trial(host, host.write_config(toml), services, rng)
     report = Report(seed)
     names = list(ACTIONS)

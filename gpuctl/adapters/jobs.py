@@ -46,3 +46,68 @@ def stop_job(handle: dict[str, Any], grace_s: float = JOB_GRACE_S) -> bool:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     return True
+
+
+class GatedChild:
+    """CMD forked in its own session, held before ``exec`` until ``go()``.
+
+    ``gpuctl run`` records the child's pid first and only then lets it run: a kill -9 of
+    ``gpuctl run`` between the two would otherwise leave a CMD on the GPU that no record
+    counts (the trials found one such, as an out-of-memory of a server admitted beside
+    it). If ``gpuctl run`` dies before ``go()``, the child reads the end of its pipe and
+    exits without running CMD.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        go_r, self._go_w = os.pipe()
+        self._err_r, err_w = os.pipe()  # close-on-exec: EOF means exec succeeded
+        pid = os.fork()
+        if pid == 0:  # the child: only async-signal-safe work until exec
+            code = 125
+            try:
+                os.setsid()
+                os.close(self._go_w)
+                os.close(self._err_r)
+                if os.read(go_r, 1) == b"1":
+                    os.execvpe(argv[0], argv, env)  # noqa: S606 (CMD itself, never a shell)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.write(err_w, str(e.errno or 0).encode())
+                code = 127
+            os._exit(code)
+        os.close(go_r)
+        os.close(err_w)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def go(self) -> None:
+        """Let it exec CMD. Raises the ``OSError`` exec failed with (the child is reaped)."""
+        os.write(self._go_w, b"1")
+        os.close(self._go_w)
+        data = b""
+        while chunk := os.read(self._err_r, 32):
+            data += chunk
+        os.close(self._err_r)
+        if data:
+            self.wait()
+            errno_ = int(data.decode() or 0)
+            raise OSError(errno_, os.strerror(errno_))
+
+    def abandon(self) -> None:
+        """Never run CMD: the child exits at once."""
+        with contextlib.suppress(OSError):
+            os.close(self._go_w)
+            os.close(self._err_r)
+        self.wait()
+
+    def wait(self) -> int:
+        """Its exit code; negative N for a signal N (as ``subprocess``)."""
+        if self.returncode is None:
+            while True:
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                    break
+                except InterruptedError:
+                    continue
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode

@@ -22,14 +22,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuctl.adapters import procinfo
+from gpuctl.adapters.jobs import GatedChild
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
@@ -216,20 +217,17 @@ def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
 
 def _start(
     deps: RunDeps, spec: JobSpec, req: RunRequest, verdict: Verdict, name: str
-) -> subprocess.Popen[bytes] | RunResult:
+) -> GatedChild | RunResult:
     """Spawn CMD and record it (under the admission lock, by the caller)."""
     env = dict(os.environ)
     env["GPUCTL_RUN_JOB"] = name
     if verdict.gpu is not None and "CUDA_VISIBLE_DEVICES" not in env:
         env["CUDA_VISIBLE_DEVICES"] = str(verdict.gpu)
-    try:
-        # Its own session: a kill -9 of gpuctl run leaves CMD running (and recorded),
-        # and a preemption signals its whole process group.
-        proc = subprocess.Popen(list(req.argv), env=env, start_new_session=True)
-    except FileNotFoundError as e:
-        return RunResult(name, EXIT_NOT_FOUND, f"{req.argv[0]}: {e.strerror}")
-    except (PermissionError, IsADirectoryError, OSError) as e:
-        return RunResult(name, EXIT_CANNOT_EXECUTE, f"{req.argv[0]}: {e.strerror or e}")
+    if os.sep not in req.argv[0] and shutil.which(req.argv[0], path=env.get("PATH")) is None:
+        return RunResult(name, EXIT_NOT_FOUND, f"{req.argv[0]}: command not found")
+    # Its own session: a kill -9 of gpuctl run leaves CMD running (and recorded), and a
+    # preemption signals its whole process group. It execs only once recorded.
+    proc = GatedChild(list(req.argv), env)
     handle: dict[str, Any] = {
         "kind": "run",
         "pid": proc.pid,
@@ -253,14 +251,18 @@ def _start(
         )
     except GpuctlError:
         # Unrecorded, it would hold memory nobody counts: it does not run.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.abandon()
         raise
+    try:
+        proc.go()
+    except OSError as e:
+        _ended(deps, spec.name)
+        code = EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+        return RunResult(name, code, f"{req.argv[0]}: {e.strerror or e}")
     return proc
 
 
-def _wait(proc: subprocess.Popen[bytes]) -> int:
+def _wait(proc: GatedChild) -> int:
     """Wait for CMD, passing on the signals we get; its exit code (128+N for signal N)."""
 
     def forward(signum: int, _frame: object) -> None:
