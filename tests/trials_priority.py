@@ -48,8 +48,11 @@ def log_of(t: Trial) -> Log:
     return _logs.setdefault(id(t), Log())
 
 
-@action("ensure --preempt", 2)
+@action("ensure --preempt", 3)
 def _ensure_preempt(t: Trial, s: Svc) -> None:
+    if t.rng.random() < 0.7:
+        # Mostly the top priority: the one with victims to stop.
+        s = max(t.services, key=lambda x: x.priority)
     log_of(t).preempting.append(s.priority)
     t.spawn("ensure --preempt", s, "ensure", s.name, "--json", "--preempt", "--timeout", "20s")
 
