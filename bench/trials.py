@@ -10,6 +10,7 @@ about a minute (tests/test_trials.py); this is for longer hunts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -34,6 +35,10 @@ def main() -> int:
         tempfile.TemporaryDirectory(prefix="gpuctl-trials-") as tmp,
         SimHost(root=Path(tmp) / "host") as host,
     ):
+        # As the suite's fixture does: callers spawned with our environment (the in_use
+        # requests) must use this host's sim GPU and state dir, not the defaults.
+        os.environ["GPUCTL_STATE_DIR"] = str(host.state_dir)
+        os.environ["GPUCTL_SIM_DIR"] = str(host.sim_dir)
         host.start_agent()
         report = run_trials(host, seed=seed, trials=args.trials, actions_per_trial=args.actions)
     print(

@@ -30,6 +30,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from tests.ensure_helpers import server_pids
 from tests.trials import RESETS, Svc, Trial, action, check
 
 JOB_GIB = 20
@@ -50,9 +51,10 @@ def log_of(t: Trial) -> Log:
 
 @action("ensure --preempt", 3)
 def _ensure_preempt(t: Trial, s: Svc) -> None:
-    if t.rng.random() < 0.7:
-        # Mostly the top priority: the one with victims to stop.
-        s = max(t.services, key=lambda x: x.priority)
+    top = max(t.services, key=lambda x: x.priority)
+    if t.rng.random() < 0.8 and not server_pids(top.name):
+        # Mostly the top priority while it is down: the one with victims to stop.
+        s = top
     log_of(t).preempting.append(s.priority)
     t.spawn("ensure --preempt", s, "ensure", s.name, "--json", "--preempt", "--timeout", "20s")
 
