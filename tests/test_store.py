@@ -1124,8 +1124,12 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
 
     services = service_toml("llmx", 1, "sleep 1")
     cfg = sim_host.write_config(services) if path == "agent" else direct_config(sim_host, services)
-    (sim_host.state_dir / "records").mkdir(parents=True, exist_ok=True)
-    (sim_host.state_dir / "records" / "llmx.json").mkdir()  # no file can be read there
+    sim_host.state_dir.mkdir(parents=True, exist_ok=True)
+    # The records folder is a file: no record can be read (``glob`` in it finds nothing,
+    # which must not read as "no records"). A folder named ``llmx.json`` used to stand
+    # for this; it is now set aside like any bad record (tests/test_hardening_store_files.py)
+    # and its service is UNKNOWN for the start it may hide (below).
+    (sim_host.state_dir / "records").write_text("")
     out = subprocess.run(
         [gpuctl_exe(), "status", "--json"],
         env=cli_env(cfg),
@@ -1136,6 +1140,16 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
     assert out.returncode == 4, out.stderr
     (svc,) = json.loads(out.stdout)["services"]
     assert svc["decision"] == "UNKNOWN"
+    assert "records" in svc["reason"] and "not a directory" in svc["reason"], svc["reason"]
+    (sim_host.state_dir / "records").unlink()
+    (sim_host.state_dir / "records").mkdir()
+    (sim_host.state_dir / "records" / "llmx.json").mkdir()  # not a record file
+    out = subprocess.run(
+        [gpuctl_exe(), "status", "--json"], env=cli_env(cfg), capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    (svc,) = json.loads(out.stdout)["services"]
+    assert svc["decision"] == "UNKNOWN", svc  # never IDLE: it may have hidden a start
     assert "llmx.json" in svc["reason"]
 
 

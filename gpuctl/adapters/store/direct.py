@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 from dataclasses import replace
@@ -38,7 +39,7 @@ from gpuctl.adapters.store.codec import (
     parse_record,
     salvage,
 )
-from gpuctl.adapters.store.files import folder_modes, make_state_dirs, read_bounded
+from gpuctl.adapters.store.files import NotAFile, folder_modes, make_state_dirs, read_bounded
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.core.record import (
     Holder,
@@ -98,6 +99,8 @@ class DirectStore(InflightFiles):
             raw = read_bounded(path)
         except FileNotFoundError:
             return Record(service=service)
+        except NotAFile as e:
+            return e.strerror or "it is not a regular file"
         except OSError as e:
             if e.errno == errno.ELOOP:  # O_NOFOLLOW: a record is never a link elsewhere
                 return "it is a symbolic link"
@@ -267,6 +270,7 @@ class DirectStore(InflightFiles):
     def _record_paths(self) -> list[Path]:
         d = self.state_dir / "records"
         try:
+            _listable(d)
             paths = sorted(d.glob("*.json"))
         except OSError as e:
             raise StoreError(
@@ -289,6 +293,7 @@ class DirectStore(InflightFiles):
         d = self.state_dir / "records"
         out: list[SetAside] = []
         try:
+            _listable(d)
             paths = list(d.glob("*.json.corrupt-*"))
         except OSError as e:
             raise StoreError(f"cannot list {d}: {e.strerror or e}") from None
@@ -398,6 +403,21 @@ def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
     except ValueError as e:
         raise UsageError(f"bad record update: {e}") from None
     return out
+
+
+def _listable(d: Path) -> None:
+    """Raise unless ``d`` is a folder or absent (no records yet): ``glob`` in a file
+    finds nothing, and a host whose records folder is a file would read as idle.
+
+    Raises:
+        NotADirectoryError: it is there and is not a folder.
+    """
+    try:
+        mode = os.stat(d).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # it is not there, nor can it be (a folder above is a file): no records
+    if not stat.S_ISDIR(mode):
+        raise NotADirectoryError(errno.ENOTDIR, "it is not a directory")
 
 
 def _why(raw: bytes) -> str | Record:

@@ -3,6 +3,7 @@ that never follow a symbolic link nor read past a record's size limit."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -65,9 +66,51 @@ def make_state_dirs(state_dir: Path, dir_mode: int) -> None:
         ) from None
 
 
-def read_bounded(path: Path) -> bytes:
-    """At most one byte past the limit (so the schema can say the file is too big),
-    never through a symbolic link."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(MAX_RECORD_BYTES + 1)
+class NotAFile(OSError):
+    """A store file that is not a regular file (a FIFO, a folder, a device): never read."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def read_bounded(path: Path, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """At most one byte past ``limit`` (so the schema can say the file is too big), never
+    through a symbolic link, and only from a regular file.
+
+    Opened non-blocking and checked on the open descriptor: a FIFO named like a record
+    would otherwise block the reader (an agent's worker thread) until someone writes to
+    it, for ever; ``/dev/zero`` linked in would be read without end.
+
+    Raises:
+        NotAFile: it is a FIFO, a folder, a device (``strerror`` says which).
+        OSError: it cannot be opened (ELOOP: a symbolic link).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _kind(mode)
+            raise NotAFile(
+                errno.EINVAL,
+                f"it is {kind}, not a regular file" if kind[0] == "a" else f"it is {kind}",
+            )
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -194,9 +194,9 @@ def _read_entry(path: Path) -> Lease | None:
     """An entry, or None when it is unreadable or not one (a hostile file counts for
     nothing rather than crashing every reader; it is left for a human to see)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(_MAX_ENTRY_BYTES + 1)
+        from gpuctl.adapters.store.files import read_bounded
+
+        raw = read_bounded(path, _MAX_ENTRY_BYTES)  # never a FIFO's blocking open
         if len(raw) > _MAX_ENTRY_BYTES:
             return None
         data = json.loads(raw)
