@@ -43,7 +43,14 @@ def run(
         ),
     ] = None,
     priority: Annotated[
-        int, typer.Option("--priority", "-p", help="Higher wins (default 50, as services).")
+        int,
+        typer.Option(
+            "--priority",
+            "-p",
+            help="Higher wins (default 50, as services).",
+            min=-1_000_000,
+            max=1_000_000,
+        ),
     ] = 50,
     name: Annotated[
         str | None,
