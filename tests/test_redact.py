@@ -167,3 +167,62 @@ def test_hostile_lines_cost_linear_time(hostile: str) -> None:
     for _ in range(3):
         assert redact_lines(hostile).count(MASK) <= hostile.count(":") + hostile.count("=") + 1
         redact_command(hostile)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sh", "-c", "vllm serve m --api-key SEC1 --port 8000"],
+        ["python x --api-key SEC1 --password SEC2 --port 8000"],  # a rewritten title
+        ["bash", "-c", "exec vllm serve m --api-key\tSEC1 --port 8000 --password SEC2"],
+    ],
+)
+def test_a_whole_command_line_in_one_argument_is_redacted(argv: list[str]) -> None:
+    out = " ".join(redact_argv(argv))
+    assert "SEC1" not in out and "SEC2" not in out, out
+    assert "--api-key ***" in out.replace("\t", " ") and "--port 8000" in out, out
+
+
+@pytest.mark.timeout(120)  # a hang guard, as above: one argument of 64 KiB of words
+@pytest.mark.parametrize("hostile", ["--api-key " * 6500, "a " * 32768, "-x " * 20000])
+def test_one_hostile_argument_costs_linear_time(hostile: str) -> None:
+    for _ in range(3):
+        redact_argv(["sh", "-c", hostile])
+
+
+def _shown(pid: int, marker: str) -> str:
+    """The process's command line as gpuctl shows it, once it has exec'd (``marker``)."""
+    import time
+
+    from gpuctl.adapters.procinfo import command_of
+
+    deadline = time.monotonic() + 30
+    shown = command_of(pid) or ""
+    while marker not in shown and time.monotonic() < deadline:
+        time.sleep(0.05)
+        shown = command_of(pid) or ""
+    assert marker in shown, shown
+    return shown
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bash", "-c", 'exec -a "python x --api-key S1 --password S6 --port 8000" sleep 60'],
+        ["sh", "-c", "sleep 60; : --api-key S1 --password S6 --port 8000"],
+    ],
+    ids=["exec-a", "sh-c"],
+)
+def test_a_real_process_with_its_command_line_in_one_argument(argv: list[str]) -> None:
+    """/proc shows ``exec -a "…"`` and ``sh -c "…"`` with a whole command line in one
+    argument; gpuctl showed its secrets."""
+    import subprocess
+
+    p = subprocess.Popen(argv)
+    try:
+        shown = _shown(p.pid, "--port 8000")
+        assert "S1" not in shown and "S6" not in shown, shown
+        assert "--api-key ***" in shown and "--password ***" in shown, shown
+    finally:
+        p.kill()
+        p.wait()

@@ -12,7 +12,10 @@ changes) is token, key, secret, password, passwd, pwd, credential(s) or auth: ``
 that merely contain such letters (``--tokenizer``, ``--max-tokens``, ``--keyword``)
 are not.
 
-Forms covered::
+``-k`` is not one: it is curl's ``--insecure`` and many tools' "keep" or "count"; a
+secret given as ``-k X`` is not recognised.
+
+Forms covered (also inside one argument that holds a whole command line)::
 
     --name=VALUE  --name VALUE  -name VALUE  NAME=VALUE  name: VALUE
     Authorization: Bearer VALUE / Basic VALUE   bearer VALUE   scheme://user:VALUE@host
@@ -126,6 +129,7 @@ def redact_text(text: str) -> str:
 
 
 _SCHEMES = frozenset({"bearer", "basic", "token", "digest"})
+_SPACE = re.compile(r"\s")
 _ENDS_IN_SCHEME = re.compile(
     r"(?<![A-Za-z0-9_])(?P<name>[A-Za-z_][A-Za-z0-9_]{0,63})\s{0,8}[:=]\s{0,8}"
     r"(?:bearer|basic|token|digest)$",
@@ -162,7 +166,10 @@ def redact_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
             hide_next = True  # "Authorization:" X, TOKEN= X, key: X
             out.append(arg)
             continue
-        red = redact_text(arg)
+        # One argument that is itself a command line (``sh -c "… --api-key X …"``, a
+        # process that rewrote its title, ``exec -a``) is redacted as one: its words are
+        # then arguments (no recursion past that: they hold no whitespace).
+        red = redact_command(arg) if _SPACE.search(arg) else redact_text(arg)
         tail = _ENDS_IN_SCHEME.search(bare)
         if tail and is_secret_name(tail.group("name")):
             hide_next = True  # --auth=Basic X
