@@ -12,9 +12,11 @@ from __future__ import annotations
 import httpx
 
 from gpuctl.core.decision import NO_HEALTH, Health
+from gpuctl.core.redact import mask_url_passwords, show_url
 
 
 def _from_response(url: str, status: int) -> Health:
+    url = show_url(url)
     if status == 200:
         return Health("ready", url, 200)
     if status == 503:
@@ -23,6 +25,7 @@ def _from_response(url: str, status: int) -> Health:
 
 
 def _from_exception(url: str, err: Exception) -> Health:
+    url = show_url(url)
     if isinstance(err, httpx.ConnectError):
         return Health("refused", f"connection refused at {url}")
     if isinstance(err, httpx.TimeoutException):
@@ -30,7 +33,7 @@ def _from_exception(url: str, err: Exception) -> Health:
     if isinstance(err, httpx.RemoteProtocolError | httpx.ReadError):
         # A Docker userland proxy accepts and then resets while the server loads.
         return Health("refused", f"connection reset at {url}")
-    return Health("error", f"{type(err).__name__} from {url}: {err}")
+    return Health("error", f"{type(err).__name__} from {url}: {mask_url_passwords(str(err))}")
 
 
 def check(url: str | None, timeout_s: float = 2.0, client: httpx.Client | None = None) -> Health:

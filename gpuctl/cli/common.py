@@ -143,15 +143,19 @@ def debug_enabled() -> bool:
 
 def say(message: str) -> None:
     """A status message: stderr, never stdout (stdout is for data)."""
-    print(message, file=sys.stderr)
+    from gpuctl.core.redact import mask_url_passwords
+
+    print(mask_url_passwords(message), file=sys.stderr)
 
 
 def fail(err: GpuctlError) -> NoReturn:
     """Print one error line (and its hint) on stderr and exit with its code."""
+    from gpuctl.core.redact import mask_url_passwords
+
     msg = f"gpuctl: error: {err.message}"
     if err.hint:
         msg += f"\n  hint: {err.hint}"
-    print(msg, file=sys.stderr)
+    print(mask_url_passwords(msg), file=sys.stderr)  # a configured URL's password stays out
     raise typer.Exit(err.exit_code)
 
 
@@ -193,7 +197,10 @@ def print_json(obj: Any) -> None:
     """One JSON object on stdout, sorted keys (STYLE rule 3)."""
     import json
 
-    sys.stdout.write(json.dumps(obj, sort_keys=True, indent=2) + "\n")
+    from gpuctl.core.redact import mask_url_passwords
+
+    # A configured URL's password never reaches the output (in a reason, a note, an error).
+    sys.stdout.write(mask_url_passwords(json.dumps(obj, sort_keys=True, indent=2)) + "\n")
     sys.stdout.flush()
 
 

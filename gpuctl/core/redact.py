@@ -90,6 +90,12 @@ def show_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{shown}@{hostport}"))
 
 
+def mask_url_passwords(text: str) -> str:
+    """Every ``scheme://user:PW@`` in ``text`` as ``scheme://user:***@`` (an error
+    message or a JSON document gpuctl prints: the last guard for a configured URL)."""
+    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}{m.group(3)}", text)
+
+
 def is_secret_name(name: str) -> bool:
     """True for option or variable names whose value is a secret (see the module docstring)."""
     bare = name.lstrip("-").strip()

@@ -37,18 +37,25 @@ def duration_text(seconds: float | None) -> str:
     return f"{s}s"
 
 
+def _url(url: str | None) -> str | None:
+    """A configured URL as shown: its password as ``***`` (``core.redact.show_url``)."""
+    from gpuctl.core.redact import show_url
+
+    return show_url(url) if url else url
+
+
 def _host(h: HostConfig) -> dict[str, Any]:
     return {
-        "agent": h.agent,
+        "agent": _url(h.agent),
         "token_env": h.token_env,
         "token_file": str(h.token_file) if h.token_file else None,
         "read_token_env": h.read_token_env,
         "read_token_file": str(h.read_token_file) if h.read_token_file else None,
-        "jupyter": h.jupyter,
+        "jupyter": _url(h.jupyter),
         "jupyter_token_env": h.jupyter_token_env,
         "jupyter_token_file": str(h.jupyter_token_file) if h.jupyter_token_file else None,
-        "docker": h.docker,
-        "ollama": h.ollama,
+        "docker": _url(h.docker),
+        "ollama": _url(h.ollama),
         "gpu_memory": size_text(h.gpu_memory_mib),
         "timeout": duration_text(h.timeout_s),
         # Only a host without an agent is probed here.
@@ -63,7 +70,7 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "launcher": s.launcher,
         "image": s.image,
         "command": s.command,
-        "health": s.health,
+        "health": _url(s.health),
         "match": list(s.match) or None,
         "memory": size_text(s.memory_mib),
         "priority": s.priority,
@@ -72,7 +79,7 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "devices": list(s.devices) if s.devices is not None else None,
         "stop": s.stop,
         "sleep_level": s.sleep_level,
-        "metrics": s.metrics,
+        "metrics": _url(s.metrics),
         "model": s.model,
         "cwd": s.cwd,
         "env": dict(s.env) or None,
@@ -87,7 +94,7 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "stop_timeout": duration_text(s.stop_timeout_s),
         "terminal": s.terminal,
         "models": list(s.models) or None,
-        "url": s.url,
+        "url": _url(s.url),
         "max_concurrent": s.max_concurrent,
         "queue_timeout": duration_text(s.queue_timeout_s) if s.queue_timeout_s else None,
         "preempt": s.preempt or None,
