@@ -22,9 +22,17 @@ def read_token_file(
     path: Path, option: str = "--token-file", env: str = "GPUCTL_AGENT_TOKEN"
 ) -> str:
     """The token in ``path``, stripped; warns when group or others can read the file."""
+    from gpuctl.config.readfile import TOKEN_LIMIT, NotSmallFile, read_small
+
     try:
         st = path.stat()
-        token = path.read_text(encoding="utf-8").strip()
+        token = read_small(path, TOKEN_LIMIT).decode("utf-8").strip()
+    except NotSmallFile as err:
+        raise UsageError(
+            f"{option}: {err}", hint=f"pass the file that holds the token to {option}, or set {env}"
+        ) from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{option}: {path} is not UTF-8 text") from None
     except OSError as err:
         raise UsageError(
             f"cannot read the token file {path}: {err.strerror or err}",

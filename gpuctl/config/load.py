@@ -24,8 +24,14 @@ def load_config(explicit: Path | None = None) -> Config:
             names the location.
     """
     path, named = config_path(explicit)
+    from gpuctl.config.readfile import CONFIG_LIMIT, NotSmallFile, read_small
+
     try:
-        raw = path.read_bytes()
+        raw = read_small(path, CONFIG_LIMIT)
+    except NotSmallFile as e:
+        raise ConfigError(
+            f"config file {e}", hint="point GPUCTL_CONFIG / --config at the config file"
+        ) from None
     except FileNotFoundError:
         if named:
             raise ConfigError(

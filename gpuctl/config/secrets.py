@@ -33,8 +33,15 @@ def read_secret(host: str, what: str, env: str | None, file: Path | None) -> str
             )
         return value
     if file:
+        from gpuctl.config.readfile import TOKEN_LIMIT, NotSmallFile, read_small
+
         try:
-            value = file.read_text(encoding="utf-8").strip()
+            value = read_small(file, TOKEN_LIMIT).decode("utf-8").strip()
+        except NotSmallFile as e:
+            raise ConfigError(
+                f"hosts.{host}.{what}_file: {e}",
+                hint="point it at the file that holds the token",
+            ) from None
         except IsADirectoryError:
             raise ConfigError(
                 f"hosts.{host}.{what}_file: {file} is a folder, not a file",
@@ -113,8 +120,14 @@ def read_key_list(env: str | None, file: Path | None) -> tuple[str, ...]:
             )
         return keys
     if file:
+        from gpuctl.config.readfile import CONFIG_LIMIT, NotSmallFile, read_small
+
         try:
-            text = file.read_text(encoding="utf-8")
+            text = read_small(file, CONFIG_LIMIT).decode("utf-8")
+        except NotSmallFile as e:
+            raise ConfigError(
+                f"proxy.api_keys_file: {e}", hint="point it at the file of keys (one a line)"
+            ) from None
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise ConfigError(
