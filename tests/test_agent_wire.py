@@ -8,6 +8,7 @@ trailing newline in a name, one bad record file, a read-only token that could wr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -257,6 +258,17 @@ def test_fresh_bypasses_the_reading_cache(agent: Agent) -> None:
     assert bad.status_code == 400
 
 
+def settled(folder: Path) -> None:
+    """Wait (on the condition, not a fixed sleep) until ``folder``'s mtime is older than
+    the agent's settle time, after which an unchanged stamp means "unchanged"."""
+    from gpuctl.agent.cache import SETTLE_NS
+
+    deadline = time.monotonic() + 30
+    while time.time_ns() - os.stat(folder).st_mtime_ns <= SETTLE_NS:
+        assert time.monotonic() < deadline, f"{folder} keeps changing"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("write", ["lease", "renew", "release", "update", "touch"])
 def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> None:
     assert status(agent)["is_idle"]
@@ -266,7 +278,11 @@ def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> 
         h = holder_here("test")
         if write != "lease":
             store.acquire(SVC, h, 60)
-            assert status(agent)["is_idle"]  # that write was seen; now cache again
+            assert status(agent)["is_idle"]  # that write was seen
+            # Now cache again, once the records folder's stamp has settled: a stamp
+            # younger than SETTLE_NS counts as changed on every look (FolderStamp).
+            settled(agent.state / "records")
+            assert status(agent)["is_idle"]
         agent.probe.reading = reading_of(BUSY)
         assert status(agent)["is_idle"]
         if write == "lease":

@@ -98,6 +98,10 @@ class TtlCell(Generic[T]):
             self._inflight = None
 
 
+# How long a folder's fresh stamp counts as "changed" (a coarse mtime tick is 1-10 ms).
+SETTLE_NS = 50_000_000
+
+
 class FolderStamp:
     """Notices writes made to a folder behind the agent's back.
 
@@ -109,7 +113,7 @@ class FolderStamp:
     stamp is younger than ``settle_ns`` it counts as changed on every look.
     """
 
-    def __init__(self, path: Path, settle_ns: int = 50_000_000) -> None:
+    def __init__(self, path: Path, settle_ns: int = SETTLE_NS) -> None:
         self._path = path
         self._settle_ns = settle_ns
         self._last: tuple[int, int] | None = None
