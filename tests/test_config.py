@@ -285,7 +285,7 @@ def test_service_names_the_store_refuses_are_refused_at_load(name: str) -> None:
     assert "a name may hold" in e.value.message
 
 
-@pytest.mark.parametrize("name", ["vllm", "qwen3.32b", "a-b", "_x", "0", "x" * 101])
+@pytest.mark.parametrize("name", ["vllm", "qwen3.32b", "a-b", "x_", "0", "x" * 101])
 def test_service_names_the_store_accepts(name: str) -> None:
     from gpuctl.core.names import is_valid_name
 

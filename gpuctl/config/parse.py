@@ -34,7 +34,7 @@ from gpuctl.config.model import (
 )
 from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
 from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
-from gpuctl.core.names import NAME_RULE, is_valid_name
+from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
 from gpuctl.errors import ConfigError
 
 ROOT_KEYS = ("defaults", "hosts", "services", "proxy")
@@ -145,6 +145,12 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
 def _check_name(kind: str, name: str) -> None:
     if not is_valid_name(name):
         raise ConfigError(f"{kind}.{key_text(name)}: a name may hold {NAME_RULE}")
+    if kind == "services" and not is_service_name(name):
+        raise ConfigError(
+            f"{kind}.{key_text(name)}: a service name may not start with '_' "
+            "(gpuctl's own store entries, such as _admission, are named so)",
+            hint=f"rename it, e.g. {name.lstrip('_') or 'svc'}",
+        )
 
 
 def _host(name: str, raw: Any, defaults: Defaults, base: Path | None) -> HostConfig:

@@ -22,3 +22,13 @@ def is_valid_name(name: object) -> bool:
 
 
 NAME_RULE = "letters, digits, '_', '.' and '-' (not first), at most 101 characters"
+
+
+RESERVED_PREFIX = "_"
+
+
+def is_service_name(name: object) -> bool:
+    """Whether ``name`` may name a configured service: a valid name that does not start
+    with ``_``, the prefix of the store's own entries (``_admission``, ``_inflight``,
+    ``_reclaim``): a service called that would share their lock and record."""
+    return is_valid_name(name) and not str(name).startswith(RESERVED_PREFIX)
