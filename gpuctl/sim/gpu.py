@@ -28,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,12 @@ __all__ = [
 
 _GPU_FILE = "gpu.json"
 _SIM_LOCK = "sim.lock"
+# Explicit modes, whatever the umask (under umask 000 the folders came out 0777 and
+# sim.lock 0666: anyone could drop claims or hold the lock). Readable by all, as the
+# claim files are (a container may run as another user and read them); writable only by
+# the owner.
+DIR_MODE = 0o755
+FILE_MODE = 0o644
 _CLAIMS = "claims"
 # Another PID namespace (a container sharing the sim dir) can reuse our pid number; the
 # claim then takes the next free suffix. More than a handful means something is wrong.
@@ -201,7 +208,7 @@ class SimGpu:
 
     def _ensure_dir(self) -> None:
         """Create the directory and its ``gpu.json`` (under the sim lock: one writer wins)."""
-        self.claims_dir.mkdir(parents=True, exist_ok=True)
+        _make_dirs(self.claims_dir)
         if (self.sim_dir / _GPU_FILE).exists():
             return
         with self._locked():
@@ -211,10 +218,11 @@ class SimGpu:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The sim-wide lock: growing a claim and checking that it fits is one step."""
-        self.sim_dir.mkdir(parents=True, exist_ok=True)
+        _make_dirs(self.sim_dir)
         path = self.sim_dir / _SIM_LOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+            _own_mode(fd)
         except PermissionError:
             # Created by another user (root in a container): flock works on a read-only fd.
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -360,7 +368,8 @@ class SimGpu:
         while slot < _MAX_CLAIM_SLOTS:
             stem = str(pid) if slot == 0 else f"{pid}-{slot}"
             lock_path = self.claims_dir / f"{stem}.lock"
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+            _own_mode(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -392,3 +401,21 @@ class SimGpu:
             f"cannot claim the simulated GPU: {_MAX_CLAIM_SLOTS} claims for pid {pid} already",
             hint=f"run `gpuctl sim reset` (sim dir {self.sim_dir})",
         )
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p`` with ``DIR_MODE`` on every folder it creates (mkdir's mode goes
+    through the umask; ``chmod`` does not)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for p in reversed(missing):
+        with contextlib.suppress(OSError):
+            os.chmod(p, DIR_MODE)
+
+
+def _own_mode(fd: int) -> None:
+    """A file of ours that others may write (made under a lax umask): ``FILE_MODE``."""
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
