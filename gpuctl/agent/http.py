@@ -20,6 +20,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_BODY_BYTES = 1 << 20
+# Past this an oversized body is not read on: the connection is closed on its sender.
+DRAIN_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +120,22 @@ class Request:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
+                await self._drain(size)
                 raise HttpError(413, f"request body over {limit} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def _drain(self, size: int) -> None:
+        """Read and drop the rest of an oversized body (up to ``DRAIN_BYTES`` in all),
+        so a client still sending it reads our 413 instead of a connection reset."""
+        more = True
+        while more and size <= DRAIN_BYTES:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            more = bool(message.get("more_body", False))
 
 
 Handler = Callable[[Request], Awaitable[Response]]

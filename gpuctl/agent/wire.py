@@ -69,6 +69,8 @@ def _number_value(text: str) -> float | int:
 
 def parse_body(body: bytes) -> dict[str, Any]:
     """The body as a JSON object (an empty body is ``{}``); BadRequest otherwise."""
+    if len(body) > MAX_BODY_BYTES:  # first: 200 KiB of spaces is no empty body
+        raise HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
     if not body.strip():
         return {}
     depth = 0
@@ -80,8 +82,6 @@ def parse_body(body: bytes) -> dict[str, Any]:
                 raise BadRequest("", f"nested deeper than {MAX_DEPTH} levels")
         elif token in (b"]", b"}"):
             depth -= 1
-    if len(body) > MAX_BODY_BYTES:
-        raise HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
     try:
         data = json.loads(body, parse_constant=_reject_constant, parse_float=_number_value)
     except RecursionError:  # unreachable after the depth bound; kept as a backstop

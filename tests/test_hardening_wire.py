@@ -1,0 +1,37 @@
+"""The agent's request-body bounds come first and answer: 200 KiB of whitespace was
+taken as ``{}``, and a 10 MiB body got a connection reset instead of 413. A real agent
+on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpuctl.sim.host import SimHost
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    with SimHost(root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+
+
+@pytest.mark.parametrize(
+    "body", [b" " * (200 * 1024), b"\n" * (65 * 1024), b"a" * (10 * 1024 * 1024)],
+    ids=["200KiB-spaces", "65KiB-newlines", "10MiB"],
+)  # fmt: skip
+def test_an_oversized_body_is_413(host: SimHost, body: bytes) -> None:
+    r = httpx.post(
+        f"{host.agent_url}/records/svc/touch",
+        headers={"Authorization": f"Bearer {host.token}", "Content-Type": "application/json"},
+        content=body,
+        timeout=60,
+    )
+    assert r.status_code == 413, (r.status_code, r.text[:200])
+    assert "request body over" in r.text
