@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -52,3 +54,29 @@ def unlink(path: Path) -> bool:
 
 def age_s(entry: os.DirEntry[str]) -> float:
     return time.time() - entry.stat(follow_symlinks=False).st_mtime
+
+
+# Explicit modes, whatever the umask (under umask 000 the folders came out 0777 and
+# sim.lock 0666: anyone could drop claims or hold the lock). Readable by all, as the
+# claim files are (a container may run as another user and read them); writable only by
+# the owner.
+DIR_MODE = 0o755
+FILE_MODE = 0o644
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` with ``DIR_MODE`` on every folder it creates (mkdir's mode goes
+    through the umask; ``chmod`` does not)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for p in reversed(missing):
+        with contextlib.suppress(OSError):
+            os.chmod(p, DIR_MODE)
+
+
+def own_mode(fd: int) -> None:
+    """A file of ours that others may write (made under a lax umask): ``FILE_MODE``."""
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)

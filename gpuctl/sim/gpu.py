@@ -28,27 +28,33 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpuctl.core.units import format_mib
 from gpuctl.sim.claim import Claim
 from gpuctl.sim.errors import SimError, SimOutOfMemory
-from gpuctl.sim.fs import age_s, read_json, unlink, write_json_atomic
+from gpuctl.sim.fs import (
+    FILE_MODE,
+    age_s,
+    make_dirs,
+    own_mode,
+    read_json,
+    unlink,
+)
 from gpuctl.sim.liveness import LockTable, pid_alive, pid_namespace
 from gpuctl.sim.settings import (
     DEFAULT_TOTAL_MIB,
     ENV_GPUS,
-    MAX_DEVICES,
+    GPU_FILE,
     default_gpu,
     default_sim_dir,
     explicit_totals,
     parse_totals,
-    positive,
+    read_gpu_file,
     resolve_sim_dir,
+    write_gpu_file,
 )
 
 __all__ = [
@@ -64,14 +70,7 @@ __all__ = [
     "resolve_sim_dir",
 ]
 
-_GPU_FILE = "gpu.json"
 _SIM_LOCK = "sim.lock"
-# Explicit modes, whatever the umask (under umask 000 the folders came out 0777 and
-# sim.lock 0666: anyone could drop claims or hold the lock). Readable by all, as the
-# claim files are (a container may run as another user and read them); writable only by
-# the owner.
-DIR_MODE = 0o755
-FILE_MODE = 0o644
 _CLAIMS = "claims"
 # Another PID namespace (a container sharing the sim dir) can reuse our pid number; the
 # claim then takes the next free suffix. More than a handful means something is wrong.
@@ -134,10 +133,10 @@ class SimGpu:
         explicit = explicit_totals(total_mib, totals_mib)
         self._explicit_totals = explicit
         self._define = define
-        if define and explicit is not None and self._read_total_file() != explicit:
+        if define and explicit is not None and read_gpu_file(self.sim_dir) != explicit:
             try:
                 with self._locked():
-                    self._write_total_file(explicit)
+                    write_gpu_file(self.sim_dir, explicit)
             except OSError:
                 # A read-only sim dir (a probe that may only look): the value still holds in
                 # this process; claims, which must write, report the error themselves.
@@ -150,7 +149,7 @@ class SimGpu:
         """Each GPU's total in MiB (read again each time: another process may set them)."""
         if self._define and self._explicit_totals is not None:
             return self._explicit_totals
-        from_file = self._read_total_file()
+        from_file = read_gpu_file(self.sim_dir)
         if from_file is not None:
             return from_file
         return self._explicit_totals or (DEFAULT_TOTAL_MIB,)
@@ -160,7 +159,7 @@ class SimGpu:
         directory's ``gpu.json`` says otherwise); None when they agree or none were given."""
         if self._define or self._explicit_totals is None:
             return None
-        from_file = self._read_total_file()
+        from_file = read_gpu_file(self.sim_dir)
         if from_file is None or from_file == self._explicit_totals:
             return None
         return (
@@ -187,42 +186,23 @@ class SimGpu:
             )
         return totals[gpu]
 
-    def _read_total_file(self) -> tuple[int, ...] | None:
-        data = read_json(self.sim_dir / _GPU_FILE)
-        if data is None:
-            return None
-        devices = data.get("devices")
-        if isinstance(devices, list) and 0 < len(devices) <= MAX_DEVICES:
-            totals = [d.get("total_mib") if isinstance(d, dict) else None for d in devices]
-            if all(positive(t) for t in totals):
-                return tuple(totals)  # type: ignore[arg-type]
-            return None
-        value = data.get("total_mib")
-        return (value,) if isinstance(value, int) and positive(value) else None
-
-    def _write_total_file(self, totals_mib: tuple[int, ...]) -> None:
-        data: dict[str, Any] = {"total_mib": sum(totals_mib)}
-        if len(totals_mib) > 1:
-            data["devices"] = [{"total_mib": t} for t in totals_mib]
-        write_json_atomic(self.sim_dir / _GPU_FILE, data)
-
     def _ensure_dir(self) -> None:
         """Create the directory and its ``gpu.json`` (under the sim lock: one writer wins)."""
-        _make_dirs(self.claims_dir)
-        if (self.sim_dir / _GPU_FILE).exists():
+        make_dirs(self.claims_dir)
+        if (self.sim_dir / GPU_FILE).exists():
             return
         with self._locked():
-            if self._read_total_file() is None:
-                self._write_total_file(self.totals_mib)
+            if read_gpu_file(self.sim_dir) is None:
+                write_gpu_file(self.sim_dir, self.totals_mib)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The sim-wide lock: growing a claim and checking that it fits is one step."""
-        _make_dirs(self.sim_dir)
+        make_dirs(self.sim_dir)
         path = self.sim_dir / _SIM_LOCK
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-            _own_mode(fd)
+            own_mode(fd)
         except PermissionError:
             # Created by another user (root in a container): flock works on a read-only fd.
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -369,7 +349,7 @@ class SimGpu:
             stem = str(pid) if slot == 0 else f"{pid}-{slot}"
             lock_path = self.claims_dir / f"{stem}.lock"
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-            _own_mode(fd)
+            own_mode(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -401,21 +381,3 @@ class SimGpu:
             f"cannot claim the simulated GPU: {_MAX_CLAIM_SLOTS} claims for pid {pid} already",
             hint=f"run `gpuctl sim reset` (sim dir {self.sim_dir})",
         )
-
-
-def _make_dirs(path: Path) -> None:
-    """``mkdir -p`` with ``DIR_MODE`` on every folder it creates (mkdir's mode goes
-    through the umask; ``chmod`` does not)."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    path.mkdir(parents=True, exist_ok=True)
-    for p in reversed(missing):
-        with contextlib.suppress(OSError):
-            os.chmod(p, DIR_MODE)
-
-
-def _own_mode(fd: int) -> None:
-    """A file of ours that others may write (made under a lax umask): ``FILE_MODE``."""
-    with contextlib.suppress(OSError):
-        st = os.fstat(fd)
-        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:
-            os.fchmod(fd, FILE_MODE)

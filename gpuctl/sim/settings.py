@@ -10,9 +10,11 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gpuctl.core.units import parse_size_mib
 from gpuctl.sim.errors import SimError
+from gpuctl.sim.fs import read_json, write_json_atomic
 
 DEFAULT_TOTAL_MIB = 128 * 1024
 ENV_SIM_DIR = "GPUCTL_SIM_DIR"
@@ -20,6 +22,8 @@ ENV_GPU_MEMORY = "GPUCTL_SIM_GPU_MEMORY"
 # Several simulated GPUs, each with its own total: "80GiB,80GiB" (a comma list of sizes).
 ENV_GPUS = "GPUCTL_SIM_GPUS"
 MAX_DEVICES = 64
+# The simulated host's GPUs, as the sim commands that make it wrote them.
+GPU_FILE = "gpu.json"
 
 
 def default_sim_dir() -> Path:
@@ -105,3 +109,25 @@ def explicit_totals(
     if bad:
         raise SimError(f"the simulated GPU's total memory must be positive, got {bad[0]} MiB")
     return explicit
+
+
+def read_gpu_file(sim_dir: Path) -> tuple[int, ...] | None:
+    """The GPUs' totals that ``gpu.json`` in ``sim_dir`` names; None without a sound one."""
+    data = read_json(sim_dir / GPU_FILE)
+    if data is None:
+        return None
+    devices = data.get("devices")
+    if isinstance(devices, list) and 0 < len(devices) <= MAX_DEVICES:
+        totals = [d.get("total_mib") if isinstance(d, dict) else None for d in devices]
+        if all(positive(t) for t in totals):
+            return tuple(totals)  # type: ignore[arg-type]
+        return None
+    value = data.get("total_mib")
+    return (value,) if isinstance(value, int) and positive(value) else None
+
+
+def write_gpu_file(sim_dir: Path, totals_mib: tuple[int, ...]) -> None:
+    data: dict[str, Any] = {"total_mib": sum(totals_mib)}
+    if len(totals_mib) > 1:
+        data["devices"] = [{"total_mib": t} for t in totals_mib]
+    write_json_atomic(sim_dir / GPU_FILE, data)
