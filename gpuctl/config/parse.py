@@ -256,6 +256,14 @@ def _service(
 
 
 def _match(s: Table) -> tuple[str, ...]:
+    if s.get("match") == []:
+        # An empty list reads like "match nothing" but left the service with no way to
+        # be found by keyword: leave the key out for that, or name a keyword.
+        raise s.fail(
+            "match",
+            "an empty list: name at least one keyword, or leave match out",
+            hint='match = ["vllm"]',
+        )
     words = s.str_list("match")
     for w in words:
         # The agent's ?match= is comma-separated: a comma would split the keyword.

@@ -107,6 +107,9 @@ def _duration_text(text: str) -> float:
     return total
 
 
+MIN_DURATION_S = 0.001
+
+
 def _check_duration(total: float, shown: str, allow_zero: bool) -> float:
     if math.isnan(total):
         raise ValueError(f"expected a duration like '30m', got {shown}")
@@ -116,6 +119,9 @@ def _check_duration(total: float, shown: str, allow_zero: bool) -> float:
         raise ValueError(f"a duration must be at most 365d, got {shown}")
     if total == 0 and not allow_zero:
         raise ValueError(f"a duration must be more than 0, got {shown}")
+    if 0 < total < MIN_DURATION_S:
+        # 1e-300 s passed as "more than 0": no timeout or wait of gpuctl's is that short.
+        raise ValueError(f"a duration must be at least 1ms, got {shown}")
     return total
 
 
