@@ -35,3 +35,21 @@ def test_an_oversized_body_is_413(host: SimHost, body: bytes) -> None:
     )
     assert r.status_code == 413, (r.status_code, r.text[:200])
     assert "request body over" in r.text
+
+
+@pytest.mark.parametrize("pid", ["1.5", "4242.25", "1e-3"])
+def test_a_pid_with_a_fraction_is_400(host: SimHost, pid: str) -> None:
+    """README: ``1.5`` is not a pid (``1.0`` is the integer 1: JSON has one number type)."""
+    from gpuctl.adapters.store import holder_here
+
+    h = holder_here("test").to_dict()
+    raw = '{"holder": ' + __import__("json").dumps({**h, "pid": 7}).replace(
+        '"pid": 7', f'"pid": {pid}'
+    )
+    r = httpx.post(
+        f"{host.agent_url}/records/svc/lease",
+        headers={"Authorization": f"Bearer {host.token}", "Content-Type": "application/json"},
+        content=(raw + ', "ttl_s": 60}').encode(),
+        timeout=60,
+    )
+    assert r.status_code == 400 and "holder.pid" in r.text, r.text
