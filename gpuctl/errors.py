@@ -11,6 +11,7 @@ appear only with ``GPUCTL_DEBUG=1``.
      ├── UsageError             unknown host / service, bad option combination (exit 2)
      ├── AgentUnavailable       agent down, hung, refused us, or spoke nonsense (exit 4)
      │    └── AgentAuthError    401/403 from the agent (exit 4)
+     ├── Undecided              gpuctl cannot tell (a start may be hidden) (exit 4)
      ├── ProbeError             the local GPU probe failed (exit 4)
      │    ├── NoGpuFound        no NVIDIA driver / GPU here (exit 4)
      │    └── NvmlMismatch      binding and driver disagree (adapters.probes.nvml; exit 4)

@@ -94,6 +94,17 @@ def test_timeout_releases_the_lease_and_says_it_may_still_load(w: World) -> None
     assert sum(w.clock.slept) >= 3.0
 
 
+def test_a_launch_that_exits_once_it_answers_is_ready_not_failed(w: World) -> None:
+    # Ollama's loader exits as soon as its model is in: the process is gone by the
+    # liveness look, but the health check that follows it answers.
+    w.launcher.dies = True
+    w.launcher.on_start = lambda: w.health.ready_after(1)  # refused once, then 200
+    r = ensure(w.deps())
+    assert (r.outcome, r.exit_code, r.launched) == (Outcome.READY, ExitCode.OK, True)
+    assert w.store.get("vllm").phase is Phase.RUNNING
+    assert w.launcher.started == ["vllm"]
+
+
 def test_server_that_dies_while_loading_is_failed_with_its_log(w: World) -> None:
     w.launcher.dies = True
     r = ensure(w.deps())

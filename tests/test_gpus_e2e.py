@@ -144,8 +144,9 @@ def test_human_view_shows_each_gpu(two_gpus: SimHost) -> None:
     gpu1 = next(line for line in lines if "GPU 1 memory" in line)
     assert "0 MiB / 80.0 GiB" in gpu0 and "util 0%" in gpu0
     assert "20.0 GiB / 80.0 GiB" in gpu1
-    # --wide: temperature and power, unknown on the sim, shown as unknown, not 0.
-    assert "?  ?" in gpu1
+    # --wide: temperature and power, unknown on the sim, shown as unknown, not 0, on
+    # their own labelled line under the GPU's bar.
+    assert "temperature ?  power ?" in lines[lines.index(gpu1) + 1]
 
 
 @pytest.mark.e2e

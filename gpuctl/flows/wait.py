@@ -157,6 +157,10 @@ class LauncherWatch:
         except GpuctlError:
             alive = None
         if alive is False:
+            # It may have come up between the loop's health check and this look (Ollama's
+            # loader exits as soon as its model is in): only a last refusal is a failure.
+            if deps.check_health().ok:
+                return Waited(Outcome.READY, self.ready_reason(self.ctx.elapsed()))
             return Waited(Outcome.FAILED, f"{svc.name}'s server exited while loading", self.tail())
         pid = self.handle.pid
         try:
