@@ -95,6 +95,8 @@ def test_caller_killed_between_spawn_and_record(
     rec = read_record(host, a)
     assert rec["phase"] == "starting" and rec["start_nonce"]
     assert bool(rec["handle"]) is (sig == signal.SIGINT)  # Ctrl-C records it on the way out
+    if sig == signal.SIGINT:  # ... as a Ctrl-C while waiting does: attempt, lease back
+        assert rec["attempts"][-1]["outcome"] == "interrupted" and rec["lease"] is None
     assert len(server_pids(server)) == 1
 
     r = run_ensure(cfg, b)

@@ -313,11 +313,18 @@ def launch_under_lease(
                         **({"hint": hint} if hint else {}),
                     )
                 try:
-                    # The window the nonce covers (a kill -9 here): spawned, not recorded.
-                    failpoints.hit("ensure.after_spawn")
-                finally:
-                    # Recorded even on Ctrl-C, so the next caller need not look for it.
-                    deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                    try:
+                        # The window the nonce covers (a kill -9 here): spawned, not recorded.
+                        failpoints.hit("ensure.after_spawn")
+                    finally:
+                        # Recorded even on Ctrl-C, so the next caller need not look for it.
+                        deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                except KeyboardInterrupt:
+                    # A Ctrl-C here (or during that write) ends as one while waiting does:
+                    # server recorded, attempt `interrupted`, lease given back.
+                    interrupted = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
+                    release({"attempt": interrupted, "handle": handle.to_dict()})
+                    raise
         if waiting is not None:
             return _bystander(ctx, waiting.decision, waiting.reason, waiting.hint)
         if not wait and adopted is not None:
