@@ -8,12 +8,33 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
+
+
+def agent_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu_memory: str | None = None
+) -> Iterator[SimHost]:
+    """A simulated host with its agent, the environment pointed at it; for a fixture's
+    ``yield from``. The API's per-process caches are reset around it."""
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    extra: dict[str, Any] = {}
+    if gpu_memory is not None:
+        monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", gpu_memory)
+        extra["gpu_memory"] = gpu_memory
+    api._reset_for_tests()
+    with SimHost(root=tmp_path / "simhost", **extra) as h:
+        h.start_agent()
+        yield h
+    api._reset_for_tests()
 
 
 def unique_name(prefix: str = "llm") -> str:

@@ -21,6 +21,7 @@ from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import (
+    agent_host,
     cli_env,
     kill_servers,
     model_server_command,
@@ -34,11 +35,7 @@ from tests.ollama_helpers import SimOllama, claims_mib, wait_until
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
-    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
-    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
-    with SimHost(root=tmp_path / "simhost") as h:
-        h.start_agent()
-        yield h
+    yield from agent_host(tmp_path, monkeypatch)
 
 
 @pytest.fixture

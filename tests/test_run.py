@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import (
+    agent_host,
     cli_env,
     kill_servers,
     model_server_command,
@@ -31,14 +31,7 @@ from tests.ensure_helpers import (
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
-    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
-    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
-    monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", "120GiB")
-    api._reset_for_tests()
-    with SimHost(gpu_memory="120GiB", root=tmp_path / "simhost") as h:
-        h.start_agent()
-        yield h
-    api._reset_for_tests()
+    yield from agent_host(tmp_path, monkeypatch, "120GiB")
 
 
 def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -17,6 +17,7 @@ import pytest
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe, tagged
 from tests.ensure_helpers import (
+    agent_host,
     cli_env,
     kill_servers,
     model_server_command,
@@ -27,11 +28,7 @@ from tests.ensure_helpers import (
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
-    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
-    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
-    with SimHost(root=tmp_path / "simhost") as h:
-        h.start_agent()
-        yield h
+    yield from agent_host(tmp_path, monkeypatch)
 
 
 @pytest.fixture
