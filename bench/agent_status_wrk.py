@@ -96,6 +96,7 @@ def main() -> int:
             "GPUCTL_STATE_DIR": str(Path(tmp, "state")),
         }
         gpuctl = [sys.executable, "-m", "gpuctl"]
+        Path(tmp, "sim").mkdir()  # named with --sim-dir, it must exist
         agent = subprocess.Popen(
             [*gpuctl, "agent", "--probe", "sim", "--listen", f"127.0.0.1:{port}",
              "--sim-dir", str(Path(tmp, "sim"))],

@@ -574,6 +574,7 @@ def test_installed_cli_serves_the_sim_gpu(tmp_path: Path, how: str) -> None:
     }
     env.pop("GPUCTL_SIM_DIR", None)
     sim_dir = tmp_path / "sim"
+    sim_dir.mkdir()  # named with --sim-dir, it must exist (a missing one is refused)
     proc = subprocess.Popen(
         [
             *exe,
@@ -631,6 +632,54 @@ def test_installed_cli_serves_the_sim_gpu(tmp_path: Path, how: str) -> None:
     assert f"gpuctl agent: listening on {url} (probe sim, token required)" in err
     assert "Traceback" not in err
     json.dumps(body)  # plain JSON all the way
+
+
+@pytest.mark.e2e
+def test_a_missing_sim_dir_is_refused_never_an_empty_gpu(tmp_path: Path) -> None:
+    """`agent --sim-dir` naming a folder that is not there is a typo: the agent refuses to
+    start (exit 4, naming the folder and the fix) rather than serve an empty, free GPU.
+    A folder removed under a running agent makes /status 503 and `gpuctl status` UNKNOWN."""
+    missing = tmp_path / "no-such-sim"
+    env = {**os.environ, "GPUCTL_AGENT_TOKEN": TOKEN, "GPUCTL_STATE_DIR": str(tmp_path / "st")}
+    env.pop("GPUCTL_SIM_DIR", None)
+    port = free_port()
+    base = [gpuctl_exe(), "agent", "--probe", "sim", "--listen", f"127.0.0.1:{port}"]
+    r = subprocess.run(
+        [*base, "--sim-dir", str(missing)],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 4, r.stderr
+    assert f"gpuctl: error: the simulated GPU's folder {missing} does not exist" in r.stderr
+    assert f"hint: check the path; for an empty simulated GPU there: mkdir -p {missing}" in r.stderr
+    assert "Traceback" not in r.stderr and not missing.exists()
+
+    there = tmp_path / "sim"
+    there.mkdir()
+    proc = subprocess.Popen(
+        [*base, "--sim-dir", str(there), "--cache-ttl", "100ms"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        assert httpx.get(f"{url}/status", headers=AUTH).json()["is_idle"] is True
+        there.rmdir()
+        r2 = httpx.get(f"{url}/status", params={"fresh": "1"}, headers=AUTH)
+        assert r2.status_code == 503, r2.text
+        assert f"folder {there} does not exist" in r2.text
+        cfg = tmp_path / "config.toml"
+        cfg.write_text(f'[hosts.sim]\nagent = "{url}"\ntoken_env = "GPUCTL_AGENT_TOKEN"\n')
+        st = subprocess.run(
+            [gpuctl_exe(), "status", "--json"],
+            env={**env, "GPUCTL_CONFIG": str(cfg)}, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert st.returncode == 4, st.stderr
+        (host,) = json.loads(st.stdout)["hosts"]
+        assert host["ok"] is False and host["is_idle"] is None
+        assert f"folder {there} does not exist" in host["error"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
 
 
 def test_exclude_leaves_out_the_callers_own_tree_on_the_same_host(

@@ -257,6 +257,7 @@ def test_the_installed_agent_takes_match_and_a_read_token(
         "GPUCTL_STATE_DIR": str(tmp_path / "state"),
         "GPUCTL_CONFIG": str(tmp_path / "config.toml"),
     }
+    (tmp_path / "sim").mkdir()  # named with --sim-dir, it must exist
     agent_proc = subprocess.Popen(
         [gpuctl_exe(), "agent", "--probe", "sim", "--listen", f"127.0.0.1:{port}",
          "--sim-dir", str(tmp_path / "sim"), "--cache-ttl", "200ms",

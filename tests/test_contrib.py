@@ -134,6 +134,7 @@ def test_agent_unit_command_line_is_accepted_by_the_real_agent(tmp_path: Path) -
     }
     cmd = [gpuctl_exe(), "agent", *[x for kv in moved.items() for x in kv]]
     cmd += ["--sim-dir", str(tmp_path / "sim")]
+    (tmp_path / "sim").mkdir()  # named with --sim-dir, it must exist
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
     log = tmp_path / "agent.log"
     with log.open("wb") as out:

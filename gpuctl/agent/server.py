@@ -170,6 +170,7 @@ def serve(
     token: str | None,
     *,
     sim_dir: str | os.PathLike[str] | None = None,
+    sim_required: bool = False,
     gpu_memory_mib: int | None = None,
     cache_ttl_s: float = 1.0,
     state_dir: str | os.PathLike[str] | None = None,
@@ -185,6 +186,8 @@ def serve(
         probe_name: ``auto``, ``nvml``, ``nvidia-smi`` or ``sim``.
         token: the bearer token; None (or empty) is allowed on loopback only.
         sim_dir: the simulated GPU's directory (``sim`` probe).
+        sim_required: ``sim_dir`` was named (``--sim-dir``): a missing one is an error at
+            start, and one removed later makes ``/status`` 503, never an empty GPU.
         gpu_memory_mib: the GPU's total where the device cannot tell (unified memory).
         cache_ttl_s: how long one probe reading is reused.
         state_dir: the state directory to report in /status.
@@ -220,6 +223,7 @@ def serve(
             probe_name,
             sim_dir=Path(sim_dir) if sim_dir is not None else None,
             gpu_memory_mib=gpu_memory_mib,
+            sim_required=sim_required,
         )
         try:
             _run(

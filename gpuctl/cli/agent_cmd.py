@@ -197,6 +197,8 @@ def register(app: typer.Typer) -> None:
                 probe.value,
                 token,
                 sim_dir=sim,
+                # Named here, it must be there: the default may not be created yet.
+                sim_required=sim_dir is not None,
                 gpu_memory_mib=gpu_memory,
                 cache_ttl_s=cache_ttl,
                 state_dir=str(state),

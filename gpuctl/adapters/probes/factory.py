@@ -18,7 +18,11 @@ PROBE_NAMES = PROBES  # the one list lives with the config, which names a probe 
 
 
 def make_probe(
-    name: str, *, sim_dir: Path | None = None, gpu_memory_mib: int | None = None
+    name: str,
+    *,
+    sim_dir: Path | None = None,
+    gpu_memory_mib: int | None = None,
+    sim_required: bool = False,
 ) -> Probe:
     """Build the probe called ``name``.
 
@@ -27,6 +31,7 @@ def make_probe(
             else ``nvidia-smi`` if it is on PATH; and ``nvidia-smi`` from the first NVML
             read that fails because the binding does not fit the driver).
         sim_dir: the simulated GPU's state directory (``sim`` only).
+        sim_required: ``sim_dir`` was named and must exist (``SimProbe``'s ``required``).
         gpu_memory_mib: the total to report where the device has none (unified memory).
 
     Raises:
@@ -41,7 +46,7 @@ def make_probe(
     if name == "sim":
         from gpuctl.adapters.probes.sim import SimProbe
 
-        return SimProbe(sim_dir, gpu_memory_mib)
+        return SimProbe(sim_dir, gpu_memory_mib, required=sim_required)
     if name == "auto":
         return _auto(gpu_memory_mib)
     raise UsageError(f"unknown probe {name!r}", hint=f"use one of: {', '.join(PROBE_NAMES)}")

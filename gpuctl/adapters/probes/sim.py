@@ -26,15 +26,27 @@ class SimProbe:
             A read never changes the simulated hardware: where ``gpu.json`` names the
             GPUs (as ``gpuctl sim`` wrote them), they are read, and a total that
             disagrees is a note of the reading.
+        required: the directory was named (``agent --sim-dir``): it must exist, now and
+            at every read. A missing one is a typo or a folder removed under us, and
+            reading it as an empty GPU would call the GPU free without knowing.
+            Without it, a default directory not created yet is an empty simulated GPU.
+
+    Raises:
+        ConfigError: a bad total.
+        ProbeError: ``required`` and the directory is not there.
     """
 
     name = "sim"
 
-    def __init__(self, sim_dir: Path | None = None, total_mib: int | None = None) -> None:
+    def __init__(
+        self, sim_dir: Path | None = None, total_mib: int | None = None, *, required: bool = False
+    ) -> None:
         try:
             self.gpu = SimGpu(sim_dir, total_mib, define=False)
         except SimError as err:  # a bad $GPUCTL_SIM_GPU_MEMORY or total
             raise ConfigError(err.message, err.hint) from err
+        self.required = required
+        self._check_there()
         mismatch = self.gpu.totals_mismatch()
         if mismatch:
             logging.getLogger("gpuctl.probe").warning("warning: %s", mismatch)
@@ -43,8 +55,10 @@ class SimProbe:
         """List the claims: a directory listing, a few small JSON files, one flock try each.
 
         Raises:
-            ProbeError: the sim directory exists but cannot be read (never "idle" then).
+            ProbeError: the sim directory exists but cannot be read, or it is required and
+                missing (never "idle" then).
         """
+        self._check_there()
         try:
             claims = self.gpu.claims()
             totals = self.gpu.totals_mib
@@ -88,6 +102,14 @@ class SimProbe:
         if mismatch:
             notes.append(mismatch)
         return ProbeReading.of_devices(self.name, processes, devices, notes)
+
+    def _check_there(self) -> None:
+        if self.required and not self.gpu.sim_dir.is_dir():
+            d = self.gpu.sim_dir
+            raise ProbeError(
+                f"the simulated GPU's folder {d} does not exist (--sim-dir)",
+                hint=f"check the path; for an empty simulated GPU there: mkdir -p {d}",
+            )
 
     def close(self) -> None:
         """Nothing to close: every read opens and closes its own files."""
