@@ -43,6 +43,14 @@ from gpuctl import __version__
 from gpuctl.api import in_use
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.proxy.errors import error_body, retry_after
+from gpuctl.proxy.h1 import (
+    Client,
+    ConnectFailed,
+    UpstreamError,
+    UpstreamTimeout,
+    is_idempotent,
+    request_target,
+)
 from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import Readiness, SingleFlight, run_ensure
 from gpuctl.proxy.relay import (
@@ -77,6 +85,8 @@ UPSTREAM_CONNECT_TIMEOUT_S = 10.0
 # A non-streaming completion can take minutes; an upstream silent for longer is gone.
 UPSTREAM_READ_TIMEOUT_S = 600.0
 _JSON = (b"content-type", b"application/json")
+# The request targets of the routed paths, encoded once.
+_TARGETS = {p: p.encode() for p in MODEL_IN_BODY}
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +180,8 @@ class ProxyApp:
         self.metrics = ProxyMetrics()
         self._keys = tuple(k.encode() for k in settings.api_keys)
         self._ensure = ensure
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None  # health checks, model cards
+        self.upstream = Client(UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S)
         self._flight: SingleFlight | None = None
         self._states: dict[str, _State] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
@@ -187,11 +198,10 @@ class ProxyApp:
 
     @property
     def client(self) -> httpx.AsyncClient:
+        """httpx, for the cold paths; requests go through ``self.upstream`` (h1.py)."""
         if self._client is None:
             from gpuctl.proxy.upstream import make_client
 
-            # One client for every upstream: pooled keep-alive connections, enough for
-            # hundreds of concurrent streams.
             self._client = make_client(UPSTREAM_READ_TIMEOUT_S, UPSTREAM_CONNECT_TIMEOUT_S)
         return self._client
 
@@ -212,6 +222,7 @@ class ProxyApp:
                 st.release = None
             if st.held and not st.in_flight:
                 await self._release(st)
+        self.upstream.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -474,7 +485,7 @@ class ProxyApp:
                 try:
                     await self._forward(call)
                     return
-                except httpx.ConnectError as e:
+                except ConnectFailed as e:
                     attempts -= 1
                     st.ready = False
                     if attempts == 0:
@@ -615,34 +626,41 @@ class ProxyApp:
 
     async def _forward(self, call: _Call) -> None:
         svc, scope = call.up.service, call.scope
-        url = call.up.origin + call.path
-        qs = scope.get("query_string") or b""
-        if qs:
-            url += "?" + qs.decode("latin-1")
+        method: str = scope["method"]
+        target = _TARGETS.get(call.path)
+        qs: bytes = scope.get("query_string") or b""
+        if target is None or qs:
+            target = request_target(call.path, qs)
+        keep_auth = self.settings.pass_authorization
         headers = [
             (k, v)
             for k, v in scope["headers"]
-            if k not in HOP and (k != b"authorization" or self.settings.pass_authorization)
+            if k not in HOP and (keep_auth or k != b"authorization")
         ]
-        request = self.client.build_request(
-            scope["method"], url, headers=headers, content=call.body
-        )
         t0 = time.perf_counter()
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.ConnectError:
+            resp = await self.upstream.pool(call.up.origin).request(
+                method,
+                target,
+                headers,
+                call.body,
+                # The OpenAI inference paths change no state: one that met a keep-alive
+                # connection closed under it may go again (h1.py's retry rule).
+                idempotent=call.path in MODEL_IN_BODY or is_idempotent(method),
+            )
+        except ConnectFailed:
             raise
-        except httpx.TimeoutException as e:
+        except UpstreamTimeout as e:
             raise Refusal(
                 504,
-                f"{svc.name}'s server did not answer in time: {type(e).__name__}",
+                f"{svc.name}'s server did not answer in time: {e}",
                 "upstream_error",
                 "upstream_timeout",
             ) from None
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             raise Refusal(
                 502,
-                f"{svc.name}'s server failed: {type(e).__name__}: {e}",
+                f"{svc.name}'s server failed: {e}",
                 "upstream_error",
                 "upstream_error",
             ) from None
@@ -658,7 +676,7 @@ class ProxyApp:
                 call.info["gone"] = True
                 self.cancelled_upstream += 1
         finally:
-            await resp.aclose()
+            resp.aclose()
 
     async def _refuse(self, send: Send, reply: _Reply, r: Refusal) -> None:
         if reply.sse:

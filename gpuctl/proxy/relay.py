@@ -15,9 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpx
-
 from gpuctl.proxy.errors import sse_error_event
+from gpuctl.proxy.h1 import Response, UpstreamError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -26,7 +25,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("gpuctl.proxy")
 
-# Not forwarded either way (RFC 9110 §7.6.1), plus what httpx or uvicorn set themselves.
+# Not forwarded either way (RFC 9110 §7.6.1), plus what the client or uvicorn set themselves.
 HOP = frozenset(
     {
         b"connection",
@@ -41,11 +40,11 @@ HOP = frozenset(
         b"content-length",
     }
 )
-_HOP_STR = frozenset(h.decode() for h in HOP) | {"date"}
+_HOP_RESPONSE = HOP | {b"date"}
 
 
 async def relay(
-    resp: httpx.Response, *, send: Send, receive: Receive, name: str, opened_sse: bool
+    resp: Response, *, send: Send, receive: Receive, name: str, opened_sse: bool
 ) -> bool:
     """Send the upstream's answer (for service ``name``) to the client; True when the
     client went away before it ended.
@@ -53,44 +52,38 @@ async def relay(
     ``opened_sse``: the proxy already opened an SSE stream (and said 200) while the
     service loaded, so only the events go.
     """
-    ctype = resp.headers.get("content-type", "")
-    sse = ctype.startswith("text/event-stream")
+    sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
     if opened_sse:
         # The upstream's status line has nowhere to go: a refusal becomes the stream's
         # error event.
-        if resp.status_code != 200:
-            text = (await resp.aread())[:2000].decode("utf-8", "replace")
+        if resp.status != 200:
+            text = (await resp.read())[:2000].decode("utf-8", "replace")
             await end_with_error(
                 send,
-                f"{name} answered {resp.status_code}: {text}",
+                f"{name} answered {resp.status}: {text}",
                 "upstream_error",
                 "upstream_status",
             )
             return False
     else:
-        headers = [
-            (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in resp.headers.multi_items()
-            if k not in _HOP_STR
-        ]
-        length = resp.headers.get("content-length")
-        if length is not None and not sse:
-            content = await resp.aread()
+        headers = [(k, v) for k, v in resp.headers if k not in _HOP_RESPONSE]
+        if not sse and resp.header(b"content-length") is not None:
+            content = await resp.read()
             headers.append((b"content-length", str(len(content)).encode()))
-            await send({"type": "http.response.start", "status": resp.status_code,
+            await send({"type": "http.response.start", "status": resp.status,
                         "headers": headers})  # fmt: skip
             await send({"type": "http.response.body", "body": content})
             return False
-        await send({"type": "http.response.start", "status": resp.status_code,
+        await send({"type": "http.response.start", "status": resp.status,
                     "headers": headers})  # fmt: skip
     return await _pump(resp, send, receive, name, sse)
 
 
-async def _pump(resp: httpx.Response, send: Send, receive: Receive, name: str, sse: bool) -> bool:
+async def _pump(resp: Response, send: Send, receive: Receive, name: str, sse: bool) -> bool:
     """Chunks as they arrive, until the upstream ends or the client goes (True then)."""
 
     async def copy() -> None:
-        async for chunk in resp.aiter_raw():
+        while chunk := await resp.next():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     gone = False
@@ -101,7 +94,7 @@ async def _pump(resp: httpx.Response, send: Send, receive: Receive, name: str, s
     finally:
         if not pump.done():
             # The client went away (or we are shut down): stop reading; closing the
-            # response (the caller's finally) closes the upstream connection, which
+            # response (the caller's finally) aborts the upstream connection, which
             # is how an OpenAI-compatible server learns to abort the request.
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -116,7 +109,7 @@ async def _pump(resp: httpx.Response, send: Send, receive: Receive, name: str, s
     if err is None:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
-    if isinstance(err, httpx.HTTPError) and sse:
+    if isinstance(err, UpstreamError) and sse:
         log.warning("%s: the upstream stream failed: %s", name, err)
         await end_with_error(
             send,
