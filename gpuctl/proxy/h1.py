@@ -156,7 +156,10 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamError("the server switched protocols"))
         except httptools.HttpParserError as e:
-            self._fail(UpstreamError(f"a malformed answer: {e}"))
+            if self.complete:
+                self.abort()  # bytes after a whole answer (on_message_begin): the answer stands
+            else:
+                self._fail(UpstreamError(f"a malformed answer: {e}"))
 
     def eof_received(self) -> bool | None:
         return False  # close the transport: connection_lost follows
@@ -180,6 +183,10 @@ class _Conn(asyncio.Protocol):
         pass
 
     # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise UpstreamError("more after the answer")  # ends feed_data; see data_received
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()

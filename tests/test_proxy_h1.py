@@ -1,0 +1,519 @@
+"""The proxy's upstream client (``gpuctl.proxy.h1``) against real loopback servers.
+
+Each test runs an asyncio server on 127.0.0.1 that answers as the test scripts it, byte
+for byte, and counts its connections: framing, reuse, backpressure, the retry rule,
+truncation and cancellation are seen on the wire, not assumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from gpuctl.proxy import h1
+from gpuctl.proxy.h1 import (
+    Client,
+    ConnectFailed,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamTimeout,
+    request_target,
+)
+from gpuctl.sim.host import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+class Server:
+    """A scripted HTTP/1.1 server: ``handler(reader, writer, n)`` per connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []  # every request as received, head and body
+        self.closed_by_peer: list[int] = []  # connections whose client closed them
+        self.origin = ""
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.origin = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        n = self.connections
+        try:
+            await self.handler(reader, writer, n)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed_by_peer.append(n)
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes | None:
+        """One request (None at EOF), recorded."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        req = head + await reader.readexactly(length)
+        self.requests.append(req)
+        return req
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def serve_each(server_of: Callable[[], Server], answer: Callable[[int, int], bytes]) -> Handler:
+    """A handler answering every request on a connection with ``answer(conn, i)``."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        i = 0
+        while await server_of().read_request(reader) is not None:
+            writer.write(answer(n, i))
+            await writer.drain()
+            i += 1
+
+    return handler
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def post(client: Client, origin: str, body: bytes = b"{}", **kw: bool) -> h1.Response:
+    headers = [(b"content-type", b"application/json"), (b"expect", b"100-continue")]
+    return await client.pool(origin).request(
+        "POST", b"/v1/chat/completions", headers, body, idempotent=kw.get("idempotent", True)
+    )
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def test_content_length_answers_reuse_one_connection_and_the_request_is_whole() -> None:
+    async def main() -> None:
+        srv: Server
+        async with Server(serve_each(lambda: srv, lambda n, i: ok(b"answer %d" % i))) as srv:
+            c = Client(5, 5)
+            for i in range(3):
+                r = await post(c, srv.origin, b'{"model":"m"}')
+                assert (r.status, await r.read()) == (200, b"answer %d" % i)
+                assert r.header(b"content-length") == b"8"
+                r.aclose()
+            assert srv.connections == 1  # kept alive and reused
+            head = srv.requests[0]
+            assert head.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+            assert b"\r\nhost: " + srv.origin[7:].encode() + b"\r\n" in head
+            assert b"content-length: 13\r\n" in head and head.endswith(b'{"model":"m"}')
+            assert b"expect" not in head  # the body goes at once: no 100-continue dance
+            c.close()
+
+    run(main())
+
+
+def test_chunked_answer_arrives_chunk_by_chunk_as_the_server_sends_it() -> None:
+    go_on = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
+        )
+        await writer.drain()
+        await go_on.wait()  # the second chunk only once the first was seen
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        await writer.drain()
+        await srv.read_request(reader)
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await post(c, s.origin)
+            assert r.header(b"transfer-encoding") == b"chunked"
+            assert await r.next() == b"data: 1"  # before the server sent the rest
+            go_on.set()
+            assert await r.next() == b"data: 2"
+            assert await r.next() == b""
+            r.aclose()
+            assert len(c.pool(s.origin).idle) == 1  # read to the end: back in the pool
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_a_body_that_ends_with_the_connection_is_read_whole_and_not_reused() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await post(c, s.origin)
+            assert await r.read() == b"all of it"
+            r.aclose()
+            assert c.pool(s.origin).idle == []
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["same-segment", "later"])
+def test_bytes_after_an_answer_end_the_connection_not_the_answer(pause: float) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(ok(b"mine"))
+        if pause:
+            await writer.drain()
+            await asyncio.sleep(pause)
+        writer.write(ok(b"nobody asked"))  # would be taken for the next request's answer
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await post(c, s.origin)
+            await asyncio.sleep(pause * 2)
+            assert await r.read() == b"mine"
+            r.aclose()
+            assert c.pool(s.origin).idle == []
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_head_answer_has_no_body_whatever_its_length_says() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await c.pool(s.origin).request("HEAD", b"/x", [], b"", idempotent=True)
+            assert (r.status, await r.read()) == (200, b"")
+            assert b"content-length" not in srv.requests[0]  # a HEAD carries none
+            r.aclose()
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+# --------------------------------------------------------------------------- reuse
+
+
+def test_an_answer_not_read_to_the_end_ends_its_connection() -> None:
+    async def main() -> None:
+        srv: Server
+        big = b"x" * 100_000
+        async with Server(serve_each(lambda: srv, lambda n, i: ok(big))) as srv:
+            c = Client(5, 5)
+            r = await post(c, srv.origin)
+            r.aclose()  # not read: the connection cannot carry another request
+            r = await post(c, srv.origin)
+            assert await r.read() == big
+            r.aclose()
+            assert srv.connections == 2
+            c.close()
+
+    run(main())
+
+
+def test_an_idle_connection_the_server_closed_is_not_used_again() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(ok(b"once"))
+        await writer.drain()
+        # then closes the idle keep-alive connection, as uvicorn does after 5 s
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await post(c, s.origin)
+            assert await r.read() == b"once"
+            r.aclose()
+            pool = c.pool(s.origin)
+            for _ in range(100):  # until the loop has seen the FIN
+                if all(conn.closed for conn in pool.idle):
+                    break
+                await asyncio.sleep(0.01)
+            r = await post(c, s.origin, idempotent=False)  # no retry needed: a fresh one
+            assert await r.read() == b"once"
+            r.aclose()
+            assert s.connections == 2 and len(s.requests) == 2
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_idle_past_the_limit_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h1, "IDLE_S", 0.05)
+
+    async def main() -> None:
+        srv: Server
+        async with Server(serve_each(lambda: srv, lambda n, i: ok(b"hi"))) as srv:
+            c = Client(5, 5)
+            for _ in range(2):
+                r = await post(c, srv.origin)
+                await r.read()
+                r.aclose()
+                await asyncio.sleep(0.1)
+            assert srv.connections == 2
+            c.close()
+
+    run(main())
+
+
+def _stale_then_answer() -> tuple[Handler, list[Server]]:
+    """Connection 1 answers once, then reads the next request and closes without a
+    byte (the keep-alive race); later connections answer."""
+    box: list[Server] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        srv = box[0]
+        await srv.read_request(reader)
+        writer.write(ok(b"from %d" % n))
+        await writer.drain()
+        if n == 1:
+            await srv.read_request(reader)
+            writer.transport.abort()  # a reset, not even a FIN
+
+    return handler, box
+
+
+def test_a_stale_keep_alive_connection_is_retried_once_when_safe() -> None:
+    async def main() -> None:
+        handler, box = _stale_then_answer()
+        async with Server(handler) as srv:
+            box.append(srv)
+            c = Client(5, 5)
+            r = await post(c, srv.origin)
+            assert await r.read() == b"from 1"
+            r.aclose()
+            r = await post(c, srv.origin, idempotent=True)
+            assert await r.read() == b"from 2"  # sent again, on a fresh connection
+            r.aclose()
+            assert len(srv.requests) == 3
+            c.close()
+
+    run(main())
+
+
+def test_a_stale_connection_is_never_retried_when_not_safe() -> None:
+    async def main() -> None:
+        handler, box = _stale_then_answer()
+        async with Server(handler) as srv:
+            box.append(srv)
+            c = Client(5, 5)
+            r = await post(c, srv.origin)
+            await r.read()
+            r.aclose()
+            with pytest.raises(UpstreamClosed, match="before answering"):
+                await post(c, srv.origin, idempotent=False)
+            assert len(srv.requests) == 2 and srv.connections == 1  # sent once only
+            c.close()
+
+    run(main())
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-le",
+    ],
+    ids=["content-length", "chunked", "head"],
+)
+def test_a_truncated_answer_is_an_error_never_a_short_body(answer: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            with pytest.raises(UpstreamClosed):
+                r = await post(c, s.origin, idempotent=False)
+                try:
+                    while await r.next():
+                        pass
+                finally:
+                    r.aclose()
+            assert c.pool(s.origin).idle == []
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_a_malformed_answer_is_an_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            with pytest.raises(UpstreamError, match="malformed"):
+                await post(c, s.origin)
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_refused_and_timeouts() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await reader.read()
+
+    async def main() -> None:
+        with pytest.raises(ConnectFailed):
+            await post(Client(5, 5), f"http://127.0.0.1:{free_port()}")
+        async with Server(silent) as s:
+            c = Client(5, 0.2)
+            with pytest.raises(UpstreamTimeout, match=r"no answer within 0\.2 s"):
+                await post(c, s.origin)
+            assert c.pool(s.origin).idle == []
+
+    run(main())
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def test_closing_a_stream_mid_answer_closes_the_upstream_connection() -> None:
+    seen_close = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(1000):
+                writer.write(b"5\r\ntoken\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.005)
+        except ConnectionError:
+            seen_close.set()  # what an OpenAI server takes as "cancel the request"
+            raise
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await post(c, s.origin)
+            assert (await r.next()).startswith(b"token")
+            r.aclose()
+            await asyncio.wait_for(seen_close.wait(), 10)
+            assert c.pool(s.origin).idle == []
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_a_reader_that_does_not_read_stops_the_socket_being_read() -> None:
+    size = 64 * 2**20
+    sent = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+        sent.set()
+        await reader.read()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 5)
+            r = await post(c, s.origin)
+            await asyncio.sleep(0.5)
+            conn = r._conn
+            assert conn is not None and conn.paused
+            # Paused at the high-water mark: the rest waits in the kernel and the
+            # server's buffer, not in ours.
+            assert conn.buffered <= h1.HIGH_WATER + 2**20
+            assert not sent.is_set()
+            got = 0
+            while chunk := await r.next():
+                got += len(chunk)
+            assert got == size and sent.is_set()
+            r.aclose()
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+# --------------------------------------------------------------------------- the request
+
+
+def test_request_target_cannot_end_the_request_line() -> None:
+    assert request_target("/v1/models", b"") == b"/v1/models"
+    assert request_target("/a b/\r\nX: y", b"") == b"/a%20b/%0D%0AX:%20y"
+    assert request_target("/100%", b"") == b"/100%25"  # a decoded % goes on encoded
+    assert request_target("/é", b"q=1&r=%20") == b"/%C3%A9?q=1&r=%20"
+    assert request_target("/", b"a=\xff b") == b"/?a=%FF%20b"
+
+
+def test_a_header_with_a_line_break_is_never_written() -> None:
+    async def main() -> None:
+        srv: Server
+        async with Server(serve_each(lambda: srv, lambda n, i: ok(b""))) as srv:
+            c = Client(5, 5)
+            with pytest.raises(UpstreamError, match="line break"):
+                await c.pool(srv.origin).request(
+                    "GET", b"/", [(b"x-a", b"1\r\nx-b: 2")], b"", idempotent=True
+                )
+            assert srv.requests == []
+            c.close()
+
+    run(main())
