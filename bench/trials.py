@@ -1,10 +1,12 @@
 """Randomised trials on a simulated GPU host (tests/trials.py), as many as asked:
 
-    .venv/bin/python bench/trials.py --trials 50 [--seed N] [--actions 8]
+    nice .venv/bin/python bench/trials.py --trials 50 [--seed N] [--actions 8] [--budget S]
 
-Prints the trials run, the actions taken by kind, the invariant samples taken, the
-time, and every violation (exit 1 when there is one). The suite runs the same loop for
-about a minute (tests/test_trials.py); this is for longer hunts.
+Prints the trials run, the actions taken by kind, the preemptions actually performed,
+the resumes and kills, each invariant and how many times it was judged, the time, and
+every violation (exit 1 when there is one). The suite runs the same loop for about two
+minutes (tests/test_trials.py); this is for longer hunts. It is CPU-heavy: run it
+``nice``d on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `tests.trial
 import tests.trials_priority
 import tests.trials_reclaim  # noqa: F401  (registers reclaim, in_use requests and their checks)
 from gpuctl.sim.host import SimHost
-from tests.trials import run_trials
+from tests.trials import TRIAL_GPU, run_trials
 
 
 def main() -> int:
@@ -29,24 +31,32 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--actions", type=int, default=8, help="actions per trial")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="stop after this many seconds (and trials)"
+    )
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else time.time_ns() % 1_000_000
     with (
         tempfile.TemporaryDirectory(prefix="gpuctl-trials-") as tmp,
-        SimHost(root=Path(tmp) / "host") as host,
+        SimHost(gpu_memory=TRIAL_GPU, root=Path(tmp) / "host") as host,
     ):
         # As the suite's fixture does: callers spawned with our environment (the in_use
         # requests) must use this host's sim GPU and state dir, not the defaults.
         os.environ["GPUCTL_STATE_DIR"] = str(host.state_dir)
         os.environ["GPUCTL_SIM_DIR"] = str(host.sim_dir)
+        os.environ["GPUCTL_SIM_GPU_MEMORY"] = TRIAL_GPU
         host.start_agent()
-        report = run_trials(host, seed=seed, trials=args.trials, actions_per_trial=args.actions)
-    print(
-        f"seed {report.seed}: {report.trials} trials, {sum(report.actions.values())} actions "
-        f"in {report.seconds:.0f} s, {report.samples} invariant samples"
-    )
+        report = run_trials(
+            host,
+            seed=seed,
+            trials=args.trials,
+            budget_s=args.budget,
+            actions_per_trial=args.actions,
+        )
+    print(report.summary())
+    print("  actions:")
     for name, n in sorted(report.actions.items()):
-        print(f"  {name:24} {n}")
+        print(f"    {name:24} {n}")
     for v in report.violations:
         print(f"VIOLATION {v}")
     print("no violations" if not report.violations else f"{len(report.violations)} violations")

@@ -1,5 +1,9 @@
 """The randomised trial runner in the suite, bounded in time (see tests/trials.py).
 
+As many trials as fit in about two minutes (a budget, not a timing assertion), and on
+past it (to four minutes at most) while a preemption, a resume or a kill has not yet
+happened: the report must show each of them, and no broken invariant.
+
 The seed changes from run to run and is printed with any violation, so a failure can be
 replayed: ``GPUCTL_TRIALS_SEED=<seed> pytest tests/test_trials.py``.
 """
@@ -15,29 +19,40 @@ import pytest
 
 import tests.trials_priority
 import tests.trials_reclaim  # noqa: F401  (registers reclaim, in_use requests and their checks)
-from gpuctl import api
 from gpuctl.sim.host import SimHost
-from tests.trials import ACTIONS, run_trials
+from tests.ensure_helpers import agent_host
+from tests.trials import ACTIONS, COUNTED, TRIAL_GPU, run_trials
 
-BUDGET_S = 60.0
+BUDGET_S = 120.0
+UNTIL_COUNTED_S = 240.0
 
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
-    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
-    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
-    api._reset_for_tests()
-    with SimHost(root=tmp_path / "simhost") as h:
-        h.start_agent()
-        yield h
-    api._reset_for_tests()
+    yield from agent_host(tmp_path, monkeypatch, gpu_memory=TRIAL_GPU)
 
 
 def test_random_trials_keep_the_invariants(host: SimHost) -> None:
     seed = int(os.environ.get("GPUCTL_TRIALS_SEED") or time.time_ns() % 1_000_000)
-    report = run_trials(host, seed=seed, budget_s=BUDGET_S)
+    report = run_trials(host, seed=seed, budget_s=BUDGET_S, until_counted_s=UNTIL_COUNTED_S)
+    print(report.summary())
     assert report.violations == [], f"seed {seed}: {report.violations}"
     assert report.trials >= 1 and report.samples > 0
-    # Every kind of action had its chance (the weights make each likely in a few trials).
+    # Preemption really happened (records turned `preempted`, and preemptors said whom
+    # they stopped), a preempted service came back, and callers were killed.
+    assert all(report.counts[k] > 0 for k in COUNTED), report.summary()
+    # Every invariant was judged.
+    for invariant in (
+        "one server per service",
+        "admitted memory within the total",
+        "claimed memory within the total",
+        "no out-of-memory line",
+        "only permitted victims preempted",
+        "named victims below their preemptor",
+        "every stop explained",
+        "service records match the processes",
+        "job records match their CMDs",
+    ):
+        assert report.checked[invariant] > 0, (invariant, report.summary())
     assert set(report.actions) <= set(ACTIONS)
     assert sum(report.actions.values()) >= 8

@@ -2,13 +2,23 @@
 simulated GPU host, and the invariants that make gpuctl worth trusting are checked
 all along.
 
-Each trial starts clean, fires a random sequence of actions (``ensure``, ``ensure
---no-wait``, ``stop``, ``touch``, ``status``, a caller killed with ``kill -9``, a caller
-killed inside the spawn-to-record window), lets every caller finish, and checks:
+The scenario is sized so that preemption happens often: a 120 GiB GPU; ``chat`` (80 GiB,
+priority 100, ``preempt = true``); ``batch`` (30 GiB, priority 50, ``resume = true``);
+``peer`` (20 GiB, priority 100: never a victim of chat); and ``gpuctl run`` jobs of
+15 GiB at priority 40, 60 or 100, preemptible or not (tests/trials_priority.py). Chat
+does not fit beside the batch and a job: it must stop the batch, or a preemptible job
+below it, or find itself BUSY.
 
-- one server per service, ever (a sampler thread watches the processes all along);
-- no overcommit: two services that do not fit together never run together, the
-  simulated GPU's claims never pass its total, and no server dies of out-of-memory;
+Each trial starts clean, opens with the batch (and often a preemptible job and the
+peer), fires a random sequence of actions (``ensure``, ``ensure --no-wait``, ``stop``,
+``touch``, ``status``, a caller killed with ``kill -9``, a caller killed inside the
+spawn-to-record window, and what tests/trials_priority.py and tests/trials_reclaim.py
+register), lets every caller finish, and checks:
+
+- what tests/trials_invariants.py judges from the samples a sampler thread takes all
+  along (one server per service; no admitted memory over the total; no claims over it;
+  no out-of-memory line in any log; nothing preempted that was not a permitted victim,
+  by whom; every stop explained), and counts preemptions, resumes and kills;
 - the records match the processes once the callers are done: a ``running`` record names
   a live server of its service (or, when a start's caller died before recording it and
   a touch saw the server answer, has no handle and one runs); a live server is named by
@@ -41,9 +51,20 @@ from typing import Any
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import model_server_command, server_pids, service_toml
+from tests.trials_invariants import (
+    CallerFacts,
+    Job,
+    Observation,
+    Outcome,
+    Service,
+    check_outcome,
+)
 
 GIB = 1024
-TOTAL_MIB = 128 * GIB
+# The hosts the runner is given (tests/test_trials.py, bench/trials.py) have this GPU.
+TRIAL_GPU = "120GiB"
+TOTAL_MIB = 120 * GIB
+SAMPLE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -54,7 +75,9 @@ class Svc:
     load_time: str
     # Priorities for preemption (tests/trials_priority.py): higher wins.
     priority: int = 50
-    extra: str = ""
+    preempt: bool = False  # `preempt = true`: any ensure of it may stop lower priorities
+    resume: bool = False
+    weight: float = 1.0  # how often actions pick it
 
 
 @dataclass
@@ -62,6 +85,17 @@ class Caller:
     action: str
     service: str
     proc: subprocess.Popen[str]
+    spawned: float = field(default_factory=time.time)
+    ended: float | None = None  # when the sampler first saw it gone
+    out: Path | None = None  # its stdout and stderr (and its CMD's, for gpuctl run)
+    preempts: int | None = None  # the priority it may preempt for; None: never
+
+    def facts(self) -> CallerFacts:
+        text = ""
+        if self.out is not None:
+            with contextlib.suppress(OSError):
+                text = self.out.read_text(errors="replace")
+        return CallerFacts(self.action, self.service, self.spawned, self.ended, self.preempts, text)
 
 
 @dataclass
@@ -75,23 +109,43 @@ class Trial:
     callers: list[Caller] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
+    checked: Counter[str] = field(default_factory=Counter)  # invariant -> times judged
+    jobs: dict[str, Job] = field(default_factory=dict)  # gpuctl run jobs (trials_priority)
+    observations: list[Observation] = field(default_factory=list)
+    # What every name of this trial starts with (its services and jobs).
+    prefix: str = ""
 
-    def spawn(self, action: str, svc: Svc, *args: str, env: dict[str, str] | None = None) -> None:
+    @property
+    def out_dir(self) -> Path:
+        return self.host.base / "trial-callers"
+
+    def spawn(
+        self,
+        action: str,
+        svc: Svc,
+        *args: str,
+        env: dict[str, str] | None = None,
+        preempts: int | None = None,
+    ) -> None:
         # The host's environment (its sim dir and GPU), not ours: a server started with
         # another sim dir would claim memory on another simulated GPU.
         full = self.host.env()
         full["GPUCTL_CONFIG"] = str(self.cfg)
         full.pop("GPUCTL_DEBUG", None)
         full.update(env or {})
-        proc = subprocess.Popen(
-            [gpuctl_exe(), *args],
-            env=full,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.callers.append(Caller(action, svc.name, proc))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        out = self.out_dir / f"{len(self.callers)}.out"
+        # A file, not a pipe: a gpuctl run's CMD inherits it and may outlive its caller.
+        with out.open("w") as f:
+            proc = subprocess.Popen(
+                [gpuctl_exe(), *args],
+                env=full,
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        self.callers.append(Caller(action, svc.name, proc, out=out, preempts=preempts))
 
     def live_callers(self) -> list[Caller]:
         return [c for c in self.callers if c.proc.poll() is None]
@@ -123,14 +177,19 @@ def action(name: str, weight: float) -> Callable[[Action], Action]:
     return register
 
 
+def preempts(s: Svc, asked: bool = False) -> int | None:
+    """The priority an ensure of ``s`` may preempt for (``--preempt`` or its config)."""
+    return s.priority if asked or s.preempt else None
+
+
 @action("ensure", 4)
 def _ensure(t: Trial, s: Svc) -> None:
-    t.spawn("ensure", s, "ensure", s.name, "--json", "--timeout", "20s")
+    t.spawn("ensure", s, "ensure", s.name, "--json", "--timeout", "20s", preempts=preempts(s))
 
 
 @action("ensure --no-wait", 2)
 def _ensure_no_wait(t: Trial, s: Svc) -> None:
-    t.spawn("ensure --no-wait", s, "ensure", s.name, "--json", "--no-wait")
+    t.spawn("ensure --no-wait", s, "ensure", s.name, "--json", "--no-wait", preempts=preempts(s))
 
 
 @action("stop", 1.5)
@@ -154,6 +213,7 @@ def _kill(t: Trial, s: Svc) -> None:
     if live:
         with contextlib.suppress(ProcessLookupError):
             t.rng.choice(live).proc.kill()
+            t.counts["kills"] += 1
 
 
 @action("kill -9 in the window", 1.5)
@@ -161,38 +221,73 @@ def _kill_in_window(t: Trial, s: Svc) -> None:
     """An ensure that lingers between spawning its server and recording it, killed
     there if it gets that far within a moment (otherwise it carries on)."""
     env = {"GPUCTL_FAILPOINTS": "ensure.after_spawn=sleep:1.5"}
-    t.spawn("ensure (window)", s, "ensure", s.name, "--json", "--timeout", "20s", env=env)
+    t.spawn(
+        "ensure (window)", s, "ensure", s.name, "--json", "--timeout", "20s",
+        env=env, preempts=preempts(s),
+    )  # fmt: skip
     caller = t.callers[-1]
+    pause = t.rng.uniform(0.5, 1.5)
 
     def later() -> None:
-        time.sleep(t.rng.uniform(0.5, 1.5))
-        with contextlib.suppress(ProcessLookupError):
-            caller.proc.kill()
+        time.sleep(pause)
+        if caller.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                caller.proc.kill()
+                t.counts["kills"] += 1
 
     threading.Thread(target=later, daemon=True).start()
 
 
-def servers_of(names: list[str]) -> dict[str, list[int]]:
-    """The live model-server pids of each service, in one pass over the processes."""
+def scan(
+    names: list[str], prefix: str = "\0"
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The live model-server pids of each service, and the live ``gpuctl run`` CMDs
+    (``gpuctl.sim.hold --name JOB``, JOB starting with ``prefix``) by job name, in one
+    pass over the processes."""
     import psutil
 
-    out: dict[str, list[int]] = {n: [] for n in names}
+    servers: dict[str, list[int]] = {n: [] for n in names}
+    jobs: dict[str, list[int]] = {}
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         argv = p.info["cmdline"] or []
-        if p.info["status"] == psutil.STATUS_ZOMBIE or "model-server" not in argv:
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        for n in names:
-            if n in argv:
-                out[n].append(p.info["pid"])
+        if "model-server" in argv:
+            for n in names:
+                if n in argv:
+                    servers[n].append(p.info["pid"])
+        elif argv[1:3] == ["-m", "gpuctl.sim.hold"] and "--name" in argv[:-1]:
+            # CMD itself (its gpuctl run carries the same words in its own argv).
+            job = argv[argv.index("--name") + 1]
+            if job.startswith(prefix):  # this trial's own
+                jobs.setdefault(job, []).append(p.info["pid"])
+    return (
+        {n: tuple(p) for n, p in servers.items()},
+        {n: tuple(p) for n, p in jobs.items()},
+    )
+
+
+def servers_of(names: list[str]) -> dict[str, list[int]]:
+    """The live model-server pids of each service, in one pass over the processes."""
+    return {n: list(p) for n, p in scan(names)[0].items()}
+
+
+def read_records(state_dir: Path) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted((state_dir / "records").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(f.read_text())
+            if isinstance(data, dict):
+                out[f.name[: -len(".json")]] = data
     return out
 
 
 class Sampler:
-    """Watches the invariants that must hold at every moment, not just at the end."""
+    """Samples the host all along (tests/trials_invariants.py judges the samples), and
+    notes when each caller is seen gone."""
 
-    def __init__(self, trial: Trial, exclusive: list[tuple[str, str]]) -> None:
+    def __init__(self, trial: Trial) -> None:
         self.t = trial
-        self.exclusive = exclusive
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.samples = 0
@@ -204,25 +299,39 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.sample()  # the end state, once every caller is done
+        for c in self.t.callers:
+            if c.ended is None and c.proc.poll() is not None:
+                c.ended = time.time()
 
-    def _run(self) -> None:
+    def sample(self) -> None:
         from gpuctl.sim.gpu import SimGpu
 
-        gpu = SimGpu(self.t.host.sim_dir)
+        names = [s.name for s in self.t.services]
+        state = self.t.host.state_dir
+        before = read_records(state)
+        at = time.time()
+        servers, jobs = scan(names, self.t.prefix)
+        claimed = None
+        with contextlib.suppress(OSError, ValueError):
+            claimed = sum(c.memory_mib for c in SimGpu(self.t.host.sim_dir).claims())
+        after = read_records(state)
+        # The records only count with the processes if they held still while those
+        # were read: then each pid's liveness was seen while the records said what
+        # they say.
+        self.t.observations.append(
+            Observation(at, servers, jobs, after, consistent=after == before, claimed_mib=claimed)
+        )
+        self.samples += 1
+
+    def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples += 1
-            alive = servers_of([s.name for s in self.t.services])
-            for name, pids in alive.items():
-                if len(pids) > 1:
-                    self.t.violations.append(f"{len(pids)} servers of {name}: {pids}")
-            for a, b in self.exclusive:
-                if alive[a] and alive[b]:
-                    self.t.violations.append(f"{a} and {b} run together (they do not fit)")
-            with contextlib.suppress(OSError, ValueError):
-                used = sum(c.memory_mib for c in gpu.claims())
-                if used > TOTAL_MIB:
-                    self.t.violations.append(f"overcommit: {used} MiB claimed of {TOTAL_MIB}")
-            self._stop.wait(0.05)
+            self.sample()
+            now = time.time()
+            for c in self.t.callers:
+                if c.ended is None and c.proc.poll() is not None:
+                    c.ended = now
+            self._stop.wait(SAMPLE_S)
 
 
 Check = Callable[[Trial], None]
@@ -235,9 +344,35 @@ def check(fn: Check) -> Check:
     return fn
 
 
+def outcome(t: Trial) -> Outcome:
+    """What the trial saw, for tests/trials_invariants.py."""
+    logs = {}
+    for f in sorted((t.host.state_dir / "logs").glob("*.log")):
+        with contextlib.suppress(OSError):
+            logs[f"log {f.name}"] = f.read_text(errors="replace")
+    return Outcome(
+        services=[Service(s.name, s.memory_gib * GIB, s.priority) for s in t.services],
+        total_mib=TOTAL_MIB,
+        observations=t.observations,
+        callers=[c.facts() for c in t.callers],
+        jobs=t.jobs,
+        logs=logs,
+    )
+
+
+@check
+def check_observed(t: Trial) -> None:
+    """The invariants over the samples (tests/trials_invariants.py), and its counts."""
+    verdict = check_outcome(outcome(t))
+    t.violations += verdict.violations
+    t.checked.update(verdict.checked)
+    t.counts.update(verdict.counts)
+
+
 @check
 def check_records(t: Trial) -> None:
     """Once every caller is done: do the records tell the truth about the processes?"""
+    t.checked["service records match the processes"] += len(t.services)
     for s in t.services:
         rec = t.record(s.name)
         pids = server_pids(s.name)
@@ -248,7 +383,7 @@ def check_records(t: Trial) -> None:
         if phase == "running" and (handle_pid not in pids if handle_pid else not pids):
             t.violations.append(
                 f"{s.name} is running by its record, but pid {handle_pid} is not "
-                f"({json.dumps({k: rec.get(k) for k in ('since', 'attempts', 'start_nonce')})}; "
+                f"({json.dumps({k: rec.get(k) for k in ('since', 'attempts', 'start_nonce', 'lease')})}; "
                 f"callers: {[(c.action, c.proc.returncode) for c in t.callers if c.service == s.name]})"
             )
         for pid in pids:
@@ -256,10 +391,6 @@ def check_records(t: Trial) -> None:
                 t.violations.append(f"{s.name}'s server {pid} runs, its record says {phase}")
             elif handle_pid is not None and handle_pid != pid:
                 t.violations.append(f"{s.name}'s server {pid} runs, its record names {handle_pid}")
-        log = t.host.state_dir / "logs" / f"{s.name}.log"
-        with contextlib.suppress(OSError):
-            if "CUDA out of memory" in log.read_text(errors="replace"):
-                t.violations.append(f"{s.name} died of out-of-memory")
 
 
 def reset(t: Trial) -> None:
@@ -269,6 +400,8 @@ def reset(t: Trial) -> None:
             c.proc.kill()
         c.proc.wait()
     t.callers.clear()
+    t.observations.clear()
+    t.jobs.clear()
     for s in t.services:
         for pid in server_pids(s.name):
             with contextlib.suppress(ProcessLookupError):
@@ -276,10 +409,14 @@ def reset(t: Trial) -> None:
     deadline = time.monotonic() + 10
     while any(server_pids(s.name) for s in t.services) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for d in ("records", "logs"):
-        for f in (t.host.state_dir / d).glob("*"):
+    for d in (t.host.state_dir / "records", t.host.state_dir / "logs", t.out_dir):
+        for f in d.glob("*"):
             with contextlib.suppress(OSError):
                 f.unlink()
+
+
+# What a report counts (tests/test_trials.py asserts each happened at least once).
+COUNTED = ("preemptions", "victims named by their preemptor", "resumes", "kills")
 
 
 @dataclass
@@ -290,6 +427,42 @@ class Report:
     violations: list[str] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0
+    counts: Counter[str] = field(default_factory=Counter)  # COUNTED, over all trials
+    checked: Counter[str] = field(default_factory=Counter)  # invariant -> times judged
+
+    def summary(self) -> str:
+        lines = [
+            f"seed {self.seed}: {self.trials} trials, {sum(self.actions.values())} actions "
+            f"in {self.seconds:.0f} s, {self.samples} samples",
+            "  " + ", ".join(f"{k}: {self.counts[k]}" for k in COUNTED),
+            "  invariants checked (times judged):",
+        ]
+        lines += [f"    {name}: {n}" for name, n in sorted(self.checked.items())]
+        return "\n".join(lines)
+
+
+def scenario(prefix: str) -> list[Svc]:
+    """The services of a trial (see the module's docstring): chat preempts the batch."""
+    return [
+        Svc(f"{prefix}chat", free_port(), 80, "1.5s", 100, preempt=True, weight=3),
+        Svc(f"{prefix}batch", free_port(), 30, "0.5s", 50, resume=True, weight=2),
+        Svc(f"{prefix}peer", free_port(), 20, "0.5s", 100, weight=1),
+    ]
+
+
+def opening(t: Trial, report: Report) -> None:
+    """The batch (mostly), often a preemptible job and the peer: the room chat needs is
+    then taken, and chat must preempt (or is BUSY)."""
+    _chat, batch, peer = t.services
+    first = [("ensure", batch)] if t.rng.random() < 0.9 else []
+    if t.rng.random() < 0.5 and "run --preemptible" in ACTIONS:
+        first.append(("run --preemptible", t.rng.choice(t.services)))
+    if t.rng.random() < 0.4:
+        first.append(("ensure --no-wait", peer))
+    for name, s in first:
+        ACTIONS[name][1](t, s)
+        report.actions[name] += 1
+    time.sleep(t.rng.uniform(0.3, 1.5))
 
 
 def run_trials(
@@ -298,17 +471,20 @@ def run_trials(
     seed: int,
     trials: int | None = None,
     budget_s: float | None = None,
+    until_counted_s: float | None = None,
     actions_per_trial: int = 8,
 ) -> Report:
-    """Run ``trials`` trials, or as many as fit in ``budget_s`` (at least one)."""
+    """Run ``trials`` trials, or as many as fit in ``budget_s`` (at least one); with
+    ``until_counted_s``, go on past the budget (up to that long in all) while one of
+    COUNTED has not happened yet."""
+    from gpuctl.core.units import parse_size_mib
+
+    if parse_size_mib(host.gpu_memory) != TOTAL_MIB:
+        raise ValueError(f"the trials are sized for a {TRIAL_GPU} GPU, not {host.gpu_memory}")
     rng = random.Random(seed)
     # Names no other run on this machine carries (servers are told apart by name).
     prefix = f"t{secrets.token_hex(4)}"
-    services = [
-        Svc(f"{prefix}big", free_port(), 80, "1.5s", 100),
-        Svc(f"{prefix}rival", free_port(), 80, "1s", 60),
-        Svc(f"{prefix}small", free_port(), 20, "0.5s", 40, "resume = true"),
-    ]
+    services = scenario(prefix)
     toml = ""
     for s in services:
         t = service_toml(
@@ -319,21 +495,26 @@ def run_trials(
             # A short idle timeout gives reclaim (tests/trials_reclaim.py) work to do.
             'health_timeout = "20s"\nstop_timeout = "3s"\nidle_timeout = "2s"',
         )
-        toml += f"priority = {s.priority}\n{s.extra}\n"
-    trial = Trial(host, host.write_config(toml), services, rng)
+        toml += f"priority = {s.priority}\n"
+        toml += "preempt = true\n" if s.preempt else ""
+        toml += "resume = true\n" if s.resume else ""
+        toml += "\n"
+    trial = Trial(host, host.write_config(toml), services, rng, prefix=prefix)
     report = Report(seed)
     names = list(ACTIONS)
     weights = [ACTIONS[n][0] for n in names]
     t0 = time.monotonic()
     try:
         while True:
-            with Sampler(trial, [(services[0].name, services[1].name)]) as sampler:
+            with Sampler(trial) as sampler:
+                opening(trial, report)
                 for _ in range(actions_per_trial):
                     name = rng.choices(names, weights)[0]
-                    ACTIONS[name][1](trial, rng.choice(services))
+                    svc = rng.choices(services, [s.weight for s in services])[0]
+                    ACTIONS[name][1](trial, svc)
                     report.actions[name] += 1
                     time.sleep(rng.uniform(0.0, 0.4))
-                for c in trial.callers:
+                for c in list(trial.callers):
                     try:
                         c.proc.wait(timeout=60)
                     except subprocess.TimeoutExpired:
@@ -344,6 +525,10 @@ def run_trials(
             for end_check in CHECKS:
                 end_check(trial)
             report.trials += 1
+            report.counts.update(trial.counts)
+            report.checked.update(trial.checked)
+            trial.counts.clear()
+            trial.checked.clear()
             if trial.violations:
                 tag = f"trial {report.trials} (seed {seed})"
                 report.violations += [f"{tag}: {v}" for v in dict.fromkeys(trial.violations)]
@@ -351,10 +536,13 @@ def run_trials(
             reset(trial)
             for forget in RESETS:
                 forget(trial)
+            elapsed = time.monotonic() - t0
             if trials is not None and report.trials >= trials:
                 break
-            if budget_s is not None and time.monotonic() - t0 >= budget_s:
-                break
+            if budget_s is not None and elapsed >= budget_s:
+                short = any(report.counts[k] == 0 for k in COUNTED)
+                if not (short and until_counted_s is not None and elapsed < until_counted_s):
+                    break
             if trials is None and budget_s is None:
                 break
     finally:

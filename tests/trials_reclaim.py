@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import cli_env
-from tests.trials import ACTIONS, RESETS, Caller, Svc, Trial, action
+from tests.trials import ACTIONS, RESETS, Caller, Svc, Trial, action, preempts
 from tests.trials import check as end_check
 
 IDLE_TIMEOUT_S = 2.0  # what tests/trials.py configures, so reclaim has work to do
@@ -133,6 +133,7 @@ _REQUEST = textwrap.dedent(
 def _request(t: Trial, s: Svc) -> None:
     argv = [sys.executable, "-c", _REQUEST, s.name, str(t.cfg), str(s.port)]
     entry, _ = _spawn(t, "request", s, argv)
+    t.callers[-1].preempts = preempts(s)  # its ensure_ready preempts for chat
     with log_of(t).lock:
         log_of(t).requests.append(entry)
 

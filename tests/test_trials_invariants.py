@@ -1,0 +1,204 @@
+"""The trial runner's invariants can fail: broken outcomes fed to the pure checker
+(tests/trials_invariants.py) are each caught, and a clean one passes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.trials_invariants import (
+    CallerFacts,
+    Job,
+    Observation,
+    Outcome,
+    Service,
+    Verdict,
+    check_outcome,
+)
+
+GIB = 1024
+CHAT = Service("chat", 80 * GIB, 100)
+BATCH = Service("batch", 30 * GIB, 50)
+PEER = Service("peer", 20 * GIB, 100)
+WHISPER = Job("whisper", 60, False, 15 * GIB, 30.0, spawned=0.0)
+SCRAPS = Job("scraps", 40, True, 15 * GIB, 30.0, spawned=0.0)
+PIDS = {"chat": 100, "batch": 200, "peer": 300, "whisper": 400, "scraps": 500}
+
+
+def rec(phase: str, pid: int | None = None, memory_mib: int | None = None) -> dict[str, Any]:
+    handle = None if pid is None else {"pid": pid, "memory_mib": memory_mib}
+    return {"phase": phase, "handle": handle}
+
+
+def obs(at: float, running: dict[str, str], **extra: Any) -> Observation:
+    """A sample: ``running`` maps each name to its record's phase; services and jobs in a
+    live phase (or ``stopping``) have their process alive."""
+    servers: dict[str, tuple[int, ...]] = {s.name: () for s in (CHAT, BATCH, PEER)}
+    jobs: dict[str, tuple[int, ...]] = {}
+    records: dict[str, dict[str, Any]] = {}
+    for name, phase in running.items():
+        alive = phase in ("starting", "running", "stopping")
+        if name in PIDS and name in ("whisper", "scraps"):
+            records[f"run.{name}"] = rec(phase, PIDS[name], 15 * GIB)
+            if alive:
+                jobs[name] = (PIDS[name],)
+        else:
+            records[name] = rec(phase, PIDS[name] if alive else None)
+            if alive:
+                servers[name] = (PIDS[name],)
+    servers.update(extra.pop("servers", {}))
+    return Observation(at, servers, jobs, records, **extra)
+
+
+def ensure_output(service: str, notes: list[str]) -> str:
+    return "starting…\n" + json.dumps({"service": service, "notes": notes}, indent=2) + "\n"
+
+
+def clean() -> Outcome:
+    """Chat preempts the batch (permitted); the peer and whisper stay."""
+    return Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[
+            obs(1.0, {"batch": "running", "peer": "running", "whisper": "running"}),
+            obs(2.0, {"batch": "preempted", "peer": "running", "whisper": "running"}),
+            obs(3.0, {"chat": "starting", "batch": "preempted", "peer": "running"} | {"whisper": "running"}),
+        ],
+        callers=[
+            CallerFacts(
+                "ensure", "chat", 0.5, 3.5, preempts=100,
+                output=ensure_output("chat", ["preempted batch to make room (their stops took 0.1s)"]),
+            ),
+        ],
+        jobs={"whisper": WHISPER, "scraps": SCRAPS},
+        logs={"log chat.log": "INFO loading\nINFO ready\n"},
+    )  # fmt: skip
+
+
+def judged(o: Outcome) -> Verdict:
+    return check_outcome(o)
+
+
+def test_a_clean_outcome_passes_and_counts_its_preemption() -> None:
+    v = judged(clean())
+    assert v.violations == []
+    assert v.counts["preemptions"] == 1
+    assert v.counts["victims named by their preemptor"] == 1
+    assert v.checked["only permitted victims preempted"] == 1
+    assert v.checked["every stop explained"] == 1  # the batch's server ended
+
+
+def test_two_servers_of_one_service_are_caught() -> None:
+    o = clean()
+    o.observations = [
+        *o.observations,
+        obs(4.0, {"chat": "running", "peer": "running"}, servers={"chat": (100, 101)}),
+    ]
+    assert any("2 servers of chat" in x for x in judged(o).violations)
+
+
+def test_admitted_memory_over_the_total_is_caught() -> None:
+    o = clean()
+    # chat 80 + batch 30 + peer 20 + whisper 15 = 145 GiB admitted on a 120 GiB GPU.
+    everything = {"chat": "running", "batch": "running", "peer": "running", "whisper": "running"}
+    o.observations = [*o.observations, obs(4.0, everything)]
+    (hit,) = [x for x in judged(o).violations if x.startswith("admitted")]
+    assert f"admitted {145 * GIB} MiB of {120 * GIB}" in hit
+    # Not judged where the records moved while the processes were read.
+    o.observations = [*o.observations[:-1], obs(4.0, everything, consistent=False)]
+    assert not any(x.startswith("admitted") for x in judged(o).violations)
+
+
+def test_claims_over_the_total_are_caught() -> None:
+    o = clean()
+    o.observations = [*o.observations, obs(4.0, {"chat": "running"}, claimed_mib=121 * GIB)]
+    assert any(x.startswith("overcommit") for x in judged(o).violations)
+
+
+def test_an_out_of_memory_line_is_caught_in_a_log_and_in_a_callers_output() -> None:
+    o = clean()
+    o.logs = {"log chat.log": "INFO loading\nERROR CUDA out of memory. Tried to allocate\n"}
+    assert any("CUDA out of memory" in x for x in judged(o).violations)
+    o = clean()
+    o.callers = [
+        *o.callers,
+        CallerFacts("run", "chat", 1.0, 2.0, output="torch.OutOfMemoryError: x"),
+    ]
+    assert any("OutOfMemoryError" in x for x in judged(o).violations)
+
+
+def test_an_equal_priority_service_preempted_is_caught() -> None:
+    o = clean()
+    # The peer (priority 100) turns preempted while only chat (100) was under way.
+    o.observations = [
+        obs(1.0, {"peer": "running"}),
+        obs(2.0, {"peer": "preempted"}),
+    ]
+    v = judged(o)
+    assert any("peer (priority 100) was preempted with no preemptor" in x for x in v.violations)
+
+
+def test_a_preemption_with_no_preemptor_under_way_is_caught() -> None:
+    o = clean()
+    o.callers = [CallerFacts("ensure", "chat", 0.1, 0.5, preempts=100)]  # gone before
+    assert any("batch (priority 50) was preempted" in x for x in judged(o).violations)
+
+
+def test_a_non_preemptible_job_preempted_is_caught() -> None:
+    o = clean()
+    o.observations = [obs(1.0, {"whisper": "running"}), obs(2.0, {"whisper": "preempted"})]
+    v = judged(o)
+    assert any("job whisper was preempted, but it is not --preemptible" in x for x in v.violations)
+    assert any("whisper's CMD 400 ended before its 30s" in x for x in v.violations)
+
+
+def test_a_preemptor_naming_a_non_victim_is_caught() -> None:
+    o = clean()
+    o.callers = [
+        CallerFacts(
+            "ensure --preempt", "chat", 0.5, 3.5, preempts=100,
+            output=ensure_output("chat", ["preempted peer, run.whisper to make room (…)"]),
+        )
+    ]  # fmt: skip
+    v = judged(o)
+    assert any("preempted peer (priority 100)" in x for x in v.violations)
+    assert any("preempted job whisper, not --preemptible" in x for x in v.violations)
+
+
+@pytest.mark.parametrize(
+    ("caller", "explained"),
+    [
+        (None, False),
+        (CallerFacts("stop", "peer", 1.5, 2.5), True),
+        (CallerFacts("stop", "batch", 1.5, 2.5), False),  # a stop of another service
+        (CallerFacts("reclaim", "chat", 1.5, 2.5), True),
+        (CallerFacts("ensure", "chat", 1.5, 2.5, preempts=100), False),  # not above 100
+        (CallerFacts("touch", "peer", 1.5, 2.5), False),
+    ],
+)
+def test_a_server_that_ends_unexplained_is_caught(
+    caller: CallerFacts | None, explained: bool
+) -> None:
+    o = clean()
+    o.observations = [obs(1.0, {"peer": "running"}), obs(2.0, {"peer": "stopped"})]
+    o.callers = [caller] if caller else []
+    v = judged(o)
+    hit = [x for x in v.violations if "peer's server 300 ended" in x]
+    assert (hit == []) is explained, v.violations
+
+
+def test_a_preemptible_job_ended_early_needs_a_preemptor_above_it() -> None:
+    o = clean()
+    o.observations = [obs(1.0, {"scraps": "running"}), obs(2.0, {"scraps": "preempted"})]
+    o.callers = [CallerFacts("ensure", "peer", 0.5, 2.5, preempts=None)]
+    v = judged(o)
+    assert any("run.scraps's CMD 500 ended" in x for x in v.violations)
+    o.callers = [CallerFacts("ensure", "chat", 0.5, 2.5, preempts=100)]
+    assert judged(o).violations == []
+    # A CMD that ran its course ended on its own.
+    o.callers = []
+    o.jobs = {"scraps": Job("scraps", 40, True, 15 * GIB, 1.0, spawned=0.0)}
+    o.observations = [obs(1.0, {"scraps": "running"}), obs(2.0, {"scraps": "stopped"})]
+    assert judged(o).violations == []
