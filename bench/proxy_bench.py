@@ -9,8 +9,13 @@ into gpuctl's own). Then ``wrk`` (keep-alive, ``--latency``) drives each target 
 turn, interleaved over ``--rounds`` rounds so that the machine's noise falls on all of
 them alike:
 
-- non-streaming, ``max_tokens`` 1, ``--connections`` (64) clients: p50 and p99 per
-  target; *added* = proxy minus direct, medians over the rounds;
+- non-streaming, ``--connections`` (64) clients, in two scenarios: *saturated* (the
+  ``fast`` server, ``max_tokens`` 1, no delay: 64 closed-loop clients then keep every
+  process busy, so latency is mostly queueing behind the CPU, and the path with the
+  least CPU per request wins) and *paced* (the ``stream`` server, ``--paced-tokens``
+  tokens at ``--token-delay`` each: a request takes tens of ms, as a real model
+  server's does, the CPU is not saturated, and the added latency is the path's own
+  cost). p50 and p99 per target; *added* = path minus direct, medians over the rounds;
 - the CPU each path spends per request (the proxy's process, LiteLLM's, the server's
   for direct), from ``/proc``: steadier than latency on a loaded machine;
 - streaming, ``--stream-tokens`` tokens per answer at 64 and 256 concurrent streams:
@@ -19,8 +24,12 @@ them alike:
 
 Usage::
 
-    python bench/proxy_bench.py [--rounds 3] [--duration 5s] [--connections 64]
-        [--litellm-venv /tmp/litellm-venv]
+    python bench/proxy_bench.py [--rounds 3] [--duration 10s] [--connections 64]
+        [--paced-tokens 5] [--litellm-venv /tmp/litellm-venv] [--baseline DIR]
+
+``--baseline DIR``: also run the ``gpuctl proxy`` of another checkout (``git worktree
+add DIR <commit>``), as target ``baseline``, to measure a change before and after in
+one run.
 
 Targets of the issue (10): added p50 <= 1 ms and p99 <= 5 ms; streaming >= 95 % of
 direct at 64 streams; added latency <= half of LiteLLM's. This is a measurement, not a
@@ -130,7 +139,9 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--stream-tokens", type=int, default=50)
     ap.add_argument("--token-delay", default="10ms")
+    ap.add_argument("--paced-tokens", type=int, default=5)
     ap.add_argument("--litellm-venv", default="/tmp/litellm-venv")
+    ap.add_argument("--baseline", help="a gpuctl checkout whose proxy runs beside this one")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is not on PATH")
@@ -168,6 +179,20 @@ def main() -> int:
             "gpuctl": (f"http://127.0.0.1:{pport}", key),
         }
         pids = {"direct": servers[0].pid, "gpuctl": proxy.pid}
+        base_proc = None
+        if args.baseline:
+            bport = free_port()
+            src = str(Path(args.baseline).resolve())
+            env = {**host.env(), "GPUCTL_CONFIG": str(conf), "PYTHONPATH": src}
+            with open(host.base / "baseline.log", "ab") as log:
+                base_proc = subprocess.Popen(
+                    [sys.executable, "-m", "gpuctl", "proxy", "--listen", f"127.0.0.1:{bport}"],
+                    cwd=src, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            wait_ok(f"http://127.0.0.1:{bport}/healthz", base_proc, "the baseline proxy")
+            targets["baseline"] = (f"http://127.0.0.1:{bport}", key)
+            pids["baseline"] = base_proc.pid
         litellm = Path(args.litellm_venv) / "bin" / "litellm"
         ll_proc = None
         if litellm.exists():
@@ -199,8 +224,10 @@ def main() -> int:
         else:
             print(f"LiteLLM: not run ({litellm} is missing; pip install 'litellm[proxy]' there)")
         try:
-            return run(args, targets, pids, fast_port, stream_port)
+            return run(args, targets, pids, fast_port, stream_port, servers[1].pid)
         finally:
+            if base_proc is not None:
+                host.stop(base_proc)
             if ll_proc is not None:
                 ll_proc.terminate()
                 ll_proc.wait(30)
@@ -215,6 +242,7 @@ def run(
     pids: dict[str, int],
     fast_port: int,
     stream_port: int,
+    stream_pid: int,
 ) -> int:
     def url(name: str, port: int) -> str:
         base, _ = targets[name]
@@ -249,16 +277,24 @@ def run(
                 return
         print(f"{name} did not settle in 180 s", file=sys.stderr)
 
-    lat: dict[str, list[dict[str, float]]] = {n: [] for n in targets}
+    paced_body = {"model": "stream", "messages": MSG, "max_tokens": args.paced_tokens}
+    # (scenario, port, body, the server's pid: direct's CPU is that server's)
+    scenarios = [
+        ("saturated", fast_port, fast_body, pids["direct"]),
+        ("paced", stream_port, paced_body, stream_pid),
+    ]
+    lat: dict[tuple[str, str], list[dict[str, float]]] = {}
     streams: dict[tuple[str, int], list[float]] = {}
     bad = 0
     for rnd in range(args.rounds):
-        for name, (_, k) in targets.items():
-            c0 = cpu_s(pids[name])
-            m = wrk(url(name, fast_port), fast_body, k, args.connections, args.duration)
-            m["cpu_ms"] = (cpu_s(pids[name]) - c0) * 1000 / max(1.0, m["n"])
-            lat[name].append(m)
-            bad += int(m["bad"])
+        for scenario, port, body, server_pid in scenarios:
+            for name, (_, k) in targets.items():
+                pid = server_pid if name == "direct" else pids[name]
+                c0 = cpu_s(pid)
+                m = wrk(url(name, port), body, k, args.connections, args.duration)
+                m["cpu_ms"] = (cpu_s(pid) - c0) * 1000 / max(1.0, m["n"])
+                lat.setdefault((scenario, name), []).append(m)
+                bad += int(m["bad"])
         for conns in (64, 256):
             for name, (_, k) in targets.items():
                 settle(name)
@@ -267,31 +303,36 @@ def run(
                 bad += int(m["bad"])
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
-    def med(name: str, key: str) -> float:
+    def med(scenario: str, name: str, key: str) -> float:
         # A run in which no answer completed has no latency figure (wrk prints none).
-        got = [m[key] for m in lat[name] if m["n"] > 0 or key == "rps"]
+        got = [m[key] for m in lat[(scenario, name)] if m["n"] > 0 or key == "rps"]
         return statistics.median(got) if got else float("nan")
 
-    print(f"\nnon-streaming, max_tokens 1, {args.connections} clients, "
-          f"{args.rounds} rounds x {args.duration} (medians):")  # fmt: skip
-    print(
-        f"  {'target':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'CPU ms/req':>11}"
-    )
-    d50, d99 = med("direct", "p50"), med("direct", "p99")
-    added: dict[str, tuple[float, float]] = {}
-    for name in targets:
-        a50, a99 = med(name, "p50") - d50, med(name, "p99") - d99
-        added[name] = (a50, a99)
-        print(f"  {name:8} {med(name, 'rps'):8.0f} {med(name, 'p50'):8.2f} {med(name, 'p99'):8.2f}"
-              f" {a50:10.2f} {a99:10.2f} {med(name, 'cpu_ms'):11.2f}")  # fmt: skip
-    print("  target: gpuctl added p50 <= 1 ms, p99 <= 5 ms")
-    if "litellm" in added:
-        g, ll = added["gpuctl"], added["litellm"]
-        print(f"  gpuctl / LiteLLM added latency: p50 {g[0] / ll[0]:.2f}x, p99 {g[1] / ll[1]:.2f}x"
-              " (target <= 0.5x)")  # fmt: skip
-        print(
-            f"  gpuctl / LiteLLM CPU per request: {med('gpuctl', 'cpu_ms') / med('litellm', 'cpu_ms'):.2f}x"
+    for scenario, _, _, _ in scenarios:
+        what = (
+            "saturated: the fast server (no delay), max_tokens 1"
+            if scenario == "saturated"
+            else f"paced: the stream server, max_tokens {args.paced_tokens} x {args.token_delay}"
         )
+        print(f"\nnon-streaming, {what}, {args.connections} clients, "
+              f"{args.rounds} rounds x {args.duration} (medians):")  # fmt: skip
+        print(f"  {'target':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10}"
+              f" {'added p99':>10} {'CPU ms/req':>11}")  # fmt: skip
+        d50, d99 = med(scenario, "direct", "p50"), med(scenario, "direct", "p99")
+        added: dict[str, tuple[float, float]] = {}
+        for name in targets:
+            a50, a99 = med(scenario, name, "p50") - d50, med(scenario, name, "p99") - d99
+            added[name] = (a50, a99)
+            print(f"  {name:8} {med(scenario, name, 'rps'):8.0f} {med(scenario, name, 'p50'):8.2f}"
+                  f" {med(scenario, name, 'p99'):8.2f} {a50:10.2f} {a99:10.2f}"
+                  f" {med(scenario, name, 'cpu_ms'):11.3f}")  # fmt: skip
+        print("  target: gpuctl added p50 <= 1 ms, p99 <= 5 ms")
+        if "litellm" in added:
+            g, ll = added["gpuctl"], added["litellm"]
+            print(f"  gpuctl / LiteLLM added latency: p50 {g[0] / ll[0]:.2f}x, p99 {g[1] / ll[1]:.2f}x"
+                  " (target <= 0.5x)")  # fmt: skip
+            cpu = med(scenario, "gpuctl", "cpu_ms") / med(scenario, "litellm", "cpu_ms")
+            print(f"  gpuctl / LiteLLM CPU per request: {cpu:.2f}x")
     print(f"\nstreaming, {args.stream_tokens} tokens per answer, {args.token_delay} per token"
           f" (tokens/s, medians):")  # fmt: skip
     for conns in (64, 256):

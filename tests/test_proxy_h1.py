@@ -423,6 +423,34 @@ def test_refused_and_timeouts() -> None:
     run(main())
 
 
+def test_the_read_timeout_is_silence_not_the_length_of_a_stream() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):  # 0.8 s of stream, a chunk every 0.1 s
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+        await reader.read()  # then silence
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 0.3)
+            r = await post(c, s.origin)
+            got = b""
+            with pytest.raises(UpstreamTimeout):
+                while chunk := await r.next():
+                    got += chunk
+            assert got == b"x" * 8  # the whole stream came through before the silence
+            r.aclose()
+            c.close()
+
+    srv: Server
+    run(main())
+
+
 # --------------------------------------------------------------------------- streams
 
 

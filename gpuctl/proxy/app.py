@@ -124,13 +124,13 @@ class _State:
 class _Reply:
     """What has been sent of one response (our own SSE head, or the upstream's)."""
 
-    __slots__ = ("sent_bytes", "sse", "started", "status")
+    __slots__ = ("raw_send", "sse", "started", "status")
 
-    def __init__(self) -> None:
+    def __init__(self, raw_send: Send) -> None:
         self.started = False
         self.sse = False  # we opened an SSE stream ourselves while holding the request
         self.status = 0
-        self.sent_bytes = 0
+        self.raw_send = raw_send  # uvicorn's own: for bodies, once the status is known
 
 
 @dataclass(slots=True)
@@ -254,15 +254,13 @@ class ProxyApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
-        reply = _Reply()
+        reply = _Reply(send)
         info: dict[str, Any] = {}
 
         async def sender(message: Message) -> None:
             if message["type"] == "http.response.start":
                 reply.started = True
                 reply.status = message["status"]
-            else:
-                reply.sent_bytes += len(message.get("body", b""))
             await send(message)
 
         try:
@@ -669,6 +667,7 @@ class ProxyApp:
             if await relay(
                 resp,
                 send=call.send,
+                send_body=call.reply.raw_send,
                 receive=call.receive,
                 name=call.up.service.name,
                 opened_sse=call.reply.sse,

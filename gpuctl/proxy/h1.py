@@ -88,6 +88,7 @@ class _Conn(asyncio.Protocol):
         "chunks",
         "closed",
         "complete",
+        "deadline",
         "error",
         "framed",
         "got_bytes",
@@ -102,12 +103,17 @@ class _Conn(asyncio.Protocol):
         "paused",
         "reusable",
         "status",
+        "timeout_s",
+        "timer",
         "transport",
         "waiter",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.loop = loop
+        self.timeout_s = timeout_s  # silence while an answer is awaited
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -238,6 +244,9 @@ class _Conn(asyncio.Protocol):
 
     def abort(self) -> None:
         self.reusable = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.abort()
@@ -247,24 +256,33 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def wait(self, timeout_s: float) -> None:
-        """Until something happens on the connection, or ``UpstreamTimeout``."""
+    async def wait(self) -> None:
+        """Until something happens on the connection, or ``UpstreamTimeout`` after
+        ``timeout_s`` without."""
         fut = self.loop.create_future()
         self.waiter = fut
-        timer = self.loop.call_later(timeout_s, _expire, fut, timeout_s)
+        # One timer per connection, pushed back by each wait rather than made anew
+        # (a stream waits once per token).
+        self.deadline = self.loop.time() + self.timeout_s
+        if self.timer is None:
+            self.timer = self.loop.call_at(self.deadline, self._expire)
         try:
             await fut
         except UpstreamTimeout:
             self.abort()
             raise
         finally:
-            timer.cancel()
             self.waiter = None
 
-
-def _expire(fut: asyncio.Future[None], timeout_s: float) -> None:
-    if not fut.done():
-        fut.set_exception(UpstreamTimeout(f"no answer within {timeout_s:g} s"))
+    def _expire(self) -> None:
+        self.timer = None
+        w = self.waiter
+        if w is None or w.done():
+            return  # not waiting: the next wait arms a timer again
+        if self.loop.time() < self.deadline:
+            self.timer = self.loop.call_at(self.deadline, self._expire)
+            return
+        w.set_exception(UpstreamTimeout(f"no answer within {self.timeout_s:g} s"))
 
 
 class Response:
@@ -295,7 +313,7 @@ class Response:
         while not c.complete:
             if c.error is not None:
                 raise c.error
-            await c.wait(self._pool.read_timeout_s)
+            await c.wait()
         if c.error is not None:
             raise c.error
         chunks, c.chunks, c.buffered = c.chunks, [], 0
@@ -317,7 +335,7 @@ class Response:
                 raise c.error
             if c.complete:
                 return b""
-            await c.wait(self._pool.read_timeout_s)
+            await c.wait()
 
     def aclose(self) -> None:
         c, self._conn = self._conn, None
@@ -353,7 +371,7 @@ class Pool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(loop),
+                    lambda: _Conn(loop, self.read_timeout_s),
                     self.host,
                     self.port,
                     ssl=self._ssl if self.tls else None,
@@ -437,7 +455,7 @@ class Pool:
                 while not conn.head_done:
                     if conn.error is not None:
                         raise conn.error
-                    await conn.wait(self.read_timeout_s)
+                    await conn.wait()
             except UpstreamClosed:
                 conn.busy = False
                 if reused and idempotent and not conn.got_bytes and not retried:

@@ -30,6 +30,13 @@ def _setup_logging(log_level: str, access_log: bool) -> None:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(log_level.upper())
+    # One access line per request: spare each its caller's frame walk and the thread
+    # and process lookups, which no format here shows (the logging HOWTO's
+    # "Optimization"). This process is the proxy's own.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     # The access log is INFO by design: one line per request unless access_log = false.
     logging.getLogger("gpuctl.proxy.access").setLevel(
         logging.INFO if access_log else logging.WARNING
