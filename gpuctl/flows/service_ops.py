@@ -9,7 +9,7 @@ from datetime import datetime
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
-from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside
+from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside, recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.observe import hidden_words, keywords
@@ -68,14 +68,23 @@ def stop(deps: EnsureDeps) -> StopResult:
         if snapshot is not None and not result.stopped:
             # A server whose launcher died before it could record it: find it by keywords.
             # Only then: a keyword also matches, say, the shell that typed `gpuctl ensure X`.
+            # Never a process another record names (another service's server, a
+            # `gpuctl run` job's CMD), whatever its command line carries: it is theirs.
+            servers = _recorded_elsewhere(deps, svc.name)
             seen: list[tuple[int, float | None]] = [
-                (p.pid, None) for p in snapshot.processes if owns(svc, p.command)
+                (p.pid, None)
+                for p in snapshot.processes
+                if owns(svc, p.command) and p.pid not in servers
             ]
             if record.phase is Phase.STARTING or aside is not None:
                 # A launch was under way and nothing recorded its server: it may still
                 # be reading weights, off the GPU. Otherwise a keyword match off the GPU
                 # is more likely a `tail -f` of its log than a server: left alone.
-                seen += [(s.pid, s.age_s) for s in snapshot.starting or () if loading_match(svc, s)]
+                seen += [
+                    (s.pid, s.age_s)
+                    for s in snapshot.starting or ()
+                    if loading_match(svc, s, servers)
+                ]
             taken = _epoch(snapshot.taken_at)
             ages: dict[int, float | None] = {}
             for pid, age in seen:
@@ -106,6 +115,15 @@ def stop(deps: EnsureDeps) -> StopResult:
             deps.store.release(svc.name, holder.id)
         raise
     return result
+
+
+def _recorded_elsewhere(deps: EnsureDeps, name: str) -> dict[int, str]:
+    """``{pid: record}`` for the processes other records name (empty if unreadable)."""
+    try:
+        records = deps.store.records()
+    except GpuctlError:
+        return {}
+    return {pid: n for pid, n in recorded_servers(records).items() if n != name}
 
 
 def _hidden_start(deps: EnsureDeps, record: Record, holder_id: str) -> SetAside | None:
