@@ -29,13 +29,16 @@ cancels its upstream request (``relay``). No framework: see ``gpuctl.agent.app``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -49,7 +52,6 @@ from gpuctl.proxy.h1 import (
     UpstreamError,
     UpstreamTimeout,
     is_idempotent,
-    request_target,
 )
 from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import Readiness, SingleFlight, run_ensure
@@ -71,12 +73,17 @@ from gpuctl.proxy.routes import (
     form_field,
     model_from_json,
     multipart_boundary,
+    safe_query,
+    shown,
+    split_services_path,
 )
 
 log = logging.getLogger("gpuctl.proxy")
 access = logging.getLogger("gpuctl.proxy.access")
 
-# How long the in-flight count stays after a service's last request ends.
+# Once written, the store's in-flight count of a service stays at least this long:
+# requests that come and go faster move it once per LINGER_S at most (never per
+# request), and a request that ends after it takes the count off before its last byte.
 LINGER_S = 2.0
 # A streaming request's first SSE comment waits this long: a service that turns out
 # ready (or busy) within it gets its real status line instead of our 200.
@@ -106,15 +113,19 @@ class _State:
     """The proxy's own view of one service.
 
     The proxy holds one ``in_use`` count on the service while any of its requests is in
-    flight, and ``LINGER_S`` after the last one ends: a client that sends one request
-    after another moves no count in the store (and needs no new readiness check).
+    flight. The last one to end takes it off at once (before its last byte goes, so a
+    client that saw its answer end sees the count gone) unless the count was written
+    less than ``LINGER_S`` ago; then it comes off ``LINGER_S`` after it was written,
+    unless a request came meanwhile: a client that sends one short request after another
+    moves the count once per ``LINGER_S`` at most, never per request.
     """
 
-    __slots__ = ("held", "in_flight", "lock", "ready", "release", "use")
+    __slots__ = ("held", "held_since", "in_flight", "lock", "ready", "release", "use")
 
     def __init__(self, use: in_use) -> None:
         self.in_flight = 0
         self.held = False  # this proxy's in_use count is open (the store has our entry)
+        self.held_since = 0.0  # monotonic: when the store's count was written
         self.ready = False  # trusted only while held (see ready.py)
         self.use = use
         self.lock = asyncio.Lock()  # one hold or release at a time
@@ -146,6 +157,7 @@ class _Call:
     path: str
     body: bytes
     stream: bool
+    ended: bool = False  # its in-flight count is off (its last byte is on its way)
 
 
 class ClientGone(Exception):
@@ -270,6 +282,25 @@ class ProxyApp:
         except ClientGone:
             info["gone"] = True
             reply.status = reply.status or 499  # nginx's word for it, in the log and metrics
+        except Exception as e:  # a bug: one line (the traceback with GPUCTL_DEBUG=1), and
+            # an answer in the shape clients parse instead of uvicorn's bare 500
+            debug = os.environ.get("GPUCTL_DEBUG", "") not in ("", "0")
+            log.error(
+                "%s %s failed: %s: %s (a bug in gpuctl; GPUCTL_DEBUG=1 logs the traceback)",
+                scope["method"],
+                shown(scope["path"]),
+                type(e).__name__,
+                e,
+                exc_info=debug,
+            )
+            with contextlib.suppress(Exception):  # the client may be gone too
+                await self._refuse(
+                    sender,
+                    reply,
+                    Refusal(
+                        500, f"the proxy failed: {type(e).__name__}", "server_error", "internal"
+                    ),
+                )
         finally:
             svc = info.get("service")
             if svc is not None:
@@ -280,11 +311,12 @@ class ProxyApp:
                     '%s:%s "%s %s" %s service=%s model=%s %.1fms wait=%.2fs%s',
                     client[0],
                     client[1],
-                    scope["method"],
-                    scope["path"],
+                    shown(scope["method"]),
+                    # as sent (escapes kept): /services/a%2Fb is not /services/a/b
+                    shown((scope.get("raw_path") or b"").decode("latin-1") or scope["path"]),
                     reply.status or "-",
                     svc or "-",
-                    info.get("model") or "-",
+                    shown(info["model"]) if info.get("model") else "-",
                     (time.perf_counter() - t0) * 1000,
                     info.get("waited", 0.0),
                     " client-gone" if info.get("gone") else "",
@@ -301,7 +333,7 @@ class ProxyApp:
         if not self._authorized(scope):
             raise Refusal(
                 401,
-                "Incorrect API key provided: send 'Authorization: Bearer <key>' with a key "
+                "Incorrect API key provided: send one 'Authorization: Bearer <key>' with a key "
                 "from the proxy's api_keys_file or api_keys_env",
                 "invalid_request_error",
                 "invalid_api_key",
@@ -316,22 +348,30 @@ class ProxyApp:
         if path.startswith("/v1/models/") and method in ("GET", "HEAD"):
             await self._model_card(scope, send, path[len("/v1/models/") :], info)
             return
-        if path.startswith(SERVICES_PREFIX):
-            name, _, rest = path[len(SERVICES_PREFIX) :].partition("/")
+        raw_path: bytes = scope.get("raw_path") or path.encode("utf-8", "surrogateescape")
+        if raw_path.startswith(SERVICES_PREFIX.encode()):
+            split = split_services_path(raw_path)
+            if split is None:
+                raise Refusal(
+                    400,
+                    "a /services/<name>/ path may not hold '.' or '..' segments: "
+                    "send the path the service should see",
+                    "invalid_request_error",
+                    "bad_path",
+                )
+            name, rest = split
             up = self.routes.by_name.get(name)
             if up is None:
                 raise Refusal(
                     404,
-                    f"no service {name!r} behind this proxy",
+                    f"no service '{shown(name)}' behind this proxy",
                     "invalid_request_error",
                     "service_not_found",
                 )
             info["service"] = name
             body = await self._body(scope, receive)
             stream = _wants_stream(scope, body)
-            await self._serve(
-                _Call(scope, receive, send, reply, info, up, "/" + rest, body, stream)
-            )
+            await self._serve(_Call(scope, receive, send, reply, info, up, rest, body, stream))
             return
         if path in MODEL_IN_BODY:
             if method != "POST":
@@ -352,8 +392,8 @@ class ProxyApp:
             if up is None:
                 raise Refusal(
                     404,
-                    f"The model `{model}` does not exist behind this proxy; GET /v1/models "
-                    "lists the configured ones",
+                    f"The model `{shown(model)}` does not exist behind this proxy; "
+                    "GET /v1/models lists the configured ones",
                     "invalid_request_error",
                     "model_not_found",
                 )
@@ -362,8 +402,8 @@ class ProxyApp:
             return
         raise Refusal(
             404,
-            f"no route for {method} {path}; models route by their 'model', other paths "
-            "go under /services/<name>/",
+            f"no route for {shown(method)} {shown(path)}; models route by their 'model', "
+            "other paths go under /services/<name>/",
             "invalid_request_error",
             "not_found",
         )
@@ -371,12 +411,10 @@ class ProxyApp:
     def _authorized(self, scope: Scope) -> bool:
         if not self._keys:
             return True
-        got = b""
-        for k, v in scope["headers"]:
-            if k == b"authorization":
-                got = bytes(v)
-                break
-        scheme, _, key = got.partition(b" ")
+        sent = [bytes(v) for k, v in scope["headers"] if k == b"authorization"]
+        if len(sent) != 1:
+            return False  # none, or two that could each be read as the one (refused)
+        scheme, _, key = sent[0].partition(b" ")
         if scheme.lower() != b"bearer":
             return False
         key = key.strip()
@@ -444,14 +482,16 @@ class ProxyApp:
         if up is None:
             raise Refusal(
                 404,
-                f"The model `{model}` does not exist behind this proxy",
+                f"The model `{shown(model)}` does not exist behind this proxy",
                 "invalid_request_error",
                 "model_not_found",
             )
         info["service"], info["model"] = up.service.name, model
         # The server's own card when it answers now; never a start for a metadata read.
         try:
-            r = await self.client.get(f"{up.origin}/v1/models/{model}", timeout=2.0)
+            r = await self.client.get(
+                f"{up.origin}/v1/models/{quote(model, safe='/:@')}", timeout=2.0
+            )
             if r.status_code == 200:
                 await _send(send, 200, r.content, b"application/json")
                 return
@@ -474,6 +514,19 @@ class ProxyApp:
             )
         st.in_flight += 1
         self.metrics.in_flight[svc.name] += 1
+        send = call.send
+
+        async def send_ending(message: Message) -> None:
+            # The request ends with its last byte: its count comes off first.
+            if (
+                not call.ended
+                and message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+            ):
+                await self._end(call, st)
+            await send(message)
+
+        call.send = send_ending
         try:
             await self._hold(st)
             attempts = 2  # a refused connection once: the server went, start it again
@@ -494,12 +547,23 @@ class ProxyApp:
                             "upstream_refused",
                         ) from None
         finally:
-            st.in_flight -= 1
-            self.metrics.in_flight[svc.name] -= 1
-            if st.in_flight == 0 and st.held and st.release is None:
-                st.release = asyncio.get_running_loop().call_later(
-                    LINGER_S, self._start_release, st
-                )
+            # However it ended (a refusal, its client gone, an error): before the answer.
+            await self._end(call, st)
+
+    async def _end(self, call: _Call, st: _State) -> None:
+        """One request's end: its count off, and the store's with the last one."""
+        if call.ended:
+            return
+        call.ended = True
+        st.in_flight -= 1
+        self.metrics.in_flight[call.up.service.name] -= 1
+        if st.in_flight or not st.held or st.release is not None:
+            return
+        due = st.held_since + LINGER_S - time.monotonic()
+        if due > 0:
+            st.release = asyncio.get_running_loop().call_later(due, self._start_release, st)
+        else:
+            await asyncio.shield(self._release(st))  # a cancelled request still lets go
 
     async def _hold(self, st: _State) -> None:
         """Count this proxy as using the service (in the store on its 0 -> 1)."""
@@ -512,12 +576,22 @@ class ProxyApp:
             if not st.held:
                 await st.use.__aenter__()
                 st.held = True
+                st.held_since = time.monotonic()
 
     def _start_release(self, st: _State) -> None:
         st.release = None
         task = asyncio.get_running_loop().create_task(self._release(st))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    async def _let_go_of_idle(self) -> None:
+        """Take off the counts that only linger (no request in flight) now."""
+        for st in list(self._states.values()):
+            if st.held and not st.in_flight:
+                if st.release is not None:
+                    st.release.cancel()
+                    st.release = None
+                await self._release(st)
 
     async def _release(self, st: _State) -> None:
         async with st.lock:
@@ -530,6 +604,10 @@ class ProxyApp:
     async def _wait_ready(self, call: _Call, st: _State) -> None:
         svc, info = call.up.service, call.info
         t0 = time.monotonic()
+        if svc.name not in self.flight.tasks:
+            # The start may weigh other services' in-flight counts: this proxy's own
+            # must not make an idle service look busy to it.
+            await self._let_go_of_idle()
         task = self.flight.get(svc)
         limit = svc.queue_timeout_s if svc.queue_timeout_s is not None else svc.health_timeout_s
         deadline = t0 + limit
@@ -628,7 +706,11 @@ class ProxyApp:
         target = _TARGETS.get(call.path)
         qs: bytes = scope.get("query_string") or b""
         if target is None or qs:
-            target = request_target(call.path, qs)
+            # call.path is URL text already: a model route's own path, or a /services
+            # path as the client escaped it (routes.split_services_path)
+            target = call.path.encode("ascii")
+            if qs:
+                target += b"?" + safe_query(qs).encode("ascii")
         keep_auth = self.settings.pass_authorization
         headers = [
             (k, v)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.errors import ConfigError
@@ -29,6 +29,12 @@ MODEL_IN_BODY = frozenset(
 )
 SERVICES_PREFIX = "/services/"
 _MAX_PART_HEADERS = 8192
+# What a client-sent name may show of itself in an error message or the access log.
+_SHOWN_CHARS = 120
+# Characters a URL path or query keeps as they are (RFC 3986's pchar plus '/' and '?');
+# '%' too, so the client's own escapes go upstream unchanged.
+_PATH_SAFE = "/%:@!$&'()*+,;=-._~"
+_QUERY_SAFE = _PATH_SAFE + "?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,46 @@ class RouteTable:
         return sorted(self.by_model.items())
 
 
+def split_services_path(raw_path: bytes) -> tuple[str, str] | None:
+    """(service name, path to pass through) of a raw ``/services/<name>/<path>``.
+
+    Works on the path as the client sent it (``raw_path``), so an escaped slash stays in
+    its segment (``/services/a%2Fb/x`` names the service ``a/b``, which is unknown) and
+    the upstream gets the client's own escapes (``%23`` stays a ``#`` of the path, never a
+    fragment). None when the pass-through path climbs with a dot segment (``..``, ``.``,
+    escaped or not): the proxy does not resolve them and will not forward them.
+    """
+    prefix = SERVICES_PREFIX.encode()
+    if not raw_path.startswith(prefix):
+        return None
+    name_raw, _, rest = raw_path[len(prefix) :].partition(b"/")
+    name = unquote_to_bytes(name_raw).decode("utf-8", "replace")
+    for seg in rest.split(b"/"):
+        if unquote_to_bytes(seg) in (b".", b".."):
+            return None
+    return name, "/" + quote(rest, safe=_PATH_SAFE)
+
+
+def safe_query(query: bytes) -> str:
+    """A raw query string as URL text (bytes outside the URL's own characters escaped)."""
+    return quote(query, safe=_QUERY_SAFE)
+
+
+def shown(name: str) -> str:
+    """A client-sent name as it may appear in a message or a log line: printable, short.
+
+    A model of a megabyte, a newline (a forged access-log line) or a lone surrogate
+    comes back escaped and cut, never as sent.
+    """
+    text = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in name[:_SHOWN_CHARS]
+    )
+    if len(name) > _SHOWN_CHARS:
+        text += f"... ({len(name)} characters)"
+    return text
+
+
 def model_from_json(body: bytes) -> tuple[str | None, bool]:
     """(model, stream) from a JSON body; (None, False) when it is not a JSON object."""
     try:
@@ -123,7 +169,8 @@ def form_field(body: bytes, boundary: bytes, name: str) -> str | None:
     """The value of the multipart form field ``name`` (a small text field), or None.
 
     Only what routing needs: it scans part headers for ``name="…"`` and takes that
-    part's content up to the next boundary; a file part is never decoded.
+    part's content up to the next boundary; a file part (one with a filename) is never
+    read, even when it is named ``name``.
     """
     delimiter = b"--" + boundary
     want = f'name="{name}"'.encode()
@@ -140,7 +187,11 @@ def form_field(body: bytes, boundary: bytes, name: str) -> str | None:
         if nxt == -1:
             return None
         for line in headers.split(b"\r\n"):
-            if line.lower().startswith(b"content-disposition:") and _has_param(line, want):
+            if (
+                line.lower().startswith(b"content-disposition:")
+                and _has_param(line, want)
+                and not _is_file(line)
+            ):
                 value = body[head_end + 4 : nxt]
                 if len(value) > 1024:
                     return None
@@ -150,6 +201,12 @@ def form_field(body: bytes, boundary: bytes, name: str) -> str | None:
                     return None
         pos = nxt + 2
     return None
+
+
+def _is_file(line: bytes) -> bool:
+    # A part with a filename is an upload, never the text field routing reads (a file
+    # named "model" must not pick the service).
+    return any(part.strip().lower().startswith(b"filename") for part in line.split(b";"))
 
 
 def _has_param(line: bytes, want: bytes) -> bool:
