@@ -514,19 +514,10 @@ class ProxyApp:
             )
         st.in_flight += 1
         self.metrics.in_flight[svc.name] += 1
-        send = call.send
-
-        async def send_ending(message: Message) -> None:
-            # The request ends with its last byte: its count comes off first.
-            if (
-                not call.ended
-                and message["type"] == "http.response.body"
-                and not message.get("more_body", False)
-            ):
-                await self._end(call, st)
-            await send(message)
-
-        call.send = send_ending
+        # The request ends with its last byte: its count comes off just before, whichever
+        # of the two sends (heads, or bodies straight to uvicorn) carries it.
+        call.send = self._ending(call, st, call.send)
+        call.reply.raw_send = self._ending(call, st, call.reply.raw_send)
         try:
             await self._hold(st)
             attempts = 2  # a refused connection once: the server went, start it again
@@ -549,6 +540,16 @@ class ProxyApp:
         finally:
             # However it ended (a refusal, its client gone, an error): before the answer.
             await self._end(call, st)
+
+    def _ending(self, call: _Call, st: _State, send: Send) -> Send:
+        async def send_ending(message: Message) -> None:
+            if not message.get("more_body", True) or (
+                "more_body" not in message and message["type"] == "http.response.body"
+            ):
+                await self._end(call, st)
+            await send(message)
+
+        return send_ending
 
     async def _end(self, call: _Call, st: _State) -> None:
         """One request's end: its count off, and the store's with the last one."""
