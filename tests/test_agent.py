@@ -61,6 +61,7 @@ STATUS_KEYS = {
     "processes",
     "host",
     "state_dir",
+    "servers",  # whose each recorded server (and its children) is
 }
 
 

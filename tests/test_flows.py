@@ -5,6 +5,7 @@ milliseconds and asserts what the flow did (launches, records, outcomes, exit co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,90 @@ def test_status_reports_a_dead_host_unknown_and_the_others_as_they_are(tmp_path:
     assert not b.ok and b.verdicts[0].decision is Decision.UNKNOWN
     assert b.error == "connection refused by http://b:9400" and b.hint == "is the agent up?"
     assert report.exit_code == ExitCode.UNKNOWN
+
+
+def _prio_status(
+    tmp_path: Path, counts: Callable[[], dict[str, int]], agent: Agent | None = None
+) -> tuple[StatusDeps, DirectStore]:
+    """Host a: a batch (60 GiB, priority 50, started by gpuctl: pid 555) on a 128 GiB GPU;
+    chat (80 GiB, priority 100) and llm (90 GiB, priority 100) do not fit beside it."""
+    conf = config(
+        tmp_path,
+        '[hosts.a]\nagent = "http://127.0.0.1:9"\n\n'
+        '[services.batch]\nhost = "a"\nmemory = "60GiB"\npriority = 50\n'
+        'launcher = "process"\ncommand = "batch"\n\n'
+        '[services.chat]\nhost = "a"\nmemory = "80GiB"\npriority = 100\n\n'
+        '[services.llm]\nhost = "a"\nmemory = "90GiB"\npriority = 100\n',
+    )
+    clock = Clock()
+    store = DirectStore(tmp_path / "a", clock=clock)
+    h = holder_here("test")
+    store.acquire("batch", h, 60)
+    store.release("batch", h.id, {"handle": {"kind": "process", "pid": 555}, "phase": "running"})
+    agent = agent or Agent(processes=[GpuProcess(555, "python batch.py", 60 * GIB)])
+    deps = StatusDeps(
+        config=conf,
+        hosts=[HostDeps(conf.host("a"), "fake a", store.records, agent.read, read_inflight=counts)],
+        check_health=lambda url, t: Health("refused", "no"),
+        clock=clock,
+        monotonic=clock,
+        sleep=clock.sleep,
+    )
+    return deps, store
+
+
+def test_status_is_preemptable_as_ensure_decides_it(tmp_path: Path) -> None:
+    """A service that fits once lower-priority work stops is PREEMPTABLE in status, with
+    the plan and the `ensure --preempt` hint; the in-flight counts are read once per host
+    however many services do not fit."""
+    asked: list[int] = []
+
+    def counts() -> dict[str, int]:
+        asked.append(1)
+        return {}
+
+    deps, _ = _prio_status(tmp_path, counts)
+    (host,) = status(deps).hosts
+    by = {s.name: v for s, v in zip(host.services, host.verdicts, strict=True)}
+    assert by["batch"].decision is Decision.LOADING  # its recorded server, not answering
+    for name in ("chat", "llm"):
+        v = by[name]
+        assert v.decision is Decision.PREEMPTABLE, v.reason
+        assert v.plan is not None and v.plan.names == ("batch",)
+        assert "fits once batch (priority 50, 60.0 GiB) stops" in v.reason
+        assert v.hint.startswith(f"`gpuctl ensure {name} --preempt` stops batch to make room")
+    assert asked == [1]
+
+
+@pytest.mark.parametrize(
+    ("counts", "why"),
+    [
+        ({"batch": 2}, "batch: 2 requests in flight (--force stops it anyway)"),
+        (None, "batch: its requests in flight cannot be read"),
+    ],
+)
+def test_status_is_busy_when_the_victim_may_not_be_stopped(
+    tmp_path: Path, counts: dict[str, int] | None, why: str
+) -> None:
+    def read() -> dict[str, int]:
+        if counts is None:
+            raise StoreError("the agent's /records/_inflight did not answer")
+        return counts
+
+    deps, _ = _prio_status(tmp_path, read)
+    (host,) = status(deps).hosts
+    v = host.verdicts[[s.name for s in host.services].index("chat")]
+    assert v.decision is Decision.BUSY and v.plan is None
+    assert why in v.reason and "= batch, priority 50" in v.reason and "pid 555" in v.reason
+
+
+def test_status_gives_the_hosts_hint_once(tmp_path: Path) -> None:
+    """A host that did not answer: its hint is the host's, not repeated in each verdict."""
+    agents = {"b": Agent(error="connection refused by http://b:9400")}
+    report = status(_status_deps(tmp_path, agents, {"b": DirectStore(tmp_path / "b")}))
+    (b,) = report.hosts
+    assert b.hint == "is the agent up?"
+    assert [v.hint for v in b.verdicts] == [""]
 
 
 def test_status_taken_at_comes_from_the_clock_in_the_one_form(tmp_path: Path) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 
 from gpuctl.adapters.procinfo import (
     _is_gpuctl_client,
+    descendants,
     find_matching,
     is_alive,
     own_lineage,
@@ -154,3 +157,47 @@ def test_own_pipeline_without_pipes_is_empty(tmp_path: Path) -> None:
             check=True,
         )
     assert out.read_text().strip() == "[]"
+
+
+def test_descendants_are_the_processes_below_the_roots() -> None:
+    """A wrapper shell's child and grandchild are below it; the roots themselves, their
+    parents and unrelated processes are not."""
+    tree = subprocess.Popen(
+        ["sh", "-c", "sh -c 'sleep 60; exit 0' & sleep 60; exit 0"],
+        start_new_session=True,
+    )
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+
+        def below() -> dict[int, int]:
+            return descendants([tree.pid])
+
+        deadline = time.monotonic() + 10
+        while len(below()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = below()
+        assert len(got) == 3 and set(got.values()) == {tree.pid}, got  # sh, sleep, sleep
+        assert tree.pid not in got and other.pid not in got and os.getpid() not in got
+        assert descendants([]) == {}
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)
+        tree.wait()
+        other.kill()
+        other.wait()
+
+
+def test_descendants_from_a_proc_folder(tmp_path: Path) -> None:
+    """Read from /proc/<pid>/stat: a zombie child is dead, a command with ") " in its
+    name is parsed from the last parenthesis."""
+    for pid, ppid, state, comm in [
+        (10, 1, "S", "server"),
+        (11, 10, "S", "worker ) x"),
+        (12, 11, "S", "grandchild"),
+        (13, 10, "Z", "dead"),
+        (20, 1, "S", "other"),
+    ]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) {state} {ppid} 0 0\n")
+    (tmp_path / "self").mkdir()
+    assert descendants([10], proc_root=str(tmp_path)) == {11: 10, 12: 10}
+    assert descendants([20], proc_root=str(tmp_path)) == {}

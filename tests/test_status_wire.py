@@ -61,12 +61,29 @@ DEV = {"index": 0, "memory_used_mib": 1000, "memory_total_mib": 81920}
             "is_idle disagrees",
         ),
         (body(starting=[{"pid": 5, "command": "vllm", "age_s": float("nan")}]), "age_s"),
+        # Whose each server is: pids in range, names by the one name rule.
+        (body(servers=[{"pid": 0, "service": "chat"}]), "servers[0].pid' is out of range"),
+        (body(servers=[{"pid": 5, "service": "chat\n"}]), "servers[0].service' is not a"),
+        (body(servers=[{"pid": 5, "service": "../x"}]), "servers[0].service' is not a"),
+        (body(servers=[{"pid": 5}]), "servers[0]: missing field 'service'"),
+        (body(servers=[{"pid": True, "service": "chat"}]), "servers[0]: field 'pid'"),
+        (body(servers=["5"]), "servers[0] should be an object"),
+        (body(servers={"5": "chat"}), "field 'servers' should be list"),
     ],
 )
 def test_hostile_values_are_located_errors(data: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError) as exc:
         parse_status(data)
     assert needle in str(exc.value)
+
+
+def test_servers_round_trip_and_are_optional() -> None:
+    snap = parse_status(
+        body(servers=[{"pid": 5, "service": "chat"}, {"pid": 6, "service": "run.j"}])
+    )
+    assert snap.servers == ((5, "chat"), (6, "run.j"))
+    assert parse_status(json.loads(json.dumps(snap.to_wire()))).servers == snap.servers
+    assert parse_status(body()).servers == ()  # an agent of an earlier release
 
 
 def test_per_gpu_figures_round_trip_through_json() -> None:
@@ -159,6 +176,7 @@ _body_like = st.fixed_dictionaries(
         "processes": st.lists(_proc_like, max_size=3) | _values,
         "devices": st.lists(_device_like, max_size=3) | _values,
         "starting": st.lists(_values, max_size=2) | _values,
+        "servers": st.lists(_values, max_size=2) | _values,
         "memory_used_mib": _values,
         "memory_total_mib": _values,
         "unified_memory": _values,

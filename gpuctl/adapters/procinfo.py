@@ -297,6 +297,49 @@ def pids_with_env(name: str, value: str, proc_root: str = "/proc") -> dict[int, 
     return out
 
 
+def descendants(roots: Iterable[int], proc_root: str = "/proc") -> dict[int, int]:
+    """``{pid: root}`` for every live process below one of ``roots`` (children,
+    grandchildren, ...), by one pass over ``/proc/<pid>/stat``; zombies left out.
+
+    A vLLM server's engine and workers are its children: what they hold on the GPU is
+    the server's. Empty when ``roots`` is.
+    """
+    wanted = set(roots)
+    if not wanted:
+        return {}
+    parent: dict[int, int] = {}
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return {}
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"{proc_root}/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if len(fields) < 2 or fields[0] in ("Z", "X", "x"):
+            continue
+        parent[int(d)] = int(fields[1])
+    out: dict[int, int] = {}
+    for pid in parent:
+        if pid in wanted:
+            continue
+        chain = [pid]
+        up = parent.get(pid, 0)
+        # Walk up until a root, a process already placed, or the top (pid 0 or 1).
+        while up > 1 and up not in wanted and up not in out and len(chain) < 4096:
+            chain.append(up)
+            up = parent.get(up, 0)
+        root = up if up in wanted else out.get(up)
+        if root is not None:
+            for c in chain:
+                out[c] = root
+    return out
+
+
 def find_by_env(name: str, value: str) -> int | None:
     """The process that carries ``name=value`` in its environment and whose parent does
     not (the server, not a child it forked, nor a wrapper's child); None when none."""

@@ -234,6 +234,7 @@ class AgentApp:
             state_dir=self.settings.state_dir,
             gpu_memory_mib=self.settings.gpu_memory_mib,
             loading=servers.recorded + servers.loading,
+            servers=servers.owners,
         )
 
     def _match_slot(self, keywords: tuple[str, ...]) -> _MatchSlot:

@@ -287,6 +287,7 @@ def openapi_document() -> dict[str, Any]:
                         "processes",
                         "host",
                         "state_dir",
+                        "servers",
                     ],
                     "properties": {
                         "schema": {"const": STATUS_SCHEMA},
@@ -328,6 +329,23 @@ def openapi_document() -> dict[str, Any]:
                             "type": "array",
                             "description": "With ?match= only: matching, not on the GPU yet.",
                             "items": {"$ref": "#/components/schemas/StartingProcess"},
+                        },
+                        "servers": {
+                            "type": "array",
+                            "description": (
+                                "Whose each server process is: the pids the records name "
+                                "(by the launcher's handle, or a start's GPUCTL_START_NONCE "
+                                "in /proc/<pid>/environ) and the processes they forked, "
+                                "whatever their command lines say."
+                            ),
+                            "items": {
+                                "type": "object",
+                                "required": ["pid", "service"],
+                                "properties": {
+                                    "pid": {"type": "integer", "minimum": 1},
+                                    "service": {"type": "string"},
+                                },
+                            },
                         },
                     },
                 },

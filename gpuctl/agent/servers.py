@@ -3,7 +3,8 @@
 The servers the records name, by handle or by start nonce, are found by
 ``gpuctl.adapters.recorded_servers.find_servers`` (the direct path uses it too) and
 reported like any recorded server: whatever their command line says, they are that
-service's.
+service's, and so are the processes they forked. ``/status`` names each one's service
+(``servers``), so a client attributes what they hold to it.
 
 Clients of the original ``GET /status`` read only ``processes`` and ``is_idle``; a server
 still importing and reading weights holds no GPU memory yet, so they would see an idle
@@ -24,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuctl.adapters import procinfo
-from gpuctl.adapters.recorded_servers import find_servers
+from gpuctl.adapters.recorded_servers import find_servers, server_children
 from gpuctl.adapters.store import DirectStore
 from gpuctl.core.model import StartingProcess
 from gpuctl.core.record import Phase, Record
@@ -39,6 +40,9 @@ class Servers:
 
     recorded: tuple[StartingProcess, ...] = ()
     loading: tuple[StartingProcess, ...] = ()
+    # (pid, service): the recorded servers and the processes they forked, so a client
+    # attributes each process (and the memory it holds) to its service.
+    owners: tuple[tuple[int, str], ...] = ()
 
 
 def _records(store: DirectStore) -> list[Record]:
@@ -53,13 +57,16 @@ def scan_servers(
 ) -> Servers:
     """Runs in a worker thread (see ``TtlCell``)."""
     recorded: list[StartingProcess] = []
+    owners: dict[int, str] = {}
     if store is not None:
         try:
-            pids = list(find_servers(_records(store)))
+            records = _records(store)
+            roots = find_servers(records)
+            owners = {**server_children(records, roots), **roots}
         except Exception as err:  # the store's own failure must not take /status down
             log.warning("reading the records for /status failed: %s: %s", type(err).__name__, err)
-            pids = []
-        recorded = procinfo.describe_pids(dict.fromkeys(pids))
+            roots = {}
+        recorded = procinfo.describe_pids(dict.fromkeys(roots))
     loading: list[StartingProcess] = []
     if match:
         seen = {p.pid for p in recorded}
@@ -68,7 +75,7 @@ def scan_servers(
             for p in procinfo.find_matching(match)
             if p.pid not in seen and p.age_s is not None and p.age_s <= max_age_s
         ]
-    return Servers(tuple(recorded), tuple(loading))
+    return Servers(tuple(recorded), tuple(loading), tuple(sorted(owners.items())))
 
 
 def starting_with_health(store: DirectStore) -> list[Record]:

@@ -34,12 +34,14 @@ def agent_snapshot(
     state_dir: str | None,
     gpu_memory_mib: int | None,
     loading: tuple[StartingProcess, ...] = (),
+    servers: tuple[tuple[int, str], ...] = (),
 ) -> Snapshot:
     """The ``/status`` snapshot of one scan; ``starting`` None when no keywords were asked.
 
     ``loading``: servers of ours not on the GPU yet (see ``gpuctl.agent.servers``), listed
     in ``processes`` with ``on_gpu`` false and ``memory_mib`` 0 for clients of the
     original API; gpuctl's own accounting skips them (``Snapshot.gpu_processes``).
+    ``servers``: (pid, service) of the servers the records name and their children.
     """
     snap = snapshot_from_reading(
         scan.reading,
@@ -49,6 +51,8 @@ def agent_snapshot(
         state_dir=state_dir,
         gpu_memory_mib=gpu_memory_mib,
     )
+    if servers:
+        snap = replace(snap, servers=servers)
     if not loading:
         return snap
     listed = {p.pid for p in snap.processes}

@@ -80,6 +80,11 @@ __all__ = [
 ]
 
 
+# A BUSY reason names this many holders (the biggest) before "N more": who holds the GPU
+# is its answer. (`status --json` lists every one in `holders`.)
+BUSY_HOLDERS = 4
+
+
 class Decision(StrEnum):
     READY = "READY"
     UNKNOWN = "UNKNOWN"
@@ -313,7 +318,7 @@ def classify(
         o = owner_of(p.command, everyone, p.pid, servers)
         return f" = {o.name}, priority {o.priority}" if o is not None else ""
 
-    holders_text = held_by(usable, label=label)
+    holders_text = held_by(usable, top=BUSY_HOLDERS, label=label)
     if need is None:
         return Verdict(
             name,
@@ -360,6 +365,8 @@ def classify(
                 free_mib=plan.free_mib,
                 gpu=plan.gpu,
                 plan=plan,
+                hint=f"`gpuctl ensure {name} --preempt` stops {', '.join(plan.names)} to make "
+                f"room (or set preempt = true in [services.{name}]); or wait and try again",
             )
     most = max(known, key=lambda r: (r.free_mib or 0, -r.index))
     assert most.free_mib is not None and most.total_mib is not None
@@ -374,7 +381,7 @@ def classify(
         Decision.BUSY,
         f"needs {format_mib(need)} but only {format_mib(max(most.free_mib, 0))} of "
         f"{format_mib(most.total_mib)} free{where}{best}; held by "
-        f"{held_by((most,), label=label)}{kept}",
+        f"{held_by((most,), top=BUSY_HOLDERS, label=label)}{kept}",
         holders=holders_of(usable),
         need_mib=need,
         free_mib=most.free_mib,

@@ -143,6 +143,10 @@ class Snapshot:
     state_dir: str | None = None
     gpus: int = 1
     devices: tuple[GpuDevice, ...] = ()
+    # (pid, service) for the servers the host's records name (by handle or start nonce)
+    # and the processes they forked: the agent knows them on its host; a client knows
+    # only the handles' pids.
+    servers: tuple[tuple[int, str], ...] = ()
 
     @property
     def is_idle(self) -> bool:
@@ -185,6 +189,7 @@ class Snapshot:
             "processes": [p.to_wire() for p in self.processes],
             "host": self.host.to_wire() if self.host else None,
             "state_dir": self.state_dir,
+            "servers": [{"pid": pid, "service": name} for pid, name in self.servers],
         }
         if self.starting is not None:
             out["starting"] = [s.to_wire() for s in self.starting]

@@ -12,12 +12,15 @@ import math
 from typing import Any
 
 from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.names import is_valid_name
 
 # PID_MAX_LIMIT on 64-bit Linux: every pid is below it.
 PID_LIMIT = 4_194_304
 # A MiB figure beyond an exbibyte is not memory, it is garbage (or 1e308).
 MAX_MIB = 2**40
 MAX_GPUS = 1024
+# Recorded servers and their children: a host runs a handful of services.
+MAX_SERVERS = 65536
 
 
 def parse_status(data: object) -> Snapshot:
@@ -48,6 +51,12 @@ def parse_status(data: object) -> Snapshot:
     unified = data.get("unified_memory", False)
     if not isinstance(unified, bool):
         raise ValueError("unified_memory: should be true or false")
+    servers: tuple[tuple[int, str], ...] = ()
+    if data.get("servers") is not None:
+        raw_servers = _req(data, "servers", list)
+        if len(raw_servers) > MAX_SERVERS:
+            raise ValueError(f"servers: more than {MAX_SERVERS} entries")
+        servers = tuple(_server(e, f"servers[{i}]") for i, e in enumerate(raw_servers))
     return Snapshot(
         memory_used_mib=_mib(data, "memory_used_mib", "memory_used_mib"),
         memory_total_mib=_mib(data, "memory_total_mib", "memory_total_mib"),
@@ -60,6 +69,7 @@ def parse_status(data: object) -> Snapshot:
         state_dir=data.get("state_dir") if isinstance(data.get("state_dir"), str) else None,
         gpus=len(devices) if devices else (gpus if gpus is not None else 1),
         devices=devices,
+        servers=servers,
     )
 
 
@@ -162,3 +172,12 @@ def _starting(s: object, where: str) -> StartingProcess:
         user=_opt_str(s, "user"),
         age_s=_number(s, "age_s", f"{where}.age_s", -1e12, 1e12),
     )
+
+
+def _server(e: object, where: str) -> tuple[int, str]:
+    if not isinstance(e, dict):
+        raise ValueError(f"{where} should be an object")
+    service: str = _req(e, "service", str, where)
+    if not is_valid_name(service):
+        raise ValueError(f"field '{where}.service' is not a service name: {service[:40]!r}")
+    return _pid(e, where), service

@@ -8,7 +8,7 @@ against a loopback agent. No flow reaches for an adapter, ``time.time`` or
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,9 @@ SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]
 # records -> {pid: service} of their servers found on this machine (the direct path:
 # ``adapters.recorded_servers.find_servers``, as the agent finds them on its host)
 ServerFinder = Callable[[Iterable[Record]], dict[int, str]]
+# (records, {pid: service} of their servers) -> {pid: service} of the processes those
+# servers forked (``adapters.recorded_servers.server_children``)
+ChildFinder = Callable[[Iterable[Record], Mapping[int, str]], dict[int, str]]
 
 
 @dataclass
@@ -99,6 +102,10 @@ class HostDeps:
     read_records: Callable[[], Listing | list[Record]]
     read_snapshot: SnapshotReader
     find_servers: ServerFinder | None = None
+    find_children: ChildFinder | None = None
+    # The store's in-flight counts (``Store.inflight``), for the victims of PREEMPTABLE;
+    # raises GpuctlError when they cannot be read. None: nothing counts as a victim.
+    read_inflight: Callable[[], Mapping[str, int]] | None = None
 
 
 @dataclass
@@ -116,6 +123,10 @@ class StatusDeps(Closers):
         kw_only=True, default=None
     )
     health_timeout_s: float = field(kw_only=True, default=2.0)
+    # (a running service) -> its server's requests in flight, as ``EnsureDeps`` has it
+    server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
+        kw_only=True, default=None
+    )
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     monotonic: Callable[[], float] = field(kw_only=True, default=time.monotonic)
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)

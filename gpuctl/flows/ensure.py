@@ -168,13 +168,16 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
         from gpuctl.flows.wake import wake
 
         return wake(ctx, wait, lambda: admission(ctx), deps.wake_server)
-    if first in (Decision.LOADING, Decision.SLEEPING):
+    orphan = first is Decision.LOADING and is_orphaned_start(seen.records.get(svc.name))
+    if first in (Decision.LOADING, Decision.SLEEPING) and not orphan:
         ctx.notes.append(f"found it {first.value}: {verdict.reason}")
         _touch(ctx)
         if not wait:
             return ctx.result(Outcome.LOADING, verdict.reason, first, hint=verdict.hint)
         return _bystander(ctx, first, verdict.reason, verdict.hint)
-    # IDLE or FITS: take the lease; whoever holds it is the only one who launches.
+    # IDLE or FITS: take the lease; whoever holds it is the only one who launches. A
+    # start whose caller went before recording its server (LOADING: the agent names
+    # that server by its start nonce) is adopted under the lease: its handle recorded.
     holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
     granted, _ = deps.store.acquire(svc.name, holder, ttl)
@@ -233,9 +236,11 @@ def launch_under_lease(
             verdict, seen = look(deps, health, own_holder=holder.id, fresh=True)
             own = seen.records.get(svc.name)
             adopted: Handle | None = None
-            if verdict.decision in (Decision.IDLE, Decision.FITS) and is_orphaned_start(
-                own, held=True
-            ):
+            if verdict.decision in (
+                Decision.IDLE,
+                Decision.FITS,
+                Decision.LOADING,
+            ) and is_orphaned_start(own, held=True):
                 # A start whose caller died before recording its server: find that server
                 # (by its start nonce) before starting another.
                 assert own is not None
@@ -248,7 +253,7 @@ def launch_under_lease(
                         f"cannot tell whether the start under way still runs: {e.message}",
                         Decision.UNKNOWN,
                     )
-            if verdict.decision not in (Decision.IDLE, Decision.FITS):
+            if verdict.decision not in (Decision.IDLE, Decision.FITS) and adopted is None:
                 release()
                 if verdict.decision is not Decision.LOADING:
                     return ctx.from_verdict(verdict)

@@ -13,12 +13,7 @@ def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = N
     name = deps.service.name
     if verdict is not None and verdict.hint:
         return verdict.hint
-    if outcome is Outcome.BUSY and verdict is not None and verdict.plan is not None:
-        stops = ", ".join(verdict.plan.names)
-        return (
-            f"`gpuctl ensure {name} --preempt` stops {stops} to make room (or set "
-            f"preempt = true in [services.{name}]); or wait and try again"
-        )
+    # PREEMPTABLE's hint (`gpuctl ensure X --preempt` stops …) comes with its verdict.
     if outcome is Outcome.BUSY:
         services = deps.config.services_on(deps.service.host)
         ours: dict[str, None] = {}

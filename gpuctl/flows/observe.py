@@ -28,8 +28,9 @@ from gpuctl.core.record import (
 )
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
-from gpuctl.flows.deps import EnsureDeps, ServerFinder, SnapshotReader
+from gpuctl.flows.deps import ChildFinder, EnsureDeps, ServerFinder, SnapshotReader
 from gpuctl.flows.results import MemoryUse
+from gpuctl.flows.victims import victim_facts, with_victims
 
 
 def keywords(services: Iterable[ServiceConfig]) -> list[str]:
@@ -56,8 +57,10 @@ class Observation:
 
     @property
     def servers(self) -> dict[int, str]:
-        """The pids the records name, and whose they are."""
-        return {**recorded_servers(self.records.values()), **self.found}
+        """The pids the records name, and whose they are; with the agent's word for its
+        host (the servers it found by start nonce, and the processes they forked)."""
+        told = dict(self.snapshot.servers) if self.snapshot is not None else {}
+        return {**told, **recorded_servers(self.records.values()), **self.found}
 
 
 def observe(
@@ -67,6 +70,7 @@ def observe(
     *,
     records_required: bool = True,
     find_servers: ServerFinder | None = None,
+    find_children: ChildFinder | None = None,
 ) -> Observation:
     """Records first, then the snapshot with the recorded servers' pids and the keywords.
 
@@ -74,7 +78,8 @@ def observe(
     services are then UNKNOWN). With ``records_required=False`` a host that keeps no
     records (an agent started without a state dir: ``NoStore``) leaves them empty instead;
     records that cannot be read still make it UNKNOWN. ``find_servers``: the records'
-    servers found on this machine (no agent), as the agent finds them on its host.
+    servers found on this machine (no agent), as the agent finds them on its host;
+    ``find_children``: the processes those servers forked (theirs too).
     """
     records: dict[str, Record] = {}
     aside: tuple[SetAside, ...] = ()
@@ -93,8 +98,11 @@ def observe(
                 raise
         if find_servers is not None:
             found = find_servers(records.values())
-        pids = sorted({*recorded_servers(records.values()), *found})
-        snapshot = read_snapshot(keywords(services), pids)
+        roots = {**recorded_servers(records.values()), **found}
+        snapshot = read_snapshot(keywords(services), sorted(roots))
+        if find_children is not None:
+            # After the reading: a child is the server's, but no start of its own.
+            found = {**find_children(records.values(), roots), **found}
     except GpuctlError as e:
         return Observation(records, None, e.message, e.hint or None, aside, found)
     return Observation(records, snapshot, set_aside=aside, found=found)
@@ -160,6 +168,7 @@ def decide(
     orphan_is_loading: bool = True,
     victims: Mapping[str, VictimFacts] | None = None,
     force: bool = False,
+    host_hint: bool = True,
 ) -> Verdict:
     """Classify ``svc`` on what was seen (the one call of ``classify`` in the flows).
 
@@ -168,6 +177,8 @@ def decide(
     be reading weights unseen, and it is never called free. ``ensure`` asks with
     ``orphan_is_loading=False``: it looks for that server itself, under the lease.
     A record set aside with no phase left may hide a start too: UNKNOWN (``hidden_start``).
+    ``host_hint``: an UNKNOWN for want of a snapshot carries the host's own hint (the
+    agent's advice); ``status`` shows that once on the host's line instead.
     """
     error = seen.error
     specs, leased = _accounting(seen, others, now, me=svc.name)
@@ -188,7 +199,7 @@ def decide(
         victims=victims,
         force=force,
     )
-    if seen.snapshot is None and seen.hint and verdict.decision is Decision.UNKNOWN:
+    if host_hint and seen.snapshot is None and seen.hint and verdict.decision is Decision.UNKNOWN:
         # The agent's own advice (a refused token: which key to check) is the hint, once;
         # not words inside the reason that the caller's hint line would repeat.
         host = next((o.host for o in others if o.name == svc.name), None)
@@ -331,64 +342,12 @@ def look(
         own_holder=own_holder,
         orphan_is_loading=False,
     )
-    verdict = judge()
-    if verdict.decision is Decision.BUSY and svc.memory_mib is not None:
-        # Would stopping lower-priority work make room? Asked only when it does not fit:
-        # the in-flight counts cost a store read, and a server's a request each.
-        victims = victim_facts(deps, seen, others, svc)
-        if victims:
-            verdict = judge(victims=victims, force=deps.force)
-    return verdict, seen
-
-
-def victim_facts(
-    deps: EnsureDeps, seen: Observation, others: Sequence[ServiceConfig], svc: ServiceConfig
-) -> dict[str, VictimFacts]:
-    """What the planner needs of each other service that runs: its priority, whether
-    gpuctl can stop it (a launcher, and a record naming its server), a lease on it, what
-    a restart costs (its recorded start durations), its last use, and its requests in
-    flight (the store's counts and, for services of lower priority, the server's own
-    metric). A count that cannot be read is unknown: such a service is no victim."""
-    from gpuctl.core.durations import expected_start_s
-
-    candidates = [
-        o
-        for o in others
-        if o.name != svc.name
-        and (r := seen.records.get(o.name)) is not None
-        and r.phase in (Phase.RUNNING, Phase.STARTING)
-    ]
-    try:
-        counts: dict[str, int] | None = deps.store.inflight()
-    except GpuctlError:
-        counts = None
-    out: dict[str, VictimFacts] = {}
-    for o in candidates:
-        r = seen.records[o.name]
-        in_flight: int | None = None if counts is None else counts.get(o.name, 0)
-        if (
-            in_flight == 0
-            and o.priority < svc.priority
-            and deps.server_in_flight is not None
-            and o.launcher != "ollama"
-            and o.kind != "batch"  # a batch answers no requests: nothing can be in flight
-        ):
-            try:
-                in_flight = deps.server_in_flight(o) or 0
-            except GpuctlError:
-                in_flight = None
-        out[o.name] = VictimFacts(
-            o.name,
-            o.priority,
-            managed=o.launcher is not None and bool(r.handle),
-            in_flight=in_flight,
-            leased=r.lease is not None or r.phase is not Phase.RUNNING,
-            restart_s=expected_start_s(r),
-            last_used=r.last_used,
-        )
-    for job in job_specs(seen.records.values(), exclude=svc.name):
-        # A run job has no requests: --preemptible says whether it may be stopped.
-        out[job.name] = VictimFacts(
-            job.name, job.priority, job=True, preemptible=job.preemptible, in_flight=0
-        )
-    return out
+    facts = partial(
+        victim_facts,
+        seen,
+        others,
+        svc,
+        counts=deps.store.inflight,
+        server_in_flight=deps.server_in_flight,
+    )
+    return with_victims(judge(), svc, judge, facts, force=deps.force), seen

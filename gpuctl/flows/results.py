@@ -13,7 +13,8 @@ from enum import StrEnum
 from typing import Any
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Health, Verdict
+from gpuctl.core.decision import Health, ServiceSpec, Verdict, owner_of
+from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record, SetAside
 from gpuctl.errors import ExitCode
@@ -178,10 +179,16 @@ class HostReport:
     gpu_memory_mib: int | None = None
     servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
     memory: tuple[MemoryUse, ...] = ()  # per GPU, or one host-wide figure
+    jobs: tuple[JobSpec, ...] = ()  # the `gpuctl run` jobs its records name
 
     @property
     def ok(self) -> bool:
         return self.snapshot is not None
+
+    def owner(self, pid: int, command: str | None) -> ServiceSpec | None:
+        """The service (or ``gpuctl run`` job) a process is, by the same rule the
+        decisions use: the pid a record names, else a service's keywords."""
+        return owner_of(command, (*self.services, *self.jobs), pid, self.servers)
 
     @property
     def total_mib(self) -> int | None:

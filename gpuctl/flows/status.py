@@ -13,19 +13,23 @@ first, then the snapshot with the servers they name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from gpuctl.config import Config
-from gpuctl.core.decision import NO_HEALTH, Health, owner_of
+from gpuctl.core.decision import NO_HEALTH, Health, Verdict
+from gpuctl.core.jobs import job_specs
 from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.timestamps import iso_utc
+from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
 from gpuctl.flows.observe import Observation, decide, memory_use, observe
 from gpuctl.flows.results import HostReport, StatusReport
+from gpuctl.flows.victims import victim_facts, with_victims
 
 __all__ = [
     "HostReport",
@@ -72,6 +76,7 @@ def _observe_host(hd: HostDeps, services: Sequence[Any]) -> Observation:
             # An agent started without a state dir has no records: its snapshot still stands.
             records_required=False,
             find_servers=hd.find_servers,
+            find_children=hd.find_children,
         )
     except Exception as e:  # a reader bug must not hide the other hosts
         return Observation(
@@ -100,6 +105,69 @@ def _health_of(deps: StatusDeps, s: Any, ollama: str | None, timeout_s: float) -
     return NO_HEALTH
 
 
+def _judge(
+    deps: StatusDeps, hd: HostDeps, obs: Observation, services: Sequence[Any], now: float
+) -> Callable[[Any, Health], Verdict]:
+    """How ``status`` decides each service of one host: as ``ensure`` does
+    (``observe.decide``, then ``observe.with_victims``), so a service that would fit once
+    lower-priority work stops is PREEMPTABLE here too, naming what ``ensure --preempt``
+    would stop. The in-flight counts and the servers' metrics are read once per host, and
+    only when some service does not fit."""
+    counts = _once(hd.read_inflight) if hd.read_inflight is not None else None
+    in_flight = _per_service(deps.server_in_flight) if deps.server_in_flight else None
+
+    def judge(svc: Any, health: Health) -> Verdict:
+        decide_it = partial(
+            decide,
+            svc,
+            health,
+            obs,
+            others=services,
+            now=now,
+            total_override_mib=hd.host.gpu_memory_mib,
+            host_hint=False,  # the host's line shows it, once
+        )
+        first = decide_it()
+        if counts is None or obs.snapshot is None:
+            return first
+        facts = partial(victim_facts, obs, services, svc, counts=counts, server_in_flight=in_flight)
+        return with_victims(first, svc, decide_it, facts)
+
+    return judge
+
+
+def _once(read: Callable[[], Mapping[str, int]]) -> Callable[[], Mapping[str, int]]:
+    """``read`` called at most once; its answer (or its GpuctlError) kept for the rest."""
+    got: list[Mapping[str, int] | GpuctlError] = []
+
+    def call() -> Mapping[str, int]:
+        if not got:
+            try:
+                got.append(read())
+            except GpuctlError as e:
+                got.append(e)
+        if isinstance(got[0], GpuctlError):
+            raise got[0]
+        return got[0]
+
+    return call
+
+
+def _per_service(
+    ask: Callable[[Any], int | None],
+) -> Callable[[Any], int | None]:
+    """``ask`` once per service name (two services that do not fit ask of the same
+    victims); an error is asked again, and raised again."""
+    known: dict[str, int | None] = {}
+
+    def call(svc: Any) -> int | None:
+        if svc.name not in known:
+            known[svc.name] = ask(svc)
+        return known[svc.name]
+
+    return call
+
+
 def status(deps: StatusDeps) -> StatusReport:
     """Status of every host in ``deps``. Never raises for a host that does not answer:
     that host is reported UNKNOWN with why."""
@@ -126,17 +194,8 @@ def status(deps: StatusDeps) -> StatusReport:
                 healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
             )
             now = deps.clock()
-            verdicts = tuple(
-                decide(
-                    s,
-                    hh,
-                    obs,
-                    others=services,
-                    now=now,
-                    total_override_mib=hd.host.gpu_memory_mib,
-                )
-                for s, hh in zip(services, hs, strict=True)
-            )
+            judge = _judge(deps, hd, obs, services, now)
+            verdicts = tuple(judge(s, hh) for s, hh in zip(services, hs, strict=True))
             reports.append(
                 HostReport(
                     name=hd.host.name,
@@ -151,6 +210,7 @@ def status(deps: StatusDeps) -> StatusReport:
                     gpu_memory_mib=hd.host.gpu_memory_mib,
                     servers=obs.servers,
                     memory=memory_use(obs, services, now, hd.host.gpu_memory_mib),
+                    jobs=tuple(job_specs(obs.records.values())),
                 )
             )
     return StatusReport(hosts=tuple(reports), taken_at=taken_at)
@@ -236,6 +296,6 @@ def _shown(
     if users and p.user not in users:
         return False
     if only:
-        owner = owner_of(p.command, h.services, p.pid, h.servers)
+        owner = h.owner(p.pid, p.command)
         return owner is not None and owner.name in only
     return True

@@ -18,9 +18,9 @@ from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Listing
 from gpuctl.errors import UsageError
 from gpuctl.flows.deps import (
+    ChildFinder,
     EnsureDeps,
     HostDeps,
     LocalProbeOptions,
@@ -124,6 +124,16 @@ def server_finder(host: HostConfig) -> ServerFinder | None:
     return find_servers
 
 
+def child_finder(host: HostConfig) -> ChildFinder | None:
+    """The processes the records' servers forked, for a host read without an agent (the
+    agent names them in its ``/status``)."""
+    if host.agent:
+        return None
+    from gpuctl.adapters.recorded_servers import server_children
+
+    return server_children
+
+
 def deps_for(
     config: Config,
     service_name: str,
@@ -169,10 +179,7 @@ def deps_for(
         return others[svc.name]
 
     def server_in_flight(svc: ServiceConfig) -> int | None:
-        from gpuctl.adapters import vllm
-
-        url = vllm.metrics_url(svc.health, svc.metrics)
-        return vllm.in_flight(url, http()) if url else None
+        return _server_in_flight(svc, http)
 
     return EnsureDeps(
         closers,
@@ -265,19 +272,12 @@ def status_deps(
                 sim_dir=local.sim_dir or h.sim_dir,
                 gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
             )
-        hosts.append(
-            HostDeps(
-                h,
-                source,
-                _records_reader(h, closers, http),
-                snapshot_reader(h, closers, http, lazy=True),
-                server_finder(h),
-            )
-        )
+        hosts.append(_host_deps(h, source, closers, http))
     return StatusDeps(
         closers,
         config=config,
         hosts=hosts,
+        server_in_flight=lambda svc: _server_in_flight(svc, http),
         check_health=lambda url, timeout_s: _check_health(url, timeout_s, http),
         check_ollama=lambda url, model, timeout_s: _check_ollama(url, model, timeout_s, http),
         check_sleeping=lambda url, h, timeout_s: _check_sleeping(url, h, timeout_s, http),
@@ -285,20 +285,44 @@ def status_deps(
     )
 
 
-def _records_reader(
+def _host_deps(
+    h: HostConfig, source: str, closers: list[Callable[[], None]], http: SharedHttp
+) -> HostDeps:
+    store = _host_store(h, closers, http)
+    return HostDeps(
+        h,
+        source,
+        lambda: store().listing(),
+        snapshot_reader(h, closers, http, lazy=True),
+        server_finder(h),
+        child_finder(h),
+        read_inflight=lambda: store().inflight(),
+    )
+
+
+def _host_store(
     host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp
-) -> Callable[[], Listing]:
-    """The host's records and set-aside files, through its agent (within the host's own
-    timeout) or directly; the store is opened on first use."""
+) -> Callable[[], Store]:
+    """The host's store (its records, set-aside files and in-flight counts), through its
+    agent (within the host's own timeout) or directly; opened on first use."""
     opened: list[Store] = []
 
-    def read() -> Listing:
+    def store() -> Store:
         if not opened:
             opened.append(store_for(host, timeout_s=host.timeout_s, client=http()))
             closers.append(opened[0].close)
-        return opened[0].listing()
+        return opened[0]
 
-    return read
+    return store
+
+
+def _server_in_flight(svc: ServiceConfig, http: SharedHttp) -> int | None:
+    """A running service's requests in flight from its server's metrics (vLLM's
+    ``/metrics``); None where it has none. Raises GpuctlError when they cannot be read."""
+    from gpuctl.adapters import vllm
+
+    url = vllm.metrics_url(svc.health, svc.metrics)
+    return vllm.in_flight(url, http()) if url else None
 
 
 def _check_health(url: str, timeout_s: float, http: SharedHttp) -> Health:

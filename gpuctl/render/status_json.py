@@ -39,11 +39,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuctl.core.decision import owner_of
+from gpuctl.core.decision import Decision
+from gpuctl.core.model import GpuProcess
+from gpuctl.core.redact import redact_command
 from gpuctl.core.timestamps import normalise_iso
-from gpuctl.flows.results import StatusReport
+from gpuctl.flows.results import HostReport, StatusReport
 
 SCHEMA = 1
+
+
+# The decisions whose holders are the answer to "who holds the GPU" (FITS lists the
+# processes it fits beside in its reason only).
+_NAMES_HOLDERS = (Decision.BUSY, Decision.PREEMPTABLE)
+
+
+def _holder(h: HostReport, p: GpuProcess) -> dict[str, Any]:
+    """Who holds memory a service needs: the process (its command redacted, as every
+    command gpuctl shows) and, when it is ours, the service or run job and its priority."""
+    owner = h.owner(p.pid, p.command)
+    return {
+        "pid": p.pid,
+        "command": redact_command(p.command) if p.command is not None else None,
+        "memory_mib": p.memory_mib,
+        "gpu": p.gpu,
+        "user": p.user,
+        "service": owner.name if owner else None,
+        "priority": owner.priority if owner else None,
+    }
 
 
 def status_to_json(report: StatusReport) -> dict[str, Any]:
@@ -77,10 +99,10 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     {**d.to_wire(), "memory_promised_mib": promised.get(d.index)}
                 )
             for p in snap.processes:
-                owner = owner_of(p.command, h.services, p.pid, h.servers)
+                owner = h.owner(p.pid, p.command)
                 entry["processes"].append({**p.to_wire(), "service": owner.name if owner else None})
             for s in snap.starting or ():
-                owner = owner_of(s.command, h.services, s.pid, h.servers)
+                owner = h.owner(s.pid, s.command)
                 entry["starting"].append({**s.to_wire(), "service": owner.name if owner else None})
         hosts.append(entry)
         for svc, v, hh in zip(h.services, h.verdicts, h.health, strict=True):
@@ -99,6 +121,20 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     "priority": svc.priority,
                     "pids": [p.pid for p in v.own] + [s.pid for s in v.starting],
                     "gpu": v.gpu,
+                    "hint": v.hint or None,
+                    "victims": [
+                        {
+                            "name": x.name,
+                            "gpu": x.gpu,
+                            "frees_mib": x.frees_mib,
+                            "priority": x.priority,
+                            "job": x.job,
+                        }
+                        for x in (v.plan.victims if v.plan else ())
+                    ],
+                    "holders": [_holder(h, p) for p in v.holders]
+                    if v.decision in _NAMES_HOLDERS
+                    else [],
                 }
             )
     return {

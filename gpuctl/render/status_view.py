@@ -22,7 +22,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from gpuctl.core.decision import Decision, owner_of
+from gpuctl.core.decision import Decision
 from gpuctl.core.timestamps import normalise_iso
 from gpuctl.core.units import format_duration, format_mib
 from gpuctl.flows.results import HostReport, MemoryUse, StatusReport
@@ -238,7 +238,7 @@ def process_table(
     for p in snap.processes:
         if not p.on_gpu and p.pid in starting_pids:
             continue  # listed once, as starting, below
-        owner = owner_of(p.command, h.services, p.pid, h.servers)
+        owner = h.owner(p.pid, p.command)
         row: list[RenderableType] = [str(p.pid), p.user or "?"]
         if many:
             row.append(str(p.gpu))
@@ -253,7 +253,7 @@ def process_table(
         row.append(_cmd(p.command, wide, room, g))
         t.add_row(*row)
     for s in snap.starting or ():
-        owner = owner_of(s.command, h.services, s.pid, h.servers)
+        owner = h.owner(s.pid, s.command)
         row = [str(s.pid), s.user or "?"]
         if many:
             row.append("")

@@ -1,0 +1,101 @@
+"""Who could be stopped to make room: the facts the victim planner needs
+(``gpuctl.core.plan``) about the work running on a host, and the one way ``status`` and
+``ensure`` ask for them (``with_victims``), so both say PREEMPTABLE alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from gpuctl.config import ServiceConfig
+from gpuctl.core.decision import Decision, Verdict
+from gpuctl.core.jobs import job_specs
+from gpuctl.core.plan import VictimFacts
+from gpuctl.core.record import Phase
+from gpuctl.errors import GpuctlError
+
+if TYPE_CHECKING:
+    from gpuctl.flows.observe import Observation
+
+
+def with_victims(
+    verdict: Verdict,
+    svc: ServiceConfig,
+    judge: Callable[..., Verdict],
+    facts: Callable[[], Mapping[str, VictimFacts]],
+    *,
+    force: bool = False,
+) -> Verdict:
+    """``verdict``, or, where it is BUSY, the verdict again with what is known of the
+    running work as victims: PREEMPTABLE when stopping some of it would make room, else
+    BUSY naming what may not be stopped. ``status`` and ``ensure`` both decide through
+    here, so ``status`` says PREEMPTABLE exactly where ``ensure --preempt`` would preempt.
+
+    Asked only when it does not fit: the in-flight counts cost a store read, and a
+    server's a request each.
+    """
+    if verdict.decision is not Decision.BUSY or svc.memory_mib is None:
+        return verdict
+    victims = facts()
+    return judge(victims=victims, force=force) if victims else verdict
+
+
+def victim_facts(
+    seen: Observation,
+    others: Sequence[ServiceConfig],
+    svc: ServiceConfig,
+    *,
+    counts: Callable[[], Mapping[str, int]],
+    server_in_flight: Callable[[ServiceConfig], int | None] | None = None,
+) -> dict[str, VictimFacts]:
+    """What the planner needs of each other service that runs: its priority, whether
+    gpuctl can stop it (a launcher, and a record naming its server), a lease on it, what
+    a restart costs (its recorded start durations), its last use, and its requests in
+    flight (``counts``: the store's; and, for services of lower priority,
+    ``server_in_flight``: the server's own metric). A count that cannot be read (a
+    ``GpuctlError``) is unknown: such a service is no victim."""
+    from gpuctl.core.durations import expected_start_s
+
+    candidates = [
+        o
+        for o in others
+        if o.name != svc.name
+        and (r := seen.records.get(o.name)) is not None
+        and r.phase in (Phase.RUNNING, Phase.STARTING)
+    ]
+    stored: Mapping[str, int] | None = {}
+    if candidates:
+        try:
+            stored = counts()
+        except GpuctlError:
+            stored = None
+    out: dict[str, VictimFacts] = {}
+    for o in candidates:
+        r = seen.records[o.name]
+        in_flight: int | None = None if stored is None else stored.get(o.name, 0)
+        if (
+            in_flight == 0
+            and o.priority < svc.priority
+            and server_in_flight is not None
+            and o.launcher != "ollama"
+            and o.kind != "batch"  # a batch answers no requests: nothing can be in flight
+        ):
+            try:
+                in_flight = server_in_flight(o) or 0
+            except GpuctlError:
+                in_flight = None
+        out[o.name] = VictimFacts(
+            o.name,
+            o.priority,
+            managed=o.launcher is not None and bool(r.handle),
+            in_flight=in_flight,
+            leased=r.lease is not None or r.phase is not Phase.RUNNING,
+            restart_s=expected_start_s(r),
+            last_used=r.last_used,
+        )
+    for job in job_specs(seen.records.values(), exclude=svc.name):
+        # A run job has no requests: --preemptible says whether it may be stopped.
+        out[job.name] = VictimFacts(
+            job.name, job.priority, job=True, preemptible=job.preemptible, in_flight=0
+        )
+    return out
