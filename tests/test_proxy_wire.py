@@ -289,6 +289,7 @@ def attempts(draw: st.DrawFn) -> Attempt:
                 "services-dots",
                 "services-unknown",
                 "auth",
+                "huge-headers",
                 "no-route",
             ]
         )
@@ -351,6 +352,13 @@ def attempts(draw: st.DrawFn) -> Attempt:
         return Attempt(
             "POST" if path in MODEL_PATHS else "GET", path, body, wrong + json_ct, False, (401,)
         )
+    if kind == "huge-headers":  # over 64 KiB in all, on a request that would be forwarded
+        n = draw(st.integers(1, 40))
+        size = 65 * 1024 // n + 1
+        big = [(f"X-Big-{i}", "v" * size) for i in range(n)]
+        path = draw(st.sampled_from(["/services/witness/x", "/v1/chat/completions"]))
+        body = json.dumps({"model": WITNESS_MODEL}).encode()
+        return Attempt("POST", path, body, auth + json_ct + big, False, (431,))
     segments = draw(st.lists(SEGMENT, min_size=1, max_size=3))
     if segments[0] in ("healthz", "metrics", "v1", "services"):
         segments[0] += "x"
@@ -386,11 +394,14 @@ def test_hostile_requests_get_a_refusal_in_openai_shape_and_never_reach_the_upst
             c = conn(wire, opened)
             status, headers, data = ask(c, a.method, a.path, a.body, a.headers, chunked=a.chunked)
         err = assert_refusal(status, headers, data, *a.expect)
+        statuses.add(status)
         if status == 401:
             assert err["code"] == "invalid_api_key"
         assert len(wire.witness.seen) == seen_before, wire.witness.seen[seen_before:]
 
+    statuses: set[int] = set()
     run()
+    assert statuses >= {400, 401, 404, 405, 413, 431}  # every kind of attempt was drawn
     keeps_serving(conn(wire, opened))
     log = wire.proxy.log()
     assert "Traceback" not in log and " 500 " not in log, log[-2000:]

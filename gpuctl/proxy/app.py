@@ -92,6 +92,7 @@ UPSTREAM_CONNECT_TIMEOUT_S = 10.0
 # A non-streaming completion can take minutes; an upstream silent for longer is gone.
 UPSTREAM_READ_TIMEOUT_S = 600.0
 _JSON = (b"content-type", b"application/json")
+MAX_HEADER_BYTES = 64 * 1024
 # The request targets of the routed paths, encoded once.
 _TARGETS = {p: p.encode() for p in MODEL_IN_BODY}
 
@@ -327,6 +328,15 @@ class ProxyApp:
     ) -> None:
         method: str = scope["method"]
         path: str = scope["path"]
+        # uvicorn's httptools parser takes a header block of any size (64 MiB was read
+        # whole): one over nginx's order of limit is refused here, never forwarded.
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            raise Refusal(
+                431,
+                f"request headers over {MAX_HEADER_BYTES // 1024} KiB",
+                "invalid_request_error",
+                "headers_too_large",
+            )
         if path == "/healthz":
             await _send_json(send, 200, {"ok": True, "version": __version__})
             return
