@@ -285,7 +285,9 @@ def run(
     ]
     lat: dict[tuple[str, str], list[dict[str, float]]] = {}
     streams: dict[tuple[str, int], list[float]] = {}
+    stream_cpu: dict[tuple[str, int], list[float]] = {}  # CPU us per token
     bad = 0
+    load0 = os.getloadavg()
     for rnd in range(args.rounds):
         for scenario, port, body, server_pid in scenarios:
             for name, (_, k) in targets.items():
@@ -298,8 +300,14 @@ def run(
         for conns in (64, 256):
             for name, (_, k) in targets.items():
                 settle(name)
+                pid = stream_pid if name == "direct" else pids[name]
+                c0 = cpu_s(pid)
                 m = wrk(url(name, stream_port), stream_body, k, conns, args.duration)
+                tokens = m["n"] * args.stream_tokens
                 streams.setdefault((name, conns), []).append(m["rps"] * args.stream_tokens)
+                stream_cpu.setdefault((name, conns), []).append(
+                    (cpu_s(pid) - c0) * 1e6 / max(1.0, tokens)
+                )
                 bad += int(m["bad"])
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
@@ -339,9 +347,14 @@ def run(
         direct = statistics.median(streams[("direct", conns)])
         for name in targets:
             v = statistics.median(streams[(name, conns)])
-            print(f"  {conns:3} streams  {name:8} {v:9.0f} tokens/s  {v / direct:6.1%} of direct")
+            us = statistics.median(stream_cpu[(name, conns)])
+            print(f"  {conns:3} streams  {name:8} {v:9.0f} tokens/s  {v / direct:6.1%} of direct"
+                  f"  CPU {us:6.1f} us/token")  # fmt: skip
     print("  target: gpuctl >= 95 % of direct at 64 streams")
     print(f"\nerrors (non-2xx, socket): {bad}")
+    # Before the run: during it, the sim servers' threads count in it too.
+    print(f"load average before the run (1, 5, 15 min): {load0[0]:.1f} {load0[1]:.1f}"
+          f" {load0[2]:.1f}, on {os.cpu_count()} CPUs")  # fmt: skip
     return 1 if bad else 0
 
 

@@ -6,6 +6,7 @@ a busy port is a one-line error with a hint, not uvicorn's bare exit.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import signal
@@ -117,6 +118,12 @@ def serve(
         class _Server(uvicorn.Server):
             async def startup(self, sockets: list[Any] | None = None) -> None:
                 await super().startup(sockets=sockets)
+                # What is loaded by now lives as long as the process: out of the
+                # collector's sight, so that a full collection (a pause for every
+                # request in flight) scans only what came later. It scanned ~40,000
+                # objects, 20 ms at rest here; 64-115 ms seen under load.
+                gc.collect()
+                gc.freeze()
                 if self.started:
                     print(banner, file=sys.stderr, flush=True)
 
