@@ -203,6 +203,10 @@ def test_status_is_preemptable_naming_its_victims_and_busy_naming_holders(
                 f"= {batch}, priority 50",
                 f"pid {foreign.pid} (",
                 "15.0 GiB)",
+                f"pid {keep_pid} (",
+                f"= run.{keep}, priority 70",
+                f"= run.{pjob}, priority 40",
+                f"run.{keep}: a run job, not --preemptible",
             ):
                 assert words in out["reason"], (words, out["reason"])
         assert server_pids(batch) == [batch_pid]  # status and refusals stopped nothing
@@ -222,9 +226,11 @@ def test_a_server_found_by_its_nonce_is_its_service_with_its_memory(host: SimHos
     names no pid, only the start nonce. Through the agent (and directly), `status` shows
     the shell and its child as the service's, the service holding the child's memory."""
     a, server = unique_name("win"), unique_name("anon")  # its command does not name `a`
+    rival = unique_name("rival")
     port = free_port()
     inner = model_server_command(server, port, "40GiB", "1s")
     toml = service(a, port, 40, 50, f"sh -c '{inner}; exit 0'")
+    toml += "\n" + service(rival, free_port(), 100, 50)
     cfg = host.write_config(toml)
     direct = direct_config(host, toml)
     try:
@@ -244,6 +250,13 @@ def test_a_server_found_by_its_nonce_is_its_service_with_its_memory(host: SimHos
             assert child in s["pids"], s
             procs = {p["pid"]: p for p in obj["hosts"][0]["processes"]}
             assert procs[child]["service"] == a and procs[child]["memory_mib"] == 40 * GIB
+            # A rival that does not fit is BUSY, naming that server as `a`'s.
+            s = svc_of(obj, rival)
+            assert s["decision"] == "BUSY", s
+            assert [(h["pid"], h["service"], h["priority"]) for h in s["holders"]] == [
+                (child, a, 50)
+            ]
+            assert f"pid {child} (" in s["reason"] and f"= {a}, priority 50" in s["reason"]
         # Through the agent the shell (no GPU memory) is listed for older clients, as `a`'s.
         _, obj = status_json(cfg)
         shells = [p for p in obj["hosts"][0]["processes"] if p["pid"] != child]
