@@ -41,7 +41,6 @@ from typing import Any
 
 from gpuctl.core.decision import Decision
 from gpuctl.core.model import GpuProcess
-from gpuctl.core.redact import redact_command
 from gpuctl.core.timestamps import normalise_iso
 from gpuctl.flows.results import HostReport, StatusReport
 
@@ -54,12 +53,13 @@ _NAMES_HOLDERS = (Decision.BUSY, Decision.PREEMPTABLE)
 
 
 def _holder(h: HostReport, p: GpuProcess) -> dict[str, Any]:
-    """Who holds memory a service needs: the process (its command redacted, as every
-    command gpuctl shows) and, when it is ours, the service or run job and its priority."""
+    """Who holds memory a service needs: the process (its command as the probe read it,
+    redacted there, as in ``processes``) and, when it is ours, the service or run job and
+    its priority."""
     owner = h.owner(p.pid, p.command)
     return {
         "pid": p.pid,
-        "command": redact_command(p.command) if p.command is not None else None,
+        "command": p.command,
         "memory_mib": p.memory_mib,
         "gpu": p.gpu,
         "user": p.user,
