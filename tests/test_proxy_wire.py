@@ -12,6 +12,7 @@ must keep serving on the same connection.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import subprocess
@@ -629,7 +630,6 @@ def test_the_count_comes_off_with_the_last_byte_and_reclaim_right_after_stops_th
 def test_a_bug_answers_500_in_openai_shape_with_one_log_line(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import asyncio
 
     from gpuctl.config import parse_config
     from gpuctl.proxy.app import ProxyApp, ProxySettings
@@ -660,3 +660,60 @@ def test_a_bug_answers_500_in_openai_shape_with_one_log_line(
     assert r.json()["error"]["code"] == "internal" and r.json()["error"]["type"] == "server_error"
     [rec] = [rec for rec in caplog.records if rec.name == "gpuctl.proxy"]
     assert "RuntimeError: a bug" in rec.getMessage() and not rec.exc_info
+
+
+# --------------------------------------------------------------------- the count's writes
+
+
+class CountingUse:
+    """Stands in for ``gpuctl.api.in_use`` (a pure unit): counts the store's writes."""
+
+    def __init__(self) -> None:
+        self.begins = 0
+        self.ends = 0
+        self.ended = asyncio.Event()
+
+    async def __aenter__(self) -> None:
+        self.begins += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.ends += 1
+        self.ended.set()
+
+
+def test_the_count_moves_on_transitions_at_most_once_per_linger_never_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuctl.proxy import use as use_mod
+
+    monkeypatch.setattr(use_mod, "LINGER_S", 0.2)
+
+    async def scenario() -> None:
+        fake = CountingUse()
+        st = use_mod.ServiceUse(fake)  # type: ignore[arg-type]
+        for _ in range(50):  # one short request after another
+            st.in_flight += 1
+            await st.hold()
+            await st.end()
+        assert (fake.begins, fake.ends) == (1, 0)  # written once, not per request
+        await asyncio.wait_for(fake.ended.wait(), 30)  # off once it has stood LINGER_S
+        assert (fake.begins, fake.ends, st.held) == (1, 1, False)
+
+        # A request that ends after the count stood LINGER_S takes it off before end()
+        # returns (the proxy calls it before the answer's last byte).
+        st.in_flight += 1
+        await st.hold()
+        st.held_since -= 1.0
+        await st.end()
+        assert (fake.begins, fake.ends, st.held, st.release) == (2, 2, False, None)
+
+        # Two in flight: the first to end leaves the count; the last takes it off.
+        st.in_flight += 2
+        await st.hold()
+        st.held_since -= 1.0
+        await st.end()
+        assert fake.ends == 2 and st.held
+        await st.end()
+        assert fake.ends == 3 and not st.held
+
+    asyncio.run(scenario())

@@ -8,6 +8,7 @@ Endpoints::
 
     GET  /healthz                   no auth   {"ok": true}
     GET  /metrics                   key       Prometheus text (metrics.py)
+    GET  /openapi.json              key       the OpenAPI 3.1 document of these (openapi.py)
     GET  /v1/models                 key       every configured model, running or not
     GET  /v1/models/<id>            key       the server's card when it answers, else ours
     POST /v1/chat/completions, /v1/completions, /v1/embeddings,
@@ -77,14 +78,11 @@ from gpuctl.proxy.routes import (
     shown,
     split_services_path,
 )
+from gpuctl.proxy.use import ServiceUse
 
 log = logging.getLogger("gpuctl.proxy")
 access = logging.getLogger("gpuctl.proxy.access")
 
-# Once written, the store's in-flight count of a service stays at least this long:
-# requests that come and go faster move it once per LINGER_S at most (never per
-# request), and a request that ends after it takes the count off before its last byte.
-LINGER_S = 2.0
 # A streaming request's first SSE comment waits this long: a service that turns out
 # ready (or busy) within it gets its real status line instead of our 200.
 FIRST_COMMENT_DELAY_S = 1.0
@@ -108,29 +106,6 @@ class ProxySettings:
     retry_after_s: float = 30.0
     access_log: bool = True
     pass_authorization: bool = False  # no keys of our own: the client's goes upstream
-
-
-class _State:
-    """The proxy's own view of one service.
-
-    The proxy holds one ``in_use`` count on the service while any of its requests is in
-    flight. The last one to end takes it off at once (before its last byte goes, so a
-    client that saw its answer end sees the count gone) unless the count was written
-    less than ``LINGER_S`` ago; then it comes off ``LINGER_S`` after it was written,
-    unless a request came meanwhile: a client that sends one short request after another
-    moves the count once per ``LINGER_S`` at most, never per request.
-    """
-
-    __slots__ = ("held", "held_since", "in_flight", "lock", "ready", "release", "use")
-
-    def __init__(self, use: in_use) -> None:
-        self.in_flight = 0
-        self.held = False  # this proxy's in_use count is open (the store has our entry)
-        self.held_since = 0.0  # monotonic: when the store's count was written
-        self.ready = False  # trusted only while held (see ready.py)
-        self.use = use
-        self.lock = asyncio.Lock()  # one hold or release at a time
-        self.release: asyncio.TimerHandle | None = None
 
 
 class _Reply:
@@ -196,9 +171,9 @@ class ProxyApp:
         self._client: httpx.AsyncClient | None = None  # health checks, model cards
         self.upstream = Client(UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S)
         self._flight: SingleFlight | None = None
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, ServiceUse] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
-        self._releases: set[asyncio.Task[None]] = set()
+        self._openapi: bytes | None = None  # /openapi.json, made on its first request
         self._models_body = json.dumps(
             {
                 "object": "list",
@@ -208,6 +183,14 @@ class ProxyApp:
         ).encode()
 
     # ------------------------------------------------------------------ plumbing
+
+    def _openapi_body(self) -> bytes:
+        if self._openapi is None:
+            from gpuctl.proxy.openapi import openapi_document
+
+            doc = openapi_document(sorted(self.routes.by_model), sorted(self.routes.by_name))
+            self._openapi = json.dumps(doc, separators=(",", ":")).encode()
+        return self._openapi
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -230,20 +213,16 @@ class ProxyApp:
 
     async def aclose(self) -> None:
         for st in self._states.values():
-            if st.release is not None:
-                st.release.cancel()
-                st.release = None
-            if st.held and not st.in_flight:
-                await self._release(st)
+            await st.let_go()
         self.upstream.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
 
-    def _state(self, svc: ServiceConfig) -> _State:
+    def _state(self, svc: ServiceConfig) -> ServiceUse:
         st = self._states.get(svc.name)
         if st is None:
-            st = self._states[svc.name] = _State(in_use(svc.name, config=self.conf))
+            st = self._states[svc.name] = ServiceUse(in_use(svc.name, config=self.conf))
         return st
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -354,6 +333,9 @@ class ProxyApp:
             return
         if path == "/v1/models" and method in ("GET", "HEAD"):
             await _send(send, 200, self._models_body, b"application/json")
+            return
+        if path == "/openapi.json" and method in ("GET", "HEAD"):
+            await _send(send, 200, self._openapi_body(), b"application/json")
             return
         if path.startswith("/v1/models/") and method in ("GET", "HEAD"):
             await self._model_card(scope, send, path[len("/v1/models/") :], info)
@@ -529,7 +511,7 @@ class ProxyApp:
         call.send = self._ending(call, st, call.send)
         call.reply.raw_send = self._ending(call, st, call.reply.raw_send)
         try:
-            await self._hold(st)
+            await st.hold()
             attempts = 2  # a refused connection once: the server went, start it again
             while True:
                 if not st.ready:
@@ -551,7 +533,7 @@ class ProxyApp:
             # However it ended (a refusal, its client gone, an error): before the answer.
             await self._end(call, st)
 
-    def _ending(self, call: _Call, st: _State, send: Send) -> Send:
+    def _ending(self, call: _Call, st: ServiceUse, send: Send) -> Send:
         async def send_ending(message: Message) -> None:
             if not message.get("more_body", True) or (
                 "more_body" not in message and message["type"] == "http.response.body"
@@ -561,64 +543,21 @@ class ProxyApp:
 
         return send_ending
 
-    async def _end(self, call: _Call, st: _State) -> None:
-        """One request's end: its count off, and the store's with the last one."""
-        if call.ended:
-            return
-        call.ended = True
-        st.in_flight -= 1
-        self.metrics.in_flight[call.up.service.name] -= 1
-        if st.in_flight or not st.held or st.release is not None:
-            return
-        due = st.held_since + LINGER_S - time.monotonic()
-        if due > 0:
-            st.release = asyncio.get_running_loop().call_later(due, self._start_release, st)
-        else:
-            await asyncio.shield(self._release(st))  # a cancelled request still lets go
+    async def _end(self, call: _Call, st: ServiceUse) -> None:
+        """One request's end (once): its count off, and the store's with the last one."""
+        if not call.ended:
+            call.ended = True
+            self.metrics.in_flight[call.up.service.name] -= 1
+            await st.end()
 
-    async def _hold(self, st: _State) -> None:
-        """Count this proxy as using the service (in the store on its 0 -> 1)."""
-        if st.release is not None:
-            st.release.cancel()
-            st.release = None
-        if st.held:
-            return
-        async with st.lock:
-            if not st.held:
-                await st.use.__aenter__()
-                st.held = True
-                st.held_since = time.monotonic()
-
-    def _start_release(self, st: _State) -> None:
-        st.release = None
-        task = asyncio.get_running_loop().create_task(self._release(st))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _let_go_of_idle(self) -> None:
-        """Take off the counts that only linger (no request in flight) now."""
-        for st in list(self._states.values()):
-            if st.held and not st.in_flight:
-                if st.release is not None:
-                    st.release.cancel()
-                    st.release = None
-                await self._release(st)
-
-    async def _release(self, st: _State) -> None:
-        async with st.lock:
-            if st.in_flight or not st.held:
-                return
-            st.held = False
-            st.ready = False  # reclaim may act from now on: look again next time
-            await st.use.__aexit__(None, None, None)
-
-    async def _wait_ready(self, call: _Call, st: _State) -> None:
+    async def _wait_ready(self, call: _Call, st: ServiceUse) -> None:
         svc, info = call.up.service, call.info
         t0 = time.monotonic()
         if svc.name not in self.flight.tasks:
             # The start may weigh other services' in-flight counts: this proxy's own
             # must not make an idle service look busy to it.
-            await self._let_go_of_idle()
+            for other in list(self._states.values()):
+                await other.let_go()  # only those with nothing in flight
         task = self.flight.get(svc)
         limit = svc.queue_timeout_s if svc.queue_timeout_s is not None else svc.health_timeout_s
         deadline = t0 + limit

@@ -1,0 +1,80 @@
+"""The proxy's in-flight count on one service in the store (``gpuctl.api.in_use``).
+
+The proxy holds one count on a service while any of its requests is in flight there.
+The last one to end takes it off at once (before its last byte goes, so a client that
+saw its answer end sees the count gone) unless the count was written less than
+``LINGER_S`` ago; then it comes off ``LINGER_S`` after it was written, unless a request
+came meanwhile. So the store's count moves on transitions and at most once per
+``LINGER_S``, never per request, and a request that ends leaves nothing behind for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gpuctl.api import in_use
+
+# Once written, the store's in-flight count of a service stays at least this long:
+# requests that come and go faster move it once per LINGER_S at most (never per
+# request), and a request that ends after it takes the count off before its last byte.
+LINGER_S = 2.0
+
+
+class ServiceUse:
+    """The proxy's own view of one service: requests in flight, its count, readiness."""
+
+    __slots__ = ("_release_task", "held", "held_since", "in_flight", "lock", "ready",
+                 "release", "use")  # fmt: skip
+
+    def __init__(self, use: in_use) -> None:
+        self.in_flight = 0
+        self.held = False  # this proxy's in_use count is open (the store has our entry)
+        self.held_since = 0.0  # monotonic: when the store's count was written
+        self.ready = False  # trusted only while held (see ready.py)
+        self.use = use
+        self.lock = asyncio.Lock()  # one hold or release at a time
+        self.release: asyncio.TimerHandle | None = None
+        self._release_task: asyncio.Task[None] | None = None
+
+    async def hold(self) -> None:
+        """Count this proxy as using the service (in the store on its 0 -> 1)."""
+        if self.release is not None:
+            self.release.cancel()
+            self.release = None
+        if self.held:
+            return
+        async with self.lock:
+            if not self.held:
+                await self.use.__aenter__()
+                self.held = True
+                self.held_since = time.monotonic()
+
+    async def end(self) -> None:
+        """One request ended: with the last, the store's count comes off (now, or once
+        it has stood ``LINGER_S``)."""
+        self.in_flight -= 1
+        if self.in_flight or not self.held or self.release is not None:
+            return
+        due = self.held_since + LINGER_S - time.monotonic()
+        if due > 0:
+            self.release = asyncio.get_running_loop().call_later(due, self._start_release)
+        else:
+            await asyncio.shield(self.let_go())  # a cancelled request still lets go
+
+    async def let_go(self) -> None:
+        """Take the count off now if no request is in flight (a lingering one too)."""
+        if self.release is not None:
+            self.release.cancel()
+            self.release = None
+        async with self.lock:
+            if self.in_flight or not self.held:
+                return
+            self.held = False
+            self.ready = False  # reclaim may act from now on: look again next time
+            await self.use.__aexit__(None, None, None)
+
+    def _start_release(self) -> None:
+        self.release = None
+        # Kept referenced until done (the event loop holds tasks only weakly).
+        self._release_task = asyncio.get_running_loop().create_task(self.let_go())
