@@ -37,6 +37,8 @@ RECORD_PATHS = {
     "/records/{service}/inflight/renew": {"post"},
     "/records/{service}/inflight/end": {"post"},
     "/records/_inflight": {"get"},
+    "/records/_queue": {"get", "post"},
+    "/records/_queue/leave": {"post"},
 }
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 

@@ -235,8 +235,12 @@ class _Base:
         match: Sequence[str], pids: Sequence[int] = (), fresh: bool = False
     ) -> dict[str, str]:
         words = [m for m in match if m]
-        if not words:
+        if not words and not pids:
             return {"fresh": "1"} if fresh else {}
+        # With pids and no keyword (a config without services, and a `gpuctl run` job
+        # recorded), still ask with `match`: only then does the agent list the servers
+        # its records name in `starting`, where a job not on the GPU yet counts at its
+        # budget (without it, two jobs admitted a moment apart could share the memory).
         # Our own process tree (the shell or cron job that runs us names the service)
         # and our pipeline (`| cat | tee X.log`): the agent leaves them out of `starting`
         # when it runs on this same machine. Not the `pipes=` of our stdio: a background

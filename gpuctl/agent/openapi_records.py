@@ -1,6 +1,6 @@
 """The /records part of the agent's OpenAPI document: the state store's paths and schemas.
 
-Long because it is one declarative document (eleven operations and their request and
+Long because it is one declarative document (fourteen operations and their request and
 answer schemas, each bound spelled out) that reads best whole; it holds no logic.
 
 The request schemas say exactly what the agent accepts (``gpuctl.agent.wire`` and the
@@ -163,6 +163,41 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 },
             }
         },
+        "/records/_queue": {
+            "get": {
+                "summary": "The host's wait queue (`gpuctl run --wait`): live waiters, in the "
+                "order they will be served (priority, then arrival).",
+                "responses": {
+                    "200": ok("QueueList", "The waiters, first to be served first."),
+                    "401": unauthorized,
+                    "503": down,
+                },
+            },
+            "post": {
+                "summary": "Join the wait queue, or renew the caller's entry (same holder id: "
+                "it keeps its place). An entry lapses at its expiry, or at once when its "
+                "holder's process is dead on this host.",
+                "requestBody": body("QueueJoin", "Who waits, for how long at most, and what."),
+                "responses": {
+                    "200": ok("QueueJoined", "The caller's entry and the whole queue."),
+                    "400": bad,
+                    "401": unauthorized,
+                    "503": down,
+                },
+            },
+        },
+        "/records/_queue/leave": {
+            "post": {
+                "summary": "Leave the wait queue (admitted, gave up, interrupted).",
+                "requestBody": body("QueueLeave", "The holder's id."),
+                "responses": {
+                    "200": ok("QueueLeft", "Whether the caller was in the queue."),
+                    "400": bad,
+                    "401": unauthorized,
+                    "503": down,
+                },
+            }
+        },
     }
 
 
@@ -187,6 +222,11 @@ def records_schemas() -> dict[str, Any]:
         "type": "string",
         "pattern": f"^{wire.INFLIGHT_ID.pattern}$",
         "description": "The holder's id: it names the entry's file (uuid hex does).",
+    }
+    queue_id = {
+        "type": "string",
+        "pattern": f"^{codec.QUEUE_ID.pattern}$",
+        "description": "The waiter's holder id: it names the entry's file (uuid hex does).",
     }
     time = {"type": "number", "minimum": 0, "maximum": codec.TIME_MAX}
     nullable_time = {**time, "type": ["number", "null"]}
@@ -488,6 +528,75 @@ def records_schemas() -> dict[str, Any]:
                 },
                 "ttl_s": ttl,
             },
+        },
+        "Waiter": {
+            "type": "object",
+            "description": "One caller in the wait queue.",
+            "required": ["name", "priority", "memory_mib", "seq", "since", "holder"],
+            "properties": {
+                "name": {"type": "string", "description": "The job's record name (run.<name>)."},
+                "priority": {"type": "integer", "description": "Higher is served first."},
+                "memory_mib": {"type": "integer", "minimum": 1},
+                "seq": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "Arrival order on this host (first come, first served "
+                    "among equal priorities).",
+                },
+                "since": {**epoch, "description": "When it joined."},
+                "holder": {
+                    **_ref("Lease"),
+                    "description": "Who waits; `expires` is its heartbeat's term.",
+                },
+            },
+        },
+        "QueueList": {
+            "type": "object",
+            "required": ["queue"],
+            "properties": {"queue": {"type": "array", "items": _ref("Waiter")}},
+        },
+        "QueueJoin": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder", "ttl_s", "name", "priority", "memory_mib"],
+            "properties": {
+                "holder": {
+                    "allOf": [_ref("Holder"), {"properties": {"id": queue_id}}],
+                    "description": "As for a lease; the id names the entry's file.",
+                },
+                "ttl_s": {
+                    **ttl,
+                    "maximum": codec.QUEUE_TTL_MAX_S,
+                    "description": "Seconds until the entry lapses unless renewed (at most "
+                    "five minutes).",
+                },
+                "name": {"type": "string", "pattern": SERVICE_NAME_PATTERN},
+                "priority": {
+                    "type": "integer",
+                    "minimum": -codec.PRIORITY_MAX,
+                    "maximum": codec.PRIORITY_MAX,
+                },
+                "memory_mib": {"type": "integer", "minimum": 1, "maximum": codec.MEMORY_MAX_MIB},
+            },
+        },
+        "QueueJoined": {
+            "type": "object",
+            "required": ["waiter", "queue"],
+            "properties": {
+                "waiter": _ref("Waiter"),
+                "queue": {"type": "array", "items": _ref("Waiter")},
+            },
+        },
+        "QueueLeave": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder"],
+            "properties": {"holder": queue_id},
+        },
+        "QueueLeft": {
+            "type": "object",
+            "required": ["left"],
+            "properties": {"left": {"type": "boolean"}},
         },
         "InflightList": {
             "type": "object",

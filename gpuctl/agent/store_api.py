@@ -14,6 +14,10 @@ POST     /records/{svc}/inflight             {"holder": {…}, "ttl_s": N} → {
 POST     /records/{svc}/inflight/renew       {"holder": {…}, "ttl_s": N} → record
 POST     /records/{svc}/inflight/end         {"holder": id} → record
 GET      /records/_inflight                  {"inflight": {svc: holders, …}}
+GET      /records/_queue                     {"queue": [waiter, …]} (in the order served)
+POST     /records/_queue                     {"holder": {…}, "ttl_s", "name", "priority",
+                                             "memory_mib"} → {"waiter", "queue"} (join/renew)
+POST     /records/_queue/leave               {"holder": id} → {"left": bool}
 =======  ==================================  =========================================
 
 Every body is validated (``wire.py``) before the store sees it: a bad value is a 400
@@ -51,7 +55,12 @@ _ROUTES: dict[tuple[str, ...], dict[str, str]] = {
     ("inflight", "renew"): {"POST": "inflight_renew"},
     ("inflight", "end"): {"POST": "inflight_end"},
 }
-_READS = frozenset({"list", "get", "inflight_list"})
+_READS = frozenset({"list", "get", "inflight_list", "queue_list"})
+# The wait queue (``gpuctl.adapters.store.queue``): not a service, so routed on its own.
+_QUEUE_ROUTES: dict[tuple[str, ...], dict[str, str]] = {
+    (): {"GET": "queue_list", "POST": "queue_join"},
+    ("leave",): {"POST": "queue_leave"},
+}
 
 
 def allowed(methods: dict[str, str] | set[str]) -> str:
@@ -122,20 +131,22 @@ class StoreApi:
                 [(b"allow", b"GET, HEAD")],
             )
         service, rest = parts[0], tuple(parts[1:])
-        methods = _ROUTES.get(rest)
+        queue = service == "_queue"
+        methods = (_QUEUE_ROUTES if queue else _ROUTES).get(rest)
         if methods is None:
             raise HttpError(404, f"no such endpoint: {path[:200]}", "see /openapi.json")
         wire.check_service_name(service)
         op = methods.get("GET" if method == "HEAD" and "GET" in methods else method)
         if op is None:
             allow = allowed(methods)
+            where = "/records/_queue" if queue else "/records/{service}"
             raise HttpError(
                 405,
-                f"{method} is not allowed on /records/{{service}}{''.join('/' + r for r in rest)}",
+                f"{method} is not allowed on {where}{''.join('/' + r for r in rest)}",
                 f"use {allow}",
                 [(b"allow", allow.encode())],
             )
-        return op, service
+        return op, None if queue else service
 
     @staticmethod
     def is_write(op: str) -> bool:
@@ -170,8 +181,9 @@ class StoreApi:
                 "hint": "the store sets broken records aside; see `gpuctl locks` on the host",
             }
         finally:
-            if self.is_write(op):
-                # Also after a failure: a write may have landed before it failed.
+            # Also after a failure: a write may have landed before it failed. The queue is
+            # not part of a reading: a waiter's heartbeat must not empty the cache.
+            if self.is_write(op) and not op.startswith("queue_"):
                 self.on_write()
 
     def _validate(self, op: str, body: bytes) -> dict[str, Any]:
@@ -187,6 +199,8 @@ class StoreApi:
             "release": wire.release_request,
             "update": wire.holder_update,
             "touch": wire.touch_request,
+            "queue_join": wire.queue_join_request,
+            "queue_leave": wire.queue_leave_request,
         }
         args = checks[op](data)
         update = args.get("update")
@@ -215,6 +229,19 @@ class StoreApi:
             return 200, out
         if op == "inflight_list":
             return 200, {"inflight": store.inflight()}
+        if op == "queue_list":
+            return 200, {"queue": [w.to_dict() for w in store.waiters()]}
+        if op == "queue_join":
+            entry, queue = store.queue_join(
+                decode_holder(args["holder"]),
+                args["ttl_s"],
+                name=args["name"],
+                priority=args["priority"],
+                memory_mib=args["memory_mib"],
+            )
+            return 200, {"waiter": entry.to_dict(), "queue": [w.to_dict() for w in queue]}
+        if op == "queue_leave":
+            return 200, {"left": store.queue_leave(args["holder"])}
         assert svc is not None
         if op == "get":
             return 200, store.get(svc).to_dict()

@@ -329,3 +329,59 @@ def end_request(data: dict[str, Any]) -> dict[str, Any]:
 
 def touch_request(data: dict[str, Any]) -> dict[str, Any]:
     return obj(data, "", {"ready": boolean})
+
+
+# ---- the wait queue (POST /records/_queue, …/leave): the store's own entry schema
+
+
+def integer(value: Any, field: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(field, f"expected an integer, got {_kind(value)}")
+    if not low <= value <= high:
+        raise BadRequest(field, f"expected an integer from {low} to {high}, got {value}")
+    return value
+
+
+def queue_id(value: Any, field: str) -> str:
+    from gpuctl.adapters.store.codec import QUEUE_ID
+
+    text = string(value, field)
+    if not QUEUE_ID.fullmatch(text):
+        raise BadRequest(field, "expected 1 to 64 ASCII letters and digits")
+    return text
+
+
+def _job_name(value: Any, field: str) -> str:
+    text = string(value, field)
+    if not SERVICE_NAME.fullmatch(text):
+        raise BadRequest(field, "expected a name: letters, digits, '_', '.', '-' (not first)")
+    return text
+
+
+def queue_join_request(data: dict[str, Any]) -> dict[str, Any]:
+    from gpuctl.adapters.store.codec import MEMORY_MAX_MIB, PRIORITY_MAX, QUEUE_TTL_MAX_S
+
+    def queue_ttl(value: Any, field: str) -> float:
+        seconds = number(value, field, low=0.0, high=QUEUE_TTL_MAX_S)
+        if seconds <= 0:
+            raise BadRequest(field, "must be more than 0 seconds")
+        return seconds
+
+    args = obj(
+        data,
+        "",
+        {
+            "holder": holder,
+            "ttl_s": queue_ttl,
+            "name": _job_name,
+            "priority": lambda v, f: integer(v, f, low=-PRIORITY_MAX, high=PRIORITY_MAX),
+            "memory_mib": lambda v, f: integer(v, f, low=1, high=MEMORY_MAX_MIB),
+        },
+        required=("holder", "ttl_s", "name", "priority", "memory_mib"),
+    )
+    queue_id(args["holder"].get("id"), "holder.id")
+    return args
+
+
+def queue_leave_request(data: dict[str, Any]) -> dict[str, Any]:
+    return obj(data, "", {"holder": queue_id}, required=("holder",))

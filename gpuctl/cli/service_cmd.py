@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
     )(ensure)
     app.command("stop", cls=Command, short_help="Stop SERVICE's server.")(stop)
     app.command("touch", cls=Command, short_help="Mark SERVICE as used now.")(touch)
-    app.command("locks", short_help="Every service's record and lease.")(locks)
+    app.command("locks", short_help="Every service's record and lease, and the wait queue.")(locks)
 
 
 def ensure(
@@ -205,7 +205,7 @@ def locks(
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure."""
+    """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure; and the wait queue (run --wait) in the order it is served."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
         from gpuctl.flows.wiring import locks_deps
@@ -224,7 +224,11 @@ def locks(
 
             from gpuctl.render.locks import locks_errors, render_locks
 
-            if any(rec is not None for _, rec, _ in report.rows) or report.set_aside:
+            if (
+                any(rec is not None for _, rec, _ in report.rows)
+                or report.set_aside
+                or report.queue
+            ):
                 Console().print(render_locks(report))
             for line in locks_errors(report):
                 say(line)

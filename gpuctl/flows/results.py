@@ -16,6 +16,7 @@ from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, ServiceSpec, Verdict, owner_of
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import Snapshot
+from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Record, SetAside
 from gpuctl.errors import ExitCode
 
@@ -126,6 +127,8 @@ class LocksReport:
     set_aside: list[tuple[str, SetAside]] = field(default_factory=list)
     # What to do about a host whose records could not be read (by host; None: no advice).
     hints: dict[str, str | None] = field(default_factory=dict)
+    # Each host's wait queue (``gpuctl run --wait``), in the order it will be served.
+    queue: list[tuple[str, Waiter]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

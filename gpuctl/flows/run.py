@@ -3,7 +3,12 @@
 1. Admission, under the host-wide admission lock ``ensure`` uses: a fresh look at the
    host, and the job decided like a service of its budget and priority (IDLE, FITS:
    start; BUSY: exit 3 naming the holders, before CMD starts; UNKNOWN: exit 4).
-   ``--wait`` looks again until it fits (or the timeout).
+   ``--wait`` joins the host's wait queue in the store and looks again until it is the
+   head of the queue and fits (or the timeout): the queue is served by priority, then
+   arrival, strictly from its head (``gpuctl.core.queue`` says why). A job that does not
+   queue is admitted only when no waiter of its priority or higher is queued. A job
+   larger than the GPU never queues (exit 3 at once). The entry is renewed on every look
+   and removed once admitted, and on a timeout, Ctrl-C, SIGTERM or an error.
 2. CMD is started directly (never through a shell) in its own session, and recorded as
    ``run.<name>`` before the lock is released: its pid, start time, budget, priority and
    whether it may be preempted. From then on every decision counts it; once CMD dies its
@@ -36,12 +41,14 @@ from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
 from gpuctl.core.model import HostIdentity
+from gpuctl.core.queue import Waiter, ahead, queued_reason
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.observe import decide, observe
+from gpuctl.flows.run_queue import Place, nap
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
@@ -134,31 +141,55 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     name = job_name(req.argv, req.name, records)
     spec = JobSpec(PREFIX + name, req.memory_mib, req.priority, preemptible=req.preemptible)
     told = False
-    while True:
-        try:
-            with admission(_Ctx(deps, deadline)):
-                verdict, largest = _look(deps, spec)
-                if verdict.decision in (Decision.IDLE, Decision.FITS):
-                    started = _start(deps, spec, req, verdict, name)
-                    if isinstance(started, RunResult):
-                        return started
-                    proc = started
-                    break
-        except AdmissionTimeout as e:
-            return RunResult(name, EXIT_TIMEOUT, f"the timeout ran out in the admission ({e.who})")
-        except GpuctlError as e:
-            return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
-        refusal = _refusal(name, verdict, largest)
-        if not req.wait or refusal.exit_code == EXIT_UNKNOWN:
-            return refusal
-        if deps.clock() + WAIT_POLL_S > deadline:
-            refusal.exit_code = EXIT_TIMEOUT
-            refusal.reason = f"still waiting at the timeout: {refusal.reason}"
-            return refusal
-        if not told:
-            deps.tell(f"waiting for room: {verdict.reason}")
-            told = True
-        deps.sleep(WAIT_POLL_S)
+    place = Place(deps.store, spec) if req.wait else None
+    try:
+        while True:
+            before = place.refresh() if place is not None and place.joined else []
+            if not before:
+                try:
+                    with admission(_Ctx(deps, deadline)):
+                        verdict, largest = _look(deps, spec)
+                        # Under the lock, the queue as it stands: only its head goes.
+                        me = place.id if place is not None else None
+                        before = ahead(deps.store.waiters(), priority=spec.priority, me=me)
+                        if not before and verdict.decision in (Decision.IDLE, Decision.FITS):
+                            started = _start(deps, spec, req, verdict, name)
+                            if place is not None:
+                                place.leave()  # admitted: recorded, out of the queue
+                            if isinstance(started, RunResult):
+                                return started
+                            proc = started
+                            break
+                except AdmissionTimeout as e:
+                    return RunResult(
+                        name, EXIT_TIMEOUT, f"the timeout ran out in the admission ({e.who})"
+                    )
+                except GpuctlError as e:
+                    return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
+                refusal = _refusal(name, verdict, largest)
+                if refusal.exit_code == EXIT_UNKNOWN or _never_fits(verdict, largest):
+                    return refusal  # waiting would not help (and would hold up the queue)
+            if before:
+                refusal = _queued(name, before)
+            if place is None:
+                return refusal
+            if deps.clock() + WAIT_POLL_S > deadline:
+                refusal.exit_code = EXIT_TIMEOUT
+                refusal.reason = f"still waiting at the timeout: {refusal.reason}"
+                return refusal
+            if not place.joined:
+                place.refresh()  # it does not fit, or others are ahead: it joins the queue
+            if not told:
+                deps.tell(f"waiting for room: {refusal.reason} (queued: `gpuctl locks`)")
+                told = True
+            signum = nap(deps.sleep, WAIT_POLL_S)
+            if signum:
+                return RunResult(name, 128 + signum, "interrupted while waiting in the queue")
+    except GpuctlError as e:
+        return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
+    finally:
+        if place is not None:
+            place.leave()  # timeout, Ctrl-C, an error: out of the queue in every case
     code = _wait(proc)
     result = RunResult(spec.job, code, f"{name} exited with {code}", started=True, pid=proc.pid)
     result.preempted = _ended(deps, spec.name)
@@ -168,6 +199,16 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
         with contextlib.suppress(GpuctlError):
             result.resumed = deps.resume()
     return result
+
+
+def _queued(name: str, before: list[Waiter]) -> RunResult:
+    return RunResult(
+        name,
+        EXIT_BUSY,
+        queued_reason(before),
+        decision=Decision.BUSY.value,
+        hint="wait your turn with --wait; `gpuctl locks` shows the queue",
+    )
 
 
 def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
@@ -191,6 +232,11 @@ def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
     return verdict, (max(known) if known else None)
 
 
+def _never_fits(verdict: Verdict, largest: int | None) -> bool:
+    """Larger than the largest GPU: no wait can help."""
+    return largest is not None and verdict.need_mib is not None and verdict.need_mib > largest
+
+
 def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
     if verdict.decision is Decision.UNKNOWN:
         return RunResult(
@@ -201,7 +247,8 @@ def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
             hint="check the host's agent (`gpuctl status`); nothing was started",
         )
     reason = verdict.reason
-    if largest is not None and verdict.need_mib is not None and verdict.need_mib > largest:
+    if _never_fits(verdict, largest):
+        assert verdict.need_mib is not None and largest is not None
         reason = (
             f"needs {format_mib(verdict.need_mib)}, more than the GPU has "
             f"({format_mib(largest)}): it can never fit"

@@ -9,6 +9,7 @@ from datetime import datetime
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
+from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside, recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
@@ -166,16 +167,18 @@ def touch(deps: EnsureDeps) -> TouchResult:
 
 def locks(deps: LocksDeps) -> LocksReport:
     """Every configured service's record on each host (a host that fails is reported),
-    and the record files each store set aside as unreadable."""
+    the record files each store set aside as unreadable, and each host's wait queue."""
     rows: list[tuple[str, Record | None, str | None]] = []
     aside: list[tuple[str, SetAside]] = []
     hints: dict[str, str | None] = {}
+    queue: list[tuple[str, Waiter]] = []
     for h in deps.hosts:
         names = [s.name for s in deps.config.services_on(h.name)]
         try:
             store = deps.store_of(h)
             recs = {r.service: r for r in store.records()}
             kept = store.set_aside()
+            queue += [(h.name, w) for w in store.waiters()]
         except GpuctlError as e:
             rows.append((h.name, None, e.message))
             hints[h.name] = e.hint
@@ -186,7 +189,7 @@ def locks(deps: LocksDeps) -> LocksReport:
             rows.append((h.name, _with_note(recs.pop(n, Record(service=n)), last_kept), None))
         for r in recs.values():  # records of services no longer configured
             rows.append((h.name, _with_note(r, last_kept), None))
-    return LocksReport(rows, deps.clock(), aside, hints)
+    return LocksReport(rows, deps.clock(), aside, hints, queue)
 
 
 def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:

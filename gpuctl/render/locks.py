@@ -55,7 +55,24 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
         }
         for host, a in report.set_aside
     ]
-    return {"schema": 1, "ok": report.ok, "records": rows, "set_aside": aside}
+    queue = [
+        {
+            "host": host,
+            "position": sum(1 for h, _ in report.queue[:i] if h == host) + 1,
+            "name": w.name,
+            "priority": w.priority,
+            "memory_mib": w.memory_mib,
+            "seq": w.seq,
+            "since": _iso(w.since),
+            "waiting_s": round(max(0.0, report.now - w.since), 1),
+            "holder": {
+                **w.holder.to_dict(),
+                "expires_in_s": round(w.holder.expires - report.now, 1),
+            },
+        }
+        for i, (host, w) in enumerate(report.queue)
+    ]
+    return {"schema": 1, "ok": report.ok, "records": rows, "set_aside": aside, "queue": queue}
 
 
 def locks_errors(report: LocksReport) -> list[str]:
@@ -133,7 +150,35 @@ def render_locks(report: LocksReport) -> RenderableType:
             notes.append(
                 Text(f"{host}/{a.service}: kept unreadable record {a.file}", style="yellow")
             )
-    return Group(t, *notes) if notes else t
+    parts: list[RenderableType] = [t, *notes]
+    if report.queue:
+        parts += [Text(""), _queue_table(report)]
+    return Group(*parts) if len(parts) > 1 else t
+
+
+def _queue_table(report: LocksReport) -> RenderableType:
+    """The wait queue, in the order it will be served (``gpuctl.core.queue``)."""
+    from rich.table import Table
+
+    from gpuctl.core.units import format_mib
+
+    t = Table(header_style="bold", box=None, pad_edge=False, title="waiting (run --wait)")
+    for col in ("HOST", "#", "NAME", "PRIO", "MEMORY", "WAITING\nSINCE", "HOLDER"):
+        t.add_column(col, no_wrap=True)
+    pos: dict[str, int] = {}
+    for host, w in report.queue:
+        pos[host] = pos.get(host, 0) + 1
+        h = w.holder
+        t.add_row(
+            host,
+            str(pos[host]),
+            w.name,
+            str(w.priority),
+            format_mib(w.memory_mib),
+            f"{_clock(w.since)} ({format_duration(report.now - w.since)})",
+            f"{h.entry} pid {h.pid}@{h.host}",
+        )
+    return t
 
 
 def _clock(t: float | None) -> str:

@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import check_name
-from gpuctl.adapters.store.codec import decode_record, decode_set_aside
+from gpuctl.adapters.store.codec import (
+    decode_record,
+    decode_set_aside,
+    decode_waiter,
+    decode_waiters,
+)
+from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
@@ -215,3 +221,38 @@ class AgentStore:
         ):
             raise AgentUnavailable(f"the agent at {self.base_url} sent broken in-flight counts")
         return dict(counts)
+
+    def queue_join(
+        self, holder: Holder, ttl_s: float, *, name: str, priority: int, memory_mib: int
+    ) -> tuple[Waiter, list[Waiter]]:
+        data = self._call(
+            "POST",
+            "/records/_queue",
+            {
+                "holder": holder.to_dict(),
+                "ttl_s": ttl_s,
+                "name": name,
+                "priority": priority,
+                "memory_mib": memory_mib,
+            },
+        )
+        if not isinstance(data, dict):
+            raise self._broken("a queue answer that is not an object")
+        try:
+            return decode_waiter(data.get("waiter"), "$.waiter"), decode_waiters(data.get("queue"))
+        except ValueError as e:
+            raise self._broken(f"a broken queue answer: {e}") from None
+
+    def queue_leave(self, holder_id: str) -> bool:
+        data = self._call("POST", "/records/_queue/leave", {"holder": holder_id})
+        left = data.get("left") if isinstance(data, dict) else None
+        if not isinstance(left, bool):
+            raise self._broken("a queue answer without a boolean 'left'")
+        return left
+
+    def waiters(self) -> list[Waiter]:
+        data = self._call("GET", "/records/_queue")
+        try:
+            return decode_waiters(data.get("queue") if isinstance(data, dict) else None)
+        except ValueError as e:
+            raise self._broken(f"a broken queue: {e}") from None

@@ -7,6 +7,7 @@ import uuid
 from typing import Any, Protocol
 
 from gpuctl.core.names import NAME_RE
+from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside
 from gpuctl.errors import UsageError
 
@@ -74,6 +75,21 @@ class Store(Protocol):
 
     def inflight(self) -> dict[str, int]:
         """Live in-flight holders per service (only services that have some)."""
+        ...
+
+    def queue_join(
+        self, holder: Holder, ttl_s: float, *, name: str, priority: int, memory_mib: int
+    ) -> tuple[Waiter, list[Waiter]]:
+        """Join the host's wait queue, or renew the caller's entry (it keeps its place).
+        Returns (its entry, the live queue in order); see ``gpuctl.adapters.store.queue``."""
+        ...
+
+    def queue_leave(self, holder_id: str) -> bool:
+        """Leave the queue; whether the entry was there."""
+        ...
+
+    def waiters(self) -> list[Waiter]:
+        """The live waiters, in the order they will be served (``gpuctl.core.queue``)."""
         ...
 
     def close(self) -> None:

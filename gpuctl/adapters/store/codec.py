@@ -43,6 +43,7 @@ from gpuctl.adapters.store.schema import (
     text,
 )
 from gpuctl.core.names import NAME_RE
+from gpuctl.core.queue import Waiter
 from gpuctl.core.record import RECORD_SCHEMA, Failure, Holder, Lease, Phase, Record, SetAside
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
     "decode_lease",
     "decode_record",
     "decode_set_aside",
+    "decode_waiter",
+    "decode_waiters",
     "encode_record",
     "parse_record",
     "salvage",
@@ -166,6 +169,30 @@ SET_ASIDE_FIELDS: Final = {
 MAX_SET_ASIDE: Final = 10_000
 _SET_ASIDE_LIST = array(obj(SET_ASIDE_FIELDS), MAX_SET_ASIDE)
 
+# A wait-queue entry (``core.queue.Waiter``): its holder's id names its file, so it is
+# letters and digits only (gpuctl's are uuid hex).
+QUEUE_ID = re.compile(r"[A-Za-z0-9]{1,64}")
+PRIORITY_MAX: Final = 1_000_000
+MEMORY_MAX_MIB: Final = 1 << 40
+SEQ_MAX: Final = 2**53
+# A waiter renews its entry as it waits (about twice a second): an entry that outlives
+# its holder from another host (kill -9 there) blocks the queue for this long at most.
+QUEUE_TTL_MAX_S: Final = 300.0
+WAITER_FIELDS: Final = {
+    "name": (SERVICE, REQUIRED),
+    "priority": (integer(-PRIORITY_MAX, PRIORITY_MAX), REQUIRED),
+    "memory_mib": (integer(1, MEMORY_MAX_MIB), REQUIRED),
+    "seq": (integer(1, SEQ_MAX), REQUIRED),
+    "since": (TIME, REQUIRED),
+    "holder": (
+        obj({**LEASE_FIELDS, "holder": (text(64, min_len=1, pattern=QUEUE_ID), REQUIRED)}),
+        REQUIRED,
+    ),
+}
+MAX_WAITERS: Final = 10_000
+_WAITER = obj(WAITER_FIELDS)
+_WAITER_LIST = array(_WAITER, MAX_WAITERS)
+
 
 # ---- decoding
 
@@ -220,6 +247,22 @@ def decode_holder(data: Any, at: str = "$.holder") -> Holder:
 def decode_set_aside(data: Any, at: str = "$.set_aside") -> list[SetAside]:
     """The agent's list of set-aside record files (``GET /records``)."""
     return [SetAside(**v) for v in _SET_ASIDE_LIST(data, at)]
+
+
+def decode_waiter(data: Any, at: str = "$") -> Waiter:
+    """A wait-queue entry (a file in ``queue/``, or one in the agent's answer)."""
+    return _waiter(_WAITER(data, at))
+
+
+def decode_waiters(data: Any, at: str = "$.queue") -> list[Waiter]:
+    """The agent's list of waiters (``GET /records/_queue``), in its order."""
+    return [_waiter(v) for v in _WAITER_LIST(data, at)]
+
+
+def _waiter(v: dict[str, Any]) -> Waiter:
+    return Waiter(
+        v["name"], v["priority"], v["memory_mib"], v["seq"], v["since"], _lease(v["holder"])
+    )
 
 
 def parse_record(raw: bytes) -> Record:

@@ -10,6 +10,7 @@ Layout::
     <state_dir>/records/<service>.json.corrupt-<time>   a record that failed the schema, kept
     <state_dir>/locks/<service>.lock     its flock (the file's mtime means nothing)
     <state_dir>/logs/<service>.log       the process launcher's server log
+    <state_dir>/queue/<holder id>.json   a ``gpuctl run --wait`` waiter (``queue``)
 
 File modes, whatever the umask: folders 0700 and files 0600 for one user. When the
 state folder is shared by a group (its setgid bit is set, or its group is named
@@ -41,6 +42,7 @@ from gpuctl.adapters.store.codec import (
 )
 from gpuctl.adapters.store.files import NotAFile, folder_modes, make_state_dirs, read_bounded
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
+from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.core.record import (
     Holder,
     LeaseState,
@@ -57,7 +59,7 @@ from gpuctl.errors import StoreError, UsageError
 log = logging.getLogger("gpuctl.store")
 
 
-class DirectStore(InflightFiles):
+class DirectStore(InflightFiles, QueueFiles):
     """The records on this machine's file system."""
 
     def __init__(self, state_dir: Path, clock: Any = time.time) -> None:

@@ -1,0 +1,190 @@
+"""The host's wait queue in the store (``gpuctl run --wait``; the order: ``core.queue``).
+
+Layout::
+
+    <state_dir>/queue/<holder id>.json   one waiter (``core.queue.Waiter``)
+    <state_dir>/locks/_queue.lock        the queue's flock
+
+``join`` adds the caller, or renews its entry when it is already there (its heartbeat:
+the waiter calls it on every look, and keeps its place). The arrival number (``seq``) is
+given under the queue's lock: one more than any entry there. ``leave`` deletes the
+caller's entry (``gpuctl run`` calls it in a ``finally``: admitted, timed out, Ctrl-C,
+an error). ``waiters`` lists the live entries in the order they will be served.
+
+Like a lease, an entry is tied to its holder's pid, start time and boot id: on the GPU
+host, the entry of a holder that died (``kill -9``) is void at once; from elsewhere
+(through the agent) it lapses at its expiry. Every reader under the lock deletes the
+void and lapsed entries it finds. A file that is not a sound entry counts for nothing
+and is left for a person to look at (its holder's next ``join`` overwrites it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gpuctl.adapters.store.codec import QUEUE_ID, QUEUE_TTL_MAX_S, RecordError, decode_waiter
+from gpuctl.core.queue import Waiter, in_order
+from gpuctl.core.record import Holder, LeaseState, lease_state
+from gpuctl.errors import StoreError, UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    class _Files(Protocol):
+        """What the mixin uses of ``DirectStore``."""
+
+        state_dir: Path
+        clock: Callable[[], float]
+
+        def _locked(self, service: str) -> Any: ...
+        def modes(self) -> tuple[int, int]: ...
+        def _live_waiters(self: _Files) -> list[Waiter]: ...
+        def _waiter_path(self: _Files, holder_id: str) -> Path: ...
+
+
+QUEUE_LOCK = "_queue"
+_MAX_ENTRY_BYTES = 4096
+
+log = logging.getLogger("gpuctl.store")
+
+
+class QueueFiles:
+    """The wait queue of a ``DirectStore`` (mixed into it)."""
+
+    def _waiter_path(self: _Files, holder_id: str) -> Path:
+        if not isinstance(holder_id, str) or not QUEUE_ID.fullmatch(holder_id):
+            # A usage error (400 on the wire): the id names a file, so it is checked whole.
+            raise UsageError(
+                f"bad queue holder id {str(holder_id)[:80]!r}: 1 to 64 letters and digits"
+            )
+        return self.state_dir / "queue" / f"{holder_id}.json"
+
+    def queue_join(
+        self: _Files, holder: Holder, ttl_s: float, *, name: str, priority: int, memory_mib: int
+    ) -> tuple[Waiter, list[Waiter]]:
+        """Join the queue, or renew the caller's entry (same holder id: it keeps its
+        place). Returns its entry and the live queue in order (it included)."""
+        path = self._waiter_path(holder.id)
+        lock = self._locked(QUEUE_LOCK)
+        try:
+            live = self._live_waiters()
+            now = self.clock()
+            mine = next((w for w in live if w.id == holder.id), None)
+            seq = mine.seq if mine else max((w.seq for w in live), default=0) + 1
+            since = mine.since if mine else now
+            ttl_s = min(ttl_s, QUEUE_TTL_MAX_S)  # the wire's bound, for direct callers too
+            entry = Waiter(name, priority, memory_mib, seq, since, holder.lease(now, ttl_s))
+            try:
+                decode_waiter(entry.to_dict())  # never write what no reader accepts
+            except RecordError as e:
+                raise UsageError(f"bad queue entry: {e}") from None
+            _write_json(path, entry.to_dict(), self.modes())
+            return entry, in_order([*(w for w in live if w.id != holder.id), entry])
+        finally:
+            lock.release()
+
+    def queue_leave(self: _Files, holder_id: str) -> bool:
+        """Delete the caller's entry; whether there was one. No lock: an unlink is atomic,
+        and leaving must work even while a stuck process holds the queue's lock."""
+        try:
+            os.unlink(self._waiter_path(holder_id))
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise StoreError(
+                f"cannot leave the queue ({self._waiter_path(holder_id)}): {e.strerror or e}",
+                hint=f"{self.state_dir / 'queue'} must be writable by this user",
+            ) from None
+        return True
+
+    def waiters(self: _Files) -> list[Waiter]:
+        """The live waiters, in the order they will be served."""
+        lock = self._locked(QUEUE_LOCK)
+        try:
+            return in_order(self._live_waiters())
+        finally:
+            lock.release()
+
+    def _live_waiters(self: _Files) -> list[Waiter]:
+        """Every live entry (under the queue's lock); void and lapsed ones are deleted."""
+        from gpuctl.adapters import procinfo
+
+        base = self.state_dir / "queue"
+        try:
+            paths = [Path(e.path) for e in os.scandir(base) if e.name.endswith(".json")]
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StoreError(
+                f"cannot read {base}: {e.strerror or e}",
+                hint=f"{base} must be readable by this user",
+            ) from None
+        here = procinfo.host_identity()
+        now = self.clock()
+        live: list[Waiter] = []
+        for path in paths:
+            w = _read_waiter(path)
+            if w is None:
+                continue
+            h = w.holder
+            alive = None
+            if h.host == here.hostname and h.boot_id == here.boot_id:
+                alive = procinfo.is_same_process(h.pid, h.pid_start)
+            state = lease_state(
+                h, now, here_host=here.hostname, here_boot_id=here.boot_id, holder_alive=alive
+            )
+            if state is LeaseState.LIVE:
+                live.append(w)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # its holder is gone, or stopped renewing: it waits no more
+        return live
+
+
+def _read_waiter(path: Path) -> Waiter | None:
+    """An entry, or None when it is not one (a hostile file counts for nothing rather
+    than crashing every reader; it stays for a person to see)."""
+    from gpuctl.adapters.store.files import read_bounded
+
+    try:
+        raw = read_bounded(path, _MAX_ENTRY_BYTES)  # never follows a link, never a FIFO
+        if len(raw) > _MAX_ENTRY_BYTES:
+            raise ValueError(f"over {_MAX_ENTRY_BYTES} bytes")
+        w = decode_waiter(json.loads(raw))
+    except (OSError, ValueError) as e:  # RecordError and JSON errors are ValueErrors
+        log.warning("%s is not a queue entry (%s); it counts for nothing", path, e)
+        return None
+    if w.holder.holder != path.stem:
+        log.warning("%s names another holder; it counts for nothing", path)
+        return None
+    return w
+
+
+def _write_json(path: Path, data: dict[str, Any], modes: tuple[int, int]) -> None:
+    """Atomically, with the store's modes whatever the umask."""
+    dir_mode, file_mode = modes
+    try:
+        with contextlib.suppress(FileExistsError):
+            path.parent.mkdir(mode=dir_mode)
+            os.chmod(path.parent, dir_mode)  # mkdir's mode goes through the umask
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), file_mode)
+                json.dump(data, f, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise StoreError(
+            f"cannot write {path}: {e.strerror or e}",
+            hint=f"{path.parent} must be writable by this user (and on a local disk)",
+        ) from None

@@ -1,0 +1,94 @@
+"""The wait queue of a GPU host (``gpuctl run --wait``): who goes first, as pure rules.
+
+A caller that does not fit and asks to wait joins the host's queue in the store
+(``gpuctl.adapters.store.queue``). Each entry (a ``Waiter``) has the job's name, priority
+and memory, its arrival number on that host (``seq``, given by the store under the
+queue's lock, so it is a total order whatever the clocks say), when it joined, and its
+holder: pid, start time, boot id and host, like a lease, with an expiry the waiter
+renews as it waits. An entry whose holder is dead on the GPU host, or whose expiry
+passed, is void: it is skipped and deleted, so a waiter killed with ``kill -9`` leaves
+nothing behind.
+
+**The order.** Higher priority first; among equal priorities, earlier arrival first.
+
+**The rule: strict head of line, no backfill.** Only the head of the queue (the first
+live waiter in that order) may be admitted, and only once it fits. Every other waiter
+waits, even one small enough to fit in the memory that is free now: running it would
+take memory the head is waiting for, and nothing says how long it would keep it, so a
+big high-priority head could starve behind a stream of small jobs. A caller that does not
+queue (``gpuctl run`` without ``--wait``) counts as arriving now: it is admitted only when
+no live waiter of its priority or higher is queued (it would be the head). The price: a
+head that waits for memory held by something that never ends holds up the rest until
+their own timeouts; ``gpuctl locks`` shows it at position 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from gpuctl.core.record import Lease
+from gpuctl.core.units import format_mib
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """One caller waiting in a host's queue. ``holder.expires`` is its heartbeat's term."""
+
+    name: str  # the job's record name (``run.<name>``)
+    priority: int
+    memory_mib: int
+    seq: int  # arrival order on this host's queue (the store gives it)
+    since: float  # when it joined (epoch seconds)
+    holder: Lease
+
+    @property
+    def id(self) -> str:
+        return self.holder.id
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "priority": self.priority,
+            "memory_mib": self.memory_mib,
+            "seq": self.seq,
+            "since": self.since,
+            "holder": self.holder.to_dict(),
+        }
+
+
+def order_key(w: Waiter) -> tuple[int, int, float, str]:
+    """Higher priority first, then arrival (``seq``; ``since`` and the id only break ties
+    a sound store never makes)."""
+    return (-w.priority, w.seq, w.since, w.id)
+
+
+def in_order(waiters: Iterable[Waiter]) -> list[Waiter]:
+    """The live waiters as they will be served."""
+    return sorted(waiters, key=order_key)
+
+
+def ahead(waiters: Iterable[Waiter], *, priority: int, me: str | None = None) -> list[Waiter]:
+    """The live waiters that go before a caller, in order; it may be admitted only when
+    there are none.
+
+    ``me``: the caller's own holder id when it is queued: the waiters ordered before its
+    entry. A caller with no entry among ``waiters`` (one that does not queue, or whose
+    entry has lapsed) arrives now: every waiter of its priority or higher is ahead.
+    """
+    ordered = in_order(waiters)
+    for i, w in enumerate(ordered):
+        if me is not None and w.id == me:
+            return ordered[:i]
+    return [w for w in ordered if w.priority >= priority]
+
+
+def queued_reason(before: list[Waiter]) -> str:
+    """Why a caller waits: the head of the queue, and how many more are ahead."""
+    head = before[0]
+    more = f" and {len(before) - 1} more" if len(before) > 1 else ""
+    return (
+        f"queued behind {head.name} (priority {head.priority}, "
+        f"{format_mib(head.memory_mib)}){more}: the queue is served by priority, then arrival"
+    )

@@ -1,0 +1,80 @@
+"""``gpuctl run --wait``: the caller's place in the host's wait queue, and its naps.
+
+The queue itself is in the store (``gpuctl.adapters.store.queue``), its order in
+``gpuctl.core.queue``; ``gpuctl.flows.run`` joins it when a job does not fit, renews its
+entry on every look (``Place.refresh``), and leaves it once admitted and in a
+``finally`` (a timeout, Ctrl-C, SIGTERM, an error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable
+
+from gpuctl.adapters.store import Store, holder_here
+from gpuctl.core.jobs import JobSpec
+from gpuctl.core.queue import Waiter, ahead
+from gpuctl.errors import GpuctlError
+
+# A waiter renews its entry on every look (about twice a second); one that stops renewing
+# (stopped with Ctrl-Z, or killed on another machine than the GPU host, where nobody can
+# see its pid die) lapses after this, and stops holding up the queue.
+QUEUE_TTL_S = 15.0
+
+
+class Place:
+    """This caller's entry in the host's wait queue."""
+
+    def __init__(self, store: Store, spec: JobSpec) -> None:
+        self.store = store
+        self.spec = spec
+        self.holder = holder_here("run")
+        self.id = self.holder.id
+        self.joined = False
+
+    def refresh(self) -> list[Waiter]:
+        """Join, or renew the entry (its heartbeat); the live waiters ahead of it."""
+        s = self.spec
+        assert s.memory_mib is not None
+        self.joined = True  # before the call: a join that lands and then fails is left too
+        _, queue = self.store.queue_join(
+            self.holder, QUEUE_TTL_S, name=s.name, priority=s.priority, memory_mib=s.memory_mib
+        )
+        return ahead(queue, priority=s.priority, me=self.id)
+
+    def leave(self) -> None:
+        """Out of the queue (idempotent; a failure is left to the entry's expiry)."""
+        if self.joined:
+            self.joined = False
+            with contextlib.suppress(GpuctlError):
+                self.store.queue_leave(self.id)
+
+
+class _Signalled(Exception):
+    pass
+
+
+def nap(sleep: Callable[[float], None], seconds: float) -> int:
+    """Sleep between looks. A SIGTERM or SIGHUP meanwhile ends the wait: its number is
+    returned, so the caller's ``finally`` takes the entry out of the queue (by default
+    they would end the process on the spot, leaving the entry to be found dead)."""
+    if threading.current_thread() is not threading.main_thread():
+        sleep(seconds)  # signal handlers belong to the main thread
+        return 0
+    got: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        got.append(signum)
+        raise _Signalled
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        sleep(seconds)
+    except _Signalled:
+        pass
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return got[0] if got else 0

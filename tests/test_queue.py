@@ -1,0 +1,244 @@
+"""The host's wait queue (``gpuctl run --wait``): the pure order (a table), and the store's
+queue on real files, real processes and a real agent on loopback.
+
+The end-to-end order of separate ``gpuctl run --wait`` processes is in ``test_run_queue.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.agent.app import AgentApp, AgentSettings, create_app
+from gpuctl.core.queue import Waiter, ahead, in_order, queued_reason
+from gpuctl.core.record import Lease
+from gpuctl.errors import UsageError
+from tests.agent_helpers import FakeProbe, serve_in_thread
+
+TOKEN = "queue-test-token"
+
+
+# --------------------------------------------------------------------------- the pure order
+
+
+def w(name: str, priority: int, seq: int, memory_gib: int = 10) -> Waiter:
+    lease = Lease(f"id{name}", "h", "b", 100 + seq, None, "run", 0.0, 1e9)
+    return Waiter(f"run.{name}", priority, memory_gib * 1024, seq, float(seq), lease)
+
+
+# (queue as (name, priority, seq), the order it is served in)
+ORDER = [
+    ([], []),
+    ([("a", 50, 1)], ["a"]),
+    ([("a", 50, 1), ("b", 50, 2), ("c", 50, 3)], ["a", "b", "c"]),  # equal: arrival
+    ([("c", 50, 3), ("a", 50, 1), ("b", 50, 2)], ["a", "b", "c"]),  # whatever the listing
+    ([("low", 10, 1), ("high", 90, 2)], ["high", "low"]),  # priority beats arrival
+    ([("a", 50, 1), ("b", 60, 2), ("c", 50, 3), ("d", 60, 4)], ["b", "d", "a", "c"]),
+    ([("neg", -5, 1), ("zero", 0, 2)], ["zero", "neg"]),
+]
+
+
+@pytest.mark.parametrize(("queue", "served"), ORDER)
+def test_the_queue_is_served_by_priority_then_arrival(
+    queue: list[tuple[str, int, int]], served: list[str]
+) -> None:
+    assert [x.name for x in in_order(w(*q) for q in queue)] == [f"run.{s}" for s in served]
+
+
+QUEUE = [w("a", 50, 1), w("big", 90, 2, 80), w("b", 50, 3), w("c", 10, 4)]
+# (who asks: a queued name or a newcomer's priority, the names ahead of it). Only a caller
+# with nobody ahead may be admitted: strict head of line, whatever the sizes.
+AHEAD = [
+    ("big", ["big"][:0]),  # the head: nobody ahead, it may go once it fits
+    ("a", ["big"]),  # arrived first, but a higher priority came since
+    ("b", ["big", "a"]),  # equal priority to a: a arrived first
+    ("c", ["big", "a", "b"]),  # small, low: it waits even where it would fit now
+    (95, []),  # a newcomer above everyone would be the head
+    (90, ["big"]),  # a newcomer of equal priority comes after those already queued
+    (50, ["big", "a", "b"]),
+    (5, ["big", "a", "b", "c"]),
+]
+
+
+@pytest.mark.parametrize(("who", "expected"), AHEAD)
+def test_only_the_head_goes_and_a_newcomer_queues_behind_its_equals(
+    who: str | int, expected: list[str]
+) -> None:
+    if isinstance(who, str):
+        me = next(x for x in QUEUE if x.name == f"run.{who}")
+        got = ahead(QUEUE, priority=me.priority, me=me.id)
+    else:
+        got = ahead(QUEUE, priority=who)
+    assert [x.name for x in got] == [f"run.{n}" for n in expected]
+
+
+def test_a_caller_whose_entry_lapsed_counts_as_a_newcomer() -> None:
+    assert [x.name for x in ahead(QUEUE, priority=50, me="idgone")] == [
+        "run.big",
+        "run.a",
+        "run.b",
+    ]
+
+
+def test_the_reason_names_the_head_and_how_many_more() -> None:
+    assert queued_reason([QUEUE[1]]).startswith("queued behind run.big (priority 90, 80.0 GiB):")
+    assert "run.big (priority 90, 80.0 GiB) and 2 more" in queued_reason(QUEUE[1:])
+
+
+# --------------------------------------------------------------------------- the store's queue
+
+
+@pytest.fixture(params=["direct", "agent"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[DirectStore | AgentStore]:
+    state = tmp_path / "state"
+    if request.param == "direct":
+        yield DirectStore(state)
+        return
+    app = create_app(AgentSettings(token=TOKEN, state_dir=str(state)), FakeProbe())
+    assert isinstance(app, AgentApp)
+    with serve_in_thread(app) as url:
+        s = AgentStore(url, TOKEN, host_name="testhost")
+        try:
+            yield s
+        finally:
+            s.close()
+
+
+def test_join_renew_and_leave(store: DirectStore | AgentStore) -> None:
+    a, b, c = holder_here("run"), holder_here("run"), holder_here("run")
+    me, q = store.queue_join(a, 30, name="run.a", priority=50, memory_mib=1024)
+    assert (me.seq, [x.id for x in q]) == (1, [a.id])
+    _, q = store.queue_join(b, 30, name="run.b", priority=50, memory_mib=2048)
+    _, q = store.queue_join(c, 30, name="run.c", priority=70, memory_mib=4096)
+    assert [x.name for x in q] == ["run.c", "run.a", "run.b"]
+    # A renewal keeps the entry's place and arrival, and moves its expiry.
+    again, q = store.queue_join(a, 60, name="run.a", priority=50, memory_mib=1024)
+    assert (again.seq, again.since) == (me.seq, me.since)
+    assert again.holder.expires > me.holder.expires
+    assert [x.name for x in q] == ["run.c", "run.a", "run.b"]
+    assert [x.name for x in store.waiters()] == ["run.c", "run.a", "run.b"]
+    assert store.queue_leave(c.id) is True
+    assert store.queue_leave(c.id) is False  # idempotent
+    assert [x.name for x in store.waiters()] == ["run.a", "run.b"]
+    # A newcomer gets an arrival after everyone there.
+    d, q = store.queue_join(c, 30, name="run.d", priority=50, memory_mib=1)
+    assert d.seq > max(x.seq for x in q if x.id != c.id)
+    assert [x.name for x in q] == ["run.a", "run.b", "run.d"]
+
+
+def test_bad_ids_are_refused(store: DirectStore | AgentStore) -> None:
+    with pytest.raises(UsageError):
+        store.queue_leave("../../records/x")
+
+
+def test_a_waiter_killed_with_kill_9_leaves_nothing_behind(
+    store: DirectStore | AgentStore, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from gpuctl.adapters.store import DirectStore, holder_here
+        s = DirectStore({str(state)!r})
+        s.queue_join(holder_here("run"), 300, name="run.dead", priority=99, memory_mib=1)
+        print("in", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "in" and r.returncode == -9
+    assert len(list((state / "queue").glob("*.json"))) == 1  # it is there, void
+    live = holder_here("run")
+    store.queue_join(live, 30, name="run.live", priority=1, memory_mib=1)
+    assert [x.name for x in store.waiters()] == ["run.live"]
+    assert [p.stem for p in (state / "queue").glob("*.json")] == [live.id]  # deleted
+
+
+def test_a_lapsed_entry_is_skipped_and_a_remote_one_is_honoured_until_then(
+    tmp_path: Path,
+) -> None:
+    now = [1_700_000_000.0]
+    store = DirectStore(tmp_path / "state", clock=lambda: now[0])
+    remote = holder_here("run")
+    from dataclasses import replace
+
+    remote = replace(remote, host="elsewhere", pid=4_000_000)  # nobody here can tell it died
+    store.queue_join(remote, 10, name="run.remote", priority=50, memory_mib=1)
+    assert [x.name for x in store.waiters()] == ["run.remote"]
+    now[0] += 11
+    assert store.waiters() == []
+    assert list((tmp_path / "state" / "queue").glob("*.json")) == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not json", b"[]", b'{"name": "run.x"}', b"{" * 5000],
+    ids=["garbage", "array", "partial", "deep"],
+)
+def test_a_hostile_entry_counts_for_nothing(tmp_path: Path, content: bytes) -> None:
+    store = DirectStore(tmp_path / "state")
+    h = holder_here("run")
+    store.queue_join(h, 30, name="run.ok", priority=1, memory_mib=1)
+    bad = tmp_path / "state" / "queue" / "abc123.json"
+    bad.write_bytes(content)
+    assert [x.name for x in store.waiters()] == ["run.ok"]
+    assert bad.exists()  # left for a person to look at
+
+
+def test_an_entry_filed_under_another_holders_name_counts_for_nothing(tmp_path: Path) -> None:
+    store = DirectStore(tmp_path / "state")
+    h = holder_here("run")
+    me, _ = store.queue_join(h, 30, name="run.ok", priority=1, memory_mib=1)
+    (tmp_path / "state" / "queue" / "other1.json").write_text(json.dumps(me.to_dict()))
+    assert [x.id for x in store.waiters()] == [h.id]
+
+
+BAD_JOINS = [
+    ({"ttl_s": 30, "name": "run.x", "priority": 1, "memory_mib": 1}, "holder"),
+    ({"ttl_s": 301, "name": "run.x", "priority": 1, "memory_mib": 1}, "ttl_s"),
+    ({"ttl_s": 30, "name": "../x", "priority": 1, "memory_mib": 1}, "name"),
+    ({"ttl_s": 30, "name": "run.x", "priority": 2_000_000, "memory_mib": 1}, "priority"),
+    ({"ttl_s": 30, "name": "run.x", "priority": 1, "memory_mib": 0}, "memory_mib"),
+    ({"ttl_s": 30, "name": "run.x", "priority": True, "memory_mib": 1}, "priority"),
+    ({"ttl_s": 30, "name": "run.x", "priority": 1, "memory_mib": 1, "x": 1}, "x"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_JOINS)
+def test_the_agent_refuses_a_bad_join_naming_the_field(
+    tmp_path: Path, body: dict[str, object], field: str
+) -> None:
+    app = create_app(AgentSettings(token=TOKEN, state_dir=str(tmp_path / "state")), FakeProbe())
+    h = holder_here("run").to_dict()
+    if field != "holder":
+        body = {"holder": h, **body}
+    with serve_in_thread(app) as url:
+        r = httpx.post(
+            f"{url}/records/_queue", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert r.status_code == 400, r.text
+        assert field in r.json()["error"]
+        bad_id = httpx.post(
+            f"{url}/records/_queue/leave",
+            json={"holder": "a/b"},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert bad_id.status_code == 400 and "holder" in bad_id.json()["error"]
+        assert (
+            httpx.delete(
+                f"{url}/records/_queue", headers={"Authorization": f"Bearer {TOKEN}"}
+            ).status_code
+            == 405
+        )
+        assert httpx.get(f"{url}/records/_queue").status_code == 401
+    assert not (tmp_path / "state" / "queue").exists() or not list(
+        (tmp_path / "state" / "queue").glob("*.json")
+    )

@@ -1,0 +1,249 @@
+"""`gpuctl run --wait` queues in the host's store: separate processes against a simulated
+GPU (120 GiB) and its agent (and once without one, on the store's files), proving the
+order by which job's CMD gets the memory first. The pure rule is table-tested in
+``test_queue.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from gpuctl.sim.host import SimHost
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import agent_host, cli_env, direct_config, unique_name
+from tests.test_run import claims, gpuctl, hold_cmd, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_GIB = 30
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    yield from agent_host(tmp_path, monkeypatch, "120GiB")
+
+
+class Jobs:
+    """The `gpuctl run --wait` callers of a test, each holding 30 GiB once it runs."""
+
+    def __init__(self, host: SimHost, cfg: Path) -> None:
+        self.host, self.cfg = host, cfg
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.tag = unique_name("q")
+
+    def name(self, short: str) -> str:
+        return f"{self.tag}{short}"
+
+    def wait(self, short: str, priority: int, *extra: str) -> subprocess.Popen[str]:
+        n = self.name(short)
+        p = subprocess.Popen(
+            [
+                gpuctl_exe(),
+                "run",
+                "--wait",
+                "-m",
+                f"{JOB_GIB}GiB",
+                "-p",
+                str(priority),
+                "--name",
+                n,
+                *extra,
+                "--",
+                *hold_cmd(n, JOB_GIB),
+            ],
+            env=cli_env(self.cfg),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs[short] = p
+        return p
+
+    def queued(self) -> list[str]:
+        """The queue as `gpuctl locks --json` shows it: short names, in order."""
+        obj = locks(self.cfg)
+        return [q["name"].removeprefix(f"run.{self.tag}") for q in obj["queue"]]
+
+    def running(self) -> list[str]:
+        return [s for s in self.procs if claims(self.host, self.name(s))]
+
+    def finish(self, short: str) -> None:
+        """End the job's CMD (it holds its memory until then; on SIGTERM it lets go and
+        exits 0): its gpuctl run returns CMD's exit code."""
+        (pid,) = claims(self.host, self.name(short))
+        os.kill(pid, signal.SIGTERM)
+        assert self.procs[short].wait(timeout=60) == 0
+
+    def ended(self) -> dict[str, tuple[int, str]]:
+        """The callers that exited: their exit code and stderr (for a failing assert)."""
+        out = {}
+        for short, p in self.procs.items():
+            if p.poll() is not None and p.stderr is not None and not p.stderr.closed:
+                out[short] = (p.returncode, p.stderr.read())
+                p.stderr.close()
+        return out
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.kill()
+            p.wait()
+            if p.stderr is not None:
+                p.stderr.close()
+        for s in self.procs:
+            for pid in claims(self.host, self.name(s)):
+                os.kill(pid, signal.SIGKILL)
+
+
+def locks(cfg: Path) -> dict[str, Any]:
+    r = gpuctl(cfg, "locks", "--json")
+    obj: dict[str, Any] = json.loads(r.stdout)
+    schema = json.loads((ROOT / "schemas" / "locks.schema.json").read_text())
+    jsonschema.validate(obj, schema)
+    return obj
+
+
+def full_gpu(host: SimHost) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """70 + 30 GiB held by processes gpuctl did not start: 20 GiB free, no job fits.
+    Stopping the 30 GiB one makes room for exactly one 30 GiB job."""
+    return host.hold(unique_name("big"), "70GiB"), host.hold(unique_name("small"), "30GiB")
+
+
+def test_priority_then_arrival_one_at_a_time(host: SimHost) -> None:
+    """Arrivals: low (10), eq1 (50), eq2 (50), high (90). With room for one job at a time,
+    they run high, eq1, eq2, low: priority first, then arrival, never two at once."""
+    cfg = host.write_config("")
+    _, small = full_gpu(host)
+    jobs = Jobs(host, cfg)
+    try:
+        for short, prio in (("low", 10), ("eq1", 50), ("eq2", 50), ("high", 90)):
+            p = jobs.wait(short, prio)
+            assert p.stderr is not None
+            assert "waiting for room" in p.stderr.readline()
+            wait_for(lambda s=short: s in jobs.queued(), f"{short} is queued")  # type: ignore[misc]
+        assert jobs.queued() == ["high", "eq1", "eq2", "low"]
+        text = gpuctl(cfg, "locks")
+        assert "waiting (run --wait)" in text.stdout and jobs.name("high") in text.stdout
+        host.stop(small)
+        for turn, short in enumerate(("high", "eq1", "eq2", "low")):
+            wait_for(lambda s=short: jobs.running() == [s], f"{short} runs alone")  # type: ignore[misc]
+            left = ["high", "eq1", "eq2", "low"][turn + 1 :]
+            assert jobs.queued() == left, jobs.ended()  # admitted: out; the rest in order
+            jobs.finish(short)
+        assert jobs.queued() == []
+    finally:
+        jobs.close()
+
+
+def test_a_waiter_killed_with_kill_9_leaves_nothing_and_blocks_no_one(host: SimHost) -> None:
+    cfg = host.write_config("")
+    _, small = full_gpu(host)
+    jobs = Jobs(host, cfg)
+    try:
+        head = jobs.wait("head", 90)
+        wait_for(lambda: jobs.queued() == ["head"], "head is queued")
+        jobs.wait("next", 50)
+        wait_for(lambda: jobs.queued() == ["head", "next"], "next is queued behind it")
+        head.kill()
+        head.wait()
+        obj = locks(cfg)
+        assert [q["name"] for q in obj["queue"]] == [f"run.{jobs.name('next')}"]
+        assert obj["queue"][0]["position"] == 1 and obj["queue"][0]["priority"] == 50
+        entries = list((host.state_dir / "queue").glob("*.json"))
+        assert len(entries) == 1  # the dead one's file is gone, not just skipped
+        host.stop(small)
+        wait_for(lambda: jobs.running() == ["next"], "next runs")
+        assert jobs.queued() == []
+    finally:
+        jobs.close()
+
+
+@pytest.mark.parametrize(
+    ("how", "code"),
+    [("sigint", 130), ("sigterm", 128 + signal.SIGTERM), ("timeout", 5)],
+)
+def test_a_waiter_that_gives_up_leaves_the_queue_itself(host: SimHost, how: str, code: int) -> None:
+    """Ctrl-C, SIGTERM or --timeout: the caller takes its own entry out (no reader has
+    to find it dead), and nothing ran."""
+    cfg = host.write_config("")
+    full_gpu(host)
+    jobs = Jobs(host, cfg)
+    try:
+        p = jobs.wait("quitter", 50, *(["--timeout", "3s"] if how == "timeout" else []))
+        assert p.stderr is not None and "waiting for room" in p.stderr.readline()
+        files = host.state_dir / "queue"
+        wait_for(lambda: len(list(files.glob("*.json"))) == 1, "its entry is written")
+        if how != "timeout":
+            p.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+        assert p.wait(timeout=60) == code
+        assert list(files.glob("*.json")) == []
+        assert jobs.running() == []
+    finally:
+        jobs.close()
+
+
+def test_a_job_that_does_not_wait_goes_only_ahead_of_lower_priorities(host: SimHost) -> None:
+    """A 30 GiB waiter (priority 50) is queued; 20 GiB are free. A 1 GiB job of priority
+    50 without --wait would fit, but it arrives behind the waiter: exit 3 naming it. One
+    of priority 60 is ahead of everyone queued, and runs."""
+    cfg = host.write_config("")
+    full_gpu(host)
+    jobs = Jobs(host, cfg)
+    try:
+        jobs.wait("w", 50)
+        wait_for(lambda: jobs.queued() == ["w"], "w is queued")
+        r = gpuctl(cfg, "run", "-m", "1GiB", "-p", "50", "--", "true")
+        assert r.returncode == 3, r.stderr
+        assert f"queued behind run.{jobs.name('w')}" in r.stderr
+        assert gpuctl(cfg, "run", "-m", "1GiB", "-p", "60", "--", "true").returncode == 0
+        # Larger than the GPU: no wait can help, so it does not queue (exit 3 at once).
+        r = gpuctl(cfg, "run", "--wait", "-m", "200GiB", "--", "true")
+        assert r.returncode == 3 and "never fit" in r.stderr
+        assert jobs.queued() == ["w"]
+    finally:
+        jobs.close()
+
+
+def test_the_queue_on_the_store_files_without_an_agent(host: SimHost) -> None:
+    """The same order through the direct store (the GPU host's own files)."""
+    cfg = direct_config(host, "")
+    _, small = full_gpu(host)
+    jobs = Jobs(host, cfg)
+    try:
+        jobs.wait("first", 40)
+        wait_for(lambda: jobs.queued() == ["first"], "first is queued")
+        jobs.wait("second", 80)
+        wait_for(lambda: jobs.queued() == ["second", "first"], "second goes ahead")
+        host.stop(small)
+        wait_for(lambda: jobs.running() == ["second"], "second runs first")
+        assert jobs.queued() == ["first"]
+        jobs.finish("second")
+        wait_for(lambda: jobs.running() == ["first"], "then first")
+    finally:
+        jobs.close()
+
+
+def test_a_job_not_on_the_gpu_yet_counts_at_its_budget(host: SimHost) -> None:
+    """With no services configured (no keywords to match), a job whose CMD has not
+    touched the GPU yet still counts at its budget: the next job is BUSY, naming it. (It
+    did not: the agent was asked without `match`, so it listed no recorded servers in
+    `starting`, and two jobs admitted a moment apart were both let in: an OOM.)"""
+    cfg = host.write_config("")
+    host.hold(unique_name("big"), "70GiB")
+    tag = unique_name("idle")
+    job = subprocess.Popen(
+        [gpuctl_exe(), "run", "-m", "30GiB", "--name", tag, "--", "sleep", "60"],
+        env=cli_env(cfg),
+    )
+    try:
+        wait_for(lambda: (host.state_dir / "records" / f"run.{tag}.json").exists(), "recorded")
+        r = gpuctl(cfg, "run", "-m", "30GiB", "--", "true")
+        assert r.returncode == 3 and f"run.{tag}" in r.stderr, r.stderr
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=60)
