@@ -50,6 +50,18 @@ MODEL_PATHS = (
 
 # --------------------------------------------------------------------- the witness
 
+# What the witness answers on these paths before it closes the connection.
+BROKEN = {
+    "/garbage": b"this is not HTTP\r\n\r\n",
+    "/silent": b"",
+    "/cut-length": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    b'content-length: 100\r\n\r\n{"partial',
+    "/cut-chunked": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    b'transfer-encoding: chunked\r\n\r\n5\r\n{"a":\r\n',
+    "/cut-sse": b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b'transfer-encoding: chunked\r\n\r\n10\r\ndata: {"a": 1}\n\n\r\n',
+}
+
 
 @dataclass
 class Seen:
@@ -92,6 +104,11 @@ class Witness:
                 if self.path == "/hold":
                     witness.holding.set()
                     witness.release.wait(60)
+                if self.path in BROKEN:  # a hostile upstream: see BROKEN
+                    self.wfile.write(BROKEN[self.path])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 out = json.dumps({"witness": True, "path": self.path}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
@@ -717,3 +734,24 @@ def test_the_count_moves_on_transitions_at_most_once_per_linger_never_per_reques
         assert fake.ends == 3 and not st.held
 
     asyncio.run(scenario())
+
+
+def test_a_hostile_upstream_is_a_502_or_a_cut_answer_never_a_500(
+    wire: Wire, opened: list[http.client.HTTPConnection]
+) -> None:
+    # Nothing usable came back, or an answer with a length cut short (read whole before
+    # its head goes; it was a 500): 502 in OpenAI's shape.
+    for path in ("/garbage", "/silent", "/cut-length"):
+        status, headers, data = ask(conn(wire, opened), "GET", "/services/witness" + path)
+        assert assert_refusal(status, headers, data, 502)["type"] == "upstream_error", path
+    # A chunked answer cut after its head went: the client sees the cut.
+    with pytest.raises(http.client.IncompleteRead):
+        ask(conn(wire, opened), "GET", "/services/witness/cut-chunked")
+    # An SSE stream cut short ends with an error event (data: {"error": ...}).
+    r = httpx.get(f"{wire.proxy.url}/services/witness/cut-sse", headers=AUTH, timeout=30)
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[0] == 'data: {"a": 1}', r.text
+    assert json.loads(events[-1][6:])["error"]["code"] == "upstream_failed", r.text
+    keeps_serving(conn(wire, opened))
+    log = wire.proxy.log()
+    assert "Traceback" not in log and "a bug in gpuctl" not in log, log[-3000:]

@@ -262,6 +262,19 @@ class ProxyApp:
         except ClientGone:
             info["gone"] = True
             reply.status = reply.status or 499  # nginx's word for it, in the log and metrics
+        except UpstreamError as e:  # the server failed while its answer was relayed
+            log.warning("%s: the upstream failed mid-answer: %s", info.get("service"), e)
+            with contextlib.suppress(Exception):  # once its head went, the cut shows
+                await self._refuse(
+                    sender,
+                    reply,
+                    Refusal(
+                        502,
+                        f"{info.get('service')}'s server failed mid-answer: {e}",
+                        "upstream_error",
+                        "upstream_failed",
+                    ),
+                )
         except Exception as e:  # a bug: one line (the traceback with GPUCTL_DEBUG=1), and
             # an answer in the shape clients parse instead of uvicorn's bare 500
             debug = os.environ.get("GPUCTL_DEBUG", "") not in ("", "0")
