@@ -262,9 +262,10 @@ def run(
                    "max_tokens": args.stream_tokens}  # fmt: skip
 
     def settle(name: str) -> None:
-        """Wait until ``name`` answers one request within a second: a path that queued
-        more than it served (LiteLLM does not abort what its clients left) must drain
-        before the next measurement, or that one measures the backlog."""
+        """Wait until ``name`` answers one request within a second and its process is
+        nearly idle (under 10 % of a CPU over half a second): a path that queued more
+        than it served (LiteLLM does not abort what its clients left) must drain before
+        the next measurement, or that one measures the backlog."""
         _, k = targets[name]
         h = {"Authorization": f"Bearer {k}"} if k else {}
         deadline = time.monotonic() + 180
@@ -274,8 +275,19 @@ def run(
                 httpx.post(url(name, fast_port), json={"model": "fast", "messages": MSG,
                            "max_tokens": 1}, headers=h, timeout=60)  # fmt: skip
             if time.monotonic() - t0 < 1.0:
-                return
+                if name == "direct":
+                    return
+                c0 = cpu_s(pids[name])
+                time.sleep(0.5)
+                if cpu_s(pids[name]) - c0 < 0.05:
+                    return
         print(f"{name} did not settle in 180 s", file=sys.stderr)
+
+    def settle_all() -> None:
+        # Every path, not only the next: a backlog left on one (LiteLLM after 256
+        # streams) takes CPU from whichever is measured next.
+        for name in targets:
+            settle(name)
 
     paced_body = {"model": "stream", "messages": MSG, "max_tokens": args.paced_tokens}
     # (scenario, port, body, the server's pid: direct's CPU is that server's)
@@ -291,6 +303,7 @@ def run(
     for rnd in range(args.rounds):
         for scenario, port, body, server_pid in scenarios:
             for name, (_, k) in targets.items():
+                settle_all()
                 pid = server_pid if name == "direct" else pids[name]
                 c0 = cpu_s(pid)
                 m = wrk(url(name, port), body, k, args.connections, args.duration)
@@ -299,7 +312,7 @@ def run(
                 bad += int(m["bad"])
         for conns in (64, 256):
             for name, (_, k) in targets.items():
-                settle(name)
+                settle_all()
                 pid = stream_pid if name == "direct" else pids[name]
                 c0 = cpu_s(pid)
                 m = wrk(url(name, stream_port), stream_body, k, conns, args.duration)

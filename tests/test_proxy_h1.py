@@ -387,6 +387,21 @@ def test_a_truncated_answer_is_an_error_never_a_short_body(answer: bytes) -> Non
     run(main())
 
 
+def test_a_server_that_hangs_up_at_once_is_an_upstream_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.transport.abort()
+
+    async def main() -> None:
+        async with Server(handler) as s:
+            c = Client(5, 5)
+            for _ in range(5):  # before or after the request is written: the same error
+                with pytest.raises(UpstreamClosed, match="before answering"):
+                    await post(c, s.origin)
+            c.close()
+
+    run(main())
+
+
 def test_a_malformed_answer_is_an_error() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await srv.read_request(reader)

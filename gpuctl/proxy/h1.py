@@ -447,7 +447,10 @@ class Pool:
             conn._begin(method == "HEAD")
             conn.busy = True
             try:
-                assert conn.transport is not None
+                if conn.closed or conn.transport is None:
+                    # Closed while it was being made (a server that accepts and hangs
+                    # up): a closed transport would refuse the write with a RuntimeError.
+                    raise UpstreamClosed("the server closed the connection before answering")
                 if payload is not None:
                     conn.transport.write(payload)
                 else:
