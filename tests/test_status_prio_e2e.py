@@ -209,6 +209,10 @@ def test_status_is_preemptable_naming_its_victims_and_busy_naming_holders(
                 f"run.{keep}: a run job, not --preemptible",
             ):
                 assert words in out["reason"], (words, out["reason"])
+            # What to do: stop our service (a run job ends with its command), ask the
+            # foreign process's user.
+            assert f"`gpuctl stop {batch}`" in out["hint"] and "gpuctl stop run." not in out["hint"]
+            assert "ask root to free it" in out["hint"], out["hint"]
         assert server_pids(batch) == [batch_pid]  # status and refusals stopped nothing
     finally:
         for j in jobs:
@@ -257,6 +261,11 @@ def test_a_server_found_by_its_nonce_is_its_service_with_its_memory(host: SimHos
                 (child, a, 50)
             ]
             assert f"pid {child} (" in s["reason"] and f"= {a}, priority 50" in s["reason"]
+            # ensure says the same, and its hint knows the server is ours (by its record,
+            # not its command line): stop it, rather than ask its user.
+            out = json.loads(run_ensure(via, rival).stdout)
+            assert out["decision"] == "BUSY" and f"= {a}, priority 50" in out["reason"], out
+            assert f"`gpuctl stop {a}`" in out["hint"] and "ask root" not in out["hint"], out
         # Through the agent the shell (no GPU memory) is listed for older clients, as `a`'s.
         _, obj = status_json(cfg)
         shells = [p for p in obj["hosts"][0]["processes"] if p["pid"] != child]

@@ -140,6 +140,9 @@ class Verdict:
     plan: Plan | None = None
     # What the user can do about it, where the decision knows better than the caller.
     hint: str = ""
+    # BUSY: (pid, service or ``run.NAME`` job) of the holders that are ours (by a
+    # record's pid too, which the caller's keywords alone would not tell).
+    ours: tuple[tuple[int, str], ...] = ()
 
     @property
     def own_memory_mib(self) -> int:
@@ -319,12 +322,17 @@ def classify(
         return f" = {o.name}, priority {o.priority}" if o is not None else ""
 
     holders_text = held_by(usable, top=BUSY_HOLDERS, label=label)
+    by_size = sorted(holders_of(usable), key=lambda p: -(p.memory_mib or 0))
+    ours = tuple(
+        (p.pid, o.name) for p in by_size if (o := owner_of(p.command, everyone, p.pid, servers))
+    )
     if need is None:
         return Verdict(
             name,
             Decision.BUSY,
             f"GPU in use by {holders_text} (the service has no memory budget, so any other process means busy)",
             holders=holders_of(usable),
+            ours=ours,
         )
     room = best_fit(usable, need)
     if room is not None:
@@ -347,6 +355,7 @@ def classify(
             f"GPU total memory unknown, cannot tell whether {format_mib(need)} fits beside {holders_text}",
             holders=holders_of(usable),
             need_mib=need,
+            ours=ours,
         )
     if victims is not None:
         plan = plan_victims(need, usable, victims, priority=spec.priority, force=force)
@@ -385,4 +394,5 @@ def classify(
         holders=holders_of(usable),
         need_mib=need,
         free_mib=most.free_mib,
+        ours=ours,
     )

@@ -76,6 +76,10 @@ class EnsureDeps(Closers):
     server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
         kw_only=True, default=None
     )
+    # Without an agent: the records' servers (and their children) found on this machine,
+    # as the agent finds them on its host and names them in its snapshot.
+    find_servers: ServerFinder | None = field(kw_only=True, default=None)
+    find_children: ChildFinder | None = field(kw_only=True, default=None)
 
     def fresh_reader(self) -> SnapshotReader:
         return self.read_snapshot_fresh or self.read_snapshot

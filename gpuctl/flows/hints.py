@@ -4,6 +4,7 @@ every refusal (BUSY, UNKNOWN, FAILED, not ready in time) ends with."""
 from __future__ import annotations
 
 from gpuctl.core.decision import Verdict, owner_of
+from gpuctl.core.jobs import is_job
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.results import Outcome
 
@@ -16,16 +17,20 @@ def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = N
     # PREEMPTABLE's hint (`gpuctl ensure X --preempt` stops …) comes with its verdict.
     if outcome is Outcome.BUSY:
         services = deps.config.services_on(deps.service.host)
+        # Ours as the decision told them (a record's pid counts); by keywords otherwise.
+        told = dict(verdict.ours) if verdict else {}
         ours: dict[str, None] = {}
         users: dict[str, None] = {}
         for p in verdict.holders if verdict else ():
             owner = owner_of(p.command, services, p.pid)
-            if owner is not None:
-                ours.setdefault(owner.name, None)
+            whose = told.get(p.pid) or (owner.name if owner is not None else None)
+            if whose is not None:
+                ours.setdefault(whose, None)
             elif p.user:
                 users.setdefault(p.user, None)
         steps = ["wait and try again"]
-        steps += [f"`gpuctl stop {s}`" for s in list(ours)[:2]]
+        # `gpuctl stop` is for services; a run job ends with its command.
+        steps += [f"`gpuctl stop {s}`" for s in [n for n in ours if not is_job(n)][:2]]
         if users:
             steps.append(f"ask {', '.join(list(users)[:3])} to free it")
         return "; ".join(steps) + "; `gpuctl status` shows who holds the GPU"

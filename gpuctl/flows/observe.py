@@ -327,7 +327,13 @@ def look(
     svc = deps.service
     others = deps.config.services_on(svc.host)
     reader = deps.fresh_reader() if fresh else deps.read_snapshot
-    seen = observe(deps.store.listing, reader, others or [svc])  # ensure finds servers itself
+    seen = observe(
+        deps.store.listing,
+        reader,
+        others or [svc],
+        find_servers=deps.find_servers,
+        find_children=deps.find_children,
+    )
     record = seen.records.get(svc.name)
     alive = deps.handle_alive(record) if record is not None and record.handle else None
     judge = partial(

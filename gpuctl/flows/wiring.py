@@ -188,6 +188,8 @@ def deps_for(
         host=host,
         launcher_for=launcher_of,
         server_in_flight=server_in_flight,
+        find_servers=server_finder(host),
+        find_children=child_finder(host),
         store=store,
         read_snapshot=snapshot_reader(host, closers, http),
         read_snapshot_fresh=snapshot_reader(host, closers, http, fresh=True),
