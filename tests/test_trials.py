@@ -52,6 +52,7 @@ def test_random_trials_keep_the_invariants(host: SimHost) -> None:
         "every stop explained",
         "service records match the processes",
         "job records match their CMDs",
+        "no request cut in flight",
     ):
         assert report.checked[invariant] > 0, (invariant, report.summary())
     assert set(report.actions) <= set(ACTIONS)

@@ -455,9 +455,9 @@ def opening(t: Trial, report: Report) -> None:
     then taken, and chat must preempt (or is BUSY)."""
     _chat, batch, peer = t.services
     first = [("ensure", batch)] if t.rng.random() < 0.9 else []
-    if t.rng.random() < 0.5 and "run --preemptible" in ACTIONS:
+    if t.rng.random() < 0.7 and "run --preemptible" in ACTIONS:
         first.append(("run --preemptible", t.rng.choice(t.services)))
-    if t.rng.random() < 0.4:
+    if t.rng.random() < 0.5:
         first.append(("ensure --no-wait", peer))
     for name, s in first:
         ACTIONS[name][1](t, s)

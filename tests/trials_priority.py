@@ -50,11 +50,15 @@ def _ensure_preempt(t: Trial, s: Svc) -> None:
 
 
 def _run(t: Trial, s: Svc, preemptible: bool) -> None:
-    # The trial's prefix (its own processes carry it), but never a service's name: a
-    # service's match keyword in CMD's command line would make CMD look like its server.
+    # The trial's prefix (its own processes carry it); now and then the service's name
+    # too: its match keyword is then in CMD's command line, and gpuctl must still tell
+    # CMD from that service's server by the job's record (a stop of the service once
+    # stopped such a job).
     name = f"{t.prefix}job{len(t.jobs)}"
+    if t.rng.random() < 0.3:
+        name = f"{s.name}-job{len(t.jobs)}"
     prio = t.rng.choice((40, 60, 100))
-    duration = round(t.rng.uniform(1.0, 4.0), 1)
+    duration = round(t.rng.uniform(1.5, 5.0), 1)
     t.jobs[name] = Job(name, prio, preemptible, JOB_GIB * GIB, duration, time.time())
     hold = [sys.executable, "-m", "gpuctl.sim.hold", "--name", name]
     hold += ["--memory", f"{JOB_GIB}GiB", "--duration", f"{duration}s"]

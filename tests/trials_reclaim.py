@@ -188,6 +188,7 @@ def check(t: Trial) -> None:
         except ValueError:
             out = {}
         result = str(out.get("result", ""))
+        t.checked["no request cut in flight"] += 1
         if not result.startswith("cut"):
             continue  # ran to its end, never got to ask, or was killed (no output)
         end = float(out.get("t_end") or time.time())
@@ -201,6 +202,7 @@ def check(t: Trial) -> None:
         if rc.ended is None:
             continue
         for svc in _stopped_by(rc):
+            t.checked["no reclaim stop within the idle timeout of a touch"] += 1
             for touch in log.touches:
                 if (
                     touch.service == svc

@@ -2,7 +2,10 @@
 
 ``ensure X --preempt`` (or X's ``preempt = true``) on a PREEMPTABLE verdict:
 
-1. take X's own lease first: nobody else starts X while its room is being made;
+1. take X's own lease first: nobody else starts X while its room is being made; and
+   mark X ``starting`` under it, so every other admission counts X at its budget and
+   the room made for X is not taken before X's launch (its phase is put back if X is
+   not launched);
 2. take each victim's lease (without waiting: a lease held means a start, stop or wake
    of it is under way, and the plan is void), and judge again under them that each
    still runs its recorded server with nothing in flight (a use that began before the
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuctl import failpoints
 from gpuctl.adapters.jobs import JOB_GRACE_S, stop_job
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import Holder, holder_here
@@ -68,11 +72,19 @@ def preempt(
     assert plan is not None
     holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
-    granted, _ = deps.store.acquire(svc.name, holder, ttl)
+    granted, own = deps.store.acquire(svc.name, holder, ttl)
     if not granted:
         return None  # someone else is starting it: look again (a bystander waits)
     own_released = False
+    restore: dict[str, Any] | None = None
     try:
+        if own.phase is not Phase.STARTING:
+            # Its memory is promised before the victims give theirs back: `starting`
+            # under this lease counts it at its budget for every other admission (a
+            # resume of a victim, a `gpuctl run` job), so the room made for it is still
+            # there at its launch (a resume once took it, and it ended BUSY).
+            deps.store.update(svc.name, holder.id, {"phase": Phase.STARTING.value})
+            restore = {"phase": own.phase.value}
         t_stop = deps.clock()
         stopped, failure = _stop_victims(ctx, [v.name for v in plan.victims], snapshot)
         stop_s = deps.clock() - t_stop
@@ -80,6 +92,7 @@ def preempt(
             return failure
         if stopped is None:
             return None
+        failpoints.hit("preempt.after_stops")
         names = ", ".join(stopped)
         ctx.notes.append(f"preempted {names} to make room (their stops took {stop_s:.2f}s)")
         back = _wait_for_memory(ctx, holder.id)
@@ -90,7 +103,7 @@ def preempt(
     finally:
         if not own_released:
             with contextlib.suppress(GpuctlError):
-                deps.store.release(svc.name, holder.id)
+                deps.store.release(svc.name, holder.id, restore)
 
 
 def _stop_victims(

@@ -1,0 +1,87 @@
+"""The room a preemption makes is kept for the service it was made for.
+
+Between its victims' stops and its own launch, an ``ensure --preempt`` holds the
+service's lease with its record ``starting``: every other admission (a resume of the
+victim, a ``gpuctl run`` job, another service) counts the service at its budget. Found by
+the randomised trials (tests/trials.py): ``gpuctl run``'s end resumed the batch into the
+room made for chat, which then ended BUSY after preempting it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import (
+    agent_host,
+    cli_env,
+    kill_servers,
+    model_server_command,
+    read_record,
+    run_ensure,
+    server_pids,
+    service_toml,
+    unique_name,
+)
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    yield from agent_host(tmp_path, monkeypatch, "120GiB")
+
+
+def service(name: str, port: int, gib: int, priority: int, extra: str = "") -> str:
+    toml = service_toml(name, port, model_server_command(name, port, f"{gib}GiB", "0.5s"))
+    return toml.replace('memory = "20GiB"', f'memory = "{gib}GiB"\npriority = {priority}\n{extra}')
+
+
+def test_a_resume_between_the_stops_and_the_launch_does_not_take_the_room(host: SimHost) -> None:
+    chat, batch = unique_name("chat"), unique_name("batch")
+    pc, pb = free_port(), free_port()
+    # 100 + 30 > 120: chat fits only once the batch is stopped.
+    cfg = host.write_config(
+        service(chat, pc, 100, 100) + service(batch, pb, 30, 50, "resume = true")
+    )
+    try:
+        assert run_ensure(cfg, batch).returncode == 0
+        env = cli_env(cfg)
+        # Chat lingers after its stops (the window a resume or a job could use).
+        env["GPUCTL_FAILPOINTS"] = "preempt.after_stops=sleep:3"
+        preempting = subprocess.Popen(
+            [gpuctl_exe(), "ensure", chat, "--preempt", "--json", "--timeout", "60s"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 30
+        while read_record(host, batch)["phase"] != "preempted":
+            assert time.time() < deadline and preempting.poll() is None, preempting.communicate()
+            time.sleep(0.05)
+        resumed = subprocess.run(
+            [gpuctl_exe(), "resume", batch, "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        out, err = preempting.communicate(timeout=60)
+        # The batch stays preempted (chat's memory is promised), and chat starts.
+        assert resumed.returncode == 3, (resumed.stdout, resumed.stderr)
+        assert chat in json.loads(resumed.stdout)["reason"]
+        assert preempting.returncode == 0, (out, err)
+        assert json.loads(out)["outcome"] == "ready"
+        assert server_pids(batch) == [] and len(server_pids(chat)) == 1
+        assert read_record(host, batch)["phase"] == "preempted"
+        assert read_record(host, chat)["phase"] == "running"
+    finally:
+        kill_servers(chat)
+        kill_servers(batch)
