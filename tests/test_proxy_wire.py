@@ -16,6 +16,7 @@ import asyncio
 import http.client
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -755,3 +756,69 @@ def test_a_hostile_upstream_is_a_502_or_a_cut_answer_never_a_500(
     keeps_serving(conn(wire, opened))
     log = wire.proxy.log()
     assert "Traceback" not in log and "a bug in gpuctl" not in log, log[-3000:]
+
+
+def test_queue_timeout_is_503_model_loading_and_a_start_that_fails_is_502(
+    host: SimHost,
+) -> None:
+    slow, port = unique_name("pxs"), free_port()
+    broken = unique_name("pxx")
+    exits = f"{sys.executable} -c 'raise SystemExit(3)' {broken}"  # a server that dies at once
+    conf = host.write_config(
+        svc(slow, port, load="6s", extra='queue_timeout = "2s"')
+        + f"[services.{broken}]\n"
+        + 'launcher = "process"\n'
+        + f"command = {json.dumps(exits)}\n"
+        + f'health = "http://127.0.0.1:{free_port()}/health"\n'
+        + f'match = ["{broken}"]\nmemory = "1GiB"\nhealth_timeout = "20s"\n'
+        + f'models = ["{broken}"]\n'
+    )
+    proxy = Proxy(host, conf)
+    with openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=60) as client:
+        # Held past its queue_timeout while the server loads: 503 model_loading.
+        e = refused_503(client, slow)
+        assert e.code == "model_loading" and "queue_timeout" in e.message, e.message
+        # A stream held as long got 200 and loading comments: it ends with an error event.
+        stream = client.chat.completions.create(model=slow, messages=MSG, stream=True)  # type: ignore[arg-type]
+        with pytest.raises(openai.APIError) as caught:
+            list(stream)
+        assert "queue_timeout" in str(caught.value)
+        # The start went on for whoever comes next.
+        wait_until("the slow server to load", lambda: _answers(port), 60)
+        reply = client.chat.completions.create(model=slow, messages=MSG)  # type: ignore[arg-type]
+        assert "simulated reply" in (reply.choices[0].message.content or "")
+
+        # A server that exits at start: 502 start_failed, naming the service.
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.chat.completions.create(model=broken, messages=MSG)  # type: ignore[arg-type]
+        assert failed.value.status_code == 502 and failed.value.code == "start_failed"
+    # However they ended, no count is left behind.
+    wait_until("the counts to come off", lambda: inflight(host) == {})
+    assert "Traceback" not in proxy.log()
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_client_that_leaves_mid_body_is_logged_499_and_never_forwarded(
+    wire: Wire, opened: list[http.client.HTTPConnection]
+) -> None:
+    import socket
+
+    before = len(wire.witness.seen)
+    head = (
+        f"POST /services/witness/upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Length: 100000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", wire.proxy.port)) as s:
+        s.sendall(head.encode() + b"x" * 10)
+    wait_until(
+        "the proxy to log it", lambda: '"POST /services/witness/upload" 499' in wire.proxy.log()
+    )
+    assert "client-gone" in wire.proxy.log().split('"POST /services/witness/upload" 499')[1]
+    assert len(wire.witness.seen) == before
+    keeps_serving(conn(wire, opened))

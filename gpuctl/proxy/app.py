@@ -450,7 +450,7 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise Refusal(400, "the client went away", "invalid_request_error", "gone")
+                raise ClientGone  # mid-body: nobody to answer (499 in the log)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
