@@ -319,6 +319,7 @@ class AgentApp:
 
     async def _get_metrics(self, request: Request) -> Response:
         scan = await self._scan.get()
+        found = await self._servers.get()  # whose each server process is, as /status says
         records: list[Record] | None = None
         store_up: bool | None = None
         unreadable = 0
@@ -344,6 +345,7 @@ class AgentApp:
             store_up=store_up,
             unreadable_records=unreadable,
             now=time.time(),
+            servers=dict(found.value.owners) if found.value is not None else None,
         )
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 

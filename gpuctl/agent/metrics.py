@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuctl import __version__
 from gpuctl.core.model import HostIdentity, ProbeReading, device_figures
@@ -42,6 +42,7 @@ def render_metrics(
     store_up: bool | None = None,
     unreadable_records: int = 0,
     now: float | None = None,
+    servers: Mapping[int, str] | None = None,
 ) -> str:
     """The Prometheus text exposition of one reading, the services' records and the
     agent's counters.
@@ -49,7 +50,9 @@ def render_metrics(
     Gauges that the probe could not measure are left out rather than reported as 0:
     a missing sample is "unknown", a zero is "free". ``records`` (None: the agent has no
     state directory, or it could not be read, see ``store_up``) gives each service's
-    phase, lease and idle seconds (``now`` minus its ``last_used``).
+    phase, lease and idle seconds (``now`` minus its ``last_used``). ``servers``: whose
+    each server process is, as ``/status`` names them (by handle, start nonce, or as a
+    child of one); without it, the handles' pids.
     """
     lines: list[str] = []
 
@@ -77,7 +80,7 @@ def render_metrics(
         [("", 1 if probe_up else 0)],
     )
     if reading is not None:
-        _gpu_metrics(reading, gpu_memory_mib, records, metric)
+        _gpu_metrics(reading, gpu_memory_mib, records, metric, servers)
     if store_up is not None:
         metric(
             "gpuctl_store_up",
@@ -147,6 +150,7 @@ def _gpu_metrics(
     gpu_memory_mib: int | None,
     records: Sequence[Record] | None,
     metric: Callable[[str, str, str, list[tuple[str, float]]], None],
+    servers: Mapping[int, str] | None = None,
 ) -> None:
     """Per-GPU memory in bytes, labelled as DCGM and nvidia_gpu_exporter label theirs
     (``gpu``, ``uuid``, ``model``), and per-process memory with its service.
@@ -199,7 +203,7 @@ def _gpu_metrics(
     metric("gpuctl_gpu_processes", "gauge", "Processes that hold GPU memory.", [("", len(on_gpu))])
     # The service a process belongs to, where a record names it; never its command line:
     # label values must come from a small set, and command lines can carry secrets.
-    services = recorded_servers(records or ())
+    services = {**(servers or {}), **recorded_servers(records or ())}
     metric(
         "gpuctl_process_memory_bytes",
         "gauge",
