@@ -265,7 +265,10 @@ def test_status_reports_a_dead_host_unknown_and_the_others_as_they_are(tmp_path:
 
 
 def _prio_status(
-    tmp_path: Path, counts: Callable[[], dict[str, int]], agent: Agent | None = None
+    tmp_path: Path,
+    counts: Callable[[], dict[str, int]],
+    agent: Agent | None = None,
+    chat: str = "",
 ) -> tuple[StatusDeps, DirectStore]:
     """Host a: a batch (60 GiB, priority 50, started by gpuctl: pid 555) on a 128 GiB GPU;
     chat (80 GiB, priority 100) and llm (90 GiB, priority 100) do not fit beside it."""
@@ -274,7 +277,7 @@ def _prio_status(
         '[hosts.a]\nagent = "http://127.0.0.1:9"\n\n'
         '[services.batch]\nhost = "a"\nmemory = "60GiB"\npriority = 50\n'
         'launcher = "process"\ncommand = "batch"\n\n'
-        '[services.chat]\nhost = "a"\nmemory = "80GiB"\npriority = 100\n\n'
+        f'[services.chat]\nhost = "a"\nmemory = "80GiB"\npriority = 100\n{chat}\n'
         '[services.llm]\nhost = "a"\nmemory = "90GiB"\npriority = 100\n',
     )
     clock = Clock()
@@ -315,6 +318,14 @@ def test_status_is_preemptable_as_ensure_decides_it(tmp_path: Path) -> None:
         assert "fits once batch (priority 50, 60.0 GiB) stops" in v.reason
         assert v.hint.startswith(f"`gpuctl ensure {name} --preempt` stops batch to make room")
     assert asked == [1]
+
+
+def test_status_hint_for_a_service_that_preempts_by_itself(tmp_path: Path) -> None:
+    deps, _ = _prio_status(tmp_path, dict, chat="preempt = true\n")
+    (host,) = status(deps).hosts
+    v = host.verdicts[[s.name for s in host.services].index("chat")]
+    assert v.decision is Decision.PREEMPTABLE
+    assert v.hint == "`gpuctl ensure chat` stops batch to make room (its preempt = true)"
 
 
 @pytest.mark.parametrize(

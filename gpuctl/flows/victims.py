@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuctl.config import ServiceConfig
@@ -37,7 +38,15 @@ def with_victims(
     if verdict.decision is not Decision.BUSY or svc.memory_mib is None:
         return verdict
     victims = facts()
-    return judge(victims=victims, force=force) if victims else verdict
+    if not victims:
+        return verdict
+    again = judge(victims=victims, force=force)
+    if again.plan is not None and svc.preempt:
+        # Its `preempt = true` already asks for it: a plain `ensure` stops them.
+        stops = ", ".join(again.plan.names)
+        hint = f"`gpuctl ensure {svc.name}` stops {stops} to make room (its preempt = true)"
+        return replace(again, hint=hint)
+    return again
 
 
 def victim_facts(
