@@ -296,3 +296,27 @@ def test_classify_in_flight_needs_force() -> None:
 def test_classify_fits_is_never_preemptable() -> None:
     v = decide(scene(WHISPER_P), VICTIMS)
     assert v.decision is Decision.FITS
+
+
+def test_classify_preemptable_hints_how_to_ask() -> None:
+    v = decide(scene(BATCH_P, WHISPER_P), VICTIMS)
+    assert v.hint == (
+        "`gpuctl ensure chat --preempt` stops batch to make room (or set preempt = true "
+        "in [services.chat]); or wait and try again"
+    )
+
+
+def test_classify_busy_tells_which_holders_are_ours() -> None:
+    """By the record's pid (whatever the command line) and by keyword; a stranger is
+    nobody's. Biggest first, for the hint's `gpuctl stop`."""
+    v = decide(scene(STRANGER, WHISPER_P, BATCH_P), None)
+    assert v.decision is Decision.BUSY
+    assert v.ours == ((30, "batch"), (40, "whisper"))
+
+
+def test_classify_busy_names_up_to_four_holders() -> None:
+    many = [GpuProcess(100 + i, f"python job{i}.py", (10 + i) * GiB) for i in range(6)]
+    v = decide(scene(*many), None)
+    assert v.decision is Decision.BUSY
+    named = [p.pid for p in many if f"pid {p.pid} (" in v.reason]
+    assert named == [102, 103, 104, 105] and "; 2 more" in v.reason
