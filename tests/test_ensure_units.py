@@ -164,3 +164,27 @@ def test_status_calls_an_orphaned_start_loading_until_its_health_timeout(w: Worl
     assert v.decision is Decision.LOADING, v.reason
     later = decide(svc, refused, seen, others=others, now=w.clock.t + 61)
     assert later.decision is Decision.IDLE
+
+
+def test_progress_memory_counts_what_the_agent_names_as_the_services() -> None:
+    """The wait's memory figure: the server's pid, its keyword, and the processes the
+    agent names as the service's (a vLLM's engine core, a child of the server)."""
+    from gpuctl.core.model import GpuProcess, Snapshot
+    from gpuctl.flows.wait import own_memory
+
+    snap = Snapshot(
+        50 * 1024,
+        80 * 1024,
+        False,
+        "sim",
+        "t",
+        (
+            GpuProcess(10, "vllm serve --port 8000", 1024),  # the API server (recorded)
+            GpuProcess(11, "VLLM::EngineCore", 40 * 1024),  # its child
+            GpuProcess(12, "python other.py", 9 * 1024),  # someone else
+        ),
+        servers=((10, "chat"), (11, "chat"), (12, "other")),
+    )
+    svc = type("Svc", (), {"name": "chat", "keywords": ("nomatch",)})()
+    assert own_memory(snap, svc, 10) == 41 * 1024  # type: ignore[arg-type]
+    assert own_memory(None, svc) is None  # type: ignore[arg-type]

@@ -127,11 +127,16 @@ def wait_ready(ctx: Clock, watch: Watch) -> Waited:
 
 
 def own_memory(snapshot: Snapshot | None, svc: ServiceConfig, pid: int | None = None) -> int | None:
-    """What the service's processes hold on the GPU (None: no snapshot)."""
+    """What the service's processes hold on the GPU (None: no snapshot): its server's
+    ``pid``, the processes the agent names as the service's (its server's children, a
+    vLLM's engine core holding the weights), and its keywords'."""
     if snapshot is None:
         return None
+    named = {p for p, s in snapshot.servers if s == svc.name}
     return sum(
-        p.memory_mib or 0 for p in snapshot.processes if p.pid == pid or owns(svc, p.command)
+        p.memory_mib or 0
+        for p in snapshot.processes
+        if p.pid == pid or p.pid in named or owns(svc, p.command)
     )
 
 
