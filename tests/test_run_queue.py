@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,3 +248,38 @@ def test_a_job_not_on_the_gpu_yet_counts_at_its_budget(host: SimHost) -> None:
     finally:
         job.send_signal(signal.SIGTERM)
         job.wait(timeout=60)
+
+
+def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
+    host: SimHost,
+) -> None:
+    """The head waits inside the admission lock's wait (another start holds it) for
+    longer than an entry lives without renewal: its naps there renew it, so it is still
+    first when the lock is free, and runs first."""
+    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.flows.admission import ADMISSION
+    from gpuctl.flows.run_queue import QUEUE_TTL_S
+
+    cfg = host.write_config("")
+    _, small = full_gpu(host)
+    jobs = Jobs(host, cfg)
+    store = DirectStore(host.state_dir)
+    other = holder_here("ensure")
+    try:
+        jobs.wait("head", 90)
+        wait_for(lambda: jobs.queued() == ["head"], "head is queued")
+        jobs.wait("next", 50)
+        wait_for(lambda: jobs.queued() == ["head", "next"], "next is queued")
+        granted, _ = store.acquire(ADMISSION, other, 120)
+        assert granted
+        first = {q["name"]: q["seq"] for q in locks(cfg)["queue"]}
+        time.sleep(QUEUE_TTL_S + 3)  # past the entry's life without a renewal
+        obj = locks(cfg)
+        assert {q["name"]: q["seq"] for q in obj["queue"]} == first  # same places
+        store.release(ADMISSION, other.id)
+        host.stop(small)
+        wait_for(lambda: jobs.running() == ["head"], "head runs first")
+        assert jobs.queued() == ["next"]
+    finally:
+        store.release(ADMISSION, other.id)
+        jobs.close()

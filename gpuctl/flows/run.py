@@ -48,7 +48,7 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.observe import decide, observe
-from gpuctl.flows.run_queue import Place, nap
+from gpuctl.flows.run_queue import Place, QueuedAdmission, nap
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
@@ -107,10 +107,13 @@ class RunResult:
 
 
 class _Ctx:
-    """What the admission lock needs: the deps (store, clock, sleep) and a deadline."""
+    """What the admission lock needs: the deps (store, clock, sleep) and a deadline; a
+    queued caller's naps there renew its entry."""
 
-    def __init__(self, deps: RunDeps, deadline: float) -> None:
-        self.deps = deps
+    def __init__(self, deps: RunDeps, deadline: float, place: Place | None = None) -> None:
+        self.deps: RunDeps | QueuedAdmission = (
+            deps if place is None else place.admission_deps(deps.store, deps.clock, deps.sleep)
+        )
         self.deadline = deadline
 
 
@@ -147,7 +150,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
             before = place.refresh() if place is not None and place.joined else []
             if not before:
                 try:
-                    with admission(_Ctx(deps, deadline)):
+                    with admission(_Ctx(deps, deadline, place)):
                         verdict, largest = _look(deps, spec)
                         # Under the lock, the queue as it stands: only its head goes.
                         me = place.id if place is not None else None

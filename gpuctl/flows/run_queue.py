@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 from gpuctl.adapters.store import Store, holder_here
@@ -22,6 +23,9 @@ from gpuctl.errors import GpuctlError
 # (stopped with Ctrl-Z, or killed on another machine than the GPU host, where nobody can
 # see its pid die) lapses after this, and stops holding up the queue.
 QUEUE_TTL_S = 15.0
+# While it waits for the admission lock (another start holds it, up to a minute), the
+# head renews its entry this often, so it does not lapse and lose its place.
+BEAT_S = 2.0
 
 
 class Place:
@@ -33,6 +37,7 @@ class Place:
         self.holder = holder_here("run")
         self.id = self.holder.id
         self.joined = False
+        self._renewed = 0.0
 
     def refresh(self) -> list[Waiter]:
         """Join, or renew the entry (its heartbeat); the live waiters ahead of it."""
@@ -42,7 +47,14 @@ class Place:
         _, queue = self.store.queue_join(
             self.holder, QUEUE_TTL_S, name=s.name, priority=s.priority, memory_mib=s.memory_mib
         )
+        self._renewed = time.monotonic()
         return ahead(queue, priority=s.priority, me=self.id)
+
+    def beat(self) -> None:
+        """Renew the entry if it is due (while waiting for the admission lock)."""
+        if self.joined and time.monotonic() - self._renewed >= BEAT_S:
+            with contextlib.suppress(GpuctlError):
+                self.refresh()
 
     def leave(self) -> None:
         """Out of the queue (idempotent; a failure is left to the entry's expiry)."""
@@ -50,6 +62,29 @@ class Place:
             self.joined = False
             with contextlib.suppress(GpuctlError):
                 self.store.queue_leave(self.id)
+
+    def admission_deps(
+        self, store: Store, clock: Callable[[], float], sleep: Callable[[float], None]
+    ) -> QueuedAdmission:
+        """What ``flows.admission`` needs, with naps that renew the entry."""
+        return QueuedAdmission(store, clock, sleep, self)
+
+
+class QueuedAdmission:
+    """The admission lock's deps (store, clock, sleep) for a queued caller."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        place: Place,
+    ) -> None:
+        self.store, self.clock, self._sleep, self._place = store, clock, sleep, place
+
+    def sleep(self, seconds: float) -> None:
+        self._sleep(seconds)
+        self._place.beat()
 
 
 class _Signalled(Exception):
