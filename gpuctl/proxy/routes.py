@@ -130,6 +130,8 @@ def shown(name: str) -> str:
     A model of a megabyte, a newline (a forged access-log line) or a lone surrogate
     comes back escaped and cut, never as sent.
     """
+    if len(name) <= _SHOWN_CHARS and name.isprintable():
+        return name  # the common case, checked in C (this runs on every access line)
     text = "".join(
         c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
         for c in name[:_SHOWN_CHARS]
