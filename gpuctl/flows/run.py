@@ -48,7 +48,7 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.observe import decide, observe
-from gpuctl.flows.run_queue import Place, QueuedAdmission, nap
+from gpuctl.flows.run_queue import Place, QueuedAdmission
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
@@ -185,7 +185,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
             if not told:
                 deps.tell(f"waiting for room: {refusal.reason} (queued: `gpuctl locks`)")
                 told = True
-            signum = nap(deps.sleep, WAIT_POLL_S)
+            signum = place.nap(deps.sleep, WAIT_POLL_S)
             if signum:
                 return RunResult(name, 128 + signum, "interrupted while waiting in the queue")
     except GpuctlError as e:
@@ -193,6 +193,9 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     finally:
         if place is not None:
             place.leave()  # timeout, Ctrl-C, an error: out of the queue in every case
+    if place is not None and place.signum:  # it came during the start: CMD gets it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, place.signum)
     code = _wait(proc)
     result = RunResult(spec.job, code, f"{name} exited with {code}", started=True, pid=proc.pid)
     result.preempted = _ended(deps, spec.name)

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.core.jobs import JobSpec
@@ -29,7 +30,16 @@ BEAT_S = 2.0
 
 
 class Place:
-    """This caller's entry in the host's wait queue."""
+    """This caller's entry in the host's wait queue, and the signals that end its wait.
+
+    From its creation until ``leave``, SIGTERM and SIGHUP are noted (``signum``), never
+    fatal on the spot: by default they would end the process wherever it stands, leaving
+    its entry to be found dead. ``nap`` ends at once on one, and the caller's ``finally``
+    leaves the queue. Ctrl-C stays a KeyboardInterrupt, as everywhere.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+    SLICE_S = 0.05
 
     def __init__(self, store: Store, spec: JobSpec) -> None:
         self.store = store
@@ -38,6 +48,22 @@ class Place:
         self.id = self.holder.id
         self.joined = False
         self._renewed = 0.0
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+        # Signal handlers belong to the main thread; elsewhere the defaults stay.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+
+    def _note(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+
+    def nap(self, sleep: Callable[[float], None], seconds: float) -> int:
+        """Sleep between looks, in short slices, so a SIGTERM or SIGHUP ends it at once;
+        the signal's number (0: none)."""
+        deadline = time.monotonic() + seconds
+        while not self.signum and (left := deadline - time.monotonic()) > 0:
+            sleep(min(self.SLICE_S, left))
+        return self.signum
 
     def refresh(self) -> list[Waiter]:
         """Join, or renew the entry (its heartbeat); the live waiters ahead of it."""
@@ -57,7 +83,11 @@ class Place:
                 self.refresh()
 
     def leave(self) -> None:
-        """Out of the queue (idempotent; a failure is left to the entry's expiry)."""
+        """Out of the queue, and the signals' handlers back as they were (idempotent; a
+        failure to leave is left to the entry's expiry)."""
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
         if self.joined:
             self.joined = False
             with contextlib.suppress(GpuctlError):
@@ -85,31 +115,3 @@ class QueuedAdmission:
     def sleep(self, seconds: float) -> None:
         self._sleep(seconds)
         self._place.beat()
-
-
-class _Signalled(Exception):
-    pass
-
-
-def nap(sleep: Callable[[float], None], seconds: float) -> int:
-    """Sleep between looks. A SIGTERM or SIGHUP meanwhile ends the wait: its number is
-    returned, so the caller's ``finally`` takes the entry out of the queue (by default
-    they would end the process on the spot, leaving the entry to be found dead)."""
-    if threading.current_thread() is not threading.main_thread():
-        sleep(seconds)  # signal handlers belong to the main thread
-        return 0
-    got: list[int] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        got.append(signum)
-        raise _Signalled
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        sleep(seconds)
-    except _Signalled:
-        pass
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    return got[0] if got else 0
