@@ -822,3 +822,35 @@ def test_a_client_that_leaves_mid_body_is_logged_499_and_never_forwarded(
     assert "client-gone" in wire.proxy.log().split('"POST /services/witness/upload" 499')[1]
     assert len(wire.witness.seen) == before
     keeps_serving(conn(wire, opened))
+
+
+def test_request_smuggling_and_absolute_form_never_reach_past_the_proxy(wire: Wire) -> None:
+    import socket
+
+    def raw(data: bytes) -> bytes:
+        out = b""
+        with socket.create_connection(("127.0.0.1", wire.proxy.port), timeout=30) as s:
+            s.sendall(data)  # each ends with the connection closed by the proxy
+            while chunk := s.recv(65536):
+                out += chunk
+        return out
+
+    a = f"Host: x\r\nAuthorization: Bearer {KEY}\r\n"
+    before = len(wire.witness.seen)
+    # Content-Length and Transfer-Encoding both: refused whole (uvicorn's plain 400), so
+    # the request hidden in the body is never read as a second one.
+    out = raw(
+        f"POST /services/witness/a HTTP/1.1\r\n{a}Content-Length: 4\r\n"
+        f"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        f"GET /services/witness/smuggled HTTP/1.1\r\n{a}\r\n".encode()
+    )
+    assert out.startswith(b"HTTP/1.1 400 ") and out.count(b"HTTP/1.1 ") == 1, out
+    assert len(wire.witness.seen) == before
+    # An absolute-form target names a host: the request still goes to the service's own
+    # origin, never to the host it names.
+    out = raw(
+        f"GET http://evil.invalid/services/witness/abs HTTP/1.1\r\n{a}Connection: close\r\n\r\n".encode()
+    )
+    assert out.startswith(b"HTTP/1.1 200 "), out
+    [seen] = wire.witness.seen[before:]
+    assert seen.path == "/abs" and seen.headers["host"] == f"127.0.0.1:{wire.witness.port}"
