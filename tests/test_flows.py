@@ -519,18 +519,28 @@ def test_locks_lists_set_aside_records_and_still_succeeds(tmp_path: Path) -> Non
 
 def test_the_bar_counts_an_orphaned_start_as_the_decisions_do(tmp_path: Path) -> None:
     """A caller killed between admission and recording its server leaves a `starting`
-    record with no lease and no handle: rivals count it at its budget, so the bar does."""
+    record with no lease and no handle (and the start nonce its launch wrote with
+    `starting`): rivals count it at its budget, so the bar does."""
     clock = Clock()
     store = DirectStore(tmp_path / "a", clock=clock)
     h = holder_here("killed-caller")
     store.acquire("vllm_a", h, 600)
-    store.update("vllm_a", h.id, {"phase": "starting"})
+    store.update("vllm_a", h.id, {"phase": "starting", "start_nonce": "0123456789abcdef"})
     store.release("vllm_a", h.id)  # the caller died: its lease is gone, no handle
     deps = _status_deps(tmp_path, {"a": Agent()}, {"a": store})
     deps.clock = clock
     (host,) = status(deps).hosts
     (m,) = host.memory
     assert m.promised_mib == 80 * GIB
+    # Without a nonce nothing was spawned (a preemption's promise whose caller died
+    # while it stopped the victims): no start to count.
+    h = holder_here("killed-preemptor")
+    store.acquire("vllm_a", h, 600)
+    store.update("vllm_a", h.id, {"phase": "starting", "start_nonce": None})
+    store.release("vllm_a", h.id)
+    (host,) = status(deps).hosts
+    (m,) = host.memory
+    assert m.promised_mib == 0
 
 
 def test_a_reader_bug_is_that_hosts_unknown_with_a_hint(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ room made for chat, which then ended BUSY after preempting it.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
+    end_in_window,
+    ensure_paused_at,
     kill_servers,
     model_server_command,
     read_record,
@@ -82,6 +85,39 @@ def test_a_resume_between_the_stops_and_the_launch_does_not_take_the_room(host: 
         assert server_pids(batch) == [] and len(server_pids(chat)) == 1
         assert read_record(host, batch)["phase"] == "preempted"
         assert read_record(host, chat)["phase"] == "running"
+    finally:
+        kill_servers(chat)
+        kill_servers(batch)
+
+
+def test_a_preemptor_killed_while_stopping_its_victim_leaves_it_preempted(
+    host: SimHost,
+) -> None:
+    chat, batch = unique_name("chat"), unique_name("batch")
+    pc, pb = free_port(), free_port()
+    cfg = host.write_config(
+        service(chat, pc, 100, 100) + service(batch, pb, 30, 50, "resume = true")
+    )
+    try:
+        assert run_ensure(cfg, batch).returncode == 0
+        caller = ensure_paused_at(cfg, chat, "preempt.after_victim_stop", "--preempt")
+        end_in_window(caller, signal.SIGKILL)
+        # The batch's server is gone; its record says so (preempted: it comes back once
+        # it fits), not `running` with a dead server.
+        assert server_pids(batch) == []
+        assert read_record(host, batch)["phase"] == "preempted"
+        # And it is resumed as a preempted batch is.
+        r = subprocess.run(
+            [gpuctl_exe(), "resume", batch, "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert len(server_pids(batch)) == 1
+        assert read_record(host, batch)["phase"] == "running"
     finally:
         kill_servers(chat)
         kill_servers(batch)

@@ -10,7 +10,9 @@ services: chat 80 GiB priority 100 ``preempt = true``, batch 30 GiB priority 50
   --duration``); the trial keeps each job (``Trial.jobs``) for the checks of
   tests/trials_invariants.py (a job preempted must have been preemptible and below its
   preemptor; a CMD that ends before its duration must have been preempted);
-- ``resume``: ``gpuctl resume`` of a service (never preempts).
+- ``resume``: ``gpuctl resume`` of a service (never preempts);
+- ``kill -9 mid-preemption``: an ``ensure --preempt`` of the top priority that lingers
+  after each victim's stop (failpoint ``preempt.after_victim_stop``), killed there.
 
 and these end-of-trial invariants, on the final records:
 
@@ -28,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 from tests.ensure_helpers import server_pids
@@ -47,6 +50,29 @@ def _ensure_preempt(t: Trial, s: Svc) -> None:
         "ensure --preempt", s, "ensure", s.name, "--json", "--preempt", "--timeout", "20s",
         preempts=preempts(s, asked=True),
     )  # fmt: skip
+
+
+@action("kill -9 mid-preemption", 1)
+def _ensure_preempt_killed(t: Trial, s: Svc) -> None:
+    """An ensure --preempt of the top priority that lingers after each victim's stop,
+    killed there if it gets that far within a moment (otherwise it carries on)."""
+    top = max(t.services, key=lambda x: x.priority)
+    env = {"GPUCTL_FAILPOINTS": "preempt.after_victim_stop=sleep:1"}
+    t.spawn(
+        "ensure --preempt (killed)", top, "ensure", top.name, "--json", "--preempt",
+        "--timeout", "20s", env=env, preempts=preempts(top, asked=True),
+    )  # fmt: skip
+    caller = t.callers[-1]
+    pause = t.rng.uniform(0.3, 1.5)
+
+    def later() -> None:
+        time.sleep(pause)
+        if caller.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                caller.proc.kill()
+                t.counts["kills"] += 1
+
+    threading.Thread(target=later, daemon=True).start()
 
 
 def _run(t: Trial, s: Svc, preemptible: bool) -> None:

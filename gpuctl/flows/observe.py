@@ -289,14 +289,17 @@ def _asleep_at_what_they_hold(
 
 def is_orphaned_start(record: Record | None, *, held: bool = False) -> bool:
     """A start whose caller went (killed, Ctrl-C) between admission and recording its
-    server: phase ``starting``, no live lease, no handle. Its server may be loading
-    unseen (an agent's cached reading, no match keyword yet). ``held``: the caller holds
-    the lease itself now (so the lease on the record is its own)."""
+    server: phase ``starting``, no live lease, no handle, a start nonce (a launch writes
+    it with ``starting``, before its spawn; a preemption making room marks the service
+    ``starting`` without one: nothing spawned). Its server may be loading unseen (an
+    agent's cached reading, no match keyword yet). ``held``: the caller holds the lease
+    itself now (so the lease on the record is its own)."""
     return (
         record is not None
         and record.phase is Phase.STARTING
         and (held or record.lease is None)
         and not record.handle
+        and bool(record.start_nonce)
     )
 
 

@@ -10,9 +10,10 @@
    of it is under way, and the plan is void), and judge again under them that each
    still runs its recorded server with nothing in flight (a use that began before the
    lease is in the counts; none can begin after it);
-3. stop each with its launcher (SIGTERM, grace, SIGKILL for a process; the container's
-   stop; the terminal's process) and release its lease with phase ``preempted``, so a
-   ``resume = true`` service is brought back later;
+3. mark each ``preempted`` (before its stop: a preemptor killed mid-way leaves no
+   ``running`` record with its server gone), stop it with its launcher (SIGTERM, grace,
+   SIGKILL for a process; the container's stop; the terminal's process) and release its
+   lease, so a ``resume = true`` service is brought back later;
 4. wait until the agent shows the memory back: fresh reads about every 0.2 s, bounded by
    the caller's deadline;
 5. start X as ``ensure`` does (``launch_under_lease``: the admission lock, the fresh
@@ -83,8 +84,11 @@ def preempt(
             # under this lease counts it at its budget for every other admission (a
             # resume of a victim, a `gpuctl run` job), so the room made for it is still
             # there at its launch (a resume once took it, and it ended BUSY).
-            deps.store.update(svc.name, holder.id, {"phase": Phase.STARTING.value})
-            restore = {"phase": own.phase.value}
+            # No start nonce: nothing is spawned yet, so if this caller is killed the
+            # record is no orphaned start (whose memory would stay promised).
+            promise = {"phase": Phase.STARTING.value, "start_nonce": None}
+            deps.store.update(svc.name, holder.id, promise)
+            restore = {"phase": own.phase.value, "start_nonce": own.start_nonce}
         t_stop = deps.clock()
         stopped, failure = _stop_victims(ctx, [v.name for v in plan.victims], snapshot)
         stop_s = deps.clock() - t_stop
@@ -135,6 +139,10 @@ def _stop_victims(
         for t in list(taken):
             assert deps.launcher_for is not None and t.record.handle is not None
             update: dict[str, Any] = {"phase": Phase.PREEMPTED.value, "handle": None}
+            # Marked before the stop: a preemptor killed mid-way leaves its victim
+            # `preempted` (brought back once it fits), never `running` with its server
+            # gone. Put back to `running` if the stop fails.
+            deps.store.update(t.name, t.holder.id, {"phase": Phase.PREEMPTED.value})
             try:
                 if is_job(t.name):
                     # A `gpuctl run --preemptible` job: SIGTERM, grace, SIGKILL. Its
@@ -148,12 +156,16 @@ def _stop_victims(
                     launcher = deps.launcher_for(vs, snapshot)
                     launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s)
             except GpuctlError as e:
+                with contextlib.suppress(GpuctlError):
+                    deps.store.release(t.name, t.holder.id, {"phase": Phase.RUNNING.value})
+                taken.remove(t)
                 return done, ctx.result(
                     Outcome.FAILED,
                     f"could not stop {t.name} to make room: {e.message}",
                     Decision.PREEMPTABLE,
                     **({"hint": e.hint} if e.hint else {}),
                 )
+            failpoints.hit("preempt.after_victim_stop")
             deps.store.release(t.name, t.holder.id, update)
             taken.remove(t)
             done.append(t.name)
