@@ -2,7 +2,8 @@
 
 Long because it is one request's path through the proxy (route, authorize, read the
 body, hold it until the service is ready, forward, refuse), whose steps share the app's
-per-service state; the routes, readiness, relay, errors and metrics live beside it.
+per-service state; the routes, readiness, use counts, relay, errors, metrics and the
+OpenAPI document live beside it.
 
 Endpoints::
 
@@ -19,9 +20,9 @@ Endpoints::
 A request for a service that is not known to be ready is held while the service is
 checked or started (``ready.SingleFlight``: the CLI's ensure flow, one per service), up
 to its ``queue_timeout``; a streaming request gets SSE comment lines meanwhile. While
-any request is in flight on a service, it counts in the store (``gpuctl.api.in_use``:
-written on 0 <-> 1 and renewed every few seconds, never per request), so reclaim never
-stops a server that is answering.
+any request is in flight on a service, it counts in the store (``use.ServiceUse`` over
+``gpuctl.api.in_use``: written on 0 <-> 1, at most once per ``LINGER_S``, renewed every
+few seconds, never per request), so reclaim never stops a server that is answering.
 
 Answers are relayed as they arrive, with backpressure, and a client that goes away
 cancels its upstream request (``relay``). No framework: see ``gpuctl.agent.app`` for why.
