@@ -5,8 +5,14 @@
 2. Preemption: from starting `gpuctl ensure chat --preempt --no-wait` to the chat
    server's launch (the start its record notes), less the victim's own stop (as the
    ensure measured it); the median overhead (target: at most 0.5 s).
+3. The wait queue (`gpuctl run --wait`): the read of an empty queue that every plain
+   `gpuctl run` adds, beside a fresh look; then with 8 waiters queued through the agent, a
+   waiter's renewal (`queue_join` of its own entry) and the queue's read under the
+   admission lock (`waiters`), each beside a fresh look at the host (`GET /status?fresh=1`)
+   of the same agent, interleaved; medians, their ratios to the look, and what one
+   waiter's renewals every 0.5 s cost the agent's host (a share of one core, at most).
 
-    python bench/priority_bench.py [--runs 20] [--cycles 5]
+    python bench/priority_bench.py [--runs 20] [--cycles 5] [--calls 200]
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     exe = str(Path(sys.executable).with_name("gpuctl"))
     with SimHost(gpu_memory="120GiB") as host:
@@ -93,6 +100,54 @@ def main() -> None:
             f"ensure --preempt to launch beyond it: median {o:.3f} s, "
             f"max {max(overheads):.3f} s (n={args.cycles}, target <= 0.5 s)"
         )
+        queue_bench(host, args.calls)
+
+
+def queue_bench(host: SimHost, calls: int) -> None:
+    from gpuctl.adapters.agent_client import AgentClient
+    from gpuctl.adapters.store import AgentStore, holder_here
+
+    store = AgentStore(host.agent_url, host.token)
+    client = AgentClient(host.agent_url, host.token)
+    waiters = [holder_here("run") for _ in range(8)]
+    try:
+        # What every plain `gpuctl run` adds: one read of an empty queue.
+        empty, bare = [], []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            store.waiters()
+            t1 = time.perf_counter()
+            client.status(fresh=True)
+            empty.append(t1 - t0)
+            bare.append(time.perf_counter() - t1)
+        e, b = statistics.median(empty) * 1000, statistics.median(bare) * 1000
+        print(f"empty queue read median {e:6.2f} ms, status fresh {b:6.2f} ms (n={calls})")
+        for i, h in enumerate(waiters):
+            store.queue_join(h, 60, name=f"run.bench{i}", priority=50, memory_mib=1024)
+        me = waiters[3]
+        renew, read, look = [], [], []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            store.queue_join(me, 60, name="run.bench3", priority=50, memory_mib=1024)
+            t1 = time.perf_counter()
+            store.waiters()
+            t2 = time.perf_counter()
+            client.status(fresh=True)
+            t3 = time.perf_counter()
+            renew.append(t1 - t0)
+            read.append(t2 - t1)
+            look.append(t3 - t2)
+        r, q, s = (statistics.median(x) * 1000 for x in (renew, read, look))
+        print(f"queue renew     median {r:7.2f} ms (n={calls}, 8 waiters)")
+        print(f"queue read      median {q:7.2f} ms (n={calls})")
+        print(f"status fresh    median {s:7.2f} ms (n={calls})")
+        print(f"ratio renew/look: {r / s:.2f}x, read/look: {q / s:.2f}x")
+        print(f"one waiter renewing every 0.5 s: at most {r / 500 * 100:.1f}% of a core")
+    finally:
+        for h in waiters:
+            store.queue_leave(h.id)
+        store.close()
+        client.close()
 
 
 if __name__ == "__main__":

@@ -105,6 +105,8 @@ class QueueFiles:
 
     def waiters(self: _Files) -> list[Waiter]:
         """The live waiters, in the order they will be served."""
+        if not _any_entry(self.state_dir / "queue"):
+            return []  # the common case (every plain `gpuctl run` asks): no lock to take
         lock = self._locked(QUEUE_LOCK)
         try:
             return in_order(self._live_waiters())
@@ -145,6 +147,18 @@ class QueueFiles:
                 with contextlib.suppress(OSError):
                     os.unlink(path)  # its holder is gone, or stopped renewing: it waits no more
         return live
+
+
+def _any_entry(base: Path) -> bool:
+    """Whether the queue folder may hold an entry (an unreadable folder: yes, so that
+    the locked read reports it)."""
+    try:
+        with os.scandir(base) as it:
+            return any(e.name.endswith(".json") for e in it)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 def _read_waiter(path: Path) -> Waiter | None:
