@@ -36,6 +36,7 @@ RECORD_PATHS = {
     "/records/{service}/inflight": {"post"},
     "/records/{service}/inflight/renew": {"post"},
     "/records/{service}/inflight/end": {"post"},
+    "/records/{service}/stop": {"post"},
     "/records/_inflight": {"get"},
     "/records/_queue": {"get", "post"},
     "/records/_queue/leave": {"post"},

@@ -8,7 +8,8 @@ import pytest
 
 from gpuctl.core.accounting import GpuRoom
 from gpuctl.core.decision import Decision, Health, classify
-from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.jobs import job_route, unreachable
+from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot
 from gpuctl.core.plan import VictimFacts, held_back, plan_victims, why_not
 
 GiB = 1024
@@ -32,6 +33,7 @@ FACTS = {
     "slow": f("slow", 40, restart_s=300.0, last_used=50.0),
     "whisper": f("whisper", 60, job=True, preemptible=False),
     "pjob": f("pjob", 30, job=True, preemptible=True),
+    "farjob": f("farjob", 30, job=True, unreachable="a run job on ws, which neither … can signal"),
     "chat": f("chat", 100),
     "peer": f("peer", 100),
     "busy": f("busy", 10, in_flight=2),
@@ -70,6 +72,15 @@ PLAN_CASES = [
         None,
     ),
     ("a preemptible run job is", 110, [room(0, 120, pjob=15)], 100, False, ("pjob",), 0),
+    (
+        "a preemptible run job nobody can signal is not, even with --force",
+        110,
+        [room(0, 120, farjob=15)],
+        100,
+        True,
+        None,
+        None,
+    ),
     ("equal priority never", 80, [room(0, 120, peer=50)], 100, False, None, None),
     ("higher priority never", 80, [room(0, 120, chat=50)], 50, False, None, None),
     ("foreign never", 80, [room(0, 120, foreign=50)], 100, False, None, None),
@@ -186,6 +197,7 @@ def test_plan(
         (FACTS["leased"], 100, True, "under way"),
         (FACTS["foreign"], 100, True, "not started by gpuctl"),
         (None, 100, True, "not started by gpuctl"),
+        (FACTS["farjob"], 100, True, "a run job on ws"),
     ],
 )
 def test_why_not(facts: VictimFacts | None, prio: int, force: bool, words: str) -> None:
@@ -320,3 +332,34 @@ def test_classify_busy_names_up_to_four_holders() -> None:
     assert v.decision is Decision.BUSY
     named = [p.pid for p in many if f"pid {p.pid} (" in v.reason]
     assert named == [102, 103, 104, 105] and "; 2 more" in v.reason
+
+
+HERE = HostIdentity("laptop", "b-laptop")
+AGENT = HostIdentity("dgx", "b-dgx")
+
+
+@pytest.mark.parametrize(
+    ("where", "agent", "route", "words"),
+    [
+        (("laptop", "b-laptop"), AGENT, "here", None),
+        (("laptop", "b-laptop"), None, "here", None),
+        (("dgx", "b-dgx"), AGENT, "agent", None),
+        # The agent's machine, but read without an agent: nobody here can signal it.
+        (("dgx", "b-dgx"), None, None, "which this machine (laptop) cannot signal (no agent)"),
+        # The agent's hostname in another boot: that pid is gone, or another process's.
+        (("dgx", "b-old"), AGENT, None, "neither this machine (laptop) nor the agent (dgx)"),
+        (("ws", "b-ws"), AGENT, None, "a run job on ws"),
+        ((None, None), AGENT, None, "a run job on another machine"),
+    ],
+)
+def test_job_route(
+    where: tuple[str | None, str | None],
+    agent: HostIdentity | None,
+    route: str | None,
+    words: str | None,
+) -> None:
+    handle = {"kind": "run", "pid": 42, "host": where[0], "boot_id": where[1]}
+    assert job_route(handle, HERE, agent) == route
+    why = unreachable(handle, HERE, agent)
+    assert (why is None) == (words is None)
+    assert why is None or (words is not None and words in why)

@@ -21,31 +21,62 @@ def stop_job(handle: dict[str, Any], grace_s: float = JOB_GRACE_S) -> bool:
     whether it had to be killed.
 
     Raises:
-        LauncherError: the job runs on another machine (its pid means nothing here), or
-            its handle names no pid.
+        LauncherError: the job runs on another machine (its pid means nothing here), its
+            handle names no pid, or this user may not signal it.
     """
     pid, started = handle.get("pid"), handle.get("pid_start")
-    if not isinstance(pid, int):
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
         raise LauncherError("the job's record names no pid")
     here = procinfo.host_identity()
     if (handle.get("host"), handle.get("boot_id")) != (here.hostname, here.boot_id):
         raise LauncherError(
             f"job pid {pid} runs on {handle.get('host') or 'another machine'}, not here",
-            hint="run the preempting command on the GPU host",
+            hint="run the preempting command on the GPU host, or give the host an agent",
         )
     start = float(started) if isinstance(started, int | float) else None
+    return signal_job(pid, start, grace_s)
+
+
+def signal_job(pid: int, start: float | None, grace_s: float) -> bool:
+    """SIGTERM, up to ``grace_s`` for it to end, then SIGKILL: to the job's process group
+    (CMD is its session's leader, so its children go too), or to its pid alone when CMD
+    left that group. ``start``: its recorded start time; a pid reused by another process
+    is never signalled. Returns whether it had to be killed (False: it ended, or had
+    ended before).
+
+    Raises:
+        LauncherError: this user may not signal it (another user's job, not as root).
+    """
     if not procinfo.is_same_process(pid, start):
         return False  # it has ended already (or its pid went to another process)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
+    _send(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if not procinfo.is_same_process(pid, start):
             return False
         time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    if not procinfo.is_same_process(pid, start):
+        return False
+    _send(pid, signal.SIGKILL)
     return True
+
+
+def _send(pid: int, sig: signal.Signals) -> None:
+    try:
+        # Its group only while it leads one: killpg of a pid that leads none would miss
+        # it (ESRCH), and then nothing would ever stop it.
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        return  # ended meanwhile
+    except PermissionError:
+        # Silently waiting out the grace period would report a stop that never happened.
+        raise LauncherError(
+            f"not permitted to signal job pid {pid} ({sig.name})",
+            hint="stop it as the user who runs it, or run the agent (or gpuctl) as root",
+        ) from None
 
 
 class GatedChild:

@@ -105,7 +105,7 @@ class AgentApp:
         self.router.add("GET", "/status", self._get_status)
         self.router.add("GET", "/metrics", self._get_metrics)
 
-        self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate)
+        self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate, host=settings.host)
         store = self.store_api.store
         self._servers = TtlCell(
             lambda: scan_servers(store, settings.match, settings.match_max_age_s),

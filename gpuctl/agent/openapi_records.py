@@ -153,6 +153,29 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 requestBody=body("InflightEnd", "The holder's id."),
             ),
         },
+        "/records/{service}/stop": {
+            "parameters": [service],
+            "post": op(
+                "Stop a `gpuctl run --preemptible` job whose CMD runs on this agent's "
+                "machine, as the holder of its lease: SIGTERM to its process group, the "
+                "grace period, SIGKILL. Only the pid and start time its live record names; "
+                "a pid now used by another process is never signalled. The caller then "
+                "releases the lease with phase preempted.",
+                {
+                    "200": ok("JobStopped", "Stopped (or it had ended already)."),
+                    "403": err(
+                        "The job was not started with --preemptible, or this agent may not "
+                        "signal it (another user's process); or the token is read-only."
+                    ),
+                    "404": err("No running run job by that name (records run.NAME)."),
+                    "409": err(
+                        "The record names another pid or start time, or another machine; "
+                        "or the caller does not hold the job's lease."
+                    ),
+                },
+                requestBody=body("JobStopRequest", "The lease holder, the pid, the grace."),
+            ),
+        },
         "/records/_inflight": {
             "get": {
                 "summary": "Live in-flight holders per service (services that have some).",
@@ -508,6 +531,37 @@ def records_schemas() -> dict[str, Any]:
                         "The caller saw the server answer: a record still starting becomes "
                         "running (a stopped one stays stopped)."
                     ),
+                }
+            },
+        },
+        "JobStopRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["holder", "pid", "pid_start"],
+            "properties": {
+                "holder": holder_id,
+                "pid": {**pid, "maximum": wire.PID_MAX},
+                "pid_start": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": wire.MAX_EPOCH_S,
+                    "description": "The pid's start time, as the job's record names it.",
+                },
+                "grace_s": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": wire.MAX_GRACE_S,
+                    "description": "Seconds between SIGTERM and SIGKILL (default 10).",
+                },
+            },
+        },
+        "JobStopped": {
+            "type": "object",
+            "required": ["killed"],
+            "properties": {
+                "killed": {
+                    "type": "boolean",
+                    "description": "It outlived the grace period and got SIGKILL.",
                 }
             },
         },

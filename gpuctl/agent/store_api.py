@@ -18,6 +18,9 @@ GET      /records/_queue                     {"queue": [waiter, …]} (in the or
 POST     /records/_queue                     {"holder": {…}, "ttl_s", "name", "priority",
                                              "memory_mib"} → {"waiter", "queue"} (join/renew)
 POST     /records/_queue/leave               {"holder": id} → {"left": bool}
+POST     /records/{job}/stop                 {"holder": id, "pid": N, "pid_start": T,
+                                             "grace_s": S} → {"killed": bool}
+                                             (a --preemptible run job; job_stop.py)
 =======  ==================================  =========================================
 
 Every body is validated (``wire.py``) before the store sees it: a bad value is a 400
@@ -34,10 +37,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpuctl.adapters.procinfo import host_identity
 from gpuctl.adapters.store import DirectStore
 from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
+from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Record, apply_update
 from gpuctl.core.redact import redact_lines
 from gpuctl.errors import GpuctlError, StoreError, UsageError
@@ -54,6 +59,7 @@ _ROUTES: dict[tuple[str, ...], dict[str, str]] = {
     ("inflight",): {"POST": "inflight_begin"},
     ("inflight", "renew"): {"POST": "inflight_renew"},
     ("inflight", "end"): {"POST": "inflight_end"},
+    ("stop",): {"POST": "stop_job"},
 }
 _READS = frozenset({"list", "get", "inflight_list", "queue_list"})
 # The wait queue (``gpuctl.adapters.store.queue``): not a service, so routed on its own.
@@ -105,9 +111,16 @@ def read_all(store: DirectStore) -> tuple[list[Record], list[dict[str, str]]]:
 
 
 class StoreApi:
-    def __init__(self, state_dir: str | None, on_write: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        state_dir: str | None,
+        on_write: Callable[[], None] = lambda: None,
+        host: HostIdentity | None = None,
+    ) -> None:
         self.store = DirectStore(Path(state_dir)) if state_dir else None
         self.on_write = on_write
+        # This machine: a run job is stopped only when its record says it runs here.
+        self.host = host if host is not None else host_identity()
 
     def route(self, method: str, path: str) -> tuple[str, str | None]:
         """(operation, service) for a request under /records; HttpError 404/405/400."""
@@ -201,6 +214,7 @@ class StoreApi:
             "touch": wire.touch_request,
             "queue_join": wire.queue_join_request,
             "queue_leave": wire.queue_leave_request,
+            "stop_job": wire.stop_request,
         }
         args = checks[op](data)
         update = args.get("update")
@@ -262,5 +276,9 @@ class StoreApi:
             return 200, store.renew(svc, args["holder"], args["ttl_s"]).to_dict()
         if op == "release":
             return 200, store.release(svc, args["holder"], args.get("update") or None).to_dict()
+        if op == "stop_job":
+            from gpuctl.agent.job_stop import stop_job
+
+            return 200, stop_job(store, svc, args, self.host)
         assert op == "touch"
         return 200, store.touch(svc, ready=args.get("ready", False)).to_dict()

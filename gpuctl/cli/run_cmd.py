@@ -59,6 +59,13 @@ def run(
     wait: Annotated[
         bool, typer.Option("--wait", help="If it does not fit, wait until it does.")
     ] = False,
+    preempt: Annotated[
+        bool,
+        typer.Option(
+            "--preempt",
+            help="If it fits once lower-priority work stops, stop that work (as ensure --preempt).",
+        ),
+    ] = False,
     preemptible: Annotated[
         bool,
         typer.Option(
@@ -80,11 +87,12 @@ def run(
 ) -> None:
     """Run CMD (never through a shell) once MEMORY fits on the host's GPU, counted like a service while it runs.
 
-    Exit: CMD's own · 3 BUSY (before CMD starts) · 4 UNKNOWN · 5 timeout · 126/127 CMD cannot be started.
+    Exit: CMD's own · 3 BUSY or PREEMPTABLE without --preempt (before CMD starts) · 4 UNKNOWN · 5 timeout · 126/127 CMD cannot be started.
     """
     with errors_to_exit():
-        from gpuctl.flows.run import RunRequest, run_deps
+        from gpuctl.flows.run import RunRequest
         from gpuctl.flows.run import run as run_job
+        from gpuctl.flows.run_wiring import run_deps
 
         if not cmd:
             fail(UsageError("no command given", hint="gpuctl run --memory 15GiB -- CMD ARGS…"))
@@ -101,6 +109,7 @@ def run(
             wait=wait,
             preemptible=preemptible,
             timeout_s=timeout,
+            preempt=preempt,
         )
         try:
             result = run_job(deps, req)

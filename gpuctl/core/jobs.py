@@ -11,9 +11,11 @@ killed and never wrote that CMD ended.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
+from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
 
 PREFIX = "run."
@@ -71,3 +73,37 @@ def job_specs(records: Iterable[Record], exclude: str = "") -> list[JobSpec]:
     """Every job the records describe (their processes may have ended: a job whose pid
     the agent no longer reports counts for nothing)."""
     return [j for r in records if r.service != exclude and (j := job_spec(r)) is not None]
+
+
+Route = Literal["here", "agent"]
+
+
+def job_route(
+    handle: Mapping[str, Any], here: HostIdentity, agent: HostIdentity | None
+) -> Route | None:
+    """Who can signal a job's CMD: this machine (it runs here), the host's agent (it runs
+    on the agent's machine; ``agent`` is None for a host read without one), or nobody
+    (None): a pid means something only on the machine, and in the boot, that wrote it."""
+    where = (handle.get("host"), handle.get("boot_id"))
+    if where == (here.hostname, here.boot_id):
+        return "here"
+    if agent is not None and where == (agent.hostname, agent.boot_id):
+        return "agent"
+    return None
+
+
+def unreachable(
+    handle: Mapping[str, Any], here: HostIdentity, agent: HostIdentity | None
+) -> str | None:
+    """None when the job can be signalled from here or through the agent; else why not
+    (the planner's words: such a job is no victim)."""
+    if job_route(handle, here, agent) is not None:
+        return None
+    host = handle.get("host")
+    on = f"on {host}" if isinstance(host, str) and host else "on another machine"
+    if agent is None:
+        return f"a run job {on}, which this machine ({here.hostname}) cannot signal (no agent)"
+    return (
+        f"a run job {on}, which neither this machine ({here.hostname}) nor the agent "
+        f"({agent.hostname}) can signal"
+    )

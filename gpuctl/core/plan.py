@@ -6,7 +6,8 @@ stopping some *victims* on one GPU would free enough memory there. A victim is:
 - a managed service (gpuctl started it, and its record names its server) of strictly
   lower priority than the one asking, with no start, stop or wake under way (no lease)
   and no request in flight (unless ``force``: then in-flight work may be cut short), or
-- a ``gpuctl run`` job started with ``--preemptible``, of strictly lower priority.
+- a ``gpuctl run`` job started with ``--preemptible``, of strictly lower priority, whose
+  CMD runs where the caller or the host's agent can signal it.
 
 Never a foreign process (it has no share: ``GpuRoom.shares`` lists services only), never
 a ``run`` job that is not preemptible, never equal or higher priority.
@@ -43,6 +44,8 @@ class VictimFacts:
     ``in_flight``: requests in flight (server metric + store counts); None: unknown.
     ``leased``: a lease is held on it (a start, stop or wake under way).
     ``restart_s``: the median of its recorded start durations; None: never measured.
+    ``unreachable``: why nobody who could act on it can stop it (a run job whose CMD runs
+    on a machine neither the caller nor the host's agent can signal); None: it can be.
     """
 
     name: str
@@ -54,6 +57,7 @@ class VictimFacts:
     leased: bool = False
     restart_s: float | None = None
     last_used: float | None = None
+    unreachable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,8 @@ def why_not(f: VictimFacts | None, priority: int, force: bool = False) -> str | 
         return "a run job, not --preemptible"
     if f.priority >= priority:
         return f"priority {f.priority} is not below {priority}"
+    if f.unreachable:
+        return f.unreachable
     if f.leased:
         return "a start or stop of it is under way"
     if not force:

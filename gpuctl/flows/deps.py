@@ -11,23 +11,34 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
-from gpuctl.core.model import Snapshot
+from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Listing, Record
 from gpuctl.flows.results import Progress
 
 # (match keywords, recorded server pids) -> the host's snapshot
 SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]
+# (a run job's record name, its handle, the holder id of our lease on it, the snapshot)
+# -> stops the job's CMD, from here or through the agent (``flows.preempt.job_stopper``);
+# True when it had to be killed.
+JobStopper = Callable[[str, dict[str, Any], str, Snapshot | None], bool]
 # records -> {pid: service} of their servers found on this machine (the direct path:
 # ``adapters.recorded_servers.find_servers``, as the agent finds them on its host)
 ServerFinder = Callable[[Iterable[Record]], dict[int, str]]
 # (records, {pid: service} of their servers) -> {pid: service} of the processes those
 # servers forked (``adapters.recorded_servers.server_children``)
 ChildFinder = Callable[[Iterable[Record], Mapping[int, str]], dict[int, str]]
+
+
+def _host_identity() -> HostIdentity:
+    from gpuctl.adapters.procinfo import host_identity
+
+    return host_identity()
 
 
 @dataclass
@@ -80,6 +91,10 @@ class EnsureDeps(Closers):
     # as the agent finds them on its host and names them in its snapshot.
     find_servers: ServerFinder | None = field(kw_only=True, default=None)
     find_children: ChildFinder | None = field(kw_only=True, default=None)
+    # How a preempted run job is stopped (None: only one whose CMD runs on this machine).
+    stop_job: JobStopper | None = field(kw_only=True, default=None)
+    # This machine (a run job is signalled here only when its record names it).
+    here: HostIdentity = field(kw_only=True, default_factory=_host_identity)
 
     def fresh_reader(self) -> SnapshotReader:
         return self.read_snapshot_fresh or self.read_snapshot

@@ -358,5 +358,6 @@ def look(
         svc,
         counts=deps.store.inflight,
         server_in_flight=deps.server_in_flight,
+        here=deps.here,
     )
     return with_victims(judge(), svc, judge, facts, force=deps.force), seen

@@ -1,23 +1,27 @@
-"""Preemption: make room for a service by stopping lower-priority work.
+"""Preemption: make room by stopping lower-priority work, for ``ensure`` and ``gpuctl run``.
 
-``ensure X --preempt`` (or X's ``preempt = true``) on a PREEMPTABLE verdict:
+``make_room`` is the one machinery both call on a PREEMPTABLE verdict:
 
-1. take X's own lease first: nobody else starts X while its room is being made; and
-   mark X ``starting`` under it, so every other admission counts X at its budget and
-   the room made for X is not taken before X's launch (its phase is put back if X is
-   not launched);
-2. take each victim's lease (without waiting: a lease held means a start, stop or wake
+1. take each victim's lease (without waiting: a lease held means a start, stop or wake
    of it is under way, and the plan is void), and judge again under them that each
    still runs its recorded server with nothing in flight (a use that began before the
    lease is in the counts; none can begin after it);
-3. mark each ``preempted`` (before its stop: a preemptor killed mid-way leaves no
-   ``running`` record with its server gone), stop it with its launcher (SIGTERM, grace,
-   SIGKILL for a process; the container's stop; the terminal's process) and release its
-   lease, so a ``resume = true`` service is brought back later;
-4. wait until the agent shows the memory back: fresh reads about every 0.2 s, bounded by
-   the caller's deadline;
-5. start X as ``ensure`` does (``launch_under_lease``: the admission lock, the fresh
-   re-check, the spawn), under the lease it took in step 1.
+2. mark each ``preempted`` (before its stop: a preemptor killed mid-way leaves no
+   ``running`` record with its server gone; put back to ``running`` if the stop fails),
+   stop it by its record's handle (a service with its launcher: SIGTERM, grace, SIGKILL
+   for a process; the container's stop; the terminal's process. A ``gpuctl run
+   --preemptible`` job: SIGTERM to its process group, grace, SIGKILL, sent from this
+   machine or, when CMD runs on the agent's, by the agent) and release its lease, so a
+   ``resume = true`` service is brought back later;
+3. wait until the host shows the memory back: fresh reads about every 0.2 s, bounded by
+   the caller's deadline.
+
+Then the caller starts its work as it always does, under the admission lock with a fresh
+re-check: ``ensure X --preempt`` (``preempt``) with ``launch_under_lease``, under X's
+own lease, taken first so that nobody else starts X while its room is made, and with X
+marked ``starting`` under it, so every other admission counts X at its budget and the
+room made for X is not taken before X's launch (its phase is put back if X is not
+launched); ``gpuctl run --preempt`` by looking again (``gpuctl.flows.run``).
 
 A victim is stopped only by the handle its record names, never by keywords: nothing
 gpuctl did not start is ever stopped.
@@ -26,19 +30,23 @@ gpuctl did not start is ever stopped.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpuctl import failpoints
 from gpuctl.adapters.jobs import JOB_GRACE_S, stop_job
-from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import Holder, holder_here
+from gpuctl.adapters.launchers.base import Handle, Launcher
+from gpuctl.adapters.store import Holder, Store, holder_here
+from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.jobs import is_job
-from gpuctl.core.model import Snapshot
+from gpuctl.core.jobs import is_job, job_route, unreachable
+from gpuctl.core.model import HostIdentity, Snapshot
+from gpuctl.core.plan import Plan
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
-from gpuctl.errors import GpuctlError
+from gpuctl.errors import GpuctlError, LauncherError
+from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.observe import look
 from gpuctl.flows.results import EnsureResult, Outcome
 
@@ -49,12 +57,177 @@ if TYPE_CHECKING:
 POLL_S = 0.2
 STOP_LEASE_MARGIN_S = 60.0
 
+# (job's record name, lease holder id, pid, pid start time, grace) -> the agent stops it
+# (``AgentStore.stop_job``); True when it had to be killed.
+AgentJobStop = Callable[[str, str, int, float, float], bool]
+
+
+def job_stopper(here: HostIdentity, agent_stop: AgentJobStop | None) -> JobStopper:
+    """Stop a run job where its CMD runs: from this machine, or through the host's agent
+    when CMD runs on the agent's machine (``agent_stop``; None: the host has no agent).
+    The route is ``core.jobs.job_route``, the planner's own rule: a job neither can
+    signal was never planned as a victim, and is refused here too."""
+
+    def stop(name: str, handle: dict[str, Any], holder_id: str, snap: Snapshot | None) -> bool:
+        agent = snap.host if snap is not None and agent_stop is not None else None
+        route = job_route(handle, here, agent)
+        if route == "here":
+            return stop_job(handle)
+        pid, start = handle.get("pid"), handle.get("pid_start")
+        if route == "agent" and agent_stop is not None:
+            if not isinstance(pid, int) or not isinstance(start, int | float):
+                raise LauncherError(f"the record of {name} names no pid and start time")
+            return agent_stop(name, holder_id, pid, float(start), JOB_GRACE_S)
+        raise LauncherError(
+            f"cannot stop {name}: {unreachable(handle, here, agent)}",
+            hint="run the preempting command where the job runs",
+        )
+
+    return stop
+
+
+def local_job_stopper(
+    name: str, handle: dict[str, Any], holder: str, snap: Snapshot | None
+) -> bool:
+    """Only this machine's jobs (deps built without the wiring)."""
+    return stop_job(handle)
+
+
+@dataclass
+class RoomDeps:
+    """What making room needs, whoever asks for it."""
+
+    config: Config
+    store: Store
+    deadline: float
+    # A fresh look at the one asking: IDLE or FITS once the room is there.
+    look_again: Callable[[], Verdict]
+    stop_job: JobStopper = local_job_stopper
+    # (a victim service, snapshot) -> its launcher, to stop it with
+    launcher_for: Callable[[ServiceConfig, Snapshot | None], Launcher] | None = None
+    force: bool = False
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+
+
+@dataclass
+class Room:
+    """How ``make_room`` ended.
+
+    ``made``: the victims are stopped and the work fits now (or answers: ``ready``);
+    ``stale``: the plan went stale before anything was stopped (a victim's lease was
+    taken, or it changed): look again; ``failed``: a stop failed; ``timeout``: the memory
+    did not come back in time; ``unknown``: the host could not be read (``verdict``).
+    """
+
+    outcome: Literal["made", "ready", "stale", "failed", "timeout", "unknown"]
+    stopped: list[str] = field(default_factory=list)
+    stop_s: float = 0.0
+    reason: str = ""
+    hint: str = ""
+    verdict: Verdict | None = None
+
+    def note(self) -> str:
+        """``preempted a, b to make room (their stops took 1.23s)``, for a result."""
+        return f"preempted {', '.join(self.stopped)} to make room (their stops took {self.stop_s:.2f}s)"
+
 
 @dataclass
 class _Taken:
     name: str
     holder: Holder
     record: Record
+
+
+def make_room(deps: RoomDeps, plan: Plan, snapshot: Snapshot | None) -> Room:
+    """Stop ``plan``'s victims and wait until the memory is back (see the module)."""
+    t_stop = deps.clock()
+    room = _stop_victims(deps, list(plan.names), snapshot)
+    room.stop_s = deps.clock() - t_stop
+    if room.outcome != "made":
+        return room
+    failpoints.hit("preempt.after_stops")
+    return _wait_for_memory(deps, room)
+
+
+def _stop_victims(deps: RoomDeps, names: list[str], snapshot: Snapshot | None) -> Room:
+    """Take every victim's lease, judge again, stop them."""
+    taken: list[_Taken] = []
+    room = Room("made")
+    try:
+        for name in names:
+            grace = JOB_GRACE_S if is_job(name) else deps.config.service(name).stop_timeout_s
+            h = holder_here("preempt")
+            ok, rec = deps.store.acquire(name, h, grace + STOP_LEASE_MARGIN_S)
+            if not ok:
+                return Room("stale")
+            taken.append(_Taken(name, h, rec))
+        # Under the leases: a victim must still run its recorded server, and nothing may
+        # be in flight (an in_use that began before the lease is counted; none begins
+        # after it).
+        counts = deps.store.inflight()
+        for t in taken:
+            if t.record.phase is not Phase.RUNNING or not t.record.handle:
+                return Room("stale")
+            if counts.get(t.name, 0) > 0 and not deps.force:
+                return Room("stale")
+        for t in list(taken):
+            assert t.record.handle is not None
+            update: dict[str, Any] = {"phase": Phase.PREEMPTED.value, "handle": None}
+            # Marked before the stop: a preemptor killed mid-way leaves its victim
+            # `preempted` (brought back once it fits), never `running` with its server
+            # gone. Put back to `running` if the stop fails.
+            deps.store.update(t.name, t.holder.id, {"phase": Phase.PREEMPTED.value})
+            try:
+                if is_job(t.name):
+                    # Its handle stays, so its `gpuctl run` can say it was preempted.
+                    deps.stop_job(t.name, t.record.handle, t.holder.id, snapshot)
+                    update = {"phase": Phase.PREEMPTED.value}
+                else:
+                    assert deps.launcher_for is not None
+                    vs = deps.config.service(t.name)
+                    # The snapshot says which machine the agent runs on: a process
+                    # launcher signals a server only on its own machine.
+                    launcher = deps.launcher_for(vs, snapshot)
+                    launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s)
+            except GpuctlError as e:
+                with contextlib.suppress(GpuctlError):
+                    deps.store.release(t.name, t.holder.id, {"phase": Phase.RUNNING.value})
+                taken.remove(t)
+                room.outcome = "failed"
+                room.reason = f"could not stop {t.name} to make room: {e.message}"
+                room.hint = e.hint
+                return room
+            failpoints.hit("preempt.after_victim_stop")
+            deps.store.release(t.name, t.holder.id, update)
+            taken.remove(t)
+            room.stopped.append(t.name)
+        return room
+    finally:
+        for t in taken:
+            with contextlib.suppress(GpuctlError):
+                deps.store.release(t.name, t.holder.id)
+
+
+def _wait_for_memory(deps: RoomDeps, room: Room) -> Room:
+    """Poll fresh readings until the work fits (made), or the deadline."""
+    last = "the victims' memory has not come back"
+    while True:
+        v = deps.look_again()
+        if v.decision in (Decision.IDLE, Decision.FITS):
+            return room
+        if v.decision is Decision.READY:
+            room.outcome = "ready"
+            return room
+        if v.decision is Decision.UNKNOWN:
+            room.outcome, room.reason, room.verdict = "unknown", v.reason, v
+            return room
+        last = v.reason
+        if deps.clock() + POLL_S > deps.deadline:
+            room.outcome = "timeout"
+            room.reason = f"stopped the victims, but the memory did not come back in time: {last}"
+            return room
+        deps.sleep(POLL_S)
 
 
 # ensure's launch_under_lease, handed in by ensure (importing it here would make the two
@@ -65,9 +238,9 @@ Launch = Callable[["Ctx", Holder, float, Decision, bool], EnsureResult | None]
 def preempt(
     ctx: Ctx, verdict: Verdict, snapshot: Snapshot | None, wait: bool, launch: Launch
 ) -> EnsureResult | None:
-    """Carry out ``verdict.plan`` and start the service with ``launch`` (ensure's
-    ``launch_under_lease``); None: look again (the plan went stale: a victim's lease was
-    taken, or the service's own)."""
+    """``ensure --preempt``: carry out ``verdict.plan`` and start the service with
+    ``launch`` (ensure's ``launch_under_lease``); None: look again (the plan went stale: a
+    victim's lease was taken, or the service's own)."""
     deps, svc = ctx.deps, ctx.deps.service
     plan = verdict.plan
     assert plan is not None
@@ -89,109 +262,36 @@ def preempt(
             promise = {"phase": Phase.STARTING.value, "start_nonce": None}
             deps.store.update(svc.name, holder.id, promise)
             restore = {"phase": own.phase.value, "start_nonce": own.start_nonce}
-        t_stop = deps.clock()
-        stopped, failure = _stop_victims(ctx, [v.name for v in plan.victims], snapshot)
-        stop_s = deps.clock() - t_stop
-        if failure is not None:
-            return failure
-        if stopped is None:
+        room = make_room(
+            RoomDeps(
+                deps.config,
+                deps.store,
+                ctx.deadline,
+                lambda: look(deps, deps.check_health(), own_holder=holder.id, fresh=True)[0],
+                stop_job=deps.stop_job or local_job_stopper,
+                launcher_for=deps.launcher_for,
+                force=deps.force,
+                clock=deps.clock,
+                sleep=deps.sleep,
+            ),
+            plan,
+            snapshot,
+        )
+        if room.stopped:
+            ctx.notes.append(room.note())
+        if room.outcome == "stale":
             return None
-        failpoints.hit("preempt.after_stops")
-        names = ", ".join(stopped)
-        ctx.notes.append(f"preempted {names} to make room (their stops took {stop_s:.2f}s)")
-        back = _wait_for_memory(ctx, holder.id)
-        if back is not None:
-            return back
+        if room.outcome == "failed":
+            kw = {"hint": room.hint} if room.hint else {}
+            return ctx.result(Outcome.FAILED, room.reason, Decision.PREEMPTABLE, **kw)
+        if room.outcome == "timeout":
+            return ctx.result(Outcome.TIMEOUT, room.reason, Decision.PREEMPTABLE)
+        if room.outcome == "unknown":
+            assert room.verdict is not None
+            return ctx.from_verdict(room.verdict)
         own_released = True  # launch_under_lease releases it from here on
         return launch(ctx, holder, ttl, Decision.PREEMPTABLE, wait)
     finally:
         if not own_released:
             with contextlib.suppress(GpuctlError):
                 deps.store.release(svc.name, holder.id, restore)
-
-
-def _stop_victims(
-    ctx: Ctx, names: list[str], snapshot: Snapshot | None
-) -> tuple[list[str] | None, EnsureResult | None]:
-    """Take every victim's lease, judge again, stop them. Returns (stopped, None) when all
-    are stopped; (None, None) when the plan went stale (nothing stopped); (_, result) when
-    a stop failed."""
-    deps = ctx.deps
-    taken: list[_Taken] = []
-    done: list[str] = []
-    try:
-        for name in names:
-            grace = JOB_GRACE_S if is_job(name) else deps.config.service(name).stop_timeout_s
-            h = holder_here("preempt")
-            ok, rec = deps.store.acquire(name, h, grace + STOP_LEASE_MARGIN_S)
-            if not ok:
-                return None, None
-            taken.append(_Taken(name, h, rec))
-        # Under the leases: a victim must still run its recorded server, and nothing may
-        # be in flight (an in_use that began before the lease is counted; none begins
-        # after it).
-        counts = deps.store.inflight()
-        for t in taken:
-            if t.record.phase is not Phase.RUNNING or not t.record.handle:
-                return None, None
-            if counts.get(t.name, 0) > 0 and not deps.force:
-                return None, None
-        for t in list(taken):
-            assert deps.launcher_for is not None and t.record.handle is not None
-            update: dict[str, Any] = {"phase": Phase.PREEMPTED.value, "handle": None}
-            # Marked before the stop: a preemptor killed mid-way leaves its victim
-            # `preempted` (brought back once it fits), never `running` with its server
-            # gone. Put back to `running` if the stop fails.
-            deps.store.update(t.name, t.holder.id, {"phase": Phase.PREEMPTED.value})
-            try:
-                if is_job(t.name):
-                    # A `gpuctl run --preemptible` job: SIGTERM, grace, SIGKILL. Its
-                    # handle stays, so its `gpuctl run` can say it was preempted.
-                    stop_job(t.record.handle)
-                    update = {"phase": Phase.PREEMPTED.value}
-                else:
-                    vs = deps.config.service(t.name)
-                    # The snapshot says which machine the agent runs on: a process
-                    # launcher signals a server only on its own machine.
-                    launcher = deps.launcher_for(vs, snapshot)
-                    launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s)
-            except GpuctlError as e:
-                with contextlib.suppress(GpuctlError):
-                    deps.store.release(t.name, t.holder.id, {"phase": Phase.RUNNING.value})
-                taken.remove(t)
-                return done, ctx.result(
-                    Outcome.FAILED,
-                    f"could not stop {t.name} to make room: {e.message}",
-                    Decision.PREEMPTABLE,
-                    **({"hint": e.hint} if e.hint else {}),
-                )
-            failpoints.hit("preempt.after_victim_stop")
-            deps.store.release(t.name, t.holder.id, update)
-            taken.remove(t)
-            done.append(t.name)
-        return done, None
-    finally:
-        for t in taken:
-            with contextlib.suppress(GpuctlError):
-                deps.store.release(t.name, t.holder.id)
-
-
-def _wait_for_memory(ctx: Ctx, own_holder: str) -> EnsureResult | None:
-    """Poll fresh readings until the service fits (None), or the deadline (a result)."""
-    deps = ctx.deps
-    last = "the victims' memory has not come back"
-    while True:
-        health = deps.check_health()
-        v, _seen = look(deps, health, own_holder=own_holder, fresh=True)
-        if v.decision in (Decision.IDLE, Decision.FITS):
-            return None
-        if v.decision in (Decision.UNKNOWN, Decision.READY):
-            return ctx.from_verdict(v) if v.decision is Decision.UNKNOWN else None
-        last = v.reason
-        if deps.clock() + POLL_S > ctx.deadline:
-            return ctx.result(
-                Outcome.TIMEOUT,
-                f"stopped the victims, but the memory did not come back in time: {last}",
-                Decision.PREEMPTABLE,
-            )
-        deps.sleep(POLL_S)

@@ -9,6 +9,9 @@
    queue is admitted only when no waiter of its priority or higher is queued. A job
    larger than the GPU never queues (exit 3 at once). The entry is renewed on every look
    and removed once admitted, and on a timeout, Ctrl-C, SIGTERM or an error.
+   PREEMPTABLE (it fits once lower-priority victims stop): with ``--preempt`` they are
+   stopped as ``ensure --preempt`` stops them (``gpuctl.flows.preempt.make_room``) and
+   it looks again; without, exit 3 naming them and how to ask.
 2. CMD is started directly (never through a shell) in its own session, and recorded as
    ``run.<name>`` before the lock is released: its pid, start time, budget, priority and
    whether it may be preempted. From then on every decision counts it; once CMD dies its
@@ -32,22 +35,25 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.jobs import GatedChild
+from gpuctl.adapters.launchers.base import Launcher
 from gpuctl.adapters.store import Store, holder_here
-from gpuctl.config import Config, HostConfig
+from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
-from gpuctl.core.model import HostIdentity
+from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter, ahead, queued_reason
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
-from gpuctl.flows.deps import Closers, SnapshotReader
+from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
 from gpuctl.flows.observe import decide, observe
+from gpuctl.flows.run_preempt import make_room_for_job, preempt_hint, with_job_victims
 from gpuctl.flows.run_queue import Place, QueuedAdmission
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
@@ -61,6 +67,9 @@ FORWARDED = (
 )
 RECORD_TTL_S = 60.0
 WAIT_POLL_S = 0.5
+# Preemptions one `gpuctl run --preempt` makes at most (as ensure's rounds): each frees
+# the room its plan needs, but others may take it first.
+MAX_PREEMPTIONS = 3
 EXIT_BUSY, EXIT_UNKNOWN, EXIT_TIMEOUT = 3, 4, 5
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127
 
@@ -74,6 +83,7 @@ class RunRequest:
     wait: bool = False
     preemptible: bool = False
     timeout_s: float | None = None
+    preempt: bool = False
 
 
 @dataclass
@@ -87,8 +97,16 @@ class RunDeps(Closers):
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
     # Brings back preempted `resume = true` services that fit (after CMD ends).
     resume: Callable[[], list[str]] | None = field(kw_only=True, default=None)
-    # Told once, before CMD starts: what was decided (for a line on stderr).
+    # Told before CMD starts: what was decided (for a line on stderr).
     tell: Callable[[str], None] = field(kw_only=True, default=lambda _line: None)
+    # Preemption (``--preempt``): how victims are stopped and their requests read.
+    launcher_for: Callable[[ServiceConfig, Snapshot | None], Launcher] | None = field(
+        kw_only=True, default=None
+    )
+    server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
+        kw_only=True, default=None
+    )
+    stop_job: JobStopper | None = field(kw_only=True, default=None)
 
 
 @dataclass
@@ -104,6 +122,7 @@ class RunResult:
     hint: str = ""
     pid: int | None = None
     resumed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 class _Ctx:
@@ -142,8 +161,10 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     except GpuctlError as e:
         return RunResult(req.name or "", EXIT_UNKNOWN, e.message, hint=e.hint)
     name = job_name(req.argv, req.name, records)
+    notes: list[str] = []
     spec = JobSpec(PREFIX + name, req.memory_mib, req.priority, preemptible=req.preemptible)
     told = False
+    preemptions = 0
     place = Place(deps.store, spec) if req.wait else None
     try:
         while True:
@@ -151,7 +172,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
             if not before:
                 try:
                     with admission(_Ctx(deps, deadline, place)):
-                        verdict, largest = _look(deps, spec)
+                        verdict, largest, snapshot = _look(deps, spec, victims=True)
                         # Under the lock, the queue as it stands: only its head goes.
                         me = place.id if place is not None else None
                         before = ahead(deps.store.waiters(), priority=spec.priority, me=me)
@@ -169,6 +190,22 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
                     )
                 except GpuctlError as e:
                     return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
+                if req.preempt and not before and preemptions < MAX_PREEMPTIONS:
+                    # PREEMPTABLE: stop the plan's victims (never for waiters ahead of it).
+                    made = make_room_for_job(
+                        deps,
+                        verdict,
+                        snapshot,
+                        deadline=deadline,
+                        look_again=lambda: _look(deps, spec)[0],
+                        notes=notes,
+                    )
+                    preemptions += made is not False
+                    if made is None:
+                        continue  # look again under the admission lock: start once it fits
+                    if made is not False:  # a stop failed, no memory in time, host unread
+                        code, why, hint = made
+                        return RunResult(name, code, why, decision="PREEMPTABLE", hint=hint)
                 refusal = _refusal(name, verdict, largest)
                 if refusal.exit_code == EXIT_UNKNOWN or _never_fits(verdict, largest):
                     return refusal  # waiting would not help (and would hold up the queue)
@@ -197,7 +234,9 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, place.signum)
     code = _wait(proc)
-    result = RunResult(spec.job, code, f"{name} exited with {code}", started=True, pid=proc.pid)
+    result = RunResult(
+        spec.job, code, f"{name} exited with {code}", started=True, pid=proc.pid, notes=notes
+    )
     result.preempted = _ended(deps, spec.name)
     if result.preempted:
         result.reason = f"{name} was preempted for higher-priority work (exit {code})"
@@ -217,8 +256,12 @@ def _queued(name: str, before: list[Waiter]) -> RunResult:
     )
 
 
-def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
-    """The job's verdict, and the largest GPU's total (None: unknown)."""
+def _look(
+    deps: RunDeps, spec: JobSpec, victims: bool = False
+) -> tuple[Verdict, int | None, Snapshot | None]:
+    """The job's verdict, the largest GPU's total (None: unknown), and the snapshot.
+    ``victims``: when it does not fit, ask whether stopping lower-priority work would
+    make room (PREEMPTABLE, with the plan), as ``ensure`` asks."""
     services = deps.config.services_on(deps.host.name)
     seen = observe(deps.store.listing, deps.read_snapshot, services)
     totals = [
@@ -226,7 +269,8 @@ def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
         for d in (seen.snapshot.device_list() if seen.snapshot else ())
     ]
     known = [t for t in totals if t is not None]
-    verdict = decide(
+    judge = partial(
+        decide,
         spec,
         NO_HEALTH,
         seen,
@@ -235,7 +279,10 @@ def _look(deps: RunDeps, spec: JobSpec) -> tuple[Verdict, int | None]:
         total_override_mib=deps.host.gpu_memory_mib,
         orphan_is_loading=False,
     )
-    return verdict, (max(known) if known else None)
+    verdict = judge()
+    if victims:
+        verdict = with_job_victims(deps, seen, services, spec, verdict, judge=judge)
+    return verdict, (max(known) if known else None), seen.snapshot
 
 
 def _never_fits(verdict: Verdict, largest: int | None) -> bool:
@@ -264,7 +311,8 @@ def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
         EXIT_BUSY,
         reason,
         decision=verdict.decision.value,
-        hint="wait for room with --wait; `gpuctl status` shows who holds the GPU",
+        hint=preempt_hint(verdict)
+        or "wait for room with --wait; `gpuctl status` shows who holds the GPU",
     )
 
 
@@ -353,46 +401,3 @@ def _ended(deps: RunDeps, name: str) -> bool:
         with contextlib.suppress(GpuctlError):
             deps.store.release(name, holder.id, update)
     return preempted
-
-
-def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None]) -> RunDeps:
-    """The real adapters for ``gpuctl run`` on ``host_name`` (default: the only host).
-
-    Raises:
-        UsageError: no such host, or several and none named.
-    """
-    from gpuctl.adapters.store import store_for
-    from gpuctl.errors import UsageError
-    from gpuctl.flows.wiring import SharedHttp, snapshot_reader
-
-    if host_name is None:
-        if len(config.hosts) != 1:
-            raise UsageError(
-                "gpuctl run needs --host when the config has several hosts",
-                hint=f"known hosts: {', '.join(sorted(config.hosts)) or 'none'}",
-            )
-        host_name = next(iter(config.hosts))
-    host = config.host(host_name)
-    closers: list[Callable[[], None]] = []
-    http = SharedHttp(closers)
-    store = store_for(host, client=http() if host.agent else None)
-    closers.append(store.close)
-
-    def resume() -> list[str]:
-        from gpuctl.flows.resume import resume_preempted, to_resume
-        from gpuctl.flows.wiring import deps_for
-
-        due = to_resume(config, host.name, store)
-        done = resume_preempted(due, lambda s: deps_for(config, s.name, entry="run"))
-        return [r.service for r in done if r.started]
-
-    return RunDeps(
-        closers,
-        config=config,
-        host=host,
-        store=store,
-        read_snapshot=snapshot_reader(host, closers, http, fresh=True),
-        here=procinfo.host_identity(),
-        resume=resume,
-        tell=tell,
-    )

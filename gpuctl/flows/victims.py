@@ -9,8 +9,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.jobs import job_specs
+from gpuctl.core.decision import Decision, ServiceSpec, Verdict
+from gpuctl.core.jobs import job_specs, unreachable
+from gpuctl.core.model import HostIdentity
 from gpuctl.core.plan import VictimFacts
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 def with_victims(
     verdict: Verdict,
-    svc: ServiceConfig,
+    svc: ServiceSpec,
     judge: Callable[..., Verdict],
     facts: Callable[[], Mapping[str, VictimFacts]],
     *,
@@ -52,17 +53,21 @@ def with_victims(
 def victim_facts(
     seen: Observation,
     others: Sequence[ServiceConfig],
-    svc: ServiceConfig,
+    svc: ServiceSpec,
     *,
     counts: Callable[[], Mapping[str, int]],
     server_in_flight: Callable[[ServiceConfig], int | None] | None = None,
+    here: HostIdentity | None = None,
 ) -> dict[str, VictimFacts]:
     """What the planner needs of each other service that runs: its priority, whether
     gpuctl can stop it (a launcher, and a record naming its server), a lease on it, what
     a restart costs (its recorded start durations), its last use, and its requests in
     flight (``counts``: the store's; and, for services of lower priority,
     ``server_in_flight``: the server's own metric). A count that cannot be read (a
-    ``GpuctlError``) is unknown: such a service is no victim."""
+    ``GpuctlError``) is unknown: such a service is no victim. A run job is one only where
+    it can be signalled (``core.jobs.unreachable``): on this machine (``here``; None: this
+    one), or on the machine the snapshot was read on (the agent's; for a host read
+    without one, this machine)."""
     from gpuctl.core.durations import expected_start_s
 
     candidates = [
@@ -102,9 +107,22 @@ def victim_facts(
             restart_s=expected_start_s(r),
             last_used=r.last_used,
         )
-    for job in job_specs(seen.records.values(), exclude=svc.name):
-        # A run job has no requests: --preemptible says whether it may be stopped.
+    jobs = job_specs(seen.records.values(), exclude=svc.name)
+    if jobs and here is None:
+        from gpuctl.adapters.procinfo import host_identity
+
+        here = host_identity()
+    agent = seen.snapshot.host if seen.snapshot is not None else None
+    for job in jobs:
+        # A run job has no requests: --preemptible says whether it may be stopped, and
+        # where its CMD runs whether anyone here can.
+        assert here is not None
         out[job.name] = VictimFacts(
-            job.name, job.priority, job=True, preemptible=job.preemptible, in_flight=0
+            job.name,
+            job.priority,
+            job=True,
+            preemptible=job.preemptible,
+            in_flight=0,
+            unreachable=unreachable(seen.records[job.name].handle or {}, here, agent),
         )
     return out

@@ -23,6 +23,7 @@ from gpuctl.flows.deps import (
     ChildFinder,
     EnsureDeps,
     HostDeps,
+    JobStopper,
     LocalProbeOptions,
     LocksDeps,
     ServerFinder,
@@ -168,15 +169,10 @@ def deps_for(
             closers.append(launcher.close)
         return made[0]
 
-    others: dict[str, Launcher] = {}
+    others = victim_launchers(config, host, closers)
 
     def launcher_of(svc: ServiceConfig, snapshot: Snapshot | None) -> Launcher:
-        if svc.name == service.name:
-            return make_launcher(snapshot)
-        if svc.name not in others:
-            others[svc.name] = launcher_for(svc, host, snapshot)
-            closers.append(others[svc.name].close)
-        return others[svc.name]
+        return make_launcher(snapshot) if svc.name == service.name else others(svc, snapshot)
 
     def server_in_flight(svc: ServiceConfig) -> int | None:
         return _server_in_flight(svc, http)
@@ -187,6 +183,7 @@ def deps_for(
         service=service,
         host=host,
         launcher_for=launcher_of,
+        stop_job=run_job_stopper(store),
         server_in_flight=server_in_flight,
         find_servers=server_finder(host),
         find_children=child_finder(host),
@@ -316,6 +313,37 @@ def _host_store(
         return opened[0]
 
     return store
+
+
+def run_job_stopper(store: Store) -> JobStopper:
+    """How a preempted ``gpuctl run`` job is stopped: from this machine when its CMD runs
+    here, else through the host's agent (the store's ``stop_job``) when it runs there."""
+    from gpuctl.adapters import procinfo
+    from gpuctl.adapters.store.agent import AgentStore
+    from gpuctl.flows.preempt import job_stopper
+
+    agent_stop = store.stop_job if isinstance(store, AgentStore) else None
+    return job_stopper(procinfo.host_identity(), agent_stop)
+
+
+def victim_launchers(
+    config: Config, host: HostConfig, closers: list[Callable[[], None]]
+) -> Callable[[ServiceConfig, Snapshot | None], Launcher]:
+    """(a victim service, snapshot) -> its launcher, made once each, closed with the deps."""
+    made: dict[str, Launcher] = {}
+
+    def launcher_of(svc: ServiceConfig, snapshot: Snapshot | None) -> Launcher:
+        if svc.name not in made:
+            made[svc.name] = launcher_for(svc, host, snapshot)
+            closers.append(made[svc.name].close)
+        return made[svc.name]
+
+    return launcher_of
+
+
+def server_in_flight_reader(http: SharedHttp) -> Callable[[ServiceConfig], int | None]:
+    """(a service) -> its server's requests in flight (vLLM's /metrics); None: none to read."""
+    return lambda svc: _server_in_flight(svc, http)
 
 
 def _server_in_flight(svc: ServiceConfig, http: SharedHttp) -> int | None:

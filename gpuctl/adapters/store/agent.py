@@ -66,10 +66,19 @@ class AgentStore:
         if self._owned:
             self._client.close()
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+        refused: frozenset[int] = frozenset(),
+    ) -> Any:
         """One request; errors as the status client words them (one shared vocabulary).
 
-        A 409 (the lease is not ours) is a StoreError, not an unavailable agent.
+        A 409 (the lease is not ours) is a StoreError, not an unavailable agent. A status in
+        ``refused`` that carries the agent's JSON error is a LauncherError in its words.
         """
         import httpx
 
@@ -81,11 +90,22 @@ class AgentStore:
         read_only = method != "GET" and self._token is None and token is not None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
+            timeout = self._timeout if timeout_s is None else httpx.Timeout(timeout_s)
             r = self._client.request(
-                method, self.base_url + path, json=body, headers=headers, timeout=self._timeout
+                method, self.base_url + path, json=body, headers=headers, timeout=timeout
             )
         except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url, self.timeout_s) from None
+            raise transport_error(e, self.base_url, timeout_s or self.timeout_s) from None
+        if r.status_code in refused:
+            data = _json_or_none(r)
+            if isinstance(data, dict) and isinstance(data.get("error"), str):
+                from gpuctl.errors import LauncherError
+
+                hint = data.get("hint")
+                raise LauncherError(
+                    f"the agent on {self.host_name} refused: {data['error']}",
+                    hint=hint if isinstance(hint, str) else "",
+                )
         if r.status_code in (400, 409, 503):
             # The agent answered, but its store could not do it (not the lease holder, a
             # lock held too long, no state dir): the same StoreError the files give. A
@@ -209,6 +229,32 @@ class AgentStore:
                 "POST", f"/records/{check_name(service)}/inflight/end", {"holder": holder_id}
             )
         )
+
+    def stop_job(
+        self, service: str, holder_id: str, pid: int, pid_start: float, grace_s: float
+    ) -> bool:
+        """The agent stops a ``gpuctl run --preemptible`` job whose CMD runs on its machine
+        (``POST /records/{service}/stop``): SIGTERM, ``grace_s``, SIGKILL. It does so only
+        for a live run record of ``service`` that names ``pid`` with ``pid_start``, is
+        preemptible, and whose lease ``holder_id`` holds. Returns whether it had to be
+        killed. The request waits for the stop: the grace period, and a margin.
+
+        Raises:
+            LauncherError: the agent refused (no such live preemptible job, another pid,
+                not our lease, a job it may not signal), or it has no such endpoint.
+            StoreError, AgentUnavailable: as every store call.
+        """
+        data = self._call(
+            "POST",
+            f"/records/{check_name(service)}/stop",
+            {"holder": holder_id, "pid": pid, "pid_start": pid_start, "grace_s": grace_s},
+            timeout_s=grace_s + max(self.timeout_s, 5.0),
+            refused=frozenset({403, 404, 409}),
+        )
+        killed = data.get("killed") if isinstance(data, dict) else None
+        if not isinstance(killed, bool):
+            raise self._broken("a job stop answer without a boolean 'killed'")
+        return killed
 
     def inflight(self) -> dict[str, int]:
         from gpuctl.errors import AgentUnavailable

@@ -1,0 +1,440 @@
+"""`gpuctl run --preempt`, and preempting run jobs through the agent, end to end on the
+simulated GPU (120 GiB): the real agent on loopback, its store, the installed CLI, real
+processes holding simulated GPU memory.
+
+A second machine is played by a caller whose idea of "this machine" is another host
+(``as_machine``): it reaches the GPU host only through the agent, as a laptop does, and
+any local signal it tried to send to a job would fail its run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import (
+    agent_host,
+    cli_env,
+    kill_servers,
+    model_server_command,
+    read_record,
+    run_ensure,
+    server_pids,
+    service_toml,
+    unique_name,
+)
+
+GIB = 1024
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    yield from agent_host(tmp_path, monkeypatch, "120GiB")
+
+
+# A job's CMD: claims its memory on the simulated GPU at once (exit 1 with an
+# out-of-memory line when it does not fit), then holds it. On SIGTERM it keeps the memory
+# for a while (saving a checkpoint), writes the signal's number to argv[3] and exits 75.
+JOB = r"""
+import os, signal, sys, time
+from gpuctl.sim.errors import SimOutOfMemory
+from gpuctl.sim.gpu import SimGpu
+got = []
+signal.signal(signal.SIGTERM, lambda n, f: got.append(n))
+with SimGpu(os.environ["GPUCTL_SIM_DIR"]).claim(sys.argv[1], 0) as claim:
+    try:
+        claim.set(int(sys.argv[2]))
+    except SimOutOfMemory as e:
+        print("torch.OutOfMemoryError:", e.message, file=sys.stderr, flush=True)
+        sys.exit(1)
+    print("holding", flush=True)
+    while not got:
+        time.sleep(0.05)
+    time.sleep(float(os.environ.get("JOB_SAVE_S", "0.5")))
+open(sys.argv[3], "w").write(str(got[0]))
+sys.exit(75)
+"""
+
+# The new job's CMD: writes which claims the GPU has as it starts, then claims its own
+# memory (exit 1 when it does not fit: the victims' memory was not back).
+NEW = r"""
+import json, os, sys
+from gpuctl.sim.errors import SimOutOfMemory
+from gpuctl.sim.gpu import SimGpu
+sim = SimGpu(os.environ["GPUCTL_SIM_DIR"])
+seen = sorted(c.name for c in sim.claims())
+with sim.claim(sys.argv[1], 0) as claim:
+    try:
+        claim.set(int(sys.argv[2]))
+    except SimOutOfMemory as e:
+        print("torch.OutOfMemoryError:", e.message, file=sys.stderr, flush=True)
+        sys.exit(1)
+open(sys.argv[3], "w").write(json.dumps(seen))
+"""
+
+# Runs the CLI as if on another machine ("laptop"): procinfo says so, and the local job
+# signalling fails loudly, so a job on the GPU host can only be stopped by the agent.
+AS_MACHINE = r"""
+import sys
+from gpuctl.adapters import jobs, procinfo
+from gpuctl.core.model import HostIdentity
+machine = sys.argv[1]
+procinfo.host_identity = lambda: HostIdentity(machine, "boot-of-" + machine)
+def refuse(*a, **k):
+    raise RuntimeError("a local signal to a job from " + machine)
+jobs.stop_job = jobs.signal_job = refuse
+sys.argv = ["gpuctl", *sys.argv[2:]]
+from gpuctl.cli.app import main
+main()
+"""
+
+
+def as_machine(machine: str, *args: str) -> list[str]:
+    return [sys.executable, "-c", AS_MACHINE, machine, *args]
+
+
+def job_cmd(tag: str, gib: int, out: Path) -> list[str]:
+    return [sys.executable, "-c", JOB, tag, str(gib * GIB), str(out)]
+
+
+def new_cmd(tag: str, gib: int, out: Path) -> list[str]:
+    return [sys.executable, "-c", NEW, tag, str(gib * GIB), str(out)]
+
+
+def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [gpuctl_exe(), *args],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def start_job(
+    cfg: Path, tag: str, gib: int, out: Path, *opts: str, prefix: tuple[str, ...] = ()
+) -> subprocess.Popen[str]:
+    """``gpuctl run -m GIB --name TAG OPTS -- JOB``; returns once CMD holds its memory."""
+    cmd = [*prefix] if prefix else [gpuctl_exe()]
+    p = subprocess.Popen(
+        [*cmd, "run", "-m", f"{gib}GiB", "--name", tag, *opts, "--", *job_cmd(tag, gib, out)],
+        env=cli_env(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.strip() == "holding", (line, p.stderr.read() if p.poll() is not None else "")
+    return p
+
+
+def claims(host: SimHost) -> dict[str, int]:
+    from gpuctl.sim.gpu import SimGpu
+
+    return {c.name: c.pid for c in SimGpu(host.sim_dir).claims()}
+
+
+def service(name: str, port: int, gib: int, priority: int, extra: str = "") -> str:
+    toml = service_toml(
+        name, port, model_server_command(name, port, f"{gib}GiB", "1s"), extra=extra
+    )
+    return toml.replace('memory = "20GiB"', f'memory = "{gib}GiB"\npriority = {priority}')
+
+
+def end(host: SimHost, *procs: subprocess.Popen[str]) -> None:
+    """Stop the gpuctl runs and their CMDs (in their own sessions, they outlive a kill of
+    gpuctl run, and hold its pipes open)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for pid in claims(host).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for p in procs:
+        p.communicate(timeout=60)
+
+
+@pytest.fixture
+def jobs_cleanup(host: SimHost) -> Iterator[list[str]]:
+    """Service names to kill afterwards; every claim left on the GPU is killed too."""
+    names: list[str] = []
+    yield names
+    for n in names:
+        kill_servers(n)
+    for pid in claims(host).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_run_preempt_stops_only_permitted_victims_then_starts_cmd(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """120 GiB: a batch service (30, priority 50), an equal-priority service (20, 70), a
+    job that is not --preemptible (15, 10) and a --preemptible one (25, 10) hold 90. A
+    75 GiB job of priority 70 fits once the batch and the preemptible job stop: without
+    --preempt it exits 3 naming them, CMD never started; with it, exactly those two are
+    stopped (the job's own gpuctl run says it was preempted, with CMD's exit code), and
+    CMD starts only once their memory is back."""
+    batch, peer = unique_name("batch"), unique_name("peer")
+    jobs_cleanup += [batch, peer]
+    cfg = host.write_config(
+        service(batch, free_port(), 30, 50, 'kind = "batch"')
+        + "\n"
+        + service(peer, free_port(), 20, 70)
+    )
+    assert run_ensure(cfg, batch).returncode == 0
+    assert run_ensure(cfg, peer).returncode == 0
+    keep, pjob, new = unique_name("keep"), unique_name("pjob"), unique_name("new")
+    keeper = start_job(cfg, keep, 15, tmp_path / "keep.sig", "-p", "10")
+    victim = start_job(cfg, pjob, 25, tmp_path / "pjob.sig", "-p", "10", "--preemptible")
+    try:
+        marker = tmp_path / "new.json"
+        args = ("run", "-m", "75GiB", "-p", "70", "--name", new)
+        r = gpuctl(cfg, *args, "--", *new_cmd(new, 75, marker))
+        assert r.returncode == 3, r.stderr
+        assert "fits once" in r.stderr and f"run job run.{pjob}" in r.stderr, r.stderr
+        assert batch in r.stderr and "--preempt" in r.stderr, r.stderr
+        assert not marker.exists() and new not in claims(host)
+        assert len(server_pids(batch)) == 1 and victim.poll() is None
+
+        r = gpuctl(cfg, *args, "--preempt", "--", *new_cmd(new, 75, marker))
+        assert r.returncode == 0, r.stderr
+        assert "preempted" in r.stderr and f"run.{pjob}" in r.stderr, r.stderr
+        # CMD saw neither victim's memory when it started, and its own fitted.
+        seen = json.loads(marker.read_text())
+        assert pjob not in seen and batch not in seen, seen
+        assert keep in seen and peer in seen, seen
+        assert server_pids(batch) == [] and len(server_pids(peer)) == 1
+        assert keeper.poll() is None and keep in claims(host)
+        assert read_record(host, batch)["phase"] == "preempted"
+        # The preempted job: its CMD got SIGTERM and ended on its own; its gpuctl run
+        # says so and returns CMD's exit code.
+        _, err = victim.communicate(timeout=60)
+        assert victim.returncode == 75, err
+        assert f"{pjob} was preempted" in err, err
+        assert (tmp_path / "pjob.sig").read_text() == str(int(signal.SIGTERM))
+        assert read_record(host, f"run.{pjob}")["phase"] == "preempted"
+        assert read_record(host, f"run.{keep}")["phase"] == "running"
+    finally:
+        end(host, keeper, victim)
+
+
+def test_run_preempt_stops_a_job_on_the_gpu_host_through_the_agent(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """A --preemptible job runs on the GPU host; `gpuctl run --preempt` from a laptop
+    (another machine, the agent's store) stops it through the agent: the job's CMD gets
+    SIGTERM, its gpuctl run reports the preemption, and the laptop's job starts."""
+    cfg = host.write_config("")
+    pjob, new = unique_name("pjob"), unique_name("new")
+    victim = start_job(cfg, pjob, 60, tmp_path / "pjob.sig", "-p", "10", "--preemptible")
+    try:
+        marker = tmp_path / "new.json"
+        r = subprocess.run(
+            as_machine(
+                "laptop",
+                "run",
+                "-m",
+                "80GiB",
+                "-p",
+                "50",
+                "--name",
+                new,
+                "--preempt",
+                "--",
+                *new_cmd(new, 80, marker),
+            ),
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert r.returncode == 0, r.stderr
+        assert f"preempted run.{pjob}" in r.stderr, r.stderr
+        assert pjob not in json.loads(marker.read_text())
+        _, err = victim.communicate(timeout=60)
+        assert victim.returncode == 75 and f"{pjob} was preempted" in err, err
+        assert (tmp_path / "pjob.sig").read_text() == str(int(signal.SIGTERM))
+        assert read_record(host, f"run.{pjob}")["phase"] == "preempted"
+    finally:
+        end(host, victim)
+
+
+def test_a_job_nobody_here_can_signal_is_no_victim(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """A --preemptible job whose record says it runs on a workstation (neither this
+    machine nor the agent's) is never planned: BUSY, naming why, and it keeps running."""
+    cfg = host.write_config("")
+    pjob = unique_name("pjob")
+    victim = start_job(
+        cfg,
+        pjob,
+        60,
+        tmp_path / "pjob.sig",
+        "-p",
+        "10",
+        "--preemptible",
+        prefix=tuple(as_machine("workstation")),
+    )
+    try:
+        marker = tmp_path / "never"
+        r = gpuctl(cfg, "run", "-m", "80GiB", "-p", "50", "--preempt", "--", "touch", str(marker))
+        assert r.returncode == 3, r.stderr
+        assert "not stoppable" in r.stderr and "on workstation" in r.stderr, r.stderr
+        assert not marker.exists() and victim.poll() is None and pjob in claims(host)
+    finally:
+        end(host, victim)
+
+
+# ---- the agent's endpoint, asked directly
+
+
+def post(host: SimHost, job: str, body: Any, token: str | None = "") -> httpx.Response:
+    headers = {} if token is None else {"Authorization": f"Bearer {token or host.token}"}
+    return httpx.post(
+        f"{host.agent_url}/records/{job}/stop",
+        content=body if isinstance(body, bytes) else json.dumps(body).encode(),
+        headers={**headers, "content-type": "application/json"},
+        timeout=30,
+    )
+
+
+def lease(host: SimHost, job: str) -> str:
+    """Take the job's lease as a preemption does; returns the holder id."""
+    from gpuctl.adapters.store import holder_here
+
+    h = holder_here("preempt")
+    r = httpx.post(
+        f"{host.agent_url}/records/{job}/lease",
+        json={"holder": h.to_dict(), "ttl_s": 60},
+        headers={"Authorization": f"Bearer {host.token}"},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["granted"], r.text
+    return h.id
+
+
+def release(host: SimHost, job: str, holder: str) -> None:
+    """Give the lease back with phase preempted, as a preemption does after the stop."""
+    r = httpx.post(
+        f"{host.agent_url}/records/{job}/lease/release",
+        json={"holder": holder, "update": {"phase": "preempted"}},
+        headers={"Authorization": f"Bearer {host.token}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_the_stop_endpoint_refuses_all_but_a_held_preemptible_job(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    cfg = host.write_config("")
+    keep, pjob = unique_name("keep"), unique_name("pjob")
+    keeper = start_job(cfg, keep, 10, tmp_path / "keep.sig", "-p", "10")
+    victim = start_job(cfg, pjob, 10, tmp_path / "pjob.sig", "--preemptible")
+    try:
+        k, v = f"run.{keep}", f"run.{pjob}"
+        hk = read_record(host, k)["handle"]
+        hv = read_record(host, v)["handle"]
+        body_k = {"holder": lease(host, k), "pid": hk["pid"], "pid_start": hk["pid_start"]}
+        holder = lease(host, v)
+        body = {"holder": holder, "pid": hv["pid"], "pid_start": hv["pid_start"], "grace_s": 5}
+
+        def refused(job: str, b: Any, status: int, words: str, token: str | None = "") -> None:
+            r = post(host, job, b, token)
+            assert r.status_code == status, (r.status_code, r.text)
+            assert words in r.json()["error"], r.text
+
+        # Auth: the write token only.
+        refused(v, body, 401, "requires a bearer token", token=None)
+        refused(v, body, 401, "wrong", token="not-the-token")
+        # Bad bodies: 400 naming the field.
+        refused(v, b"{", 400, "")
+        refused(v, {**body, "pid": "1"}, 400, "pid")
+        refused(v, {**body, "pid": 0}, 400, "pid")
+        refused(v, {**body, "pid_start": -1}, 400, "pid_start")
+        refused(v, b'{"holder": "x", "pid": 5, "pid_start": NaN}', 400, "")
+        refused(v, {k2: x for k2, x in body.items() if k2 != "holder"}, 400, "holder")
+        refused(v, {**body, "grace_s": 3600}, 400, "grace_s")
+        refused(v, {**body, "signal": 9}, 400, "signal")
+        refused("..bad", body, 400, "invalid service name")
+        # Not a live preemptible run record naming that pid.
+        refused("someservice", body, 404, "not a run job")
+        refused(f"run.{unique_name('none')}", body, 404, "no running job")
+        refused(k, body_k, 403, "not started with --preemptible")
+        refused(v, {**body, "pid": hk["pid"]}, 409, "names pid")
+        refused(v, {**body, "pid_start": hv["pid_start"] + 5}, 409, "names pid")
+        refused(v, {**body, "holder": "someone-else"}, 409, "does not hold the lease")
+        # Nothing was signalled.
+        assert keeper.poll() is None and victim.poll() is None
+        assert not (tmp_path / "pjob.sig").exists()
+        # The one request that passes: SIGTERM, and CMD ends within the grace period.
+        r = post(host, v, body)
+        assert r.status_code == 200 and r.json() == {"killed": False}, r.text
+        assert (tmp_path / "pjob.sig").read_text() == str(int(signal.SIGTERM))
+        release(host, v, holder)
+        _, err = victim.communicate(timeout=60)
+        assert victim.returncode == 75 and f"{pjob} was preempted" in err, err
+        # Once it has ended there is nothing left to signal.
+        refused(v, body, 404, "no running job")
+    finally:
+        end(host, keeper, victim)
+
+
+def test_the_stop_endpoint_kills_a_job_that_outlives_its_grace(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    cfg = host.write_config("")
+    pjob = unique_name("pjob")
+    env = {**cli_env(cfg), "JOB_SAVE_S": "600"}
+    p = subprocess.Popen(
+        [
+            gpuctl_exe(),
+            "run",
+            "-m",
+            "10GiB",
+            "--name",
+            pjob,
+            "--preemptible",
+            "--",
+            *job_cmd(pjob, 10, tmp_path / "sig"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "holding"
+        v = f"run.{pjob}"
+        h = read_record(host, v)["handle"]
+        holder = lease(host, v)
+        t0 = time.monotonic()
+        r = post(
+            host, v, {"holder": holder, "pid": h["pid"], "pid_start": h["pid_start"], "grace_s": 1}
+        )
+        assert r.status_code == 200 and r.json() == {"killed": True}, r.text
+        # It had its grace period before the SIGKILL.
+        assert time.monotonic() - t0 >= 1.0
+        release(host, v, holder)
+        p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGKILL
+    finally:
+        end(host, p)
