@@ -23,14 +23,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpuctl.adapters.jobs import signal_job
+from gpuctl.adapters.jobs import JOB_GRACE_S, signal_job
 from gpuctl.adapters.store import DirectStore
+from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.jobs import PREFIX, is_job
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase
 from gpuctl.errors import LauncherError
 
+# The longest grace period a job stop may ask for (the request waits for it).
+MAX_GRACE_S = 300.0
 _NOT_A_JOB_HINT = "only a running `gpuctl run --preemptible` job (record run.NAME) can be stopped"
 
 
@@ -89,7 +92,23 @@ def stop_job(
         # Only a tampered record names these: never init, never the agent itself.
         raise HttpError(409, f"pid {pid} is not a job's CMD", "a job's CMD is its own session")
     try:
-        killed = signal_job(pid, float(start), args.get("grace_s", 10.0))
+        killed = signal_job(pid, float(start), args.get("grace_s", JOB_GRACE_S))
     except LauncherError as e:
         raise HttpError(403, e.message, e.hint) from None
     return {"killed": killed}
+
+
+def stop_request(data: dict[str, Any]) -> dict[str, Any]:
+    """``POST /records/{job}/stop``: the lease holder, the job's pid and its start time as
+    the record names them, and the grace period between SIGTERM and SIGKILL."""
+    return wire.obj(
+        data,
+        "",
+        {
+            "holder": lambda v, f: wire.string(v, f, empty=False),
+            "pid": wire.pid,
+            "pid_start": wire.number,
+            "grace_s": lambda v, f: wire.number(v, f, high=MAX_GRACE_S),
+        },
+        required=("holder", "pid", "pid_start"),
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.adapters.store import codec, schema
-from gpuctl.agent import wire
+from gpuctl.agent import job_stop, wire
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.record import RECORD_SCHEMA, Phase
 
@@ -550,7 +550,7 @@ def records_schemas() -> dict[str, Any]:
                 "grace_s": {
                     "type": "number",
                     "minimum": 0,
-                    "maximum": wire.MAX_GRACE_S,
+                    "maximum": job_stop.MAX_GRACE_S,
                     "description": "Seconds between SIGTERM and SIGKILL (default 10).",
                 },
             },

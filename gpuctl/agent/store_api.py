@@ -40,7 +40,7 @@ from typing import Any
 from gpuctl.adapters.procinfo import host_identity
 from gpuctl.adapters.store import DirectStore
 from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder
-from gpuctl.agent import wire
+from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Record, apply_update
@@ -214,7 +214,7 @@ class StoreApi:
             "touch": wire.touch_request,
             "queue_join": wire.queue_join_request,
             "queue_leave": wire.queue_leave_request,
-            "stop_job": wire.stop_request,
+            "stop_job": job_stop.stop_request,
         }
         args = checks[op](data)
         update = args.get("update")
@@ -277,8 +277,6 @@ class StoreApi:
         if op == "release":
             return 200, store.release(svc, args["holder"], args.get("update") or None).to_dict()
         if op == "stop_job":
-            from gpuctl.agent.job_stop import stop_job
-
-            return 200, stop_job(store, svc, args, self.host)
+            return 200, job_stop.stop_job(store, svc, args, self.host)
         assert op == "touch"
         return 200, store.touch(svc, ready=args.get("ready", False)).to_dict()

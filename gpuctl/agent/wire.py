@@ -27,8 +27,6 @@ MAX_TEXT = 64 * 1024
 MAX_SHORT_TEXT = 256
 # Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
 MAX_EPOCH_S = 1e11
-# The longest grace period a job stop may ask for (the request waits for it).
-MAX_GRACE_S = 300.0
 
 # The store's service names; fullmatch, so a trailing newline does not pass ($ would let it).
 SERVICE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}")
@@ -387,19 +385,3 @@ def queue_join_request(data: dict[str, Any]) -> dict[str, Any]:
 
 def queue_leave_request(data: dict[str, Any]) -> dict[str, Any]:
     return obj(data, "", {"holder": queue_id}, required=("holder",))
-
-
-def stop_request(data: dict[str, Any]) -> dict[str, Any]:
-    """``POST /records/{job}/stop``: the lease holder, the job's pid and its start time as
-    the record names them, and the grace period between SIGTERM and SIGKILL."""
-    return obj(
-        data,
-        "",
-        {
-            "holder": lambda v, f: string(v, f, empty=False),
-            "pid": pid,
-            "pid_start": number,
-            "grace_s": lambda v, f: number(v, f, high=MAX_GRACE_S),
-        },
-        required=("holder", "pid", "pid_start"),
-    )
