@@ -42,7 +42,8 @@ def with_victims(
     if not victims:
         return verdict
     again = judge(victims=victims, force=force)
-    if again.plan is not None and svc.preempt:
+    # A run job has no `preempt` key (its --preempt is a flag of the run itself).
+    if again.plan is not None and getattr(svc, "preempt", False) is True:
         # Its `preempt = true` already asks for it: a plain `ensure` stops them.
         stops = ", ".join(again.plan.names)
         hint = f"`gpuctl ensure {svc.name}` stops {stops} to make room (its preempt = true)"
