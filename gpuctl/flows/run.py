@@ -40,9 +40,8 @@ from typing import Any
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.jobs import GatedChild
-from gpuctl.adapters.launchers.base import Launcher
 from gpuctl.adapters.store import Store, holder_here
-from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
 from gpuctl.core.model import HostIdentity, Snapshot
@@ -50,10 +49,10 @@ from gpuctl.core.queue import Waiter, ahead, queued_reason
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import run_preempt as rp
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
 from gpuctl.flows.observe import decide, observe
-from gpuctl.flows.run_preempt import make_room_for_job, preempt_hint, with_job_victims
 from gpuctl.flows.run_queue import Place, QueuedAdmission
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
@@ -100,12 +99,8 @@ class RunDeps(Closers):
     # Told before CMD starts: what was decided (for a line on stderr).
     tell: Callable[[str], None] = field(kw_only=True, default=lambda _line: None)
     # Preemption (``--preempt``): how victims are stopped and their requests read.
-    launcher_for: Callable[[ServiceConfig, Snapshot | None], Launcher] | None = field(
-        kw_only=True, default=None
-    )
-    server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
-        kw_only=True, default=None
-    )
+    launcher_for: rp.VictimLauncher | None = field(kw_only=True, default=None)
+    server_in_flight: rp.InFlightReader | None = field(kw_only=True, default=None)
     stop_job: JobStopper | None = field(kw_only=True, default=None)
 
 
@@ -192,7 +187,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
                     return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
                 if req.preempt and not before and preemptions < MAX_PREEMPTIONS:
                     # PREEMPTABLE: stop the plan's victims (never for waiters ahead of it).
-                    made = make_room_for_job(
+                    made = rp.make_room_for_job(
                         deps,
                         verdict,
                         snapshot,
@@ -281,7 +276,7 @@ def _look(
     )
     verdict = judge()
     if victims:
-        verdict = with_job_victims(deps, seen, services, spec, verdict, judge=judge)
+        verdict = rp.with_job_victims(deps, seen, services, spec, verdict, judge=judge)
     return verdict, (max(known) if known else None), seen.snapshot
 
 
@@ -311,7 +306,7 @@ def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
         EXIT_BUSY,
         reason,
         decision=verdict.decision.value,
-        hint=preempt_hint(verdict)
+        hint=rp.preempt_hint(verdict)
         or "wait for room with --wait; `gpuctl status` shows who holds the GPU",
     )
 

@@ -19,6 +19,11 @@ from gpuctl.flows.observe import Observation
 from gpuctl.flows.preempt import RoomDeps, local_job_stopper, make_room
 from gpuctl.flows.victims import victim_facts, with_victims
 
+# (a victim service, snapshot) -> its launcher, to stop it with
+VictimLauncher = Callable[[ServiceConfig, Snapshot | None], Launcher]
+# (a service) -> its server's requests in flight (vLLM's /metrics); None: none to read
+InFlightReader = Callable[[ServiceConfig], int | None]
+
 
 class JobRoomDeps(Protocol):
     """What of ``gpuctl.flows.run.RunDeps`` a preemption uses."""
@@ -30,7 +35,7 @@ class JobRoomDeps(Protocol):
     @property
     def stop_job(self) -> JobStopper | None: ...
     @property
-    def launcher_for(self) -> Callable[[ServiceConfig, Snapshot | None], Launcher] | None: ...
+    def launcher_for(self) -> VictimLauncher | None: ...
     @property
     def clock(self) -> Callable[[], float]: ...
     @property
@@ -38,7 +43,7 @@ class JobRoomDeps(Protocol):
     @property
     def tell(self) -> Callable[[str], None]: ...
     @property
-    def server_in_flight(self) -> Callable[[ServiceConfig], int | None] | None: ...
+    def server_in_flight(self) -> InFlightReader | None: ...
     @property
     def here(self) -> HostIdentity: ...
 
