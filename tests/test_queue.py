@@ -242,3 +242,31 @@ def test_the_agent_refuses_a_bad_join_naming_the_field(
     assert not (tmp_path / "state" / "queue").exists() or not list(
         (tmp_path / "state" / "queue").glob("*.json")
     )
+
+
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_a_queue_folder_that_is_a_link_or_a_file_is_a_clear_error(
+    tmp_path: Path, kind: str
+) -> None:
+    """Nothing is written, read or deleted through it: a store error naming the folder."""
+    from gpuctl.errors import StoreError
+
+    state = tmp_path / "state"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "abc.json").write_text("{}")
+    store = DirectStore(state)
+    store.records()  # the state folder, as any first use makes it
+    state.mkdir(exist_ok=True)
+    if kind == "link":
+        (state / "queue").symlink_to(elsewhere)
+    else:
+        (state / "queue").write_text("")
+    for call in (
+        lambda: store.queue_join(holder_here("run"), 30, name="run.x", priority=1, memory_mib=1),
+        store.waiters,
+    ):
+        with pytest.raises(StoreError) as e:
+            call()
+        assert "queue" in e.value.message and "not a link" in e.value.hint
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["abc.json"]

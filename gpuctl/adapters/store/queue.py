@@ -21,9 +21,11 @@ and is left for a person to look at (its holder's next ``join`` overwrites it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -119,13 +121,14 @@ class QueueFiles:
 
         base = self.state_dir / "queue"
         try:
+            _real_folder(base)
             paths = [Path(e.path) for e in os.scandir(base) if e.name.endswith(".json")]
         except FileNotFoundError:
             return []
         except OSError as e:
             raise StoreError(
-                f"cannot read {base}: {e.strerror or e}",
-                hint=f"{base} must be readable by this user",
+                f"cannot read the wait queue {base}: {e.strerror or e}",
+                hint=f"{base} must be a folder (not a link) readable by this user",
             ) from None
         here = procinfo.host_identity()
         now = self.clock()
@@ -149,10 +152,23 @@ class QueueFiles:
         return live
 
 
+def _real_folder(path: Path) -> None:
+    """Raise unless ``path`` is a folder itself: a symbolic link there would have the
+    entries written (and read, and deleted) wherever it points.
+
+    Raises:
+        FileNotFoundError: it is not there.
+        NotADirectoryError: it is a link, or a file.
+    """
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "it is not a folder (a link, or a file)")
+
+
 def _any_entry(base: Path) -> bool:
     """Whether the queue folder may hold an entry (an unreadable folder: yes, so that
     the locked read reports it)."""
     try:
+        _real_folder(base)
         with os.scandir(base) as it:
             return any(e.name.endswith(".json") for e in it)
     except FileNotFoundError:
@@ -187,6 +203,7 @@ def _write_json(path: Path, data: dict[str, Any], modes: tuple[int, int]) -> Non
         with contextlib.suppress(FileExistsError):
             path.parent.mkdir(mode=dir_mode)
             os.chmod(path.parent, dir_mode)  # mkdir's mode goes through the umask
+        _real_folder(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
@@ -200,5 +217,5 @@ def _write_json(path: Path, data: dict[str, Any], modes: tuple[int, int]) -> Non
     except OSError as e:
         raise StoreError(
             f"cannot write {path}: {e.strerror or e}",
-            hint=f"{path.parent} must be writable by this user (and on a local disk)",
+            hint=f"{path.parent} must be a folder (not a link) writable by this user",
         ) from None
