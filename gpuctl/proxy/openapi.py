@@ -143,7 +143,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
                 "multipart/form-data": {
                     "schema": {
                         "type": "object",
-                        "required": ["model", "file"],
+                        "required": ["model"],  # the file is the service's to ask for
                         "properties": {
                             "model": {"enum": models},
                             "file": {"type": "string", "format": "binary"},
