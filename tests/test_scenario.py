@@ -38,7 +38,10 @@ from tests.ensure_helpers import (
     unique_name,
 )
 
-ITEMS = 40
+# Enough work (160 x 150 ms = 24 s) that the batch is still busy when chat preempts it
+# on a loaded machine: with 40 (6 s) it once finished every item before chat arrived
+# (`done_at_preemption < ITEMS` failed), which proves nothing about checkpoints.
+ITEMS = 160
 
 
 @pytest.fixture
