@@ -57,7 +57,12 @@ def run(
         typer.Option("--name", "-n", help="The job's name (default: CMD's program name)."),
     ] = None,
     wait: Annotated[
-        bool, typer.Option("--wait", help="If it does not fit, wait until it does.")
+        bool,
+        typer.Option(
+            "--wait",
+            help="If it does not fit, queue until it does (by priority, then arrival; "
+            "`gpuctl locks` shows the queue).",
+        ),
     ] = False,
     preempt: Annotated[
         bool,
