@@ -438,3 +438,56 @@ def test_the_stop_endpoint_kills_a_job_that_outlives_its_grace(
         assert p.returncode == 128 + signal.SIGKILL
     finally:
         end(host, p)
+
+
+def test_the_room_a_run_preempt_makes_is_kept_for_it(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """Between its victims' stops and CMD's start, `gpuctl run --preempt` keeps the room
+    it made: its record is `starting` with its budget, so a resume of the preempted batch
+    in that window is BUSY naming the job, and CMD then gets its memory. (Without the
+    promise, that resume started the batch in the room made for the job.)"""
+    batch, new = unique_name("batch"), unique_name("new")
+    jobs_cleanup.append(batch)
+    cfg = host.write_config(service(batch, free_port(), 30, 50, 'resume = true\nkind = "batch"'))
+    assert run_ensure(cfg, batch).returncode == 0
+    env = cli_env(cfg)
+    env["GPUCTL_FAILPOINTS"] = "preempt.after_stops=sleep:3"  # widen the window
+    marker = tmp_path / "new.json"
+    preempting = subprocess.Popen(
+        [
+            gpuctl_exe(),
+            "run",
+            "-m",
+            "100GiB",
+            "-p",
+            "100",
+            "--name",
+            new,
+            "--preempt",
+            "--",
+            *new_cmd(new, 100, marker),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while read_record(host, batch)["phase"] != "preempted" or server_pids(batch):
+            assert time.time() < deadline and preempting.poll() is None, preempting.communicate()
+            time.sleep(0.05)
+        promise = read_record(host, f"run.{new}")
+        assert promise["phase"] == "starting" and promise["handle"]["memory_mib"] == 100 * GIB
+        r = gpuctl(cfg, "resume", batch, "--json")
+        assert r.returncode == 3, r.stdout + r.stderr
+        assert f"run.{new}" in json.loads(r.stdout)["reason"], r.stdout
+        _, err = preempting.communicate(timeout=60)
+        assert preempting.returncode == 0, err
+        assert batch not in json.loads(marker.read_text())
+        assert read_record(host, f"run.{new}")["phase"] == "stopped"
+        # Once CMD has ended, its gpuctl run brings the preempted batch back.
+        assert f"resumed {batch}" in err, err
+    finally:
+        end(host, preempting)

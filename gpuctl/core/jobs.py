@@ -53,10 +53,18 @@ def is_job(name: str) -> bool:
 def job_spec(record: Record) -> JobSpec | None:
     """The job a record describes, or None (not a job's, ended, or not one we wrote)."""
     h = record.handle or {}
-    if not is_job(record.service) or record.phase is not Phase.RUNNING or h.get("kind") != "run":
+    if not is_job(record.service) or h.get("kind") != "run":
         return None
     pid, mem, prio = h.get("pid"), h.get("memory_mib"), h.get("priority")
-    if not isinstance(pid, int) or not isinstance(mem, int) or not isinstance(prio, int):
+    if not isinstance(mem, int) or not isinstance(prio, int):
+        return None
+    # Running: its CMD's pid. Starting: a `run --preempt` keeping the room it makes (its
+    # budget counts while its lease lives, as a service's start; no process is its yet).
+    if (record.phase is Phase.RUNNING and isinstance(pid, int)) or (
+        record.phase is Phase.STARTING and pid is None
+    ):
+        pass
+    else:
         return None
     start = h.get("pid_start")
     return JobSpec(
@@ -64,7 +72,7 @@ def job_spec(record: Record) -> JobSpec | None:
         mem,
         prio,
         preemptible=h.get("preemptible") is True,
-        pid=pid,
+        pid=pid if isinstance(pid, int) else None,
         pid_start=float(start) if isinstance(start, int | float) else None,
     )
 

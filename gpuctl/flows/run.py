@@ -66,9 +66,6 @@ FORWARDED = (
 )
 RECORD_TTL_S = 60.0
 WAIT_POLL_S = 0.5
-# Preemptions one `gpuctl run --preempt` makes at most (as ensure's rounds): each frees
-# the room its plan needs, but others may take it first.
-MAX_PREEMPTIONS = 3
 EXIT_BUSY, EXIT_UNKNOWN, EXIT_TIMEOUT = 3, 4, 5
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127
 
@@ -159,7 +156,8 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     notes: list[str] = []
     spec = JobSpec(PREFIX + name, req.memory_mib, req.priority, preemptible=req.preemptible)
     told = False
-    preemptions = 0
+    command = os.path.basename(req.argv[0])[:200]
+    pre = rp.Preemption(deps, spec, notes, command) if req.preempt else None
     place = Place(deps.store, spec) if req.wait else None
     try:
         while True:
@@ -167,12 +165,12 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
             if not before:
                 try:
                     with admission(_Ctx(deps, deadline, place)):
-                        verdict, largest, snapshot = _look(deps, spec, victims=True)
+                        verdict, largest, snapshot = _look(deps, spec, victims=True, pre=pre)
                         # Under the lock, the queue as it stands: only its head goes.
                         me = place.id if place is not None else None
                         before = ahead(deps.store.waiters(), priority=spec.priority, me=me)
                         if not before and verdict.decision in (Decision.IDLE, Decision.FITS):
-                            started = _start(deps, spec, req, verdict, name)
+                            started = _start(deps, spec, req, verdict, name, pre=pre)
                             if place is not None:
                                 place.leave()  # admitted: recorded, out of the queue
                             if isinstance(started, RunResult):
@@ -185,22 +183,15 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
                     )
                 except GpuctlError as e:
                     return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
-                if req.preempt and not before and preemptions < MAX_PREEMPTIONS:
-                    # PREEMPTABLE: stop the plan's victims (never for waiters ahead of it).
-                    made = rp.make_room_for_job(
-                        deps,
-                        verdict,
-                        snapshot,
-                        deadline=deadline,
-                        look_again=lambda: _look(deps, spec)[0],
-                        notes=notes,
-                    )
-                    preemptions += made is not False
+                if pre is not None and not before:  # never for waiters ahead of it
+                    again = lambda: _look(deps, spec, pre=pre)[0]  # noqa: E731
+                    made = pre.make_room(verdict, snapshot, deadline, again)
                     if made is None:
                         continue  # look again under the admission lock: start once it fits
                     if made is not False:  # a stop failed, no memory in time, host unread
-                        code, why, hint = made
-                        return RunResult(name, code, why, decision="PREEMPTABLE", hint=hint)
+                        return RunResult(
+                            name, made[0], made[1], decision="PREEMPTABLE", hint=made[2]
+                        )
                 refusal = _refusal(name, verdict, largest)
                 if refusal.exit_code == EXIT_UNKNOWN or _never_fits(verdict, largest):
                     return refusal  # waiting would not help (and would hold up the queue)
@@ -225,6 +216,8 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     finally:
         if place is not None:
             place.leave()  # timeout, Ctrl-C, an error: out of the queue in every case
+        if pre is not None:
+            pre.give_back()  # the room it kept, if CMD never started
     if place is not None and place.signum:  # it came during the start: CMD gets it
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, place.signum)
@@ -252,7 +245,7 @@ def _queued(name: str, before: list[Waiter]) -> RunResult:
 
 
 def _look(
-    deps: RunDeps, spec: JobSpec, victims: bool = False
+    deps: RunDeps, spec: JobSpec, victims: bool = False, pre: rp.Preemption | None = None
 ) -> tuple[Verdict, int | None, Snapshot | None]:
     """The job's verdict, the largest GPU's total (None: unknown), and the snapshot.
     ``victims``: when it does not fit, ask whether stopping lower-priority work would
@@ -273,6 +266,7 @@ def _look(
         now=deps.clock(),
         total_override_mib=deps.host.gpu_memory_mib,
         orphan_is_loading=False,
+        own_holder=pre.holder_id if pre is not None else None,  # its own promise
     )
     verdict = judge()
     if victims:
@@ -312,7 +306,13 @@ def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
 
 
 def _start(
-    deps: RunDeps, spec: JobSpec, req: RunRequest, verdict: Verdict, name: str
+    deps: RunDeps,
+    spec: JobSpec,
+    req: RunRequest,
+    verdict: Verdict,
+    name: str,
+    *,
+    pre: rp.Preemption | None = None,
 ) -> GatedChild | RunResult:
     """Spawn CMD and record it (under the admission lock, by the caller)."""
     env = dict(os.environ)
@@ -335,7 +335,8 @@ def _start(
         "boot_id": deps.here.boot_id,
         "command": os.path.basename(req.argv[0])[:200],
     }
-    holder = holder_here("run")
+    # A --preempt job takes the lease of its promise again (a holder may).
+    holder = pre.holder if pre is not None and pre.holder else holder_here("run")
     try:
         granted, _ = deps.store.acquire(spec.name, holder, RECORD_TTL_S)
         if not granted:

@@ -3,17 +3,19 @@ machinery ``ensure --preempt`` uses (``gpuctl.flows.preempt.make_room``)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from gpuctl.adapters.launchers.base import Launcher
-from gpuctl.adapters.store import Store
+from gpuctl.adapters.store import Holder, Store, holder_here
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import HostIdentity, Snapshot
-from gpuctl.errors import ExitCode
+from gpuctl.core.record import Phase
+from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.observe import Observation
 from gpuctl.flows.preempt import RoomDeps, local_job_stopper, make_room
@@ -23,6 +25,14 @@ from gpuctl.flows.victims import victim_facts, with_victims
 VictimLauncher = Callable[[ServiceConfig, Snapshot | None], Launcher]
 # (a service) -> its server's requests in flight (vLLM's /metrics); None: none to read
 InFlightReader = Callable[[ServiceConfig], int | None]
+
+
+# Preemptions one `gpuctl run --preempt` makes at most (as ensure's rounds): each frees
+# the room its plan needs, but others may take it first.
+MAX_PREEMPTIONS = 3
+# How long the job's promise (its record `starting`, under its lease) lasts unless it
+# starts: the victims' stops (10 s grace each) and the wait for their memory.
+PROMISE_TTL_S = 120.0
 
 
 class JobRoomDeps(Protocol):
@@ -72,46 +82,102 @@ def with_job_victims(
     return with_victims(verdict, spec, judge, facts)
 
 
-def make_room_for_job(
-    deps: JobRoomDeps,
-    verdict: Verdict,
-    snapshot: Snapshot | None,
-    *,
-    deadline: float,
-    look_again: Callable[[], Verdict],
-    notes: list[str],
-) -> tuple[int, str, str] | Literal[False] | None:
-    """On a PREEMPTABLE ``verdict``, stop its plan's victims and wait until
-    ``look_again`` (a fresh look at the job) says it fits. Returns None: look again
-    under the admission lock, and start CMD if it fits there; False: not PREEMPTABLE,
-    nothing done; else (exit code, reason, hint) of a preemption that failed (a stop
-    failed: 1; the memory did not come back in time: 5; the host could not be read: 4),
-    and CMD does not run."""
-    plan = verdict.plan
-    if verdict.decision is not Decision.PREEMPTABLE or plan is None:
-        return False
-    deps.tell(f"preempting {plan.describe()} to make room")
-    room = make_room(
-        RoomDeps(
-            deps.config,
-            deps.store,
-            deadline,
-            look_again,
-            stop_job=deps.stop_job or local_job_stopper,
-            launcher_for=deps.launcher_for,
-            clock=deps.clock,
-            sleep=deps.sleep,
-        ),
-        plan,
-        snapshot,
-    )
-    if room.stopped:
-        notes.append(room.note())
-        deps.tell(room.note())
-    if room.outcome in ("made", "ready", "stale"):
-        return None
-    code = {"timeout": ExitCode.TIMEOUT, "unknown": ExitCode.UNKNOWN}.get(room.outcome, 1)
-    return int(code), room.reason, room.hint or "`gpuctl status` shows the host"
+class Preemption:
+    """One ``gpuctl run --preempt``: its preemptions, and the room they made kept for it.
+
+    Before the victims stop, the job's record (``run.NAME``) is marked ``starting`` under
+    its lease with its budget and no pid: every other admission (a resume at the end of
+    the victim's own ``gpuctl run``, another job, a service) counts it at its budget, so
+    the memory given back is still there when it is admitted, as ``ensure --preempt``
+    keeps its service's room. ``_start`` takes that lease again (``holder``) and writes
+    the job's pid; ``give_back`` puts the record back when it never started (a no-op once
+    it did: the lease is no longer held). A killed ``gpuctl run`` leaves a promise whose
+    lease ends by itself, and a starting job without a pid holds nothing.
+    """
+
+    def __init__(self, deps: JobRoomDeps, spec: JobSpec, notes: list[str], command: str) -> None:
+        self.deps, self.spec, self.notes, self.command = deps, spec, notes, command
+        self.attempts = 0
+        self.holder: Holder | None = None
+        self._restore: dict[str, Any] | None = None
+
+    @property
+    def holder_id(self) -> str | None:
+        return self.holder.id if self.holder is not None else None
+
+    def make_room(
+        self,
+        verdict: Verdict,
+        snapshot: Snapshot | None,
+        deadline: float,
+        look_again: Callable[[], Verdict],
+    ) -> tuple[int, str, str] | Literal[False] | None:
+        """On a PREEMPTABLE ``verdict``, promise the job's room and stop its plan's
+        victims, then wait until ``look_again`` (a fresh look at the job) says it fits.
+        Returns None: look again under the admission lock, and start CMD if it fits
+        there; False: nothing to do (not PREEMPTABLE, or ``MAX_PREEMPTIONS`` made); else
+        (exit code, reason, hint): it failed (a stop: 1; the memory did not come back in
+        time: 5; the host could not be read, or the job's record is held: 4), and CMD
+        does not run."""
+        plan, deps = verdict.plan, self.deps
+        if verdict.decision is not Decision.PREEMPTABLE or plan is None:
+            return False
+        if self.attempts >= MAX_PREEMPTIONS:
+            return False
+        self.attempts += 1
+        if self.holder is None and not self._promise():
+            why = f"the record {self.spec.name} is held by another caller"
+            return int(ExitCode.UNKNOWN), why, "`gpuctl locks` shows who holds it"
+        deps.tell(f"preempting {plan.describe()} to make room")
+        room = make_room(
+            RoomDeps(
+                deps.config,
+                deps.store,
+                deadline,
+                look_again,
+                stop_job=deps.stop_job or local_job_stopper,
+                launcher_for=deps.launcher_for,
+                clock=deps.clock,
+                sleep=deps.sleep,
+            ),
+            plan,
+            snapshot,
+        )
+        if room.stopped:
+            self.notes.append(room.note())
+            deps.tell(room.note())
+        if room.outcome in ("made", "ready", "stale"):
+            return None
+        code = {"timeout": ExitCode.TIMEOUT, "unknown": ExitCode.UNKNOWN}.get(room.outcome, 1)
+        return int(code), room.reason, room.hint or "`gpuctl status` shows the host"
+
+    def _promise(self) -> bool:
+        """Mark the job's record ``starting`` with its budget, under its lease."""
+        deps, spec = self.deps, self.spec
+        holder = holder_here("run")
+        granted, rec = deps.store.acquire(spec.name, holder, PROMISE_TTL_S)
+        if not granted:
+            return False
+        handle: dict[str, Any] = {
+            "kind": "run",
+            "memory_mib": spec.memory_mib,
+            "priority": spec.priority,
+            "preemptible": spec.preemptible,
+            "host": deps.here.hostname,
+            "boot_id": deps.here.boot_id,
+            "command": self.command,
+        }
+        self._restore = {"phase": rec.phase.value, "handle": rec.handle}
+        self.holder = holder
+        update = {"phase": Phase.STARTING.value, "handle": handle, "start_nonce": None}
+        deps.store.update(spec.name, holder.id, update)
+        return True
+
+    def give_back(self) -> None:
+        """The record as it was, if the job never started (its lease still ours)."""
+        if self.holder is not None:
+            with contextlib.suppress(GpuctlError):
+                self.deps.store.release(self.spec.name, self.holder.id, self._restore)
 
 
 def preempt_hint(verdict: Verdict) -> str | None:
