@@ -318,8 +318,9 @@ def run(
                 m = wrk(url(name, stream_port), stream_body, k, conns, args.duration)
                 tokens = m["n"] * args.stream_tokens
                 streams.setdefault((name, conns), []).append(m["rps"] * args.stream_tokens)
+                # No answer completed (LiteLLM at 256 streams): no figure per token.
                 stream_cpu.setdefault((name, conns), []).append(
-                    (cpu_s(pid) - c0) * 1e6 / max(1.0, tokens)
+                    (cpu_s(pid) - c0) * 1e6 / tokens if tokens else float("nan")
                 )
                 bad += int(m["bad"])
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
