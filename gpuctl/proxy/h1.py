@@ -40,7 +40,7 @@ import contextlib
 import socket
 import ssl
 from typing import cast
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -489,18 +489,3 @@ class Client:
     def close(self) -> None:
         for p in self.pools.values():
             p.close()
-
-
-def request_target(path: str, query: bytes) -> bytes:
-    """``path`` (as ASGI decodes it) percent-encoded again, and the raw query string.
-
-    Every byte outside RFC 3986's path characters is encoded (a decoded ``%`` too, so
-    ``%2F`` sent as ``%252F`` goes on as it came), and so is anything in the query that
-    is not printable ASCII: nothing can end the request line early.
-    """
-    target = quote(path, safe="/!$&'()*+,;=:@~").encode("ascii")
-    if query:
-        if not query.isascii() or any(b <= 0x20 or b == 0x7F for b in query):
-            query = quote(query, safe="!$&'()*+,;=:@/?~%").encode("ascii")
-        target += b"?" + query
-    return target
