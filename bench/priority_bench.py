@@ -4,7 +4,12 @@
    of the same host, alternating; medians and their ratio (target: at most 1.2x).
 2. Preemption: from starting `gpuctl ensure chat --preempt --no-wait` to the chat
    server's launch (the start its record notes), less the victim's own stop (as the
-   ensure measured it); the median overhead (target: at most 0.5 s).
+   ensure measured it); the median overhead (target: at most 0.5 s). Beside it, in the
+   same run: a plain `gpuctl ensure chat --no-wait` with room (no victim) to its launch,
+   which is what any start costs (the CLI's own start and look included), so the
+   difference is what preempting adds. Then the same for `gpuctl run --preempt` with a
+   `--preemptible` job as the victim, to CMD's start (CMD prints its clock), beside a
+   plain `gpuctl run` of the same CMD with room.
 3. The wait queue (`gpuctl run --wait`): the read of an empty queue that every plain
    `gpuctl run` adds, beside a fresh look; then with 8 waiters queued through the agent, a
    waiter's renewal (`queue_join` of its own entry) and the queue's read under the
@@ -100,7 +105,77 @@ def main() -> None:
             f"ensure --preempt to launch beyond it: median {o:.3f} s, "
             f"max {max(overheads):.3f} s (n={args.cycles}, target <= 0.5 s)"
         )
+        plain = []
+        for _ in range(args.cycles):  # the same start with room: no victim to stop
+            t0 = time.time()
+            p = subprocess.run(
+                [exe, "ensure", chat, "--no-wait", "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert p.returncode == 0, p.stdout
+            plain.append(json.loads(p.stdout)["attempt"]["started"] - t0)
+            subprocess.run([exe, "stop", chat], env=env, capture_output=True, check=False)
+        b = statistics.median(plain)
+        print(
+            f"  a plain ensure --no-wait to launch, with room: median {b:.3f} s "
+            f"(n={args.cycles}); preempting adds {o - b:.3f} s beyond it and the stops"
+        )
+        run_preempt_bench(exe, env, args.cycles)
         queue_bench(host, args.calls)
+
+
+CLOCK = [sys.executable, "-c", "import time; print(time.time())"]
+
+
+def run_preempt_bench(exe: str, env: dict[str, str], cycles: int) -> None:
+    """`gpuctl run --preempt` (80 GiB, priority 100) with a `--preemptible` 40 GiB job
+    as its victim, to CMD's start beyond the victim's stop; beside a plain `gpuctl run`
+    of the same CMD with room."""
+    over, plain, stops = [], [], []
+    for _ in range(cycles):
+        hold = [sys.executable, "-m", "gpuctl", "sim", "hold", "--name", "benchvictim"]
+        victim = subprocess.Popen(
+            [exe, "run", "--preemptible", "-p", "10", "-m", "40GiB", "--", *hold, "-m", "40GiB"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert victim.stdout is not None and "holding" in victim.stdout.readline()
+        t0 = time.time()
+        p = subprocess.run(
+            [exe, "run", "--preempt", "-p", "100", "-m", "80GiB", "--", *CLOCK],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert p.returncode == 0, p.stderr
+        m = re.search(r"stops took ([0-9.]+)s", p.stderr)
+        assert m is not None, p.stderr
+        stops.append(float(m.group(1)))
+        over.append(float(p.stdout.split()[-1]) - t0 - stops[-1])
+        victim.communicate(timeout=60)
+        t0 = time.time()
+        p = subprocess.run(
+            [exe, "run", "-m", "80GiB", "--", *CLOCK],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert p.returncode == 0, p.stderr
+        plain.append(float(p.stdout.split()[-1]) - t0)
+    o, b = statistics.median(over), statistics.median(plain)
+    print(
+        f"run --preempt: the victim job's stop median {statistics.median(stops):.3f} s; "
+        f"to CMD's start beyond it: median {o:.3f} s, max {max(over):.3f} s (n={cycles}); "
+        f"a plain run to CMD's start, with room: median {b:.3f} s; preempting adds "
+        f"{o - b:.3f} s"
+    )
 
 
 def queue_bench(host: SimHost, calls: int) -> None:
