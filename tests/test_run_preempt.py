@@ -491,3 +491,37 @@ def test_the_room_a_run_preempt_makes_is_kept_for_it(
         assert f"resumed {batch}" in err, err
     finally:
         end(host, preempting)
+
+
+def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stopper's one rule (core.jobs.job_route), as the planner's: this machine's job
+    is signalled here, the agent's machine's through the agent (with the lease holder,
+    pid and start time), any other refused; and without an agent only here."""
+    from gpuctl.core.model import HostIdentity, Snapshot
+    from gpuctl.errors import LauncherError
+    from gpuctl.flows import preempt
+
+    here, dgx = HostIdentity("laptop", "b1"), HostIdentity("dgx", "b2")
+    local: list[dict[str, Any]] = []
+    monkeypatch.setattr(preempt, "stop_job", lambda h: local.append(h) or False)
+    asked: list[tuple[object, ...]] = []
+
+    def agent_stop(*args: object) -> bool:
+        asked.append(args)
+        return True
+
+    snap = Snapshot(None, None, False, "sim", "2026-11-30T00:00:00.000Z", host=dgx)
+    stop = preempt.job_stopper(here, agent_stop)
+
+    def handle(host: str, boot: str) -> dict[str, Any]:
+        return {"kind": "run", "pid": 4242, "pid_start": 17.5, "host": host, "boot_id": boot}
+
+    assert stop("run.a", handle("laptop", "b1"), "h1", snap) is False
+    assert local == [handle("laptop", "b1")] and asked == []
+    assert stop("run.b", handle("dgx", "b2"), "h2", snap) is True
+    assert asked == [("run.b", "h2", 4242, 17.5, preempt.JOB_GRACE_S)]
+    with pytest.raises(LauncherError, match="a run job on ws"):
+        stop("run.c", handle("ws", "b3"), "h3", snap)
+    with pytest.raises(LauncherError, match="no agent"):
+        preempt.job_stopper(here, None)("run.d", handle("dgx", "b2"), "h4", snap)
+    assert len(local) == 1 and len(asked) == 1
