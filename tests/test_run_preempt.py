@@ -525,3 +525,51 @@ def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(LauncherError, match="no agent"):
         preempt.job_stopper(here, None)("run.d", handle("dgx", "b2"), "h4", snap)
     assert len(local) == 1 and len(asked) == 1
+
+
+def test_a_promise_is_given_back_once_the_job_no_longer_needs_room(tmp_path: Path) -> None:
+    """The store on disk, no agent: a `run --preempt` job's promise (record `starting`
+    with its budget, under its lease) is taken when it preempts, and given back (the
+    record as it was, no lease) when a later look is no longer PREEMPTABLE, so a job
+    that then waits holds no memory it does not use."""
+    from types import SimpleNamespace
+
+    from gpuctl.adapters.procinfo import host_identity
+    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.core.decision import Decision, Verdict
+    from gpuctl.core.jobs import JobSpec, job_spec
+    from gpuctl.core.plan import Plan, Victim
+    from gpuctl.flows.run_preempt import Preemption
+
+    store = DirectStore(tmp_path / "state")
+    told: list[str] = []
+    deps = SimpleNamespace(
+        config=None,
+        store=store,
+        stop_job=None,
+        launcher_for=None,
+        clock=time.time,
+        sleep=time.sleep,
+        tell=told.append,
+        server_in_flight=None,
+        here=host_identity(),
+    )
+    spec = JobSpec("run.big", 80 * GIB, 100)
+    pre = Preemption(deps, spec, [], "python")  # type: ignore[arg-type]
+    # A plan whose victim's lease cannot be taken: the preemption goes stale at once
+    # (nothing stopped), and the job looks again.
+    busy = holder_here("test")
+    assert store.acquire("run.victim", busy, 60)[0]
+    plan = Plan(0, (Victim("run.victim", 0, 40 * GIB, 10, job=True),), 80 * GIB, 50 * GIB)
+    verdict = Verdict("run.big", Decision.PREEMPTABLE, "fits once …", plan=plan)
+    assert pre.make_room(verdict, None, time.time() + 30, lambda: verdict) is None
+    rec = store.get("run.big")
+    assert rec.phase.value == "starting" and rec.lease is not None
+    promised = job_spec(rec)
+    assert promised is not None and promised.memory_mib == 80 * GIB and promised.pid is None
+    # The next look: BUSY (its room went elsewhere): the promise is given back.
+    busy_verdict = Verdict("run.big", Decision.BUSY, "held by others")
+    assert pre.make_room(busy_verdict, None, time.time() + 30, lambda: busy_verdict) is False
+    rec = store.get("run.big")
+    assert rec.phase.value == "stopped" and rec.lease is None and rec.handle is None
+    assert pre.holder is None

@@ -115,14 +115,19 @@ class Preemption:
         """On a PREEMPTABLE ``verdict``, promise the job's room and stop its plan's
         victims, then wait until ``look_again`` (a fresh look at the job) says it fits.
         Returns None: look again under the admission lock, and start CMD if it fits
-        there; False: nothing to do (not PREEMPTABLE, or ``MAX_PREEMPTIONS`` made); else
+        there; False: nothing to do (not PREEMPTABLE, or ``MAX_PREEMPTIONS`` made: its
+        promise is given back, so a job that then waits holds none); else
         (exit code, reason, hint): it failed (a stop: 1; the memory did not come back in
         time: 5; the host could not be read, or the job's record is held: 4), and CMD
         does not run."""
         plan, deps = verdict.plan, self.deps
         if verdict.decision is not Decision.PREEMPTABLE or plan is None:
+            # Its room was taken after all (or it never needed any): a job that waits
+            # (--wait) must not hold a promise of memory meanwhile.
+            self.give_back()
             return False
         if self.attempts >= MAX_PREEMPTIONS:
+            self.give_back()
             return False
         self.attempts += 1
         if self.holder is None and not self._promise():
@@ -178,6 +183,7 @@ class Preemption:
         if self.holder is not None:
             with contextlib.suppress(GpuctlError):
                 self.deps.store.release(self.spec.name, self.holder.id, self._restore)
+            self.holder = None
 
 
 def preempt_hint(verdict: Verdict) -> str | None:
