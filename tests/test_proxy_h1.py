@@ -551,3 +551,86 @@ def test_a_header_with_a_line_break_is_never_written() -> None:
             c.close()
 
     run(main())
+
+
+# --------------------------------------------------------------------------- whole bodies
+
+
+def _pattern(size: int) -> bytes:
+    """``size`` bytes that are not all one byte, so a lost or repeated piece shows."""
+    unit = bytes(range(256)) * 256
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+@pytest.mark.parametrize("size", [2**20, 20 * 2**20], ids=["1MiB", "20MiB"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.parametrize("when", ["at-once", "after-the-pause"])
+def test_a_body_above_the_high_water_mark_is_read_whole(size: int, framing: str, when: str) -> None:
+    # read() used to leave the socket paused at HIGH_WATER: the answer waited for the
+    # read timeout (here 10 s, and the whole test has 30).
+    body = _pattern(size)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while await srv.read_request(reader) is not None:
+            if framing == "content-length":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+                writer.write(body)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for i in range(0, size, 65536):
+                    piece = body[i : i + 65536]
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 10)
+            for _ in range(2):  # and the connection is reused after a whole read
+                r = await post(c, s.origin)
+                conn = r._conn
+                assert conn is not None
+                if when == "after-the-pause":
+                    while not conn.paused:  # the body came with the head and filled us
+                        await asyncio.sleep(0.01)
+                got = await r.read()
+                assert len(got) == size and got == body
+                r.aclose()
+            assert s.connections == 1
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_a_body_read_whole_over_max_body_is_an_error_and_ends_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(h1, "MAX_BODY", 2**20)
+    size = 8 * 2**20
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 10)
+            r = await post(c, s.origin)
+            with pytest.raises(h1.UpstreamTooLarge, match="an answer over 1 MiB"):
+                await r.read()
+            conn = r._conn
+            assert conn is not None and conn.closed
+            r.aclose()
+            assert c.pool(s.origin).idle == []
+            c.close()
+
+    srv: Server
+    run(main())

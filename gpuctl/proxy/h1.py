@@ -17,6 +17,10 @@ Rules it keeps (tests/test_proxy_h1.py pins them):
   server kept it alive, and nothing else arrived on it; any other ends it.
 - Streams flow with backpressure: past ``HIGH_WATER`` buffered bytes it stops reading
   the socket until the consumer has taken them, so a slow client slows the upstream.
+  A whole-body ``read`` takes every byte as it comes (it resumes a paused socket), up
+  to ``MAX_BODY``: past that the answer is an error, not the proxy's memory.
+- An answer head (with any 1xx heads before it) over ``MAX_HEAD`` bytes is an error
+  and ends the connection, as the proxy's own 431 does for a request head.
 - Closing a response not read to the end aborts its connection: that is how an
   OpenAI-compatible server learns that the client went away (it cancels the request).
 - An idle connection the server closed is dropped when the pool sees it; one idle
@@ -46,6 +50,14 @@ import httptools
 
 # Buffered response bytes above which the socket is not read until they are consumed.
 HIGH_WATER = 256 * 1024
+# A body read whole (an answer with a length) is held in memory until it is sent: one
+# above this is refused. 512 MiB is far above any OpenAI-style JSON answer (2,048
+# embeddings of 4,096 floats are about 170 MB as JSON) and still bounds a hostile one.
+MAX_BODY = 512 * 1024 * 1024
+# An answer's head (status line, headers, any 1xx heads before it): llhttp takes one of
+# any size, so 200,000 headers were accepted and forwarded. 64 KiB, as the proxy's own
+# request limit (app.MAX_HEADER_BYTES, nginx's order).
+MAX_HEAD = 64 * 1024
 # A pooled connection idle for longer is closed rather than reused: uvicorn (vLLM's
 # server) closes keep-alive connections after 5 s idle, and a request written as it
 # closes one would be lost in the race.
@@ -71,6 +83,10 @@ class UpstreamTimeout(UpstreamError):
     """No connection, or no byte of an awaited answer, within the timeout."""
 
 
+class UpstreamTooLarge(UpstreamError):
+    """An answer head over ``MAX_HEAD``, or a body read whole over ``MAX_BODY``."""
+
+
 class UpstreamClosed(UpstreamError):
     """The server closed the connection before the answer ended."""
 
@@ -92,8 +108,10 @@ class _Conn(asyncio.Protocol):
         "error",
         "framed",
         "got_bytes",
+        "head_bytes",
         "head_done",
         "head_only",
+        "head_raw",
         "headers",
         "idle_since",
         "informational",
@@ -107,6 +125,7 @@ class _Conn(asyncio.Protocol):
         "timer",
         "transport",
         "waiter",
+        "whole",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
@@ -129,6 +148,9 @@ class _Conn(asyncio.Protocol):
         self.chunks: list[bytes] = []
         self.buffered = 0
         self.paused = False
+        self.whole = False  # the body is read whole (Response.read): never paused
+        self.head_bytes = 0  # header names and values seen (on_header)
+        self.head_raw = 0  # bytes received before the head ended
         self.head_done = False
         self.head_only = head_only
         self.complete = False
@@ -157,6 +179,7 @@ class _Conn(asyncio.Protocol):
             self.abort()
             return
         self.got_bytes = True
+        head = not self.head_done
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -166,6 +189,12 @@ class _Conn(asyncio.Protocol):
                 self.abort()  # bytes after a whole answer (on_message_begin): the answer stands
             else:
                 self._fail(UpstreamError(f"a malformed answer: {e}"))
+        if head and not self.head_done:
+            # llhttp buffers a header it has not seen the end of: a head that does not
+            # end within the limit is cut here, whatever on_header has seen of it.
+            self.head_raw += len(data)
+            if self.head_raw > MAX_HEAD:
+                self._fail(self._head_too_large())
 
     def eof_received(self) -> bool | None:
         return False  # close the transport: connection_lost follows
@@ -194,7 +223,16 @@ class _Conn(asyncio.Protocol):
         if self.complete:
             raise UpstreamError("more after the answer")  # ends feed_data; see data_received
 
+    def _head_too_large(self) -> UpstreamTooLarge:
+        return UpstreamTooLarge(f"an answer head over {MAX_HEAD // 1024} KiB")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Counted here too: a whole head can arrive in one read.
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > MAX_HEAD:
+            err = self._head_too_large()
+            self._fail(err)
+            raise err  # ends feed_data (data_received keeps the first error)
         name = name.lower()
         if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value):
             self.framed = True
@@ -221,6 +259,14 @@ class _Conn(asyncio.Protocol):
             return
         self.chunks.append(body)
         self.buffered += len(body)
+        if self.whole:
+            if self.buffered > MAX_BODY:
+                self._fail(UpstreamTooLarge(f"an answer over {MAX_BODY // 2**20} MiB"))
+            else:
+                # read() wakes at the end only, not per chunk; bytes still arriving are
+                # not silence, so the read timeout moves on.
+                self.deadline = self.loop.time() + self.timeout_s
+            return
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
@@ -307,9 +353,16 @@ class Response:
         return None
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body (``UpstreamTooLarge`` past ``MAX_BODY``)."""
         c = self._conn
         assert c is not None, "read after aclose"
+        # Taken whole, so nothing is held back: the socket may have been paused at
+        # HIGH_WATER before this call (the body started with the head), and the answer
+        # would otherwise wait there for the read timeout.
+        c.whole = True
+        if c.paused and not c.closed and c.transport is not None:
+            c.paused = False
+            c.transport.resume_reading()
         while not c.complete:
             if c.error is not None:
                 raise c.error
