@@ -10,7 +10,9 @@ the gpuctl it runs, and so lands in that window every time::
 
 Actions: ``pause`` (print that line, then sleep until a signal ends the process; SIGINT
 raises KeyboardInterrupt as Ctrl-C does), ``kill`` (SIGKILL itself), ``interrupt``
-(raise KeyboardInterrupt), ``sleep:<seconds>`` (a delay, to widen a window). With
+(raise KeyboardInterrupt), ``sleep:<seconds>`` (a delay, to widen a window), ``stop``
+(print ``gpuctl failpoint NAME: stop (pid N)``, then SIGSTOP itself: the test does
+something in that window, then sends SIGCONT and the process goes on). With
 ``GPUCTL_FAILPOINTS_DIR`` set, a paused process also creates ``<dir>/<name>.<pid>``.
 
 Unset (always, outside tests), ``hit`` costs one dictionary lookup.
@@ -51,6 +53,11 @@ def hit(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "interrupt":
         raise KeyboardInterrupt
+    if action == "stop":
+        sys.stderr.write(f"gpuctl failpoint {name}: stop (pid {os.getpid()})\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if action.startswith("sleep:"):
         time.sleep(float(action.removeprefix("sleep:")))
         return

@@ -31,6 +31,7 @@ from tests.ensure_helpers import (
     run_ensure,
     server_pids,
     service_toml,
+    sim_claims,
     unique_name,
 )
 
@@ -119,5 +120,117 @@ def test_a_preemptor_killed_while_stopping_its_victim_leaves_it_preempted(
         assert len(server_pids(batch)) == 1
         assert read_record(host, batch)["phase"] == "running"
     finally:
+        kill_servers(chat)
+        kill_servers(batch)
+
+
+def _stopped_at(cfg: Path, name: str, failpoint: str, *args: str) -> subprocess.Popen[str]:
+    """``gpuctl ensure NAME --preempt`` stopped (SIGSTOP) at ``failpoint``; returns once
+    the process sits stopped there, for the test to act in that window."""
+    env = cli_env(cfg)
+    env["GPUCTL_FAILPOINTS"] = f"{failpoint}=stop"
+    p = subprocess.Popen(
+        [gpuctl_exe(), "ensure", name, "--preempt", "--json", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stderr is not None
+    for line in p.stderr:
+        if line.startswith(f"gpuctl failpoint {failpoint}: stop"):
+            break
+    else:
+        raise AssertionError(f"never reached {failpoint} (exit {p.wait()})")
+    # The line comes just before its SIGSTOP: a SIGCONT sent earlier would be lost.
+    import psutil
+
+    while psutil.Process(p.pid).status() != psutil.STATUS_STOPPED:
+        time.sleep(0.01)
+    return p
+
+
+def _resume(cfg: Path, name: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [gpuctl_exe(), "resume", name, "--json"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_preemptor_out_of_time_at_its_launch_puts_its_phase_back(host: SimHost) -> None:
+    chat, batch = unique_name("chat"), unique_name("batch")
+    pc, pb = free_port(), free_port()
+    cfg = host.write_config(
+        service(chat, pc, 100, 100) + service(batch, pb, 30, 50, "resume = true")
+    )
+    try:
+        assert run_ensure(cfg, batch).returncode == 0
+        t0 = time.time()
+        caller = _stopped_at(cfg, chat, "preempt.before_launch", "--timeout", "4s")
+        # The victim is stopped and its room made; the caller's deadline passes before
+        # its launch.
+        assert server_pids(batch) == []
+        assert read_record(host, chat)["phase"] == "starting"
+        time.sleep(max(0.0, t0 + 4.5 - time.time()))
+        caller.send_signal(signal.SIGCONT)
+        out, err = caller.communicate(timeout=60)
+        res = json.loads(out)
+        assert res["outcome"] == "timeout", (out, err)
+        assert "before it was admitted" in res["reason"] or "admission lock" in res["reason"]
+        assert server_pids(chat) == []
+        rec = read_record(host, chat)
+        # Nothing launched: no `starting` left behind promising chat's 100 GiB.
+        assert rec["phase"] == "stopped" and not rec.get("start_nonce"), rec
+        r = _resume(cfg, batch)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert len(server_pids(batch)) == 1
+    finally:
+        kill_servers(chat)
+        kill_servers(batch)
+
+
+def test_a_preemptor_refused_at_its_launch_by_a_foreign_process_puts_its_phase_back(
+    host: SimHost,
+) -> None:
+    chat, batch = unique_name("chat"), unique_name("batch")
+    pc, pb = free_port(), free_port()
+    cfg = host.write_config(
+        service(chat, pc, 100, 100) + service(batch, pb, 30, 50, "resume = true")
+    )
+    foreign: subprocess.Popen[str] | None = None
+    try:
+        assert run_ensure(cfg, batch).returncode == 0
+        caller = _stopped_at(cfg, chat, "preempt.before_launch", "--timeout", "60s")
+        assert server_pids(batch) == []
+        # A process gpuctl did not start takes 40 GiB of the room made for chat.
+        foreign = subprocess.Popen(
+            [gpuctl_exe(), "sim", "hold", "--memory", "40GiB", "--name", "foreign-notebook"],
+            env=cli_env(cfg),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 30
+        while not sim_claims(host, "foreign-notebook"):
+            assert time.time() < deadline and foreign.poll() is None
+            time.sleep(0.05)
+        caller.send_signal(signal.SIGCONT)
+        out, err = caller.communicate(timeout=60)
+        assert caller.returncode == 3, (out, err)
+        assert json.loads(out)["outcome"] == "busy", (out, err)
+        assert server_pids(chat) == []
+        rec = read_record(host, chat)
+        assert rec["phase"] == "stopped" and not rec.get("start_nonce"), rec
+        # 30 + 40 <= 120: the batch fits again once chat's memory is no longer promised.
+        r = _resume(cfg, batch)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert len(server_pids(batch)) == 1
+    finally:
+        if foreign is not None:
+            foreign.terminate()
+            foreign.wait(timeout=30)
         kill_servers(chat)
         kill_servers(batch)

@@ -203,16 +203,29 @@ def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) 
 
 
 def launch_under_lease(
-    ctx: _Ctx, holder: Holder, ttl: float, first: Decision, wait: bool
+    ctx: _Ctx,
+    holder: Holder,
+    ttl: float,
+    first: Decision,
+    wait: bool,
+    *,
+    restore: dict[str, Any] | None = None,
 ) -> EnsureResult | None:
+    """``restore``: what the record was before a caller (``ensure --preempt``) marked it
+    ``starting`` to promise its memory; put back on every path that launches nothing
+    (a refusal, the deadline, an exception), so no `starting` record without a start
+    stays behind to hold the room."""
     deps, svc = ctx.deps, ctx.deps.service
     released = False
+    unlaunched = restore
 
     def release(update: dict[str, Any] | None = None) -> None:
         nonlocal released
         if released:
             return
         released = True  # once: a failed release is not retried (the lease expires by itself)
+        if update is None and unlaunched is not None:
+            update = unlaunched
         try:
             deps.store.release(svc.name, holder.id, update)
         except GpuctlError as e:
@@ -268,6 +281,7 @@ def launch_under_lease(
                 assert own is not None
                 started_at = own.since
                 handle = adopted
+                unlaunched = None
                 deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
                 ctx.notes.append(
                     f"found the server of an earlier start whose caller went ({describe_handle(handle)})"
@@ -285,6 +299,8 @@ def launch_under_lease(
                 launcher = deps.make_launcher(seen.snapshot)
                 started_at = deps.clock()
                 nonce = secrets.token_hex(8)
+                # From here a start is under way (its nonce recorded): never put back.
+                unlaunched = None
                 # `starting` under the admission lock: from now on the others count this
                 # service at its budget, even before its server exists. The nonce goes
                 # into the server's environment: if we die before recording the server,

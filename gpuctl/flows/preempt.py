@@ -33,7 +33,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from gpuctl import failpoints
 from gpuctl.adapters.jobs import JOB_GRACE_S, stop_job
@@ -232,7 +232,17 @@ def _wait_for_memory(deps: RoomDeps, room: Room) -> Room:
 
 # ensure's launch_under_lease, handed in by ensure (importing it here would make the two
 # modules import each other).
-Launch = Callable[["Ctx", Holder, float, Decision, bool], EnsureResult | None]
+class Launch(Protocol):
+    def __call__(
+        self,
+        ctx: Ctx,
+        holder: Holder,
+        ttl: float,
+        first: Decision,
+        wait: bool,
+        *,
+        restore: dict[str, Any] | None = None,
+    ) -> EnsureResult | None: ...
 
 
 def preempt(
@@ -289,8 +299,11 @@ def preempt(
         if room.outcome == "unknown":
             assert room.verdict is not None
             return ctx.from_verdict(room.verdict)
-        own_released = True  # launch_under_lease releases it from here on
-        return launch(ctx, holder, ttl, Decision.PREEMPTABLE, wait)
+        failpoints.hit("preempt.before_launch")
+        # launch_under_lease releases it from here on, putting `restore` back if it
+        # launches nothing (refused, out of time, an exception).
+        own_released = True
+        return launch(ctx, holder, ttl, Decision.PREEMPTABLE, wait, restore=restore)
     finally:
         if not own_released:
             with contextlib.suppress(GpuctlError):
