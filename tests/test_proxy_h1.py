@@ -634,3 +634,69 @@ def test_a_body_read_whole_over_max_body_is_an_error_and_ends_the_connection(
 
     srv: Server
     run(main())
+
+
+# --------------------------------------------------------------------------- the answer head
+
+
+def _head_of(shape: str) -> bytes:
+    filler = b"v" * 1000
+    if shape == "many-headers":  # 2,000 headers of about 1 KB
+        return b"".join(b"x-filler-%04d: %s\r\n" % (i, filler) for i in range(2000))
+    if shape == "one-huge-header":  # one header of 1 MB, never ended within the limit
+        return b"x-huge: " + b"v" * 2**20 + b"\r\n"
+    if shape == "behind-100-continue":  # 1xx heads count towards the same limit
+        return b"".join(b"x-filler-%04d: %s\r\n" % (i, filler) for i in range(40)) + (
+            b"\r\nHTTP/1.1 200 OK\r\n"
+            + b"".join(b"x-more-%04d: %s\r\n" % (i, filler) for i in range(40))
+        )
+    raise AssertionError(shape)
+
+
+@pytest.mark.parametrize("shape", ["many-headers", "one-huge-header", "behind-100-continue"])
+def test_an_answer_head_over_max_head_is_an_error_and_ends_the_connection(shape: str) -> None:
+    hung_up = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await srv.read_request(reader)
+        first = b"HTTP/1.1 100 Continue\r\n" if shape == "behind-100-continue" else b""
+        writer.write(
+            (first or b"HTTP/1.1 200 OK\r\n") + _head_of(shape) + b"content-length: 2\r\n\r\n{}"
+        )
+        try:
+            await writer.drain()
+            await reader.read()  # EOF once the client has dropped the connection
+        except ConnectionError:
+            pass
+        hung_up.set()
+
+    async def main() -> None:
+        nonlocal srv
+        async with Server(handler) as s:
+            srv = s
+            c = Client(5, 10)
+            with pytest.raises(h1.UpstreamTooLarge, match="an answer head over 64 KiB"):
+                await post(c, s.origin)
+            await hung_up.wait()  # the connection was dropped, not left to the server
+            assert c.pool(s.origin).idle == []
+            c.close()
+
+    srv: Server
+    run(main())
+
+
+def test_an_answer_head_just_under_max_head_is_taken_whole() -> None:
+    filler = b"v" * 1000
+    head = b"".join(b"x-filler-%02d: %s\r\n" % (i, filler) for i in range(60))  # ~61 KB
+
+    async def main() -> None:
+        srv: Server
+        async with Server(serve_each(lambda: srv, lambda n, i: ok(b"{}", head))) as srv:
+            c = Client(5, 10)
+            r = await post(c, srv.origin)
+            assert (r.status, await r.read()) == (200, b"{}")
+            assert len(r.headers) == 61 and r.header(b"x-filler-59") == filler
+            r.aclose()
+            c.close()
+
+    run(main())

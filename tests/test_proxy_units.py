@@ -180,3 +180,17 @@ def test_metrics_parse_as_prometheus_text() -> None:
     assert fams["gpuctl_proxy_upstream_latency_seconds"].type == "histogram"
     reqs = fams["gpuctl_proxy_requests"].samples
     assert reqs[0].labels == {"service": "vllm", "code": "200"} and reqs[0].value == 3
+
+
+def test_connection_names_its_own_hop_by_hop_headers() -> None:
+    from gpuctl.proxy.relay import HOP, connection_named, hop_filter
+
+    headers = [
+        (b"connection", b"close, X-Secret"),
+        (b"connection", b" keep-alive ,,x-other "),
+        (b"x-secret", b"1"),
+    ]
+    assert connection_named(headers) == {b"close", b"x-secret", b"keep-alive", b"x-other"}
+    assert hop_filter(headers, HOP) == HOP | {b"close", b"x-secret", b"x-other"}
+    assert hop_filter([(b"connection", b"keep-alive")], HOP) is HOP  # nothing new: as is
+    assert hop_filter([(b"x-secret", b"1")], HOP) is HOP

@@ -9,6 +9,7 @@ answers an embedding of as many bytes as its input asks, ``/big/<n>`` ``n`` byte
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import threading
 from collections.abc import Iterator
@@ -179,3 +180,52 @@ def test_a_large_service_answer_arrives_whole(setup: Setup, size: int, chunked: 
             else:
                 assert r.headers["content-length"] == str(size)
             assert hashlib.sha256(r.content).digest() == hashlib.sha256(pattern(size)).digest()
+
+
+# --------------------------------------------------------------------- the answer head
+
+
+def test_an_answer_head_over_64_kib_is_a_502_naming_the_service(setup: Setup) -> None:
+    # 200,000 headers of ~1 KB were read, kept and forwarded (the proxy grew by 250 MB).
+    with httpx.Client(timeout=60) as c:
+        r = c.get(f"{setup.proxy.url}/services/bigsvc/many-headers")
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["code"] == "upstream_error"
+        assert "bigsvc's server failed" in err["message"]
+        assert "an answer head over 64 KiB" in err["message"]
+        assert "x-filler" not in r.text and len(r.headers) < 10
+        assert setup.upstream.cut.wait(30)  # the proxy dropped the upstream connection
+        # and it goes on serving
+        assert c.get(f"{setup.proxy.url}/services/bigsvc/big/10").content == pattern(10)
+
+
+# --------------------------------------------------------------------- Connection: names
+
+
+def test_headers_named_in_connection_are_not_forwarded_either_way(setup: Setup) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", setup.proxy.port, timeout=60)
+    try:
+        c.putrequest("GET", "/services/bigsvc/connection-named", skip_accept_encoding=True)
+        for k, v in [
+            ("Connection", "x-drop-me"),
+            ("Connection", " X-Also-Dropped , keep-alive"),  # several, any case, spaces
+            ("x-drop-me", "1"),
+            ("X-Also-Dropped", "1"),
+            ("x-kept-request", "1"),
+        ]:
+            c.putheader(k, v)
+        c.endheaders()
+        r = c.getresponse()
+        r.read()
+        got = {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        c.close()
+    assert r.status == 200
+    # the request side: what reached the upstream
+    seen = setup.upstream.seen[-1]
+    assert seen.get("x-kept-request") == "1"
+    assert "x-drop-me" not in seen and "x-also-dropped" not in seen
+    # the answer side: the upstream said "connection: close, x-secret"
+    assert got.get("x-kept") == "1"
+    assert "x-secret" not in got

@@ -65,6 +65,7 @@ from gpuctl.proxy.relay import (
     Send,
     client_gone,
     end_with_error,
+    hop_filter,
     relay,
 )
 from gpuctl.proxy.routes import (
@@ -676,10 +677,11 @@ class ProxyApp:
             if qs:
                 target += b"?" + safe_query(qs).encode("ascii")
         keep_auth = self.settings.pass_authorization
+        drop = hop_filter(scope["headers"], HOP)
         headers = [
             (k, v)
             for k, v in scope["headers"]
-            if k not in HOP and (keep_auth or k != b"authorization")
+            if k not in drop and (keep_auth or k != b"authorization")
         ]
         t0 = time.perf_counter()
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from gpuctl.proxy.errors import sse_error_event
@@ -43,6 +43,22 @@ HOP = frozenset(
 _HOP_RESPONSE = HOP | {b"date"}
 
 
+def connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names listed in ``Connection`` (any number of them, comma-separated):
+    hop-by-hop for this connection only, so not forwarded either (RFC 9110 §7.6.1)."""
+    names: set[bytes] = set()
+    for k, v in headers:
+        if k == b"connection":
+            names.update(t for t in (p.strip().lower() for p in bytes(v).split(b",")) if t)
+    return frozenset(names)
+
+
+def hop_filter(headers: Iterable[tuple[bytes, bytes]], hop: frozenset[bytes]) -> frozenset[bytes]:
+    """``hop`` and, when a ``Connection`` header names more, those too."""
+    named = connection_named(headers)
+    return hop | named if named - hop else hop
+
+
 async def relay(
     resp: Response, *, send: Send, send_body: Send, receive: Receive, name: str, opened_sse: bool
 ) -> bool:
@@ -69,7 +85,8 @@ async def relay(
             )
             return False
     else:
-        headers = [(k, v) for k, v in resp.headers if k not in _HOP_RESPONSE]
+        drop = hop_filter(resp.headers, _HOP_RESPONSE)
+        headers = [(k, v) for k, v in resp.headers if k not in drop]
         if not sse and resp.header(b"content-length") is not None:
             content = await resp.read()
             headers.append((b"content-length", str(len(content)).encode()))
