@@ -202,3 +202,46 @@ def test_a_preemptible_job_ended_early_needs_a_preemptor_above_it() -> None:
     o.jobs = {"scraps": Job("scraps", 40, True, 15 * GIB, 1.0, spawned=0.0)}
     o.observations = [obs(1.0, {"scraps": "running"}), obs(2.0, {"scraps": "stopped"})]
     assert judged(o).violations == []
+
+
+def run_preempt_output(victims: str) -> str:
+    """What ``gpuctl run --preempt`` prints (no JSON), around its CMD's own output."""
+    return (
+        f"gpuctl run: preempting {victims} (priority 50, 30.0 GiB) to make room\n"
+        f"gpuctl run: preempted {victims} to make room (their stops took 0.10s)\n"
+        "holding 15GiB\n"
+    )
+
+
+def test_a_run_preempt_job_is_a_preemptor_of_its_priority() -> None:
+    o = clean()
+    # A `gpuctl run --preempt` job at 60, not chat, stops the batch (50): permitted.
+    o.callers = [
+        CallerFacts("run --preempt", "batch", 0.5, 3.5, preempts=60,
+                    output=run_preempt_output("batch")),
+    ]  # fmt: skip
+    v = judged(o)
+    assert v.violations == []
+    assert v.counts["preemptions"] == 1 and v.counts["victims named by their preemptor"] == 1
+    # Without --preempt the same job explains nothing.
+    o.callers = [CallerFacts("run", "batch", 0.5, 3.5, preempts=None)]
+    v = judged(o)
+    assert any("batch (priority 50) was preempted with no preemptor" in x for x in v.violations)
+    assert any("batch's server 200 ended" in x for x in v.violations)
+
+
+def test_a_run_preempt_job_stopping_the_peer_or_a_non_preemptible_job_is_caught() -> None:
+    o = clean()
+    o.observations = [
+        obs(1.0, {"peer": "running", "whisper": "running"}),
+        obs(2.0, {"peer": "preempted", "whisper": "preempted"}),
+    ]
+    o.callers = [
+        CallerFacts("run --preempt", "peer", 0.5, 3.5, preempts=100,
+                    output=run_preempt_output("peer, run.whisper")),
+    ]  # fmt: skip
+    v = judged(o)
+    assert any("peer (priority 100) was preempted with no preemptor" in x for x in v.violations)
+    assert any("run --preempt peer (priority 100) preempted peer" in x for x in v.violations)
+    assert any("job whisper was preempted, but it is not --preemptible" in x for x in v.violations)
+    assert any("preempted job whisper, not --preemptible" in x for x in v.violations)

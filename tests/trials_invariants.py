@@ -41,6 +41,8 @@ STOP_SLACK_S = 3.0
 LIVE_PHASES = ("starting", "running", "stopping")
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 PREEMPTED_NOTE = re.compile(r"^preempted (.+) to make room")
+# ``gpuctl run --preempt`` says the same on its stderr (no JSON), one line per round.
+RUN_PREEMPTED_LINE = re.compile(r"^gpuctl run: (preempted .+ to make room.*)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -236,13 +238,14 @@ def _victims(o: Outcome, v: Verdict) -> None:
 
 
 def _named_victims(o: Outcome, v: Verdict) -> None:
-    """What each preemptor says it stopped ("preempted X, Y to make room"), judged
-    against its own priority: by whom, precisely."""
+    """What each preemptor says it stopped ("preempted X, Y to make room": an ensure's
+    JSON notes, a ``gpuctl run --preempt``'s lines), judged against its own priority: by
+    whom, precisely."""
     for c in o.callers:
         doc = last_json(c.output)
-        if doc is None:
-            continue
-        for note in doc.get("notes") or []:
+        notes = list((doc or {}).get("notes") or [])
+        notes += RUN_PREEMPTED_LINE.findall(c.output)
+        for note in notes:
             m = PREEMPTED_NOTE.match(str(note))
             if not m:
                 continue

@@ -10,6 +10,9 @@ services: chat 80 GiB priority 100 ``preempt = true``, batch 30 GiB priority 50
   --duration``); the trial keeps each job (``Trial.jobs``) for the checks of
   tests/trials_invariants.py (a job preempted must have been preemptible and below its
   preemptor; a CMD that ends before its duration must have been preempted);
+- ``run --preempt``: such a job at priority 60 or 100 that may stop the batch and
+  preemptible jobs below it (never the peer, never a job that is not preemptible); the
+  trial counts it as a preemptor of its priority;
 - ``resume``: ``gpuctl resume`` of a service (never preempts);
 - ``kill -9 mid-preemption``: an ``ensure --preempt`` of the top priority that lingers
   after each victim's stop (failpoint ``preempt.after_victim_stop``), killed there.
@@ -75,7 +78,7 @@ def _ensure_preempt_killed(t: Trial, s: Svc) -> None:
     threading.Thread(target=later, daemon=True).start()
 
 
-def _run(t: Trial, s: Svc, preemptible: bool) -> None:
+def _run(t: Trial, s: Svc, preemptible: bool, preempt: bool = False) -> None:
     # The trial's prefix (its own processes carry it); now and then the service's name
     # too: its match keyword is then in CMD's command line, and gpuctl must still tell
     # CMD from that service's server by the job's record (a stop of the service once
@@ -83,7 +86,9 @@ def _run(t: Trial, s: Svc, preemptible: bool) -> None:
     name = f"{t.prefix}job{len(t.jobs)}"
     if t.rng.random() < 0.3:
         name = f"{s.name}-job{len(t.jobs)}"
-    prio = t.rng.choice((40, 60, 100))
+    # A preemptor at 60 may stop the batch (50) and preemptible jobs at 40; at 100, chat's
+    # own rights (never the peer, at 100 too).
+    prio = t.rng.choice((60, 100) if preempt else (40, 60, 100))
     duration = round(t.rng.uniform(1.5, 5.0), 1)
     t.jobs[name] = Job(name, prio, preemptible, JOB_GIB * GIB, duration, time.time())
     hold = [sys.executable, "-m", "gpuctl.sim.hold", "--name", name]
@@ -91,9 +96,12 @@ def _run(t: Trial, s: Svc, preemptible: bool) -> None:
     args = ["run", "--memory", f"{JOB_GIB}GiB", "--priority", str(prio), "--name", name]
     if preemptible:
         args.append("--preemptible")
+    if preempt:
+        args.append("--preempt")
     if t.rng.random() < 0.3:
         args += ["--wait", "--timeout", "5s"]
-    t.spawn("run --preemptible" if preemptible else "run", s, *args, "--", *hold)
+    what = "run --preempt" if preempt else "run --preemptible" if preemptible else "run"
+    t.spawn(what, s, *args, "--", *hold, preempts=prio if preempt else None)
 
 
 @action("run", 1.5)
@@ -104,6 +112,13 @@ def _run_plain(t: Trial, s: Svc) -> None:
 @action("run --preemptible", 1.5)
 def _run_preemptible(t: Trial, s: Svc) -> None:
     _run(t, s, preemptible=True)
+
+
+@action("run --preempt", 1.5)
+def _run_preempt(t: Trial, s: Svc) -> None:
+    """A job that may stop lower-priority work to make its room (now and then itself
+    preemptible, by work above it)."""
+    _run(t, s, preemptible=t.rng.random() < 0.3, preempt=True)
 
 
 @action("resume", 1)
