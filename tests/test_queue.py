@@ -18,7 +18,15 @@ import pytest
 
 from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
-from gpuctl.core.queue import Waiter, ahead, in_order, queued_reason
+from gpuctl.core.queue import (
+    PRIORITY_MAX,
+    QUEUE_TTL_MAX_S,
+    Waiter,
+    ahead,
+    in_order,
+    overlived,
+    queued_reason,
+)
 from gpuctl.core.record import Lease
 from gpuctl.errors import UsageError
 from tests.agent_helpers import FakeProbe, serve_in_thread
@@ -270,3 +278,110 @@ def test_a_queue_folder_that_is_a_link_or_a_file_is_a_clear_error(
             call()
         assert "queue" in e.value.message and "not a link" in e.value.hint
     assert sorted(p.name for p in elsewhere.iterdir()) == ["abc.json"]
+
+
+# ----------------------------------------------------------- forged entries (attacker review)
+
+
+def forged(
+    holder_id: str,
+    *,
+    granted: float,
+    expires: float,
+    priority: int = 1_000_000,
+    memory_mib: int = 1 << 30,
+) -> dict[str, object]:
+    """An entry as an attacker writes it: held by pid 1 of this host and boot, at its real
+    start time (alive to every reader here), far beyond any GPU unless told otherwise."""
+    from gpuctl.adapters import procinfo
+
+    here = procinfo.host_identity()
+    lease = Lease(
+        holder_id,
+        here.hostname,
+        here.boot_id,
+        1,
+        procinfo.start_time(1),
+        "run",
+        granted,
+        expires,
+    )
+    return Waiter("run.forged", priority, memory_mib, 1, granted, lease).to_dict()
+
+
+def test_overlived_entries_lapse_whatever_their_expiry() -> None:
+    now = 1_700_000_000.0
+    from dataclasses import replace
+
+    base = w("a", 50, 1)
+
+    def at(granted: float, expires: float) -> Waiter:
+        return replace(base, holder=replace(base.holder, granted=granted, expires=expires))
+
+    assert not overlived(at(now, now + 15), now)  # what a waiter writes
+    assert not overlived(at(now, now + QUEUE_TTL_MAX_S), now)  # the longest it may ask
+    assert overlived(at(1.0, 4_000_000_000.0), now)  # the attacker's
+    assert overlived(at(now, now + QUEUE_TTL_MAX_S + 5), now)  # a term over the cap
+    # A term within the cap but granted in the future: it would outlive the cap from now.
+    assert overlived(at(now + 3600, now + 3600 + 10), now)
+
+
+def test_a_head_that_can_never_fit_is_skipped_not_waited_on() -> None:
+    huge = w("huge", 1_000_000, 1, memory_gib=1 << 20)
+    small = w("small", 50, 2)
+    # Unknown size: nobody can say it never fits, so it is waited on.
+    assert [x.name for x in ahead([huge, small], priority=10)] == ["run.huge", "run.small"]
+    got = ahead([huge, small], priority=10, largest_mib=120 * 1024)
+    assert [x.name for x in got] == ["run.small"]
+    assert ahead([huge, small], priority=10, me=small.id, largest_mib=120 * 1024) == []
+    # Exactly the largest device: it can fit, it is waited on.
+    fits = w("fits", 90, 3, memory_gib=120)
+    got = ahead([fits], priority=10, largest_mib=120 * 1024)
+    assert [x.name for x in got] == ["run.fits"]
+
+
+def test_the_forged_stuck_queue_entry_lapses(
+    store: DirectStore | AgentStore, tmp_path: Path
+) -> None:
+    """The attacker's file (priority 1,000,000, larger than any GPU, pid 1 of this host
+    and boot, granted 1.0, expiring in 2096) is lapsed and deleted by the first reader,
+    directly and through the agent; a term within the cap but granted an hour ahead too."""
+    import time
+
+    base = tmp_path / "state" / "queue"
+    me = holder_here("run")
+    store.queue_join(me, 30, name="run.mine", priority=1, memory_mib=1)
+    (base / "forged1.json").write_text(
+        json.dumps(forged("forged1", granted=1.0, expires=4_000_000_000.0))
+    )
+    now = time.time()
+    (base / "forged2.json").write_text(
+        json.dumps(forged("forged2", granted=now + 3600, expires=now + 3610))
+    )
+    assert [x.name for x in store.waiters()] == ["run.mine"]
+    assert sorted(p.stem for p in base.glob("*.json")) == [me.id]  # both deleted
+    # One within the cap stays live (its holder is alive): only the order skips it.
+    (base / "forged3.json").write_text(
+        json.dumps(forged("forged3", granted=now, expires=now + 250))
+    )
+    assert [x.name for x in store.waiters()] == ["run.forged", "run.mine"]
+
+
+def test_a_forged_priority_beyond_the_services_range_counts_for_nothing(
+    store: DirectStore | AgentStore, tmp_path: Path
+) -> None:
+    import time
+
+    from gpuctl.config.parse import MAX_PRIORITY
+
+    assert PRIORITY_MAX == MAX_PRIORITY  # one range: the config's for services
+    base = tmp_path / "state" / "queue"
+    base.mkdir(parents=True)
+    now = time.time()
+    entry = forged("forged4", granted=now, expires=now + 30, priority=PRIORITY_MAX + 1)
+    (base / "forged4.json").write_text(json.dumps(entry))
+    assert store.waiters() == []
+    with pytest.raises(UsageError):
+        store.queue_join(
+            holder_here("run"), 30, name="run.x", priority=PRIORITY_MAX + 1, memory_mib=1
+        )

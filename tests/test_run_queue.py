@@ -283,3 +283,23 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
     finally:
         store.release(ADMISSION, other.id)
         jobs.close()
+
+
+def test_a_forged_head_that_can_never_fit_blocks_no_one(host: SimHost) -> None:
+    """The attacker's stuck queue, within the term cap: an entry of priority 1,000,000,
+    larger than the GPU, held by this host's pid 1 (alive) and renewed for 290 s. A job
+    without --wait and one with it both run: the head is skipped, not waited on."""
+    from tests.test_queue import forged
+
+    cfg = host.write_config("")
+    queue = host.state_dir / "queue"
+    queue.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    (queue / "forged9.json").write_text(
+        json.dumps(forged("forged9", granted=now, expires=now + 290))
+    )
+    assert [q["name"] for q in locks(cfg)["queue"]] == ["run.forged"]  # it is there, live
+    r = gpuctl(cfg, "run", "-m", "1GiB", "-p", "10", "--", "true")
+    assert r.returncode == 0, r.stderr
+    r = gpuctl(cfg, "run", "--wait", "--timeout", "60s", "-m", "1GiB", "--", "true")
+    assert r.returncode == 0, r.stderr

@@ -16,6 +16,7 @@ from gpuctl.cli.common import (
     say,
     size_parser,
 )
+from gpuctl.core.jobs import PRIORITY_MAX
 from gpuctl.errors import UsageError
 
 
@@ -48,8 +49,8 @@ def run(
             "--priority",
             "-p",
             help="Higher wins (default 50, as services).",
-            min=-1_000_000,
-            max=1_000_000,
+            min=-PRIORITY_MAX,
+            max=PRIORITY_MAX,
         ),
     ] = 50,
     name: Annotated[

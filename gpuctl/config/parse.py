@@ -34,6 +34,7 @@ from gpuctl.config.model import (
 )
 from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
 from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
+from gpuctl.core.jobs import PRIORITY_MAX
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
 from gpuctl.errors import ConfigError
 
@@ -102,7 +103,7 @@ _SECRET_KEYS = {
 HTTP = ("http", "https")
 DOCKER_SCHEMES = ("unix", "tcp", "ssh", "http", "https", "npipe")
 
-MAX_PRIORITY = 1_000_000
+MAX_PRIORITY = PRIORITY_MAX  # one range for services, jobs and waiters
 # NVML indexes GPUs from 0; no machine has anywhere near this many.
 MAX_DEVICE_INDEX = 1023
 

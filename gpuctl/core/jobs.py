@@ -19,6 +19,10 @@ from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
 
 PREFIX = "run."
+# The priorities a service may have (the config's range), and so a job or a waiter: a
+# record or queue entry claiming more is capped (a job) or refused (a waiter), so that no
+# forged file outranks everything a person can configure.
+PRIORITY_MAX = 1_000_000
 # A job's process is its own: no keyword, only its recorded pid, makes a process its.
 JOB_HEALTH_TIMEOUT_S = 365 * 24 * 3600.0
 
@@ -70,7 +74,7 @@ def job_spec(record: Record) -> JobSpec | None:
     return JobSpec(
         record.service,
         mem,
-        prio,
+        max(-PRIORITY_MAX, min(PRIORITY_MAX, prio)),
         preemptible=h.get("preemptible") is True,
         pid=pid if isinstance(pid, int) else None,
         pid_start=float(start) if isinstance(start, int | float) else None,

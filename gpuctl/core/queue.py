@@ -20,6 +20,16 @@ queue (``gpuctl run`` without ``--wait``) counts as arriving now: it is admitted
 no live waiter of its priority or higher is queued (it would be the head). The price: a
 head that waits for memory held by something that never ends holds up the rest until
 their own timeouts; ``gpuctl locks`` shows it at position 1.
+
+**What no entry may do** (an entry is a file in the store: hostile until read). An
+entry lives at most ``QUEUE_TTL_MAX_S`` after its grant (its last renewal): one whose
+term is longer, or that expires further ahead than that from now, was not written by
+gpuctl (a waiter renews for 15 s at a time) and is lapsed at once (``overlived``). A
+head that can never fit (larger than the GPU's largest device: a run job uses one GPU,
+any of them) is skipped, not waited on: gpuctl never queues such a job, so it is a
+forgery or a leftover from a larger GPU, and waiting on it would stop the queue for good.
+Priorities are the services' range (``PRIORITY_MAX`` either way); the store refuses
+an entry outside it.
 """
 
 from __future__ import annotations
@@ -28,8 +38,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuctl.core.jobs import PRIORITY_MAX
 from gpuctl.core.record import Lease
 from gpuctl.core.units import format_mib
+
+__all__ = [
+    "PRIORITY_MAX",
+    "QUEUE_TTL_MAX_S",
+    "Waiter",
+    "ahead",
+    "can_fit",
+    "in_order",
+    "overlived",
+    "queued_reason",
+]
+
+# A waiter renews its entry as it waits (15 s at a time, about twice a second): an entry
+# that outlives its holder from another host (kill -9 there) blocks the queue this long
+# at most, and no entry lives longer than this after its grant, whatever its file says.
+QUEUE_TTL_MAX_S = 300.0
+# Float rounding of ``granted + ttl`` and a small clock step on the host.
+_SLACK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +87,21 @@ class Waiter:
         }
 
 
+def overlived(w: Waiter, now: float) -> bool:
+    """An entry whose term is longer than any waiter may ask (``QUEUE_TTL_MAX_S`` after its
+    grant), or that expires further ahead than that from ``now`` (a grant in the future):
+    it counts as lapsed, whoever its holder is."""
+    h = w.holder
+    longest = QUEUE_TTL_MAX_S + _SLACK_S
+    return h.expires - h.granted > longest or h.expires - now > longest
+
+
+def can_fit(w: Waiter, largest_mib: int | None) -> bool:
+    """Whether the waiter could ever fit on one GPU of ``largest_mib`` (None: unknown, so
+    it may)."""
+    return largest_mib is None or w.memory_mib <= largest_mib
+
+
 def order_key(w: Waiter) -> tuple[int, int, float, str]:
     """Higher priority first, then arrival (``seq``; ``since`` and the id only break ties
     a sound store never makes)."""
@@ -69,15 +113,24 @@ def in_order(waiters: Iterable[Waiter]) -> list[Waiter]:
     return sorted(waiters, key=order_key)
 
 
-def ahead(waiters: Iterable[Waiter], *, priority: int, me: str | None = None) -> list[Waiter]:
+def ahead(
+    waiters: Iterable[Waiter],
+    *,
+    priority: int,
+    me: str | None = None,
+    largest_mib: int | None = None,
+) -> list[Waiter]:
     """The live waiters that go before a caller, in order; it may be admitted only when
     there are none.
+
+    ``largest_mib``: the GPU's largest device; a waiter larger than it can never fit and
+    is skipped (None: unknown, none is skipped).
 
     ``me``: the caller's own holder id when it is queued: the waiters ordered before its
     entry. A caller with no entry among ``waiters`` (one that does not queue, or whose
     entry has lapsed) arrives now: every waiter of its priority or higher is ahead.
     """
-    ordered = in_order(waiters)
+    ordered = in_order(w for w in waiters if can_fit(w, largest_mib))
     for i, w in enumerate(ordered):
         if me is not None and w.id == me:
             return ordered[:i]

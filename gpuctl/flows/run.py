@@ -45,7 +45,7 @@ from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
 from gpuctl.core.model import HostIdentity, Snapshot
-from gpuctl.core.queue import Waiter, ahead, queued_reason
+from gpuctl.core.queue import Waiter, queued_reason
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
@@ -53,7 +53,7 @@ from gpuctl.flows import run_preempt as rp
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
 from gpuctl.flows.observe import decide, observe
-from gpuctl.flows.run_queue import Place, QueuedAdmission
+from gpuctl.flows.run_queue import Place, QueuedAdmission, ahead_now
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
@@ -159,16 +159,16 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     command = os.path.basename(req.argv[0])[:200]
     pre = rp.Preemption(deps, spec, notes, command) if req.preempt else None
     place = Place(deps.store, spec) if req.wait else None
+    largest: int | None = None  # the GPU's largest device, once looked at (None: unknown)
     try:
         while True:
-            before = place.refresh() if place is not None and place.joined else []
+            before = place.refresh(largest) if place is not None and place.joined else []
             if not before:
                 try:
                     with admission(_Ctx(deps, deadline, place)):
                         verdict, largest, snapshot = _look(deps, spec, victims=True, pre=pre)
                         # Under the lock, the queue as it stands: only its head goes.
-                        me = place.id if place is not None else None
-                        before = ahead(deps.store.waiters(), priority=spec.priority, me=me)
+                        before = ahead_now(deps.store, spec, place, largest)
                         if not before and verdict.decision in (Decision.IDLE, Decision.FITS):
                             started = _start(deps, spec, req, verdict, name, pre=pre)
                             if place is not None:
@@ -204,7 +204,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
                 refusal.reason = f"still waiting at the timeout: {refusal.reason}"
                 return refusal
             if not place.joined:
-                place.refresh()  # it does not fit, or others are ahead: it joins the queue
+                place.refresh(largest)  # it does not fit, or others are ahead: it joins the queue
             if not told:
                 deps.tell(f"waiting for room: {refusal.reason} (queued: `gpuctl locks`)")
                 told = True

@@ -3,7 +3,8 @@
 The queue itself is in the store (``gpuctl.adapters.store.queue``), its order in
 ``gpuctl.core.queue``; ``gpuctl.flows.run`` joins it when a job does not fit, renews its
 entry on every look (``Place.refresh``), and leaves it once admitted and in a
-``finally`` (a timeout, Ctrl-C, SIGTERM, an error).
+``finally`` (a timeout, Ctrl-C, SIGTERM, an error). A waiter larger than the GPU's
+largest device (a forgery, or a leftover) is skipped, never waited on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ QUEUE_TTL_S = 15.0
 BEAT_S = 2.0
 
 
+def ahead_now(
+    store: Store, spec: JobSpec, place: Place | None, largest_mib: int | None
+) -> list[Waiter]:
+    """Under the admission lock: the live waiters ahead of the caller (queued with
+    ``place``, or arriving now), skipping those that can never fit."""
+    me = place.id if place is not None else None
+    return ahead(store.waiters(), priority=spec.priority, me=me, largest_mib=largest_mib)
+
+
 class Place:
     """This caller's entry in the host's wait queue, and the signals that end its wait.
 
@@ -48,6 +58,7 @@ class Place:
         self.id = self.holder.id
         self.joined = False
         self._renewed = 0.0
+        self.largest_mib: int | None = None
         self.signum = 0
         self._previous: dict[int, Any] = {}
         # Signal handlers belong to the main thread; elsewhere the defaults stay.
@@ -65,8 +76,9 @@ class Place:
             sleep(min(self.SLICE_S, left))
         return self.signum
 
-    def refresh(self) -> list[Waiter]:
-        """Join, or renew the entry (its heartbeat); the live waiters ahead of it."""
+    def refresh(self, largest_mib: int | None = None) -> list[Waiter]:
+        """Join, or renew the entry (its heartbeat); the live waiters ahead of it (those
+        larger than ``largest_mib``, the GPU's largest device, never fit: skipped)."""
         s = self.spec
         assert s.memory_mib is not None
         self.joined = True  # before the call: a join that lands and then fails is left too
@@ -74,13 +86,14 @@ class Place:
             self.holder, QUEUE_TTL_S, name=s.name, priority=s.priority, memory_mib=s.memory_mib
         )
         self._renewed = time.monotonic()
-        return ahead(queue, priority=s.priority, me=self.id)
+        self.largest_mib = largest_mib
+        return ahead(queue, priority=s.priority, me=self.id, largest_mib=largest_mib)
 
     def beat(self) -> None:
         """Renew the entry if it is due (while waiting for the admission lock)."""
         if self.joined and time.monotonic() - self._renewed >= BEAT_S:
             with contextlib.suppress(GpuctlError):
-                self.refresh()
+                self.refresh(self.largest_mib)
 
     def leave(self) -> None:
         """Out of the queue, and the signals' handlers back as they were (idempotent; a

@@ -43,7 +43,7 @@ from gpuctl.adapters.store.schema import (
     text,
 )
 from gpuctl.core.names import NAME_RE
-from gpuctl.core.queue import Waiter
+from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S, Waiter
 from gpuctl.core.record import RECORD_SCHEMA, Failure, Holder, Lease, Phase, Record, SetAside
 
 __all__ = [
@@ -54,6 +54,8 @@ __all__ = [
     "NONCE",
     "PID",
     "PID_MAX",
+    "PRIORITY_MAX",
+    "QUEUE_TTL_MAX_S",
     "RECORD_FIELDS",
     "SERVICE",
     "TIME",
@@ -172,12 +174,8 @@ _SET_ASIDE_LIST = array(obj(SET_ASIDE_FIELDS), MAX_SET_ASIDE)
 # A wait-queue entry (``core.queue.Waiter``): its holder's id names its file, so it is
 # letters and digits only (gpuctl's are uuid hex).
 QUEUE_ID = re.compile(r"[A-Za-z0-9]{1,64}")
-PRIORITY_MAX: Final = 1_000_000
 MEMORY_MAX_MIB: Final = 1 << 40
 SEQ_MAX: Final = 2**53
-# A waiter renews its entry as it waits (about twice a second): an entry that outlives
-# its holder from another host (kill -9 there) blocks the queue for this long at most.
-QUEUE_TTL_MAX_S: Final = 300.0
 WAITER_FIELDS: Final = {
     "name": (SERVICE, REQUIRED),
     "priority": (integer(-PRIORITY_MAX, PRIORITY_MAX), REQUIRED),

@@ -13,7 +13,8 @@ an error). ``waiters`` lists the live entries in the order they will be served.
 
 Like a lease, an entry is tied to its holder's pid, start time and boot id: on the GPU
 host, the entry of a holder that died (``kill -9``) is void at once; from elsewhere
-(through the agent) it lapses at its expiry. Every reader under the lock deletes the
+(through the agent) it lapses at its expiry, and no later than ``QUEUE_TTL_MAX_S`` after
+its grant whatever its file says (``core.queue.overlived``). Every reader under the lock deletes the
 void and lapsed entries it finds. A file that is not a sound entry counts for nothing
 and is left for a person to look at (its holder's next ``join`` overwrites it).
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuctl.adapters.store.codec import QUEUE_ID, QUEUE_TTL_MAX_S, RecordError, decode_waiter
-from gpuctl.core.queue import Waiter, in_order
+from gpuctl.core.queue import Waiter, in_order, overlived
 from gpuctl.core.record import Holder, LeaseState, lease_state
 from gpuctl.errors import StoreError, UsageError
 
@@ -144,7 +145,7 @@ class QueueFiles:
             state = lease_state(
                 h, now, here_host=here.hostname, here_boot_id=here.boot_id, holder_alive=alive
             )
-            if state is LeaseState.LIVE:
+            if state is LeaseState.LIVE and not overlived(w, now):
                 live.append(w)
             else:
                 with contextlib.suppress(OSError):
