@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
+from gpuctl.core.safe_text import json_safe
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -68,7 +70,9 @@ def make_response(
 def json_response(
     status: int, obj: Any, extra_headers: Iterable[tuple[bytes, bytes]] = ()
 ) -> Response:
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    # A process's command line read with surrogateescape would go out as "\udcff", which
+    # strict JSON parsers refuse: lone surrogates are written as `\xff` (core.safe_text).
+    body = json.dumps(json_safe(obj), separators=(",", ":")).encode()
     return make_response(status, body, b"application/json", extra_headers)
 
 

@@ -144,18 +144,23 @@ def debug_enabled() -> bool:
 def say(message: str) -> None:
     """A status message: stderr, never stdout (stdout is for data)."""
     from gpuctl.core.redact import mask_url_passwords
+    from gpuctl.core.safe_text import visible
 
-    print(mask_url_passwords(message), file=sys.stderr)
+    # Messages quote outside text (a holder's command line, a record's field): its
+    # controls are shown escaped, never sent to the terminal (gpuctl.core.safe_text).
+    print(visible(mask_url_passwords(message), keep_newlines=True), file=sys.stderr)
 
 
 def fail(err: GpuctlError) -> NoReturn:
     """Print one error line (and its hint) on stderr and exit with its code."""
     from gpuctl.core.redact import mask_url_passwords
+    from gpuctl.core.safe_text import visible
 
     msg = f"gpuctl: error: {err.message}"
     if err.hint:
         msg += f"\n  hint: {err.hint}"
-    print(mask_url_passwords(msg), file=sys.stderr)  # a configured URL's password stays out
+    # A configured URL's password stays out; outside text's controls are escaped.
+    print(visible(mask_url_passwords(msg), keep_newlines=True), file=sys.stderr)
     raise typer.Exit(err.exit_code)
 
 
@@ -185,8 +190,10 @@ def errors_to_exit() -> Iterator[None]:
     except Exception as err:
         if debug_enabled():
             raise
+        from gpuctl.core.safe_text import visible
+
         print(
-            f"gpuctl: internal error: {type(err).__name__}: {err}\n"
+            f"gpuctl: internal error: {type(err).__name__}: {visible(str(err))}\n"
             "  hint: run again with GPUCTL_DEBUG=1 for the traceback, and report it.",
             file=sys.stderr,
         )
@@ -198,9 +205,13 @@ def print_json(obj: Any) -> None:
     import json
 
     from gpuctl.core.redact import mask_url_passwords
+    from gpuctl.core.safe_text import json_safe
 
-    # A configured URL's password never reaches the output (in a reason, a note, an error).
-    sys.stdout.write(mask_url_passwords(json.dumps(obj, sort_keys=True, indent=2)) + "\n")
+    # A configured URL's password never reaches the output (in a reason, a note, an error);
+    # a lone surrogate (a byte that was not UTF-8) is written as `\xff`, so strict JSON
+    # parsers accept the output.
+    text = json.dumps(json_safe(obj), sort_keys=True, indent=2)
+    sys.stdout.write(mask_url_passwords(text) + "\n")
     sys.stdout.flush()
 
 

@@ -51,9 +51,9 @@ class RichNarrator:
     otherwise (a pipe, a log file, CI)."""
 
     def __init__(self) -> None:
-        from rich.console import Console
+        from gpuctl.render.safe import console
 
-        self.console = Console()
+        self.console = console(markup=True)  # the narration's styles are ours
         # The decisions last printed. Off a terminal nothing is redrawn, so a panel is
         # printed only when they change: a chapter whose watch begins in the state the
         # previous one ended in, or a LOADING watch followed by a READY one, would

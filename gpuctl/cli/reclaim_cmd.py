@@ -66,9 +66,12 @@ def reclaim(
         if json_out:
             print_json(reclaim_to_json(report))
         else:
+            from gpuctl.core.safe_text import visible
+
+            # Lines quote outside text (a holder's command line): controls shown escaped.
             for line in reclaim_lines(report):
-                print(line)
+                print(visible(line))
             for line in [*nothing_due(report), *host_errors(report)]:
-                print(line, file=sys.stderr)
+                print(visible(line), file=sys.stderr)
         sys.stdout.flush()
         raise typer.Exit(int(report.exit_code))

@@ -119,10 +119,11 @@ class _StatusLine:
     """A Rich status line on stderr while waiting: phase, elapsed, GPU memory, newest log line."""
 
     def __init__(self, service: str) -> None:
-        from rich.console import Console
+        from gpuctl.render.safe import console
 
         self.service = service
-        self.console = Console(stderr=True)
+        # Markup on: the line's styles are ours; the note and log line go in escaped.
+        self.console = console(stderr=True, markup=True)
         self.status = self.console.status(f"{service}: checking…")
         self.status.start()
 
@@ -220,16 +221,15 @@ def locks(
         if json_out:
             print_json(locks_to_json(report))
         else:
-            from rich.console import Console
-
             from gpuctl.render.locks import locks_errors, render_locks
+            from gpuctl.render.safe import console
 
             if (
                 any(rec is not None for _, rec, _ in report.rows)
                 or report.set_aside
                 or report.queue
             ):
-                Console().print(render_locks(report))
+                console().print(render_locks(report))
             for line in locks_errors(report):
                 say(line)
         raise typer.Exit(report.exit_code)

@@ -292,8 +292,10 @@ def ls(
         if json_out:
             print_json(sim_ls_to_json(listing))
             return
+        from gpuctl.core.safe_text import visible
+
         for line in sim_ls_text(listing):
-            print(line)
+            print(visible(line))  # a claimant's command line, escaped
 
 
 @sim_app.command("reset", short_help="Remove dead claims (--all: stop every claimant).")

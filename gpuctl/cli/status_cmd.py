@@ -150,11 +150,10 @@ def _status(
         print_json(status_to_json(report))
         raise typer.Exit(report.exit_code)
 
-    from rich.console import Console
-
+    from gpuctl.render.safe import console as safe_console
     from gpuctl.render.status_view import MemoryHistory, glyphs, render_status
 
-    console = Console()
+    console = safe_console()
     g = glyphs(console.encoding)
     report = filtered(status(deps), only=only, users=users)
     if not conf.hosts and len(report.hosts) == 1 and not report.hosts[0].ok:

@@ -92,6 +92,9 @@ def render_locks(report: LocksReport) -> RenderableType:
     from rich.table import Table
     from rich.text import Text
 
+    from gpuctl.core.safe_text import visible
+    from gpuctl.render.safe import plain
+
     t = Table(header_style="bold", box=None, pad_edge=False)
     # Two-line headers keep every column's name and fit 80 columns.
     for col in (
@@ -129,10 +132,10 @@ def render_locks(report: LocksReport) -> RenderableType:
             "stopped": "dim",
         }.get(rec.phase.value, "")
         t.add_row(
-            host,
-            rec.service,
+            plain(host),
+            plain(rec.service),
             Text(rec.phase.value, style=phase_style),
-            holder,
+            plain(holder),
             _clock(rec.since),
             _clock(rec.last_used) if rec.last_used else "never",
             format_duration(rec.idle_for(now)),
@@ -141,14 +144,14 @@ def render_locks(report: LocksReport) -> RenderableType:
         )
         # Failures and notes go below the table: they are long, and most rows have none.
         if fail:
-            notes.append(Text(f"{host}/{rec.service}: last failure: {fail}", style="red"))
+            notes.append(plain(f"{host}/{rec.service}: last failure: {fail}", style="red"))
         if rec.recovered:
-            notes.append(Text(f"{host}/{rec.service}: note: {rec.recovered}", style="yellow"))
+            notes.append(plain(f"{host}/{rec.service}: note: {rec.recovered}", style="yellow"))
     noted = " ".join(n.plain for n in notes)
     for host, a in report.set_aside:
-        if a.file not in noted:  # older copies (the newest is noted on its row)
+        if visible(a.file) not in noted:  # older copies (the newest is noted on its row)
             notes.append(
-                Text(f"{host}/{a.service}: kept unreadable record {a.file}", style="yellow")
+                plain(f"{host}/{a.service}: kept unreadable record {a.file}", style="yellow")
             )
     parts: list[RenderableType] = [t, *notes]
     if report.queue:
@@ -161,6 +164,7 @@ def _queue_table(report: LocksReport) -> RenderableType:
     from rich.table import Table
 
     from gpuctl.core.units import format_mib
+    from gpuctl.render.safe import plain
 
     t = Table(header_style="bold", box=None, pad_edge=False, title="waiting (run --wait)")
     for col in ("HOST", "#", "NAME", "PRIO", "MEMORY", "WAITING\nSINCE", "HOLDER"):
@@ -170,13 +174,13 @@ def _queue_table(report: LocksReport) -> RenderableType:
         pos[host] = pos.get(host, 0) + 1
         h = w.holder
         t.add_row(
-            host,
+            plain(host),
             str(pos[host]),
-            w.name,
+            plain(w.name),
             str(w.priority),
             format_mib(w.memory_mib),
             f"{_clock(w.since)} ({format_duration(report.now - w.since)})",
-            f"{h.entry} pid {h.pid}@{h.host}",
+            plain(f"{h.entry} pid {h.pid}@{h.host}"),
         )
     return t
 

@@ -23,9 +23,11 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuctl.core.decision import Decision
+from gpuctl.core.safe_text import visible
 from gpuctl.core.timestamps import normalise_iso
 from gpuctl.core.units import format_duration, format_mib
 from gpuctl.flows.results import HostReport, MemoryUse, StatusReport
+from gpuctl.render.safe import plain
 
 DECISION_STYLE = {
     Decision.READY: "bold green",
@@ -83,7 +85,7 @@ def memory_bar(
     t = Text(f"{label} ", style="bold")
     total, held = m.total_mib, m.held_mib
     if m.error:
-        t.append(f"unknown ({m.error})", style="magenta")
+        t.append(plain(f"unknown ({m.error})", style="magenta"))
         return t
     if held is None or not total:
         t.append(f"{format_mib(held)} held / {format_mib(total)}", style="dim")
@@ -107,7 +109,7 @@ def memory_bar(
         power = "?" if m.power_w is None else f"{m.power_w:.0f} W"
         t.append("\n")
         if m.name:
-            t.append(f"{m.name}  ", style="dim")
+            t.append(plain(f"{m.name}  ", style="dim"))
         t.append(f"temperature {temp}  power {power}")
     if held is not None and total:
         # The legend goes on its own line, unindented, so it fits 80 columns.
@@ -175,6 +177,9 @@ def _cmd(cmd: str | None, wide: bool, room: int, g: Glyphs) -> Text:
     if cmd is None:
         return Text("<not visible: other PID namespace or no permission>", style="dim italic")
     cmd = " ".join(cmd.split())  # a `python -c` script's newlines would break the row
+    # Escaped before it is measured and cut: an escape sequence in argv is shown, never
+    # sent to the terminal (gpuctl.core.safe_text).
+    cmd = visible(cmd)
     if wide:
         return Text(cmd)
     cmd = short_command(cmd)
@@ -194,9 +199,9 @@ def _command_room(h: HostReport, width: int, *, many: bool, sm: bool, wide: bool
     users = [p.user for p in snap.processes] + [s.user for s in snap.starting or ()]
     widths = [
         max(5, *(len(str(pid)) for pid in pids)),  # PID
-        min(12, max(4, *(len(u or "?") for u in users))),  # USER
+        min(12, max(4, *(len(visible(u or "?")) for u in users))),  # USER
         max(9, *(len(format_mib(p.memory_mib)) for p in snap.processes), 8),  # GPU MEM
-        max(7, *(len(s.name) for s in h.services), 0),  # SERVICE
+        max(7, *(len(visible(s.name)) for s in h.services), 0),  # SERVICE
     ]
     if many:
         widths.append(3)
@@ -239,7 +244,7 @@ def process_table(
         if not p.on_gpu and p.pid in starting_pids:
             continue  # listed once, as starting, below
         owner = h.owner(p.pid, p.command)
-        row: list[RenderableType] = [str(p.pid), p.user or "?"]
+        row: list[RenderableType] = [str(p.pid), plain(p.user or "?")]
         if many:
             row.append(str(p.gpu))
         # The agent lists a server of ours that has no GPU context yet for older clients:
@@ -247,20 +252,20 @@ def process_table(
         row.append(format_mib(p.memory_mib) if p.on_gpu else Text("starting", style="yellow"))
         if sm:
             row.append(_pct(p.sm_util_pct))
-        row.append(owner.name if owner else "")
+        row.append(plain(owner.name if owner else ""))
         if wide:
-            row.append((p.container or "")[:12])
+            row.append(plain((p.container or "")[:12]))
         row.append(_cmd(p.command, wide, room, g))
         t.add_row(*row)
     for s in snap.starting or ():
         owner = h.owner(s.pid, s.command)
-        row = [str(s.pid), s.user or "?"]
+        row = [str(s.pid), plain(s.user or "?")]
         if many:
             row.append("")
         row.append(Text("starting", style="yellow"))
         if sm:
             row.append("")
-        row.append(owner.name if owner else "")
+        row.append(plain(owner.name if owner else ""))
         if wide:
             row.append("")
         row.append(_cmd(s.command, wide, room, g))
@@ -285,7 +290,10 @@ def service_table(h: HostReport, g: Glyphs = UNICODE) -> Table:
             reason = reason.replace("…", g.cut)
         # Text, not markup: a command line's "[...]" is data, never a style.
         t.add_row(
-            svc.name, Text(v.decision.value, style=DECISION_STYLE[v.decision]), mem, Text(reason)
+            plain(svc.name),
+            Text(v.decision.value, style=DECISION_STYLE[v.decision]),
+            mem,
+            plain(reason),
         )
     return t
 
@@ -299,13 +307,13 @@ def host_panel(
     *,
     filtered: bool = False,
 ) -> Panel:
-    title = Text.assemble((h.name, "bold"), "  ", (h.source, "dim"))
+    title = Text.assemble(plain(h.name, "bold"), "  ", plain(h.source, "dim"))
     parts: list[RenderableType] = []
-    subtitle = None
+    subtitle: Text | None = None
     if h.snapshot is None:
-        parts.append(Text.assemble(("UNKNOWN ", "bold magenta"), h.error or "no answer"))
+        parts.append(Text.assemble(("UNKNOWN ", "bold magenta"), plain(h.error or "no answer")))
         if h.hint:
-            parts.append(Text(f"hint: {h.hint}", style="dim"))
+            parts.append(plain(f"hint: {h.hint}", style="dim"))
     else:
         snap = h.snapshot
         for m in h.memory:
@@ -322,7 +330,7 @@ def host_panel(
         parts.append(Text(""))
         empty = "no process matches the filter" if filtered else "no processes on the GPU"
         parts.append(process_table(h, wide, width, g, empty))
-        subtitle = f"probe {snap.probe} {g.dot} {normalise_iso(snap.taken_at)}"
+        subtitle = plain(f"probe {snap.probe} {g.dot} {normalise_iso(snap.taken_at)}")
     if h.services:
         parts.append(Text(""))
         parts.append(service_table(h, g))
@@ -362,4 +370,4 @@ def render_status(
         )
     if filtered:
         heads.append(f"showing {f' {g.dot} '.join(report.filters)} (memory figures: all)")
-    return Group(*(Text(h, style="dim") for h in heads), *panels)
+    return Group(*(plain(h, style="dim") for h in heads), *panels)
