@@ -223,6 +223,8 @@ def test_a_run_preempt_job_is_a_preemptor_of_its_priority() -> None:
     v = judged(o)
     assert v.violations == []
     assert v.counts["preemptions"] == 1 and v.counts["victims named by their preemptor"] == 1
+    assert v.counts["victims named by a run --preempt"] == 1
+    assert judged(clean()).counts["victims named by a run --preempt"] == 0  # an ensure's
     # Without --preempt the same job explains nothing.
     o.callers = [CallerFacts("run", "batch", 0.5, 3.5, preempts=None)]
     v = judged(o)

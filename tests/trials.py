@@ -435,6 +435,9 @@ class Report:
             f"seed {self.seed}: {self.trials} trials, {sum(self.actions.values())} actions "
             f"in {self.seconds:.0f} s, {self.samples} samples",
             "  " + ", ".join(f"{k}: {self.counts[k]}" for k in COUNTED),
+            "  of them by a gpuctl run --preempt: "
+            f"{self.counts['victims named by a run --preempt']} victims named "
+            f"({self.actions['run --preempt']} run --preempt callers)",
             "  invariants checked (times judged):",
         ]
         lines += [f"    {name}: {n}" for name, n in sorted(self.checked.items())]

@@ -251,6 +251,8 @@ def _named_victims(o: Outcome, v: Verdict) -> None:
                 continue
             for victim in m.group(1).split(", "):
                 v.counts["victims named by their preemptor"] += 1
+                if c.action.startswith("run"):
+                    v.counts["victims named by a run --preempt"] += 1
                 v.checked["named victims below their preemptor"] += 1
                 prio, job = _priority(o, victim)
                 if c.preempts is None or prio is None or prio >= c.preempts:
