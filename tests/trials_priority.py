@@ -114,7 +114,7 @@ def _run_preemptible(t: Trial, s: Svc) -> None:
     _run(t, s, preemptible=True)
 
 
-@action("run --preempt", 1.5)
+@action("run --preempt", 3)
 def _run_preempt(t: Trial, s: Svc) -> None:
     """A job that may stop lower-priority work to make its room (now and then itself
     preemptible, by work above it)."""
