@@ -112,7 +112,18 @@ def locks(cfg: Path) -> dict[str, Any]:
 def full_gpu(host: SimHost) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
     """70 + 30 GiB held by processes gpuctl did not start: 20 GiB free, no job fits.
     Stopping the 30 GiB one makes room for exactly one 30 GiB job."""
-    return host.hold(unique_name("big"), "70GiB"), host.hold(unique_name("small"), "30GiB")
+    big, small = unique_name("big"), unique_name("small")
+    procs = host.hold(big, "70GiB"), host.hold(small, "30GiB")
+
+    # Until both hold their memory a job fits and is admitted at once, never queued (a
+    # loaded CI run saw the first `run --wait` start its CMD and print no wait line).
+    def held_mib() -> int:
+        from gpuctl.sim.gpu import SimGpu
+
+        return sum(c.memory_mib for c in SimGpu(host.sim_dir).claims() if c.name in (big, small))
+
+    wait_for(lambda: held_mib() == 100 * 1024, "the GPU is full")
+    return procs
 
 
 def test_priority_then_arrival_one_at_a_time(host: SimHost) -> None:
