@@ -398,6 +398,106 @@ def test_the_stop_endpoint_refuses_all_but_a_held_preemptible_job(
         end(host, keeper, victim)
 
 
+def patch(host: SimHost, job: str, holder: str, update: dict[str, Any]) -> None:
+    r = httpx.patch(
+        f"{host.agent_url}/records/{job}",
+        json={"holder": holder, "update": update},
+        headers={"Authorization": f"Bearer {host.token}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_a_forged_job_record_never_gets_a_process_signalled(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """The attack: the write token leases run.NAME and PATCHes its record to name a pid
+    gpuctl run did not start (a `sleep` leading its own session), with its real start
+    time, this host and boot, preemptible. The stop is refused (403) and nothing is
+    signalled; so is a forged record naming a real preemptible job's pid and nonce under
+    another job's name, and a non-preemptible job's record made preemptible. The real
+    job is still stopped through its own record."""
+    from gpuctl.adapters import procinfo
+
+    here = procinfo.host_identity()
+    cfg = host.write_config("")
+    keep, pjob = unique_name("keep"), unique_name("pjob")
+    keeper = start_job(cfg, keep, 10, tmp_path / "keep.sig", "-p", "10")
+    victim = start_job(cfg, pjob, 10, tmp_path / "pjob.sig", "--preemptible")
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        hv = read_record(host, f"run.{pjob}")["handle"]
+        start = procinfo.start_time(sleeper.pid)
+        assert start is not None
+
+        def forge(job: str, pid: int, pid_start: float, **extra: Any) -> Any:
+            holder = lease(host, job)
+            handle = {
+                "kind": "run",
+                "pid": pid,
+                "pid_start": pid_start,
+                "memory_mib": 1024,
+                "priority": 0,
+                "preemptible": True,
+                "host": here.hostname,
+                "boot_id": here.boot_id,
+                "command": "sleep",
+                **extra,
+            }
+            patch(host, job, holder, {"phase": "running", "handle": handle})
+            r = post(host, job, {"holder": holder, "pid": pid, "pid_start": pid_start})
+            return r
+
+        for extra in ({}, {"run_nonce": "0" * 32}, {"run_nonce": hv["run_nonce"]}):
+            r = forge(f"run.{unique_name('evil')}", sleeper.pid, start, **extra)
+            assert r.status_code == 403, r.text
+            assert "not run." in r.json()["error"] or "no run nonce" in r.json()["error"]
+        # Another job's real CMD and its real nonce, under the attacker's job name.
+        evil = f"run.{unique_name('evil')}"
+        r = forge(evil, hv["pid"], hv["pid_start"], run_nonce=hv["run_nonce"])
+        assert r.status_code == 403 and "not run." in r.json()["error"], r.text
+        # A real job started without --preemptible, its record made preemptible.
+        hk = read_record(host, f"run.{keep}")["handle"]
+        r = forge(f"run.{keep}", hk["pid"], hk["pid_start"], run_nonce=hk["run_nonce"])
+        assert r.status_code == 403 and "--preemptible mark" in r.json()["error"], r.text
+        # Nothing was signalled: the sleep, the keeper and the victim all live.
+        time.sleep(0.5)
+        assert sleeper.poll() is None and keeper.poll() is None and victim.poll() is None
+        assert not (tmp_path / "pjob.sig").exists() and not (tmp_path / "keep.sig").exists()
+        # The real preemptible job, through its own record: stopped.
+        v = f"run.{pjob}"
+        holder = lease(host, v)
+        r = post(host, v, {"holder": holder, "pid": hv["pid"], "pid_start": hv["pid_start"]})
+        assert r.status_code == 200 and r.json() == {"killed": False}, r.text
+        release(host, v, holder)
+        _, err = victim.communicate(timeout=60)
+        assert victim.returncode == 75 and f"{pjob} was preempted" in err, err
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        end(host, keeper, victim)
+
+
+def test_verify_job_refuses_an_unreadable_environment(tmp_path: Path) -> None:
+    """An environment the stopper cannot read is a refusal, never a signal."""
+    from gpuctl.adapters.jobs import verify_job
+    from gpuctl.errors import LauncherError
+
+    with pytest.raises(LauncherError, match="cannot read pid 4242's environment"):
+        verify_job(4242, "j", "a" * 32, proc_root=str(tmp_path))
+    # A session leader carrying every mark passes; one that leads no session does not.
+    d = tmp_path / "4242"
+    d.mkdir()
+    marks = b"GPUCTL_RUN_JOB=j\0GPUCTL_RUN_NONCE=" + b"a" * 32 + b"\0GPUCTL_RUN_PREEMPTIBLE=1\0"
+    (d / "environ").write_bytes(marks)
+    (d / "stat").write_text("4242 (x y) S 1 4242 4242 0")
+    verify_job(4242, "j", "a" * 32, proc_root=str(tmp_path))
+    (d / "stat").write_text("4242 (x y) S 1 4242 17 0")
+    with pytest.raises(LauncherError, match="does not lead its own session"):
+        verify_job(4242, "j", "a" * 32, proc_root=str(tmp_path))
+
+
 def test_the_stop_endpoint_kills_a_job_that_outlives_its_grace(
     host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
 ) -> None:
@@ -503,7 +603,7 @@ def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -
 
     here, dgx = HostIdentity("laptop", "b1"), HostIdentity("dgx", "b2")
     local: list[dict[str, Any]] = []
-    monkeypatch.setattr(preempt, "stop_job", lambda h: local.append(h) or False)
+    monkeypatch.setattr(preempt, "stop_job", lambda h, job: local.append(h) or False)
     asked: list[tuple[object, ...]] = []
 
     def agent_stop(*args: object) -> bool:

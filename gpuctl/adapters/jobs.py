@@ -1,5 +1,12 @@
 """Stopping a ``gpuctl run`` job's CMD: it runs in its own session (its pid is its
-process group), so the whole group gets SIGTERM, a grace period, then SIGKILL."""
+process group), so the whole group gets SIGTERM, a grace period, then SIGKILL.
+
+A record is writable by any holder of the write token, so a pid it names proves
+nothing: before any signal, the pid must carry the job's own marks in its environment
+(``verify_job``): the random nonce ``gpuctl run`` put there and into the record, the
+job's name, and that it was started ``--preemptible``; and it must lead its own session,
+as ``GatedChild`` made it. A process ``gpuctl run`` did not start is never signalled.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters import procinfo
@@ -14,15 +22,79 @@ from gpuctl.errors import LauncherError
 
 # How long a preempted job gets between SIGTERM and SIGKILL to save its work.
 JOB_GRACE_S = 10.0
+# What ``gpuctl run`` puts into CMD's environment (and the nonce into its record).
+RUN_JOB_ENV = "GPUCTL_RUN_JOB"
+RUN_NONCE_ENV = "GPUCTL_RUN_NONCE"
+RUN_PREEMPTIBLE_ENV = "GPUCTL_RUN_PREEMPTIBLE"
+_MIN_NONCE_LEN = 16
 
 
-def stop_job(handle: dict[str, Any], grace_s: float = JOB_GRACE_S) -> bool:
+def new_nonce() -> str:
+    """A job's nonce: unguessable, so no other process can carry it by chance."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+def run_env(env: dict[str, str], job: str, nonce: str, preemptible: bool) -> dict[str, str]:
+    """CMD's environment: ``env`` with the job's marks (replacing any inherited from an
+    outer job)."""
+    out = dict(env)
+    out[RUN_JOB_ENV] = job
+    out[RUN_NONCE_ENV] = nonce
+    out[RUN_PREEMPTIBLE_ENV] = "1" if preemptible else "0"
+    return out
+
+
+def verify_job(pid: int, job: str, nonce: object, proc_root: str = "/proc") -> None:
+    """Refuse unless ``pid`` is the CMD ``gpuctl run`` started for the preemptible job
+    ``job`` (no ``run.`` prefix) with ``nonce``, and leads its own session.
+
+    Raises:
+        LauncherError: it is not (or its environment cannot be read): never signal it.
+    """
+    if not isinstance(nonce, str) or len(nonce) < _MIN_NONCE_LEN:
+        raise LauncherError(
+            f"the record of run.{job} carries no run nonce: pid {pid} is not known to be its CMD",
+            hint="only a job started by this gpuctl's `gpuctl run --preemptible` can be stopped",
+        )
+    try:
+        with open(f"{proc_root}/{pid}/environ", "rb") as f:
+            entries = set(f.read().split(b"\0"))
+        stat = Path(f"{proc_root}/{pid}/stat").read_text()
+    except OSError as e:
+        raise LauncherError(
+            f"cannot read pid {pid}'s environment ({e.strerror or e}): "
+            f"not signalling what may not be run.{job}'s CMD",
+            hint="run the agent (or gpuctl) as the user who runs the job, or as root",
+        ) from None
+    marks = {
+        f"{RUN_JOB_ENV}={job}".encode(),
+        f"{RUN_NONCE_ENV}={nonce}".encode(),
+        f"{RUN_PREEMPTIBLE_ENV}=1".encode(),
+    }
+    if not marks <= entries:
+        raise LauncherError(
+            f"pid {pid} is not run.{job}'s CMD (its environment lacks the job's "
+            "name, nonce or --preemptible mark)",
+            hint="a record naming another process is refused: read the record again",
+        )
+    fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+    if len(fields) < 4 or fields[3] != str(pid):
+        raise LauncherError(
+            f"pid {pid} does not lead its own session, as run.{job}'s CMD does",
+            hint="a record naming another process is refused: read the record again",
+        )
+
+
+def stop_job(handle: dict[str, Any], job: str, grace_s: float = JOB_GRACE_S) -> bool:
     """SIGTERM the job's process group, wait up to ``grace_s``, then SIGKILL. Returns
-    whether it had to be killed.
+    whether it had to be killed. ``job``: its name (no ``run.`` prefix).
 
     Raises:
         LauncherError: the job runs on another machine (its pid means nothing here), its
-            handle names no pid, or this user may not signal it.
+            handle names no pid, the pid is not the job's CMD (``verify_job``), or this
+            user may not signal it.
     """
     pid, started = handle.get("pid"), handle.get("pid_start")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
@@ -34,10 +106,10 @@ def stop_job(handle: dict[str, Any], grace_s: float = JOB_GRACE_S) -> bool:
             hint="run the preempting command on the GPU host, or give the host an agent",
         )
     start = float(started) if isinstance(started, int | float) else None
-    return signal_job(pid, start, grace_s)
+    return signal_job(pid, start, grace_s, job=job, nonce=handle.get("run_nonce"))
 
 
-def signal_job(pid: int, start: float | None, grace_s: float) -> bool:
+def signal_job(pid: int, start: float | None, grace_s: float, *, job: str, nonce: object) -> bool:
     """SIGTERM, up to ``grace_s`` for it to end, then SIGKILL: to the job's process group
     (CMD is its session's leader, so its children go too), or to its pid alone when CMD
     left that group. ``start``: its recorded start time; a pid reused by another process
@@ -45,10 +117,12 @@ def signal_job(pid: int, start: float | None, grace_s: float) -> bool:
     ended before).
 
     Raises:
-        LauncherError: this user may not signal it (another user's job, not as root).
+        LauncherError: this user may not signal it (another user's job, not as root),
+            or it is not the job's CMD (``verify_job``): nothing was signalled.
     """
     if not procinfo.is_same_process(pid, start):
         return False  # it has ended already (or its pid went to another process)
+    verify_job(pid, job, nonce)
     _send(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:

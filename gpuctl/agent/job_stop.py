@@ -11,7 +11,12 @@ when every one of these holds, else it refuses and signals nothing:
   on this agent's machine in this boot (409);
 - the caller holds the record's lease (409): a preemption takes it first, so two callers
   never stop one job, and a caller that only holds the token cannot stop a job it has
-  not judged under the lease.
+  not judged under the lease;
+- the pid is really that job's CMD (403, ``jobs.verify_job``): its environment carries
+  the record's ``run_nonce``, the job's name and the --preemptible mark ``gpuctl run``
+  put there, and it leads its own session. The token can write any record, so without
+  this a forged ``run.evil`` naming any pid would have it (and its group) signalled; an
+  environment the agent cannot read is refused too.
 
 Then: SIGTERM to the job's process group, the grace period, SIGKILL (``signal_job``); a
 pid that now belongs to another process (its start time differs) is never signalled.
@@ -92,7 +97,13 @@ def stop_job(
         # Only a tampered record names these: never init, never the agent itself.
         raise HttpError(409, f"pid {pid} is not a job's CMD", "a job's CMD is its own session")
     try:
-        killed = signal_job(pid, float(start), args.get("grace_s", JOB_GRACE_S))
+        killed = signal_job(
+            pid,
+            float(start),
+            args.get("grace_s", JOB_GRACE_S),
+            job=service[len(PREFIX) :],
+            nonce=h.get("run_nonce"),
+        )
     except LauncherError as e:
         raise HttpError(403, e.message, e.hint) from None
     return {"killed": killed}

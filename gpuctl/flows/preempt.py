@@ -41,7 +41,7 @@ from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Holder, Store, holder_here
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.jobs import is_job, job_route, unreachable
+from gpuctl.core.jobs import PREFIX, is_job, job_route, unreachable
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.plan import Plan
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
@@ -72,7 +72,7 @@ def job_stopper(here: HostIdentity, agent_stop: AgentJobStop | None) -> JobStopp
         agent = snap.host if snap is not None and agent_stop is not None else None
         route = job_route(handle, here, agent)
         if route == "here":
-            return stop_job(handle)
+            return stop_job(handle, name.removeprefix(PREFIX))
         pid, start = handle.get("pid"), handle.get("pid_start")
         if route == "agent" and agent_stop is not None:
             if not isinstance(pid, int) or not isinstance(start, int | float):
@@ -90,7 +90,7 @@ def local_job_stopper(
     name: str, handle: dict[str, Any], holder: str, snap: Snapshot | None
 ) -> bool:
     """Only this machine's jobs (deps built without the wiring)."""
-    return stop_job(handle)
+    return stop_job(handle, name.removeprefix(PREFIX))
 
 
 @dataclass

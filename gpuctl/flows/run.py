@@ -39,7 +39,7 @@ from functools import partial
 from typing import Any
 
 from gpuctl.adapters import procinfo
-from gpuctl.adapters.jobs import GatedChild
+from gpuctl.adapters.jobs import GatedChild, new_nonce, run_env
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
@@ -315,8 +315,9 @@ def _start(
     pre: rp.Preemption | None = None,
 ) -> GatedChild | RunResult:
     """Spawn CMD and record it (under the admission lock, by the caller)."""
-    env = dict(os.environ)
-    env["GPUCTL_RUN_JOB"] = name
+    # Its marks (jobs.verify_job): a stop signals only a pid that carries this nonce.
+    nonce = new_nonce()
+    env = run_env(dict(os.environ), name, nonce, spec.preemptible)
     if verdict.gpu is not None and "CUDA_VISIBLE_DEVICES" not in env:
         env["CUDA_VISIBLE_DEVICES"] = str(verdict.gpu)
     if os.sep not in req.argv[0] and shutil.which(req.argv[0], path=env.get("PATH")) is None:
@@ -331,6 +332,7 @@ def _start(
         "memory_mib": spec.memory_mib,
         "priority": spec.priority,
         "preemptible": spec.preemptible,
+        "run_nonce": nonce,
         "host": deps.here.hostname,
         "boot_id": deps.here.boot_id,
         "command": os.path.basename(req.argv[0])[:200],
