@@ -814,6 +814,15 @@ POISON = {
     "not-utf8": '{"service": "vllm", "recovered": "\xff"}',
     "no-is-not-a-bool": '{"service": "vllm", "failure": {"at": 1, "count": "no"}}',
     "true-is-not-a-pid": '{"service": "vllm", "handle": {"kind": "process", "pid": true}}',
+    # A run job's budget as text was read as a job that holds nothing (core.jobs.job_spec).
+    "a-run-budget-in-text": '{"service": "vllm", "phase": "running", "handle": '
+    '{"kind": "run", "pid": 4242, "memory_mib": "80GiB", "priority": 50}}',
+    "a-run-without-budget": '{"service": "vllm", "phase": "running", "handle": '
+    '{"kind": "run", "pid": 4242, "priority": 50}}',
+    "a-run-priority-float": '{"service": "vllm", "phase": "running", "handle": '
+    '{"kind": "run", "pid": 4242, "memory_mib": 100, "priority": 5.5}}',
+    "a-run-preemptible-text": '{"service": "vllm", "phase": "running", "handle": '
+    '{"kind": "run", "pid": 4242, "memory_mib": 100, "priority": 5, "preemptible": "yes"}}',
 }
 
 

@@ -142,7 +142,35 @@ ATTEMPT_FIELDS: Final = {
 _HOLDER = obj(HOLDER_FIELDS)
 _LEASE = obj(LEASE_FIELDS)
 _FAILURE = obj(FAILURE_FIELDS)
-_HANDLE = obj(HANDLE_FIELDS, extra=scalar)
+_ANY_HANDLE = obj(HANDLE_FIELDS, extra=scalar)
+# A `gpuctl run` job's handle is its spec (``core.jobs.job_spec``): its budget and priority
+# are typed here, on every read, so a budget of "80GiB" is set aside and reported like a
+# bad pid, never read as a job that holds nothing.
+RUN_HANDLE_FIELDS: Final = {
+    "memory_mib": integer(0, 1 << 40),
+    "priority": integer(-(2**53), 2**53),  # job_spec caps it to the config's range
+}
+_RUN_HANDLE_OPTIONAL: Final = {
+    "preemptible": one_of(True, False),
+    "host": _NAME_TEXT,
+    "boot_id": _SHORT,
+}
+
+
+def _handle(v: Any, at: str) -> dict[str, Any]:
+    out: dict[str, Any] = _ANY_HANDLE(v, at)
+    if out.get("kind") == "run":
+        for name, check in RUN_HANDLE_FIELDS.items():
+            if name not in out:
+                raise RecordError(f"{at}.{name}", "missing (a run job's handle)")
+            check(out[name], f"{at}.{name}")
+        for name, check in _RUN_HANDLE_OPTIONAL.items():
+            if name in out:
+                check(out[name], f"{at}.{name}")
+    return out
+
+
+_HANDLE = _handle
 _ATTEMPT = obj(ATTEMPT_FIELDS, extra=scalar)
 
 RECORD_FIELDS: Final = {
