@@ -673,3 +673,65 @@ def test_a_promise_is_given_back_once_the_job_no_longer_needs_room(tmp_path: Pat
     rec = store.get("run.big")
     assert rec.phase.value == "stopped" and rec.lease is None and rec.handle is None
     assert pre.holder is None
+
+
+def wait_running(host: SimHost, job: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            rec = read_record(host, job)
+            if rec["phase"] == "running" and (rec.get("handle") or {}).get("pid"):
+                return rec
+        time.sleep(0.1)
+    raise AssertionError(f"{job} never ran")
+
+
+def test_a_job_whose_cmd_shows_no_memory_yet_is_still_a_victim(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """A job's CMD alive (pid recorded) but not on the GPU yet counts at its budget as
+    starting: a --preemptible one is still preempted; a plain one is refused with why."""
+    cfg = host.write_config("")
+    pj, keep = unique_name("pj"), unique_name("keep")
+    common = ("run", "--priority", "5", "--memory", "100GiB")
+    victim = subprocess.Popen(
+        [gpuctl_exe(), *common, "--preemptible", "--name", pj, "--", "sleep", "600"],
+        env=cli_env(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pj_pid = 0
+    try:
+        pj_pid = wait_running(host, f"run.{pj}")["handle"]["pid"]
+        r = gpuctl(cfg, "run", "--preempt", "--priority", "6", "--memory", "30GiB", "--", "true")
+        assert r.returncode == 0, r.stderr
+        victim.communicate(timeout=60)
+        assert pj in r.stderr, r.stderr
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        if pj_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pj_pid, signal.SIGKILL)
+        victim.communicate(timeout=60)
+    keeper = subprocess.Popen(
+        [gpuctl_exe(), *common, "--name", keep, "--", "sleep", "600"],
+        env=cli_env(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    cmd_pid = 0
+    try:
+        cmd_pid = wait_running(host, f"run.{keep}")["handle"]["pid"]
+        r = gpuctl(cfg, "run", "--preempt", "--priority", "6", "--memory", "30GiB", "--", "true")
+        assert r.returncode == 3, r.stderr
+        assert "not --preemptible" in r.stderr, r.stderr
+        assert keeper.poll() is None
+    finally:
+        keeper.kill()
+        if cmd_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(cmd_pid, signal.SIGKILL)
+        keeper.communicate(timeout=60)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import GpuProcess, Snapshot
 from gpuctl.core.ownership import ServiceSpec, describe_process, loading_match, owner_of
 from gpuctl.core.units import format_mib
@@ -107,6 +108,11 @@ def gpu_rooms(
             elif o.name in promised and (o.devices is None or d.index in o.devices):
                 committed += o.memory_mib or 0
                 names.append(o.name)
+                if isinstance(o, JobSpec) and o.pid is not None:
+                    # A run job whose CMD lives (its pid recorded) but shows no memory
+                    # yet: stopping it gives its budget back, so it is a share a
+                    # preemption may take (and held_back names why when it may not).
+                    shares.append((o.name, o.memory_mib or 0))
         total = d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
         rooms.append(
             GpuRoom(
