@@ -23,7 +23,10 @@ def find_servers(records: Iterable[Record]) -> dict[int, str]:
     start whose server was not recorded (starting, or running since it answered), the
     process that carries its start nonce."""
     records = list(records)
-    out = recorded_servers(records)
+    # Only pids written on this machine, in this boot, are looked up here: another
+    # host's `run` record naming pid 1 must not show this machine's pid 1 as its job.
+    me = procinfo.host_identity()
+    out = recorded_servers(records, (me.hostname, me.boot_id))
     named = set(out.values())
     for r in records:
         # A start whose server was never recorded stays known by its nonce after the

@@ -53,6 +53,7 @@ from gpuctl.core.record import (
     apply_update,
     clip,
     lease_state,
+    pid_is_here,
 )
 from gpuctl.errors import StoreError, UsageError
 
@@ -260,11 +261,17 @@ class DirectStore(InflightFiles, QueueFiles):
         its command line says. A record that fails the schema names no pid (the next
         locked read sets it aside).
         """
+        from gpuctl.adapters import procinfo
+
         out: list[int] = []
+        me = procinfo.host_identity()
         for path in self._record_paths():
             got = self._load(path.stem)
             if isinstance(got, Record):
                 pid = (got.handle or {}).get("pid")
+                # Another machine's (or boot's) pid is not looked up here.
+                if not pid_is_here(got.handle, (me.hostname, me.boot_id)):
+                    continue
                 if isinstance(pid, int) and got.phase is not Phase.STOPPED:
                     out.append(pid)
         return out
