@@ -23,6 +23,7 @@ from gpuctl.core.queue import (
     QUEUE_TTL_MAX_S,
     Waiter,
     ahead,
+    held_back,
     in_order,
     overlived,
     queued_reason,
@@ -385,3 +386,32 @@ def test_a_forged_priority_beyond_the_services_range_counts_for_nothing(
         store.queue_join(
             holder_here("run"), 30, name="run.x", priority=PRIORITY_MAX + 1, memory_mib=1
         )
+
+
+# (the head's priority and memory GiB, the service's priority, its need and the free GiB
+# on its GPU (None: unknown), whether it is held back)
+HELD = [
+    (90, 30, 10, 100, 120, True),  # the inversion: 20 left, the head needs 30
+    (90, 30, 10, 50, 80, False),  # 30 left: both fit, it goes
+    (90, 30, 90, 100, 120, False),  # equal priority: services are not queued, it goes
+    (90, 30, 95, 100, 120, False),  # higher: it goes
+    (90, 30, 10, None, 120, True),  # unknown need: under doubt it takes the room
+    (90, 30, 10, 10, None, True),  # unknown free: the same
+    (90, 1 << 20, 10, 100, 120, False),  # a head that can never fit is skipped
+]
+
+
+@pytest.mark.parametrize(("hp", "hgib", "prio", "need", "free", "held"), HELD)
+def test_a_service_is_held_back_only_by_a_higher_head_whose_room_it_takes(
+    hp: int, hgib: int, prio: int, need: int | None, free: int | None, held: bool
+) -> None:
+    head = w("head", hp, 1, memory_gib=hgib)
+    got = held_back(
+        [head, w("other", 5, 2)],
+        priority=prio,
+        need_mib=need * 1024 if need is not None else None,
+        free_mib=free * 1024 if free is not None else None,
+        largest_mib=120 * 1024,
+    )
+    assert got == (head if held else None)
+    assert held_back([], priority=0, need_mib=None, free_mib=None, largest_mib=None) is None

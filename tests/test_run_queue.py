@@ -314,3 +314,89 @@ def test_a_forged_head_that_can_never_fit_blocks_no_one(host: SimHost) -> None:
     assert r.returncode == 0, r.stderr
     r = gpuctl(cfg, "run", "--wait", "--timeout", "60s", "-m", "1GiB", "--", "true")
     assert r.returncode == 0, r.stderr
+
+
+def test_a_service_does_not_jump_a_higher_priority_waiter(host: SimHost) -> None:
+    """The attacker's priority inversion, on the 120 GiB sim GPU: 60 GiB held by a stranger,
+    hi (70 GiB, priority 90) waits in the queue. ensure of low (50 GiB, priority 10) would
+    fit in the 60 GiB free but take hi's room: BUSY naming hi. ensure of top (50 GiB,
+    priority 95, above hi) starts. Once top and the stranger go, hi runs first; then low
+    starts beside it."""
+    from gpuctl.sim.host import free_port
+    from tests.ensure_helpers import kill_servers, model_server_command, run_ensure, service_toml
+
+    low, top = unique_name("low"), unique_name("top")
+    toml = ""
+    for svc, prio in ((low, 10), (top, 95)):
+        port = free_port()
+        t = service_toml(svc, port, model_server_command(svc, port, "50GiB", "1s"))
+        toml += t.replace('memory = "20GiB"', f'memory = "50GiB"\npriority = {prio}') + "\n"
+    cfg = host.write_config(toml)
+    stranger = host.hold(unique_name("big"), "60GiB")
+    jobs = Jobs(host, cfg)
+    try:
+        p = jobs.wait("hi", 90, "-m", "70GiB")
+        assert p.stderr is not None and "waiting for room" in p.stderr.readline()
+        wait_for(lambda: jobs.queued() == ["hi"], "hi is queued")
+        r = run_ensure(cfg, low)
+        assert r.returncode == 3, r.stdout + r.stderr
+        out = json.loads(r.stdout)
+        assert out["decision"] == "BUSY"
+        assert f"queued: run.{jobs.name('hi')}, priority 90, 70.0 GiB" in out["reason"]
+        assert jobs.queued() == ["hi"] and jobs.running() == []
+        r = run_ensure(cfg, top)  # above the waiter: it goes
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert jobs.running() == []  # hi still waits: 60 + 50 held, 10 free
+        assert gpuctl(cfg, "stop", top).returncode == 0
+        host.stop(stranger)
+        wait_for(lambda: jobs.running() == ["hi"], "hi runs first", timeout=60)
+        r = run_ensure(cfg, low)  # 50 GiB free beside hi's 70: now it fits
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert jobs.running() == ["hi"]
+    finally:
+        jobs.close()
+        kill_servers(low)
+        kill_servers(top)
+
+
+def test_the_attackers_inversion_repro_runs_hi_first(host: SimHost) -> None:
+    """The reviewer's repro, as separate processes: a stranger holds 100 GiB for a few
+    seconds; `run --wait` hi (30 GiB, priority 90) queues; ensure of low (100 GiB,
+    priority 10) is tried in a loop until it starts. hi's CMD ran (it printed HI and
+    exited 0): with low holding 100 of the 120 GiB it could not have run after low, so it
+    ran first. (Before the fix low took the memory and hi waited for good.)"""
+    from gpuctl.sim.host import free_port
+    from tests.ensure_helpers import kill_servers, model_server_command, run_ensure, service_toml
+
+    low = unique_name("low")
+    port = free_port()
+    toml = service_toml(low, port, model_server_command(low, port, "100GiB", "1s"))
+    cfg = host.write_config(toml.replace('memory = "20GiB"', 'memory = "100GiB"\npriority = 10'))
+    hold = host.hold(unique_name("big"), "100GiB")
+    hi_name = unique_name("hi")
+    argv = ["run", "--wait", "-m", "30GiB", "-p", "90", "--name", hi_name, "--", "echo", "HI"]
+    hi = subprocess.Popen(
+        [gpuctl_exe(), *argv],
+        env=cli_env(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hi.stderr is not None and "waiting for room" in hi.stderr.readline()
+        wait_for(
+            lambda: [q["name"] for q in locks(cfg)["queue"]] == [f"run.{hi_name}"], "hi queued"
+        )
+        assert run_ensure(cfg, low).returncode == 3  # the stranger's 100 GiB: it does not fit
+        host.stop(hold)
+        deadline = time.time() + 60
+        while (r := run_ensure(cfg, low)).returncode != 0:
+            assert time.time() < deadline, r.stdout + r.stderr
+            time.sleep(0.2)
+        out, err = hi.communicate(timeout=60)
+        assert hi.returncode == 0 and out.strip() == "HI", err
+        assert locks(cfg)["queue"] == []
+    finally:
+        hi.kill()
+        hi.communicate()
+        kill_servers(low)

@@ -28,6 +28,13 @@ gpuctl (a waiter renews for 15 s at a time) and is lapsed at once (``overlived``
 head that can never fit (larger than the GPU's largest device: a run job uses one GPU,
 any of them) is skipped, not waited on: gpuctl never queues such a job, so it is a
 forgery or a leftover from a larger GPU, and waiting on it would stop the queue for good.
+**Services are not queued, but do not jump it.** ``ensure`` (and ``resume``, and the
+proxy's ensure: one admission) does not wait in the queue; under the admission lock it
+starts a service only if no live head of strictly higher priority is queued whose
+memory it would take (the room left after it, on its GPU, less than the head needs):
+then it is BUSY, naming the head (``held_back``). A service of equal or higher priority
+than the head goes ahead, as a ``gpuctl run`` of that priority without ``--wait`` would.
+
 Priorities are the services' range (``PRIORITY_MAX`` either way); the store refuses
 an entry outside it.
 """
@@ -48,9 +55,11 @@ __all__ = [
     "Waiter",
     "ahead",
     "can_fit",
+    "held_back",
     "in_order",
     "overlived",
     "queued_reason",
+    "waiter_reason",
 ]
 
 # A waiter renews its entry as it waits (15 s at a time, about twice a second): an entry
@@ -144,4 +153,35 @@ def queued_reason(before: list[Waiter]) -> str:
     return (
         f"queued behind {head.name} (priority {head.priority}, "
         f"{format_mib(head.memory_mib)}){more}: the queue is served by priority, then arrival"
+    )
+
+
+def held_back(
+    waiters: Iterable[Waiter],
+    *,
+    priority: int,
+    need_mib: int | None,
+    free_mib: int | None,
+    largest_mib: int | None,
+) -> Waiter | None:
+    """The queue's head that a service of ``priority`` must not pass, or None.
+
+    A service taking ``need_mib`` out of ``free_mib`` (on the GPU it would use) passes a
+    head of strictly higher priority only when what is left still holds the head. Unknown
+    figures (None) count as taking its room: gpuctl does not guess in a service's favour.
+    """
+    queue = in_order(w for w in waiters if can_fit(w, largest_mib))
+    if not queue or queue[0].priority <= priority:
+        return None
+    head = queue[0]
+    if need_mib is not None and free_mib is not None and free_mib - need_mib >= head.memory_mib:
+        return None
+    return head
+
+
+def waiter_reason(w: Waiter, since: str) -> str:
+    """Why a service is held back by ``w`` (``since``: when it joined, in words)."""
+    return (
+        f"queued: {w.name}, priority {w.priority}, {format_mib(w.memory_mib)} — waiting since "
+        f"{since}; it would take the room this job waits for (`gpuctl locks` shows the queue)"
     )

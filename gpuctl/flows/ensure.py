@@ -38,6 +38,7 @@ from gpuctl.flows.deps import EnsureDeps, describe_handle
 from gpuctl.flows.hints import refusal_hint
 from gpuctl.flows.observe import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.run_queue import service_held_back
 from gpuctl.flows.wait import BystanderWatch, LauncherWatch, Waited, wait_ready
 
 __all__ = ["ADMISSION", "MAX_ROUNDS", "ensure", "launch_under_lease", "on_its_gpu"]
@@ -295,6 +296,25 @@ def launch_under_lease(
                         Outcome.TIMEOUT,
                         f"did not start {svc.name}: the timeout ran out before it was admitted",
                         first,
+                    )
+                # Services are not queued, but do not take the room of a higher-priority
+                # waiter at the head of the `run --wait` queue (core.queue says why).
+                held = service_held_back(
+                    deps.store,
+                    priority=svc.priority,
+                    need_mib=svc.memory_mib,
+                    verdict=verdict,
+                    snapshot=seen.snapshot,
+                    total_override_mib=deps.host.gpu_memory_mib,
+                )
+                if held is not None:
+                    release()
+                    return ctx.result(
+                        Outcome.BUSY,
+                        held,
+                        Decision.BUSY,
+                        hint="it starts once the queue's head has its room; or give the "
+                        "service a higher priority",
                     )
                 launcher = deps.make_launcher(seen.snapshot)
                 started_at = deps.clock()

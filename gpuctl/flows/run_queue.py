@@ -17,8 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuctl.adapters.store import Store, holder_here
+from gpuctl.core.decision import Verdict
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.queue import Waiter, ahead
+from gpuctl.core.model import Snapshot
+from gpuctl.core.queue import Waiter, ahead, held_back, waiter_reason
 from gpuctl.errors import GpuctlError
 
 # A waiter renews its entry on every look (about twice a second); one that stops renewing
@@ -37,6 +39,38 @@ def ahead_now(
     ``place``, or arriving now), skipping those that can never fit."""
     me = place.id if place is not None else None
     return ahead(store.waiters(), priority=spec.priority, me=me, largest_mib=largest_mib)
+
+
+def service_held_back(
+    store: Store,
+    *,
+    priority: int,
+    need_mib: int | None,
+    verdict: Verdict,
+    snapshot: Snapshot | None,
+    total_override_mib: int | None,
+) -> str | None:
+    """Under the admission lock, before a service (``ensure``, ``resume``, the proxy)
+    launches on an IDLE or FITS verdict: why it must not (a live head of higher
+    priority whose room it would take; ``core.queue.held_back``), or None."""
+    devices = snapshot.device_list() if snapshot is not None else ()
+    totals = {
+        d.index: d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
+        for d in devices
+    }
+    known = [t for t in totals.values() if t is not None]
+    # IDLE: nothing holds the GPU, its whole memory is free.
+    free = verdict.free_mib if verdict.free_mib is not None else totals.get(verdict.gpu or 0)
+    head = held_back(
+        store.waiters(),
+        priority=priority,
+        need_mib=verdict.need_mib if verdict.need_mib is not None else need_mib,
+        free_mib=free,
+        largest_mib=max(known) if known else None,
+    )
+    if head is None:
+        return None
+    return waiter_reason(head, time.strftime("%H:%M:%S", time.localtime(head.since)))
 
 
 class Place:
