@@ -167,8 +167,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
                 try:
                     with admission(_Ctx(deps, deadline, place)):
                         verdict, largest, snapshot = _look(deps, spec, victims=True, pre=pre)
-                        # Under the lock, the queue as it stands: only its head goes.
-                        before = ahead_now(deps.store, spec, place, largest)
+                        before = ahead_now(deps.store, spec, place, largest)  # only the head goes
                         if not before and verdict.decision in (Decision.IDLE, Decision.FITS):
                             started = _start(deps, spec, req, verdict, name, pre=pre)
                             if place is not None:
