@@ -78,6 +78,11 @@ def test_exit_codes_and_refusals_before_cmd_starts(host: SimHost, tmp_path: Path
     # Larger than the GPU: exit 3 before CMD starts, saying it can never fit.
     r = gpuctl(cfg, "run", "-m", "200GiB", "--", "touch", str(marker))
     assert r.returncode == 3 and "never fit" in r.stderr and not marker.exists()
+    # No wait can help it: the hint names --memory, never --wait (given or not).
+    for opts in ((), ("--wait", "--timeout", "5s")):
+        r = gpuctl(cfg, "run", *opts, "-m", "200GiB", "--", "touch", str(marker))
+        assert r.returncode == 3 and "--wait" not in r.stderr, r.stderr
+        assert "with --memory" in r.stderr and not marker.exists(), r.stderr
     # Arguments go to CMD as they are, never through a shell.
     out = tmp_path / "argv"
     r = gpuctl(

@@ -288,20 +288,18 @@ def _refusal(name: str, verdict: Verdict, largest: int | None) -> RunResult:
             hint="check the host's agent (`gpuctl status`); nothing was started",
         )
     reason = verdict.reason
+    hint = rp.preempt_hint(verdict) or (
+        "wait for room with --wait; `gpuctl status` shows who holds the GPU"
+    )
     if _never_fits(verdict, largest):
         assert verdict.need_mib is not None and largest is not None
         reason = (
             f"needs {format_mib(verdict.need_mib)}, more than the GPU has "
             f"({format_mib(largest)}): it can never fit"
         )
-    return RunResult(
-        name,
-        EXIT_BUSY,
-        reason,
-        decision=verdict.decision.value,
-        hint=rp.preempt_hint(verdict)
-        or "wait for room with --wait; `gpuctl status` shows who holds the GPU",
-    )
+        # No wait (given or not) can help: only a smaller --memory can.
+        hint = f"ask for at most {format_mib(largest)} with --memory; waiting cannot help"
+    return RunResult(name, EXIT_BUSY, reason, decision=verdict.decision.value, hint=hint)
 
 
 def _start(
