@@ -8,7 +8,8 @@ from typing import Any
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.recorded_servers import find_servers
-from gpuctl.core.record import Phase, Record, recorded_servers
+from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_pids import recorded_servers
 
 
 def _job(host: str, boot: str, pid: int = 1) -> Record:

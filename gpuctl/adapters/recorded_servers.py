@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.environ import START_NONCE_ENV
-from gpuctl.core.record import Phase, Record, recorded_servers
+from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_pids import recorded_servers
 
 
 def find_servers(records: Iterable[Record]) -> dict[int, str]:

@@ -23,9 +23,9 @@ from gpuctl.core.record import (
     Record,
     SetAside,
     hidden_by_set_aside,
-    recorded_servers,
     starting_services,
 )
+from gpuctl.core.record_pids import recorded_servers
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
 from gpuctl.flows.deps import ChildFinder, EnsureDeps, ServerFinder, SnapshotReader

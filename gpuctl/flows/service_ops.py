@@ -10,7 +10,8 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside, recorded_servers
+from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside
+from gpuctl.core.record_pids import recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.observe import hidden_words, keywords

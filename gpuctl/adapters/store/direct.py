@@ -53,8 +53,8 @@ from gpuctl.core.record import (
     apply_update,
     clip,
     lease_state,
-    pid_is_here,
 )
+from gpuctl.core.record_pids import pid_is_here
 from gpuctl.errors import StoreError, UsageError
 
 log = logging.getLogger("gpuctl.store")
