@@ -195,6 +195,9 @@ def test_a_waiter_that_gives_up_leaves_the_queue_itself(host: SimHost, how: str,
         assert p.wait(timeout=60) == code
         assert list(files.glob("*.json")) == []
         assert jobs.running() == []
+        if how == "timeout":  # it did wait: the hint is a longer wait, not --wait again
+            rest = p.stderr.read()
+            assert "a longer --timeout" in rest and "with --wait" not in rest, rest
     finally:
         jobs.close()
 

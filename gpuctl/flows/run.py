@@ -201,6 +201,7 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
             if deps.clock() + WAIT_POLL_S > deadline:
                 refusal.exit_code = EXIT_TIMEOUT
                 refusal.reason = f"still waiting at the timeout: {refusal.reason}"
+                refusal.hint = "a longer --timeout waits longer; `gpuctl locks` shows the queue"
                 return refusal
             if not place.joined:
                 place.refresh(largest)  # it does not fit, or others are ahead: it joins the queue
