@@ -76,7 +76,9 @@ def victim_facts(
         for o in others
         if o.name != svc.name
         and (r := seen.records.get(o.name)) is not None
-        and r.phase in (Phase.RUNNING, Phase.STARTING)
+        # PREEMPTED too: one another caller is stopping now is named as such (a start or
+        # stop under way), not as a process gpuctl did not start.
+        and r.phase in (Phase.RUNNING, Phase.STARTING, Phase.PREEMPTED)
     ]
     stored: Mapping[str, int] | None = {}
     if candidates:
@@ -102,7 +104,7 @@ def victim_facts(
         out[o.name] = VictimFacts(
             o.name,
             o.priority,
-            managed=o.launcher is not None and bool(r.handle),
+            managed=o.launcher is not None and (bool(r.handle) or r.phase is Phase.PREEMPTED),
             in_flight=in_flight,
             leased=r.lease is not None or r.phase is not Phase.RUNNING,
             restart_s=expected_start_s(r),
