@@ -233,3 +233,15 @@ def test_preemptible_job_is_preempted_by_a_higher_priority_service(host: SimHost
         for pid in claims(host, tag) + claims(host, keep):
             os.kill(pid, signal.SIGKILL)
         kill_servers(chat)
+
+
+def test_an_unreachable_agent_is_unknown_naming_the_job(tmp_path: Path) -> None:
+    """A closed loopback port for the agent: exit 4 before CMD starts, and the line names
+    the job (it read 'gpuctl run:  not started: …' with no name)."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[hosts.dgx]\nagent = "http://127.0.0.1:{free_port()}"\n')
+    marker = tmp_path / "ran"
+    r = gpuctl(cfg, "run", "--host", "dgx", "-m", "1GiB", "--", "touch", str(marker))
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "gpuctl run: touch not started:" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not marker.exists()

@@ -151,7 +151,8 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
     try:
         records = deps.store.records()
     except GpuctlError as e:
-        return RunResult(req.name or "", EXIT_UNKNOWN, e.message, hint=e.hint)
+        # The records cannot be read, so no suffix is known: CMD's program name stands.
+        return RunResult(job_name(req.argv, req.name, ()), EXIT_UNKNOWN, e.message, hint=e.hint)
     name = job_name(req.argv, req.name, records)
     notes: list[str] = []
     spec = JobSpec(PREFIX + name, req.memory_mib, req.priority, preemptible=req.preemptible)
