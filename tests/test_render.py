@@ -459,3 +459,22 @@ def test_wide_header_fits_80_columns(tmp_path: Path) -> None:
         assert lines[i].rstrip(" │").endswith(("%", "?")), lines[i]
         assert "temperature " in lines[i + 1] and "power " in lines[i + 1], lines[i + 1]
     assert "temperature 61°C  power 312 W" in "\n".join(lines)
+
+
+def test_locks_a_long_job_name_is_cut_not_squeezing_the_other_columns() -> None:
+    """One `run --name` of 84 characters emptied every other column of `gpuctl locks` at
+    80 columns (newcomer review): the name folds in its own cell, the rest stays whole."""
+    from gpuctl.core.record import Phase, Record
+    from gpuctl.render.locks import render_locks
+
+    long = "run." + "x" * 84
+    rows = [("dgx", Record(long, Phase.STOPPED, since=1_800_000_000.0), None)]
+    rows.append(("dgx", Record("chat", Phase.RUNNING, since=1_800_000_000.0), None))
+    text = _text(render_locks(LocksReport(rows, 1_800_000_010.0, [])), width=80)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    (row,) = [line for line in lines if "run.xxx" in line]
+    assert "dgx" in row and "stopped" in row and "01-15 08:00" in row and "…" not in text, text
+    assert text.count("x") - text.count("dgx") == 84  # every x of the name, folded
+    (chat,) = [line for line in lines if "chat" in line]
+    assert "running" in chat and "never" in chat, text

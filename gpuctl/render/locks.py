@@ -108,7 +108,11 @@ def render_locks(report: LocksReport) -> RenderableType:
         "LEASE\nEXPIRES",
         "STARTS",
     ):
-        t.add_column(col, no_wrap=True)
+        # A long name (`run --name` takes up to 84 characters) folds onto more lines of
+        # its own cell: Rich narrows the columns that may wrap first, so the others keep
+        # their width instead of being squeezed to "…" in an 80-column table.
+        folds = col in ("SERVICE", "HOLDER")
+        t.add_column(col, no_wrap=not folds, overflow="fold" if folds else "ellipsis")
     now = report.now
     notes: list[Text] = []
     for host, rec, _err in report.rows:
