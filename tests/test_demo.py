@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuctl.flows.demo_chapters import CHAPTERS, heading
 from tests.conftest import gpuctl_exe
 
 pytestmark = pytest.mark.e2e
@@ -71,6 +72,9 @@ def test_demo_piped_beside_a_foreign_vllm(
     )
     out = r.stdout
     assert r.returncode == 0, out[-3000:] + r.stderr
+    # Every chapter `gpuctl demo --help` lists is played, in order.
+    at = [out.find(heading(n)) for n in range(1, len(CHAPTERS) + 1)]
+    assert -1 not in at and at == sorted(at), at
     assert foreign_vllm.poll() is None  # the foreign process was there all along
 
     shown = panels(out)

@@ -127,3 +127,19 @@ def test_help_shows_no_markup_and_never_points_to_itself(path: tuple[str, ...]) 
     assert "``" not in text, f"`gpuctl {' '.join(path)} --help` shows RST markup"
     if path:
         assert f"`gpuctl {' '.join(path)}`" not in text, f"{path} --help refers to itself"
+
+
+def test_demo_help_lists_every_chapter_the_demo_plays() -> None:
+    """`gpuctl demo --help` named five decisions and neither the priorities chapter nor the
+    proxy one; it lists every chapter now, each on its own line within 80 columns."""
+    from gpuctl.flows.demo import intro
+    from gpuctl.flows.demo_chapters import CHAPTERS, heading
+
+    text = help_text(("demo",))
+    for n in range(1, len(CHAPTERS) + 1):
+        assert heading(n) in text, (heading(n), text)
+    assert "PREEMPTABLE" in text and "`gpuctl proxy`" in text, text
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    # The demo's own first words say what is coming, the last two chapters included.
+    opening = " ".join(intro("http://127.0.0.1:1").split())
+    assert "preempts" in opening and "`gpuctl proxy`" in opening, opening

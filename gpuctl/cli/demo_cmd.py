@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit
+from gpuctl.flows.demo_chapters import help_text
 
 if TYPE_CHECKING:
     from gpuctl.flows.status import StatusReport
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo", short_help="A guided tour on a simulated GPU.")(demo)
+    app.command("demo", short_help="A guided tour on a simulated GPU.", help=help_text())(demo)
 
 
 def demo(
@@ -31,7 +32,7 @@ def demo(
         ),
     ] = 8.0,
 ) -> None:
-    """A guided tour on a simulated GPU: IDLE, FITS, BUSY, LOADING, READY. Cleans up after itself."""
+    """A guided tour on a simulated GPU (its help lists the chapters: demo_chapters)."""
     with errors_to_exit():
         from gpuctl.flows.demo import run_demo
         from gpuctl.flows.demo_priority import decision_of

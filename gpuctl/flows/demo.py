@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
 from gpuctl.errors import GpuctlError
+from gpuctl.flows.demo_chapters import heading
 from gpuctl.flows.demo_priority import IDLE_S, decision_of, photos_toml, priority_chapter
 from gpuctl.flows.status import StatusReport, gather
 from gpuctl.sim.host import SimHost, SimHostError, free_port
@@ -41,6 +42,18 @@ class Narrator(Protocol):
     ) -> StatusReport: ...
     def results(self, rows: list[dict[str, Any]]) -> None: ...
     def locks(self, config_path: str) -> None: ...
+
+
+def intro(agent_url: str) -> str:
+    """Chapter 1's text: the idle GPU, then what the tour will show (every chapter that
+    follows; no decision named, the first panel shows only IDLE)."""
+    return (
+        f"A simulated 128 GiB GPU (like a DGX Spark) with its agent at {agent_url}.\n"
+        "Nothing runs on it, so every service is IDLE: safe to start. Then: someone else's\n"
+        "job on it; three callers racing to start one server; the record they share;\n"
+        "priorities, as the chat preempts a photo batch that later resumes; and a chat\n"
+        "request through `gpuctl proxy` that starts the stopped server."
+    )
 
 
 def demo_tag() -> str:
@@ -89,15 +102,14 @@ sse_interval = "1s"
             return gather(config)
 
         narrator.chapter(
-            "1. An idle GPU",
-            f"A simulated 128 GiB GPU (like a DGX Spark) with its agent at {host.agent_url}.\n"
-            "Nothing runs on it, so every service is IDLE: safe to start.",
+            heading(1),
+            intro(host.agent_url),
         )
         report = poll()
         narrator.show(report)
 
         narrator.chapter(
-            "2. Someone else's job",
+            heading(2),
             "ComfyUI (not managed by us) takes 20 GiB. gpuctl sees it at process level:\n"
             "vLLM's 80 GiB still FITS beside it; a 120 GiB trainer is BUSY, and gpuctl says who holds the GPU.",
         )
@@ -105,7 +117,7 @@ sse_interval = "1s"
         report = narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.FITS, 10)
 
         narrator.chapter(
-            "3. Three callers, one launch",
+            heading(3),
             "Three `gpuctl ensure vllm` start at the same moment, as a chat app, a cron job and a\n"
             f"user would. The fake vLLM takes {load_time_s:.0f} s to load: its port is bound but refuses\n"
             "connections, its memory grows to 80 GiB. One caller takes the lease and launches it\n"
@@ -151,7 +163,7 @@ sse_interval = "1s"
         narrator.results(rows)
 
         narrator.chapter(
-            "4. One shared truth",
+            heading(4),
             "`gpuctl locks` reads the record every entry point shares on the GPU host:\n"
             "one start attempt, the server running, when it was last used.",
         )
@@ -164,7 +176,7 @@ sse_interval = "1s"
         )
         priority_chapter(
             narrator,
-            title="5. Priorities: the chat preempts the photo batch",
+            title=heading(5),
             env=env,
             poll=poll,
             items=host.base / "photos",
@@ -185,7 +197,7 @@ sse_interval = "1s"
             check=False,
         )
         narrator.chapter(
-            "7. Done",
+            heading(7),
             "Cleaning up: every process of the demo is stopped and its directory removed.",
         )
         time.sleep(0.2)
@@ -223,7 +235,7 @@ def _proxy_chapter(
             raise GpuctlError(f"gpuctl proxy did not start: {host.log_tail('proxy')}")
         time.sleep(0.1)
     narrator.chapter(
-        "6. A chat request to a stopped server",
+        heading(6),
         f"ComfyUI is gone and vLLM is stopped. `gpuctl proxy` listens at {url}; an app sends\n"
         "it an OpenAI chat request for model 'qwen' (vllm's `models`), streaming. The proxy\n"
         "runs the same ensure as the CLI, holds the request while the server loads (sending\n"
