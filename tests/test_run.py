@@ -245,3 +245,22 @@ def test_an_unreachable_agent_is_unknown_naming_the_job(tmp_path: Path) -> None:
     assert r.returncode == 4, r.stdout + r.stderr
     assert "gpuctl run: touch not started:" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not marker.exists()
+
+
+def test_timeout_without_a_wait_is_a_usage_error(tmp_path: Path) -> None:
+    """`--timeout` bounds the queue's wait (--wait) or the wait for the preempted work's
+    memory (--preempt); alone it bounded nothing and was taken silently. Now: exit 2, one
+    line naming the fix, and CMD never starts."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[hosts.box]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n')
+    marker = tmp_path / "ran"
+    r = gpuctl(cfg, "run", "-m", "1GiB", "--timeout", "5s", "--", "touch", str(marker))
+    assert r.returncode == 2, r.stdout + r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("gpuctl: error: --timeout") and "--wait" in first, r.stderr
+    assert "Traceback" not in r.stderr and not marker.exists()
+    # With either wait it is taken (no agent here: the sim GPU read directly, room enough).
+    for wait in ("--wait", "--preempt"):
+        r = gpuctl(cfg, "run", wait, "-m", "1GiB", "--timeout", "5s", "--", "touch", str(marker))
+        assert r.returncode == 0 and marker.exists(), r.stderr
+        marker.unlink()

@@ -84,7 +84,7 @@ def run(
             "--timeout",
             "-t",
             parser=duration_parser("--timeout"),
-            help="With --wait: give up after this long.",
+            help="With --wait (or --preempt): give up waiting after this long (exit 5).",
             metavar="DURATION",
         ),
     ] = None,
@@ -104,6 +104,16 @@ def run(
             fail(UsageError("no command given", hint="gpuctl run --memory 15GiB -- CMD ARGS…"))
         if memory is None:
             fail(UsageError("--memory is required", hint="e.g. --memory 15GiB"))
+        if timeout is not None and not (wait or preempt):
+            # It bounds a wait, and without --wait (the queue) or --preempt (the stopped
+            # work's memory coming back) there is none to bound: taken silently, it would
+            # let a user believe the job is capped in time, which nothing in gpuctl does.
+            fail(
+                UsageError(
+                    "--timeout only bounds a wait: give --wait (or --preempt) with it",
+                    hint="gpuctl run --wait --timeout 10m … queues for up to 10 minutes",
+                )
+            )
         assert cmd is not None and memory is not None
         conf = open_config(config)
         deps = run_deps(conf, host, lambda line: say(f"gpuctl run: {line}"))
