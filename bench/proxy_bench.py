@@ -16,6 +16,12 @@ them alike:
   tokens at ``--token-delay`` each: a request takes tens of ms, as a real model
   server's does, the CPU is not saturated, and the added latency is the path's own
   cost). p50 and p99 per target; *added* = path minus direct, medians over the rounds;
+- where the added mean latency goes: the server's answer as the proxy timed it (its
+  ``gpuctl_proxy_upstream_latency_seconds`` sum and count, request written to answer
+  head read) against the same server called directly, and the rest, the proxy's own
+  path (its work, two more loopback hops). On a machine whose few cores the load
+  generator, the server and the proxy share, a fronted server answers more slowly
+  although the proxy does none of its work: that part is the machine's, not the path's;
 - the CPU each path spends per request (the proxy's process, LiteLLM's, the server's
   for direct), from ``/proc``: steadier than latency on a loaded machine;
 - streaming, ``--stream-tokens`` tokens per answer at 64 and 256 concurrent streams:
@@ -71,7 +77,9 @@ def parse_wrk(text: str) -> dict[str, float]:
     errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
     n_err = sum(int(x) for x in errs.groups()) if errs else 0
     n = re.search(r"(\d+) requests in", text)
+    avg = re.search(r"Latency\s+([\d.]+)(us|ms|s)\s", text)
     return {
+        "avg": float(avg.group(1)) * _UNIT_MS[avg.group(2)] if avg else float("nan"),
         "n": float(n.group(1)) if n else 0.0,
         "rps": rps,
         "p50": lat.get("50", float("nan")),
@@ -99,6 +107,22 @@ def wrk(
     finally:
         os.unlink(script)
     return parse_wrk(out)
+
+
+def upstream_s(base: str, key: str | None, service: str) -> tuple[float, float]:
+    """The proxy's own timing of ``service``'s server: (seconds, answers) so far, from
+    its ``gpuctl_proxy_upstream_latency_seconds`` sum and count in ``/metrics``."""
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    text = httpx.get(f"{base}/metrics", headers=h, timeout=10).text
+    got = {}
+    for what in ("sum", "count"):
+        m = re.search(
+            rf'^gpuctl_proxy_upstream_latency_seconds_{what}{{service="{service}"}} ([\d.e+-]+)$',
+            text,
+            re.M,
+        )
+        got[what] = float(m.group(1)) if m else float("nan")
+    return got["sum"], got["count"]
 
 
 def cpu_s(pid: int) -> float:
@@ -305,9 +329,15 @@ def run(
             for name, (_, k) in targets.items():
                 settle_all()
                 pid = server_pid if name == "direct" else pids[name]
+                ours = name in ("gpuctl", "baseline")
+                base = targets[name][0]
+                u0 = upstream_s(base, k, str(body["model"])) if ours else (0.0, 0.0)
                 c0 = cpu_s(pid)
                 m = wrk(url(name, port), body, k, args.connections, args.duration)
                 m["cpu_ms"] = (cpu_s(pid) - c0) * 1000 / max(1.0, m["n"])
+                if ours:
+                    u1 = upstream_s(base, k, str(body["model"]))
+                    m["up_avg"] = (u1[0] - u0[0]) * 1000 / max(1.0, u1[1] - u0[1])
                 lat.setdefault((scenario, name), []).append(m)
                 bad += int(m["bad"])
         for conns in (64, 256):
@@ -349,6 +379,18 @@ def run(
                   f" {med(scenario, name, 'p99'):8.2f} {a50:10.2f} {a99:10.2f}"
                   f" {med(scenario, name, 'cpu_ms'):11.3f}")  # fmt: skip
         print("  target: gpuctl added p50 <= 1 ms, p99 <= 5 ms")
+        d_avg = med(scenario, "direct", "avg")
+        for name in ("gpuctl", "baseline"):
+            if name not in targets:
+                continue
+            g_avg, up = med(scenario, name, "avg"), med(scenario, name, "up_avg")
+            # The server's answer as the proxy timed it (request written -> its head
+            # read) against the same server called directly: on a machine whose cores
+            # the load generator, the server and the proxy share, a server fronted by
+            # a proxy answers more slowly although the proxy does none of that work.
+            print(f"  where {name}'s added mean {g_avg - d_avg:.2f} ms goes: the server answered"
+                  f" {up - d_avg:+.2f} ms slower than direct (mean {up:.2f} ms, timed by the"
+                  f" proxy), the proxy's own path {g_avg - up:.2f} ms")  # fmt: skip
         if "litellm" in added:
             g, ll = added["gpuctl"], added["litellm"]
             print(f"  gpuctl / LiteLLM added latency: p50 {g[0] / ll[0]:.2f}x, p99 {g[1] / ll[1]:.2f}x"
