@@ -745,14 +745,20 @@ def test_the_count_moves_on_transitions_at_most_once_per_linger_never_per_reques
 def test_a_hostile_upstream_is_a_502_or_a_cut_answer_never_a_500(
     wire: Wire, opened: list[http.client.HTTPConnection]
 ) -> None:
-    # Nothing usable came back, or an answer with a length cut short (read whole before
-    # its head goes; it was a 500): 502 in OpenAI's shape.
-    for path in ("/garbage", "/silent", "/cut-length"):
+    # Nothing usable came back: 502 in OpenAI's shape.
+    for path in ("/garbage", "/silent"):
         status, headers, data = ask(conn(wire, opened), "GET", "/services/witness" + path)
         assert assert_refusal(status, headers, data, 502)["type"] == "upstream_error", path
-    # A chunked answer cut after its head went: the client sees the cut.
-    with pytest.raises(http.client.IncompleteRead):
-        ask(conn(wire, opened), "GET", "/services/witness/cut-chunked")
+    # An answer cut short, with a length (it was a 500) or chunked: 502 when the cut is
+    # known before its head goes; after it (answers are relayed as they arrive), the
+    # client sees the cut. Never a 200 that looks whole. (These upstreams hang up at
+    # once, so either may come; tests/test_proxy_streaming.py cuts one after its head.)
+    for path in ("/cut-length", "/cut-chunked"):
+        try:
+            status, headers, data = ask(conn(wire, opened), "GET", "/services/witness" + path)
+        except http.client.IncompleteRead:
+            continue
+        assert assert_refusal(status, headers, data, 502)["type"] == "upstream_error", path
     # An SSE stream cut short ends with an error event (data: {"error": ...}).
     r = httpx.get(f"{wire.proxy.url}/services/witness/cut-sse", headers=AUTH, timeout=30)
     events = [line for line in r.text.splitlines() if line.startswith("data: ")]

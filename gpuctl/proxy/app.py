@@ -266,6 +266,8 @@ class ProxyApp:
             reply.status = reply.status or 499  # nginx's word for it, in the log and metrics
         except UpstreamError as e:  # the server failed while its answer was relayed
             log.warning("%s: the upstream failed mid-answer: %s", info.get("service"), e)
+            if reply.started:  # the head went (uvicorn cuts the connection): not a 200
+                info["status"], info["error"] = 502, "upstream_failed"
             with contextlib.suppress(Exception):  # once its head went, the cut shows
                 await self._refuse(
                     sender,
@@ -298,22 +300,26 @@ class ProxyApp:
                 )
         finally:
             svc = info.get("service")
+            # What happened, which is not always the status line that went: an answer
+            # cut short, or an error event ending a stream that had said 200.
+            status = info.get("status") or reply.status
             if svc is not None:
-                self.metrics.requests[(svc, reply.status)] += 1
+                self.metrics.requests[(svc, status)] += 1
             if self.settings.access_log:
                 client = scope.get("client") or ("-", 0)
                 access.info(
-                    '%s:%s "%s %s" %s service=%s model=%s %.1fms wait=%.2fs%s',
+                    '%s:%s "%s %s" %s service=%s model=%s %.1fms wait=%.2fs%s%s',
                     client[0],
                     client[1],
                     shown(scope["method"]),
                     # as sent (escapes kept): /services/a%2Fb is not /services/a/b
                     shown((scope.get("raw_path") or b"").decode("latin-1") or scope["path"]),
-                    reply.status or "-",
+                    status or "-",
                     svc or "-",
                     shown(info["model"]) if info.get("model") else "-",
                     (time.perf_counter() - t0) * 1000,
                     info.get("waited", 0.0),
+                    f" sent={reply.status} error={info['error']}" if "error" in info else "",
                     " client-gone" if info.get("gone") else "",
                 )
 

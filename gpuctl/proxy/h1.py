@@ -17,8 +17,10 @@ Rules it keeps (tests/test_proxy_h1.py pins them):
   server kept it alive, and nothing else arrived on it; any other ends it.
 - Streams flow with backpressure: past ``HIGH_WATER`` buffered bytes it stops reading
   the socket until the consumer has taken them, so a slow client slows the upstream.
-  A whole-body ``read`` takes every byte as it comes (it resumes a paused socket), up
-  to ``MAX_BODY``: past that the answer is an error, not the proxy's memory.
+  The proxy relays every answer so (``relay``); an answer already whole when its head
+  is seen (a small one, in one read) is taken at once with ``complete_body``. A
+  whole-body ``read`` takes every byte as it comes (it resumes a paused socket), up
+  to ``MAX_BODY``: past that the answer is an error, not the memory's.
 - An answer head (with any 1xx heads before it) over ``MAX_HEAD`` bytes is an error
   and ends the connection, as the proxy's own 431 does for a request head.
 - Closing a response not read to the end aborts its connection: that is how an
@@ -50,9 +52,10 @@ import httptools
 
 # Buffered response bytes above which the socket is not read until they are consumed.
 HIGH_WATER = 256 * 1024
-# A body read whole (an answer with a length) is held in memory until it is sent: one
-# above this is refused. 512 MiB is far above any OpenAI-style JSON answer (2,048
-# embeddings of 4,096 floats are about 170 MB as JSON) and still bounds a hostile one.
+# A body read whole (``Response.read``; the proxy itself streams every answer) is held
+# in memory: one above this is refused. 512 MiB is far above any OpenAI-style JSON
+# answer (2,048 embeddings of 4,096 floats are about 170 MB as JSON) and still bounds
+# a hostile one.
 MAX_BODY = 512 * 1024 * 1024
 # An answer's head (status line, headers, any 1xx heads before it): llhttp takes one of
 # any size, so 200,000 headers were accepted and forwarded. 64 KiB, as the proxy's own
@@ -369,6 +372,19 @@ class Response:
             await c.wait()
         if c.error is not None:
             raise c.error
+        chunks, c.chunks, c.buffered = c.chunks, [], 0
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def complete_body(self) -> bytes | None:
+        """The whole body when all of it has arrived already (a small answer comes with
+        its head, in one read), without waiting; else None (it is still arriving: relay
+        it with ``next``). Raises the upstream's error when one is known already."""
+        c = self._conn
+        assert c is not None, "read after aclose"
+        if c.error is not None:
+            raise c.error
+        if not c.complete:
+            return None
         chunks, c.chunks, c.buffered = c.chunks, [], 0
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 

@@ -1,10 +1,15 @@
 """Relaying an upstream answer to the proxy's client, and the ASGI types both use.
 
-A response with a length is read whole and sent in one message, anything else (SSE)
-chunk by chunk, each ``send`` awaited (uvicorn holds it while the client's socket is
-full, so a slow client slows its upstream read: the backpressure is kept end to end). A
-client that goes away cancels its upstream request: the caller then closes the response,
-which closes the upstream connection.
+An answer whose body came whole with its head (a small one: one read) goes in one
+message; any other is sent as it arrives, chunk by chunk, whatever its framing (a
+length, chunked, SSE, until the connection closes), each ``send`` awaited: uvicorn holds
+it while the client's socket is full, and the upstream socket is not read while a
+chunk waits (h1's ``HIGH_WATER``), so a slow client slows its upstream and the proxy's
+memory stays bounded whatever the answer's size. An answer cut short after its head
+went is cut for the client too (uvicorn closes the connection short of the length or
+of the last chunk), never ended as if whole. A client that goes away cancels its
+upstream request: the caller then closes the response, which closes the upstream
+connection.
 """
 
 from __future__ import annotations
@@ -74,12 +79,14 @@ async def relay(
     sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
     if opened_sse:
         # The upstream's status line has nowhere to go: a refusal becomes the stream's
-        # error event.
+        # error event, with the first 2,000 bytes of what it said (never all of it).
         if resp.status != 200:
-            text = (await resp.read())[:2000].decode("utf-8", "replace")
+            said = b""
+            while len(said) < 2000 and (chunk := await resp.next()):
+                said += chunk
             await end_with_error(
                 send,
-                f"{name} answered {resp.status}: {text}",
+                f"{name} answered {resp.status}: {said[:2000].decode('utf-8', 'replace')}",
                 "upstream_error",
                 "upstream_status",
             )
@@ -87,13 +94,19 @@ async def relay(
     else:
         drop = hop_filter(resp.headers, _HOP_RESPONSE)
         headers = [(k, v) for k, v in resp.headers if k not in drop]
-        if not sse and resp.header(b"content-length") is not None:
-            content = await resp.read()
-            headers.append((b"content-length", str(len(content)).encode()))
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": headers})  # fmt: skip
-            await send_body({"type": "http.response.body", "body": content})
-            return False
+        if not sse:
+            content = resp.complete_body()  # the upstream's error, when known already
+            if content is not None:  # all here (a small answer): one message
+                headers.append((b"content-length", str(len(content)).encode()))
+                await send({"type": "http.response.start", "status": resp.status,
+                            "headers": headers})  # fmt: skip
+                await send_body({"type": "http.response.body", "body": content})
+                return False
+            length = resp.header(b"content-length")
+            if length is not None:
+                # Still arriving: its length goes ahead (llhttp checked it is one number),
+                # so a cut shows as one.
+                headers.append((b"content-length", b"%d" % int(length)))
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": headers})  # fmt: skip
     return await _pump(resp, send_body, receive, name, sse)
