@@ -166,6 +166,28 @@ def test_every_refusal_ends_with_a_hint(outcome: Outcome) -> None:
     assert lines[-1] == "  hint: wait and try again"
 
 
+def test_preemptable_refusal_says_preemptable_and_keeps_its_json() -> None:
+    """`ensure chat` refused as PREEMPTABLE printed 'chat: BUSY: …' while `status` said
+    PREEMPTABLE; the text now names the decision, the JSON keeps outcome busy (exit 3)."""
+    r = EnsureResult(
+        "chat",
+        "dgx",
+        Outcome.BUSY,
+        "needs 80.0 GiB but only 28.0 GiB free; fits once photos (priority 50, 30.0 GiB) stops",
+        "PREEMPTABLE",
+        hint="`gpuctl ensure chat --preempt` stops photos to make room",
+    )
+    lines = ensure_text(r)
+    assert lines[0].startswith("chat: PREEMPTABLE: needs 80.0 GiB"), lines
+    assert lines[-1] == "  hint: `gpuctl ensure chat --preempt` stops photos to make room"
+    obj = ensure_to_json(r)
+    assert obj["outcome"] == "busy" and obj["decision"] == "PREEMPTABLE" and obj["exit_code"] == 3
+    # A PREEMPTABLE start that then failed or ran out of time says so, not PREEMPTABLE.
+    for outcome in (Outcome.FAILED, Outcome.TIMEOUT):
+        r = EnsureResult("chat", "dgx", outcome, "the memory did not come back", "PREEMPTABLE")
+        assert ensure_text(r)[0].startswith(f"chat: {outcome.value.upper()}: "), outcome
+
+
 def test_ready_text_has_no_log_and_no_hint() -> None:
     r = EnsureResult("vllm", "dgx", Outcome.READY, "answers", "READY", log_tail="x")
     assert ensure_text(r) == ["vllm: ready: answers"]

@@ -82,6 +82,21 @@ def status_text(cfg: Path) -> str:
     return " ".join(r.stdout.split())  # the table's wrapping and borders aside
 
 
+def ensure_text(cfg: Path, name: str) -> list[str]:
+    """`gpuctl ensure NAME`'s lines on stderr, as a person reads them (exit 3 expected)."""
+    env = {**cli_env(cfg), "COLUMNS": "400", "NO_COLOR": "1"}
+    r = subprocess.run(
+        [gpuctl_exe(), "ensure", name, "--timeout", "30s"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 3, r.stdout + r.stderr
+    return r.stderr.splitlines()
+
+
 def svc_of(obj: dict[str, Any], name: str) -> dict[str, Any]:
     (s,) = [s for s in obj["services"] if s["name"] == name]
     return s
@@ -196,6 +211,11 @@ def test_status_is_preemptable_naming_its_victims_and_busy_naming_holders(
         assert out["decision"] == "PREEMPTABLE" and out["exit_code"] == 3
         assert f"fits once {batch} (priority 50, 30.0 GiB) stops" in out["reason"]
         assert out["hint"] == svc_of(status_json(cfg)[1], chat)["hint"]
+        # Its text says PREEMPTABLE as status does (it said 'BUSY:'), with the same hint.
+        said = ensure_text(cfg, chat)
+        assert said[0].startswith(f"{chat}: PREEMPTABLE: "), said
+        assert f"fits once {batch} (priority 50, 30.0 GiB) stops" in said[0], said
+        assert said[-1] == f"  hint: {out['hint']}", said
         for via in (cfg, direct):
             out = json.loads(run_ensure(via, big).stdout)
             assert out["decision"] == "BUSY" and out["exit_code"] == 3, out

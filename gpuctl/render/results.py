@@ -46,9 +46,16 @@ def ensure_to_json(result: EnsureResult) -> dict[str, Any]:
 
 
 def ensure_text(result: EnsureResult) -> list[str]:
-    """``vllm: BUSY: needs …`` then notes, the log's last lines and a ``hint:`` line."""
+    """``vllm: BUSY: needs …`` then notes, the log's last lines and a ``hint:`` line.
+
+    A refusal of a PREEMPTABLE service (outcome ``busy``, exit 3, as the JSON keeps it)
+    reads ``chat: PREEMPTABLE: …``, as ``gpuctl status`` calls it: "BUSY" told the user
+    nothing could be done, while the reason names what ``--preempt`` would stop.
+    """
     quiet = (Outcome.READY, Outcome.STARTED, Outcome.LOADING)
     mark = result.outcome.value if result.outcome in quiet else result.outcome.value.upper()
+    if result.outcome is Outcome.BUSY and result.decision == "PREEMPTABLE":
+        mark = "PREEMPTABLE"
     lines = [f"{result.service}: {mark}: {result.reason}"]
     lines += [f"  {n}" for n in result.notes if not n.startswith("hint: ")]
     if result.log_tail and result.outcome is not Outcome.READY:
