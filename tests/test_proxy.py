@@ -283,6 +283,37 @@ def test_loading_comments_while_a_stream_waits_then_the_answer(host: SimHost) ->
     assert data[-1] == "data: [DONE]" and len(data) == 1 + 3 + 1 + 1
 
 
+def test_a_stream_that_said_200_then_failed_is_logged_and_counted_as_what_happened(
+    host: SimHost,
+) -> None:
+    # The sim serves only `name`: `name-alias` (routed there by `models`) gets its 404.
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, load="3s"))
+    conf.write_text(conf.read_text() + '\n[proxy]\nsse_interval = "500ms"\n')
+    proxy = Proxy(host, conf)
+    body = {"model": f"{name}-alias", "messages": MSG, "stream": True}
+    # Held through the cold start: 200 and loading comments, then the server's 404 has
+    # nowhere to go but the stream's error event.
+    with httpx.stream("POST", proxy.v1 + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0].startswith(": loading "), lines[:3]
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_status" and "answered 404" in err["message"], err
+    # Warm now: the 404 goes as the status line itself.
+    with httpx.stream("POST", proxy.v1 + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 404
+    head = f'"POST /v1/chat/completions" 404 service={name} model={name}-alias '
+    wait_until("both access lines", lambda: proxy.log().count(head) == 2)
+    first, second = (part.splitlines()[0] for part in proxy.log().split(head)[1:])
+    assert first.endswith(" sent=200 error=upstream_status"), first
+    assert "sent=" not in second and "error=" not in second, second
+    assert f'"POST /v1/chat/completions" 200 service={name}' not in proxy.log()
+    metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+    assert f'gpuctl_proxy_requests_total{{service="{name}",code="404"}} 2' in metrics
+    assert f'gpuctl_proxy_requests_total{{service="{name}",code="200"}}' not in metrics
+
+
 def test_upstream_failing_mid_stream_ends_with_an_error_event(host: SimHost) -> None:
     name, port = unique_name("px"), free_port()
     proxy = Proxy(host, host.write_config(svc(name, port)))
@@ -300,6 +331,12 @@ def test_upstream_failing_mid_stream_ends_with_an_error_event(host: SimHost) -> 
                 for pid in sim_claims(host, name):
                     os.kill(pid, signal.SIGKILL)
     assert "failed mid-stream" in str(caught.value)
+    # Its 200 went first; the log and the metrics say it failed.
+    head = f'"POST /v1/chat/completions" 502 service={name} model={name} '
+    wait_until("its access line", lambda: head in proxy.log())
+    assert proxy.log().split(head)[1].splitlines()[0].endswith(" sent=200 error=upstream_failed")
+    metrics = httpx.get(proxy.url + "/metrics", timeout=10).text
+    assert f'gpuctl_proxy_requests_total{{service="{name}",code="502"}} 1' in metrics
 
 
 # --------------------------------------------------------------------- refusals and routing

@@ -764,6 +764,11 @@ def test_a_hostile_upstream_is_a_502_or_a_cut_answer_never_a_500(
     events = [line for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[0] == 'data: {"a": 1}', r.text
     assert json.loads(events[-1][6:])["error"]["code"] == "upstream_failed", r.text
+    # Logged as what happened, not as the 200 that went first.
+    head = '"GET /services/witness/cut-sse" 502 service=witness '
+    wait_until("its access line", lambda: head in wire.proxy.log())
+    entry = wire.proxy.log().split(head)[1].splitlines()[0]
+    assert entry.endswith(" sent=200 error=upstream_failed"), entry
     keeps_serving(conn(wire, opened))
     log = wire.proxy.log()
     assert "Traceback" not in log and "a bug in gpuctl" not in log, log[-3000:]
@@ -795,6 +800,12 @@ def test_queue_timeout_is_503_model_loading_and_a_start_that_fails_is_502(
         with pytest.raises(openai.APIError) as caught:
             list(client.chat.completions.create(model=slow, messages=MSG, stream=True))  # type: ignore[arg-type]
         assert "queue_timeout" in str(caught.value)
+        # Both held requests are logged 503, the stream too (its 200 went first, or
+        # not at all).
+        wait_until(
+            "both access lines",
+            lambda: proxy.log().count(f'"POST /v1/chat/completions" 503 service={slow} ') == 2,
+        )
         # The start went on for whoever comes next.
         wait_until("the slow server to load", lambda: _answers(port), 60)
         reply = client.chat.completions.create(model=slow, messages=MSG)  # type: ignore[arg-type]

@@ -260,14 +260,12 @@ class ProxyApp:
         try:
             await self._route(scope, receive, sender, reply, info)
         except Refusal as r:
-            await self._refuse(sender, reply, r)
+            await self._refuse(sender, reply, r, info)
         except ClientGone:
             info["gone"] = True
             reply.status = reply.status or 499  # nginx's word for it, in the log and metrics
         except UpstreamError as e:  # the server failed while its answer was relayed
             log.warning("%s: the upstream failed mid-answer: %s", info.get("service"), e)
-            if reply.started:  # the head went (uvicorn cuts the connection): not a 200
-                info["status"], info["error"] = 502, "upstream_failed"
             with contextlib.suppress(Exception):  # once its head went, the cut shows
                 await self._refuse(
                     sender,
@@ -278,6 +276,7 @@ class ProxyApp:
                         "upstream_error",
                         "upstream_failed",
                     ),
+                    info,
                 )
         except Exception as e:  # a bug: one line (the traceback with GPUCTL_DEBUG=1), and
             # an answer in the shape clients parse instead of uvicorn's bare 500
@@ -297,6 +296,7 @@ class ProxyApp:
                     Refusal(
                         500, f"the proxy failed: {type(e).__name__}", "server_error", "internal"
                     ),
+                    info,
                 )
         finally:
             svc = info.get("service")
@@ -725,18 +725,22 @@ class ProxyApp:
                 receive=call.receive,
                 name=call.up.service.name,
                 opened_sse=call.reply.sse,
+                info=call.info,
             ):
                 call.info["gone"] = True
                 self.cancelled_upstream += 1
         finally:
             resp.aclose()
 
-    async def _refuse(self, send: Send, reply: _Reply, r: Refusal) -> None:
-        if reply.sse:
-            await end_with_error(send, r.message, r.kind, r.code)
-            return
+    async def _refuse(self, send: Send, reply: _Reply, r: Refusal, info: dict[str, Any]) -> None:
         if reply.started:
-            return  # the answer is under way; nothing sound can be added
+            # Its status line went (a 200, often): the access log and the metrics say
+            # what happened instead.
+            info["status"], info["error"] = r.status, r.code
+            if reply.sse:  # our own stream (loading comments): it ends with an error event
+                await end_with_error(send, r.message, r.kind, r.code)
+            # else the answer is under way; nothing sound can be added (uvicorn cuts it)
+            return
         headers = [_JSON]
         if r.retry_s is not None:
             headers.append((b"retry-after", retry_after(r.retry_s)))

@@ -65,7 +65,14 @@ def hop_filter(headers: Iterable[tuple[bytes, bytes]], hop: frozenset[bytes]) ->
 
 
 async def relay(
-    resp: Response, *, send: Send, send_body: Send, receive: Receive, name: str, opened_sse: bool
+    resp: Response,
+    *,
+    send: Send,
+    send_body: Send,
+    receive: Receive,
+    name: str,
+    opened_sse: bool,
+    info: dict[str, Any],
 ) -> bool:
     """Send the upstream's answer (for service ``name``) to the client; True when the
     client went away before it ended.
@@ -75,6 +82,10 @@ async def relay(
 
     ``opened_sse``: the proxy already opened an SSE stream (and said 200) while the
     service loaded, so only the events go.
+
+    ``info`` (the access log's): a stream that ends with an error event after its 200
+    gets ``status`` (what happened: the upstream's status, or 502 for an upstream that
+    failed mid-stream) and ``error`` (the event's code).
     """
     sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
     if opened_sse:
@@ -84,6 +95,7 @@ async def relay(
             said = b""
             while len(said) < 2000 and (chunk := await resp.next()):
                 said += chunk
+            info["status"], info["error"] = resp.status, "upstream_status"
             await end_with_error(
                 send,
                 f"{name} answered {resp.status}: {said[:2000].decode('utf-8', 'replace')}",
@@ -109,10 +121,12 @@ async def relay(
                 headers.append((b"content-length", b"%d" % int(length)))
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": headers})  # fmt: skip
-    return await _pump(resp, send_body, receive, name, sse)
+    return await _pump(resp, send_body, receive, name, sse=sse, info=info)
 
 
-async def _pump(resp: Response, send: Send, receive: Receive, name: str, sse: bool) -> bool:
+async def _pump(
+    resp: Response, send: Send, receive: Receive, name: str, *, sse: bool, info: dict[str, Any]
+) -> bool:
     """Chunks as they arrive, until the upstream ends or the client goes (True then)."""
 
     async def copy() -> None:
@@ -144,6 +158,7 @@ async def _pump(resp: Response, send: Send, receive: Receive, name: str, sse: bo
         return False
     if isinstance(err, UpstreamError) and sse:
         log.warning("%s: the upstream stream failed: %s", name, err)
+        info["status"], info["error"] = 502, "upstream_failed"
         await end_with_error(
             send,
             f"{name}'s server failed mid-stream: {type(err).__name__}: {err}",
