@@ -62,6 +62,7 @@ STATUS_KEYS = {
     "host",
     "state_dir",
     "servers",  # whose each recorded server (and its children) is
+    "notes",  # the probe's words for a person (a sim gpu.json that wins), never decisions
 }
 
 
@@ -138,6 +139,7 @@ def test_status_follows_the_contract(agent: str) -> None:
     assert body["probe"] == "fake"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", body["taken_at"])
     assert body["gpus"] == 1
+    assert body["notes"] == []
     assert body["processes"] == [
         {
             "pid": 4242,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -134,3 +135,38 @@ def test_status_with_a_config_gpu_memory_reports_the_two_gpus(tmp_path: Path) ->
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (d / "gpu.json").read_bytes() == before
+
+
+@pytest.mark.e2e
+def test_status_notes_a_gpu_json_that_overrides_the_agents_gpu_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpuctl agent --probe sim --gpu-memory 64GiB`, then a sim workload makes the host
+    128 GiB (its gpu.json): the agent reads 128 GiB, as the workloads' out-of-memory
+    checks do, and `gpuctl status` says why it is not the 64 GiB asked, in its text and in
+    --json's host `notes` (it showed 128 GiB with no word of it)."""
+    with SimHost(root=tmp_path / "host", gpu_memory="128GiB") as host:
+        host.start_agent(args=["--gpu-memory", "64GiB"])
+        assert not (host.sim_dir / "gpu.json").exists()
+        holder = host.hold("sim-note-holder", "1GiB")  # defines the host: 128 GiB
+        deadline = time.monotonic() + 30
+        while not SimGpu(host.sim_dir, define=False).claims():
+            assert holder.poll() is None and time.monotonic() < deadline, host.log_tail("holder")
+            time.sleep(0.05)
+        monkeypatch.setenv("GPUCTL_DEMO_TOKEN", host.token)
+        cfg = host.write_config("")
+        env = _env(GPUCTL_CONFIG=str(cfg), COLUMNS="200", NO_COLOR="1")
+        r = subprocess.run(
+            [gpuctl_exe(), "status", "--json"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        (h,) = json.loads(r.stdout)["hosts"]
+        assert h["memory_total_mib"] == 128 * GIB
+        (note,) = h["notes"]
+        assert "128.0 GiB, not the 64.0 GiB asked" in note and "gpu.json" in note, note
+        r = subprocess.run(
+            [gpuctl_exe(), "status"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        text = " ".join(r.stdout.replace("│", " ").split())
+        assert "note: the simulated GPUs in" in text and "not the 64.0 GiB asked" in text, text

@@ -69,6 +69,10 @@ DEV = {"index": 0, "memory_used_mib": 1000, "memory_total_mib": 81920}
         (body(servers=[{"pid": True, "service": "chat"}]), "servers[0]: field 'pid'"),
         (body(servers=["5"]), "servers[0] should be an object"),
         (body(servers={"5": "chat"}), "field 'servers' should be list"),
+        # The probe's notes: strings, a bounded number of them.
+        (body(notes="gpu.json wins"), "field 'notes' should be list"),
+        (body(notes=["ok", 5]), "notes[1] should be a string"),
+        (body(notes=["n"] * 65), "notes: more than 64"),
     ],
 )
 def test_hostile_values_are_located_errors(data: dict[str, Any], needle: str) -> None:
@@ -84,6 +88,17 @@ def test_servers_round_trip_and_are_optional() -> None:
     assert snap.servers == ((5, "chat"), (6, "run.j"))
     assert parse_status(json.loads(json.dumps(snap.to_wire()))).servers == snap.servers
     assert parse_status(body()).servers == ()  # an agent of an earlier release
+
+
+def test_notes_round_trip_are_optional_and_cut() -> None:
+    note = "the simulated GPUs in /s are 128.0 GiB, not the 64.0 GiB asked"
+    snap = parse_status(body(notes=[note]))
+    assert snap.notes == (note,)
+    assert parse_status(json.loads(json.dumps(snap.to_wire()))).notes == (note,)
+    assert parse_status(body()).notes == ()  # an agent of an earlier release
+    assert parse_status(body(notes=None)).notes == ()
+    (long,) = parse_status(body(notes=["x" * 100_000])).notes
+    assert len(long) == 1000
 
 
 def test_per_gpu_figures_round_trip_through_json() -> None:

@@ -288,6 +288,7 @@ def openapi_document() -> dict[str, Any]:
                         "host",
                         "state_dir",
                         "servers",
+                        "notes",
                     ],
                     "properties": {
                         "schema": {"const": STATUS_SCHEMA},
@@ -346,6 +347,15 @@ def openapi_document() -> dict[str, Any]:
                                     "service": {"type": "string"},
                                 },
                             },
+                        },
+                        "notes": {
+                            "type": "array",
+                            "description": (
+                                "What the probe wants a person to know about this reading, "
+                                "e.g. a simulated GPU whose gpu.json is not the "
+                                "--gpu-memory asked for. Never part of a decision."
+                            ),
+                            "items": {"type": "string"},
                         },
                     },
                 },

@@ -147,6 +147,10 @@ class Snapshot:
     # and the processes they forked: the agent knows them on its host; a client knows
     # only the handles' pids.
     servers: tuple[tuple[int, str], ...] = ()
+    # What the probe wants a person to know about this reading (a simulated GPU whose
+    # gpu.json overrides the total asked for, NVML read through nvidia-smi): shown by
+    # `gpuctl status`, never part of a decision.
+    notes: tuple[str, ...] = ()
 
     @property
     def is_idle(self) -> bool:
@@ -190,6 +194,7 @@ class Snapshot:
             "host": self.host.to_wire() if self.host else None,
             "state_dir": self.state_dir,
             "servers": [{"pid": pid, "service": name} for pid, name in self.servers],
+            "notes": list(self.notes),
         }
         if self.starting is not None:
             out["starting"] = [s.to_wire() for s in self.starting]
@@ -318,4 +323,5 @@ def snapshot_from_reading(
         state_dir=state_dir,
         gpus=len(devices),
         devices=devices,
+        notes=reading.notes,
     )

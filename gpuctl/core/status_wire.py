@@ -21,6 +21,9 @@ MAX_MIB = 2**40
 MAX_GPUS = 1024
 # Recorded servers and their children: a host runs a handful of services.
 MAX_SERVERS = 65536
+# A probe's notes are a few lines for a person; a longer one is cut, more of them refused.
+MAX_NOTES = 64
+MAX_NOTE_CHARS = 1000
 
 
 def parse_status(data: object) -> Snapshot:
@@ -57,6 +60,15 @@ def parse_status(data: object) -> Snapshot:
         if len(raw_servers) > MAX_SERVERS:
             raise ValueError(f"servers: more than {MAX_SERVERS} entries")
         servers = tuple(_server(e, f"servers[{i}]") for i, e in enumerate(raw_servers))
+    notes: tuple[str, ...] = ()
+    if data.get("notes") is not None:  # absent from agents before it
+        raw_notes = _req(data, "notes", list)
+        if len(raw_notes) > MAX_NOTES:
+            raise ValueError(f"notes: more than {MAX_NOTES} entries")
+        for i, n in enumerate(raw_notes):
+            if not isinstance(n, str):
+                raise ValueError(f"notes[{i}] should be a string, got {type(n).__name__}")
+        notes = tuple(n[:MAX_NOTE_CHARS] for n in raw_notes)
     return Snapshot(
         memory_used_mib=_mib(data, "memory_used_mib", "memory_used_mib"),
         memory_total_mib=_mib(data, "memory_total_mib", "memory_total_mib"),
@@ -70,6 +82,7 @@ def parse_status(data: object) -> Snapshot:
         gpus=len(devices) if devices else (gpus if gpus is not None else 1),
         devices=devices,
         servers=servers,
+        notes=notes,
     )
 
 

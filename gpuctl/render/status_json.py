@@ -13,6 +13,7 @@
         "memory_promised_mib": 73686,   # promised beyond what is held, to loading services
         "unified_memory": true, "is_idle": false, "taken_at": "…",
         "host": {"hostname": "…", "boot_id": "…"}, "state_dir": "/var/lib/gpuctl",
+        "notes": [],                    # the probe's, for a person (sim: gpu.json wins)
         "devices": [{"index": 0, "name": "NVIDIA GB10", "uuid": "GPU-…",
                      "memory_used_mib": 8234, "memory_total_mib": 131072,
                      "memory_promised_mib": 73686, "unified": true,
@@ -88,6 +89,7 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
             "taken_at": normalise_iso(snap.taken_at) if snap else None,
             "host": snap.host.to_wire() if snap and snap.host else None,
             "state_dir": snap.state_dir if snap else None,
+            "notes": list(snap.notes) if snap else [],
             "devices": [],
             "processes": [],
             "starting": [],

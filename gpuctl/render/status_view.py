@@ -319,6 +319,8 @@ def host_panel(
         for m in h.memory:
             label = "GPU memory" if m.gpu is None else f"GPU {m.gpu} memory"
             parts.append(memory_bar(m, g, label, wide))
+        for note in snap.notes:  # the agent's words: shown escaped, never as markup
+            parts.append(plain(f"note: {note}", style="yellow"))
         if history is not None and h.name in history.series:
             parts.append(
                 Text.assemble(

@@ -164,7 +164,8 @@ class SimGpu:
             return None
         return (
             f"the simulated GPUs in {self.sim_dir} are {_shown(from_file)}, not the "
-            f"{_shown(self._explicit_totals)} asked; reading what gpu.json says"
+            f"{_shown(self._explicit_totals)} asked; reading what gpu.json says (the "
+            "`gpuctl sim` workloads set it, with their --gpu-memory)"
         )
 
     @property
