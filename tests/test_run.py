@@ -247,10 +247,13 @@ def test_an_unreachable_agent_is_unknown_naming_the_job(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr and not marker.exists()
 
 
-def test_timeout_without_a_wait_is_a_usage_error(tmp_path: Path) -> None:
+def test_timeout_without_a_wait_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--timeout` bounds the queue's wait (--wait) or the wait for the preempted work's
     memory (--preempt); alone it bounded nothing and was taken silently. Now: exit 2, one
     line naming the fix, and CMD never starts."""
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[hosts.box]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n')
     marker = tmp_path / "ran"
@@ -264,3 +267,64 @@ def test_timeout_without_a_wait_is_a_usage_error(tmp_path: Path) -> None:
         r = gpuctl(cfg, "run", wait, "-m", "1GiB", "--timeout", "5s", "--", "touch", str(marker))
         assert r.returncode == 0 and marker.exists(), r.stderr
         marker.unlink()
+
+
+def test_locks_leaves_out_jobs_that_ended_over_an_hour_ago(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every finished `gpuctl run` stayed in `gpuctl locks` as a `stopped` record for
+    ever. A job that ended over an hour ago is counted, not listed; --finished lists it."""
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[hosts.box]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n')
+    for name in ("old", "fresh"):
+        assert gpuctl(cfg, "run", "-m", "1GiB", "--name", name, "--", "true").returncode == 0
+    # An hour and a bit later, for the old one: the store's own file, as time leaves it.
+    path = tmp_path / "state" / "records" / "run.old.json"
+    rec = json.loads(path.read_text())
+    assert rec["phase"] == "stopped" and rec["handle"] is None and rec["lease"] is None
+    rec["since"] -= 3700
+    path.write_text(json.dumps(rec))
+
+    env = {**cli_env(cfg), "COLUMNS": "200"}
+    r = subprocess.run([gpuctl_exe(), "locks"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "run.fresh" in r.stdout and "run.old" not in r.stdout, r.stdout
+    assert "1 `gpuctl run` job that ended over an hour ago not shown" in r.stdout, r.stdout
+    obj = json.loads(gpuctl(cfg, "locks", "--json").stdout)
+    assert obj["hidden_jobs"] == 1
+    assert [x["service"] for x in obj["records"]] == ["run.fresh"]
+    r = subprocess.run(
+        [gpuctl_exe(), "locks", "--finished"], env=env, capture_output=True, text=True
+    )
+    assert "run.old" in r.stdout and "not shown" not in r.stdout, r.stdout
+    obj = json.loads(gpuctl(cfg, "locks", "--finished", "--json").stdout)
+    assert obj["hidden_jobs"] == 0
+    assert sorted(x["service"] for x in obj["records"]) == ["run.fresh", "run.old"]
+    # The name is free again, and its next run is listed (a fresh record).
+    assert gpuctl(cfg, "run", "-m", "1GiB", "--name", "old", "--", "true").returncode == 0
+    obj = json.loads(gpuctl(cfg, "locks", "--json").stdout)
+    assert obj["hidden_jobs"] == 0 and len(obj["records"]) == 2
+
+
+def test_only_an_ended_job_that_holds_nothing_is_left_out() -> None:
+    from gpuctl.core.jobs import FINISHED_SHOWN_S, finished_long_ago
+    from gpuctl.core.record import Failure, Lease, Phase, Record
+
+    now = 10_000_000.0
+    old = now - FINISHED_SHOWN_S - 1
+    base = Record("run.j", Phase.STOPPED, since=old)
+    assert finished_long_ago(base, now)
+    assert finished_long_ago(Record("run.j", Phase.PREEMPTED, since=old), now)
+    lease = Lease("h", "host", "boot", 42, None, "ensure", now - 5, now + 60)
+    kept = [
+        Record("run.j", Phase.STOPPED, since=now - 60),  # ended within the hour
+        Record("chat", Phase.STOPPED, since=old),  # a service, not a job
+        Record("run.j", Phase.RUNNING, since=old, handle={"kind": "run", "pid": 4}),
+        Record("run.j", Phase.PREEMPTED, since=old, lease=lease),  # a preemption under way
+        Record("run.j", Phase.STOPPED, since=old, handle={"kind": "run", "pid": 4}),
+        Record("run.j", Phase.STOPPED, since=old, failure=Failure(old, "x", "", 1, old)),
+        Record("run.j", Phase.STOPPED, since=old, recovered="record was unreadable"),
+    ]
+    for rec in kept:
+        assert not finished_long_ago(rec, now), rec

@@ -203,6 +203,14 @@ def locks(
             metavar="HOST",
         ),
     ] = None,
+    finished: Annotated[
+        bool,
+        typer.Option(
+            "--finished",
+            help="Also list `gpuctl run` jobs that ended more than an hour ago "
+            "(counted, not listed, without it).",
+        ),
+    ] = False,
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
@@ -215,7 +223,7 @@ def locks(
         conf = open_config(config)
         deps = locks_deps(conf, host)
         try:
-            report = service_ops.locks(deps)
+            report = service_ops.locks(deps, finished=finished)
         finally:
             deps.close()
         if json_out:
@@ -228,6 +236,7 @@ def locks(
                 any(rec is not None for _, rec, _ in report.rows)
                 or report.set_aside
                 or report.queue
+                or report.hidden_jobs
             ):
                 console().print(render_locks(report))
             for line in locks_errors(report):

@@ -25,6 +25,8 @@ PREFIX = "run."
 PRIORITY_MAX = 1_000_000
 # A job's process is its own: no keyword, only its recorded pid, makes a process its.
 JOB_HEALTH_TIMEOUT_S = 365 * 24 * 3600.0
+# How long `gpuctl locks` lists a job's record after the job ended (``--finished``: always).
+FINISHED_SHOWN_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,24 @@ class JobSpec:
 
 def is_job(name: str) -> bool:
     return name.startswith(PREFIX)
+
+
+def finished_long_ago(record: Record, now: float, shown_s: float = FINISHED_SHOWN_S) -> bool:
+    """A job's record that ended more than ``shown_s`` ago and holds nothing: phase
+    ``stopped`` or ``preempted`` (``gpuctl run`` wrote that CMD ended), no lease (no
+    preemption or start under way), no handle (no pid that could still count), no
+    failure and no note of a set-aside file. Nothing reads such a record again but
+    ``job_name`` (which keeps the name free) and a preemption's own ``gpuctl run`` (before
+    it ends): ``gpuctl locks`` leaves it out, or every ``run`` would stay there for ever."""
+    return (
+        is_job(record.service)
+        and record.phase in (Phase.STOPPED, Phase.PREEMPTED)
+        and record.lease is None
+        and record.handle is None
+        and record.failure is None
+        and record.recovered is None
+        and now - record.since > shown_s
+    )
 
 
 def job_spec(record: Record) -> JobSpec | None:

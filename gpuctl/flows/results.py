@@ -129,6 +129,8 @@ class LocksReport:
     hints: dict[str, str | None] = field(default_factory=dict)
     # Each host's wait queue (``gpuctl run --wait``), in the order it will be served.
     queue: list[tuple[str, Waiter]] = field(default_factory=list)
+    # Records of `gpuctl run` jobs that ended long ago, left out (``locks --finished``).
+    hidden_jobs: int = 0
 
     @property
     def ok(self) -> bool:

@@ -9,6 +9,7 @@ from datetime import datetime
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
+from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside
 from gpuctl.core.record_pids import recorded_servers
@@ -166,9 +167,14 @@ def touch(deps: EnsureDeps) -> TouchResult:
     return TouchResult(deps.service.name, deps.store.touch(deps.service.name, ready=ready))
 
 
-def locks(deps: LocksDeps) -> LocksReport:
+def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
     """Every configured service's record on each host (a host that fails is reported),
-    the record files each store set aside as unreadable, and each host's wait queue."""
+    the record files each store set aside as unreadable, and each host's wait queue.
+
+    The records of ``gpuctl run`` jobs that ended more than an hour ago are counted, not
+    listed, unless ``finished`` (``core.jobs.finished_long_ago``)."""
+    now = deps.clock()
+    hidden = 0
     rows: list[tuple[str, Record | None, str | None]] = []
     aside: list[tuple[str, SetAside]] = []
     hints: dict[str, str | None] = {}
@@ -188,9 +194,13 @@ def locks(deps: LocksDeps) -> LocksReport:
         last_kept = {a.service: a for a in sorted(kept, key=lambda a: a.at)}
         for n in names:
             rows.append((h.name, _with_note(recs.pop(n, Record(service=n)), last_kept), None))
-        for r in recs.values():  # records of services no longer configured
-            rows.append((h.name, _with_note(r, last_kept), None))
-    return LocksReport(rows, deps.clock(), aside, hints, queue)
+        for r in recs.values():  # records of services no longer configured, and jobs
+            noted = _with_note(r, last_kept)
+            if not finished and finished_long_ago(noted, now):
+                hidden += 1
+                continue
+            rows.append((h.name, noted, None))
+    return LocksReport(rows, now, aside, hints, queue, hidden_jobs=hidden)
 
 
 def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:

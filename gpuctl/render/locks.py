@@ -72,7 +72,14 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
         }
         for i, (host, w) in enumerate(report.queue)
     ]
-    return {"schema": 1, "ok": report.ok, "records": rows, "set_aside": aside, "queue": queue}
+    return {
+        "schema": 1,
+        "ok": report.ok,
+        "records": rows,
+        "set_aside": aside,
+        "queue": queue,
+        "hidden_jobs": report.hidden_jobs,
+    }
 
 
 def locks_errors(report: LocksReport) -> list[str]:
@@ -157,10 +164,20 @@ def render_locks(report: LocksReport) -> RenderableType:
             notes.append(
                 plain(f"{host}/{a.service}: kept unreadable record {a.file}", style="yellow")
             )
-    parts: list[RenderableType] = [t, *notes]
+    if report.hidden_jobs:
+        n = report.hidden_jobs
+        notes.append(
+            plain(
+                f"{n} `gpuctl run` job{'s' if n > 1 else ''} that ended over an hour ago "
+                "not shown (--finished lists them)",
+                style="dim",
+            )
+        )
+    # Every row left out (finished jobs only): the note alone, no empty header.
+    parts: list[RenderableType] = [t, *notes] if t.row_count else [*notes]
     if report.queue:
         parts += [Text(""), _queue_table(report)]
-    return Group(*parts) if len(parts) > 1 else t
+    return Group(*parts) if len(parts) != 1 else parts[0]
 
 
 def _queue_table(report: LocksReport) -> RenderableType:
