@@ -1,9 +1,9 @@
 """Relaying an upstream answer to the proxy's client, and the ASGI types both use.
 
-An answer whose body came whole with its head (a small one: one read) goes in one
-message; any other is sent as it arrives, chunk by chunk, whatever its framing (a
-length, chunked, SSE, until the connection closes), each ``send`` awaited: uvicorn holds
-it while the client's socket is full, and the upstream socket is not read while a
+A small answer (a length up to ``WHOLE_MAX``, or a body that came whole with its head)
+goes in one message once whole; any other is sent as it arrives, chunk by chunk,
+whatever its framing (a length, chunked, SSE, until the connection closes), each
+``send`` awaited: uvicorn holds it while the client's socket is full, and the upstream socket is not read while a
 chunk waits (h1's ``HIGH_WATER``), so a slow client slows its upstream and the proxy's
 memory stays bounded whatever the answer's size. An answer cut short after its head
 went is cut for the client too (uvicorn closes the connection short of the length or
@@ -46,6 +46,9 @@ HOP = frozenset(
     }
 )
 _HOP_RESPONSE = HOP | {b"date"}
+# An answer with a length up to this is read whole before its head goes (one message);
+# a longer one, or one without a length, is relayed as it arrives.
+WHOLE_MAX = 64 * 1024
 
 
 def connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -107,14 +110,20 @@ async def relay(
         drop = hop_filter(resp.headers, _HOP_RESPONSE)
         headers = [(k, v) for k, v in resp.headers if k not in drop]
         if not sse:
-            content = resp.complete_body()  # the upstream's error, when known already
+            length = resp.header(b"content-length")
+            # A small answer whose body is still on its way (a server that writes its
+            # head and its body apart, as Python's http.server does) is awaited whole:
+            # its length bounds the memory, and one message spares the relay's two tasks
+            # (CPU per request in bench/proxy_bench.py, 64 clients, side by side: 0.168
+            # vs 0.176 ms saturated, 0.276 vs 0.297 ms paced).
+            small = length is not None and int(length) <= WHOLE_MAX
+            content = await resp.read() if small else resp.complete_body()
             if content is not None:  # all here (a small answer): one message
                 headers.append((b"content-length", str(len(content)).encode()))
                 await send({"type": "http.response.start", "status": resp.status,
                             "headers": headers})  # fmt: skip
                 await send_body({"type": "http.response.body", "body": content})
                 return False
-            length = resp.header(b"content-length")
             if length is not None:
                 # Still arriving: its length goes ahead (llhttp checked it is one number),
                 # so a cut shows as one.
