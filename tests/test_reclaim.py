@@ -243,6 +243,11 @@ def test_a_host_that_cannot_be_read_is_exit_4_and_nothing_stops(
     assert r.returncode == 4, r.stdout + r.stderr
     assert r.stdout == ""
     assert "host sim not reclaimed" in r.stderr and "Traceback" not in r.stderr
+    # The hint is a line of its own (cron mails this), never an escaped `\x0a` inside one.
+    err = r.stderr.splitlines()
+    assert err[0].startswith("gpuctl: host sim not reclaimed: connection refused by"), err
+    assert err[1].startswith("  hint: is `gpuctl agent` running"), err
+    assert "\\x0a" not in r.stderr
     code, out = reclaim_json(cfg)
     assert code == 4 and out["hosts"][0]["ok"] is False and out["hosts"][0]["error"]
     assert len(server_pids(svc)) == 1

@@ -95,12 +95,17 @@ def nothing_due(report: ReclaimReport) -> list[str]:
 
 
 def host_errors(report: ReclaimReport) -> list[str]:
-    """One line per host that could not be read (for stderr)."""
+    """For stderr: per host that could not be read, its line and its ``hint:`` line.
+
+    Separate lines, never one with a newline inside: the CLI escapes every control in a
+    line (it quotes outside text), which would print the newline as ``\\x0a``.
+    """
     out = []
     for h in report.hosts:
         if h.error:
-            hint = f"\n  hint: {h.hint}" if h.hint else ""
-            out.append(f"gpuctl: host {h.name} not reclaimed: {h.error}{hint}")
+            out.append(f"gpuctl: host {h.name} not reclaimed: {h.error}")
+            if h.hint:
+                out.append(f"  hint: {h.hint}")
     return out
 
 
