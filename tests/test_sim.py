@@ -829,3 +829,32 @@ def test_sim_ls_shows_each_gpu(procs: Procs, sim_dir: Path) -> None:
     assert "GPU 1: 2.0 GiB used of 4.0 GiB" in r.stdout, r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith(str(b.pid)))
     assert row.split()[:4] == [str(b.pid), "righty", "1", "2.0"]
+
+
+# ---------------------------------------------------------------------------- batch
+
+
+def test_batch_gives_its_memory_back_when_its_last_item_is_done(
+    procs: Procs, sim_dir: Path, tmp_path: Path
+) -> None:
+    """The sim batch (a VLM captioning photos) held its memory after its last item,
+    until someone stopped it; a real batch process exits and its memory comes back."""
+    items = tmp_path / "items"
+    items.mkdir()
+    for i in range(3):
+        (items / f"p{i}.jpg").write_text(f"photo {i}\n")
+    args = ("--name", tagged("batch"), "--memory", "10GiB", "--items", items)
+    more = ("--port", free_port(), "--per-item", "50ms", "--sim-dir", sim_dir)
+    p = procs.start(*args, *more, argv0=("-m", "gpuctl.sim.batch"))
+    assert p.wait(timeout=30) == 0, procs.logs_of(p)
+    assert (items / ".done.log").read_text().splitlines() == [f"done p{i}.jpg" for i in range(3)]
+    assert on_gpu(sim_dir) == {} and os.listdir(sim_dir / "claims") == []
+    out = procs.out(p)  # it claimed its memory (then said so), worked, and exited
+    assert "3 items to do" in out and "all items done" in out, out
+    # Started again with nothing left to do, it exits at once (and does nothing twice).
+    again = procs.start(
+        *args, "--port", free_port(), "--sim-dir", sim_dir, argv0=("-m", "gpuctl.sim.batch")
+    )
+    assert again.wait(timeout=30) == 0, procs.logs_of(again)
+    assert len((items / ".done.log").read_text().splitlines()) == 3
+    assert on_gpu(sim_dir) == {}
