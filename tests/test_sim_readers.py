@@ -124,6 +124,8 @@ def test_status_with_a_config_gpu_memory_reports_the_two_gpus(tmp_path: Path) ->
     (host,) = json.loads(r.stdout)["hosts"]
     assert [dev["memory_total_mib"] for dev in host["devices"]] == list(TWO_GPUS)
     assert "not the 128.0 GiB asked" in r.stderr  # the warning
+    # and the note, in the host's JSON too (the direct path: no agent)
+    assert any("not the 128.0 GiB asked" in n for n in host["notes"]), host["notes"]
     assert (d / "gpu.json").read_bytes() == before
     r = subprocess.run(
         [gpuctl_exe(), "sim", "ls", "--json", "--sim-dir", str(d), "--gpu-memory", "128GiB"],
