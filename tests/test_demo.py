@@ -98,11 +98,17 @@ def test_demo_piped_beside_a_foreign_vllm(
     assert "PREEMPTABLE" in prio and "1 launch for 2 callers." in prio
     assert "stopped vllm on sim" in prio and "resumed photos on sim" in prio
     assert "after resuming: 30 of 30, 0 done twice." in " ".join(prio.split())
+    # The summary says one action a line (its lines ran together into one paragraph).
+    said = prio.split("what reclaim did")[1]
+    assert re.search(r"^stopped vllm on sim: idle ", said, re.MULTILINE), said
+    assert re.search(r"^resumed photos on sim: ", said, re.MULTILINE), said
+    assert re.search(r"^photos done before the preemption: ", said, re.MULTILINE), said
     # The proxy chapter: a chat request to the stopped server, held through its start.
     proxy_part = out.split("6. A chat request to a stopped server")[1]
     assert ": loading" in proxy_part or "(answered at once)" not in proxy_part
     # Rich wraps the answer at the terminal's width (and may keep a space before the break).
     assert "This is a simulated reply from qwen" in " ".join(proxy_part.split())
+    assert re.search(r"^the answer: This is", proxy_part, re.MULTILINE), proxy_part
     # The foreign process never appears as one of the demo's services' processes.
     assert str(foreign_vllm.pid) not in out
     last = [ln for ln in out.splitlines() if ln.strip()][-1]

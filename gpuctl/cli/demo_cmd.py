@@ -63,11 +63,16 @@ class RichNarrator:
 
     def chapter(self, title: str, text: str) -> None:
         from rich.rule import Rule
+        from rich.text import Text
+
+        from gpuctl.core.safe_text import visible
 
         self.console.print()
         self.console.print(Rule(f"[bold]{title}", align="left"))
-        # The flow writes prose; let Rich wrap it to the terminal's width.
-        self.console.print(" ".join(text.split()), highlight=False)
+        # Each line of the flow's text is one line (a summary says one action a line);
+        # Rich wraps each to the terminal's width. A Text, never markup: the summaries
+        # quote outside text (reclaim's lines, the model's answer).
+        self.console.print(Text(visible(text, keep_newlines=True)))
 
     def show(self, report: StatusReport) -> None:
         from gpuctl.render.status_view import render_status

@@ -32,7 +32,11 @@ from gpuctl.sim.host import SimHost, SimHostError, free_port
 
 
 class Narrator(Protocol):
-    def chapter(self, title: str, text: str) -> None: ...
+    def chapter(self, title: str, text: str) -> None:
+        """``text``: a paragraph a line, each wrapped by the narrator; a newline is kept
+        (a summary says one thing a line), so prose is not broken by hand."""
+        ...
+
     def show(self, report: StatusReport) -> None: ...
     def watch(
         self,
@@ -48,10 +52,10 @@ def intro(agent_url: str) -> str:
     """Chapter 1's text: the idle GPU, then what the tour will show (every chapter that
     follows; no decision named, the first panel shows only IDLE)."""
     return (
-        f"A simulated 128 GiB GPU (like a DGX Spark) with its agent at {agent_url}.\n"
-        "Nothing runs on it, so every service is IDLE: safe to start. Then: someone else's\n"
-        "job on it; three callers racing to start one server; the record they share;\n"
-        "priorities, as the chat preempts a photo batch that later resumes; and a chat\n"
+        f"A simulated 128 GiB GPU (like a DGX Spark) with its agent at {agent_url}. "
+        "Nothing runs on it, so every service is IDLE: safe to start. Then: someone else's "
+        "job on it; three callers racing to start one server; the record they share; "
+        "priorities, as the chat preempts a photo batch that later resumes; and a chat "
         "request through `gpuctl proxy` that starts the stopped server."
     )
 
@@ -110,7 +114,7 @@ sse_interval = "1s"
 
         narrator.chapter(
             heading(2),
-            "ComfyUI (not managed by us) takes 20 GiB. gpuctl sees it at process level:\n"
+            "ComfyUI (not managed by us) takes 20 GiB. gpuctl sees it at process level: "
             "vLLM's 80 GiB still FITS beside it; a 120 GiB trainer is BUSY, and gpuctl says who holds the GPU.",
         )
         comfyui = host.hold("comfyui", "20GiB")
@@ -118,10 +122,10 @@ sse_interval = "1s"
 
         narrator.chapter(
             heading(3),
-            "Three `gpuctl ensure vllm` start at the same moment, as a chat app, a cron job and a\n"
-            f"user would. The fake vLLM takes {load_time_s:.0f} s to load: its port is bound but refuses\n"
-            "connections, its memory grows to 80 GiB. One caller takes the lease and launches it\n"
-            "(detached: it outlives its caller); the others see LOADING and wait. gpuctl counts the\n"
+            "Three `gpuctl ensure vllm` start at the same moment, as a chat app, a cron job and a "
+            f"user would. The fake vLLM takes {load_time_s:.0f} s to load: its port is bound but refuses "
+            "connections, its memory grows to 80 GiB. One caller takes the lease and launches it "
+            "(detached: it outlives its caller); the others see LOADING and wait. gpuctl counts the "
             "loading server at its full budget, so the 30 GiB photo batch no longer fits.",
         )
         env = {**os.environ, "GPUCTL_CONFIG": str(cfg_path)}
@@ -164,7 +168,7 @@ sse_interval = "1s"
 
         narrator.chapter(
             heading(4),
-            "`gpuctl locks` reads the record every entry point shares on the GPU host:\n"
+            "`gpuctl locks` reads the record every entry point shares on the GPU host: "
             "one start attempt, the server running, when it was last used.",
         )
         narrator.locks(str(cfg_path))
@@ -236,9 +240,9 @@ def _proxy_chapter(
         time.sleep(0.1)
     narrator.chapter(
         heading(6),
-        f"ComfyUI is gone and vLLM is stopped. `gpuctl proxy` listens at {url}; an app sends\n"
-        "it an OpenAI chat request for model 'qwen' (vllm's `models`), streaming. The proxy\n"
-        "runs the same ensure as the CLI, holds the request while the server loads (sending\n"
+        f"ComfyUI is gone and vLLM is stopped. `gpuctl proxy` listens at {url}; an app sends "
+        "it an OpenAI chat request for model 'qwen' (vllm's `models`), streaming. The proxy "
+        "runs the same ensure as the CLI, holds the request while the server loads (sending "
         "': loading …' comments so the client does not time out), then streams the answer.",
     )
     lines: list[str] = []

@@ -97,11 +97,11 @@ def priority_chapter(
 
     narrator.chapter(
         title,
-        f"The photo batch (30 GiB, priority 50, resume = true) works through {ITEMS} photos,\n"
-        "checkpointing each. ComfyUI still holds 20 GiB, so vLLM (80 GiB, priority 100) fits\n"
-        "only if the batch stops: PREEMPTABLE. A plain `gpuctl ensure vllm` says so and exits 3;\n"
-        "`gpuctl ensure vllm --preempt` stops the batch (marked preempted), waits for its memory\n"
-        "and starts vLLM once. When vLLM has sat idle past its idle_timeout, `gpuctl reclaim`\n"
+        f"The photo batch (30 GiB, priority 50, resume = true) works through {ITEMS} photos, "
+        "checkpointing each. ComfyUI still holds 20 GiB, so vLLM (80 GiB, priority 100) fits "
+        "only if the batch stops: PREEMPTABLE. A plain `gpuctl ensure vllm` says so and exits 3; "
+        "`gpuctl ensure vllm --preempt` stops the batch (marked preempted), waits for its memory "
+        "and starts vLLM once. When vLLM has sat idle past its idle_timeout, `gpuctl reclaim` "
         "stops it and resumes the batch from its checkpoint.",
     )
     gpuctl("ensure", "photos")
