@@ -113,11 +113,12 @@ class ProxySettings:
 class _Reply:
     """What has been sent of one response (our own SSE head, or the upstream's)."""
 
-    __slots__ = ("raw_send", "sse", "started", "status")
+    __slots__ = ("raw_send", "relayed_sse", "sse", "started", "status")
 
     def __init__(self, raw_send: Send) -> None:
         self.started = False
         self.sse = False  # we opened an SSE stream ourselves while holding the request
+        self.relayed_sse = False  # the upstream's answer is an SSE stream, under way
         self.status = 0
         self.raw_send = raw_send  # uvicorn's own: for bodies, once the status is known
 
@@ -176,6 +177,7 @@ class ProxyApp:
         self._states: dict[str, ServiceUse] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
         self._openapi: bytes | None = None  # /openapi.json, made on its first request
+        self._draining: asyncio.Event | None = None  # set when the proxy is stopping
         self._models_body = json.dumps(
             {
                 "object": "list",
@@ -220,6 +222,21 @@ class ProxyApp:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    def drain(self) -> None:
+        """The proxy is stopping: requests held for a start are answered now (503, or an
+        error event on their stream), not cut when uvicorn's grace runs out. Call it on
+        the event loop's thread, before uvicorn's own shutdown."""
+        self._drained().set()
+
+    def _drained(self) -> asyncio.Event:
+        if self._draining is None:
+            self._draining = asyncio.Event()
+        return self._draining
+
+    @property
+    def draining(self) -> bool:
+        return self._draining is not None and self._draining.is_set()
 
     def _state(self, svc: ServiceConfig) -> ServiceUse:
         st = self._states.get(svc.name)
@@ -278,6 +295,14 @@ class ProxyApp:
                     ),
                     info,
                 )
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            # uvicorn's grace after a stop ran out with this answer under way: it ends
+            # here with the reason (an error event on a stream), and the task ends as
+            # uvicorn asked, without the traceback of a cancelled ASGI application.
+            with contextlib.suppress(Exception):
+                await self._refuse(sender, reply, _shutting_down(), info)
         except Exception as e:  # a bug: one line (the traceback with GPUCTL_DEBUG=1), and
             # an answer in the shape clients parse instead of uvicorn's bare 500
             debug = os.environ.get("GPUCTL_DEBUG", "") not in ("", "0")
@@ -586,12 +611,14 @@ class ProxyApp:
         # A client that leaves while it is held is let go at once (its request is never
         # forwarded); the start goes on for the others.
         gone = asyncio.create_task(client_gone(call.receive))
+        stop = asyncio.create_task(self._drained().wait())
         try:
             await self._hold_until_ready(
-                call, task, gone, t0=t0, deadline=deadline, keepalive=keepalive
+                call, task, gone, stop, t0=t0, deadline=deadline, keepalive=keepalive
             )
         finally:
             gone.cancel()
+            stop.cancel()
         result = task.result()
         waited = time.monotonic() - t0
         info["waited"] = info.get("waited", 0.0) + waited
@@ -608,6 +635,7 @@ class ProxyApp:
         call: _Call,
         task: asyncio.Task[Readiness],
         gone: asyncio.Task[None],
+        stop: asyncio.Task[bool],
         *,
         t0: float,
         deadline: float,
@@ -635,11 +663,14 @@ class ProxyApp:
                     self.settings.sse_interval_s if reply.sse else FIRST_COMMENT_DELAY_S,
                 )
             done, _ = await asyncio.wait(
-                {task, gone}, timeout=step, return_when=asyncio.FIRST_COMPLETED
+                {task, gone, stop}, timeout=step, return_when=asyncio.FIRST_COMPLETED
             )
             if gone in done:
                 info["waited"] = time.monotonic() - t0
                 raise ClientGone
+            if stop in done and task not in done:
+                info["waited"] = time.monotonic() - t0
+                raise _shutting_down()
             if task in done:
                 return
             if keepalive:
@@ -717,6 +748,10 @@ class ProxyApp:
                 "upstream_error",
             ) from None
         self.metrics.upstream(svc.name, time.perf_counter() - t0)
+        # A stream cut by a stop ends with an error event (_http), as our own do.
+        call.reply.relayed_sse = (resp.header(b"content-type") or b"").startswith(
+            b"text/event-stream"
+        )
         try:
             if await relay(
                 resp,
@@ -737,7 +772,7 @@ class ProxyApp:
             # Its status line went (a 200, often): the access log and the metrics say
             # what happened instead.
             info["status"], info["error"] = r.status, r.code
-            if reply.sse:  # our own stream (loading comments): it ends with an error event
+            if reply.sse or reply.relayed_sse:  # a stream: it ends with an error event
                 await end_with_error(send, r.message, r.kind, r.code)
             # else the answer is under way; nothing sound can be added (uvicorn cuts it)
             return
@@ -748,6 +783,18 @@ class ProxyApp:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": r.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _shutting_down() -> Refusal:
+    # A restarted proxy (systemd, a supervisor) answers in seconds: clients that honour
+    # Retry-After (the openai client does) come back then.
+    return Refusal(
+        503,
+        "the proxy is shutting down; send the request again (to a proxy that runs)",
+        "service_unavailable",
+        "proxy_shutting_down",
+        retry_s=2,
+    )
 
 
 def _header(scope: Scope, name: bytes) -> bytes:

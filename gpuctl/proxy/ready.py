@@ -14,7 +14,9 @@ is checked again on the next one, since reclaim or ``gpuctl stop`` may act in be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +71,38 @@ def run_ensure(
         deps.close()
     ok = r.outcome is Outcome.READY
     return Readiness(ok, r.outcome.value, r.reason, r.hint, r.launched, cold=True)
+
+
+def _in_daemon_thread(fn: Callable[[], Readiness], *, name: str) -> asyncio.Future[Readiness]:
+    """``fn()`` in a thread of its own that does not hold up the proxy's exit.
+
+    Not ``asyncio.to_thread``: the loop's executor is joined when the proxy stops, and an
+    ensure waits for its server's health for up to its ``health_timeout`` (minutes), so a
+    stopped proxy hung on. Left behind at exit, the ensure is what a caller killed
+    mid-wait is: its lease dies with this process and the server goes on loading.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Readiness] = loop.create_future()
+
+    def settle(result: Readiness | None, err: BaseException | None) -> None:
+        if fut.done():  # its waiter was cancelled
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            assert result is not None
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, err = fn(), None
+        except BaseException as e:  # handed to the awaiting task, whatever it is
+            result, err = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, err)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return fut
 
 
 class SingleFlight:
@@ -130,8 +164,9 @@ class SingleFlight:
             self.progress[svc.name] = (self.progress.get(svc.name, (time.monotonic(),))[0], p)
 
         try:
-            return await asyncio.to_thread(
-                self.ensure, self.conf, svc.name, svc.health_timeout_s, progress
+            return await _in_daemon_thread(
+                lambda: self.ensure(self.conf, svc.name, svc.health_timeout_s, progress),
+                name=f"gpuctl-proxy-ensure-{svc.name}",
             )
         except Exception as e:  # a bug must not leave every waiter hanging
             log.exception("ensure of %s failed", svc.name)

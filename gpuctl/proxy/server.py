@@ -127,6 +127,12 @@ def serve(
                 if self.started:
                     print(banner, file=sys.stderr, flush=True)
 
+            async def shutdown(self, sockets: list[Any] | None = None) -> None:
+                # Held requests are answered first (503 / an error event) so that the
+                # grace below is spent on answers under way, not on waiting starts.
+                app.drain()
+                await super().shutdown(sockets=sockets)
+
         server = _Server(config)
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
