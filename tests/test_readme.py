@@ -1,0 +1,58 @@
+"""README's code blocks are what a newcomer pastes: each Python block runs as written (no
+top-level ``await``, no ``[...]`` standing for an argument, every name it imports from
+gpuctl exists), and a shell block holds commands, not their output."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import re
+from pathlib import Path
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def blocks(lang: str) -> list[str]:
+    found = [body for kind, body in BLOCK.findall(README) if kind == lang]
+    assert found, lang
+    return found
+
+
+def test_python_blocks_run_as_pasted() -> None:
+    for src in blocks("python"):
+        compile(src, "README.md", "exec")  # a SyntaxError for an `await` outside a function
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            # `messages=[...]` is a list holding Ellipsis: a TypeError in the client.
+            if isinstance(node, ast.Constant) and node.value is Ellipsis:
+                parent = next(p for p in ast.walk(tree) if node in list(ast.iter_child_nodes(p)))
+                assert isinstance(parent, ast.Expr), f"an elided value in:\n{src}"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpuctl"):
+                module = importlib.import_module(node.module or "")
+                for alias in node.names:
+                    assert hasattr(module, alias.name), (node.module, alias.name)
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        bound = {
+            *(a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names),
+            *(t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)),
+            *(n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)),
+            *(n.target.id for n in ast.walk(tree) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)),
+            *(i.optional_vars.id for n in ast.walk(tree) if isinstance(n, ast.With | ast.AsyncWith) for i in n.items if isinstance(i.optional_vars, ast.Name)),
+        }  # fmt: skip
+        unbound = names - bound - set(dir(builtins)) - {"__name__"}
+        assert not unbound, f"{sorted(unbound)} used but never set in:\n{src}"
+
+
+def test_shell_blocks_hold_commands_not_output() -> None:
+    for src in blocks("sh"):
+        for line in src.splitlines():
+            assert not re.match(r"(: |data: |\.\.\.$)", line), f"output in a sh block: {line!r}"
+
+
+def test_the_openai_snippet_does_not_wait_out_retry_after() -> None:
+    """The proxy's 503 carries Retry-After: 30, and the client's two default retries
+    honour it: a person at the prompt would wait a minute for a busy GPU's answer."""
+    (snippet,) = [b for b in blocks("python") if "from openai import OpenAI" in b]
+    assert "max_retries=0" in snippet, snippet
