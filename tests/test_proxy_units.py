@@ -17,6 +17,7 @@ from gpuctl.proxy.routes import (
     model_from_json,
     multipart_boundary,
     upstream_origin,
+    why_no_model,
 )
 
 
@@ -194,3 +195,25 @@ def test_connection_names_its_own_hop_by_hop_headers() -> None:
     assert hop_filter(headers, HOP) == HOP | {b"close", b"x-secret", b"x-other"}
     assert hop_filter([(b"connection", b"keep-alive")], HOP) is HOP  # nothing new: as is
     assert hop_filter([(b"x-secret", b"1")], HOP) is HOP
+
+
+def test_why_no_model_names_each_case_and_cuts_what_it_quotes() -> None:
+    json_ct = "application/json"
+    assert why_no_model(json_ct, b"  ")[1] == "model_missing"
+    assert why_no_model(json_ct, b"[" * 100_000) == (
+        "the request body is JSON nested too deep to read",
+        "invalid_request",
+    )
+    assert why_no_model(json_ct, b'{"model": true}') == (
+        "'model' must be a string, not a boolean",
+        "invalid_request",
+    )
+    assert why_no_model(json_ct, b'{"model": {}}')[0].endswith("not an object")
+    assert why_no_model(json_ct, b"1.5")[0] == "the request body is a number, not a JSON object"
+    message, code = why_no_model(json_ct, b"nope " * 1000)
+    assert code == "invalid_request" and len(message) < 300, message
+    assert why_no_model("multipart/form-data; boundary=b", b"{}")[1] == "model_missing"
+    # Every body model_from_json routes to no model gets a reason, never an exception.
+    for body in (b"", b"{", b"[]", b"null", b'{"model": 1}', b"\xfe", b'{"x": 1}'):
+        assert model_from_json(body)[0] is None
+        assert why_no_model(json_ct, body)[0]

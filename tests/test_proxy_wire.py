@@ -488,6 +488,38 @@ def test_multipart_model_comes_from_the_form_field_only(
     assert status == 200 and json.loads(data)["path"] == path
 
 
+def test_a_body_that_names_no_model_is_told_what_is_wrong_with_it(
+    wire: Wire, opened: list[http.client.HTTPConnection]
+) -> None:
+    """Each of README's 400s says which it is (every one read "the request names no
+    model"): no body, not JSON, not an object, no `model`, a `model` not a string."""
+    c = conn(wire, opened)
+    ct = [("Content-Type", "application/json"), *AUTH.items()]
+    cases = [
+        (b"", "model_missing", "the request has no body: send a JSON object with a 'model'"),
+        (b"{model: 1}", "invalid_request", "the request body is not JSON (Expecting property"),
+        (b"\xff{}", "invalid_request", "the request body is not JSON ('utf-8' codec"),
+        (b'["qwen"]', "invalid_request", "the request body is an array, not a JSON object"),
+        (b'"qwen"', "invalid_request", "the request body is a string, not a JSON object"),
+        (b"{}", "model_missing", "the request names no model ('model' in the JSON body)"),
+        (b'{"model": 7}', "invalid_request", "'model' must be a string, not a number"),
+        (b'{"model": null}', "invalid_request", "'model' must be a string, not null"),
+        (b'{"model": ["a"]}', "invalid_request", "'model' must be a string, not an array"),
+    ]
+    for body, code, message in cases:
+        before = len(wire.witness.seen)
+        status, headers, data = ask(c, "POST", "/v1/chat/completions", body, ct)
+        err = assert_refusal(status, headers, data, 400)
+        assert (err["code"], err["type"]) == (code, "invalid_request_error"), (body, err)
+        assert err["message"].startswith(message), (body, err)
+        assert len(wire.witness.seen) == before
+    form = b'--XyZ\r\nContent-Disposition: form-data; name="file"\r\n\r\nx\r\n--XyZ--\r\n'
+    mp = [("Content-Type", "multipart/form-data; boundary=XyZ"), *AUTH.items()]
+    status, headers, data = ask(c, "POST", "/v1/audio/transcriptions", form, mp)
+    err = assert_refusal(status, headers, data, 400)
+    assert err["code"] == "model_missing" and "the form names no model" in err["message"], err
+
+
 def test_a_huge_or_forged_model_name_is_cut_and_escaped_in_the_answer_and_the_log(
     wire: Wire, opened: list[http.client.HTTPConnection]
 ) -> None:

@@ -79,6 +79,7 @@ from gpuctl.proxy.routes import (
     safe_query,
     shown,
     split_services_path,
+    why_no_model,
 )
 from gpuctl.proxy.use import ServiceUse
 
@@ -420,12 +421,9 @@ class ProxyApp:
             model, stream = self._model_of(scope, body)
             info["model"] = model
             if model is None:
-                raise Refusal(
-                    400,
-                    "the request names no model ('model' in the JSON body or form)",
-                    "invalid_request_error",
-                    "model_missing",
-                )
+                ctype = _header(scope, b"content-type").decode("latin-1")
+                message, code = why_no_model(ctype, body)
+                raise Refusal(400, message, "invalid_request_error", code)
             up = self.routes.by_model.get(model)
             if up is None:
                 raise Refusal(

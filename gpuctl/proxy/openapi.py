@@ -38,7 +38,10 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         "content": {"*/*": {"schema": {}}},
     }
     refusals = {
-        "400": err("No model in the body, or a body that is not a JSON object."),
+        "400": err(
+            "No model in the body (code model_missing), or a body that is not JSON, not a "
+            "JSON object, or whose model is not a string (code invalid_request)."
+        ),
         "401": err("A missing or wrong client key (when the proxy has keys)."),
         "404": err("A model no service lists (GET /v1/models lists them)."),
         "413": err("A body over the proxy's max_body."),

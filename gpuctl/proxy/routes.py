@@ -153,6 +153,45 @@ def model_from_json(body: bytes) -> tuple[str | None, bool]:
     return (model if isinstance(model, str) else None), obj.get("stream") is True
 
 
+def why_no_model(content_type: str, body: bytes) -> tuple[str, str]:
+    """For the 400 of a request that routes to no model: (message, code), saying which
+    it is: a form without a ``model`` field, no body, a body that is not JSON or not an
+    object, no ``model``, or a ``model`` that is not a string. Called on that refusal
+    only, so a routed request parses its body once."""
+    if multipart_boundary(content_type) is not None:
+        return (
+            "the form names no model: a text field 'model' (not a file part; UTF-8, at most 1 KiB)"
+        ), "model_missing"
+    if not body.strip():
+        return "the request has no body: send a JSON object with a 'model'", "model_missing"
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        return "the request body is JSON nested too deep to read", "invalid_request"
+    except ValueError as err:  # a UnicodeDecodeError too
+        return (
+            f"the request body is not JSON ({shown(str(err))}): send a JSON object with a 'model'",
+            "invalid_request",
+        )
+    if not isinstance(obj, dict):
+        return f"the request body is {_json_kind(obj)}, not a JSON object", "invalid_request"
+    if "model" not in obj:
+        return "the request names no model ('model' in the JSON body)", "model_missing"
+    return f"'model' must be a string, not {_json_kind(obj['model'])}", "invalid_request"
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "null" if value is None else "a number"
+
+
 def multipart_boundary(content_type: str) -> bytes | None:
     """The boundary of a ``multipart/form-data`` content type, or None."""
     kind, _, params = content_type.partition(";")
