@@ -105,6 +105,27 @@ def test_unknown_host_is_usage_error(cli_env: Path) -> None:
     assert "unknown host 'dgz'" in r.output and "did you mean 'dgx'" in r.output
 
 
+def test_locks_and_run_without_a_host_say_so(cli_env: Path) -> None:
+    """`gpuctl locks` with no config printed nothing and exited 0, as if the records
+    were empty; `gpuctl run` said the config had "several hosts"."""
+    path = config_file(cli_env)
+    for args in (["locks"], ["locks", "--json"], ["run", "--memory", "1GiB", "--", "true"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2, (args, r.output)
+        lines = r.output.splitlines()
+        assert lines[0].startswith(f"gpuctl: error: no config file at {path}, so no host: "), lines
+        assert (
+            lines[1]
+            == "  hint: `gpuctl config init` writes one (or point --config / GPUCTL_CONFIG at yours)"
+        )
+    path.write_text('[defaults]\nidle_timeout = "1h"\n')
+    r = runner.invoke(app, ["locks"])
+    assert r.exit_code == 2 and r.output.splitlines() == [
+        f"gpuctl: error: {path} configures no host: gpuctl locks lists the records each configured host keeps",
+        f"  hint: add a [hosts.NAME] table to {path}",
+    ], r.output
+
+
 def test_debug_shows_traceback(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config_file(cli_env).write_text("[hosts.dgx\n")
     monkeypatch.setenv("GPUCTL_DEBUG", "1")

@@ -21,6 +21,7 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
     from gpuctl.errors import UsageError
     from gpuctl.flows.wiring import (
         SharedHttp,
+        no_hosts,
         run_job_stopper,
         server_in_flight_reader,
         snapshot_reader,
@@ -28,6 +29,8 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
     )
 
     if host_name is None:
+        if not config.hosts:
+            raise no_hosts(config, "gpuctl run admits its job on a configured host")
         if len(config.hosts) != 1:
             raise UsageError(
                 "gpuctl run needs --host when the config has several hosts",

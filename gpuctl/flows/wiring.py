@@ -379,8 +379,26 @@ def _check_ollama(url: str, model: str, timeout_s: float, http: SharedHttp) -> H
     return check_ollama(url, model, timeout_s, http())
 
 
+def no_hosts(config: Config, what: str) -> UsageError:
+    """The error of a command that needs a configured host where the config has none
+    (often: no config file at all), naming the file and how to get one."""
+    if config.path is None or not config.path.exists():
+        where = f"at {config.path}" if config.path else "given"
+        return UsageError(
+            f"no config file {where}, so no host: {what}",
+            hint="`gpuctl config init` writes one (or point --config / GPUCTL_CONFIG at yours)",
+        )
+    return UsageError(
+        f"{config.path} configures no host: {what}",
+        hint=f"add a [hosts.NAME] table to {config.path}",
+    )
+
+
 def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> LocksDeps:
     """Every host's store (or the named hosts')."""
+    if not config.hosts:
+        # Silence here read as "no records" (exit 0) where nothing was looked at.
+        raise no_hosts(config, "gpuctl locks lists the records each configured host keeps")
     hosts = [config.host(h) for h in host_names] if host_names else list(config.hosts.values())
     closers: list[Callable[[], None]] = []
     http = SharedHttp(closers)
