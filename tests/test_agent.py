@@ -456,6 +456,11 @@ def test_parse_listen_rejects(text: str, fragment: str) -> None:
     with pytest.raises(UsageError) as exc:
         parse_listen(text)
     assert fragment in exc.value.message
+    # The proxy's examples name its own port, never the agent's.
+    with pytest.raises(UsageError) as exc:
+        parse_listen(text, 9401)
+    assert fragment in exc.value.message
+    assert "9400" not in exc.value.message.replace(repr(text), ""), exc.value.message
 
 
 def test_loopback_is_judged_on_the_address() -> None:

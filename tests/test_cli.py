@@ -408,6 +408,18 @@ def test_every_command_module_is_in_the_lazy_table() -> None:
         assert f"\n  {name} " in r.output, name
 
 
+def test_a_listen_address_without_its_port_names_the_commands_own_port(cli_env: Path) -> None:
+    """`gpuctl proxy --listen localhost` showed the agent's 127.0.0.1:9400 as the example."""
+    for cmd, port in (("proxy", 9401), ("agent", 9400)):
+        r = runner.invoke(app, [cmd, "--listen", "localhost"])
+        assert r.exit_code == 2, r.output
+        assert r.stderr.splitlines() == [
+            f"gpuctl: error: bad --listen 'localhost': expected HOST:PORT, like "
+            f"127.0.0.1:{port} or [::1]:{port}",
+            f"  hint: did you mean localhost:{port}?",
+        ], r.stderr
+
+
 def test_status_with_a_sim_dir_that_is_not_there(cli_env: Path) -> None:
     """A --sim-dir named on the command line that does not exist is a typo, not an idle
     GPU: exit 4 with a hint, no panel. The default folder ($GPUCTL_SIM_DIR, not created

@@ -43,10 +43,14 @@ class ListenAddress:
         return f"http://{shown}:{self.port if port is None else port}"
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` or ``[IPV6]:PORT``. Raises UsageError on anything else."""
+def parse_listen(listen: str, port: int = 9400) -> tuple[str, int]:
+    """Split ``HOST:PORT`` or ``[IPV6]:PORT``. Raises UsageError on anything else.
+
+    ``port``: the command's own default port, for the examples in the errors (the
+    proxy's is 9401: an example naming the agent's would point its user at the agent).
+    """
     text = listen.strip()
-    example = "expected HOST:PORT, like 127.0.0.1:9400 or [::1]:9400"
+    example = f"expected HOST:PORT, like 127.0.0.1:{port} or [::1]:{port}"
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -55,10 +59,12 @@ def parse_listen(listen: str) -> tuple[str, int]:
     else:
         host, sep, port_text = text.rpartition(":")
         if not sep:
-            raise UsageError(f"bad --listen {listen!r}: {example}")
+            # `--listen localhost`: a host without its port.
+            hint = f"did you mean {text}:{port}?" if text and not text.isdigit() else ""
+            raise UsageError(f"bad --listen {listen!r}: {example}", hint=hint)
         if ":" in host:
             raise UsageError(
-                f"bad --listen {listen!r}: write an IPv6 address in brackets, like [::1]:9400"
+                f"bad --listen {listen!r}: write an IPv6 address in brackets, like [::1]:{port}"
             )
     if not host:
         raise UsageError(
@@ -69,9 +75,10 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def resolve_listen(listen: str) -> ListenAddress:
-    """Parse and resolve ``listen``; ``loopback`` is judged on the resolved address."""
-    host, port = parse_listen(listen)
+def resolve_listen(listen: str, default_port: int = 9400) -> ListenAddress:
+    """Parse and resolve ``listen``; ``loopback`` is judged on the resolved address.
+    ``default_port``: the command's own, for the examples in the errors."""
+    host, port = parse_listen(listen, default_port)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:

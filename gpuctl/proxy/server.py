@@ -63,7 +63,7 @@ def serve(
     from gpuctl.proxy.routes import RouteTable
 
     p = conf.proxy
-    addr = resolve_listen(listen or p.listen)
+    addr = resolve_listen(listen or p.listen, 9401)  # its errors show the proxy's port
     keys = p.api_keys()
     if not keys and not addr.loopback:
         raise UsageError(
