@@ -220,6 +220,14 @@ def test_usage_names_the_argument_plainly(cli_env: Path, cmd: str) -> None:
     assert f"Usage: gpuctl {cmd} [OPTIONS] SERVICE\n" in r.output
 
 
+def test_run_usage_shows_the_double_dash_and_the_arguments(cli_env: Path) -> None:
+    """It read `gpuctl run [OPTIONS] [CMD]`: no `--`, and CMD alone."""
+    r = runner.invoke(app, ["run", "--help"])
+    assert r.exit_code == 0 and "Usage: gpuctl run [OPTIONS] -- CMD...\n" in r.output, r.output
+    r = runner.invoke(app, ["run", "--bogus"])
+    assert r.exit_code == 2 and "Usage: gpuctl run [OPTIONS] -- CMD...\n" in r.output, r.output
+
+
 def test_only_a_chosen_command_is_built() -> None:
     from gpuctl.cli.app import _command_modules
 

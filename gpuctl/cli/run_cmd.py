@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from gpuctl.cli.common import (
+    Command,
     ConfigOpt,
     HostOpt,
     duration_parser,
@@ -20,9 +21,20 @@ from gpuctl.core.jobs import PRIORITY_MAX
 from gpuctl.errors import UsageError
 
 
+class RunCommand(Command):
+    """Usage ``gpuctl run [OPTIONS] -- CMD...``: Typer writes ``[CMD]``, which hides both
+    the ``--`` that keeps CMD's own options from being read as gpuctl's and that CMD may
+    have arguments."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return ["-- CMD..." if p.startswith("[CMD]") else p for p in pieces]
+
+
 def register(app: typer.Typer) -> None:
     app.command(
         "run",
+        cls=RunCommand,
         short_help="Run CMD once its GPU memory fits (exit code: CMD's).",
         context_settings={"allow_interspersed_args": False},
     )(run)
