@@ -25,6 +25,10 @@ class Spec:
     def keywords(self) -> tuple[str, ...]:
         return self.match or (self.name,)
 
+    @property
+    def default_match(self) -> bool:
+        return not self.match
+
 
 VLLM = Spec("vllm", 80 * GiB, 100, ("vllm", "translategemma"))
 VLM = Spec("vlm", 30 * GiB, 50, ("photo-batch",))
@@ -526,3 +530,42 @@ def test_reasons_name_the_top_holders_and_a_count() -> None:
     assert "pid 105" in v.reason and "pid 104" in v.reason and "4 more" in v.reason
     assert "pid 100" not in v.reason
     assert len(v.holders) == 6
+
+
+# The default keyword (the name, no `match`) is a whole word of the command line: an
+# argument or the program's base name, never a part of a path, a file name or a URL.
+CHAT = Spec("chat", 20 * GiB)
+NAMES_CASES = [
+    ("tail -f /root/.local/state/gpuctl/logs/chat.log", False),
+    ("less chat-notes.txt", False),
+    ("wrk -t4 -c64 http://10.0.0.5:8000/v1/chat/completions", False),
+    ("python train.py --out /data/chat/ckpt", False),
+    ("chatty --port 1", False),
+    ("python -m gpuctl sim model-server --name chat --memory 20GiB", True),
+    ("vllm serve Qwen/Qwen3-32B --served-model-name=chat", True),
+    ("vllm serve Qwen/Qwen3-32B --served-model-name CHAT", True),
+    ("/opt/venv/bin/chat --port 8000", True),
+    ("/usr/bin/python3 /srv/serve/chat.py --port 8000", True),
+    ("python3 -u -m chat.server --port 8000", True),
+    ("python3 -mchat --port 8000", True),
+    ("env CUDA_VISIBLE_DEVICES=0 chat --port 8000", True),
+    ("sh -c chat --port 8000 > /tmp/x.log", True),
+]
+
+
+@pytest.mark.parametrize(("command", "ours"), NAMES_CASES)
+def test_the_default_keyword_is_a_whole_word(command: str, ours: bool) -> None:
+    from gpuctl.core.decision import owns
+
+    assert owns(CHAT, command) is ours
+    # An explicit keyword keeps its promise: a substring, anywhere.
+    assert owns(Spec("chat", 20 * GiB, match=("chat",)), command) is True
+
+
+def test_the_default_keyword_does_not_make_a_log_reader_loading() -> None:
+    tail = StartingProcess(61, "tail -f /home/u/.local/state/gpuctl/logs/chat.log", age_s=5.0)
+    v = classify(CHAT, REFUSED, snap(starting=(tail,)), others=[CHAT])
+    assert v.decision is Decision.IDLE, v.reason
+    sim = StartingProcess(62, "python -m gpuctl sim model-server --name chat", age_s=5.0)
+    v = classify(CHAT, REFUSED, snap(starting=(sim,)), others=[CHAT])
+    assert v.decision is Decision.LOADING and "pid 62" in v.reason

@@ -185,6 +185,6 @@ def test_progress_memory_counts_what_the_agent_names_as_the_services() -> None:
         ),
         servers=((10, "chat"), (11, "chat"), (12, "other")),
     )
-    svc = type("Svc", (), {"name": "chat", "keywords": ("nomatch",)})()
+    svc = type("Svc", (), {"name": "chat", "keywords": ("nomatch",), "default_match": False})()
     assert own_memory(snap, svc, 10) == 41 * 1024  # type: ignore[arg-type]
     assert own_memory(None, svc) is None  # type: ignore[arg-type]

@@ -240,6 +240,10 @@ class Spec:
     def keywords(self) -> tuple[str, ...]:
         return self.match or (self.name,)
 
+    @property
+    def default_match(self) -> bool:
+        return not self.match
+
 
 CHAT = Spec("chat", 80 * GiB, 100, ("vllm",))
 BATCH = Spec("batch", 30 * GiB, 50, ("photo-batch",))

@@ -745,6 +745,10 @@ class _Spec:
     def keywords(self) -> tuple[str, ...]:
         return (self.name,)
 
+    @property
+    def default_match(self) -> bool:
+        return True
+
 
 def _decide(reading: Any, spec: _Spec) -> Any:
     from gpuctl.core.decision import Health, classify

@@ -65,6 +65,27 @@ def test_find_matching_sees_a_server_but_not_a_wrapped_client(
     assert found[server.pid].age_s is not None and 0 <= found[server.pid].age_s < 60
 
 
+def test_find_matching_leaves_out_readers_of_gpuctls_own_files(
+    named: tuple[str, list[subprocess.Popen[bytes]]], tmp_path: Path
+) -> None:
+    """`tail -f <state>/logs/NAME.log` reads the service's log: it is not the service, even
+    for an explicit keyword; a server whose other files sit beside the state dir is."""
+    name, procs = named
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True)
+    log = state / "logs" / f"{name}.log"
+    log.touch()
+    reader = subprocess.Popen(["tail", "-f", str(log)])
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", name, str(tmp_path / "sim")]
+    )
+    procs += [reader, server]
+    found = {s.pid for s in find_matching([name], state_dir=str(state) + "/")}
+    assert server.pid in found and reader.pid not in found
+    # Without a state dir to know it by, it is a match like any other.
+    assert reader.pid in {s.pid for s in find_matching([name])}
+
+
 def test_own_lineage_is_this_process_and_its_parents() -> None:
     lineage = own_lineage()
     assert lineage[0] == os.getpid() and lineage[1] == os.getppid()

@@ -34,7 +34,11 @@ def build_snapshot(
     if keywords is not None:
         on_gpu = {p.pid for p in reading.processes}
         # Our own pipeline (`gpuctl status | cat | grep vllm`) is not a server.
-        found = [s for s in procinfo.find_matching(keywords, own_pipeline()) if s.pid not in on_gpu]
+        found = [
+            s
+            for s in procinfo.find_matching(keywords, own_pipeline(), state_dir)
+            if s.pid not in on_gpu
+        ]
         seen = {s.pid for s in found} | on_gpu
         found += procinfo.describe_pids(p for p in pids if p not in seen)
         starting = tuple(found)
@@ -55,6 +59,7 @@ def local_snapshot(
     sim_dir: Path | None = None,
     gpu_memory_mib: int | None = None,
     pids: Sequence[int] = (),
+    state_dir: str | None = None,
 ) -> Snapshot:
     """Probe once and build a snapshot; raises ``ProbeError`` / ``NoGpuFound``."""
     from gpuctl.adapters.probes.factory import make_probe
@@ -64,4 +69,6 @@ def local_snapshot(
         reading = probe.read()
     finally:
         probe.close()
-    return build_snapshot(reading, keywords, gpu_memory_mib=gpu_memory_mib, pids=pids)
+    return build_snapshot(
+        reading, keywords, state_dir=state_dir, gpu_memory_mib=gpu_memory_mib, pids=pids
+    )

@@ -199,18 +199,22 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def find_matching(
-    keywords: Iterable[str], exclude_pids: Iterable[int] = ()
+    keywords: Iterable[str], exclude_pids: Iterable[int] = (), state_dir: str | None = None
 ) -> Iterator[StartingProcess]:
     """Host processes whose command line contains one of ``keywords`` (case-insensitive).
 
-    Skips zombies, this process and its ancestors, and gpuctl's own client commands
-    (``gpuctl ensure vllm`` names the service, it is not the service).
+    Skips zombies, this process and its ancestors, gpuctl's own client commands
+    (``gpuctl ensure vllm`` names the service, it is not the service), and processes
+    that name a file of gpuctl's ``state_dir`` (``tail -f …/gpuctl/logs/vllm.log``
+    reads the service's log, it is not the service: no launcher puts those files in a
+    server's command line).
     """
     import psutil
 
     kws = [k.lower() for k in keywords if k]
     if not kws:
         return
+    own_files = _own_files(state_dir)
     skip = set(exclude_pids)
     skip.update(own_lineage())
     now = time.time()
@@ -223,7 +227,11 @@ def find_matching(
             continue
         line = " ".join(argv)
         low = line.lower()
-        if any(k in low for k in kws) and not _is_gpuctl_client(argv):
+        if (
+            any(k in low for k in kws)
+            and not _is_gpuctl_client(argv)
+            and not any(a.startswith(own_files) for a in argv)
+        ):
             created = info.get("create_time")
             age = round(max(0.0, now - created), 1) if created else None
             yield StartingProcess(
@@ -232,6 +240,15 @@ def find_matching(
                 user=info.get("username"),
                 age_s=age,
             )
+
+
+def _own_files(state_dir: str | None) -> tuple[str, ...]:
+    """The prefixes of gpuctl's own files in ``state_dir`` (its records, locks, logs);
+    empty (matches no argument) without one."""
+    if not state_dir:
+        return ()
+    base = os.path.normpath(state_dir)
+    return tuple(f"{base}/{sub}/" for sub in ("logs", "records", "locks"))
 
 
 def describe_pids(pids: Iterable[int]) -> list[StartingProcess]:

@@ -244,7 +244,10 @@ class AgentApp:
                 # Forget the oldest keyword set (dicts keep insertion order).
                 del self._matches[next(iter(self._matches))]
             slot = _MatchSlot(
-                TtlCell(lambda: tuple(find_matching(keywords)), self.settings.cache_ttl_s)
+                TtlCell(
+                    lambda: tuple(find_matching(keywords, state_dir=self.settings.state_dir)),
+                    self.settings.cache_ttl_s,
+                )
             )
             self._matches[keywords] = slot
         return slot

@@ -91,6 +91,8 @@ def ensure(
         line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
         deps = deps_for(conf, service, host, progress=line.update if line else None)
         deps.preempt, deps.force = preempt, force
+        if not json_out:
+            deps.notice = line.say if line else say
         try:
             result = run(deps, timeout_s=timeout_s, wait=not no_wait)
         except KeyboardInterrupt:
@@ -147,6 +149,14 @@ class _StatusLine:
         if p.log_line:
             parts.append(f"[dim]{escape(p.log_line[-80:])}[/]")
         self.status.update(" · ".join(parts))
+
+    def say(self, message: str) -> None:
+        """A message above the line (printed as ``say`` would; the line stays below)."""
+        from gpuctl.core.redact import mask_url_passwords
+        from gpuctl.core.safe_text import visible
+
+        text = visible(mask_url_passwords(message), keep_newlines=True)
+        self.console.print(text, markup=False, highlight=False)
 
     def stop(self) -> None:
         self.status.stop()

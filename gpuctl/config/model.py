@@ -186,6 +186,12 @@ class ServiceConfig:
             return self.match
         return self.match or (self.name,)
 
+    @property
+    def default_match(self) -> bool:
+        """No ``match`` set: the keyword is the name, counted only as a whole word of a
+        command line (``gpuctl.core.ownership.names``), never inside a path or a URL."""
+        return not self.match
+
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:

@@ -47,6 +47,10 @@ class JobSpec:
         return ()
 
     @property
+    def default_match(self) -> bool:
+        return False
+
+    @property
     def job(self) -> str:
         """The name the user gave (``whisper`` for the record ``run.whisper``)."""
         return self.name[len(PREFIX) :]

@@ -5,6 +5,7 @@ The decision and the memory accounting both ask this, so it lives on its own.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -19,6 +20,11 @@ class ServiceSpec(Protocol):
     def name(self) -> str: ...
     @property
     def keywords(self) -> tuple[str, ...]: ...
+    @property
+    def default_match(self) -> bool:
+        """True when ``keywords`` is the default (the service's name; no ``match`` set):
+        it then counts only as a whole word of a command line (``names``)."""
+
     @property
     def memory_mib(self) -> int | None: ...
     @property
@@ -46,11 +52,77 @@ def loading_match(
 
 
 def owns(spec: ServiceSpec, command: str | None) -> bool:
-    """True when a command line carries one of the service's match keywords (case-insensitive)."""
+    """True when a command line carries one of the service's match keywords (case-insensitive).
+
+    Keywords the user set (``match``) are a substring of the command line, as promised.
+    The default, the service's name, must be a whole word (``names``): a name like
+    ``chat`` sits inside many command lines that are not the service (``tail -f
+    …/logs/chat.log``, ``less chat-notes.txt``, a load test of ``/v1/chat/completions``).
+    """
     if not command:
         return False
+    if spec.default_match:
+        return any(names(command, k) for k in spec.keywords)
     low = command.lower()
     return any(k.lower() in low for k in spec.keywords)
+
+
+def names(command: str, word: str) -> bool:
+    """True when ``word`` is a whole argument of the command line (``--name chat``, also
+    ``--name=chat``) or its program's base name (``/opt/venv/bin/vllm``, the script or
+    module an interpreter runs: ``python serve/chat.py``, ``python -m vllm.entrypoints…``),
+    case-insensitive; never a part of a path, a file name or a URL.
+
+    The command line is the argv joined with spaces (as the agent reports it), so an
+    argument is a run of non-blanks; ``sh -c "vllm serve …"`` names ``vllm``.
+    """
+    want = word.lower()
+    if not want:
+        return False
+    words = command.lower().split()
+    for w in words:
+        if w == want or (w.startswith("-") and w.partition("=")[2] == want):
+            return True
+    return want in _programs(words)
+
+
+# Programs that run another one named by their first argument (a script, or ``-m MODULE``).
+_INTERPRETER = re.compile(r"(python|pypy)[\d.]*|node|ruby|perl|bash|sh|dash|zsh")
+
+
+def _programs(words: list[str]) -> set[str]:
+    """The base names (with and without their extension) of what the command runs."""
+    i = 0
+    # `env A=1 vllm serve`, `A=1 vllm serve` (a shell's assignments before the program).
+    while i < len(words) and (
+        _base(words[i]) == "env" or ("=" in words[i] and not words[i].startswith("-"))
+    ):
+        i += 1
+    if i >= len(words):
+        return set()
+    prog = _base(words[i])
+    found = {prog, _stem(prog)}
+    if _INTERPRETER.fullmatch(prog):
+        rest = words[i + 1 :]
+        for j, w in enumerate(rest):
+            module = rest[j + 1] if w == "-m" and j + 1 < len(rest) else None
+            if module is None and w.startswith("-m") and len(w) > 2:
+                module = w[2:]
+            if module is not None:
+                found |= {module, module.split(".", 1)[0]}
+                break
+            if not w.startswith("-"):
+                found |= {_base(w), _stem(_base(w))}
+                break
+    return found
+
+
+def _base(word: str) -> str:
+    return word.rsplit("/", 1)[-1]
+
+
+def _stem(base: str) -> str:
+    return base.rsplit(".", 1)[0] if "." in base[1:] else base
 
 
 def owner_of(

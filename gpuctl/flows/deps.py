@@ -71,6 +71,9 @@ class EnsureDeps(Closers):
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
     progress: Callable[[Progress], None] | None = field(kw_only=True, default=None)
+    # A line for the person waiting, at once (the CLI prints it on stderr): why a wait
+    # may be for nothing, rather than only after the timeout.
+    notice: Callable[[str], None] | None = field(kw_only=True, default=None)
     entry: str = field(kw_only=True, default="ensure")
     # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
     wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)

@@ -175,6 +175,10 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
         _touch(ctx)
         if not wait:
             return ctx.result(Outcome.LOADING, verdict.reason, first, hint=verdict.hint)
+        if verdict.hint and deps.notice is not None:
+            # Only a keyword ties what it waits for to the service: it may be somebody
+            # else's process, and the wait would run to the timeout for nothing.
+            deps.notice(f"{svc.name}: waiting for {verdict.reason}; {verdict.hint}")
         return _bystander(ctx, first, verdict.reason, verdict.hint)
     # IDLE or FITS: take the lease; whoever holds it is the only one who launches. A
     # start whose caller went before recording its server (LOADING: the agent names

@@ -107,10 +107,14 @@ def snapshot_reader(
     state_dir = str(default_state_dir())
 
     def read(kws: Sequence[str], pids: Sequence[int]) -> Snapshot:
-        snap = local_snapshot(
-            host.probe, kws, sim_dir=host.sim_dir, gpu_memory_mib=host.gpu_memory_mib, pids=pids
+        return local_snapshot(
+            host.probe,
+            kws,
+            sim_dir=host.sim_dir,
+            gpu_memory_mib=host.gpu_memory_mib,
+            pids=pids,
+            state_dir=state_dir,
         )
-        return replace(snap, state_dir=state_dir)
 
     return read
 
