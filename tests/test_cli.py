@@ -228,11 +228,32 @@ def test_run_usage_shows_the_double_dash_and_the_arguments(cli_env: Path) -> Non
     assert r.exit_code == 2 and "Usage: gpuctl run [OPTIONS] -- CMD...\n" in r.output, r.output
 
 
+def test_config_before_the_command(cli_env: Path) -> None:
+    """`gpuctl --config F status` failed with "No such option: --config"."""
+    f = cli_env / "elsewhere.toml"
+    f.write_text('[hosts.box]\nprobe = "sim"\n')
+    r = runner.invoke(app, ["--config", str(f), "config", "path"])
+    assert r.exit_code == 0 and r.stdout == f"{f}\n", r.output
+    r = runner.invoke(app, ["-c", str(f), "config", "check"])
+    assert r.exit_code == 0 and r.stdout.startswith(f"{f}: ok (1 host"), r.output
+    r = runner.invoke(app, ["--config", str(f), "status", "--json"])
+    assert r.exit_code == 0 and [h["name"] for h in json.loads(r.stdout)["hosts"]] == ["box"]
+    # The command's own --config wins; the next command line starts afresh.
+    r = runner.invoke(app, ["--config", str(cli_env / "nope.toml"), "config", "path", "-c", str(f)])
+    assert r.stdout == f"{f}\n", r.output
+    r = runner.invoke(app, ["--config", str(cli_env / "nope.toml"), "locks"])
+    assert r.exit_code == 1 and "config file" in r.output and "nope.toml does not exist" in r.output
+    r = runner.invoke(app, ["config", "path"])
+    assert r.stdout == f"{config_file(cli_env)}\n", r.output
+
+
 def test_only_a_chosen_command_is_built() -> None:
     from gpuctl.cli.app import _command_modules
 
     assert _command_modules(["status", "--json"]) == ["status_cmd"]
     assert _command_modules(["ensure", "vllm", "-c", "x.toml"]) == ["service_cmd"]
+    assert _command_modules(["--config", "status", "locks"]) == ["service_cmd"]
+    assert _command_modules(["-c", "x.toml", "status"]) == ["status_cmd"]
     every = _command_modules([])
     assert every == _command_modules(["--help"]) == _command_modules(["nosuch"])
     assert {"status_cmd", "service_cmd", "agent_cmd", "sim_cmd", "demo_cmd", "config_cmd"} <= set(

@@ -105,8 +105,20 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
                 help="Print the completion script for SHELL.",
             ),
         ] = None,
+        config: Annotated[
+            Path | None,
+            typer.Option(
+                "--config",
+                "-c",
+                help="Config file for the command (as its own --config, which wins).",
+                metavar="FILE",
+            ),
+        ] = None,
     ) -> None:
         """Share one big GPU between heavy workloads."""
+        from gpuctl.cli.common import set_root_config
+
+        set_root_config(config)
 
     import importlib
 
@@ -140,9 +152,13 @@ def _command_modules(argv: list[str]) -> list[str]:
     every = list(dict.fromkeys(COMMANDS.values()))
     if any(k.startswith("_GPUCTL_COMPLETE") for k in os.environ):
         return every
-    for arg in argv:
+    args = iter(argv)
+    for arg in args:
         if arg in ("-h", "--help"):
             return every
+        if arg in ("-c", "--config"):
+            next(args, None)  # its FILE, not a command
+            continue
         if not arg.startswith("-"):
             module = COMMANDS.get(arg)
             return [module] if module else every

@@ -215,12 +215,30 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+# `gpuctl --config FILE COMMAND`: the file named before the command (set by the app's
+# root callback), for a command not given its own --config.
+_root_config: list[Path] = []
+
+
+def set_root_config(path: Path | None) -> None:
+    # Set on every run, None included: CliRunner runs many command lines in one process.
+    _root_config[:] = [] if path is None else [path]
+
+
+def chosen_config(explicit: Path | None) -> Path | None:
+    """The command's own ``--config``, else the one named before the command, else None
+    (``$GPUCTL_CONFIG``, then the default path: ``gpuctl.config.config_path``)."""
+    if explicit is not None:
+        return explicit
+    return _root_config[0] if _root_config else None
+
+
 def open_config(explicit: Path | None) -> Config:
     """The config for a command (``gpuctl.config.load_config``), its warnings said once
     on stderr (token files that others can read)."""
     from gpuctl.config import load_config
 
-    conf = load_config(explicit)
+    conf = load_config(chosen_config(explicit))
     for w in conf.warnings:
         say(f"gpuctl: warning: {w}")
     return conf

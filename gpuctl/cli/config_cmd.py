@@ -8,7 +8,14 @@ from typing import Annotated, Any
 
 import typer
 
-from gpuctl.cli.common import ConfigOpt, JsonOpt, errors_to_exit, print_json, say
+from gpuctl.cli.common import (
+    ConfigOpt,
+    JsonOpt,
+    chosen_config,
+    errors_to_exit,
+    print_json,
+    say,
+)
 from gpuctl.errors import ExitCode
 
 config_app = typer.Typer(help="Find, check and show the configuration.", no_args_is_help=True)
@@ -36,7 +43,7 @@ def path(config: _PathConfigOpt = None) -> None:
     with errors_to_exit():
         from gpuctl.config import config_path
 
-        p, _ = config_path(config)
+        p, _ = config_path(chosen_config(config))
         print(p)
         if not p.exists():
             print(f"(does not exist yet: create {p})", file=sys.stderr)
@@ -53,8 +60,8 @@ def check(config: ConfigOpt = None) -> None:
         from gpuctl.config import config_path, load_config
         from gpuctl.config.secrets import secret_problems
 
-        p, _ = config_path(config)
-        conf = load_config(config)
+        p, _ = config_path(chosen_config(config))
+        conf = load_config(chosen_config(config))
         problems = [e for h in conf.hosts.values() for e in secret_problems(h)]
         warnings = list(conf.warnings)
         local_dir = None if problems else _local_state_dir_warning(conf)
@@ -125,7 +132,7 @@ def show(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
         from gpuctl.config import load_config
         from gpuctl.render.config_view import config_to_json, config_to_toml
 
-        conf = load_config(config)
+        conf = load_config(chosen_config(config))
         if json_out:
             print_json(config_to_json(conf))
         else:
@@ -169,7 +176,7 @@ def init(
         from gpuctl.config import config_path
         from gpuctl.config.starter import write_starter
 
-        p, _ = config_path(config)
+        p, _ = config_path(chosen_config(config))
         # An --agent named on the command line means "the GPU is there", GPU here or not.
         gpu_here = agent is None and local_gpu_answers()
         done = write_starter(p, gpu_here=gpu_here, agent=agent, host=host, force=force)
