@@ -6,7 +6,9 @@ milliseconds and asserts what the flow did (launches, records, outcomes, exit co
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -262,6 +264,24 @@ def test_status_reports_a_dead_host_unknown_and_the_others_as_they_are(tmp_path:
     assert not b.ok and b.verdicts[0].decision is Decision.UNKNOWN
     assert b.error == "connection refused by http://b:9400" and b.hint == "is the agent up?"
     assert report.exit_code == ExitCode.UNKNOWN
+
+
+def test_status_is_unknown_where_the_wait_queue_cannot_be_read(tmp_path: Path) -> None:
+    """ensure holds an IDLE or FITS service back for the head of the `run --wait` queue;
+    status, which cannot read that queue, does not call the service free either."""
+
+    def broken() -> list[Any]:
+        raise StoreError("cannot read the wait queue /x/queue: Permission denied", hint="fix it")
+
+    agents = {"a": Agent()}
+    deps = _status_deps(tmp_path, agents, {"a": DirectStore(tmp_path / "a")})
+    deps.hosts[0] = replace(deps.hosts[0], read_waiters=broken)
+    (v,) = status(deps).hosts[0].verdicts
+    assert v.decision is Decision.UNKNOWN and "wait queue cannot be read" in v.reason
+    assert v.hint == "fix it"
+    deps.hosts[0] = replace(deps.hosts[0], read_waiters=list)
+    (v,) = status(deps).hosts[0].verdicts
+    assert v.decision is Decision.IDLE
 
 
 def _prio_status(

@@ -403,3 +403,49 @@ def test_the_attackers_inversion_repro_runs_hi_first(host: SimHost) -> None:
         hi.kill()
         hi.communicate()
         kill_servers(low)
+
+
+def test_status_holds_back_a_service_for_the_queue_as_ensure_does(host: SimHost) -> None:
+    """60 GiB held by a stranger, hi (70 GiB, priority 90) queued: low (50 GiB, priority
+    10) would fit in the 60 GiB free, but ensure refuses it for hi's room. status says so
+    too (text and --json, the same reason); top (priority 95, above hi) FITS in both."""
+    from gpuctl.sim.host import free_port
+    from tests.ensure_helpers import kill_servers, model_server_command, run_ensure, service_toml
+
+    low, top = unique_name("low"), unique_name("top")
+    toml = ""
+    for svc, prio in ((low, 10), (top, 95)):
+        port = free_port()
+        t = service_toml(svc, port, model_server_command(svc, port, "50GiB", "1s"))
+        toml += t.replace('memory = "20GiB"', f'memory = "50GiB"\npriority = {prio}') + "\n"
+    cfg = host.write_config(toml)
+    stranger = host.hold(unique_name("big"), "60GiB")
+    jobs = Jobs(host, cfg)
+    try:
+        p = jobs.wait("hi", 90, "-m", "70GiB")
+        assert p.stderr is not None and "waiting for room" in p.stderr.readline()
+        wait_for(lambda: jobs.queued() == ["hi"], "hi is queued")
+        queued = f"queued: run.{jobs.name('hi')}, priority 90, 70.0 GiB"
+        obj = json.loads(gpuctl(cfg, "status", "--json").stdout)
+        rows = {s["name"]: s for s in obj["services"]}
+        assert rows[low]["decision"] == "BUSY", rows[low]
+        assert queued in rows[low]["reason"]
+        assert rows[top]["decision"] == "FITS", rows[top]
+        text = subprocess.run(
+            [gpuctl_exe(), "status"],
+            env={**cli_env(cfg), "COLUMNS": "250"},
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        (line,) = [ln for ln in text.splitlines() if low in ln]
+        assert "BUSY" in line and "FITS" not in line, text
+        assert queued in text.replace("\n", " "), text
+        r = run_ensure(cfg, low)
+        assert r.returncode == 3 and queued in json.loads(r.stdout)["reason"], r.stdout
+        assert jobs.queued() == ["hi"] and jobs.running() == []
+    finally:
+        host.stop(stranger)
+        jobs.close()
+        kill_servers(low)
+        kill_servers(top)

@@ -18,6 +18,7 @@ from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
 from gpuctl.core.model import HostIdentity, Snapshot
+from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Listing, Record
 from gpuctl.flows.results import Progress
 
@@ -128,6 +129,10 @@ class HostDeps:
     # The store's in-flight counts (``Store.inflight``), for the victims of PREEMPTABLE;
     # raises GpuctlError when they cannot be read. None: nothing counts as a victim.
     read_inflight: Callable[[], Mapping[str, int]] | None = None
+    # The store's ``gpuctl run --wait`` queue (``Store.waiters``): a service that fits is
+    # BUSY while a higher-priority head waits for its room, as ``ensure`` refuses it.
+    # Raises GpuctlError when it cannot be read. None: no queue to ask.
+    read_waiters: Callable[[], Sequence[Waiter]] | None = None
 
 
 @dataclass

@@ -38,7 +38,7 @@ from gpuctl.flows.deps import EnsureDeps, describe_handle
 from gpuctl.flows.hints import refusal_hint
 from gpuctl.flows.observe import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
-from gpuctl.flows.run_queue import service_held_back
+from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.wait import BystanderWatch, LauncherWatch, Waited, wait_ready
 
 __all__ = ["ADMISSION", "MAX_ROUNDS", "ensure", "launch_under_lease", "on_its_gpu"]
@@ -304,7 +304,7 @@ def launch_under_lease(
                 # Services are not queued, but do not take the room of a higher-priority
                 # waiter at the head of the `run --wait` queue (core.queue says why).
                 held = service_held_back(
-                    deps.store,
+                    deps.store.waiters(),
                     priority=svc.priority,
                     need_mib=svc.memory_mib,
                     verdict=verdict,
@@ -317,8 +317,7 @@ def launch_under_lease(
                         Outcome.BUSY,
                         held,
                         Decision.BUSY,
-                        hint="it starts once the queue's head has its room; or give the "
-                        "service a higher priority",
+                        hint=HELD_BACK_HINT,
                     )
                 launcher = deps.make_launcher(seen.snapshot)
                 started_at = deps.clock()

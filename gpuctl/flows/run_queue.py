@@ -13,7 +13,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpuctl.adapters.store import Store, holder_here
@@ -41,8 +41,13 @@ def ahead_now(
     return ahead(store.waiters(), priority=spec.priority, me=me, largest_mib=largest_mib)
 
 
+HELD_BACK_HINT = (
+    "it starts once the queue's head has its room; or give the service a higher priority"
+)
+
+
 def service_held_back(
-    store: Store,
+    waiters: Iterable[Waiter],
     *,
     priority: int,
     need_mib: int | None,
@@ -52,7 +57,9 @@ def service_held_back(
 ) -> str | None:
     """Under the admission lock, before a service (``ensure``, ``resume``, the proxy)
     launches on an IDLE or FITS verdict: why it must not (a live head of higher
-    priority whose room it would take; ``core.queue.held_back``), or None."""
+    priority whose room it would take; ``core.queue.held_back``), or None. ``status``
+    asks the same of an IDLE or FITS verdict, so it says BUSY where ``ensure`` would.
+    ``waiters``: the store's live queue (``Store.waiters``)."""
     devices = snapshot.device_list() if snapshot is not None else ()
     totals = {
         d.index: d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
@@ -62,7 +69,7 @@ def service_held_back(
     # IDLE: nothing holds the GPU, its whole memory is free.
     free = verdict.free_mib if verdict.free_mib is not None else totals.get(verdict.gpu or 0)
     head = held_back(
-        store.waiters(),
+        waiters,
         priority=priority,
         need_mib=verdict.need_mib if verdict.need_mib is not None else need_mib,
         free_mib=free,

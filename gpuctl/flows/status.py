@@ -13,7 +13,7 @@ first, then the snapshot with the servers they name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -21,14 +21,16 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from gpuctl.config import Config
-from gpuctl.core.decision import NO_HEALTH, Health, Verdict
+from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
 from gpuctl.core.jobs import job_specs
 from gpuctl.core.model import GpuProcess, StartingProcess
+from gpuctl.core.queue import Waiter
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
 from gpuctl.flows.observe import Observation, decide, memory_use, observe
 from gpuctl.flows.results import HostReport, StatusReport
+from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.victims import victim_facts, with_victims
 
 __all__ = [
@@ -128,19 +130,56 @@ def _judge(
             host_hint=False,  # the host's line shows it, once
         )
         first = decide_it()
-        if counts is None or obs.snapshot is None:
-            return first
-        facts = partial(victim_facts, obs, services, svc, counts=counts, server_in_flight=in_flight)
-        return with_victims(first, svc, decide_it, facts)
+        if counts is not None and obs.snapshot is not None:
+            facts = partial(
+                victim_facts, obs, services, svc, counts=counts, server_in_flight=in_flight
+            )
+            first = with_victims(first, svc, decide_it, facts)
+        return _queue_check(first, svc, obs, hd, waiters)
 
+    waiters = _once(hd.read_waiters) if hd.read_waiters is not None else None
     return judge
 
 
-def _once(read: Callable[[], Mapping[str, int]]) -> Callable[[], Mapping[str, int]]:
-    """``read`` called at most once; its answer (or its GpuctlError) kept for the rest."""
-    got: list[Mapping[str, int] | GpuctlError] = []
+def _queue_check(
+    verdict: Verdict,
+    svc: Any,
+    obs: Observation,
+    hd: HostDeps,
+    waiters: Callable[[], Sequence[Waiter]] | None,
+) -> Verdict:
+    """An IDLE or FITS service that ``ensure`` would hold back for the head of the
+    ``gpuctl run --wait`` queue (``run_queue.service_held_back``) is BUSY, with the
+    reason and hint ``ensure`` gives; a queue that cannot be read leaves it UNKNOWN."""
+    if waiters is None or verdict.decision not in (Decision.IDLE, Decision.FITS):
+        return verdict
+    try:
+        queue = waiters()
+    except GpuctlError as e:
+        return replace(
+            verdict,
+            decision=Decision.UNKNOWN,
+            reason=f"the host's wait queue cannot be read ({e.message}); {verdict.reason}",
+            hint=e.hint or "",
+        )
+    held = service_held_back(
+        queue,
+        priority=svc.priority,
+        need_mib=svc.memory_mib,
+        verdict=verdict,
+        snapshot=obs.snapshot,
+        total_override_mib=hd.host.gpu_memory_mib,
+    )
+    if held is None:
+        return verdict
+    return replace(verdict, decision=Decision.BUSY, reason=held, hint=HELD_BACK_HINT)
 
-    def call() -> Mapping[str, int]:
+
+def _once(read: Callable[[], T]) -> Callable[[], T]:
+    """``read`` called at most once; its answer (or its GpuctlError) kept for the rest."""
+    got: list[T | GpuctlError] = []
+
+    def call() -> T:
         if not got:
             try:
                 got.append(read())

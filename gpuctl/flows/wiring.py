@@ -300,6 +300,7 @@ def _host_deps(
         server_finder(h),
         child_finder(h),
         read_inflight=lambda: store().inflight(),
+        read_waiters=lambda: store().waiters(),
     )
 
 
