@@ -38,6 +38,7 @@ from gpuctl.core.record import (
     backoff_s,
     in_backoff,
     lease_state,
+    starting_services,
 )
 
 HOST, BOOT = "dgx", "boot-1"
@@ -712,3 +713,17 @@ def test_salvage_of_what_is_no_record_of_this_service_keeps_nothing() -> None:
     assert salvage(b"[1]", "vllm") == fresh
     assert salvage(b'{"service": "sglang", "phase": "running"}', "vllm") == fresh
     assert salvage(b"[" * 100_000, "vllm") == fresh
+
+
+# --------------------------------------------------------------------------- starting_services
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_held_lease_promises_the_service_whatever_its_phase(phase: Phase) -> None:
+    """A caller that took the lease may start the service any moment (it waits for the
+    admission lock, or for the memory of what it preempts): its budget counts before
+    the record says `starting`; the service being decided never counts itself."""
+    held = Record("chat", phase=phase, lease=lease())
+    free = Record("vlm", phase=phase)
+    assert starting_services([held, free]) == ["chat"]
+    assert starting_services([held, free], exclude="chat") == []

@@ -377,10 +377,11 @@ def _clipped(attempt: dict[str, Any]) -> dict[str, Any]:
 
 
 def starting_services(records: Iterable[Record], exclude: str = "") -> list[str]:
-    """Services whose start passed admission and is under way (lease held, phase
-    starting): their memory is promised even before their server exists."""
-    return [
-        r.service
-        for r in records
-        if r.lease is not None and r.phase is Phase.STARTING and r.service != exclude
-    ]
+    """Services whose lease is held: a start under way, admitted (phase starting) or on
+    its way to admission (a caller that took the lease waits for the admission lock, or
+    for the memory of what it preempts); their memory is promised even before their
+    server exists. Counted whatever the phase: a caller that holds the lease may start
+    it any moment, and counting it as nothing showed a rival FITS into its room. A
+    lease held by a stop counts too, until the stop gives the memory back. ``exclude``:
+    the service being decided (its own lease never counts against itself)."""
+    return [r.service for r in records if r.lease is not None and r.service != exclude]
