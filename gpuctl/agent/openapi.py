@@ -86,7 +86,8 @@ def openapi_document() -> dict[str, Any]:
                             "description": (
                                 "Comma-separated keywords. Adds `starting`: host processes whose "
                                 "command line contains one of them (case-insensitive) and that "
-                                "hold no GPU memory yet."
+                                "hold no GPU memory yet; never one that names a file of the "
+                                "agent's state directory (`tail -f …/logs/vllm.log`)."
                             ),
                             # At most 32 keywords of at most 200 characters (query.py).
                             "schema": {"type": "string", "pattern": query.MATCH_PATTERN},
