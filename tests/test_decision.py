@@ -569,3 +569,16 @@ def test_the_default_keyword_does_not_make_a_log_reader_loading() -> None:
     sim = StartingProcess(62, "python -m gpuctl sim model-server --name chat", age_s=5.0)
     v = classify(CHAT, REFUSED, snap(starting=(sim,)), others=[CHAT])
     assert v.decision is Decision.LOADING and "pid 62" in v.reason
+
+
+def test_a_reader_of_the_services_log_promises_it_no_memory() -> None:
+    """The newcomer's `tail -f …/logs/chat.log` also promised chat's budget, cutting what
+    the others may use; a real start by hand (`--name chat`) still promises it."""
+    tail = StartingProcess(63, "tail -f /home/u/.local/state/gpuctl/logs/chat.log", age_s=5.0)
+    used, _ = committed_memory(snap(starting=(tail,)), [CHAT, VLM], exclude=VLM)
+    assert used == 0
+    v = classify(VLM, REFUSED, snap(starting=(tail,)), others=[CHAT, VLM])
+    assert v.decision is Decision.IDLE, v.reason
+    sim = StartingProcess(64, "python -m gpuctl sim model-server --name chat", age_s=5.0)
+    used, _ = committed_memory(snap(starting=(sim,)), [CHAT, VLM], exclude=VLM)
+    assert used == 20 * GiB
