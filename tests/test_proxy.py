@@ -165,6 +165,37 @@ def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: 
     assert caught.value.status_code == 503
 
 
+def _last_used(conf: Path, name: str) -> float | None:
+    """The service's ``last_used`` in ``gpuctl locks --json``, run as a user would (None:
+    no record, or never used)."""
+    out = subprocess.run(
+        [gpuctl_exe(), "locks", "--json"], env=cli_env(conf), capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout  # fmt: skip
+    rows = [r for r in json.loads(out)["records"] if r["service"] == name]
+    return rows[0]["last_used"] if rows else None
+
+
+def test_a_refused_request_is_no_use_a_served_one_is(host: SimHost) -> None:
+    # A request the proxy refuses (here: BUSY, the GPU taken) served nobody: it must not
+    # make the stopped service look used (last_used) or busy (an in-flight count).
+    a, b = unique_name("pxa"), unique_name("pxb")
+    pa, pb = free_port(), free_port()
+    conf = host.write_config(svc(a, pa, memory="80GiB") + svc(b, pb, memory="80GiB"))
+    proxy = Proxy(host, conf)
+    ok = httpx.post(proxy.v1 + "/chat/completions", json={"model": a, "messages": MSG}, timeout=60)
+    assert ok.status_code == 200
+    assert _last_used(conf, a) is not None  # served: used
+    for model, status in ((b, 503), (f"{b}-nope", 404)):
+        r = httpx.post(
+            proxy.v1 + "/chat/completions", json={"model": model, "messages": MSG}, timeout=60
+        )
+        assert r.status_code == status, r.text
+        assert b not in inflight(host)  # never counted, not even for a moment after
+    assert _last_used(conf, b) is None
+    assert sim_claims(host, b) == []
+
+
 # --------------------------------------------------------------------- streams and use
 
 

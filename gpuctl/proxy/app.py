@@ -556,11 +556,16 @@ class ProxyApp:
         call.send = self._ending(call, st, send)
         call.reply.raw_send = self._ending(call, st, raw_send)
         try:
-            await st.hold()
             attempts = 2  # a refused connection once: the server went, start it again
             while True:
                 if not st.ready:
                     await self._wait_ready(call, st)
+                # Use (the store's in-flight count, last_used) begins only now that the
+                # server is there to serve it: a request refused on the way (busy,
+                # unknown, not ready in time) was no use of it. A stop that lands
+                # between the check and this count makes the connection fail: one
+                # start again, below.
+                await st.hold()
                 try:
                     await self._forward(call)
                     return

@@ -18,14 +18,19 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.results import EnsureResult, Outcome, Progress
+
+if TYPE_CHECKING:
+    from gpuctl.core.model import Snapshot
+    from gpuctl.flows.deps import EnsureDeps
 
 log = logging.getLogger("gpuctl.proxy")
 
@@ -62,6 +67,7 @@ def run_ensure(
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
+    _first_look_fresh(deps)
     try:
         r: EnsureResult = ensure(deps, timeout_s=timeout_s, wait=True)
     except GpuctlError as e:
@@ -103,6 +109,29 @@ def _in_daemon_thread(fn: Callable[[], Readiness], *, name: str) -> asyncio.Futu
 
     threading.Thread(target=work, name=name, daemon=True).start()
     return fut
+
+
+def _first_look_fresh(deps: EnsureDeps) -> None:
+    """The flow's first look at the GPU reads it fresh; its later polls (a start's wait)
+    may come from the agent's reading cache.
+
+    The proxy runs the flow only when the service did not answer its health check, and
+    a request that comes just after the GPU was freed must not be refused on a reading
+    taken before (the agent keeps one for a moment; only its own store writes drop it,
+    and the proxy writes nothing before a request is served: see ``ProxyApp._serve``).
+    """
+    cached, fresh = deps.read_snapshot, deps.fresh_reader()
+    if fresh is cached:
+        return  # a local probe reads fresh anyway
+    first = [True]
+
+    def read(match: Sequence[str], pids: Sequence[int]) -> Snapshot:
+        if first:
+            first.clear()
+            return fresh(match, pids)
+        return cached(match, pids)
+
+    deps.read_snapshot = read
 
 
 class SingleFlight:
