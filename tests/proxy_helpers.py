@@ -15,7 +15,14 @@ from gpuctl.sim.host import SimHost, free_port
 class Proxy:
     """``gpuctl proxy --listen 127.0.0.1:<free port>`` with ``config``, in its own session."""
 
-    def __init__(self, host: SimHost, config: Path, *args: str, name: str = "proxy") -> None:
+    def __init__(
+        self,
+        host: SimHost,
+        config: Path,
+        *args: str,
+        name: str = "proxy",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.host = host
         self.name = name
         self.port = free_port()
@@ -23,7 +30,7 @@ class Proxy:
         self.proc: subprocess.Popen[bytes] = host.spawn(
             ["proxy", "--listen", f"127.0.0.1:{self.port}", *args],
             name,
-            {"GPUCTL_CONFIG": str(config)},
+            {"GPUCTL_CONFIG": str(config), **(env or {})},
         )
         deadline = time.monotonic() + 30
         while True:

@@ -56,7 +56,7 @@ from gpuctl.proxy.h1 import (
     is_idempotent,
 )
 from gpuctl.proxy.metrics import ProxyMetrics
-from gpuctl.proxy.ready import Readiness, SingleFlight, run_ensure
+from gpuctl.proxy.ready import UNTRUSTED, Readiness, SingleFlight, run_ensure
 from gpuctl.proxy.relay import (
     HOP,
     Message,
@@ -203,7 +203,9 @@ class ProxyApp:
         if self._client is None:
             from gpuctl.proxy.upstream import make_client
 
-            self._client = make_client(UPSTREAM_READ_TIMEOUT_S, UPSTREAM_CONNECT_TIMEOUT_S)
+            self._client = make_client(
+                UPSTREAM_READ_TIMEOUT_S, UPSTREAM_CONNECT_TIMEOUT_S, https=self.routes.https()
+            )
         return self._client
 
     @property
@@ -710,6 +712,8 @@ class ProxyApp:
             return Refusal(503, text, "service_unavailable", "model_loading", retry_s=later)
         if r.outcome == "failed":
             return Refusal(502, text, "upstream_error", "start_failed")
+        if r.outcome == UNTRUSTED:
+            return Refusal(502, text, "upstream_error", "upstream_untrusted")
         return Refusal(503, text, "service_unavailable", r.outcome, retry_s=later)
 
     async def _forward(self, call: _Call) -> None:

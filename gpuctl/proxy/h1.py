@@ -35,7 +35,8 @@ Rules it keeps (tests/test_proxy_h1.py pins them):
   twice). That is the race of a keep-alive connection closed by the server as the
   request was written; anything else is the caller's error to report.
 - Connection failures raise ``ConnectFailed``; timeouts (connect, or no byte for
-  ``read_timeout_s`` while an answer is awaited) ``UpstreamTimeout``; anything else
+  ``read_timeout_s`` while an answer is awaited) ``UpstreamTimeout``; an https
+  server whose certificate does not verify ``UpstreamUntrusted``; anything else
   ``UpstreamError``.
 """
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import ssl
 from typing import cast
@@ -92,6 +94,29 @@ class UpstreamTooLarge(UpstreamError):
 
 class UpstreamClosed(UpstreamError):
     """The server closed the connection before the answer ended."""
+
+
+class UpstreamUntrusted(UpstreamError):
+    """An https upstream whose certificate does not verify (``tls_context``)."""
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """What an https upstream's certificate is verified against, hostname included: the
+    CA bundle that ``SSL_CERT_FILE`` names (or the folder ``SSL_CERT_DIR`` names), else
+    certifi's. That is httpx's own choice, so gpuctl's health checks (the ensure flow's)
+    and the proxy trust the same servers. Raises ``OSError`` (``ssl.SSLError``) for a
+    bundle that cannot be loaded."""
+    import httpx  # only for an https upstream; the proxy has it loaded already
+
+    return httpx.create_ssl_context()
+
+
+def untrusted_text(why: str) -> str:
+    return (
+        f"its TLS certificate is not trusted ({why}): set SSL_CERT_FILE to the CA bundle "
+        "that signed it, for the proxy as for gpuctl"
+    )
 
 
 def is_idempotent(method: str) -> bool:
@@ -436,7 +461,7 @@ class Pool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         if self.tls and self._ssl is None:
-            self._ssl = ssl.create_default_context()
+            self._ssl = tls_context()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
@@ -447,6 +472,10 @@ class Pool:
                 )
         except TimeoutError:
             raise UpstreamTimeout(f"no connection within {self.connect_timeout_s:g} s") from None
+        except ssl.SSLCertVerificationError as e:
+            raise UpstreamUntrusted(untrusted_text(e.verify_message or str(e))) from None
+        except ssl.SSLError as e:  # not a refusal: starting the server again would not help
+            raise UpstreamError(f"the TLS handshake failed: {e.reason or e}") from None
         except OSError as e:
             raise ConnectFailed(e.strerror or str(e)) from None
         return conn

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpuctl.proxy")
 
 HEALTH_TIMEOUT_S = 2.0
+# Readiness.outcome of an https server whose certificate does not verify: a start would
+# not help (something answers there), so the flow is not run.
+UNTRUSTED = "untrusted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,18 @@ def _first_look_fresh(deps: EnsureDeps) -> None:
     deps.read_snapshot = read
 
 
+def _unverified(e: BaseException) -> str | None:
+    """Why a certificate did not verify, when that is what failed (httpx wraps ssl's)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # the cause chain, a few links deep
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen.verify_message or str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class SingleFlight:
     """One readiness task per service; every request for it awaits the same one."""
 
@@ -185,8 +202,15 @@ class SingleFlight:
                 r = await self.client.get(svc.health, timeout=HEALTH_TIMEOUT_S)
                 if r.status_code == 200:
                     return Readiness(True, Outcome.READY.value, "answers its health check")
-            except httpx.HTTPError:
-                pass
+            except httpx.HTTPError as e:
+                why = _unverified(e)
+                if why is not None:
+                    from gpuctl.proxy.h1 import untrusted_text
+
+                    u = urlsplit(svc.health)  # its origin: no credentials shown
+                    where = f"https://{u.netloc.rpartition('@')[2]}"
+                    text = f"{svc.name}'s server at {where}: {untrusted_text(why)}"
+                    return Readiness(False, UNTRUSTED, text)
         self.progress[svc.name] = (time.monotonic(), None)
 
         def progress(p: Progress) -> None:  # from the worker thread: one assignment

@@ -98,6 +98,13 @@ class RouteTable:
     def models(self) -> list[tuple[str, Upstream]]:
         return sorted(self.by_model.items())
 
+    def https(self) -> bool:
+        """Whether any upstream (or its health URL) speaks https: TLS is set up only then."""
+        return any(
+            up.origin.startswith("https:") or (up.service.health or "").startswith("https:")
+            for up in self.by_name.values()
+        )
+
 
 def split_services_path(raw_path: bytes) -> tuple[str, str] | None:
     """(service name, path to pass through) of a raw ``/services/<name>/<path>``.

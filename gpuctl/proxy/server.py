@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import threading
@@ -77,6 +78,21 @@ def serve(
             f"no service {where} has an HTTP server to front",
             hint="give a service health (or url) and models = [...]",
         )
+    if routes.https():
+        from gpuctl.proxy.h1 import tls_context
+
+        try:
+            tls_context()  # a CA bundle that cannot be loaded: said now, not per request
+        except OSError as e:
+            # The one used: SSL_CERT_FILE wins over SSL_CERT_DIR (httpx's order).
+            named = [f"{k}={os.environ[k]}" for k in ("SSL_CERT_FILE", "SSL_CERT_DIR")
+                     if os.environ.get(k)][:1]  # fmt: skip
+            raise UsageError(
+                f"cannot load the CA certificates ({named[0] if named else 'the default ones'}) "
+                f"to verify https upstreams with: {e.strerror or e}",
+                hint="SSL_CERT_FILE (or SSL_CERT_DIR) must name a PEM bundle (a folder of "
+                "them), or be unset for the usual ones",
+            ) from None
     settings = ProxySettings(
         api_keys=keys,
         max_body_bytes=p.max_body_mib * 2**20,
