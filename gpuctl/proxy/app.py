@@ -47,7 +47,7 @@ import httpx
 from gpuctl import __version__
 from gpuctl.api import in_use
 from gpuctl.config import Config, ServiceConfig
-from gpuctl.proxy.errors import error_body, retry_after
+from gpuctl.proxy.errors import ClientGone, Refusal, error_body, retry_after
 from gpuctl.proxy.h1 import (
     Client,
     ConnectFailed,
@@ -76,6 +76,7 @@ from gpuctl.proxy.routes import (
     form_field,
     model_from_json,
     multipart_boundary,
+    read_body,
     safe_query,
     shown,
     split_services_path,
@@ -138,21 +139,6 @@ class _Call:
     body: bytes
     stream: bool
     ended: bool = False  # its in-flight count is off (its last byte is on its way)
-
-
-class ClientGone(Exception):
-    """The client went away while its request was held."""
-
-
-class Refusal(Exception):
-    """Answer with ``status`` and an OpenAI error body (or an error event mid-stream)."""
-
-    def __init__(
-        self, status: int, message: str, kind: str, code: str, *, retry_s: float | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-        self.retry_s = retry_s
 
 
 class ProxyApp:
@@ -410,7 +396,7 @@ class ProxyApp:
                     "service_not_found",
                 )
             info["service"] = name
-            body = await self._body(scope, receive)
+            body = await read_body(scope, receive, self.settings.max_body_bytes)
             stream = _wants_stream(scope, body)
             await self._serve(_Call(scope, receive, send, reply, info, up, rest, body, stream))
             return
@@ -419,7 +405,7 @@ class ProxyApp:
                 raise Refusal(
                     405, f"{path} takes POST", "invalid_request_error", "method_not_allowed"
                 )
-            body = await self._body(scope, receive)
+            body = await read_body(scope, receive, self.settings.max_body_bytes)
             model, stream = self._model_of(scope, body)
             info["model"] = model
             if model is None:
@@ -460,42 +446,6 @@ class ProxyApp:
         for k in self._keys:  # every key compared, in constant time each
             ok |= hmac.compare_digest(key, k)
         return ok
-
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.settings.max_body_bytes
-        for k, v in scope["headers"]:
-            if k == b"content-length":
-                try:
-                    declared = int(v)
-                except ValueError:
-                    raise Refusal(
-                        400, "bad Content-Length", "invalid_request_error", "bad_request"
-                    ) from None
-                if declared > limit:
-                    raise Refusal(
-                        413,
-                        f"request body over {limit} bytes (the proxy's max_body)",
-                        "invalid_request_error",
-                        "request_too_large",
-                    )
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone  # mid-body: nobody to answer (499 in the log)
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise Refusal(
-                    413,
-                    f"request body over {limit} bytes (the proxy's max_body)",
-                    "invalid_request_error",
-                    "request_too_large",
-                )
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _model_of(self, scope: Scope, body: bytes) -> tuple[str | None, bool]:
         ctype = _header(scope, b"content-type").decode("latin-1")

@@ -1,4 +1,5 @@
-"""Refusals in OpenAI's JSON error shape, so OpenAI clients raise their usual errors.
+"""Refusals in OpenAI's JSON error shape, so OpenAI clients raise their usual errors;
+``Refusal`` and ``ClientGone``, how a request's way through the proxy ends early.
 
 ::
 
@@ -26,3 +27,18 @@ def retry_after(seconds: float) -> bytes:
 def sse_error_event(message: str, kind: str, code: str) -> bytes:
     """The event that ends a stream the upstream (or the start) failed."""
     return b"data: " + error_body(message, kind, code) + b"\n\n"
+
+
+class ClientGone(Exception):
+    """The client went away while its request was held."""
+
+
+class Refusal(Exception):
+    """Answer with ``status`` and an OpenAI error body (or an error event mid-stream)."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, code: str, *, retry_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.retry_s = retry_s

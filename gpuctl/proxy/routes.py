@@ -1,4 +1,5 @@
-"""Which service a request is for, and where its server answers.
+"""Which service a request is for, and where its server answers (and its body, read
+within the cap: ``read_body``).
 
 A request names its model in its body: a JSON object's ``model`` (chat, completions,
 embeddings), or a multipart form field ``model`` (whisper's
@@ -14,6 +15,8 @@ from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.errors import ConfigError
+from gpuctl.proxy.errors import ClientGone, Refusal
+from gpuctl.proxy.relay import Receive, Scope
 
 # The OpenAI paths whose body names the model.
 MODEL_IN_BODY = frozenset(
@@ -104,6 +107,44 @@ class RouteTable:
             up.origin.startswith("https:") or (up.service.health or "").startswith("https:")
             for up in self.by_name.values()
         )
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request's body, whole: 413 past ``limit`` bytes (declared or sent), 400 for
+    a bad ``Content-Length``; ``ClientGone`` when the client leaves mid-body."""
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            try:
+                declared = int(v)
+            except ValueError:
+                raise Refusal(
+                    400, "bad Content-Length", "invalid_request_error", "bad_request"
+                ) from None
+            if declared > limit:
+                raise Refusal(
+                    413,
+                    f"request body over {limit} bytes (the proxy's max_body)",
+                    "invalid_request_error",
+                    "request_too_large",
+                )
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone  # mid-body: nobody to answer (499 in the log)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise Refusal(
+                413,
+                f"request body over {limit} bytes (the proxy's max_body)",
+                "invalid_request_error",
+                "request_too_large",
+            )
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def split_services_path(raw_path: bytes) -> tuple[str, str] | None:
