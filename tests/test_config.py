@@ -495,6 +495,26 @@ def test_loader_warns_about_readable_token_files(tmp_path: Path) -> None:
     assert load_config(tmp_path / "config.toml").warnings == ()
 
 
+def test_a_token_file_warning_keeps_the_proxy_table(tmp_path: Path) -> None:
+    """The warning never costs the rest of the config: [proxy] once fell back to its
+    defaults (listen 127.0.0.1:9401, no client keys) whenever a token file warned."""
+    tok = tmp_path / "dgx.token"
+    tok.write_text("abc\n")
+    os.chmod(tok, 0o644)
+    (tmp_path / "proxy.keys").write_text("k1\n")
+    os.chmod(tmp_path / "proxy.keys", 0o600)
+    conf = load_config(
+        write(
+            tmp_path,
+            '[hosts.dgx]\ntoken_file = "dgx.token"\n'
+            '[proxy]\nlisten = "127.0.0.1:9555"\napi_keys_file = "proxy.keys"\n',
+        )
+    )
+    assert len(conf.warnings) == 1 and "chmod 600" in conf.warnings[0]
+    assert conf.proxy.listen == "127.0.0.1:9555"
+    assert conf.proxy.api_keys_file == tmp_path / "proxy.keys"
+
+
 def test_one_list_of_probe_names() -> None:
     from gpuctl.adapters.probes.factory import PROBE_NAMES
     from gpuctl.config import PROBES, ProbeName

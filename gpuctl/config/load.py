@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from gpuctl.config.model import Config
@@ -63,10 +64,6 @@ def load_config(explicit: Path | None = None) -> Config:
                     warnings.append(f"hosts.{h.name}: {w}")
     if not warnings:
         return conf
-    return Config(
-        path=conf.path,
-        defaults=conf.defaults,
-        hosts=conf.hosts,
-        services=conf.services,
-        warnings=tuple(warnings),
-    )
+    # Replace, never rebuild field by field: a rebuild once dropped [proxy] (its listen
+    # address and client keys fell back to the defaults) whenever a token file warned.
+    return dataclasses.replace(conf, warnings=(*conf.warnings, *warnings))
