@@ -892,7 +892,7 @@ def test_request_smuggling_and_absolute_form_never_reach_past_the_proxy(wire: Wi
 
     a = f"Host: x\r\nAuthorization: Bearer {KEY}\r\n"
     before = len(wire.witness.seen)
-    # Content-Length and Transfer-Encoding both: refused whole (uvicorn's plain 400), so
+    # Content-Length and Transfer-Encoding both: refused whole (uvicorn's 400), so
     # the request hidden in the body is never read as a second one.
     out = raw(
         f"POST /services/witness/a HTTP/1.1\r\n{a}Content-Length: 4\r\n"
@@ -909,3 +909,40 @@ def test_request_smuggling_and_absolute_form_never_reach_past_the_proxy(wire: Wi
     assert out.startswith(b"HTTP/1.1 200 "), out
     [seen] = wire.witness.seen[before:]
     assert seen.path == "/abs" and seen.headers["host"] == f"127.0.0.1:{wire.witness.port}"
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+        b"POST /services/witness/a HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"NOT AN HTTP REQUEST\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad\x01Name: 1\r\n\r\n",
+    ],
+    ids=["bad-content-length", "length-and-chunked", "request-line", "header-name"],
+)
+def test_http_the_server_cannot_parse_gets_an_openai_error_not_plain_text(
+    wire: Wire, opened: list[http.client.HTTPConnection], request_bytes: bytes
+) -> None:
+    # uvicorn answers these itself, before the app: it wrote text/plain "Invalid HTTP
+    # request received.", which an OpenAI client cannot read as an error.
+    import socket
+
+    before = len(wire.witness.seen)
+    out = b""
+    with socket.create_connection(("127.0.0.1", wire.proxy.port), timeout=30) as s:
+        s.sendall(request_bytes)
+        while chunk := s.recv(65536):  # the proxy closes the connection
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0] == "HTTP/1.1 400 Bad Request", out
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    assert headers["content-type"] == "application/json"
+    assert headers["connection"] == "close"
+    assert int(headers["content-length"]) == len(body)
+    err = assert_refusal(400, headers, body, 400)
+    assert err["code"] == "bad_http" and err["type"] == "invalid_request_error"
+    assert len(wire.witness.seen) == before
+    keeps_serving(conn(wire, opened))

@@ -106,11 +106,15 @@ def serve(
     try:
         import uvicorn
 
+        from gpuctl.proxy.protocol import ProxyHttpProtocol
+
         _setup_logging(log_level, p.access_log)
         app = ProxyApp(conf, routes, settings)
         config = uvicorn.Config(
             app,
-            http="httptools" if _importable("httptools") else "h11",
+            # uvicorn's own, but a request it cannot parse gets a JSON error (protocol.py);
+            # httptools is a dependency (the upstream client parses with it too).
+            http=ProxyHttpProtocol,
             loop="uvloop" if _importable("uvloop") else "asyncio",
             ws="none",
             lifespan="on",
