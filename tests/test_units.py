@@ -29,6 +29,32 @@ def test_parse_size_rejects(text: object) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "fix"),
+    [
+        (80.5, '"80.5GiB" or "81MiB"'),
+        ("80.5", '"80.5GiB" or "81MiB"'),
+        (" 1.25 ", '"1.25GiB" or "2MiB"'),
+        (0.5, '"0.5GiB" or "1MiB"'),
+        (1e-300, '"1MiB"'),  # no GiB form of a number the size syntax cannot write
+    ],
+)
+def test_a_bare_number_with_a_fraction_is_refused_naming_both_readings(
+    text: str | float, fix: str
+) -> None:
+    """A bare number is MiB; rounding 80.5 to 80 would change it silently."""
+    with pytest.raises(ValueError, match=r"^a bare number means MiB and must be whole, got "):
+        parse_size_mib(text)
+    with pytest.raises(ValueError) as e:
+        parse_size_mib(text)
+    assert str(e.value).endswith(f": write {fix}")
+
+
+def test_whole_bare_numbers_and_fractions_with_a_unit_still_parse() -> None:
+    assert parse_size_mib(80.0) == 80 and parse_size_mib("20") == 20
+    assert parse_size_mib("80.5GiB") == 82432 and parse_size_mib("0.5G") == 512
+
+
+@pytest.mark.parametrize(
     ("text", "seconds"),
     [
         ("30m", 1800),

@@ -34,17 +34,20 @@ MAX_DURATION_S = 365 * 86400.0
 def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
     """Parse ``80GiB`` / ``30G`` / ``512MiB`` / ``1.5T`` into MiB.
 
-    A bare number is MiB. Raises ValueError with a message fit for a user: the value
-    must be finite, at least 1 MiB (or exactly 0 with ``allow_zero``) and at most 1 PiB.
+    A bare number is MiB, and must be whole: rounding ``80.5`` to 80 MiB would change it
+    silently, and whoever wrote it most likely meant GiB. Raises ValueError with a message
+    fit for a user: the value must be finite, at least 1 MiB (or exactly 0 with
+    ``allow_zero``) and at most 1 PiB.
     """
     if isinstance(text, bool):
         raise ValueError(f"expected a size like '80GiB', got {_shown(text)}")
+    bare: str | None = None  # the number as written, when it has no unit
     if isinstance(text, int):
         mib = float(text) if abs(text) < 2**63 else (-math.inf if text < 0 else math.inf)
         shown = _shown(text)
     elif isinstance(text, float):
         mib = text
-        shown = _shown(text)
+        shown = bare = _shown(text)
     elif isinstance(text, str):
         m = _SIZE_RE.fullmatch(text) if len(text) <= _MAX_TEXT else None
         if not m:
@@ -53,6 +56,8 @@ def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
         unit = (m.group(2) or "m")[0].lower()
         mib = value * _SIZE_MIB[unit]
         shown = _shown(text)
+        if not m.group(2):
+            bare = m.group(1)
     else:
         raise ValueError(f"expected a size like '80GiB', got {_shown(text)}")
     if math.isnan(mib):
@@ -61,10 +66,30 @@ def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
         raise ValueError(f"a size must be positive, got {shown}")
     if mib > MAX_SIZE_MIB:
         raise ValueError(f"a size must be at most 1024TiB, got {shown}")
+    if bare is not None and mib != int(mib):
+        raise ValueError(_fractional_mib(mib, bare, shown))
     result = round(mib)
     if result == 0 and not (allow_zero and mib == 0):
         raise ValueError(f"a size must be at least 1MiB, got {shown}")
     return result
+
+
+def is_bare_number(value: object) -> bool:
+    """Whether a size was written without a unit (``20``, ``"20"``): it means MiB, which
+    someone who writes a small one (``memory = 20``) almost never meant."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return True
+    return isinstance(value, str) and len(value) <= _MAX_TEXT and bool(_NUMBER_RE.fullmatch(value))
+
+
+def _fractional_mib(mib: float, bare: str, shown: str) -> str:
+    """A bare number with a fraction: rounding it to whole MiB would change it silently,
+    and whoever writes ``80.5`` most likely meant GiB, so both readings are offered."""
+    gib = f'"{bare.strip()}GiB" or ' if _NUMBER_RE.fullmatch(bare) else ""
+    whole = max(1, math.ceil(mib))  # a budget rounded up never promises too little
+    return f'a bare number means MiB and must be whole, got {shown}: write {gib}"{whole}MiB"'
 
 
 def parse_duration_s(text: str | int | float, *, allow_zero: bool = False) -> float:
