@@ -50,6 +50,16 @@ def _setup_logging(log_level: str, access_log: bool) -> None:
         gpuctl.addHandler(h)
 
 
+# How uvicorn reports an answer that the app left cut short: the proxy does that only
+# once its own lines have said why (the upstream failed mid-answer: a warning, and the
+# access line's error=), so this ERROR would only read as a bug.
+_CUT = "ASGI callable returned without completing response."
+
+
+def _said_already(record: logging.LogRecord) -> bool:
+    return record.msg != _CUT
+
+
 def serve(
     conf: Config, *, listen: str | None = None, host: str | None = None, log_level: str = "warning"
 ) -> None:
@@ -126,6 +136,8 @@ def serve(
             timeout_graceful_shutdown=5,
             backlog=2048,
         )
+        # After uvicorn.Config, which sets up uvicorn's loggers.
+        logging.getLogger("uvicorn.error").addFilter(_said_already)
         from gpuctl.core.units import plural
 
         models = plural(len(routes.by_model), "model")
