@@ -221,14 +221,6 @@ def classify(
             name, Decision.UNKNOWN, f"not healthy ({health.detail or health.state}), and {why}"
         )
 
-    lease = record.lease if record else None
-    if lease is not None and lease.holder != own_holder:
-        return Verdict(
-            name,
-            Decision.LOADING,
-            f"being started by {lease.entry} (pid {lease.pid} on {lease.host}), lease expires in "
-            f"{format_duration(lease.expires - now)}; health: {health.detail or health.state}",
-        )
     own = tuple(p for p in snapshot.gpu_processes if mine(p.pid, p.command))
     own_pids = {p.pid for p in own}
     starting = tuple(
@@ -236,6 +228,18 @@ def classify(
         for s in (snapshot.starting or ())
         if mine(s.pid, s.command) and loading_match(spec, s, servers) and s.pid not in own_pids
     )
+    lease = record.lease if record else None
+    if lease is not None and lease.holder != own_holder:
+        # Its processes go with it: a server 40 GiB into its load under a start's lease
+        # holds 40 GiB, which the MEMORY column shows against its budget, as for READY.
+        return Verdict(
+            name,
+            Decision.LOADING,
+            f"being started by {lease.entry} (pid {lease.pid} on {lease.host}), lease expires in "
+            f"{format_duration(lease.expires - now)}; health: {health.detail or health.state}",
+            own=own,
+            starting=starting,
+        )
     if own or starting:
         parts = [describe_process(p) for p in own]
         parts += [
