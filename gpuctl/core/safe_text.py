@@ -22,13 +22,21 @@ markup string (``gpuctl.render.safe``).
 from __future__ import annotations
 
 import re
+from functools import cache
 from typing import Any
 
 # C0 but newline, DEL, C1; bidi embeddings/overrides (202A-202E), isolates (2066-2069);
 # lone surrogates. Tab is escaped too: it would shift a table's columns.
-_UNSAFE_KEEP_NL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNSAFE_KEEP_NL = "[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+_UNSAFE = "[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@cache
+def _unsafe(keep_newlines: bool) -> re.Pattern[str]:
+    # Compiled on first use: these two classes cost about 1 ms to compile, paid by every
+    # CLI start when they were module constants, and ``status --json`` never needs them.
+    return re.compile(_UNSAFE_KEEP_NL if keep_newlines else _UNSAFE)
 
 
 def _escape(m: re.Match[str]) -> str:
@@ -42,8 +50,7 @@ def _escape(m: re.Match[str]) -> str:
 
 def visible(text: str, *, keep_newlines: bool = False) -> str:
     """``text`` with every control, bidi override and lone surrogate escaped."""
-    pattern = _UNSAFE_KEEP_NL if keep_newlines else _UNSAFE
-    return pattern.sub(_escape, text)
+    return _unsafe(keep_newlines).sub(_escape, text)
 
 
 def json_safe(obj: Any) -> Any:

@@ -14,11 +14,10 @@ first, then the snapshot with the servers they name.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gpuctl.config import Config
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
@@ -32,6 +31,9 @@ from gpuctl.flows.observe import Observation, decide, memory_use, observe
 from gpuctl.flows.results import HostReport, StatusReport
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.victims import victim_facts, with_victims
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 __all__ = [
     "HostReport",
@@ -62,6 +64,9 @@ def _runner(jobs: int) -> Iterator[Callable[..., Any]]:
     if jobs <= 1:
         yield lambda fn, *args: _Done(fn(*args))
         return
+    # Imported here: one host with nothing to ask of health (the common case) has no pool.
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=min(32, jobs)) as pool:
         yield pool.submit
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, Store, check_name, holder_here
-from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import Holder
 
 AGENT_STORE_TIMEOUT_S = LOCK_TIMEOUT_S + 5.0
@@ -26,7 +25,20 @@ AGENT_STORE_TIMEOUT_S = LOCK_TIMEOUT_S + 5.0
 if TYPE_CHECKING:
     import httpx
 
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.config import HostConfig
+
+
+def __getattr__(name: str) -> object:
+    # DirectStore on first use: a client of an agent (``gpuctl status`` on a laptop) never
+    # opens the files, and the direct store's imports (logging, tempfile, the in-flight
+    # and queue files) cost it several milliseconds of every run's start.
+    if name == "DirectStore":
+        from gpuctl.adapters.store.direct import DirectStore
+
+        return DirectStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LOCK_TIMEOUT_S",
@@ -61,6 +73,7 @@ def store_for(
             client=client,
             read_token=None if token else host.read_token(),
         )
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.config.paths import default_state_dir
 
     return DirectStore(default_state_dir())
