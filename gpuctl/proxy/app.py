@@ -59,6 +59,7 @@ from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import UNTRUSTED, Readiness, SingleFlight, run_ensure
 from gpuctl.proxy.relay import (
     HOP,
+    Guard,
     Message,
     Receive,
     Scope,
@@ -667,7 +668,7 @@ class ProxyApp:
         return Refusal(503, text, "service_unavailable", r.outcome, retry_s=later)
 
     async def _forward(self, call: _Call) -> None:
-        svc, scope = call.up.service, call.scope
+        scope = call.scope
         method: str = scope["method"]
         target = _TARGETS.get(call.path)
         qs: bytes = scope.get("query_string") or b""
@@ -684,6 +685,37 @@ class ProxyApp:
             for k, v in scope["headers"]
             if k not in drop and (keep_auth or k != b"authorization")
         ]
+        # Watched from the moment the request goes upstream: a client that leaves before
+        # the answer's head, or while a small answer is read whole, cancels this task
+        # (the guard), which aborts the upstream request (h1 closes its connection).
+        me = asyncio.current_task()
+        assert me is not None
+        gone = asyncio.create_task(client_gone(call.receive))
+        guard = Guard(me)
+        gone.add_done_callback(guard)
+        try:
+            await self._exchange(call, method, target, headers, gone=gone, guard=guard)
+        except asyncio.CancelledError:
+            if not guard.fired:
+                raise  # a stop (see _http), not the client
+            me.uncancel()
+            self.cancelled_upstream += 1
+            raise ClientGone from None
+        finally:
+            guard.on = False
+            gone.cancel()
+
+    async def _exchange(
+        self,
+        call: _Call,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        *,
+        gone: asyncio.Task[None],
+        guard: Guard,
+    ) -> None:
+        svc = call.up.service
         t0 = time.perf_counter()
         try:
             resp = await self.upstream.pool(call.up.origin).request(
@@ -721,10 +753,11 @@ class ProxyApp:
                 resp,
                 send=call.send,
                 send_body=call.reply.raw_send,
-                receive=call.receive,
-                name=call.up.service.name,
+                name=svc.name,
                 opened_sse=call.reply.sse,
                 info=call.info,
+                gone=gone,
+                guard=guard,
             ):
                 call.info["gone"] = True
                 self.cancelled_upstream += 1

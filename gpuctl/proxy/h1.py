@@ -374,6 +374,11 @@ class Response:
         self.status = conn.status
         self.headers = conn.headers  # names lower-case, in order, repeats kept
 
+    @property
+    def head_only(self) -> bool:
+        """The answer to a HEAD: no body, whatever its length says."""
+        return self._conn is not None and self._conn.head_only
+
     def header(self, name: bytes) -> bytes | None:
         for k, v in self.headers:
             if k == name:

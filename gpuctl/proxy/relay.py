@@ -72,10 +72,11 @@ async def relay(
     *,
     send: Send,
     send_body: Send,
-    receive: Receive,
     name: str,
     opened_sse: bool,
     info: dict[str, Any],
+    gone: asyncio.Task[None],
+    guard: Guard,
 ) -> bool:
     """Send the upstream's answer (for service ``name``) to the client; True when the
     client went away before it ended.
@@ -85,6 +86,11 @@ async def relay(
 
     ``opened_sse``: the proxy already opened an SSE stream (and said 200) while the
     service loaded, so only the events go.
+
+    ``gone``: the task that ends when the client goes (``client_gone``), watching since
+    the request went upstream; ``guard`` cancels the caller while the answer is awaited
+    whole, and is put off here once the answer is relayed piece by piece, where ``gone``
+    is watched beside the upstream instead.
 
     ``info`` (the access log's): a stream that ends with an error event after its 200
     gets ``status`` (what happened: the upstream's status, or 502 for an upstream that
@@ -109,6 +115,17 @@ async def relay(
     else:
         drop = hop_filter(resp.headers, _HOP_RESPONSE)
         headers = [(k, v) for k, v in resp.headers if k not in drop]
+        if resp.status in (204, 304) or resp.head_only:
+            # No body, whatever its length says: a HEAD's length is the GET's (passed
+            # on); a 204 or 304 goes without one (uvicorn would count it against the
+            # empty body).
+            length = resp.header(b"content-length")
+            if resp.head_only and length is not None:
+                headers.append((b"content-length", b"%d" % int(length)))
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": headers})  # fmt: skip
+            await send_body({"type": "http.response.body", "body": b""})
+            return False
         if not sse:
             length = resp.header(b"content-length")
             # A small answer whose body is still on its way (a server that writes its
@@ -130,11 +147,18 @@ async def relay(
                 headers.append((b"content-length", b"%d" % int(length)))
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": headers})  # fmt: skip
-    return await _pump(resp, send_body, receive, name, sse=sse, info=info)
+    guard.on = False  # from here the pump watches ``gone`` itself
+    return await _pump(resp, send_body, gone, name, sse=sse, info=info)
 
 
 async def _pump(
-    resp: Response, send: Send, receive: Receive, name: str, *, sse: bool, info: dict[str, Any]
+    resp: Response,
+    send: Send,
+    watch: asyncio.Task[None],
+    name: str,
+    *,
+    sse: bool,
+    info: dict[str, Any],
 ) -> bool:
     """Chunks as they arrive, until the upstream ends or the client goes (True then)."""
 
@@ -144,7 +168,6 @@ async def _pump(
 
     gone = False
     pump = asyncio.create_task(copy())
-    watch = asyncio.create_task(client_gone(receive))
     try:
         await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -155,10 +178,7 @@ async def _pump(
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
-            gone = watch.done()
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watch
+            gone = watch.done() and not watch.cancelled()
     if gone:
         return True
     err = pump.exception()
@@ -176,6 +196,28 @@ async def _pump(
         )
         return False
     raise err  # not SSE: let uvicorn cut the connection, so the truncation shows
+
+
+class Guard:
+    """The done-callback of a ``client_gone`` task: while ``on``, a client that went
+    away cancels ``task`` (the request's own, awaiting its upstream), and ``fired`` says
+    so. One task a request watches the client from the moment its request went upstream:
+    a client that left before the answer's head, or while a small answer was read
+    whole, left the upstream working and the request counted in flight until the answer
+    came (ten minutes at most)."""
+
+    __slots__ = ("fired", "on", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.on = True
+        self.fired = False
+        self.task = task
+
+    def __call__(self, watch: asyncio.Task[None]) -> None:
+        if self.on and not watch.cancelled() and watch.exception() is None:
+            self.on = False
+            self.fired = True
+            self.task.cancel()
 
 
 async def client_gone(receive: Receive) -> None:
