@@ -47,7 +47,7 @@ import httpx
 from gpuctl import __version__
 from gpuctl.api import in_use
 from gpuctl.config import Config, ServiceConfig
-from gpuctl.proxy.errors import ClientGone, Refusal, error_body, retry_after
+from gpuctl.proxy.errors import ClientGone, Refusal, error_body, retry_after, shutting_down
 from gpuctl.proxy.h1 import (
     Client,
     ConnectFailed,
@@ -68,6 +68,8 @@ from gpuctl.proxy.relay import (
     end_with_error,
     hop_filter,
     relay,
+    send_json,
+    send_whole,
 )
 from gpuctl.proxy.routes import (
     MODEL_IN_BODY,
@@ -75,12 +77,14 @@ from gpuctl.proxy.routes import (
     RouteTable,
     Upstream,
     form_field,
+    header_of,
     model_from_json,
     multipart_boundary,
     read_body,
     safe_query,
     shown,
     split_services_path,
+    wants_stream,
     why_no_model,
 )
 from gpuctl.proxy.use import ServiceUse
@@ -292,7 +296,7 @@ class ProxyApp:
             # here with the reason (an error event on a stream), and the task ends as
             # uvicorn asked, without the traceback of a cancelled ASGI application.
             with contextlib.suppress(Exception):
-                await self._refuse(sender, reply, _shutting_down(), info)
+                await self._refuse(sender, reply, shutting_down(), info)
         except Exception as e:  # a bug: one line (the traceback with GPUCTL_DEBUG=1), and
             # an answer in the shape clients parse instead of uvicorn's bare 500
             debug = os.environ.get("GPUCTL_DEBUG", "") not in ("", "0")
@@ -353,7 +357,7 @@ class ProxyApp:
                 "headers_too_large",
             )
         if path == "/healthz":
-            await _send_json(send, 200, {"ok": True, "version": __version__})
+            await send_json(send, 200, {"ok": True, "version": __version__})
             return
         if not self._authorized(scope):
             raise Refusal(
@@ -365,13 +369,13 @@ class ProxyApp:
             )
         if path == "/metrics" and method in ("GET", "HEAD"):
             body = self.metrics.render(sorted(self.routes.by_name)).encode()
-            await _send(send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
+            await send_whole(send, 200, body, b"text/plain; version=0.0.4; charset=utf-8")
             return
         if path == "/v1/models" and method in ("GET", "HEAD"):
-            await _send(send, 200, self._models_body, b"application/json")
+            await send_whole(send, 200, self._models_body, b"application/json")
             return
         if path == "/openapi.json" and method in ("GET", "HEAD"):
-            await _send(send, 200, self._openapi_body(), b"application/json")
+            await send_whole(send, 200, self._openapi_body(), b"application/json")
             return
         if path.startswith("/v1/models/") and method in ("GET", "HEAD"):
             await self._model_card(scope, send, path[len("/v1/models/") :], info)
@@ -398,7 +402,7 @@ class ProxyApp:
                 )
             info["service"] = name
             body = await read_body(scope, receive, self.settings.max_body_bytes)
-            stream = _wants_stream(scope, body)
+            stream = wants_stream(scope, body)
             await self._serve(_Call(scope, receive, send, reply, info, up, rest, body, stream))
             return
         if path in MODEL_IN_BODY:
@@ -410,7 +414,7 @@ class ProxyApp:
             model, stream = self._model_of(scope, body)
             info["model"] = model
             if model is None:
-                ctype = _header(scope, b"content-type").decode("latin-1")
+                ctype = header_of(scope, b"content-type").decode("latin-1")
                 message, code = why_no_model(ctype, body)
                 raise Refusal(400, message, "invalid_request_error", code)
             up = self.routes.by_model.get(model)
@@ -449,7 +453,7 @@ class ProxyApp:
         return ok
 
     def _model_of(self, scope: Scope, body: bytes) -> tuple[str | None, bool]:
-        ctype = _header(scope, b"content-type").decode("latin-1")
+        ctype = header_of(scope, b"content-type").decode("latin-1")
         boundary = multipart_boundary(ctype)
         if boundary is not None:
             model = form_field(body, boundary, "model")
@@ -482,11 +486,11 @@ class ProxyApp:
                 f"{up.origin}/v1/models/{quote(model, safe='/:@')}", timeout=2.0
             )
             if r.status_code == 200:
-                await _send(send, 200, r.content, b"application/json")
+                await send_whole(send, 200, r.content, b"application/json")
                 return
         except httpx.HTTPError:
             pass
-        await _send_json(send, 200, self._card(model, up))
+        await send_json(send, 200, self._card(model, up))
 
     # ------------------------------------------------------------------ one request
 
@@ -633,7 +637,7 @@ class ProxyApp:
                 raise ClientGone
             if stop in done and task not in done:
                 info["waited"] = time.monotonic() - t0
-                raise _shutting_down()
+                raise shutting_down()
             if task in done:
                 return
             if keepalive:
@@ -780,45 +784,3 @@ class ProxyApp:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": r.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-
-def _shutting_down() -> Refusal:
-    # A restarted proxy (systemd, a supervisor) answers in seconds: clients that honour
-    # Retry-After (the openai client does) come back then.
-    return Refusal(
-        503,
-        "the proxy is shutting down; send the request again (to a proxy that runs)",
-        "service_unavailable",
-        "proxy_shutting_down",
-        retry_s=2,
-    )
-
-
-def _header(scope: Scope, name: bytes) -> bytes:
-    for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v)
-    return b""
-
-
-def _wants_stream(scope: Scope, body: bytes) -> bool:
-    if b"text/event-stream" in _header(scope, b"accept"):
-        return True
-    if body[:1] == b"{" and b'"stream"' in body:
-        return model_from_json(body)[1]
-    return False
-
-
-async def _send(send: Send, status: int, body: bytes, ctype: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_json(send: Send, status: int, obj: Any) -> None:
-    await _send(send, status, json.dumps(obj, separators=(",", ":")).encode(), b"application/json")

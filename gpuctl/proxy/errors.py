@@ -42,3 +42,15 @@ class Refusal(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
         self.retry_s = retry_s
+
+
+def shutting_down() -> Refusal:
+    # A restarted proxy (systemd, a supervisor) answers in seconds: clients that honour
+    # Retry-After (the openai client does) come back then.
+    return Refusal(
+        503,
+        "the proxy is shutting down; send the request again (to a proxy that runs)",
+        "service_unavailable",
+        "proxy_shutting_down",
+        retry_s=2,
+    )

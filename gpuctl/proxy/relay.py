@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -234,4 +235,21 @@ async def end_with_error(send: Send, message: str, kind: str, code: str) -> None
             "body": sse_error_event(message, kind, code),
             "more_body": False,
         }
+    )
+
+
+async def send_whole(send: Send, status: int, body: bytes, ctype: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, obj: Any) -> None:
+    await send_whole(
+        send, status, json.dumps(obj, separators=(",", ":")).encode(), b"application/json"
     )

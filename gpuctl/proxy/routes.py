@@ -301,3 +301,18 @@ def _is_file(line: bytes) -> bool:
 def _has_param(line: bytes, want: bytes) -> bool:
     # `name="model"` as a parameter of its own, not the tail of `filename="model"`.
     return any(part.strip() == want for part in line.split(b";"))
+
+
+def header_of(scope: Scope, name: bytes) -> bytes:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v)
+    return b""
+
+
+def wants_stream(scope: Scope, body: bytes) -> bool:
+    if b"text/event-stream" in header_of(scope, b"accept"):
+        return True
+    if body[:1] == b"{" and b'"stream"' in body:
+        return model_from_json(body)[1]
+    return False
