@@ -97,9 +97,22 @@ def test_keys_from_env_and_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("PK")
     with pytest.raises(ConfigError, match=r"proxy\.api_keys_env: environment variable PK"):
         conf({"s": {"health": H}}, {"api_keys_env": "PK"}).proxy.api_keys()
+    monkeypatch.setenv("PK", " , ")
+    with pytest.raises(ConfigError, match="PK is set but holds no key"):
+        conf({"s": {"health": H}}, {"api_keys_env": "PK"}).proxy.api_keys()
     f = tmp_path / "keys"
     f.write_text("# comment\n\n")
     with pytest.raises(ConfigError, match="holds no key"):
+        conf({"s": {"health": H}}, {"api_keys_file": str(f)}).proxy.api_keys()
+    # An indented, commented-out key is no key; a comment after a key is not part of it.
+    f.write_text("k1\n  # revoked k2\n\tk3   # rotated 2026-11\nk#4\n")
+    assert conf({"s": {"health": H}}, {"api_keys_file": str(f)}).proxy.api_keys() == (
+        "k1",
+        "k3",
+        "k#4",
+    )
+    f.write_text("k1\ntwo words\n")
+    with pytest.raises(ConfigError, match=r"line 2: a key holds no spaces"):
         conf({"s": {"health": H}}, {"api_keys_file": str(f)}).proxy.api_keys()
 
 

@@ -112,10 +112,12 @@ def read_key_list(env: str | None, file: Path | None) -> tuple[str, ...]:
             or holds no key.
     """
     if env:
-        keys = tuple(k for k in os.environ.get(env, "").replace(",", " ").split() if k)
+        raw = os.environ.get(env)
+        keys = tuple(k for k in (raw or "").replace(",", " ").split() if k)
         if not keys:
+            what = "is not set" if raw is None else "is set but holds no key"
             raise ConfigError(
-                f"proxy.api_keys_env: environment variable {env} is not set",
+                f"proxy.api_keys_env: environment variable {env} {what}",
                 hint=f"export {env}=<key>[,<key>...], or use api_keys_file",
             )
         return keys
@@ -134,12 +136,32 @@ def read_key_list(env: str | None, file: Path | None) -> tuple[str, ...]:
                 f"proxy.api_keys_file: cannot read {file}: {reason}",
                 hint="create the file (mode 600, one key a line) or fix the path",
             ) from None
-        keys = tuple(
-            line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
-        )
+        keys = _keys_of(text, file)
         if not keys:
             raise ConfigError(
                 f"proxy.api_keys_file: {file} holds no key", hint="write one key a line into it"
             )
         return keys
     return ()
+
+
+def _keys_of(text: str, file: Path) -> tuple[str, ...]:
+    """One key a line; a line whose first character past its indent is ``#`` is a
+    comment (an indented, commented-out key was a live key), and so is what follows a
+    key after a space and ``#`` (it was taken into the key, which then matched nothing).
+
+    Raises:
+        ConfigError: a line holds more than one word before any comment.
+    """
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 1 and not words[1].startswith("#"):
+            raise ConfigError(
+                f"proxy.api_keys_file: {file}, line {n}: a key holds no spaces",
+                hint="write one key a line, with any comment after a space and '#'",
+            )
+        keys.append(words[0])
+    return tuple(keys)
