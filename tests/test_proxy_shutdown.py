@@ -120,6 +120,8 @@ def test_sigterm_past_the_grace_ends_a_relayed_stream_with_an_error_event(
         lambda: sum(line.startswith("data: ") for line in out.get("lines", [])) >= 2,
         60,
     )
+    counts = host.state_dir / "inflight"
+    wait_until("its in-flight count in the store", lambda: any(counts.rglob("*.json")))
     proxy.proc.send_signal(signal.SIGTERM)
     assert proxy.proc.wait(30) == 0
     t.join(30)
@@ -128,6 +130,10 @@ def test_sigterm_past_the_grace_ends_a_relayed_stream_with_an_error_event(
     assert "data: [DONE]" not in out["lines"], out
     err = _error_event(out["lines"])
     assert err["code"] == "proxy_shutting_down", (err, out)
+    # Its in-flight count is gone from the store, not left behind naming a dead pid
+    # (the request was still counted when the proxy let its store go).
+    left = list(counts.rglob("*.json"))
+    assert not left, left
     log = proxy.log()
     for mark in TRACE_MARKS:
         assert mark not in log, log[-3000:]

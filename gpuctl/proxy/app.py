@@ -211,7 +211,7 @@ class ProxyApp:
 
     async def aclose(self) -> None:
         for st in self._states.values():
-            await st.let_go()
+            await st.let_go(closing=True)
         self.upstream.close()
         if self._client is not None:
             await self._client.aclose()

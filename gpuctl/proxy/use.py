@@ -62,13 +62,15 @@ class ServiceUse:
         else:
             await asyncio.shield(self.let_go())  # a cancelled request still lets go
 
-    async def let_go(self) -> None:
-        """Take the count off now if no request is in flight (a lingering one too)."""
+    async def let_go(self, *, closing: bool = False) -> None:
+        """Take the count off now if no request is in flight (a lingering one too); when
+        ``closing`` (the proxy stops), whatever is in flight: those requests were cut,
+        and their own ends may come after this process has let its store go."""
         if self.release is not None:
             self.release.cancel()
             self.release = None
         async with self.lock:
-            if self.in_flight or not self.held:
+            if (self.in_flight and not closing) or not self.held:
                 return
             self.held = False
             self.ready = False  # reclaim may act from now on: look again next time
