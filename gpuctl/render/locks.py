@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.core.record import MAX_ATTEMPTS_KEPT
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.core.units import format_duration
 
@@ -40,6 +41,8 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
                 "handle": rec.handle,
                 "failure": rec.failure.to_dict() if rec.failure else None,
                 "attempts": list(rec.attempts),
+                "starts": len(rec.attempts),
+                "starts_capped": _capped(rec.attempts),
                 "recovered": rec.recovered,
                 "error": None,
             }
@@ -218,5 +221,12 @@ def _clock(t: float | None) -> str:
 
 
 def _starts(attempts: tuple[dict[str, Any], ...]) -> str:
-    """How many starts the record keeps (the JSON has each one's outcome and duration)."""
-    return str(len(attempts))
+    """How many starts the record keeps (the JSON has each one's outcome and duration);
+    ``10+`` once the kept history is full, since older starts were dropped from it."""
+    return f"{len(attempts)}+" if _capped(attempts) else str(len(attempts))
+
+
+def _capped(attempts: tuple[dict[str, Any], ...]) -> bool:
+    """Whether the record's history is full: the record keeps only its last
+    ``MAX_ATTEMPTS_KEPT`` starts and no total, so there may have been more."""
+    return len(attempts) >= MAX_ATTEMPTS_KEPT
