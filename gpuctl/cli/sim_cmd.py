@@ -28,6 +28,7 @@ from gpuctl.cli.common import (
 from gpuctl.cli.sim_options import (
     GpuIndexOpt,
     GpuMemoryOpt,
+    LsSimDirOpt,
     NameOpt,
     ReadGpuMemoryOpt,
     SimDirOpt,
@@ -278,15 +279,22 @@ def ollama(
 @sim_app.command("ls")
 def ls(
     json_out: JsonOpt = False,
-    sim_dir: SimDirOpt = None,
+    sim_dir: LsSimDirOpt = None,
     gpu_memory: ReadGpuMemoryOpt = None,
 ) -> None:
     """List the simulated GPU's claims: pid, name, memory, command."""
     with errors_to_exit(), _sim_errors():
-        from gpuctl.flows.sim_ops import list_claims
+        from gpuctl.flows.sim_ops import configured_sim_dir, list_claims
         from gpuctl.render.sim_view import sim_ls_text, sim_ls_to_json
 
-        listing = list_claims(sim_dir, gpu_memory)
+        if sim_dir is not None:
+            from_env = os.environ.get("GPUCTL_SIM_DIR") == str(sim_dir)
+            source = "$GPUCTL_SIM_DIR" if from_env else "--sim-dir"
+        else:
+            from gpuctl.cli.common import open_config
+
+            sim_dir, source = configured_sim_dir(open_config(None))
+        listing = list_claims(sim_dir, gpu_memory, source)
         if listing.warning:
             say(f"warning: {listing.warning}")
         if json_out:

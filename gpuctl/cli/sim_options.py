@@ -20,6 +20,21 @@ SimDirOpt = Annotated[
     ),
 ]
 
+# `sim ls` reads what `status` reads: a configured simulated host's folder comes first.
+LsSimDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--sim-dir",
+        help=(
+            "Simulated GPU directory. Default: $GPUCTL_SIM_DIR, else the sim_dir of the "
+            'config\'s host with probe = "sim", else <user state dir>/sim.'
+        ),
+        envvar="GPUCTL_SIM_DIR",
+        show_envvar=False,
+        metavar="DIR",
+    ),
+]
+
 
 def _gpu_memory_opt(help_text: str) -> Any:
     return typer.Option(

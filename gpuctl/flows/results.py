@@ -232,6 +232,8 @@ class SimListing:
     totals_mib: tuple[int, ...] = ()  # each simulated GPU's total
     # The total asked (--gpu-memory) differs from what gpu.json says (which is read).
     warning: str | None = None
+    # Where the folder came from: --sim-dir, $GPUCTL_SIM_DIR, hosts.NAME.sim_dir, default.
+    source: str = ""
 
     @property
     def used_mib(self) -> int:

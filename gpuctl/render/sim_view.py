@@ -1,6 +1,6 @@
 """``gpuctl sim ls`` as text and as its JSON object (schema 1)::
 
-{"schema": 1, "sim_dir": "…", "memory_total_mib": 131072, "memory_used_mib": 20480,
+{"schema": 1, "sim_dir": "…", "sim_dir_from": "hosts.box.sim_dir", "memory_total_mib": 131072, "memory_used_mib": 20480,
  "gpus": [{"index": 0, "memory_total_mib": 131072, "memory_used_mib": 20480}],
  "claims": [{"pid": 1, "name": "comfyui", "memory_mib": 20480, "gpu": 0,
              "command": "…"}]}
@@ -18,6 +18,7 @@ def sim_ls_to_json(listing: SimListing) -> dict[str, Any]:
     return {
         "schema": 1,
         "sim_dir": listing.sim_dir,
+        "sim_dir_from": listing.source or None,
         "memory_total_mib": listing.total_mib,
         "memory_used_mib": listing.used_mib,
         "gpus": [
@@ -38,8 +39,10 @@ def sim_ls_to_json(listing: SimListing) -> dict[str, Any]:
 
 
 def sim_ls_text(listing: SimListing) -> list[str]:
+    # A folder taken from the config says so: it is not the one the sim commands default to.
+    key = f" ({listing.source})" if listing.source.startswith("hosts.") else ""
     lines = [
-        f"simulated GPU {listing.sim_dir}: {format_mib(listing.used_mib)} used of "
+        f"simulated GPU {listing.sim_dir}{key}: {format_mib(listing.used_mib)} used of "
         f"{format_mib(listing.total_mib)}"
     ]
     many = len(listing.totals_mib) > 1
