@@ -81,7 +81,8 @@ async def _one(app: ProxyApp, body: bytes) -> tuple[int, bytes]:
     return status, data
 
 
-def test_requests_leave_no_cyclic_garbage(host: SimHost) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # uvloop: the proxy's own
+def test_requests_leave_no_cyclic_garbage(host: SimHost, loop: str) -> None:
     name, port = unique_name("pxgc"), free_port()
     server = host.model_server(name, "1GiB", "0", port, "--token-delay", "0")
     wait_until("the sim server to answer", lambda: _healthy(port), 60)
@@ -116,7 +117,12 @@ def test_requests_leave_no_cyclic_garbage(host: SimHost) -> None:
         return found
 
     try:
-        found = asyncio.run(run())
+        if loop == "uvloop":
+            import uvloop
+
+            found = uvloop.run(run())
+        else:
+            found = asyncio.run(run())
     finally:
         host.stop(server)
         for use in list(api._uses.values()):  # their store clients, kept per process

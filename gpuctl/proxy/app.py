@@ -59,11 +59,11 @@ from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import UNTRUSTED, Readiness, SingleFlight, run_ensure
 from gpuctl.proxy.relay import (
     HOP,
-    Guard,
     Message,
     Receive,
     Scope,
     Send,
+    Watch,
     client_gone,
     end_with_error,
     hop_filter,
@@ -691,23 +691,20 @@ class ProxyApp:
         ]
         # Watched from the moment the request goes upstream: a client that leaves before
         # the answer's head, or while a small answer is read whole, cancels this task
-        # (the guard), which aborts the upstream request (h1 closes its connection).
+        # (relay.Watch), which aborts the upstream request (h1 closes its connection).
         me = asyncio.current_task()
         assert me is not None
-        gone = asyncio.create_task(client_gone(call.receive))
-        guard = Guard(me)
-        gone.add_done_callback(guard)
+        watch = Watch(call.receive, me)
         try:
-            await self._exchange(call, method, target, headers, gone=gone, guard=guard)
+            await self._exchange(call, method, target, headers, watch=watch)
         except asyncio.CancelledError:
-            if not guard.fired:
+            if not watch.fired:
                 raise  # a stop (see _http), not the client
             me.uncancel()
             self.cancelled_upstream += 1
             raise ClientGone from None
         finally:
-            guard.on = False
-            gone.cancel()
+            watch.close()
 
     async def _exchange(
         self,
@@ -716,8 +713,7 @@ class ProxyApp:
         target: bytes,
         headers: list[tuple[bytes, bytes]],
         *,
-        gone: asyncio.Task[None],
-        guard: Guard,
+        watch: Watch,
     ) -> None:
         svc = call.up.service
         t0 = time.perf_counter()
@@ -760,8 +756,7 @@ class ProxyApp:
                 name=svc.name,
                 opened_sse=call.reply.sse,
                 info=call.info,
-                gone=gone,
-                guard=guard,
+                watch=watch,
             ):
                 call.info["gone"] = True
                 self.cancelled_upstream += 1
