@@ -11,9 +11,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
@@ -21,6 +20,10 @@ from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Listing, Record
 from gpuctl.flows.results import Progress
+
+if TYPE_CHECKING:
+    # Annotations only: ``status`` never builds a launcher, nor imports their base.
+    from gpuctl.adapters.launchers.base import Handle, Launcher
 
 # (match keywords, recorded server pids) -> the host's snapshot
 SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]

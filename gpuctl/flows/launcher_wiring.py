@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.config import HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
+
+if TYPE_CHECKING:
+    # ``status`` wires no launcher: the base is imported where one is made or checked.
+    from gpuctl.adapters.launchers.base import Launcher
 
 
 def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | None) -> Launcher:
@@ -76,6 +80,8 @@ def handle_checker(
     def check(record: Record) -> bool | None:
         if not record.handle:
             return None
+        from gpuctl.adapters.launchers.base import Handle
+
         handle = Handle.from_dict(record.handle)
         if handle.kind == "process" and handle.pid and not host.agent:
             from gpuctl.adapters import procinfo

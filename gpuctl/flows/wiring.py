@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpuctl.adapters.launchers.base import Launcher
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
@@ -38,6 +37,8 @@ from gpuctl.flows.results import Progress
 
 if TYPE_CHECKING:
     import httpx
+
+    from gpuctl.adapters.launchers.base import Launcher
 
 LOCAL_HOST = "local"
 

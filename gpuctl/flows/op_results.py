@@ -1,0 +1,155 @@
+"""How ``ensure`` ends (``Outcome``), and the results of ``ensure``, ``stop``, ``touch``,
+``locks`` and ``sim ls``: plain objects, rendered by ``gpuctl.render``.
+
+Apart from ``gpuctl.flows.results`` so that ``gpuctl status``, which needs none of them,
+does not build their classes at every start (about 0.6 ms a dataclass). Import them from
+``gpuctl.flows.results`` as before: it hands them out from here on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gpuctl.core.queue import Waiter
+from gpuctl.core.record import Record, SetAside
+from gpuctl.errors import ExitCode
+
+
+class Outcome(StrEnum):
+    """How an ``ensure`` ended (the ``outcome`` key of its JSON)."""
+
+    READY = "ready"
+    STARTED = "started"
+    LOADING = "loading"
+    BUSY = "busy"
+    UNKNOWN = "unknown"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return _OUTCOME_EXIT[self]
+
+
+_OUTCOME_EXIT = {
+    Outcome.READY: ExitCode.OK,
+    Outcome.STARTED: ExitCode.OK,
+    Outcome.LOADING: ExitCode.OK,
+    Outcome.BUSY: ExitCode.BUSY,
+    Outcome.UNKNOWN: ExitCode.UNKNOWN,
+    Outcome.FAILED: ExitCode.FAILED,
+    Outcome.TIMEOUT: ExitCode.TIMEOUT,
+    Outcome.INTERRUPTED: ExitCode.INTERRUPTED,
+}
+
+
+@dataclass
+class EnsureResult:
+    """How ``ensure`` ended; ``hint`` says what the user can do about a refusal."""
+
+    service: str
+    host: str
+    outcome: Outcome
+    reason: str
+    decision: str
+    launched: bool = False
+    waited_s: float = 0.0
+    attempt: dict[str, Any] | None = None
+    log_tail: str = ""
+    handle: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    hint: str = ""
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return self.outcome.exit_code
+
+    @classmethod
+    def interrupted(cls, service: str, host: str) -> EnsureResult:
+        """Ctrl-C while waiting: the server is left to load (the next caller waits for it)."""
+        return cls(
+            service=service,
+            host=host,
+            outcome=Outcome.INTERRUPTED,
+            reason="interrupted while waiting; the server keeps loading",
+            decision="LOADING",
+            hint="`gpuctl status` shows it loading; `gpuctl ensure` again waits for it",
+        )
+
+
+@dataclass
+class StopResult:
+    service: str
+    host: str
+    stopped: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class TouchResult:
+    service: str
+    record: Record
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK
+
+
+@dataclass
+class LocksReport:
+    rows: list[tuple[str, Record | None, str | None]]  # (host, record, error)
+    now: float
+    # Record files that failed validation and were kept beside the records, per host:
+    # listed until someone removes them (they do not make the report fail).
+    set_aside: list[tuple[str, SetAside]] = field(default_factory=list)
+    # What to do about a host whose records could not be read (by host; None: no advice).
+    hints: dict[str, str | None] = field(default_factory=dict)
+    # Each host's wait queue (``gpuctl run --wait``), in the order it will be served.
+    queue: list[tuple[str, Waiter]] = field(default_factory=list)
+    # Records of `gpuctl run` jobs that ended long ago, left out (``locks --finished``).
+    hidden_jobs: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return all(err is None for _, _, err in self.rows)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.OK if self.ok else ExitCode.UNKNOWN
+
+
+@dataclass(frozen=True, slots=True)
+class SimClaim:
+    pid: int
+    name: str
+    memory_mib: int
+    gpu: int
+    command: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SimListing:
+    """``gpuctl sim ls``: the simulated GPU's claims."""
+
+    sim_dir: str
+    total_mib: int | None
+    claims: tuple[SimClaim, ...]
+    totals_mib: tuple[int, ...] = ()  # each simulated GPU's total
+    # The total asked (--gpu-memory) differs from what gpu.json says (which is read).
+    warning: str | None = None
+    # Where the folder came from: --sim-dir, $GPUCTL_SIM_DIR, hosts.NAME.sim_dir, default.
+    source: str = ""
+
+    @property
+    def used_mib(self) -> int:
+        return sum(c.memory_mib for c in self.claims)
+
+    def gpu_used_mib(self, gpu: int) -> int:
+        return sum(c.memory_mib for c in self.claims if c.gpu == gpu)
