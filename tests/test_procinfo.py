@@ -27,7 +27,12 @@ from tests.ensure_helpers import unique_name
     ("argv", "client"),
     [
         (["/usr/bin/python3", "/venv/bin/gpuctl", "ensure", "vllm"], True),
-        (["gpuctl", "--config", "x", "status"], False),  # an option value is not the command
+        # --config before the command (its value is not the command): a client too
+        (["gpuctl", "--config", "x", "status"], True),
+        (["/venv/bin/gpuctl", "-c", "/etc/gpuctl.toml", "ensure", "vllm"], True),
+        (["gpuctl", "--config=x.toml", "ensure", "vllm"], True),
+        (["gpuctl", "--config", "x", "sim", "model-server", "--name", "vllm"], False),
+        (["gpuctl", "--config", "ensure"], False),  # a config named 'ensure', no command
         (["python", "-m", "gpuctl", "stop", "vllm"], True),
         (["python", "-m", "gpuctl", "sim", "model-server", "--name", "vllm"], False),
         (["sh", "-c", "gpuctl ensure vllm --json | grep ready"], True),

@@ -137,6 +137,18 @@ _CLIENT_COMMANDS = frozenset(
 )
 
 
+def _subcommand(args: list[str]) -> str:
+    """The command of gpuctl's arguments: the first word that is not an option, past
+    the one option given before it that takes a value (``--config F`` / ``-c F``)."""
+    it = iter(args)
+    for a in it:
+        if a in ("--config", "-c"):
+            next(it, None)
+        elif not a.startswith("-"):
+            return a
+    return ""
+
+
 def _is_gpuctl_client(argv: list[str], depth: int = 0) -> bool:
     """True for ``gpuctl status vllm``-like command lines: they name a service but are not it.
 
@@ -150,8 +162,7 @@ def _is_gpuctl_client(argv: list[str], depth: int = 0) -> bool:
             rest = argv[i + 2 :]
         else:
             continue
-        sub = next((a for a in rest if not a.startswith("-")), "")
-        return sub in _CLIENT_COMMANDS
+        return _subcommand(rest) in _CLIENT_COMMANDS
     if depth == 0 and len(argv) >= 3 and os.path.basename(argv[0]) in _SHELLS and argv[1] == "-c":
         try:
             words = shlex.split(argv[2])
