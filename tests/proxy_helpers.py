@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -68,3 +72,37 @@ def sim_metric(port: int, name: str) -> float:
     return sum(
         float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     )
+
+
+def serve_raw(serve: Callable[[socket.socket], None]) -> tuple[socket.socket, int]:
+    """A loopback listener whose every connection goes to ``serve(conn)`` in a thread of
+    its own: the scripted upstreams of the wire tests. Close the socket to stop it."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv, srv.getsockname()[1]
+
+
+@contextlib.contextmanager
+def proxy_fronting(base: Path, service: str, port: int, model: str) -> Iterator[Proxy]:
+    """``gpuctl proxy`` (a sim host's agent beside it) fronting one service: the server
+    on loopback ``port``, its health at ``/health``, serving ``model``."""
+    with SimHost(gpu_memory="100GiB", root=base / "simhost") as host:
+        host.start_agent()
+        conf = host.write_config(
+            f'[services.{service}]\nhealth = "http://127.0.0.1:{port}/health"\n'
+            f'models = ["{model}"]\n'
+        )
+        proxy = Proxy(host, conf)
+        try:
+            yield proxy
+        finally:
+            proxy.stop()

@@ -21,8 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpuctl.sim.host import SimHost
-from tests.proxy_helpers import Proxy
+from tests.proxy_helpers import Proxy, proxy_fronting, serve_raw
 from tests.test_proxy import wait_until
 
 SERVICE = "gonesvc"
@@ -35,22 +34,12 @@ class Upstream:
     port: int = 0
 
     def start(self) -> socket.socket:
-        srv = socket.create_server(("127.0.0.1", 0))
-        self.port = srv.getsockname()[1]
-        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+        srv, self.port = serve_raw(self._serve)
         return srv
 
     def events(self, path: str) -> tuple[threading.Event, threading.Event]:
         self.asked[path], self.closed[path] = threading.Event(), threading.Event()
         return self.asked[path], self.closed[path]
-
-    def _accept(self, srv: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -99,18 +88,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     base: Path = tmp_path_factory.mktemp("gone")
     up = Upstream()
     srv = up.start()
-    with SimHost(gpu_memory="100GiB", root=base / "simhost") as host:
-        host.start_agent()
-        conf = host.write_config(
-            f'[services.{SERVICE}]\nhealth = "http://127.0.0.1:{up.port}/health"\n'
-            'models = ["gone-model"]\n'
-        )
-        proxy = Proxy(host, conf)
-        try:
+    try:
+        with proxy_fronting(base, SERVICE, up.port, "gone-model") as proxy:
             yield Setup(proxy, up)
-        finally:
-            proxy.stop()
-            srv.close()
+    finally:
+        srv.close()
 
 
 @pytest.mark.parametrize("path", ["/nohead", "/smallstall"])

@@ -23,8 +23,8 @@ import httpx
 import openai
 import pytest
 
-from gpuctl.sim.host import SimHost, free_port
-from tests.proxy_helpers import Proxy
+from gpuctl.sim.host import free_port
+from tests.proxy_helpers import Proxy, proxy_fronting
 
 MODEL = "big-model"
 UNIT = b"0.125,"  # one float of an embedding, as JSON
@@ -135,20 +135,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     base: Path = tmp_path_factory.mktemp("answers")
     up = Upstream()
     server = up.serve()
-    with SimHost(gpu_memory="100GiB", root=base / "simhost") as host:
-        host.start_agent()
-        conf = host.write_config(
-            "[services.bigsvc]\n"
-            + f'health = "http://127.0.0.1:{up.port}/health"\n'
-            + f'models = ["{MODEL}"]\n'
-        )
-        proxy = Proxy(host, conf)
-        try:
+    try:
+        with proxy_fronting(base, "bigsvc", up.port, MODEL) as proxy:
             yield Setup(proxy, up)
-        finally:
-            proxy.stop()
-            server.shutdown()
-            server.server_close()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # --------------------------------------------------------------------- large answers
