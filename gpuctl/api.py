@@ -126,7 +126,7 @@ def _touch(conf: Config, svc: ServiceConfig) -> None:
     try:
         store = store_for(conf.host(svc.host))
         try:
-            store.touch(svc.name, ready=True)
+            store.touch(svc.name, ready=True, promise=svc.promise())
         finally:
             store.close()
     except GpuctlError:

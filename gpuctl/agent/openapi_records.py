@@ -16,6 +16,7 @@ from typing import Any
 from gpuctl.adapters.store import codec, schema
 from gpuctl.agent import job_stop, wire
 from gpuctl.core.names import NAME_PATTERN
+from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.core.record import RECORD_SCHEMA, Phase
 
 # The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
@@ -342,6 +343,7 @@ def records_schemas() -> dict[str, Any]:
                 "recovered",
                 "start_nonce",
                 "health",
+                "promise",
             ],
             "properties": {
                 "schema": {"const": RECORD_SCHEMA},
@@ -375,6 +377,51 @@ def records_schemas() -> dict[str, Any]:
                 "health": {
                     "type": ["string", "null"],
                     "description": "The URL that tells the server answers (http or https).",
+                },
+                "promise": {
+                    "oneOf": [_ref("Promise"), {"type": "null"}],
+                    "description": "What its last start promised; null from an older release.",
+                },
+            },
+        },
+        "Promise": {
+            "type": "object",
+            "description": (
+                "What a start promises the host, written with its lease: every client counts "
+                "the service at these figures, whatever its own config says of it."
+            ),
+            "additionalProperties": False,
+            "required": ["memory_mib", "priority"],
+            "properties": {
+                "memory_mib": {
+                    **nullable({"type": "integer", "minimum": 1, "maximum": 1 << 40}),
+                    "description": "Its memory budget in MiB; null: none.",
+                },
+                "priority": {
+                    "type": "integer",
+                    "minimum": -codec.PRIORITY_MAX,
+                    "maximum": codec.PRIORITY_MAX,
+                },
+                "devices": {
+                    **nullable(
+                        {
+                            "type": "array",
+                            "items": {
+                                "type": "integer",
+                                "minimum": 0,
+                                "maximum": MAX_DEVICE_INDEX,
+                            },
+                            "maxItems": MAX_DEVICE_INDEX + 1,
+                        }
+                    ),
+                    "description": "The GPUs it may land on; null: any one.",
+                },
+                "kind": {"enum": ["server", "batch"]},
+                "resume": {"type": "boolean"},
+                "health_timeout_s": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": codec.DURATION_MAX,
                 },
             },
         },
@@ -487,7 +534,14 @@ def records_schemas() -> dict[str, Any]:
             "type": "object",
             "additionalProperties": False,
             "required": ["holder", "ttl_s"],
-            "properties": {"holder": _ref("Holder"), "ttl_s": ttl},
+            "properties": {
+                "holder": _ref("Holder"),
+                "ttl_s": ttl,
+                "promise": {
+                    **nullable(_ref("Promise")),
+                    "description": "What the start this lease is for promises (kept in the record).",
+                },
+            },
         },
         "LeaseGrant": {
             "type": "object",
@@ -531,7 +585,14 @@ def records_schemas() -> dict[str, Any]:
                         "The caller saw the server answer: a record still starting becomes "
                         "running (a stopped one stays stopped)."
                     ),
-                }
+                },
+                "promise": {
+                    **nullable(_ref("Promise")),
+                    "description": (
+                        "The caller's figures for the service: written only into a record "
+                        "that has none (one an older release wrote)."
+                    ),
+                },
             },
         },
         "JobStopRequest": {

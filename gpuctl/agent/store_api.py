@@ -39,10 +39,11 @@ from typing import Any
 
 from gpuctl.adapters.procinfo import host_identity
 from gpuctl.adapters.store import DirectStore
-from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder
+from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder, decode_promise
 from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.model import HostIdentity
+from gpuctl.core.promise import Promise
 from gpuctl.core.record import Record, apply_update
 from gpuctl.core.redact import redact_lines
 from gpuctl.errors import GpuctlError, StoreError, UsageError
@@ -262,7 +263,9 @@ class StoreApi:
         if op == "update":
             return 200, store.update(svc, args["holder"], args["update"]).to_dict()
         if op == "acquire":
-            granted, rec = store.acquire(svc, decode_holder(args["holder"]), args["ttl_s"])
+            granted, rec = store.acquire(
+                svc, decode_holder(args["holder"]), args["ttl_s"], _promise_arg(args)
+            )
             return 200, {"granted": granted, "record": rec.to_dict()}
         if op == "inflight_begin":
             granted, rec = store.inflight_begin(svc, decode_holder(args["holder"]), args["ttl_s"])
@@ -279,4 +282,11 @@ class StoreApi:
         if op == "stop_job":
             return 200, job_stop.stop_job(store, svc, args, self.host)
         assert op == "touch"
-        return 200, store.touch(svc, ready=args.get("ready", False)).to_dict()
+        return 200, store.touch(
+            svc, ready=args.get("ready", False), promise=_promise_arg(args)
+        ).to_dict()
+
+
+def _promise_arg(args: dict[str, Any]) -> Promise | None:
+    raw = args.get("promise")
+    return decode_promise(raw) if raw is not None else None

@@ -1,5 +1,8 @@
 """Request bodies off the wire: bounded JSON, then exact types, each error a 400 naming its field.
 
+Long because every endpoint's body check is one contract with the store's schema, read
+best side by side.
+
 Every body is hostile until checked. Size and nesting are bounded *before* ``json.loads``
 runs (100,000 nested ``[`` would otherwise blow its recursion limit); ``NaN`` and
 ``Infinity`` are refused by the parser; then each endpoint's shape is checked with exact
@@ -275,8 +278,25 @@ def _phase(value: Any, field: str) -> str:
     return value
 
 
+def promise(value: Any, field: str) -> dict[str, Any]:
+    """A start's promise, by the store's own schema (``codec.PROMISE_FIELDS``)."""
+    from gpuctl.adapters.store.codec import RecordError, decode_promise
+
+    try:
+        decode_promise(value, at=f"$.{field}")
+    except RecordError as err:
+        raise BadRequest(err.where.removeprefix("$."), err.why) from None
+    assert isinstance(value, dict)
+    return value
+
+
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(data, "", {"holder": holder, "ttl_s": ttl}, required=("holder", "ttl_s"))
+    return obj(
+        data,
+        "",
+        {"holder": holder, "ttl_s": ttl, "promise": nullable(promise)},
+        required=("holder", "ttl_s"),
+    )
 
 
 def renew_request(data: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +338,7 @@ def inflight_id(value: Any, field: str) -> str:
 
 
 def inflight_request(data: dict[str, Any]) -> dict[str, Any]:
-    args = lease_request(data)
+    args = obj(data, "", {"holder": holder, "ttl_s": ttl}, required=("holder", "ttl_s"))
     inflight_id(args["holder"].get("id"), "holder.id")
     return args
 
@@ -328,7 +348,7 @@ def end_request(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def touch_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(data, "", {"ready": boolean})
+    return obj(data, "", {"ready": boolean, "promise": nullable(promise)})
 
 
 # ---- the wait queue (POST /records/_queue, …/leave): the store's own entry schema

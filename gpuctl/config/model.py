@@ -8,12 +8,13 @@ where its tokens live, and ``secrets`` reads them when a request needs one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from gpuctl.config.secrets import read_secret
+from gpuctl.core.promise import Promise
 from gpuctl.errors import UsageError
 
 
@@ -173,6 +174,30 @@ class ServiceConfig:
     preempt: bool = False
     resume: bool = False
     kind: str = "server"
+
+    def promise(self) -> Promise:
+        """What a start of this service promises the host (``core.record.Promise``),
+        written into its record with the start's lease."""
+        return Promise(
+            memory_mib=self.memory_mib,
+            priority=self.priority,
+            devices=self.devices,
+            kind=self.kind,
+            resume=self.resume,
+            health_timeout_s=self.health_timeout_s,
+        )
+
+    def with_promise(self, p: Promise) -> ServiceConfig:
+        """This service with the figures a record's promise gives (``core.promises``)."""
+        return replace(
+            self,
+            memory_mib=p.memory_mib,
+            priority=p.priority,
+            devices=p.devices,
+            kind=p.kind,
+            resume=p.resume,
+            health_timeout_s=p.health_timeout_s,
+        )
 
     @property
     def keywords(self) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ from gpuctl.config.proxy_fields import check_models, max_concurrent, models, par
 from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
 from gpuctl.core.jobs import PRIORITY_MAX
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
+from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.core.units import is_bare_number
 from gpuctl.errors import ConfigError
 
@@ -106,7 +107,6 @@ DOCKER_SCHEMES = ("unix", "tcp", "ssh", "http", "https", "npipe")
 
 MAX_PRIORITY = PRIORITY_MAX  # one range for services, jobs and waiters
 # NVML indexes GPUs from 0; no machine has anywhere near this many.
-MAX_DEVICE_INDEX = 1023
 
 _TERMINAL = re.compile(r"\w{1,100}", re.ASCII)
 _IMAGE = re.compile(r"[^\s\x00-\x1f]+")

@@ -46,6 +46,8 @@ class VictimFacts:
     ``restart_s``: the median of its recorded start durations; None: never measured.
     ``unreachable``: why nobody who could act on it can stop it (a run job whose CMD runs
     on a machine neither the caller nor the host's agent can signal); None: it can be.
+    ``in_config``: the caller's config names it; a service only another config names is
+    counted at its record's promise but never stopped from here (nothing here says how).
     """
 
     name: str
@@ -58,6 +60,7 @@ class VictimFacts:
     restart_s: float | None = None
     last_used: float | None = None
     unreachable: str | None = None
+    in_config: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,8 @@ class Plan:
 
 def why_not(f: VictimFacts | None, priority: int, force: bool = False) -> str | None:
     """None when ``f`` may be stopped for work of ``priority``; else why not, in words."""
+    if f is not None and not f.in_config:
+        return "not in this config (stop it from a config that names it)"
     if f is None or not f.managed:
         return "not started by gpuctl"
     if f.job and not f.preemptible:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from gpuctl.core.promise import Promise
 from gpuctl.core.redact import redact_lines
 
 RECORD_SCHEMA = 1
@@ -121,7 +122,9 @@ class Record:
     """One service's record. ``recovered`` says why a broken record file was set aside
     (and where the copy is); ``start_nonce`` is the nonce the last start put in its
     server's environment (``GPUCTL_START_NONCE``), so a server whose pid was never
-    recorded can still be found; ``health`` is the URL that tells the server answers."""
+    recorded can still be found; ``health`` is the URL that tells the server answers;
+    ``promise`` is what its last start promised (``Promise``), None in a record an older
+    release wrote."""
 
     service: str
     phase: Phase = Phase.STOPPED
@@ -134,6 +137,7 @@ class Record:
     recovered: str | None = field(default=None, compare=False)
     start_nonce: str | None = None
     health: str | None = None
+    promise: Promise | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +153,7 @@ class Record:
             "recovered": self.recovered,
             "start_nonce": self.start_nonce,
             "health": self.health,
+            "promise": self.promise.to_dict() if self.promise else None,
         }
 
     # ---- pure transitions (the store applies them under the lock)

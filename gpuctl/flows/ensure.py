@@ -185,7 +185,7 @@ def _ensure_round(ctx: _Ctx, wait: bool) -> EnsureResult | None:
     # that server by its start nonce) is adopted under the lease: its handle recorded.
     holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
-    granted, _ = deps.store.acquire(svc.name, holder, ttl)
+    granted, _ = deps.store.acquire(svc.name, holder, ttl, svc.promise())
     if not granted:
         if not wait:
             return ctx.result(Outcome.LOADING, "another caller is starting it", Decision.LOADING)
@@ -456,7 +456,8 @@ _STOPPING = object()
 def _touch(ctx: _Ctx, ready: bool = False) -> object:
     """Mark it used; ``_STOPPING`` when a stop holds its lease (the touch then lost)."""
     try:
-        rec = ctx.deps.store.touch(ctx.deps.service.name, ready=ready)
+        svc = ctx.deps.service
+        rec = ctx.deps.store.touch(svc.name, ready=ready, promise=svc.promise())
     except AgentAuthError:
         # Not a passing failure: with a token that may not write (the read-only one)
         # every use would go unrecorded, and reclaim would stop the server under its user.

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TypeVar
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, ServiceSpec, Verdict, classify, gpu_rooms
 from gpuctl.core.jobs import job_specs
 from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts
+from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers
 from gpuctl.core.record import (
     Listing,
     Phase,
@@ -31,6 +33,8 @@ from gpuctl.errors import GpuctlError, NoStore
 from gpuctl.flows.deps import ChildFinder, EnsureDeps, ServerFinder, SnapshotReader
 from gpuctl.flows.results import MemoryUse
 from gpuctl.flows.victims import victim_facts, with_victims
+
+S = TypeVar("S", ServiceConfig, PromisedSpec)
 
 
 def keywords(services: Iterable[ServiceConfig]) -> list[str]:
@@ -211,6 +215,11 @@ def decide(
         if aside is not None:
             reason, hint = hidden_words(svc, aside)
             return replace(verdict, decision=Decision.UNKNOWN, reason=reason, hint=hint)
+    if verdict.decision in (Decision.IDLE, Decision.FITS, Decision.PREEMPTABLE):
+        unknown = unknown_promises(seen, others, me=svc.name)
+        if unknown:
+            reason, hint = unknown_words(unknown, seen.records)
+            return replace(verdict, decision=Decision.UNKNOWN, reason=reason, hint=hint, plan=None)
     if (
         orphan_is_loading
         and verdict.decision in (Decision.IDLE, Decision.FITS)
@@ -224,6 +233,20 @@ def decide(
             f"(counted until {svc.health_timeout_s:.0f}s after it began)",
         )
     return verdict
+
+
+def unknown_words(names: Sequence[str], records: Mapping[str, Record]) -> tuple[str, str]:
+    """(reason, hint) for services whose records promise memory they do not state."""
+    first = names[0]
+    phase = records[first].phase.value if first in records else "running"
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return (
+        f"{first}{more} is {phase} by a record an older gpuctl wrote, which does not say "
+        f"how much memory it promises, and this config does not name it: what fits beside "
+        f"it is unknown",
+        f"run `gpuctl touch {first}` (or ensure it) from a config that names it, which "
+        "writes its figures into the record; or stop it there",
+    )
 
 
 def hidden_start(
@@ -250,18 +273,23 @@ def hidden_words(svc: ServiceSpec, aside: SetAside) -> tuple[str, str]:
 def _accounting(
     seen: Observation, services: Sequence[ServiceConfig], now: float, me: str = ""
 ) -> tuple[list[ServiceSpec], list[str]]:
-    """The services as the memory accounting counts them (a sleeping one at what it
-    holds), and those whose memory is promised though their server may not show yet
-    (a start under way, an orphaned start), leaving out ``me``: one set of rules for the
-    decisions and for the status bar."""
+    """The services as the memory accounting counts them (each record at its own
+    promise, a sleeping one at what it holds), and those whose memory is promised though
+    their server may not show yet (a start under way, an orphaned start), leaving out
+    ``me``: one set of rules for the decisions and for the status bar. Services the
+    records name and ``services`` does not count too, at their records' promises
+    (``core.promises``)."""
+    configured = as_promised(services, seen.records)
+    foreign, _ = strangers(seen.records.values(), (s.name for s in services), exclude=me)
     # ``gpuctl run`` jobs count like services, by the pid their record names.
     specs: list[ServiceSpec] = [
-        *_asleep_at_what_they_hold(services, seen.records, me),
+        *_asleep_at_what_they_hold(configured, seen.records, me),
+        *_asleep_at_what_they_hold(foreign, seen.records, me),
         *job_specs(seen.records.values(), exclude=me),
     ]
     promised = [
         *starting_services(seen.records.values(), exclude=me),
-        *orphaned_starts(seen.records.values(), services, now, exclude=me),
+        *orphaned_starts(seen.records.values(), [*configured, *foreign], now, exclude=me),
         # A start a set-aside record may hide counts at its budget too.
         *(
             s.name
@@ -272,15 +300,23 @@ def _accounting(
     return specs, promised
 
 
+def unknown_promises(
+    seen: Observation, services: Sequence[ServiceConfig], me: str = ""
+) -> list[str]:
+    """Services whose records hold memory without saying how much, and which no config
+    here names: nothing beside them can be called free."""
+    return strangers(seen.records.values(), (s.name for s in services), exclude=me)[1]
+
+
 def _asleep_at_what_they_hold(
-    others: Sequence[ServiceConfig], records: dict[str, Record], me: str
-) -> list[ServiceConfig]:
+    others: Sequence[S], records: Mapping[str, Record], me: str
+) -> list[S]:
     """Another service asleep (vLLM sleep mode, record phase ``sleeping``) counts at what
     its process still holds, not at its budget: the memory it gave back is free for
     others, and its own wake is admitted again (``gpuctl.flows.wake``). On unified
     memory a level-1 sleep holds on to its weights, and that is what it then counts at."""
 
-    def asleep(o: ServiceConfig) -> bool:
+    def asleep(o: S) -> bool:
         r = records.get(o.name)
         return o.name != me and r is not None and r.phase is Phase.SLEEPING
 

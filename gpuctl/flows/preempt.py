@@ -256,7 +256,7 @@ def preempt(
     assert plan is not None
     holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
-    granted, own = deps.store.acquire(svc.name, holder, ttl)
+    granted, own = deps.store.acquire(svc.name, holder, ttl, svc.promise())
     if not granted:
         return None  # someone else is starting it: look again (a bystander waits)
     own_released = False

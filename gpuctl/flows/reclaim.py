@@ -226,7 +226,7 @@ def _where(
 
 def _touch(rh: ReclaimHost, svc: ServiceConfig, p: Planned) -> None:
     try:
-        rh.store.touch(svc.name)
+        rh.store.touch(svc.name, promise=svc.promise())
         p.done = True
     except GpuctlError as e:
         p.error, p.hint = f"touch failed: {e.message}", e.hint

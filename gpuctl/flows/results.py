@@ -15,6 +15,8 @@ from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, ServiceSpec, Verdict, owner_of
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import Snapshot
+from gpuctl.core.promise import Promise
+from gpuctl.core.promised_specs import PromisedSpec
 from gpuctl.errors import ExitCode
 
 
@@ -58,6 +60,24 @@ class MemoryUse:
 
 
 @dataclass(frozen=True, slots=True)
+class OtherService:
+    """A service the host's records name that this config does not, while it holds or
+    promises memory: admission counts it at its record's promise (``promise`` None: an
+    older release wrote the record, and its memory is unknown)."""
+
+    name: str
+    phase: str
+    promise: Promise | None
+    pids: tuple[int, ...] = ()
+    memory_mib: int = 0  # what its processes hold now
+
+    @property
+    def spec(self) -> PromisedSpec:
+        """As the decisions see it (no budget where its record does not say one)."""
+        return PromisedSpec.of(self.name, self.promise or Promise(None, 0))
+
+
+@dataclass(frozen=True, slots=True)
 class HostReport:
     """One host: what its agent (or the local probe) said, or why it said nothing."""
 
@@ -74,6 +94,7 @@ class HostReport:
     servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
     memory: tuple[MemoryUse, ...] = ()  # per GPU, or one host-wide figure
     jobs: tuple[JobSpec, ...] = ()  # the `gpuctl run` jobs its records name
+    others: tuple[OtherService, ...] = ()  # services only other configs name
 
     @property
     def ok(self) -> bool:
@@ -82,7 +103,12 @@ class HostReport:
     def owner(self, pid: int, command: str | None) -> ServiceSpec | None:
         """The service (or ``gpuctl run`` job) a process is, by the same rule the
         decisions use: the pid a record names, else a service's keywords."""
-        return owner_of(command, (*self.services, *self.jobs), pid, self.servers)
+        specs: tuple[ServiceSpec, ...] = (
+            *self.services,
+            *self.jobs,
+            *(o.spec for o in self.others),
+        )
+        return owner_of(command, specs, pid, self.servers)
 
     @property
     def total_mib(self) -> int | None:

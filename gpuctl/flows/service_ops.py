@@ -164,7 +164,8 @@ def touch(deps: EnsureDeps) -> TouchResult:
     """Mark the service used now. A server that answers its health check completes a
     ``starting`` record (left by ``--no-wait`` or a killed launcher) to ``running``."""
     ready = deps.check_health().ok
-    return TouchResult(deps.service.name, deps.store.touch(deps.service.name, ready=ready))
+    svc = deps.service
+    return TouchResult(svc.name, deps.store.touch(svc.name, ready=ready, promise=svc.promise()))
 
 
 def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:

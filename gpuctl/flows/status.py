@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gpuctl.config import Config
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
-from gpuctl.core.jobs import job_specs
+from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.model import GpuProcess, StartingProcess
+from gpuctl.core.names import is_service_name
+from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.queue import Waiter
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
 from gpuctl.flows.observe import Observation, decide, memory_use, observe
-from gpuctl.flows.results import HostReport, StatusReport
+from gpuctl.flows.results import HostReport, OtherService, StatusReport
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.victims import victim_facts, with_victims
 
@@ -255,9 +257,31 @@ def status(deps: StatusDeps) -> StatusReport:
                     servers=obs.servers,
                     memory=memory_use(obs, services, now, hd.host.gpu_memory_mib),
                     jobs=tuple(job_specs(obs.records.values())),
+                    others=other_services(obs, services),
                 )
             )
     return StatusReport(hosts=tuple(reports), taken_at=taken_at)
+
+
+def other_services(obs: Observation, services: Sequence[Any]) -> tuple[OtherService, ...]:
+    """The services the host's records name and ``services`` do not, while they hold or
+    promise memory: admission counts them (at their promise), so status shows them."""
+    configured = {s.name for s in services}
+    out = []
+    for r in sorted(obs.records.values(), key=lambda r: r.service):
+        if (
+            r.service in configured
+            or is_job(r.service)
+            or not is_service_name(r.service)
+            or not holds_memory(r)
+        ):
+            continue
+        pids = tuple(sorted(pid for pid, n in obs.servers.items() if n == r.service))
+        held = 0
+        if obs.snapshot is not None:
+            held = sum(p.memory_mib or 0 for p in obs.snapshot.gpu_processes if p.pid in pids)
+        out.append(OtherService(r.service, r.phase.value, r.promise, pids, held))
+    return tuple(out)
 
 
 def watch(

@@ -13,6 +13,7 @@ from gpuctl.core.decision import Decision, ServiceSpec, Verdict
 from gpuctl.core.jobs import job_specs, unreachable
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.plan import VictimFacts
+from gpuctl.core.promised_specs import as_promised, strangers
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 
@@ -71,6 +72,8 @@ def victim_facts(
     without one, this machine)."""
     from gpuctl.core.durations import expected_start_s
 
+    # Each at its record's own figures: its priority is what its start promised.
+    others = as_promised(others, seen.records)
     candidates = [
         o
         for o in others
@@ -110,6 +113,14 @@ def victim_facts(
             restart_s=expected_start_s(r),
             last_used=r.last_used,
         )
+    foreign, _ = strangers(seen.records.values(), (o.name for o in others), exclude=svc.name)
+    for f in foreign:
+        r = seen.records[f.name]
+        if r.phase in (Phase.RUNNING, Phase.STARTING, Phase.PREEMPTED):
+            # This config does not say how to stop it (no launcher): it holds its room.
+            out[f.name] = VictimFacts(
+                f.name, f.priority, managed=False, in_config=False, last_used=r.last_used
+            )
     jobs = job_specs(seen.records.values(), exclude=svc.name)
     if jobs and here is None:
         from gpuctl.adapters.procinfo import host_identity

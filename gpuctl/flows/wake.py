@@ -81,7 +81,7 @@ def wake(
     deps, svc = ctx.deps, ctx.deps.service
     holder = holder_here(deps.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
-    granted, _ = deps.store.acquire(svc.name, holder, ttl)
+    granted, _ = deps.store.acquire(svc.name, holder, ttl, svc.promise())
     if not granted:
         # Someone else is waking (or stopping) it: wait as a bystander.
         waited = wait_ready(ctx, BystanderWatch(ctx, "another caller holds the lease"))

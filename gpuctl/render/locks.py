@@ -44,6 +44,9 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
                 "starts": len(rec.attempts),
                 "starts_capped": _capped(rec.attempts),
                 "recovered": rec.recovered,
+                # What its last start promised (budget, devices, priority, kind,
+                # resume): what every client counts it at; null from an older release.
+                "promise": rec.promise.to_dict() if rec.promise else None,
                 "error": None,
             }
         )

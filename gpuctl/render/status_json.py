@@ -22,7 +22,11 @@
         "processes": [{"pid": 1, "command": "…", "memory_mib": 8200, "user": "me",
                        "container": null, "gpu": 0, "on_gpu": true, "sm_util_pct": 12,
                        "service": "vllm"}],
-        "starting":  [{"pid": 2, "command": "…", "user": "me", "service": "vllm"}]
+        "starting":  [{"pid": 2, "command": "…", "user": "me", "service": "vllm"}],
+        "others":    [{"name": "chat", "in_config": false, "phase": "starting",
+                       "budget_mib": 81920, "priority": 100, "kind": "server",
+                       "devices": null, "promise_known": true, "pids": [3],
+                       "memory_mib": 2048, "reason": "…"}]   # only other configs name it
       }],
       "services": [{
         "name": "vllm", "host": "dgx", "decision": "LOADING", "reason": "…",
@@ -43,7 +47,8 @@ from typing import Any
 from gpuctl.core.decision import Decision
 from gpuctl.core.model import GpuProcess
 from gpuctl.core.timestamps import normalise_iso
-from gpuctl.flows.results import HostReport, StatusReport
+from gpuctl.flows.results import HostReport, OtherService, StatusReport
+from gpuctl.render.others import other_reason
 
 SCHEMA = 1
 
@@ -66,6 +71,25 @@ def _holder(h: HostReport, p: GpuProcess) -> dict[str, Any]:
         "user": p.user,
         "service": owner.name if owner else None,
         "priority": owner.priority if owner else None,
+    }
+
+
+def _other(o: OtherService) -> dict[str, Any]:
+    """A service only another config names, at its record's promise (nulls: an older
+    release wrote the record, and what it promised is unknown)."""
+    p = o.promise
+    return {
+        "name": o.name,
+        "in_config": False,
+        "phase": o.phase,
+        "budget_mib": p.memory_mib if p else None,
+        "priority": p.priority if p else None,
+        "kind": p.kind if p else None,
+        "devices": list(p.devices) if p and p.devices is not None else None,
+        "promise_known": p is not None,
+        "pids": list(o.pids),
+        "memory_mib": o.memory_mib,
+        "reason": other_reason(o),
     }
 
 
@@ -93,6 +117,7 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
             "devices": [],
             "processes": [],
             "starting": [],
+            "others": [_other(o) for o in h.others],
         }
         if snap:
             promised = {m.gpu if m.gpu is not None else 0: m.promised_mib for m in h.memory}

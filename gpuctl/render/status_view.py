@@ -27,6 +27,7 @@ from gpuctl.core.safe_text import visible
 from gpuctl.core.timestamps import normalise_iso
 from gpuctl.core.units import format_duration, format_mib
 from gpuctl.flows.results import HostReport, MemoryUse, StatusReport
+from gpuctl.render.others import other_reason
 from gpuctl.render.safe import plain
 
 DECISION_STYLE = {
@@ -295,6 +296,16 @@ def service_table(h: HostReport, g: Glyphs = UNICODE) -> Table:
             mem,
             plain(reason),
         )
+    for o in h.others:
+        budget = o.promise.memory_mib if o.promise else None
+        mem = format_mib(o.memory_mib) if o.pids else "-"
+        mem += f" / {format_mib(budget)}" if budget else (" / ?" if o.promise is None else "")
+        t.add_row(
+            plain(o.name),
+            Text(o.phase, style="dim" if o.promise else "bold magenta"),
+            mem,
+            plain(other_reason(o)),
+        )
     return t
 
 
@@ -333,7 +344,7 @@ def host_panel(
         empty = "no process matches the filter" if filtered else "no processes on the GPU"
         parts.append(process_table(h, wide, width, g, empty))
         subtitle = plain(f"probe {snap.probe} {g.dot} {normalise_iso(snap.taken_at)}")
-    if h.services:
+    if h.services or h.others:
         parts.append(Text(""))
         parts.append(service_table(h, g))
     return Panel(

@@ -16,6 +16,7 @@ from gpuctl.adapters.store.codec import (
     decode_waiter,
     decode_waiters,
 )
+from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
@@ -54,6 +55,7 @@ class AgentStore:
         self._read_token = self._token or read_token or None
         self._timeout = httpx.Timeout(timeout_s)
         self._owned = client is None
+        self._keeps_promises = True  # until the agent refuses the key (an older one)
         # No credentials on the client: each request carries its own (a shared client
         # also talks to health URLs, which must never see the agent's token).
         self._client = client if client is not None else http_client(timeout_s)
@@ -165,12 +167,11 @@ class AgentStore:
         except ValueError as e:
             raise self._broken(f"a broken set-aside list: {e}") from None
 
-    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
-        data = self._call(
-            "POST",
-            f"/records/{check_name(service)}/lease",
-            {"holder": holder.to_dict(), "ttl_s": ttl_s},
-        )
+    def acquire(
+        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+    ) -> tuple[bool, Record]:
+        body: dict[str, Any] = {"holder": holder.to_dict(), "ttl_s": ttl_s}
+        data = self._promising("POST", f"/records/{check_name(service)}/lease", body, promise)
         granted = data.get("granted") if isinstance(data, dict) else None
         if not isinstance(granted, bool):
             raise self._broken("a lease answer without a boolean 'granted'")
@@ -201,10 +202,26 @@ class AgentStore:
             )
         )
 
-    def touch(self, service: str, ready: bool = False) -> Record:
-        return self._record(
-            self._call("POST", f"/records/{check_name(service)}/touch", {"ready": ready})
-        )
+    def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
+        path = f"/records/{check_name(service)}/touch"
+        return self._record(self._promising("POST", path, {"ready": ready}, promise))
+
+    def _promising(
+        self, method: str, path: str, body: dict[str, Any], promise: Promise | None
+    ) -> Any:
+        """``body`` with the promise, to an agent that keeps promises. An agent older than
+        promises refuses the key (400 "unknown field"): it is asked again without it, once
+        per client, and its records carry no figures (other configs count them as unknown
+        memory, never as none)."""
+        if promise is None or not self._keeps_promises:
+            return self._call(method, path, body)
+        try:
+            return self._call(method, path, {**body, "promise": promise.to_dict()})
+        except UsageError as e:
+            if "promise" not in e.message or "unknown field" not in e.message:
+                raise
+            self._keeps_promises = False
+            return self._call(method, path, body)
 
     def inflight_begin(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
         data = self._call(

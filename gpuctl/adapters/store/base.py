@@ -7,6 +7,7 @@ import uuid
 from typing import Any, Protocol
 
 from gpuctl.core.names import NAME_RE
+from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside
 from gpuctl.errors import UsageError
@@ -38,8 +39,14 @@ class Store(Protocol):
         them until someone removes them)."""
         ...
 
-    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
-        """Take the lease unless someone else holds a live one. Returns (granted, record)."""
+    def acquire(
+        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+    ) -> tuple[bool, Record]:
+        """Take the lease unless someone else holds a live one. Returns (granted, record).
+
+        ``promise``: what the start this lease is for promises (its budget, devices,
+        priority, kind, resumability), written with the lease in one write, so no client
+        ever sees the lease without the figures it must count it at."""
         ...
 
     def renew(self, service: str, holder_id: str, ttl_s: float) -> Record: ...
@@ -52,11 +59,14 @@ class Store(Protocol):
         """Apply ``update`` as the lease holder (StoreError otherwise)."""
         ...
 
-    def touch(self, service: str, ready: bool = False) -> Record:
+    def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
         """last_used = now: every entry point marks a use the same way.
 
         ``ready``: the caller saw it answer its health check, so a record still saying
-        ``starting`` (its launcher was interrupted) becomes ``running``.
+        ``starting`` (its launcher was interrupted) becomes ``running``. ``promise``: the
+        caller's figures for the service, written only where the record has none (an
+        older release wrote it): a host heals as it is used, and a start's own promise
+        is never overwritten by another config's idea of it.
         """
         ...
 

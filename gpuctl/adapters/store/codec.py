@@ -1,5 +1,8 @@
 """Record files and wire bodies to ``core.record`` data and back, through one schema.
 
+Long because the schema is one declaration (its field tables) with the decoders that
+read it, and splitting them would put a record's shape in two places.
+
 Every record is checked against the tables below when it is read (a file, an agent's
 answer) and before it is written, so a record that a hostile or broken writer left
 cannot make a reader crash, or lie: a pid of 2**31 that overflows ``kill()``, a NaN or
@@ -43,8 +46,17 @@ from gpuctl.adapters.store.schema import (
     text,
 )
 from gpuctl.core.names import NAME_RE
+from gpuctl.core.promise import MAX_DEVICE_INDEX, Promise
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S, Waiter
-from gpuctl.core.record import RECORD_SCHEMA, Failure, Holder, Lease, Phase, Record, SetAside
+from gpuctl.core.record import (
+    RECORD_SCHEMA,
+    Failure,
+    Holder,
+    Lease,
+    Phase,
+    Record,
+    SetAside,
+)
 
 __all__ = [
     "DURATION",
@@ -65,6 +77,7 @@ __all__ = [
     "check_record",
     "decode_holder",
     "decode_lease",
+    "decode_promise",
     "decode_record",
     "decode_set_aside",
     "decode_waiter",
@@ -173,6 +186,18 @@ def _handle(v: Any, at: str) -> dict[str, Any]:
 _HANDLE = _handle
 _ATTEMPT = obj(ATTEMPT_FIELDS, extra=scalar)
 
+# What a start promises (``core.record.Promise``): every client counts the service by
+# these figures, so they are as strictly typed as a pid. The bounds are the config's.
+PROMISE_FIELDS: Final = {
+    "memory_mib": (nullable(integer(1, 1 << 40)), REQUIRED),
+    "priority": (integer(-PRIORITY_MAX, PRIORITY_MAX), REQUIRED),
+    "devices": (nullable(array(integer(0, MAX_DEVICE_INDEX), MAX_DEVICE_INDEX + 1)), None),
+    "kind": (one_of("server", "batch"), "server"),
+    "resume": (one_of(True, False), False),
+    "health_timeout_s": (number(0.0, DURATION_MAX), 600.0),
+}
+_PROMISE = obj(PROMISE_FIELDS)
+
 RECORD_FIELDS: Final = {
     "schema": (one_of(RECORD_SCHEMA), RECORD_SCHEMA),
     "service": (SERVICE, REQUIRED),
@@ -186,6 +211,7 @@ RECORD_FIELDS: Final = {
     "recovered": (nullable(text(4096)), None),
     "start_nonce": (nullable(NONCE), None),
     "health": (nullable(URL), None),
+    "promise": (nullable(_PROMISE), None),
 }
 _RECORD = obj(RECORD_FIELDS)
 
@@ -244,7 +270,25 @@ def decode_record(data: Any, at: str = "$") -> Record:
         recovered=v["recovered"],
         start_nonce=v["start_nonce"],
         health=v["health"],
+        promise=_promise(v["promise"]) if v["promise"] is not None else None,
     )
+
+
+def _promise(v: dict[str, Any]) -> Promise:
+    devices = v["devices"]
+    return Promise(
+        memory_mib=v["memory_mib"],
+        priority=v["priority"],
+        devices=tuple(devices) if devices is not None else None,
+        kind=v["kind"],
+        resume=v["resume"],
+        health_timeout_s=v["health_timeout_s"],
+    )
+
+
+def decode_promise(data: Any, at: str = "$.promise") -> Promise:
+    """A start's promise on its own (the agent's lease and touch bodies carry one)."""
+    return _promise(_PROMISE(data, at))
 
 
 def _lease(v: dict[str, Any]) -> Lease:

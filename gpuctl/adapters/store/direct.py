@@ -43,6 +43,7 @@ from gpuctl.adapters.store.codec import (
 from gpuctl.adapters.store.files import NotAFile, folder_modes, make_state_dirs, read_bounded
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.adapters.store.queue import QueueFiles
+from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     Holder,
     LeaseState,
@@ -321,13 +322,17 @@ class DirectStore(InflightFiles, QueueFiles):
             out.append(SetAside(m["service"], path.name, float(m["stamp"]), size, clip(why)))
         return sorted(out, key=lambda a: (a.at, a.file))
 
-    def acquire(self, service: str, holder: Holder, ttl_s: float) -> tuple[bool, Record]:
+    def acquire(
+        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+    ) -> tuple[bool, Record]:
         lock = self._locked(service)
         try:
             rec, state = self._effective(self._read(service))
             if state is LeaseState.LIVE and rec.lease is not None and rec.lease.holder != holder.id:
                 return False, rec
             rec = replace(rec, lease=holder.lease(self.clock(), ttl_s))
+            if promise is not None:
+                rec = replace(rec, promise=promise)
             self._write(rec)
             return True, rec
         finally:
@@ -383,7 +388,7 @@ class DirectStore(InflightFiles, QueueFiles):
         finally:
             lock.release()
 
-    def touch(self, service: str, ready: bool = False) -> Record:
+    def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
         lock = self._locked(service)
         try:
             on_disk = self._read(service)
@@ -394,6 +399,8 @@ class DirectStore(InflightFiles, QueueFiles):
                 # sees the stop in the record it gets back.
                 return current
             rec = on_disk.used(self.clock(), ready=ready)
+            if promise is not None and rec.promise is None:
+                rec = replace(rec, promise=promise)
             self._write(rec)
             return self._effective(rec)[0]
         finally:
