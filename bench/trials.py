@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `tests.trials`
 
+import tests.trials_configs
 import tests.trials_priority
 import tests.trials_reclaim  # noqa: F401  (registers reclaim, in_use requests and their checks)
 from gpuctl.sim.host import SimHost

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.trials_configs
 import tests.trials_priority
 import tests.trials_reclaim  # noqa: F401  (registers reclaim, in_use requests and their checks)
 from gpuctl.sim.host import SimHost

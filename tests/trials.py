@@ -78,6 +78,9 @@ class Svc:
     preempt: bool = False  # `preempt = true`: any ensure of it may stop lower priorities
     resume: bool = False
     weight: float = 1.0  # how often actions pick it
+    # Only the second laptop's config names it (tests/trials_configs.py): the main
+    # config's callers count it by its record's promise alone.
+    only_b: bool = False
 
 
 @dataclass
@@ -114,6 +117,10 @@ class Trial:
     observations: list[Observation] = field(default_factory=list)
     # What every name of this trial starts with (its services and jobs).
     prefix: str = ""
+    # A second laptop's config (names chat and the services only it knows), and the
+    # same host read without its agent (the direct store): tests/trials_configs.py.
+    cfg_b: Path | None = None
+    cfg_direct: Path | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -126,11 +133,15 @@ class Trial:
         *args: str,
         env: dict[str, str] | None = None,
         preempts: int | None = None,
+        cfg: Path | None = None,
     ) -> None:
+        """``cfg``: the caller's config (default: the one that names ``svc``)."""
         # The host's environment (its sim dir and GPU), not ours: a server started with
         # another sim dir would claim memory on another simulated GPU.
         full = self.host.env()
-        full["GPUCTL_CONFIG"] = str(self.cfg)
+        if cfg is None:
+            cfg = self.cfg_b if svc.only_b and self.cfg_b is not None else self.cfg
+        full["GPUCTL_CONFIG"] = str(cfg)
         full.pop("GPUCTL_DEBUG", None)
         full.update(env or {})
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -445,18 +456,39 @@ class Report:
 
 
 def scenario(prefix: str) -> list[Svc]:
-    """The services of a trial (see the module's docstring): chat preempts the batch."""
+    """The services of a trial (see the module's docstring): chat preempts the batch;
+    ``guest`` is known to the second laptop's config only."""
     return [
         Svc(f"{prefix}chat", free_port(), 80, "1.5s", 100, preempt=True, weight=3),
         Svc(f"{prefix}batch", free_port(), 30, "0.5s", 50, resume=True, weight=2),
         Svc(f"{prefix}peer", free_port(), 20, "0.5s", 100, weight=1),
+        Svc(f"{prefix}guest", free_port(), 25, "0.5s", 60, weight=1, only_b=True),
     ]
+
+
+def service_tables(services: list[Svc]) -> str:
+    """The ``[services.*]`` tables of ``services``, as every config of a trial has them."""
+    toml = ""
+    for s in services:
+        t = service_toml(
+            s.name, s.port, model_server_command(s.name, s.port, f"{s.memory_gib}GiB", s.load_time)
+        )
+        toml += t.replace('memory = "20GiB"', f'memory = "{s.memory_gib}GiB"').replace(
+            'health_timeout = "60s"',
+            # A short idle timeout gives reclaim (tests/trials_reclaim.py) work to do.
+            'health_timeout = "20s"\nstop_timeout = "3s"\nidle_timeout = "2s"',
+        )
+        toml += f"priority = {s.priority}\n"
+        toml += "preempt = true\n" if s.preempt else ""
+        toml += "resume = true\n" if s.resume else ""
+        toml += "\n"
+    return toml
 
 
 def opening(t: Trial, report: Report) -> None:
     """The batch (mostly), often a preemptible job and the peer: the room chat needs is
     then taken, and chat must preempt (or is BUSY)."""
-    _chat, batch, peer = t.services
+    _chat, batch, peer = t.services[:3]
     first = [("ensure", batch)] if t.rng.random() < 0.9 else []
     if t.rng.random() < 0.7 and "run --preemptible" in ACTIONS:
         first.append(("run --preemptible", t.rng.choice(t.services)))
@@ -488,21 +520,18 @@ def run_trials(
     # Names no other run on this machine carries (servers are told apart by name).
     prefix = f"t{secrets.token_hex(4)}"
     services = scenario(prefix)
-    toml = ""
-    for s in services:
-        t = service_toml(
-            s.name, s.port, model_server_command(s.name, s.port, f"{s.memory_gib}GiB", s.load_time)
-        )
-        toml += t.replace('memory = "20GiB"', f'memory = "{s.memory_gib}GiB"').replace(
-            'health_timeout = "60s"',
-            # A short idle timeout gives reclaim (tests/trials_reclaim.py) work to do.
-            'health_timeout = "20s"\nstop_timeout = "3s"\nidle_timeout = "2s"',
-        )
-        toml += f"priority = {s.priority}\n"
-        toml += "preempt = true\n" if s.preempt else ""
-        toml += "resume = true\n" if s.resume else ""
-        toml += "\n"
-    trial = Trial(host, host.write_config(toml), services, rng, prefix=prefix)
+    mine = [s for s in services if not s.only_b]
+    trial = Trial(host, host.write_config(service_tables(mine)), services, rng, prefix=prefix)
+    # The second laptop: chat (as the first names it) and what only it knows, through
+    # the same agent; and the first laptop's services on the host without the agent.
+    b = [s for s in services if s.only_b or s.preempt]
+    agent_head = trial.cfg.read_text().split("[services.", 1)[0]
+    trial.cfg_b = host.base / "laptop-b.toml"
+    trial.cfg_b.write_text(agent_head + service_tables(b))
+    trial.cfg_direct = host.base / "on-host.toml"
+    trial.cfg_direct.write_text(
+        f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{host.sim_dir}"\n\n' + service_tables(mine)
+    )
     report = Report(seed)
     names = list(ACTIONS)
     weights = [ACTIONS[n][0] for n in names]
