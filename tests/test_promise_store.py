@@ -149,3 +149,21 @@ def test_an_agent_older_than_promises_still_grants_the_lease(
             s.update("vllm", "nobody-holds-this", {"phase": "bogus"})
     finally:
         s.close()
+
+
+def test_a_config_promises_its_own_figures_and_takes_a_records_back() -> None:
+    from gpuctl.config import ServiceConfig
+
+    svc = ServiceConfig(
+        "vllm", "dgx", memory_mib=81920, priority=100, devices=(1,), kind="batch", resume=True
+    )
+    p = svc.promise()
+    assert p == Promise(81920, 100, (1,), "batch", True, svc.health_timeout_s)
+    other = svc.with_promise(OTHER)
+    assert (other.memory_mib, other.priority, other.devices, other.kind) == (
+        1024,
+        1,
+        None,
+        "server",
+    )
+    assert other.launcher == svc.launcher and other.name == "vllm"  # the rest is the config's

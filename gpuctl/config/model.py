@@ -8,7 +8,7 @@ where its tokens live, and ``secrets`` reads them when a request needs one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -176,28 +176,14 @@ class ServiceConfig:
     kind: str = "server"
 
     def promise(self) -> Promise:
-        """What a start of this service promises the host (``core.record.Promise``),
-        written into its record with the start's lease."""
-        return Promise(
-            memory_mib=self.memory_mib,
-            priority=self.priority,
-            devices=self.devices,
-            kind=self.kind,
-            resume=self.resume,
-            health_timeout_s=self.health_timeout_s,
-        )
+        """What a start of this service promises the host (``core.promise.Promise``),
+        written into its record with the start's lease. The promise's fields are named
+        as this config's, so each is read (and taken back) by its name."""
+        return Promise(**{f.name: getattr(self, f.name) for f in fields(Promise)})
 
     def with_promise(self, p: Promise) -> ServiceConfig:
-        """This service with the figures a record's promise gives (``core.promises``)."""
-        return replace(
-            self,
-            memory_mib=p.memory_mib,
-            priority=p.priority,
-            devices=p.devices,
-            kind=p.kind,
-            resume=p.resume,
-            health_timeout_s=p.health_timeout_s,
-        )
+        """This service with the figures a record's promise gives (``core.promised_specs``)."""
+        return replace(self, **{f.name: getattr(p, f.name) for f in fields(Promise)})
 
     @property
     def keywords(self) -> tuple[str, ...]:
