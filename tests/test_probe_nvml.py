@@ -402,12 +402,62 @@ def test_gb10_not_supported_total_from_memtotal(monkeypatch: pytest.MonkeyPatch)
     assert r.memory_used_mib == 20000
 
 
-def test_total_zero_counts_as_unified(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The disputed GB10 variant: success with total = free = used = 0.
-    dev = Device(memory=(0, 0)).with_("Compute", [proc(NO_SUCH_PID, 100 * MIB)])
-    FakeDriver(monkeypatch, dev)
+def test_a_discrete_gpu_answering_total_zero_is_unknown_not_unified(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Success with total = 0 was taken for unified memory, so the host's MemTotal (or
+    the configured total) showed as free. GB10 answers NOT_SUPPORTED; a device that
+    answers 0 has given no figure, and that GPU is unknown."""
+    zero = Device(memory=(0, 0)).with_("Compute", [proc(NO_SUCH_PID, 100 * MIB)])
+    FakeDriver(monkeypatch, Device(), zero)
     r = NvmlProbe(gpu_memory_mib=1000).read()
-    assert (r.unified_memory, r.memory_used_mib, r.memory_total_mib) == (True, 100, 1000)
+    d1 = r.devices[1]
+    assert not d1.unified and d1.error is not None and "total memory of 0" in d1.error
+    assert r.unified_memory is False
+    assert _decide(r, _Spec("llm", 500)).decision.value == "UNKNOWN"
+    FakeDriver(monkeypatch, zero)
+    with pytest.raises(ProbeError, match="total memory of 0"):
+        NvmlProbe(gpu_memory_mib=1000).read()
+
+
+def test_gb10_process_of_unknown_memory_makes_free_memory_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GB10 with a process whose memory NVML cannot tell counted it as 0, so a 100 GiB
+    service was FITS. On unified memory "used" is the processes' sum: one unknown makes
+    the GPU's free memory unknown, and the decision UNKNOWN, naming the pid."""
+    dev = gb10().with_("Compute", [proc(NO_SUCH_PID, 19135 * MIB), proc(NO_SUCH_PID + 1, None)])
+    FakeDriver(monkeypatch, dev)
+    r = NvmlProbe(gpu_memory_mib=122880).read()
+    (d,) = r.devices
+    assert d.unified and d.error is not None and str(NO_SUCH_PID + 1) in d.error
+    assert d.memory_used_mib is None
+    assert [p.pid for p in r.processes] == [NO_SUCH_PID, NO_SUCH_PID + 1]  # still listed
+    v = _decide(r, _Spec("big", 100 * 1024))
+    assert v.decision.value == "UNKNOWN", v.reason
+    assert f"pid {NO_SUCH_PID + 1}" in v.reason
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [(NA, NA), (GIB, NA), (NA, 80 * GIB), (90 * GIB, 80 * GIB)],
+    ids=["both-na", "total-na", "used-na", "used-beyond-total"],
+)
+def test_sentinel_memory_is_unknown_never_16_eib(
+    monkeypatch: pytest.MonkeyPatch, memory: tuple[int, int]
+) -> None:
+    """A total or used of NVML_VALUE_NOT_AVAILABLE (2^64-1) was read as 16 EiB, so a
+    1000 GiB service was FITS: that GPU is unknown, the decision UNKNOWN."""
+    FakeDriver(monkeypatch, Device(), Device(memory=memory))
+    r = NvmlProbe().read()
+    d1 = r.devices[1]
+    assert d1.error is not None and "memory is unknown" in d1.error
+    assert (d1.memory_used_mib, d1.memory_total_mib) == (None, None)
+    assert r.memory_total_mib == 80 * 1024  # the readable GPU only
+    assert _decide(r, _Spec("huge", 1000 * 1024)).decision.value == "UNKNOWN"
+    FakeDriver(monkeypatch, Device(memory=memory))
+    with pytest.raises(ProbeError, match="memory is unknown"):
+        NvmlProbe().read()
 
 
 def test_only_the_device_without_a_figure_is_unified(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -545,6 +595,15 @@ def test_unknown_figures_stay_none_never_zero(monkeypatch: pytest.MonkeyPatch) -
     (d,) = r.devices
     assert (d.utilization_pct, d.temperature_c, d.power_w) == (None, None, None)
     assert r.processes[0].sm_util_pct is None
+
+
+def test_sentinel_temperature_and_power_are_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4294967295 °C and 4,294,967 W were shown: NVML's unsigned "not available"."""
+    dev = Device(temperature=0xFFFFFFFF, power_mw=0xFFFFFFFF)
+    FakeDriver(monkeypatch, dev.with_("Compute", [proc(NO_SUCH_PID, GIB)]))
+    (d,) = NvmlProbe().read().devices
+    assert (d.temperature_c, d.power_w) == (None, None)
+    assert d.readable and d.memory_total_mib == 80 * 1024  # the rest of the GPU is read
 
 
 def test_a_measured_zero_stays_zero(monkeypatch: pytest.MonkeyPatch) -> None:

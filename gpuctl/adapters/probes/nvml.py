@@ -6,7 +6,12 @@ NVML quirks this module works around (as gpustat, nvitop and nvtop met them):
   ``NOT_SUPPORTED`` with total = 0, while per-process memory still works. That device
   (and only that device) is unified: its total comes from the config or MemTotal and
   its "used" is the sum of its processes (host RAM use would count the OS as GPU use,
-  nvtop #511).
+  nvtop #511); a process there whose memory NVML cannot tell makes that sum, and so
+  the device, unknown.
+* Sentinels: a device that answers total 0 (not NOT_SUPPORTED), a total or used of
+  ``NVML_VALUE_NOT_AVAILABLE`` (2^64-1 bytes), used beyond total: that GPU's memory is
+  unknown (the GPU is reported with ``error``), never 16 EiB free and never unified.
+  A temperature or power of 0xFFFFFFFF (or beyond any real board) is unknown.
 * ``_v3`` vs ``_v2`` process structs (driver 535.43): the struct is chosen by the
   functions the driver exports, as nvitop does (``nvml_procs``); a list that still reads
   garbage pids is read again through ``_v2``.
@@ -30,13 +35,17 @@ import time
 from typing import Any
 
 from gpuctl.adapters.probes.common import (
+    MAX_POWER_W,
+    MAX_TEMPERATURE_C,
     MIB,
     describe_processes,
     larger,
+    memory_problem,
     percent,
     text_of,
     unified_device,
     valid_pid,
+    within,
 )
 from gpuctl.adapters.probes.nvml_procs import (
     ProcessCall,
@@ -261,6 +270,10 @@ class NvmlProbe:
             memory = self._memory(nv, handle)
         except nv.NVMLError as e:
             raise _DeviceError("memory info", e) from e
+        problem = memory_problem(*memory) if memory else None
+        if problem:
+            err = ProbeError(f"GPU {idx}'s memory is unknown: {problem}")
+            raise _DeviceError("memory info", err)
         found: dict[tuple[int, int], int | None] = {}
         for kind in _PROCESS_LISTS:
             try:
@@ -286,8 +299,10 @@ class NvmlProbe:
             name=text_of(self._optional(nv, lambda: nv.nvmlDeviceGetName(handle))),
             uuid=text_of(self._optional(nv, lambda: nv.nvmlDeviceGetUUID(handle))),
             utilization_pct=percent(util),
-            temperature_c=int(temp) if isinstance(temp, int) else None,
-            power_w=round(power_mw / 1000, 1) if isinstance(power_mw, int) else None,
+            temperature_c=within(temp, MAX_TEMPERATURE_C),
+            power_w=round(power_mw / 1000, 1)
+            if within(power_mw, MAX_POWER_W * 1000) is not None
+            else None,
         )
 
     @staticmethod
@@ -336,8 +351,6 @@ class NvmlProbe:
                 if _code(e) == nv.NVML_ERROR_NOT_SUPPORTED:  # GB10: both versions refuse
                     return None
                 raise
-        if not mem.total:  # GB10 fills total = free = used = 0
-            return None
         return int(mem.used) // MIB, int(mem.total) // MIB
 
     def _processes(
