@@ -867,3 +867,27 @@ def test_a_gpu_without_a_handle_is_unknown_the_others_are_read(
     fake.handle_errors = {0: pynvml.NVML_ERROR_GPU_IS_LOST, 1: pynvml.NVML_ERROR_GPU_IS_LOST}
     with pytest.raises(ProbeError, match="is lost"):
         NvmlProbe().read()
+
+
+def test_memory_used_with_no_process_listed_is_held_not_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MIG's hidden processes, or a container without --pid=host: 40 of 80 GiB used and
+    no process listed gave IDLE and is_idle true. Beyond the driver's reserve it is
+    held: 20 GiB is FITS beside it (and says so), 60 GiB is BUSY, nothing is IDLE."""
+    from gpuctl.core.model import snapshot_from_reading
+
+    FakeDriver(monkeypatch, Device(memory=(40 * GIB, 80 * GIB)))
+    reading = NvmlProbe().read()
+    assert reading.processes == ()
+    assert snapshot_from_reading(reading, taken_at="t").is_idle is False
+    v = _decide(reading, _Spec("mid", 20 * 1024))
+    assert v.decision.value == "FITS", v.reason
+    assert "40.0 GiB no process accounts for" in v.reason
+    v = _decide(reading, _Spec("big", 60 * 1024))
+    assert v.decision.value == "BUSY", v.reason
+    # The driver's own few hundred MiB (memory info v1 on an idle board) are no holder.
+    FakeDriver(monkeypatch, Device(memory=(614 * MIB, 80 * GIB)))
+    reading = NvmlProbe().read()
+    assert snapshot_from_reading(reading, taken_at="t").is_idle is True
+    assert _decide(reading, _Spec("mid", 20 * 1024)).decision.value == "IDLE"

@@ -296,8 +296,14 @@ def openapi_document() -> dict[str, Any]:
                         "is_idle": {
                             "type": "boolean",
                             "description": (
-                                "True exactly when `processes` is empty and every GPU "
-                                "could be read."
+                                "True only when `processes` is empty, every GPU could be "
+                                "read, no GPU holds more than the driver's reserve "
+                                "(1024 MiB) that no process accounts for, and no record "
+                                "of the host's store holds a lease or says `starting` "
+                                "(read at each answer). So it can be false with "
+                                "`processes` empty: a start between taking its lease and "
+                                "its server existing, or memory held by processes this "
+                                "agent cannot see (MIG, another PID namespace)."
                             ),
                         },
                         "memory_used_mib": nullable_int,

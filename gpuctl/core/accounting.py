@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.model import DRIVER_RESERVE_MIB, GpuProcess, Snapshot
 from gpuctl.core.ownership import ServiceSpec, describe_process, loading_match, owner_of
 from gpuctl.core.units import format_mib
 
@@ -194,6 +194,6 @@ def held_by(
         parts.append(f"{rest} more")
     parts += [f"{n} (starting)" for n in promised]
     unattributed = max((r.unattributed_mib for r in rooms), default=0)
-    if unattributed >= 1024:
+    if unattributed > DRIVER_RESERVE_MIB:
         parts.append(f"{format_mib(unattributed)} no process accounts for")
     return "; ".join(parts) or "other services starting"

@@ -16,7 +16,8 @@ UNKNOWN     not healthy, and the agent cannot tell us why; or a GPU the service 
 LOADING     someone else holds its lease, or a process of this service is on the GPU
             or starting (not on it yet), or its recorded server runs
 FAILED      the last start failed and its back-off has not run out
-IDLE        no GPU process at all, and no other service is starting
+IDLE        no GPU process at all, no other service is starting, and no GPU holds
+            memory beyond the driver's reserve that no process accounts for
 FITS        others hold GPU memory, but this service's budget fits on one GPU beside them
 PREEMPTABLE it fits on no GPU as things are, but would on one once some victims stop:
             managed services of strictly lower priority, or ``gpuctl run --preemptible``
@@ -52,7 +53,7 @@ from gpuctl.core.accounting import (
     holders_of,
     on_gpu_text,
 )
-from gpuctl.core.model import GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.model import DRIVER_RESERVE_MIB, GpuProcess, Snapshot, StartingProcess
 from gpuctl.core.ownership import (
     ServiceSpec,
     describe_process,
@@ -310,10 +311,13 @@ def classify(
         )
     many = len(rooms) > 1
     need = spec.memory_mib
-    idle = not snapshot.gpu_processes and not others_starting and not others_leased
+    # Memory beyond the driver's reserve that no process accounts for is a process we
+    # cannot see (another PID namespace, a MIG instance hidden from us): never IDLE; the
+    # rows below count it as held (FITS beside it, or BUSY).
+    hidden = any(r.unattributed_mib > DRIVER_RESERVE_MIB for r in rooms)
+    idle = not snapshot.gpu_processes and not others_starting and not others_leased and not hidden
     if idle:
-        # Nothing runs, but memory nothing accounts for (a process in another PID
-        # namespace, a MIG slice we cannot see into) still is not free.
+        # Nothing runs; the reserve still is not free.
         room = best_fit(usable, need or 0)
         if need is None or room is not None or all(r.total_mib is None for r in usable):
             chosen = room or usable[0]

@@ -9,6 +9,7 @@ UNKNOWN, never idle. Errors name the field (``processes[2].memory_mib``).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
@@ -39,7 +40,11 @@ def parse_status(data: object) -> Snapshot:
             raise ValueError(f"devices: more than {MAX_GPUS} GPUs")
         devices = tuple(_device(d, f"devices[{i}]") for i, d in enumerate(raw))
     is_idle = _req(data, "is_idle", bool)
-    if is_idle != (not processes and all(d.readable for d in devices)):
+    # Idle with a process listed or a GPU unread is a lie; not idle with nothing listed
+    # is the agent's to say (its store promises the GPU, or memory no process accounts
+    # for is held), and ``promised`` keeps that word. An older agent's "idle" beside
+    # unattributed memory is accepted, and the Snapshot, counting that memory, is not idle.
+    if is_idle and not (not processes and all(d.readable for d in devices)):
         raise ValueError("is_idle disagrees with processes")
     starting: tuple[StartingProcess, ...] | None = None
     if data.get("starting") is not None:
@@ -69,7 +74,7 @@ def parse_status(data: object) -> Snapshot:
             if not isinstance(n, str):
                 raise ValueError(f"notes[{i}] should be a string, got {type(n).__name__}")
         notes = tuple(n[:MAX_NOTE_CHARS] for n in raw_notes)
-    return Snapshot(
+    snap = Snapshot(
         memory_used_mib=_mib(data, "memory_used_mib", "memory_used_mib"),
         memory_total_mib=_mib(data, "memory_total_mib", "memory_total_mib"),
         unified_memory=unified,
@@ -84,6 +89,7 @@ def parse_status(data: object) -> Snapshot:
         servers=servers,
         notes=notes,
     )
+    return replace(snap, promised=True) if not is_idle and snap.is_idle else snap
 
 
 def _req(d: dict[str, Any], key: str, typ: type, within: str = "") -> Any:
