@@ -4,6 +4,7 @@ never a reading (and never an idle GPU). Per-GPU figures round-trip."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -304,3 +305,47 @@ def test_builder_fills_each_gpu_by_its_own_rule() -> None:
     assert snap.is_idle is False
     # A process on the GPU is not "starting"; the agent's on_gpu false entry still is.
     assert [s.pid for s in snap.starting or ()] == [10]
+
+
+def test_mig_instances_and_process_instance_round_trip() -> None:
+    from gpuctl.core.model import MigInstance
+
+    snap = Snapshot(
+        11468,
+        81920,
+        False,
+        "nvml",
+        "t",
+        (GpuProcess(7, "vllm", None, gpu=0, mig=1),),
+        devices=(
+            GpuDevice(
+                0,
+                11468,
+                81920,
+                mig=(MigInstance(1, 11571, 40960, "MIG-1"), MigInstance(2, 17, 20480)),
+            ),
+        ),
+    )
+    wire = json.loads(json.dumps(snap.to_wire()))
+    assert wire["devices"][0]["mig"][0] == {
+        "id": 1,
+        "uuid": "MIG-1",
+        "memory_used_mib": 11571,
+        "memory_total_mib": 40960,
+    }
+    assert wire["processes"][0]["mig"] == 1
+    assert parse_status(wire) == snap
+
+
+@pytest.mark.parametrize(
+    ("mig", "needle"),
+    [
+        ([{"id": -1}], "mig[0].id' is out of range"),
+        ([{"id": 1, "memory_total_mib": 2**60}], "mig[0].memory_total_mib"),
+        ({"1": {}}, "field 'mig' should be list"),
+        (["x"], "mig[0] should be an object"),
+    ],
+)
+def test_bad_mig_instances_are_located_errors(mig: Any, needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        parse_status(body(devices=[{**DEV, "mig": mig}]))

@@ -27,8 +27,9 @@ BUSY        it fits on no GPU it may use (or has no budget and anything else run
             who (pid, command, memory; the service and its priority when it is ours)
 =========== ==============================================================
 
-Memory is accounted per GPU (``gpu_rooms``): a service fits on one GPU, or on one of
-the GPUs its ``devices`` names, and the verdict says which (best fit). On each GPU, a
+Memory is accounted per GPU (``gpu_rooms``), and per MIG instance where MIG is on: a
+service fits on one GPU or instance, of the GPUs its ``devices`` names, and the verdict
+says which (best fit). On each GPU, a
 process of a configured service counts at the larger of what it holds and its
 service's budget; a service that is starting (not on a GPU yet) counts at its budget
 on every GPU it may land on; and device memory that no process accounts for
@@ -352,7 +353,7 @@ def classify(
             name,
             Decision.FITS,
             f"needs {format_mib(need)}, {format_mib(room.free_mib)} of {format_mib(room.total_mib)} "
-            f"free{on_gpu_text(room, many)} beside {held_by((room,))}",
+            f"free{on_gpu_text(room, many)} {_beside(room)}",
             holders=room.holders,
             need_mib=need,
             free_mib=room.free_mib,
@@ -371,7 +372,7 @@ def classify(
     if victims is not None:
         plan = plan_victims(need, usable, victims, priority=spec.priority, force=force)
         if plan is not None:
-            on = next(r for r in usable if r.index == plan.gpu)
+            on = next(r for r in usable if (r.index, r.mig) == (plan.gpu, plan.mig))
             assert on.total_mib is not None
             stops = "stops" if len(plan.victims) == 1 else "stop"
             return Verdict(
@@ -390,8 +391,12 @@ def classify(
             )
     most = max(known, key=lambda r: (r.free_mib or 0, -r.index))
     assert most.free_mib is not None and most.total_mib is not None
-    where = " on any GPU" if many and len(usable) > 1 else on_gpu_text(most, many)
-    best = f" (most on GPU {most.index})" if where == " on any GPU" else ""
+    mig = any(r.mig is not None for r in usable)
+    where = on_gpu_text(most, many)
+    best = ""
+    if many and len(usable) > 1:
+        where = " on any MIG instance or GPU" if mig else " on any GPU"
+        best = f" (most{on_gpu_text(most, True)})"
     kept = ""
     if victims is not None:
         kept_back = held_back(usable, victims, priority=spec.priority, force=force)
@@ -407,3 +412,11 @@ def classify(
         free_mib=most.free_mib,
         ours=ours,
     )
+
+
+def _beside(room: GpuRoom) -> str:
+    """What a FITS shares its GPU with; an empty room on a host that is not idle (others
+    starting elsewhere, memory held on another MIG instance) says so."""
+    if room.holders or room.promised or room.unattributed_mib > DRIVER_RESERVE_MIB:
+        return f"beside {held_by((room,))}"
+    return "(nothing holds it; other GPUs or instances are in use)"

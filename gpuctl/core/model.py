@@ -52,6 +52,9 @@ class GpuProcess:
     gpu: int = 0
     on_gpu: bool = True
     sm_util_pct: int | None = None
+    # The MIG instance (its GPU instance id) the process runs in; None: MIG is off, or
+    # the driver did not say (then it may be on any instance of its GPU).
+    mig: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -63,6 +66,26 @@ class GpuProcess:
             "gpu": self.gpu,
             "on_gpu": self.on_gpu,
             "sm_util_pct": self.sm_util_pct,
+            "mig": self.mig,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """One MIG instance of a GPU with MIG on: memory is its own (a process sees only its
+    instance's), so admission counts each instance apart, as one small GPU."""
+
+    id: int  # the GPU instance id (nvidia-smi's "GI ID")
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    uuid: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "uuid": self.uuid,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_total_mib": self.memory_total_mib,
         }
 
 
@@ -87,6 +110,9 @@ class GpuDevice:
     temperature_c: int | None = None
     power_w: float | None = None
     error: str | None = None
+    # MIG on: its instances, each its own memory (empty: MIG off). The device's own
+    # figures stay for the view and the host's sums; admission reads the instances.
+    mig: tuple[MigInstance, ...] = ()
 
     @property
     def readable(self) -> bool:
@@ -104,6 +130,7 @@ class GpuDevice:
             "temperature_c": self.temperature_c,
             "power_w": self.power_w,
             "error": self.error,
+            "mig": [m.to_wire() for m in self.mig],
         }
 
 
@@ -177,8 +204,10 @@ class Snapshot:
             and not self.promised
             and all(
                 d.readable
-                and d.memory_used_mib is not None
-                and d.memory_used_mib <= DRIVER_RESERVE_MIB
+                and all(
+                    used is not None and used <= DRIVER_RESERVE_MIB
+                    for used in (d.memory_used_mib, *(m.memory_used_mib for m in d.mig))
+                )
                 for d in self.devices
             )
         )

@@ -39,10 +39,13 @@ def larger(a: int | None, b: int | None) -> int | None:
 def describe_processes(
     merged: Mapping[tuple[int, int], int | None],
     sm_util: Mapping[tuple[int, int], int] | None = None,
+    mig: Mapping[tuple[int, int], int] | None = None,
 ) -> tuple[GpuProcess, ...]:
     """``{(gpu, pid): memory_mib}`` as GpuProcess entries with command, user and container
-    (a pid whose command cannot be read stays, with ``command`` None)."""
+    (a pid whose command cannot be read stays, with ``command`` None); ``mig``: the MIG
+    instance each runs in, where MIG is on."""
     util = sm_util or {}
+    instance = mig or {}
     return tuple(
         GpuProcess(
             pid=pid,
@@ -52,6 +55,7 @@ def describe_processes(
             container=procinfo.container_of(pid),
             gpu=gpu,
             sm_util_pct=util.get((gpu, pid)),
+            mig=instance.get((gpu, pid)),
         )
         for (gpu, pid), mem in sorted(merged.items())
     )
