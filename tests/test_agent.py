@@ -150,6 +150,7 @@ def test_status_follows_the_contract(agent: str) -> None:
             "gpu": 0,
             "on_gpu": True,
             "sm_util_pct": None,
+            "mig": None,
         },
         # Unreadable command: kept, with its memory, as null.
         {
@@ -161,6 +162,7 @@ def test_status_follows_the_contract(agent: str) -> None:
             "gpu": 0,
             "on_gpu": True,
             "sm_util_pct": None,
+            "mig": None,
         },
     ]
     # Per GPU: the one device of this reading, its used memory what its processes hold.
@@ -179,7 +181,7 @@ def test_status_follows_the_contract(agent: str) -> None:
     assert parse_status(body).to_wire() == body
 
 
-def test_idle_exactly_when_no_processes() -> None:
+def test_idle_with_no_process_and_nothing_held() -> None:
     probe = FakeProbe(reading_of(used=None, total=None))
     settings = AgentSettings(token=None, gpu_memory_mib=128 * 1024)
     with serve_in_thread(create_app(settings, probe)) as url:

@@ -112,8 +112,9 @@ def test_no_nonce_process_no_report(tmp_path: Path) -> None:
     starting_record(tmp_path / "state", "chat", start_nonce=uuid.uuid4().hex)
     with agent(tmp_path) as url:
         body = status(url, match="nothing-matches")
-        assert body["starting"] == []
-        assert body["is_idle"] is True
+        assert body["starting"] == [] and body["processes"] == []
+        # No process to report, but the record promises the GPU: not idle.
+        assert body["is_idle"] is False
 
 
 # --------------------------------------------------------------------------- starting -> running

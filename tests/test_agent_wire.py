@@ -269,22 +269,28 @@ def settled(folder: Path) -> None:
         time.sleep(0.01)
 
 
+def listed(agent: Agent, **params: str) -> list[int]:
+    """The pids /status lists on the GPU: what tells a fresh reading from a cached one
+    (``is_idle`` also reads the records, at every answer)."""
+    return [p["pid"] for p in status(agent, **params)["processes"] if p["on_gpu"]]
+
+
 @pytest.mark.parametrize("write", ["lease", "renew", "release", "update", "touch"])
 def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> None:
-    assert status(agent)["is_idle"]
-    assert status(agent, match="vllm")["is_idle"]
+    assert listed(agent) == []
+    assert listed(agent, match="vllm") == []
     store = AgentStore(agent.url, TOKEN)
     try:
         h = holder_here("test")
         if write != "lease":
             store.acquire(SVC, h, 60)
-            assert status(agent)["is_idle"]  # that write was seen
+            assert listed(agent) == []  # that write was seen
             # Now cache again, once the records folder's stamp has settled: a stamp
             # younger than SETTLE_NS counts as changed on every look (FolderStamp).
             settled(agent.state / "records")
-            assert status(agent)["is_idle"]
+            assert listed(agent) == []
         agent.probe.reading = reading_of(BUSY)
-        assert status(agent)["is_idle"]
+        assert listed(agent) == []
         if write == "lease":
             store.acquire(SVC, h, 60)
         elif write == "renew":
@@ -297,8 +303,50 @@ def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> 
             store.touch(SVC)
     finally:
         store.close()
-    assert not status(agent)["is_idle"]
-    assert not status(agent, match="vllm")["is_idle"]
+    assert listed(agent) == [777]
+    assert listed(agent, match="vllm") == [777]
+
+
+@pytest.mark.parametrize("match", [None, "vllm"])
+def test_is_idle_is_false_while_a_lease_is_held_with_no_process_yet(
+    agent: Agent, match: str | None
+) -> None:
+    """The 15-50 ms between a start taking its lease and its server existing said
+    is_idle: true to the original API's pollers, who then started their own server.
+    The lease is taken straight through the files (a client on the host without the
+    agent), after an idle answer was cached: the next answer is not idle."""
+    params = {"match": match} if match else {}
+    store = DirectStore(agent.state)
+    h = holder_here("test")
+    store.acquire("other", h, 60)  # a stopped record: the records folder exists
+    store.release("other", h.id)
+    assert status(agent, **params)["is_idle"]
+    settled(agent.state / "records")
+    assert status(agent, **params)["is_idle"]  # cached, the stamp unchanged
+    store.acquire(SVC, h, 60)
+    body = status(agent, **params)
+    assert body["is_idle"] is False and body["processes"] == []
+    store.release(SVC, h.id)
+    assert status(agent, **params)["is_idle"]
+
+
+def test_is_idle_is_false_while_a_record_says_starting(agent: Agent) -> None:
+    """A start whose caller let go of the lease (``--no-wait``) before its server shows."""
+    store = DirectStore(agent.state)
+    h = holder_here("test")
+    store.acquire("other", h, 60)
+    store.release("other", h.id)
+    assert status(agent)["is_idle"]
+    settled(agent.state / "records")
+    store.acquire(SVC, h, 60)
+    store.release(SVC, h.id, {"phase": "starting"})
+    assert store.get(SVC).lease is None
+    body = status(agent)
+    assert body["is_idle"] is False and body["processes"] == []
+    # A client of the agent takes that answer as it is: not idle, no process.
+    from gpuctl.core.status_wire import parse_status
+
+    assert parse_status(body).is_idle is False
 
 
 def test_a_write_refreshes_the_process_scan_too(agent: Agent) -> None:

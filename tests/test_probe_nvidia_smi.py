@@ -388,3 +388,41 @@ def test_any_compute_apps_output_parses_or_is_a_value_error(rows: list[list[str]
         assert str(e)
         return
     assert all(a.pid >= 0 and (a.memory_mib is None or a.memory_mib >= 0) for a in apps)
+
+
+@pytest.mark.parametrize(
+    ("total", "used", "why"),
+    [
+        ("17592186044415", "17592186044415", "no memory figure"),  # 2^64-1 bytes in MiB
+        ("81559", "17592186044415", "no memory figure"),
+        ("0", "0", "total memory of 0"),
+        ("81559", "90000", "more memory used"),
+    ],
+)
+def test_probe_sentinel_memory_is_unknown_not_free_nor_unified(
+    tmp_path: Path, total: str, used: str, why: str
+) -> None:
+    """The NVML sentinels as nvidia-smi prints them: 2^64-1 bytes in MiB was 16 EiB
+    free, a total of 0 was taken for unified memory. That GPU is unknown."""
+    smi = fake_smi(
+        tmp_path,
+        "0, GPU-a, 81559, 100, NVIDIA H100 80GB HBM3, 37, 61, 312.45\n"
+        f"1, GPU-b, {total}, {used}, NVIDIA H100 80GB HBM3, [N/A], [N/A], [N/A]\n",
+        "",
+    )
+    r = NvidiaSmiProbe(binary=str(smi), gpu_memory_mib=122880).read()
+    d0, d1 = r.devices
+    assert d0.readable and not d1.readable and not d1.unified
+    assert d1.error is not None and why in d1.error
+    assert (r.memory_total_mib, r.unified_memory) == (81559, False)
+
+
+def test_probe_gb10_process_of_unknown_memory_makes_the_gpu_unknown(tmp_path: Path) -> None:
+    """On unified memory "used" is the processes' sum: a [N/A] one is not 0."""
+    smi = fake_smi(
+        tmp_path,
+        "0, GPU-g, [N/A], [N/A], NVIDIA GB10, [N/A], 35, 11.17\n",
+        f"GPU-g, {NO_SUCH_PID}, 19135\nGPU-g, {NO_SUCH_PID + 1}, [N/A]\n",
+    )
+    with pytest.raises(ProbeError, match=f"pid {NO_SUCH_PID + 1}"):
+        NvidiaSmiProbe(binary=str(smi), gpu_memory_mib=122880).read()

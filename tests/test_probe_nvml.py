@@ -41,6 +41,7 @@ GIB = 2**30
 NO_SUCH_PID = 4194000  # below PID_MAX_LIMIT, but no process has it on a test machine
 BAD_PID = 0xFFFFFFFF
 NA = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE
+MIG_HANDLE = 1000  # a fake MIG device handle is (parent handle) * 1000 + slot + 1
 KINDS = ("Compute", "Graphics", "MPSCompute")
 OK = int(pynvml.NVML_SUCCESS)
 NOT_SUPPORTED = int(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -66,6 +67,10 @@ class Device:
     temperature: int | None = None
     power_mw: int | None = None
     samples: list[tuple[int, int]] | int = NOT_SUPPORTED  # (pid, smUtil), or an error code
+    # MIG: None, the board has none (NOT_SUPPORTED); a list, MIG on with these instances
+    # (each a Device of its own memory and lists, its GPU instance id in ``gi``).
+    mig: list[Device] | None = None
+    gi: int = 0
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -129,6 +134,10 @@ class FakeDriver:
             "nvmlDeviceGetTemperature": self._temperature,
             "nvmlDeviceGetPowerUsage": self._power,
             "nvmlDeviceGetProcessUtilization": self._samples,
+            "nvmlDeviceGetMigMode": self._mig_mode,
+            "nvmlDeviceGetMaxMigDeviceCount": self._mig_count,
+            "nvmlDeviceGetMigDeviceHandleByIndex": self._mig_handle,
+            "nvmlDeviceGetGpuInstanceId": self._gpu_instance_id,
         }
         if self.driver.memory_v2:
             table["nvmlDeviceGetMemoryInfo_v2"] = self._memory_v2
@@ -171,7 +180,36 @@ class FakeDriver:
         return OK
 
     def _dev(self, handle: Any) -> Device:
-        return self.devices[ctypes.cast(handle, ctypes.c_void_p).value - 1]  # type: ignore[operator]
+        ptr: int = ctypes.cast(handle, ctypes.c_void_p).value  # type: ignore[assignment]
+        if ptr >= MIG_HANDLE:  # a MIG device handle: parent and slot, see _mig_handle
+            parent = self.devices[ptr // MIG_HANDLE - 1]
+            assert parent.mig is not None
+            return parent.mig[ptr % MIG_HANDLE - 1]
+        return self.devices[ptr - 1]
+
+    def _mig_mode(self, handle: Any, current_ref: Any, pending_ref: Any) -> int:
+        dev = self._dev(handle)
+        if dev.mig is None:
+            return NOT_SUPPORTED
+        current_ref._obj.value = pending_ref._obj.value = int(pynvml.NVML_DEVICE_MIG_ENABLE)
+        return OK
+
+    def _mig_count(self, handle: Any, count_ref: Any) -> int:
+        count_ref._obj.value = 7  # an A100/H100's most instances
+        return OK
+
+    def _mig_handle(self, handle: Any, index: Any, mig_ref: Any) -> int:
+        parent_ptr: int = ctypes.cast(handle, ctypes.c_void_p).value  # type: ignore[assignment]
+        dev = self._dev(handle)
+        if dev.mig is None or index.value >= len(dev.mig):
+            return int(pynvml.NVML_ERROR_NOT_FOUND)
+        ptr = ctypes.c_void_p(parent_ptr * MIG_HANDLE + index.value + 1)
+        ctypes.memmove(ctypes.addressof(mig_ref._obj), ctypes.addressof(ptr), ctypes.sizeof(ptr))
+        return OK
+
+    def _gpu_instance_id(self, handle: Any, id_ref: Any) -> int:
+        id_ref._obj.value = self._dev(handle).gi
+        return OK
 
     def _fill_memory(self, spec: tuple[int, int] | int, mem_ref: Any) -> int:
         if isinstance(spec, int):
@@ -402,12 +440,62 @@ def test_gb10_not_supported_total_from_memtotal(monkeypatch: pytest.MonkeyPatch)
     assert r.memory_used_mib == 20000
 
 
-def test_total_zero_counts_as_unified(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The disputed GB10 variant: success with total = free = used = 0.
-    dev = Device(memory=(0, 0)).with_("Compute", [proc(NO_SUCH_PID, 100 * MIB)])
-    FakeDriver(monkeypatch, dev)
+def test_a_discrete_gpu_answering_total_zero_is_unknown_not_unified(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Success with total = 0 was taken for unified memory, so the host's MemTotal (or
+    the configured total) showed as free. GB10 answers NOT_SUPPORTED; a device that
+    answers 0 has given no figure, and that GPU is unknown."""
+    zero = Device(memory=(0, 0)).with_("Compute", [proc(NO_SUCH_PID, 100 * MIB)])
+    FakeDriver(monkeypatch, Device(), zero)
     r = NvmlProbe(gpu_memory_mib=1000).read()
-    assert (r.unified_memory, r.memory_used_mib, r.memory_total_mib) == (True, 100, 1000)
+    d1 = r.devices[1]
+    assert not d1.unified and d1.error is not None and "total memory of 0" in d1.error
+    assert r.unified_memory is False
+    assert _decide(r, _Spec("llm", 500)).decision.value == "UNKNOWN"
+    FakeDriver(monkeypatch, zero)
+    with pytest.raises(ProbeError, match="total memory of 0"):
+        NvmlProbe(gpu_memory_mib=1000).read()
+
+
+def test_gb10_process_of_unknown_memory_makes_free_memory_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GB10 with a process whose memory NVML cannot tell counted it as 0, so a 100 GiB
+    service was FITS. On unified memory "used" is the processes' sum: one unknown makes
+    the GPU's free memory unknown, and the decision UNKNOWN, naming the pid."""
+    dev = gb10().with_("Compute", [proc(NO_SUCH_PID, 19135 * MIB), proc(NO_SUCH_PID + 1, None)])
+    FakeDriver(monkeypatch, dev)
+    r = NvmlProbe(gpu_memory_mib=122880).read()
+    (d,) = r.devices
+    assert d.unified and d.error is not None and str(NO_SUCH_PID + 1) in d.error
+    assert d.memory_used_mib is None
+    assert [p.pid for p in r.processes] == [NO_SUCH_PID, NO_SUCH_PID + 1]  # still listed
+    v = _decide(r, _Spec("big", 100 * 1024))
+    assert v.decision.value == "UNKNOWN", v.reason
+    assert f"pid {NO_SUCH_PID + 1}" in v.reason
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [(NA, NA), (GIB, NA), (NA, 80 * GIB), (90 * GIB, 80 * GIB)],
+    ids=["both-na", "total-na", "used-na", "used-beyond-total"],
+)
+def test_sentinel_memory_is_unknown_never_16_eib(
+    monkeypatch: pytest.MonkeyPatch, memory: tuple[int, int]
+) -> None:
+    """A total or used of NVML_VALUE_NOT_AVAILABLE (2^64-1) was read as 16 EiB, so a
+    1000 GiB service was FITS: that GPU is unknown, the decision UNKNOWN."""
+    FakeDriver(monkeypatch, Device(), Device(memory=memory))
+    r = NvmlProbe().read()
+    d1 = r.devices[1]
+    assert d1.error is not None and "memory is unknown" in d1.error
+    assert (d1.memory_used_mib, d1.memory_total_mib) == (None, None)
+    assert r.memory_total_mib == 80 * 1024  # the readable GPU only
+    assert _decide(r, _Spec("huge", 1000 * 1024)).decision.value == "UNKNOWN"
+    FakeDriver(monkeypatch, Device(memory=memory))
+    with pytest.raises(ProbeError, match="memory is unknown"):
+        NvmlProbe().read()
 
 
 def test_only_the_device_without_a_figure_is_unified(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -545,6 +633,15 @@ def test_unknown_figures_stay_none_never_zero(monkeypatch: pytest.MonkeyPatch) -
     (d,) = r.devices
     assert (d.utilization_pct, d.temperature_c, d.power_w) == (None, None, None)
     assert r.processes[0].sm_util_pct is None
+
+
+def test_sentinel_temperature_and_power_are_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4294967295 °C and 4,294,967 W were shown: NVML's unsigned "not available"."""
+    dev = Device(temperature=0xFFFFFFFF, power_mw=0xFFFFFFFF)
+    FakeDriver(monkeypatch, dev.with_("Compute", [proc(NO_SUCH_PID, GIB)]))
+    (d,) = NvmlProbe().read().devices
+    assert (d.temperature_c, d.power_w) == (None, None)
+    assert d.readable and d.memory_total_mib == 80 * 1024  # the rest of the GPU is read
 
 
 def test_a_measured_zero_stays_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -808,3 +905,122 @@ def test_a_gpu_without_a_handle_is_unknown_the_others_are_read(
     fake.handle_errors = {0: pynvml.NVML_ERROR_GPU_IS_LOST, 1: pynvml.NVML_ERROR_GPU_IS_LOST}
     with pytest.raises(ProbeError, match="is lost"):
         NvmlProbe().read()
+
+
+def test_memory_used_with_no_process_listed_is_held_not_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MIG's hidden processes, or a container without --pid=host: 40 of 80 GiB used and
+    no process listed gave IDLE and is_idle true. Beyond the driver's reserve it is
+    held: 20 GiB is FITS beside it (and says so), 60 GiB is BUSY, nothing is IDLE."""
+    from gpuctl.core.model import snapshot_from_reading
+
+    FakeDriver(monkeypatch, Device(memory=(40 * GIB, 80 * GIB)))
+    reading = NvmlProbe().read()
+    assert reading.processes == ()
+    assert snapshot_from_reading(reading, taken_at="t").is_idle is False
+    v = _decide(reading, _Spec("mid", 20 * 1024))
+    assert v.decision.value == "FITS", v.reason
+    assert "40.0 GiB no process accounts for" in v.reason
+    v = _decide(reading, _Spec("big", 60 * 1024))
+    assert v.decision.value == "BUSY", v.reason
+    # The driver's own few hundred MiB (memory info v1 on an idle board) are no holder.
+    FakeDriver(monkeypatch, Device(memory=(614 * MIB, 80 * GIB)))
+    reading = NvmlProbe().read()
+    assert snapshot_from_reading(reading, taken_at="t").is_idle is True
+    assert _decide(reading, _Spec("mid", 20 * 1024)).decision.value == "IDLE"
+
+
+# --- MIG ------------------------------------------------------------------------------------
+
+
+def mig_h100() -> Device:
+    """An H100 with MIG on: the parent says 68.8 GiB free, but its largest instance (GI 1,
+    40 GiB) has 28.7 GiB free, held by a process whose memory MIG does not tell, and
+    the two 20 GiB instances (GI 2 and 3) are empty."""
+    gi1 = Device(memory=(int(11.3 * GIB), 40 * GIB), uuid="MIG-1", gi=1).with_(
+        "Compute", [proc(NO_SUCH_PID, None)]
+    )
+    gi2 = Device(memory=(17 * MIB, 20 * GIB), uuid="MIG-2", gi=2)
+    gi3 = Device(memory=(26 * MIB, 20 * GIB), uuid="MIG-3", gi=3)
+    return Device(memory=(int(11.2 * GIB), 80 * GIB), mig=[gi1, gi2, gi3])
+
+
+def test_mig_instances_are_read_per_instance(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeDriver(monkeypatch, mig_h100())
+    r = NvmlProbe().read()
+    (d,) = r.devices
+    assert [(m.id, m.uuid, m.memory_used_mib, m.memory_total_mib) for m in d.mig] == [
+        (1, "MIG-1", 11571, 40960),
+        (2, "MIG-2", 17, 20480),
+        (3, "MIG-3", 26, 20480),
+    ]
+    assert (d.memory_used_mib, d.memory_total_mib) == (11468, 81920)  # the parent's, shown
+    [p] = r.processes
+    assert (p.pid, p.memory_mib, p.gpu, p.mig) == (NO_SUCH_PID, None, 0, 1)
+
+
+def test_mig_a_service_fits_on_one_instance_not_on_the_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """35 GiB was FITS on the parent's 68.8 GiB free, though no instance has it: it is
+    BUSY. What fits goes on the instance it fits most tightly, and says which."""
+    FakeDriver(monkeypatch, mig_h100())
+    reading = NvmlProbe().read()
+    v = _decide(reading, _Spec("big", 35 * 1024))
+    assert v.decision.value == "BUSY", v.reason
+    assert "28.7 GiB of 40.0 GiB free on any MIG instance or GPU" in v.reason
+    assert "(most on GPU 0 (MIG instance 1))" in v.reason
+    v = _decide(reading, _Spec("mid", 25 * 1024))
+    assert (v.decision.value, v.gpu) == ("FITS", 0), v.reason
+    assert "on GPU 0 (MIG instance 1)" in v.reason
+    assert "11.3 GiB no process accounts for" in v.reason
+    # 15 GiB: the tightest fit is GI 3 (26 MiB of the driver's own used there, vs 17).
+    v = _decide(reading, _Spec("small", 15 * 1024))
+    assert v.decision.value == "FITS" and "(MIG instance 3)" in v.reason, v.reason
+
+
+def test_mig_devices_0_means_any_instance_of_gpu_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeDriver(monkeypatch, mig_h100(), Device(memory=(0, 80 * GIB)))
+    reading = NvmlProbe().read()
+    v = _decide(reading, _Spec("pinned", 25 * 1024, devices=(0,)))
+    assert v.decision.value == "FITS" and "GPU 0 (MIG instance 1)" in v.reason, v.reason
+    v = _decide(reading, _Spec("pinned", 35 * 1024, devices=(0,)))
+    assert v.decision.value == "BUSY", v.reason
+    # Unpinned, it goes where it fits whole: GPU 1 (MIG off).
+    v = _decide(reading, _Spec("any", 35 * 1024))
+    assert (v.decision.value, v.gpu) == ("FITS", 1), v.reason
+
+
+def test_mig_hidden_memory_in_an_instance_is_not_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MIG's hidden processes: an instance 30 GiB used with no process listed, the
+    parent's own figure small. Not idle, and that instance is held."""
+    from gpuctl.core.model import snapshot_from_reading
+
+    gi1 = Device(memory=(30 * GIB, 40 * GIB), gi=1)
+    gi2 = Device(memory=(17 * MIB, 40 * GIB), gi=2)
+    FakeDriver(monkeypatch, Device(memory=(59 * MIB, 80 * GIB), mig=[gi1, gi2]))
+    reading = NvmlProbe().read()
+    assert reading.processes == ()
+    assert snapshot_from_reading(reading, taken_at="t").is_idle is False
+    v = _decide(reading, _Spec("mid", 20 * 1024))
+    assert v.decision.value == "FITS" and "(MIG instance 2)" in v.reason, v.reason
+    assert _decide(reading, _Spec("big", 41 * 1024)).decision.value == "BUSY"
+
+
+def test_mig_on_with_no_instance_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeDriver(monkeypatch, Device(), Device(memory=(0, 80 * GIB), mig=[]))
+    reading = NvmlProbe().read()
+    assert reading.devices[1].error is not None and "no MIG instance" in reading.devices[1].error
+    assert _decide(reading, _Spec("any", 1024)).decision.value == "UNKNOWN"
+
+
+def test_mig_instance_process_list_refused_is_that_gpu_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a container without NVIDIA_MIG_MONITOR_DEVICES=all: no permission per instance."""
+    gi1 = Device(memory=(GIB, 40 * GIB), gi=1).with_("Compute", pynvml.NVML_ERROR_NO_PERMISSION)
+    FakeDriver(monkeypatch, Device(), Device(memory=(GIB, 80 * GIB), mig=[gi1]))
+    r = NvmlProbe().read()
+    assert r.devices[1].error is not None and "MIG instance 1" in r.devices[1].error
+    assert any("NVIDIA_MIG_MONITOR_DEVICES" in n for n in r.notes)

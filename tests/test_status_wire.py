@@ -4,11 +4,20 @@ never a reading (and never an idle GPU). Per-GPU figures round-trip."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
-from gpuctl.core.model import GpuDevice, GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.model import (
+    DRIVER_RESERVE_MIB,
+    GpuDevice,
+    GpuProcess,
+    ProbeReading,
+    Snapshot,
+    StartingProcess,
+    snapshot_from_reading,
+)
 from gpuctl.core.status_wire import parse_status
 
 
@@ -130,6 +139,47 @@ def test_per_gpu_figures_round_trip_through_json() -> None:
     assert wire["is_idle"] is False
 
 
+def test_unified_gpu_with_a_process_of_unknown_memory_is_unknown() -> None:
+    """Its "used" is its processes' sum: an unknown one is not 0 (it gave GB10 100 GiB
+    free beside a process NVML could not measure)."""
+    reading = ProbeReading.of_devices(
+        "nvml",
+        [GpuProcess(7, "a", 1000), GpuProcess(9, "b", None)],
+        [GpuDevice(0, None, None, unified=True)],
+    )
+    (d,) = snapshot_from_reading(reading, taken_at="t", gpu_memory_mib=122880).devices
+    assert d.error is not None and "pid 9" in d.error and d.memory_used_mib is None
+
+
+@pytest.mark.parametrize(
+    ("used", "idle"), [(0, True), (26, True), (DRIVER_RESERVE_MIB, True), (40 * 1024, False)]
+)
+def test_memory_no_process_accounts_for_beyond_the_reserve_is_not_idle(
+    used: int, idle: bool
+) -> None:
+    """40 GiB used and no process listed (MIG's hidden processes, a container without
+    --pid=host) said is_idle: true."""
+    snap = Snapshot(used, 81920, False, "nvml", "t", (), devices=(GpuDevice(0, used, 81920),))
+    assert snap.is_idle is idle
+    wire = json.loads(json.dumps(snap.to_wire()))
+    assert wire["is_idle"] is idle and wire["processes"] == []
+    assert parse_status(wire) == snap
+
+
+def test_not_idle_with_nothing_listed_is_accepted_and_kept() -> None:
+    """An agent whose store promises the GPU (a lease, a starting record) says is_idle
+    false with no process: a client accepts it, and the snapshot stays not idle."""
+    dev = {**DEV, "memory_used_mib": 0, "error": None}
+    snap = parse_status(body(is_idle=False, processes=[], devices=[dev]))
+    assert snap.is_idle is False and snap.promised is True
+    assert snap.to_wire()["is_idle"] is False
+    # An older agent's "idle" beside 40 GiB no process accounts for parses, not idle.
+    old = parse_status(
+        body(is_idle=True, processes=[], devices=[{**dev, "memory_used_mib": 40960}])
+    )
+    assert old.is_idle is False
+
+
 def test_an_unreadable_gpu_makes_an_empty_host_not_idle() -> None:
     snap = Snapshot(0, 81920, False, "nvml", "t", (), devices=(GpuDevice(0, error="lost"),))
     assert snap.is_idle is False
@@ -215,14 +265,13 @@ def test_any_body_is_a_snapshot_or_a_located_error(data: Any) -> None:
         assert p.memory_mib is None or p.memory_mib >= 0
     for d in snap.devices:
         assert d.memory_total_mib is None or d.memory_total_mib >= 0
-    assert snap.is_idle == (not snap.processes and all(d.readable for d in snap.devices))
+    if snap.is_idle:
+        assert not snap.processes and all(d.readable for d in snap.devices)
     # And it survives its own wire form.
     assert parse_status(json.loads(json.dumps(snap.to_wire()))).to_wire() == snap.to_wire()
 
 
 # --- the one builder: per-GPU figures from a probe reading ---------------------------------
-
-from gpuctl.core.model import ProbeReading, snapshot_from_reading  # noqa: E402
 
 
 def test_builder_fills_each_gpu_by_its_own_rule() -> None:
@@ -231,7 +280,7 @@ def test_builder_fills_each_gpu_by_its_own_rule() -> None:
         [
             GpuProcess(7, "a", 1000, gpu=0),
             GpuProcess(8, "b", 300, gpu=1),
-            GpuProcess(9, "c", None, gpu=1),
+            GpuProcess(9, "c", None, gpu=0),
             GpuProcess(10, "vllm serve", 0, gpu=0, on_gpu=False),
         ],
         [
@@ -256,3 +305,47 @@ def test_builder_fills_each_gpu_by_its_own_rule() -> None:
     assert snap.is_idle is False
     # A process on the GPU is not "starting"; the agent's on_gpu false entry still is.
     assert [s.pid for s in snap.starting or ()] == [10]
+
+
+def test_mig_instances_and_process_instance_round_trip() -> None:
+    from gpuctl.core.model import MigInstance
+
+    snap = Snapshot(
+        11468,
+        81920,
+        False,
+        "nvml",
+        "t",
+        (GpuProcess(7, "vllm", None, gpu=0, mig=1),),
+        devices=(
+            GpuDevice(
+                0,
+                11468,
+                81920,
+                mig=(MigInstance(1, 11571, 40960, "MIG-1"), MigInstance(2, 17, 20480)),
+            ),
+        ),
+    )
+    wire = json.loads(json.dumps(snap.to_wire()))
+    assert wire["devices"][0]["mig"][0] == {
+        "id": 1,
+        "uuid": "MIG-1",
+        "memory_used_mib": 11571,
+        "memory_total_mib": 40960,
+    }
+    assert wire["processes"][0]["mig"] == 1
+    assert parse_status(wire) == snap
+
+
+@pytest.mark.parametrize(
+    ("mig", "needle"),
+    [
+        ([{"id": -1}], "mig[0].id' is out of range"),
+        ([{"id": 1, "memory_total_mib": 2**60}], "mig[0].memory_total_mib"),
+        ({"1": {}}, "field 'mig' should be list"),
+        (["x"], "mig[0] should be an object"),
+    ],
+)
+def test_bad_mig_instances_are_located_errors(mig: Any, needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        parse_status(body(devices=[{**DEV, "mig": mig}]))

@@ -235,6 +235,7 @@ class AgentApp:
             gpu_memory_mib=self.settings.gpu_memory_mib,
             loading=servers.recorded + servers.loading,
             servers=servers.owners,
+            promised=servers.promised,
         )
 
     def _match_slot(self, keywords: tuple[str, ...]) -> _MatchSlot:

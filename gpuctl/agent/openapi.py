@@ -193,6 +193,7 @@ def openapi_document() -> dict[str, Any]:
                         "gpu",
                         "on_gpu",
                         "sm_util_pct",
+                        "mig",
                     ],
                     "properties": {
                         "pid": {"type": "integer"},
@@ -221,6 +222,23 @@ def openapi_document() -> dict[str, Any]:
                             **nullable_int,
                             "description": "SM utilisation over the last second; null: unknown.",
                         },
+                        "mig": {
+                            **nullable_int,
+                            "description": (
+                                "The MIG instance (GPU instance id) it runs in; null with "
+                                "MIG off, or where the driver does not say."
+                            ),
+                        },
+                    },
+                },
+                "MigInstance": {
+                    "type": "object",
+                    "required": ["id", "uuid", "memory_used_mib", "memory_total_mib"],
+                    "properties": {
+                        "id": {"type": "integer", "description": "The GPU instance id."},
+                        "uuid": nullable_str,
+                        "memory_used_mib": nullable_int,
+                        "memory_total_mib": nullable_int,
                     },
                 },
                 "GpuDevice": {
@@ -236,6 +254,7 @@ def openapi_document() -> dict[str, Any]:
                         "temperature_c",
                         "power_w",
                         "error",
+                        "mig",
                     ],
                     "properties": {
                         "index": {"type": "integer"},
@@ -256,6 +275,16 @@ def openapi_document() -> dict[str, Any]:
                         "error": {
                             **nullable_str,
                             "description": "Why this GPU could not be read; null when it was.",
+                        },
+                        "mig": {
+                            "type": "array",
+                            "description": (
+                                "With MIG on, its instances: a service fits on one instance "
+                                "(a service's devices = [0] means any instance of GPU 0), "
+                                "and the device's own memory figures are not admitted on. "
+                                "Empty with MIG off."
+                            ),
+                            "items": {"$ref": "#/components/schemas/MigInstance"},
                         },
                     },
                 },
@@ -296,8 +325,14 @@ def openapi_document() -> dict[str, Any]:
                         "is_idle": {
                             "type": "boolean",
                             "description": (
-                                "True exactly when `processes` is empty and every GPU "
-                                "could be read."
+                                "True only when `processes` is empty, every GPU could be "
+                                "read, no GPU holds more than the driver's reserve "
+                                "(1024 MiB) that no process accounts for, and no record "
+                                "of the host's store holds a lease or says `starting` "
+                                "(read at each answer). So it can be false with "
+                                "`processes` empty: a start between taking its lease and "
+                                "its server existing, or memory held by processes this "
+                                "agent cannot see (MIG, another PID namespace)."
                             ),
                         },
                         "memory_used_mib": nullable_int,

@@ -43,6 +43,9 @@ class Servers:
     # (pid, service): the recorded servers and the processes they forked, so a client
     # attributes each process (and the memory it holds) to its service.
     owners: tuple[tuple[int, str], ...] = ()
+    # A record holds a lease or says ``starting``: the GPU is promised, though the
+    # server may not exist yet (``Snapshot.promised``, so ``is_idle`` is false).
+    promised: bool = False
 
 
 def _records(store: DirectStore) -> list[Record]:
@@ -58,14 +61,20 @@ def scan_servers(
     """Runs in a worker thread (see ``TtlCell``)."""
     recorded: list[StartingProcess] = []
     owners: dict[int, str] = {}
+    promised = False
     if store is not None:
         try:
             records = _records(store)
+            # Read with the records, not from a reading that predates them: the app drops
+            # this scan on any store write, through it or straight to the files.
+            promised = any(r.lease is not None or r.phase is Phase.STARTING for r in records)
             roots = find_servers(records)
             owners = {**server_children(records, roots), **roots}
         except Exception as err:  # the store's own failure must not take /status down
             log.warning("reading the records for /status failed: %s: %s", type(err).__name__, err)
             roots = {}
+            # Unread records may hold a lease: never answer idle on a store we cannot read.
+            promised = True
         recorded = procinfo.describe_pids(dict.fromkeys(roots))
     loading: list[StartingProcess] = []
     if match:
@@ -75,7 +84,7 @@ def scan_servers(
             for p in procinfo.find_matching(match)
             if p.pid not in seen and p.age_s is not None and p.age_s <= max_age_s
         ]
-    return Servers(tuple(recorded), tuple(loading), tuple(sorted(owners.items())))
+    return Servers(tuple(recorded), tuple(loading), tuple(sorted(owners.items())), promised)
 
 
 def starting_with_health(store: DirectStore) -> list[Record]:

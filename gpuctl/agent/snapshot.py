@@ -35,6 +35,7 @@ def agent_snapshot(
     gpu_memory_mib: int | None,
     loading: tuple[StartingProcess, ...] = (),
     servers: tuple[tuple[int, str], ...] = (),
+    promised: bool = False,
 ) -> Snapshot:
     """The ``/status`` snapshot of one scan; ``starting`` None when no keywords were asked.
 
@@ -42,6 +43,7 @@ def agent_snapshot(
     in ``processes`` with ``on_gpu`` false and ``memory_mib`` 0 for clients of the
     original API; gpuctl's own accounting skips them (``Snapshot.gpu_processes``).
     ``servers``: (pid, service) of the servers the records name and their children.
+    ``promised``: a record holds a lease or says ``starting`` (``is_idle`` is false).
     """
     snap = snapshot_from_reading(
         scan.reading,
@@ -51,8 +53,8 @@ def agent_snapshot(
         state_dir=state_dir,
         gpu_memory_mib=gpu_memory_mib,
     )
-    if servers:
-        snap = replace(snap, servers=servers)
+    if servers or promised:
+        snap = replace(snap, servers=servers, promised=promised)
     if not loading:
         return snap
     listed = {p.pid for p in snap.processes}

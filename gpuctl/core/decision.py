@@ -16,7 +16,8 @@ UNKNOWN     not healthy, and the agent cannot tell us why; or a GPU the service 
 LOADING     someone else holds its lease, or a process of this service is on the GPU
             or starting (not on it yet), or its recorded server runs
 FAILED      the last start failed and its back-off has not run out
-IDLE        no GPU process at all, and no other service is starting
+IDLE        no GPU process at all, no other service is starting, and no GPU holds
+            memory beyond the driver's reserve that no process accounts for
 FITS        others hold GPU memory, but this service's budget fits on one GPU beside them
 PREEMPTABLE it fits on no GPU as things are, but would on one once some victims stop:
             managed services of strictly lower priority, or ``gpuctl run --preemptible``
@@ -26,8 +27,9 @@ BUSY        it fits on no GPU it may use (or has no budget and anything else run
             who (pid, command, memory; the service and its priority when it is ours)
 =========== ==============================================================
 
-Memory is accounted per GPU (``gpu_rooms``): a service fits on one GPU, or on one of
-the GPUs its ``devices`` names, and the verdict says which (best fit). On each GPU, a
+Memory is accounted per GPU (``gpu_rooms``), and per MIG instance where MIG is on: a
+service fits on one GPU or instance, of the GPUs its ``devices`` names, and the verdict
+says which (best fit). On each GPU, a
 process of a configured service counts at the larger of what it holds and its
 service's budget; a service that is starting (not on a GPU yet) counts at its budget
 on every GPU it may land on; and device memory that no process accounts for
@@ -52,7 +54,7 @@ from gpuctl.core.accounting import (
     holders_of,
     on_gpu_text,
 )
-from gpuctl.core.model import GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.model import DRIVER_RESERVE_MIB, GpuProcess, Snapshot, StartingProcess
 from gpuctl.core.ownership import (
     ServiceSpec,
     describe_process,
@@ -310,10 +312,13 @@ def classify(
         )
     many = len(rooms) > 1
     need = spec.memory_mib
-    idle = not snapshot.gpu_processes and not others_starting and not others_leased
+    # Memory beyond the driver's reserve that no process accounts for is a process we
+    # cannot see (another PID namespace, a MIG instance hidden from us): never IDLE; the
+    # rows below count it as held (FITS beside it, or BUSY).
+    hidden = any(r.unattributed_mib > DRIVER_RESERVE_MIB for r in rooms)
+    idle = not snapshot.gpu_processes and not others_starting and not others_leased and not hidden
     if idle:
-        # Nothing runs, but memory nothing accounts for (a process in another PID
-        # namespace, a MIG slice we cannot see into) still is not free.
+        # Nothing runs; the reserve still is not free.
         room = best_fit(usable, need or 0)
         if need is None or room is not None or all(r.total_mib is None for r in usable):
             chosen = room or usable[0]
@@ -348,7 +353,7 @@ def classify(
             name,
             Decision.FITS,
             f"needs {format_mib(need)}, {format_mib(room.free_mib)} of {format_mib(room.total_mib)} "
-            f"free{on_gpu_text(room, many)} beside {held_by((room,))}",
+            f"free{on_gpu_text(room, many)} {_beside(room)}",
             holders=room.holders,
             need_mib=need,
             free_mib=room.free_mib,
@@ -367,7 +372,7 @@ def classify(
     if victims is not None:
         plan = plan_victims(need, usable, victims, priority=spec.priority, force=force)
         if plan is not None:
-            on = next(r for r in usable if r.index == plan.gpu)
+            on = next(r for r in usable if (r.index, r.mig) == (plan.gpu, plan.mig))
             assert on.total_mib is not None
             stops = "stops" if len(plan.victims) == 1 else "stop"
             return Verdict(
@@ -386,8 +391,12 @@ def classify(
             )
     most = max(known, key=lambda r: (r.free_mib or 0, -r.index))
     assert most.free_mib is not None and most.total_mib is not None
-    where = " on any GPU" if many and len(usable) > 1 else on_gpu_text(most, many)
-    best = f" (most on GPU {most.index})" if where == " on any GPU" else ""
+    mig = any(r.mig is not None for r in usable)
+    where = on_gpu_text(most, many)
+    best = ""
+    if many and len(usable) > 1:
+        where = " on any MIG instance or GPU" if mig else " on any GPU"
+        best = f" (most{on_gpu_text(most, True)})"
     kept = ""
     if victims is not None:
         kept_back = held_back(usable, victims, priority=spec.priority, force=force)
@@ -403,3 +412,11 @@ def classify(
         free_mib=most.free_mib,
         ours=ours,
     )
+
+
+def _beside(room: GpuRoom) -> str:
+    """What a FITS shares its GPU with; an empty room on a host that is not idle (others
+    starting elsewhere, memory held on another MIG instance) says so."""
+    if room.holders or room.promised or room.unattributed_mib > DRIVER_RESERVE_MIB:
+        return f"beside {held_by((room,))}"
+    return "(nothing holds it; other GPUs or instances are in use)"

@@ -21,6 +21,15 @@ from typing import Any
 
 STATUS_SCHEMA = 1
 
+# Memory a GPU reports in use with no process on it that is still not anybody's: the
+# driver's own. Memory info v2 reports 0 MiB used on an idle H100, H200 and L40S, and
+# 17-26 MiB on an idle MIG instance (tests/fixtures/nvidia-smi); v1, which drivers
+# before 510 answer (gpustat #141), adds the driver's reserve, 434-614 MiB on those
+# boards. 1 GiB covers both with room to spare, and is less than any model server
+# holds: memory beyond it that no listed process accounts for is some process's we
+# cannot see (another PID namespace, a MIG instance hidden from us), so it is held.
+DRIVER_RESERVE_MIB = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class GpuProcess:
@@ -43,6 +52,9 @@ class GpuProcess:
     gpu: int = 0
     on_gpu: bool = True
     sm_util_pct: int | None = None
+    # The MIG instance (its GPU instance id) the process runs in; None: MIG is off, or
+    # the driver did not say (then it may be on any instance of its GPU).
+    mig: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -54,6 +66,26 @@ class GpuProcess:
             "gpu": self.gpu,
             "on_gpu": self.on_gpu,
             "sm_util_pct": self.sm_util_pct,
+            "mig": self.mig,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """One MIG instance of a GPU with MIG on: memory is its own (a process sees only its
+    instance's), so admission counts each instance apart, as one small GPU."""
+
+    id: int  # the GPU instance id (nvidia-smi's "GI ID")
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    uuid: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "uuid": self.uuid,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_total_mib": self.memory_total_mib,
         }
 
 
@@ -78,6 +110,9 @@ class GpuDevice:
     temperature_c: int | None = None
     power_w: float | None = None
     error: str | None = None
+    # MIG on: its instances, each its own memory (empty: MIG off). The device's own
+    # figures stay for the view and the host's sums; admission reads the instances.
+    mig: tuple[MigInstance, ...] = ()
 
     @property
     def readable(self) -> bool:
@@ -95,6 +130,7 @@ class GpuDevice:
             "temperature_c": self.temperature_c,
             "power_w": self.power_w,
             "error": self.error,
+            "mig": [m.to_wire() for m in self.mig],
         }
 
 
@@ -151,11 +187,30 @@ class Snapshot:
     # gpu.json overrides the total asked for, NVML read through nvidia-smi): shown by
     # `gpuctl status`, never part of a decision.
     notes: tuple[str, ...] = ()
+    # The host's store promises the GPU though no process shows it yet: a lease is held
+    # (a start between taking it and its server existing, a stop whose memory has not
+    # come back) or a record says ``starting``. The agent sets it from the records at
+    # each answer; parsed back, it is an agent's ``is_idle: false`` that nothing listed
+    # explains. Only ``is_idle`` reads it (gpuctl's own decisions read the records).
+    promised: bool = False
 
     @property
     def is_idle(self) -> bool:
-        """No process at all, and every GPU could be read (an unreadable GPU is not idle)."""
-        return not self.processes and all(d.readable for d in self.devices)
+        """Nothing holds or is about to hold any GPU: no process listed, every GPU read,
+        no memory beyond the driver's reserve that no process accounts for (a process we
+        cannot see holds it), and no lease or ``starting`` record (``promised``)."""
+        return (
+            not self.processes
+            and not self.promised
+            and all(
+                d.readable
+                and all(
+                    used is not None and used <= DRIVER_RESERVE_MIB
+                    for used in (d.memory_used_mib, *(m.memory_used_mib for m in d.mig))
+                )
+                for d in self.devices
+            )
+        )
 
     @property
     def gpu_processes(self) -> tuple[GpuProcess, ...]:
@@ -269,8 +324,9 @@ def device_figures(reading: ProbeReading, gpu_memory_mib: int | None) -> tuple[G
     """Each device with the one rule every observer applies to its memory.
 
     Where a device gives no "used" (unified memory), what its processes hold is the truth
-    (host RAM use would count the OS as GPU use, nvtop #511); where it gives no total, the
-    configured ``gpu_memory_mib`` stands in. An unreadable device stays unknown.
+    (host RAM use would count the OS as GPU use, nvtop #511), so one of them whose memory
+    is unknown makes the device's unknown; where it gives no total, the configured
+    ``gpu_memory_mib`` stands in. An unreadable device stays unknown.
     """
     out = []
     for d in reading.device_list():
@@ -279,7 +335,16 @@ def device_figures(reading: ProbeReading, gpu_memory_mib: int | None) -> tuple[G
             continue
         used = d.memory_used_mib
         if used is None:
-            used = sum(p.memory_mib or 0 for p in reading.processes if p.gpu == d.index)
+            mine = [p for p in reading.processes if p.gpu == d.index and p.on_gpu]
+            unknown = [p.pid for p in mine if p.memory_mib is None]
+            if unknown:
+                why = (
+                    f"unified memory: the driver does not say how much pid {unknown[0]} "
+                    "holds, so its free memory is unknown"
+                )
+                out.append(replace(d, error=why))
+                continue
+            used = sum(p.memory_mib or 0 for p in mine)
         total = d.memory_total_mib if d.memory_total_mib is not None else gpu_memory_mib
         out.append(replace(d, memory_used_mib=used, memory_total_mib=total))
     return tuple(out)

@@ -86,6 +86,7 @@ class Plan:
     victims: tuple[Victim, ...]
     need_mib: int
     free_mib: int  # free there now
+    mig: int | None = None  # the MIG instance of ``gpu`` it is on (MIG on)
 
     @property
     def frees_mib(self) -> int:
@@ -151,8 +152,8 @@ def plan_victims(
         chosen = _cheapest(pool, short)
         if chosen is None:
             continue
-        key = (*_cost(chosen), room.index)
-        plan = Plan(room.index, chosen, need_mib, free)
+        key = (*_cost(chosen), room.index, room.mig or 0)
+        plan = Plan(room.index, chosen, need_mib, free, room.mig)
         if best is None or key < best[0]:
             best = (key, plan)
     return best[1] if best else None

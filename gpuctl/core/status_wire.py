@@ -9,9 +9,17 @@ UNKNOWN, never idle. Errors name the field (``processes[2].memory_mib``).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
-from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.model import (
+    GpuDevice,
+    GpuProcess,
+    HostIdentity,
+    MigInstance,
+    Snapshot,
+    StartingProcess,
+)
 from gpuctl.core.names import is_valid_name
 
 # PID_MAX_LIMIT on 64-bit Linux: every pid is below it.
@@ -19,6 +27,8 @@ PID_LIMIT = 4_194_304
 # A MiB figure beyond an exbibyte is not memory, it is garbage (or 1e308).
 MAX_MIB = 2**40
 MAX_GPUS = 1024
+# NVML's largest MIG layout has 7 instances; GPU instance ids stay small.
+MAX_MIG = 64
 # Recorded servers and their children: a host runs a handful of services.
 MAX_SERVERS = 65536
 # A probe's notes are a few lines for a person; a longer one is cut, more of them refused.
@@ -39,7 +49,11 @@ def parse_status(data: object) -> Snapshot:
             raise ValueError(f"devices: more than {MAX_GPUS} GPUs")
         devices = tuple(_device(d, f"devices[{i}]") for i, d in enumerate(raw))
     is_idle = _req(data, "is_idle", bool)
-    if is_idle != (not processes and all(d.readable for d in devices)):
+    # Idle with a process listed or a GPU unread is a lie; not idle with nothing listed
+    # is the agent's to say (its store promises the GPU, or memory no process accounts
+    # for is held), and ``promised`` keeps that word. An older agent's "idle" beside
+    # unattributed memory is accepted, and the Snapshot, counting that memory, is not idle.
+    if is_idle and not (not processes and all(d.readable for d in devices)):
         raise ValueError("is_idle disagrees with processes")
     starting: tuple[StartingProcess, ...] | None = None
     if data.get("starting") is not None:
@@ -69,7 +83,7 @@ def parse_status(data: object) -> Snapshot:
             if not isinstance(n, str):
                 raise ValueError(f"notes[{i}] should be a string, got {type(n).__name__}")
         notes = tuple(n[:MAX_NOTE_CHARS] for n in raw_notes)
-    return Snapshot(
+    snap = Snapshot(
         memory_used_mib=_mib(data, "memory_used_mib", "memory_used_mib"),
         memory_total_mib=_mib(data, "memory_total_mib", "memory_total_mib"),
         unified_memory=unified,
@@ -84,6 +98,7 @@ def parse_status(data: object) -> Snapshot:
         servers=servers,
         notes=notes,
     )
+    return replace(snap, promised=True) if not is_idle and snap.is_idle else snap
 
 
 def _req(d: dict[str, Any], key: str, typ: type, within: str = "") -> Any:
@@ -146,6 +161,7 @@ def _proc(p: object, where: str) -> GpuProcess:
         gpu=gpu if gpu is not None else 0,
         on_gpu=on_gpu,
         sm_util_pct=_int(p, "sm_util_pct", f"{where}.sm_util_pct", 0, 100),
+        mig=_int(p, "mig", f"{where}.mig", 0, MAX_MIG - 1),
     )
 
 
@@ -172,7 +188,34 @@ def _device(d: object, where: str) -> GpuDevice:
         temperature_c=_int(d, "temperature_c", f"{where}.temperature_c", -273, 1000),
         power_w=_number(d, "power_w", f"{where}.power_w", 0, 1e6),
         error=error,
+        mig=_instances(d, where),
     )
+
+
+def _instances(d: dict[str, Any], where: str) -> tuple[MigInstance, ...]:
+    """A device's MIG instances (absent from agents before them: MIG off)."""
+    if d.get("mig") is None:
+        return ()
+    raw = _req(d, "mig", list, where)
+    if len(raw) > MAX_MIG:
+        raise ValueError(f"{where}.mig: more than {MAX_MIG} instances")
+    out = []
+    for i, m in enumerate(raw):
+        at = f"{where}.mig[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{at} should be an object")
+        ident: int = _req(m, "id", int, at)
+        if not 0 <= ident < MAX_MIG:
+            raise ValueError(f"field '{at}.id' is out of range: {ident}")
+        out.append(
+            MigInstance(
+                id=ident,
+                memory_used_mib=_mib(m, "memory_used_mib", f"{at}.memory_used_mib"),
+                memory_total_mib=_mib(m, "memory_total_mib", f"{at}.memory_total_mib"),
+                uuid=_opt_str(m, "uuid"),
+            )
+        )
+    return tuple(out)
 
 
 def _starting(s: object, where: str) -> StartingProcess:

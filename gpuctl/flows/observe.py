@@ -14,7 +14,15 @@ from functools import partial
 from typing import TypeVar
 
 from gpuctl.config import ServiceConfig
-from gpuctl.core.decision import Decision, Health, ServiceSpec, Verdict, classify, gpu_rooms
+from gpuctl.core.decision import (
+    Decision,
+    GpuRoom,
+    Health,
+    ServiceSpec,
+    Verdict,
+    classify,
+    gpu_rooms,
+)
 from gpuctl.core.jobs import job_specs
 from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts
@@ -125,22 +133,25 @@ def memory_use(
     if snap is None:
         return ()
     specs, promised = _accounting(seen, services, now)
-    rooms = {
-        r.index: r
-        for r in gpu_rooms(
-            snap,
-            specs,
-            starting_services=promised,
-            servers=seen.servers,
-            total_override_mib=total_override_mib,
-        )
-    }
+    rooms: dict[int, list[GpuRoom]] = {}
+    for r in gpu_rooms(
+        snap,
+        specs,
+        starting_services=promised,
+        servers=seen.servers,
+        total_override_mib=total_override_mib,
+    ):
+        rooms.setdefault(r.index, []).append(r)
     devices = snap.device_list()
     out = []
     for d in devices:
-        room = rooms.get(d.index)
+        mine = rooms.get(d.index, [])
+        # A GPU with MIG on is one room per instance: the GPU holds what they all hold.
+        room = mine[0] if len(mine) == 1 else None
         held = d.memory_used_mib
-        committed = room.committed_mib if room else 0
+        if d.mig and all(m.memory_used_mib is not None for m in d.mig):
+            held = sum(m.memory_used_mib or 0 for m in d.mig)
+        committed = sum(r.committed_mib for r in mine)
         out.append(
             MemoryUse(
                 gpu=d.index if len(devices) > 1 else None,

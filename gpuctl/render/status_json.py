@@ -18,10 +18,12 @@
                      "memory_used_mib": 8234, "memory_total_mib": 131072,
                      "memory_promised_mib": 73686, "unified": true,
                      "utilization_pct": 37, "temperature_c": 41, "power_w": 12.5,
-                     "error": null}],   # per GPU; null figures are unknown, never 0
+                     "error": null,     # per GPU; null figures are unknown, never 0
+                     "mig": []}],       # MIG on: [{"id", "uuid", "memory_used_mib",
+                                        # "memory_total_mib"}], one room each
         "processes": [{"pid": 1, "command": "…", "memory_mib": 8200, "user": "me",
                        "container": null, "gpu": 0, "on_gpu": true, "sm_util_pct": 12,
-                       "service": "vllm"}],
+                       "mig": null, "service": "vllm"}],
         "starting":  [{"pid": 2, "command": "…", "user": "me", "service": "vllm"}],
         "others":    [{"name": "chat", "in_config": false, "phase": "starting",
                        "budget_mib": 81920, "priority": 100, "kind": "server",

@@ -22,7 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuctl.adapters.probes.common import describe_processes, larger, unified_device, valid_pid
+from gpuctl.adapters.probes.common import (
+    describe_processes,
+    larger,
+    memory_problem,
+    unified_device,
+    valid_pid,
+)
 from gpuctl.core.model import GpuDevice, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
@@ -245,6 +251,15 @@ class NvidiaSmiProbe:
                     GpuDevice(g.index, uuid=g.uuid, error=f"nvidia-smi: {g.memory_error}")
                 )
                 continue
+            problem = (
+                memory_problem(g.memory_used_mib, g.memory_total_mib)
+                if g.memory_used_mib is not None and g.memory_total_mib is not None
+                else None
+            )
+            if problem:
+                error = f"GPU {g.index}'s memory is unknown: {problem}"
+                devices.append(GpuDevice(g.index, name=g.name, uuid=g.uuid, error=error))
+                continue
             device = GpuDevice(
                 g.index,
                 g.memory_used_mib,
@@ -255,8 +270,9 @@ class NvidiaSmiProbe:
                 temperature_c=g.temperature_c,
                 power_w=g.power_w,
             )
-            # GB10 prints [N/A] (and total 0 means the same): that device is unified.
-            if not g.memory_total_mib or g.memory_used_mib is None:
+            # GB10 prints [N/A]: that device is unified. (A total of 0 is not: see
+            # memory_problem.)
+            if g.memory_total_mib is None or g.memory_used_mib is None:
                 device, note = unified_device(device, processes, self._gpu_memory_mib)
                 notes.append(note)
             devices.append(device)

@@ -1,16 +1,29 @@
 """The NVML probe (``nvidia-ml-py``, imported as ``pynvml``): per-GPU, per-process memory.
 
+Long because every NVML call it makes sits next to the quirk it works around (listed
+below), and the MIG instances are read with the same memory and process-list calls as
+their parent GPU, through the same per-GPU error handling.
+
 NVML quirks this module works around (as gpustat, nvitop and nvtop met them):
 
 * GB10 / DGX Spark unified memory: ``nvmlDeviceGetMemoryInfo`` (v1 and v2) answers
   ``NOT_SUPPORTED`` with total = 0, while per-process memory still works. That device
   (and only that device) is unified: its total comes from the config or MemTotal and
   its "used" is the sum of its processes (host RAM use would count the OS as GPU use,
-  nvtop #511).
+  nvtop #511); a process there whose memory NVML cannot tell makes that sum, and so
+  the device, unknown.
+* Sentinels: a device that answers total 0 (not NOT_SUPPORTED), a total or used of
+  ``NVML_VALUE_NOT_AVAILABLE`` (2^64-1 bytes), used beyond total: that GPU's memory is
+  unknown (the GPU is reported with ``error``), never 16 EiB free and never unified.
+  A temperature or power of 0xFFFFFFFF (or beyond any real board) is unknown.
 * ``_v3`` vs ``_v2`` process structs (driver 535.43): the struct is chosen by the
   functions the driver exports, as nvitop does (``nvml_procs``); a list that still reads
   garbage pids is read again through ``_v2``.
 * Memory-info v1 miscounts used memory on drivers >= 510 (gpustat #141): v2 first.
+* MIG: with MIG on, memory is each instance's (``nvmlDeviceGetMigDeviceHandleByIndex``
+  up to ``nvmlDeviceGetMaxMigDeviceCount``, as nvitop selects them), and so are the
+  process lists; the device carries its instances and each process its instance, and a
+  service fits on one instance, not on the parent's free memory.
 * ``usedGpuMemory`` is None where NVML cannot tell (WDDM, some MIG setups); 0 stays 0.
   The device's used memory that no process accounts for is counted by the decision.
 * One bad GPU (lost, no permission, process list unsupported) is reported as that GPU
@@ -30,13 +43,17 @@ import time
 from typing import Any
 
 from gpuctl.adapters.probes.common import (
+    MAX_POWER_W,
+    MAX_TEMPERATURE_C,
     MIB,
     describe_processes,
     larger,
+    memory_problem,
     percent,
     text_of,
     unified_device,
     valid_pid,
+    within,
 )
 from gpuctl.adapters.probes.nvml_procs import (
     ProcessCall,
@@ -44,7 +61,7 @@ from gpuctl.adapters.probes.nvml_procs import (
     choose_process_call,
     running_processes,
 )
-from gpuctl.core.model import GpuDevice, ProbeReading
+from gpuctl.core.model import GpuDevice, MigInstance, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
 # NVML keeps one process list per kind; MPS exists only on newer drivers and bindings.
@@ -131,6 +148,7 @@ class NvmlProbe:
             devices: list[GpuDevice] = []
             merged: dict[tuple[int, int], int | None] = {}
             sm_util: dict[tuple[int, int], int] = {}
+            mig_of: dict[tuple[int, int], int] = {}
             notes: list[str] = []
             failures: list[ProbeError] = []
             for idx, handle in enumerate(self._handles):
@@ -138,7 +156,7 @@ class NvmlProbe:
                     if isinstance(handle, _DeviceError):
                         raise handle
                     device = self._device(
-                        nv, handle, idx, merged=merged, sm_util=sm_util, notes=notes
+                        nv, handle, idx, merged=merged, sm_util=sm_util, mig_of=mig_of, notes=notes
                     )
                 except _DeviceError as e:
                     err = self._error(nv, e.error, idx, e.step)
@@ -153,7 +171,7 @@ class NvmlProbe:
                 devices.append(device)
             if failures and len(failures) == len(devices):
                 raise failures[0]
-            processes = describe_processes(merged, sm_util)
+            processes = describe_processes(merged, sm_util, mig_of)
             for i, d in enumerate(devices):
                 if d.readable and d.memory_total_mib is None:
                     devices[i], note = unified_device(d, processes, self._gpu_memory_mib)
@@ -250,17 +268,23 @@ class NvmlProbe:
         *,
         merged: dict[tuple[int, int], int | None],
         sm_util: dict[tuple[int, int], int],
+        mig_of: dict[tuple[int, int], int],
         notes: list[str],
     ) -> GpuDevice:
-        """One GPU's figures; its processes go into ``merged`` (and ``sm_util``).
+        """One GPU's figures; its processes go into ``merged`` (and ``sm_util``, and
+        ``mig_of`` with MIG on).
 
         Raises:
-            _DeviceError: memory or a process list could not be read.
+            _DeviceError: memory, a MIG instance or a process list could not be read.
         """
         try:
             memory = self._memory(nv, handle)
         except nv.NVMLError as e:
             raise _DeviceError("memory info", e) from e
+        problem = memory_problem(*memory) if memory else None
+        if problem:
+            err = ProbeError(f"GPU {idx}'s memory is unknown: {problem}")
+            raise _DeviceError("memory info", err)
         found: dict[tuple[int, int], int | None] = {}
         for kind in _PROCESS_LISTS:
             try:
@@ -272,6 +296,7 @@ class NvmlProbe:
             for pid, mem in listed:
                 key = (idx, pid)
                 found[key] = larger(found[key], mem) if key in found else mem
+        instances = self._mig(nv, handle, idx, found=found, mig_of=mig_of, notes=notes)
         merged.update(found)
         sm_util.update(self._process_utilisation(nv, handle, idx))
         util = self._optional(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
@@ -286,9 +311,78 @@ class NvmlProbe:
             name=text_of(self._optional(nv, lambda: nv.nvmlDeviceGetName(handle))),
             uuid=text_of(self._optional(nv, lambda: nv.nvmlDeviceGetUUID(handle))),
             utilization_pct=percent(util),
-            temperature_c=int(temp) if isinstance(temp, int) else None,
-            power_w=round(power_mw / 1000, 1) if isinstance(power_mw, int) else None,
+            temperature_c=within(temp, MAX_TEMPERATURE_C),
+            power_w=round(power_mw / 1000, 1)
+            if within(power_mw, MAX_POWER_W * 1000) is not None
+            else None,
+            mig=instances,
         )
+
+    def _mig(
+        self,
+        nv: Any,
+        handle: Any,
+        idx: int,
+        *,
+        found: dict[tuple[int, int], int | None],
+        mig_of: dict[tuple[int, int], int],
+        notes: list[str],
+    ) -> tuple[MigInstance, ...]:
+        """The MIG instances of a GPU with MIG on (none with it off), as nvitop selects
+        them: the mode, then each MIG device handle up to the maximum count, its memory
+        and its own process lists (the parent's lists may not show them). A process
+        sees only its instance's memory, so each instance is admitted on its own.
+
+        Raises:
+            _DeviceError: the mode or an instance could not be read.
+        """
+        try:
+            current = nv.nvmlDeviceGetMigMode(handle)[0]
+        except nv.NVMLError as e:
+            if _code(e) in (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+                return ()  # a board (or a driver) without MIG
+            raise _DeviceError("MIG mode", e) from e
+        if current != nv.NVML_DEVICE_MIG_ENABLE:
+            return ()
+        out: list[MigInstance] = []
+        try:
+            count = nv.nvmlDeviceGetMaxMigDeviceCount(handle)
+        except nv.NVMLError as e:
+            raise _DeviceError("MIG device count", e) from e
+        for slot in range(count):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except nv.NVMLError as e:
+                if _code(e) == nv.NVML_ERROR_NOT_FOUND:
+                    continue  # no instance in this slot
+                raise _DeviceError("MIG device handle", e) from e
+            try:
+                gi = int(nv.nvmlDeviceGetGpuInstanceId(mig))
+                memory = self._memory(nv, mig)
+            except nv.NVMLError as e:
+                raise _DeviceError("MIG instance memory", e) from e
+            problem = memory_problem(*memory) if memory else "the driver gave no memory figure"
+            if problem:
+                err = ProbeError(f"GPU {idx}'s MIG instance {gi} memory is unknown: {problem}")
+                raise _DeviceError("MIG instance memory", err)
+            assert memory is not None
+            for kind in _PROCESS_LISTS:
+                try:
+                    listed = self._processes(nv, mig, kind, idx, notes)
+                except (nv.NVMLError, ProbeError) as e:
+                    raise _DeviceError(f"MIG instance {gi} {kind.lower()} process list", e) from e
+                for pid, mem in listed:
+                    key = (idx, pid)
+                    found[key] = larger(found[key], mem) if key in found else mem
+                    mig_of[key] = gi
+            uuid = text_of(self._optional(nv, lambda h=mig: nv.nvmlDeviceGetUUID(h)))
+            out.append(MigInstance(gi, memory[0], memory[1], uuid))
+        if not out:
+            # MIG on and no instance: nothing can run there, and its whole memory is not
+            # free for anyone.
+            err = ProbeError(f"GPU {idx} has MIG on and no MIG instance: nothing can run on it")
+            raise _DeviceError("MIG instances", err)
+        return tuple(out)
 
     @staticmethod
     def _optional(nv: Any, fn: Any) -> Any:
@@ -336,8 +430,6 @@ class NvmlProbe:
                 if _code(e) == nv.NVML_ERROR_NOT_SUPPORTED:  # GB10: both versions refuse
                     return None
                 raise
-        if not mem.total:  # GB10 fills total = free = used = 0
-            return None
         return int(mem.used) // MIB, int(mem.total) // MIB
 
     def _processes(
