@@ -180,7 +180,8 @@ class ServiceConfig:
     max_concurrent: int | None = None
     queue_timeout_s: float | None = None
     # Priorities: ``preempt`` lets ``ensure`` stop services of strictly lower
-    # priority to make room (as ``ensure --preempt``); ``resume`` brings a preempted one
+    # priority, and servers idle past their ``yield_after``, to make room (as
+    # ``ensure --preempt``); ``resume`` brings a preempted one
     # back once it fits (reclaim, the end of ``gpuctl run``, ``gpuctl resume``).
     preempt: bool = False
     resume: bool = False
