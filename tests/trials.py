@@ -445,6 +445,9 @@ class Report:
             "  of them by a gpuctl run --preempt: "
             f"{self.counts['victims named by a run --preempt']} victims named "
             f"({self.actions['run --preempt']} run --preempt callers)",
+            # Not required to happen: the peer must sit idle past its yield_after while
+            # a preemptor needs its room.
+            f"  idle servers yielded: {self.counts['idle servers yielded']}",
             "  invariants checked (times judged):",
         ]
         lines += [f"    {name}: {n}" for name, n in sorted(self.checked.items())]
