@@ -198,6 +198,32 @@ def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -
     assert load_config(again).services == load_config(cfg).services
 
 
+def test_config_show_and_check_carry_yield_after(cli_env: Path) -> None:
+    """``yield_after`` is shown under its key (a batch has none: it never yields) in both
+    views, and the TOML view loads back as the same config; ``check`` names a bad one."""
+    cfg = config_file(cli_env)
+    cfg.write_text(
+        '[defaults]\nyield_after = "15m"\n[hosts.dgx]\n'
+        '[services.chat]\nmemory = "80GiB"\n'
+        '[services.quiet]\nyield_after = "never"\n'
+        '[services.batch]\nkind = "batch"\n'
+    )
+    obj = json.loads(runner.invoke(app, ["config", "show", "--json"]).stdout)
+    assert obj["defaults"]["yield_after"] == "15m"
+    got = {n: s.get("yield_after") for n, s in obj["services"].items()}
+    assert got == {"chat": "15m", "quiet": "never", "batch": None}
+    shown = runner.invoke(app, ["config", "show"]).stdout
+    assert 'yield_after = "15m"' in shown
+    again = cli_env / "again.toml"
+    again.write_text(shown)
+    from gpuctl.config import load_config
+
+    assert load_config(again).services == load_config(cfg).services
+    cfg.write_text('[hosts.dgx]\n[services.b]\nkind = "batch"\nyield_after = "5m"\n')
+    r = runner.invoke(app, ["config", "check"])
+    assert r.exit_code != 0 and "services.b.yield_after: a batch never yields" in r.output
+
+
 def test_watch_and_json_exclude(cli_env: Path) -> None:
     r = runner.invoke(app, ["status", "--watch", "--json"])
     assert r.exit_code == 2

@@ -172,6 +172,7 @@ BAD_NUMBERS = ["inf", "nan", "0", "1e400", "-5", "-1s", "0s", "0GiB", "1e9999d"]
     ("table", "key"),
     [
         ("defaults", "idle_timeout"),
+        ("defaults", "yield_after"),
         ("defaults", "health_timeout"),
         ("defaults", "agent_timeout"),
         ("hosts.dgx", "timeout"),
@@ -179,6 +180,7 @@ BAD_NUMBERS = ["inf", "nan", "0", "1e400", "-5", "-1s", "0s", "0GiB", "1e9999d"]
         ("services.a", "memory"),
         ("services.a", "health_timeout"),
         ("services.a", "idle_timeout"),
+        ("services.a", "yield_after"),
         ("services.a", "stop_timeout"),
         ("services.a", "shm_size"),
     ],
@@ -401,9 +403,45 @@ def test_idle_timeout_never_in_defaults() -> None:
     assert conf.service("a").idle_timeout_s is None
 
 
+def test_yield_after_defaults_to_10m_inherits_defaults_and_takes_never() -> None:
+    """10 minutes unless set; ``[defaults]`` sets it for every server; "never" exempts."""
+    conf = parse_config({"hosts": {"h": {}}, "services": {"a": {}}})
+    assert (conf.defaults.yield_after_s, conf.service("a").yield_after_s) == (600.0, 600.0)
+    conf = parse_config(
+        {
+            "defaults": {"yield_after": "20m"},
+            "hosts": {"h": {}},
+            "services": {"a": {}, "b": {"yield_after": "NEVER"}, "c": {"yield_after": "90s"}},
+        }
+    )
+    got = [conf.service(n).yield_after_s for n in "abc"]
+    assert (conf.defaults.yield_after_s, got) == (1200.0, [1200.0, None, 90.0])
+
+
+def test_a_batch_never_yields_and_refuses_a_yield_after_of_its_own() -> None:
+    """A batch answers no requests, so it would look idle while it works: the default
+    passes it by, "never" is accepted, and any duration is a located error."""
+    batch = {"kind": "batch"}
+    conf = parse_config(
+        {"defaults": {"yield_after": "5m"}, "hosts": {"h": {}}, "services": {"b": batch}}
+    )
+    assert conf.service("b").yield_after_s is None
+    never = {"kind": "batch", "yield_after": "never"}
+    assert (
+        parse_config({"hosts": {"h": {}}, "services": {"b": never}}).service("b").yield_after_s
+        is None
+    )
+    with pytest.raises(ConfigError) as e:
+        parse_config({"hosts": {"h": {}}, "services": {"b": {**batch, "yield_after": "5m"}}})
+    assert e.value.message.startswith("services.b.yield_after: a batch never yields")
+    assert "kind" in e.value.hint
+
+
 @pytest.mark.parametrize(
     ("lines", "location"),
     [
+        ('yield_after = "nevermore"', "services.a.yield_after"),
+        ("yield_after = true", "services.a.yield_after"),
         ("devices = []", "services.a.devices"),
         ('devices = ["0"]', "services.a.devices"),
         ("devices = [0, 0]", "services.a.devices"),

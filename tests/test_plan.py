@@ -8,6 +8,7 @@ import pytest
 
 from gpuctl.core.accounting import GpuRoom
 from gpuctl.core.decision import Decision, Health, classify
+from gpuctl.core.idle import short_duration
 from gpuctl.core.jobs import job_route, unreachable
 from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot
 from gpuctl.core.plan import VictimFacts, held_back, plan_victims, why_not
@@ -367,3 +368,147 @@ def test_job_route(
     why = unreachable(handle, HERE, agent)
     assert (why is None) == (words is None)
     assert why is None or (words is not None and words in why)
+
+
+# --------------------------------------------------------------------------- an idle server yields
+
+MIN = 60.0
+
+
+def idle(
+    name: str, priority: int, idle_m: float, after_m: float | None = 10, **kw: object
+) -> VictimFacts:
+    """A server unused for ``idle_m`` minutes whose ``yield_after`` is ``after_m``."""
+    after = None if after_m is None else after_m * MIN
+    return f(name, priority, idle_s=idle_m * MIN, yield_after_s=after, **kw)
+
+
+YIELD_CASES = [
+    # (id, facts of "chat" at priority 100, force, victim for a job at 60?, words when not)
+    ("idle 12m of 10m: yields whatever the priorities", idle("chat", 100, 12), False, True, None),
+    ("idle exactly its yield_after: yields", idle("chat", 100, 10), False, True, None),
+    (
+        "used 3m ago: not yet",
+        idle("chat", 100, 3),
+        False,
+        False,
+        "priority 100 is not below 60 (used 3m ago; it yields once idle 10m)",
+    ),
+    ("yield_after never", idle("chat", 100, 600, None), False, False, 'yield_after = "never"'),
+    ("a batch never yields", idle("chat", 100, 600, kind="batch"), False, False, "not below 60"),
+    (
+        "a run job never yields",
+        idle("chat", 100, 600, job=True, preemptible=True),
+        False,
+        False,
+        "not below 60",
+    ),
+    (
+        "a request in flight is a use, even with --force",
+        idle("chat", 100, 12, in_flight=1),
+        True,
+        False,
+        "idle, but 1 in flight",
+    ),
+    (
+        "in-flight unknown: not idle",
+        idle("chat", 100, 12, in_flight=None),
+        True,
+        False,
+        "cannot be read",
+    ),
+    ("a lease held: not idle", idle("chat", 100, 12, leased=True), True, False, "under way"),
+    ("idle unknown: not idle", f("chat", 100, yield_after_s=600.0), False, False, "not below"),
+    ("not gpuctl's: never", idle("chat", 100, 12, managed=False), False, False, "not started"),
+]
+
+
+@pytest.mark.parametrize(
+    ("facts", "force", "victim", "words"),
+    [c[1:] for c in YIELD_CASES],
+    ids=[c[0] for c in YIELD_CASES],
+)
+def test_an_idle_server_yields(
+    facts: VictimFacts, force: bool, victim: bool, words: str | None
+) -> None:
+    """Issue 16: an idle chat at 100 no longer refuses an 80 GiB job at 60 for 30 minutes."""
+    plan = plan_victims(
+        80 * GiB, [room(0, 120, chat=80)], {"chat": facts}, priority=60, force=force
+    )
+    assert (plan is not None) == victim
+    why = why_not(facts, 60, force)
+    assert (why is None) == victim
+    if words is not None:
+        assert why is not None and words in why, why
+    if plan is not None:
+        (v,) = plan.victims
+        assert (
+            v.yielded
+            and v.describe()
+            == f"chat (priority 100, idle for {short_duration(facts.idle_s or 0)}, 80.0 GiB)"
+        )
+
+
+def test_a_lower_priority_victim_is_not_marked_as_yielded() -> None:
+    """Below the asker's priority it is a victim anyway: stopping it needs no idle re-check."""
+    plan = plan_victims(
+        80 * GiB, [room(0, 120, chat=80)], {"chat": idle("chat", 50, 12)}, priority=60
+    )
+    assert plan is not None
+    (v,) = plan.victims
+    assert (v.yielded, v.idle_s) == (False, 12 * MIN)
+    assert "idle for 12m" in v.describe()
+
+
+def test_the_planner_prefers_idle_victims() -> None:
+    """Of two single stops that free enough, the idle one, though it is dearer to bring
+    back, of higher priority, and used more recently: it cuts no work short."""
+    facts = {
+        "chat": idle("chat", 100, 12, restart_s=330.0, last_used=900.0),
+        "batch": f("batch", 50, restart_s=20.0, last_used=100.0, idle_s=60.0, yield_after_s=600.0),
+    }
+    plan = plan_victims(80 * GiB, [room(0, 200, chat=80, batch=80)], facts, priority=60)
+    assert plan is not None and plan.names == ("chat",)
+    # Both lower than the asker, one idle: the idle one again.
+    facts["chat"] = idle("chat", 40, 12, restart_s=330.0, last_used=900.0)
+    plan = plan_victims(80 * GiB, [room(0, 200, chat=80, batch=80)], facts, priority=60)
+    assert plan is not None and plan.names == ("chat",)
+
+
+def test_fewest_stops_still_comes_before_idle() -> None:
+    """One busy lower-priority stop beats two idle ones: each stop is a cold start later."""
+    facts = {
+        "a": idle("a", 100, 20),
+        "b": idle("b", 100, 20),
+        "batch": f("batch", 50),
+    }
+    plan = plan_victims(80 * GiB, [room(0, 160, a=40, b=40, batch=80)], facts, priority=60)
+    assert plan is not None and plan.names == ("batch",)
+
+
+def test_classify_reason_says_how_long_the_yielding_server_was_idle() -> None:
+    chat_p = GpuProcess(60, "vllm serve chat", 80 * GiB)
+    v = classify(
+        Spec("job", 80 * GiB, 60, ("job",)),
+        REFUSED,
+        scene(chat_p),
+        others=[CHAT],
+        now=1000.0,
+        servers={60: "chat"},
+        victims={"chat": idle("chat", 100, 12)},
+    )
+    assert v.decision is Decision.PREEMPTABLE
+    assert "fits once chat (priority 100, idle for 12m, 80.0 GiB) stops" in v.reason
+    busy = classify(
+        Spec("job", 80 * GiB, 60, ("job",)),
+        REFUSED,
+        scene(chat_p),
+        others=[CHAT],
+        now=1000.0,
+        servers={60: "chat"},
+        victims={"chat": idle("chat", 100, 3)},
+    )
+    assert busy.decision is Decision.BUSY
+    assert (
+        "chat: priority 100 is not below 60 (used 3m ago; it yields once idle 10m)" in busy.reason
+    )

@@ -166,7 +166,14 @@ def test_status_is_preemptable_naming_its_victims_and_busy_naming_holders(
             s = svc_of(obj, chat)
             assert s["decision"] == "PREEMPTABLE", s
             assert s["victims"] == [
-                {"name": batch, "gpu": 0, "frees_mib": 30 * GIB, "priority": 50, "job": False}
+                {
+                    "name": batch,
+                    "gpu": 0,
+                    "frees_mib": 30 * GIB,
+                    "priority": 50,
+                    "job": False,
+                    "idle_s": None,
+                }
             ]
             assert f"fits once {batch} (priority 50, 30.0 GiB) stops" in s["reason"]
             assert s["hint"].startswith(f"`gpuctl ensure {chat} --preempt` stops {batch} ")

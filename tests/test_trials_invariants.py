@@ -247,3 +247,55 @@ def test_a_run_preempt_job_stopping_the_peer_or_a_non_preemptible_job_is_caught(
     assert any("run --preempt peer (priority 100) preempted peer" in x for x in v.violations)
     assert any("job whisper was preempted, but it is not --preemptible" in x for x in v.violations)
     assert any("preempted job whisper, not --preemptible" in x for x in v.violations)
+
+
+# --------------------------------------------------------------------------- an idle server yields
+
+
+def yielding_outcome(
+    last_used: float | None, peer: Service | None = None, *, since: float = 0.0
+) -> Outcome:
+    """The peer (priority 100, ``yield_after`` 10 s) turns preempted in (21, 22] while
+    chat (100) preempts; its record at 21 says it was last used at ``last_used``."""
+    peer = peer or Service("peer", 20 * GIB, 100, yield_after_s=10.0)
+    first = obs(21.0, {"peer": "running"})
+    first.records["peer"].update({"last_used": last_used, "since": since})
+    return Outcome(
+        services=[CHAT, BATCH, peer],
+        total_mib=120 * GIB,
+        observations=[first, obs(22.0, {"peer": "preempted"})],
+        callers=[
+            CallerFacts(
+                "ensure --preempt", "chat", 20.5, 23.0, preempts=100,
+                output=ensure_output("chat", ["preempted peer to make room (their stops took 0.1s)"]),
+            ),
+        ],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("last_used", "since", "peer", "permitted"),
+    [
+        (11.0, 0.0, None, True),  # unused 11 s of 10 by 22
+        (12.0, 0.0, None, True),  # exactly its yield_after
+        (12.5, 0.0, None, False),  # used 9.5 s before: not yet
+        (None, 11.0, None, True),  # never used: idle since it began running
+        (None, 15.0, None, False),
+        (1.0, 0.0, Service("peer", 20 * GIB, 100), False),  # yield_after = "never"
+        (1.0, 0.0, Service("peer", 20 * GIB, 100, 10.0, kind="batch"), False),
+    ],
+)
+def test_an_equal_priority_server_preempted_is_permitted_only_where_it_yielded(
+    last_used: float | None, since: float, peer: Service | None, permitted: bool
+) -> None:
+    """README "An idle server yields": the one exception to "never equal or higher
+    priority", judged from the victim's own record, for the preemption, the name its
+    preemptor gives, and the stop of its server."""
+    v = judged(yielding_outcome(last_used, peer, since=since))
+    if permitted:
+        assert v.violations == [] and v.counts["idle servers yielded"] == 1
+        return
+    assert v.counts["idle servers yielded"] == 0
+    assert any("peer (priority 100) was preempted with no preemptor" in x for x in v.violations)
+    assert any("preempted peer (priority 100)" in x for x in v.violations)
+    assert any("peer's server 300 ended" in x for x in v.violations)

@@ -4,7 +4,9 @@ all along.
 
 The scenario is sized so that preemption happens often: a 120 GiB GPU; ``chat`` (80 GiB,
 priority 100, ``preempt = true``); ``batch`` (30 GiB, priority 50, ``resume = true``);
-``peer`` (20 GiB, priority 100: never a victim of chat); and ``gpuctl run`` jobs of
+``peer`` (20 GiB, priority 100: a victim of chat only once it has sat idle for its
+``yield_after`` of 1 s, shorter than the 2 s idle timeout that lets reclaim stop it,
+README "An idle server yields"); and ``gpuctl run`` jobs of
 15 GiB at priority 40, 60 or 100, preemptible or not (tests/trials_priority.py). Chat
 does not fit beside the batch and a job: it must stop the batch, or a preemptible job
 below it, or find itself BUSY.
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuctl.config.model import DEFAULT_YIELD_AFTER_S
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import model_server_command, server_pids, service_toml
@@ -81,6 +84,7 @@ class Svc:
     # Only the second laptop's config names it (tests/trials_configs.py): the main
     # config's callers count it by its record's promise alone.
     only_b: bool = False
+    yield_after: float | None = DEFAULT_YIELD_AFTER_S  # seconds; None: "never"
 
 
 @dataclass
@@ -362,7 +366,10 @@ def outcome(t: Trial) -> Outcome:
         with contextlib.suppress(OSError):
             logs[f"log {f.name}"] = f.read_text(errors="replace")
     return Outcome(
-        services=[Service(s.name, s.memory_gib * GIB, s.priority) for s in t.services],
+        services=[
+            Service(s.name, s.memory_gib * GIB, s.priority, yield_after_s=s.yield_after)
+            for s in t.services
+        ],
         total_mib=TOTAL_MIB,
         observations=t.observations,
         callers=[c.facts() for c in t.callers],
@@ -449,6 +456,9 @@ class Report:
             "  of them by a gpuctl run --preempt: "
             f"{self.counts['victims named by a run --preempt']} victims named "
             f"({self.actions['run --preempt']} run --preempt callers)",
+            # Not required to happen: the peer must sit idle past its yield_after while
+            # a preemptor needs its room.
+            f"  idle servers yielded: {self.counts['idle servers yielded']}",
             "  invariants checked (times judged):",
         ]
         lines += [f"    {name}: {n}" for name, n in sorted(self.checked.items())]
@@ -461,7 +471,7 @@ def scenario(prefix: str) -> list[Svc]:
     return [
         Svc(f"{prefix}chat", free_port(), 80, "1.5s", 100, preempt=True, weight=3),
         Svc(f"{prefix}batch", free_port(), 30, "0.5s", 50, resume=True, weight=2),
-        Svc(f"{prefix}peer", free_port(), 20, "0.5s", 100, weight=1),
+        Svc(f"{prefix}peer", free_port(), 20, "0.5s", 100, weight=1, yield_after=1.0),
         Svc(f"{prefix}guest", free_port(), 25, "0.5s", 60, weight=1, only_b=True),
     ]
 
@@ -481,6 +491,8 @@ def service_tables(services: list[Svc]) -> str:
         toml += f"priority = {s.priority}\n"
         toml += "preempt = true\n" if s.preempt else ""
         toml += "resume = true\n" if s.resume else ""
+        after = "never" if s.yield_after is None else f"{s.yield_after:g}s"
+        toml += f'yield_after = "{after}"\n'
         toml += "\n"
     return toml
 

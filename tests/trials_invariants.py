@@ -14,11 +14,15 @@ the callers are done, ``check_outcome`` judges the whole ``Outcome``:
   a job's CMD shares);
 - **nothing stopped that was not a permitted victim**: each record that turns
   ``preempted`` had a preemptor under way of strictly higher priority (and a job was
-  ``--preemptible``); each victim an ``ensure`` names in its own output ("preempted X
-  to make room") is below that ensure's priority, and preemptible if a job;
+  ``--preemptible``), or of any priority where the victim had *yielded*: a server (not
+  a batch, not a job) whose record, just before, said it had gone unused for its
+  ``yield_after`` by the time it turned (README "An idle server yields"); each victim an
+  ``ensure`` names in its own output ("preempted X to make room") is below that
+  ensure's priority or yielded while it was under way, and preemptible if a job;
 - **every stop explained**: a server that dies had a ``stop`` of it, a ``reclaim``, a
-  start of it (a failed start ends its server) or a preemptor above it under way; a
-  job's CMD that ends before its own duration was preempted.
+  start of it (a failed start ends its server) or a preemptor above it (or, where it
+  had yielded, any preemptor) under way; a job's CMD that ends before its own duration
+  was preempted.
 
 It also counts what happened: preemptions (records turned ``preempted``), the victims
 preemptors named, and resumes (a preempted service starting again). Pure: the unit test
@@ -47,9 +51,13 @@ RUN_PREEMPTED_LINE = re.compile(r"^gpuctl run: (preempted .+ to make room.*)$", 
 
 @dataclass(frozen=True)
 class Service:
+    """``yield_after_s``: None for "never"; a ``kind = "batch"`` service never yields."""
+
     name: str
     memory_mib: int
     priority: int
+    yield_after_s: float | None = None
+    kind: str = "server"
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,44 @@ def transitions(o: Outcome) -> list[tuple[str, str, str, float, float]]:
     return out
 
 
+# The store's times and the sampler's are the same machine's clock; this absorbs only
+# the rounding of the record's JSON.
+YIELD_SLACK_S = 0.05
+# How long after its record turns ``preempted`` a yielded server's death is its stop's
+# (the trials' stop_timeout is 3 s, then SIGKILL).
+YIELD_STOP_WINDOW_S = 10.0
+
+
+def _yielded(o: Outcome, name: str, after: float, by: float) -> bool:
+    """Whether ``name`` had yielded when its record turned ``preempted`` in (after, by]:
+    a server with a ``yield_after`` whose record at ``after`` (its last use, or when its
+    phase began) says it was unused that long by ``by``. A use since only makes it
+    later, so this is what any preemptor that stopped it must have seen at least."""
+    svc = next((s for s in o.services if s.name == name), None)
+    if svc is None or svc.kind == "batch" or svc.yield_after_s is None:
+        return False
+    rec = None
+    for obs in o.observations:
+        if obs.at > after:
+            break
+        rec = obs.records.get(name, rec)
+    if rec is None or rec.get("phase") != "running":
+        return False
+    ref = rec.get("last_used")
+    if ref is None:
+        ref = rec.get("since")
+    return isinstance(ref, int | float) and ref + svc.yield_after_s <= by + YIELD_SLACK_S
+
+
+def _yields(o: Outcome) -> list[tuple[str, float, float]]:
+    """Each turn to ``preempted`` of a server that had yielded: (name, after, by)."""
+    return [
+        (name, after, by)
+        for name, _old, new, after, by in transitions(o)
+        if new == "preempted" and _yielded(o, name, after, by)
+    ]
+
+
 def _victims(o: Outcome, v: Verdict) -> None:
     for name, old, new, after, by in transitions(o):
         if new == "preempted":
@@ -215,12 +261,15 @@ def _victims(o: Outcome, v: Verdict) -> None:
             prio, job = _priority(o, name)
             if job is not None and not job.preemptible:
                 v.violations.append(f"job {job.name} was preempted, but it is not --preemptible")
+            yielded = job is None and _yielded(o, name, after, by)
+            if yielded:
+                v.counts["idle servers yielded"] += 1
             by_whom = [
                 c
                 for c in o.callers
                 if c.preempts is not None
                 and prio is not None
-                and c.preempts > prio
+                and (c.preempts > prio or yielded)
                 and _live_between(c, after, by)
             ]
             if not by_whom:
@@ -231,7 +280,8 @@ def _victims(o: Outcome, v: Verdict) -> None:
                 ]
                 v.violations.append(
                     f"{name} (priority {prio}) was preempted with no preemptor of higher "
-                    f"priority under way (preemptors then: {under_way or 'none'})"
+                    f"priority under way, nor idle past its yield_after "
+                    f"(preemptors then: {under_way or 'none'})"
                 )
         elif old == "preempted" and new in LIVE_PHASES and not name.startswith(JOB_PREFIX):
             v.counts["resumes"] += 1
@@ -240,7 +290,9 @@ def _victims(o: Outcome, v: Verdict) -> None:
 def _named_victims(o: Outcome, v: Verdict) -> None:
     """What each preemptor says it stopped ("preempted X, Y to make room": an ensure's
     JSON notes, a ``gpuctl run --preempt``'s lines), judged against its own priority: by
-    whom, precisely."""
+    whom, precisely. A victim of equal or higher priority is permitted only where it
+    yielded while that preemptor was under way."""
+    yields = _yields(o)
     for c in o.callers:
         doc = last_json(c.output)
         notes = list((doc or {}).get("notes") or [])
@@ -255,7 +307,10 @@ def _named_victims(o: Outcome, v: Verdict) -> None:
                     v.counts["victims named by a run --preempt"] += 1
                 v.checked["named victims below their preemptor"] += 1
                 prio, job = _priority(o, victim)
-                if c.preempts is None or prio is None or prio >= c.preempts:
+                yielded = any(
+                    n == victim and _live_between(c, after, by) for n, after, by in yields
+                )
+                if c.preempts is None or prio is None or (prio >= c.preempts and not yielded):
                     v.violations.append(
                         f"{c.action} {c.service} (priority {c.preempts}) preempted {victim} "
                         f"(priority {prio})"
@@ -295,6 +350,7 @@ def deaths(o: Outcome) -> list[tuple[str, int, float, float]]:
 
 def _stops_explained(o: Outcome, v: Verdict) -> None:
     changes = transitions(o)
+    yields = _yields(o)
     for name, pid, after, by in deaths(o):
         v.checked["every stop explained"] += 1
         prio, job = _priority(o, name)
@@ -321,6 +377,11 @@ def _stops_explained(o: Outcome, v: Verdict) -> None:
                 and a <= by + STOP_SLACK_S
                 for n, _old, new, a, b in changes
             )  # fmt: skip
+            # Its record turned preempted shortly before, when it had yielded.
+            yielded = any(
+                n == name and b <= by + STOP_SLACK_S and b >= after - YIELD_STOP_WINDOW_S
+                for n, _a, b in yields
+            )  # fmt: skip
             stoppers = [
                 c
                 for c in o.callers
@@ -329,7 +390,11 @@ def _stops_explained(o: Outcome, v: Verdict) -> None:
                     (c.action == "stop" and c.service == name)
                     or c.action == "reclaim"
                     or (c.service == name and failed_start)
-                    or (c.preempts is not None and prio is not None and c.preempts > prio)
+                    or (
+                        c.preempts is not None
+                        and prio is not None
+                        and (c.preempts > prio or yielded)
+                    )
                 )
             ]
         if not stoppers:

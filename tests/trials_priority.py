@@ -11,7 +11,8 @@ services: chat 80 GiB priority 100 ``preempt = true``, batch 30 GiB priority 50
   tests/trials_invariants.py (a job preempted must have been preemptible and below its
   preemptor; a CMD that ends before its duration must have been preempted);
 - ``run --preempt``: such a job at priority 60 or 100 that may stop the batch and
-  preemptible jobs below it (never the peer, never a job that is not preemptible); the
+  preemptible jobs below it (the peer only once idle past its ``yield_after``, never a
+  job that is not preemptible); the
   trial counts it as a preemptor of its priority;
 - ``resume``: ``gpuctl resume`` of a service (never preempts);
 - ``kill -9 mid-preemption``: an ``ensure --preempt`` of the top priority that lingers
@@ -87,7 +88,7 @@ def _run(t: Trial, s: Svc, preemptible: bool, preempt: bool = False) -> None:
     if t.rng.random() < 0.3:
         name = f"{s.name}-job{len(t.jobs)}"
     # A preemptor at 60 may stop the batch (50) and preemptible jobs at 40; at 100, chat's
-    # own rights (never the peer, at 100 too).
+    # own rights (the peer, at 100 too, only once it has yielded).
     prio = t.rng.choice((60, 100) if preempt else (40, 60, 100))
     duration = round(t.rng.uniform(1.5, 5.0), 1)
     t.jobs[name] = Job(name, prio, preemptible, JOB_GIB * GIB, duration, time.time())

@@ -81,7 +81,7 @@ def run(
         bool,
         typer.Option(
             "--preempt",
-            help="If it fits once lower-priority work stops, stop that work (as ensure --preempt).",
+            help="If it fits once lower-priority work (or idle servers) stops, stop it (as ensure --preempt).",
         ),
     ] = False,
     preemptible: Annotated[

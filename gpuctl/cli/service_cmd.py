@@ -58,7 +58,7 @@ def ensure(
         bool,
         typer.Option(
             "--preempt",
-            help="If it fits only once lower-priority services stop, stop them (as preempt = true).",
+            help="If it fits only once lower-priority (or idle) services stop, stop them (as preempt = true).",
         ),
     ] = False,
     force: Annotated[

@@ -40,6 +40,12 @@ SERVICE_KINDS = ("server", "batch")
 SLEEP_LEVELS = (1, 2)
 
 DEFAULT_IDLE_TIMEOUT_S = 30 * 60.0
+# A server unused this long yields to any start or job that asks to preempt, whatever the
+# priorities. 10 minutes: a chat's pauses between messages (reading, typing, a coffee)
+# are minutes, so it is not torn down mid-conversation; and a third of the 30-minute
+# idle timeout, so work that needs the memory waits 10 minutes at most, not 30. The
+# price is the server's next cold start (5-6 minutes for vLLM on a DGX Spark).
+DEFAULT_YIELD_AFTER_S = 10 * 60.0
 # vLLM cold starts take 5-6 minutes on a DGX Spark; a 120 s timeout fails every one of them.
 DEFAULT_HEALTH_TIMEOUT_S = 10 * 60.0
 DEFAULT_AGENT_TIMEOUT_S = 3.0
@@ -54,9 +60,11 @@ DEFAULT_PROXY_RETRY_AFTER_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class Defaults:
-    """``[defaults]``. ``idle_timeout_s`` is None for ``idle_timeout = "never"``."""
+    """``[defaults]``. ``idle_timeout_s`` is None for ``idle_timeout = "never"``, and
+    ``yield_after_s`` for ``yield_after = "never"``."""
 
     idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
+    yield_after_s: float | None = DEFAULT_YIELD_AFTER_S
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
     agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
     priority: int = DEFAULT_PRIORITY
@@ -127,6 +135,9 @@ class ServiceConfig:
 
     ``devices`` are the GPU indexes the service may use (None: any one GPU); ``gpus`` is
     only the Docker GPU request. ``idle_timeout_s`` is None for ``idle_timeout = "never"``.
+    ``yield_after_s``: unused this long, it is a victim for any start or job that asks to
+    preempt, whatever the priorities (None: ``"never"``, and always for a batch, which
+    answers no requests and so would look idle while it works).
     ``stop`` says how reclaim frees its memory: the launcher's stop, or vLLM sleep mode at
     ``sleep_level``. ``metrics`` overrides where the in-flight requests are read (default:
     ``/metrics`` at the origin of ``health``). ``model`` is the Ollama model name.
@@ -142,6 +153,7 @@ class ServiceConfig:
     memory_mib: int | None = None
     priority: int = DEFAULT_PRIORITY
     idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
+    yield_after_s: float | None = DEFAULT_YIELD_AFTER_S
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
     devices: tuple[int, ...] | None = None
     stop: str = "stop"
@@ -169,7 +181,8 @@ class ServiceConfig:
     max_concurrent: int | None = None
     queue_timeout_s: float | None = None
     # Priorities: ``preempt`` lets ``ensure`` stop services of strictly lower
-    # priority to make room (as ``ensure --preempt``); ``resume`` brings a preempted one
+    # priority, and servers idle past their ``yield_after``, to make room (as
+    # ``ensure --preempt``); ``resume`` brings a preempted one
     # back once it fits (reclaim, the end of ``gpuctl run``, ``gpuctl resume``).
     preempt: bool = False
     resume: bool = False

@@ -21,6 +21,7 @@ from gpuctl.config.model import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_PRIORITY,
     DEFAULT_STOP_TIMEOUT_S,
+    DEFAULT_YIELD_AFTER_S,
     LAUNCHERS,
     PROBES,
     SERVICE_KINDS,
@@ -32,6 +33,7 @@ from gpuctl.config.model import (
     ServiceConfig,
     known_hint,
 )
+from gpuctl.config.priority_fields import yield_after
 from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
 from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
 from gpuctl.core.jobs import PRIORITY_MAX
@@ -41,7 +43,7 @@ from gpuctl.core.units import is_bare_number
 from gpuctl.errors import ConfigError
 
 ROOT_KEYS = ("defaults", "hosts", "services", "proxy")
-DEFAULTS_KEYS = ("idle_timeout", "health_timeout", "agent_timeout", "priority")
+DEFAULTS_KEYS = ("idle_timeout", "yield_after", "health_timeout", "agent_timeout", "priority")
 HOST_KEYS = (
     "agent",
     "token_env",
@@ -68,6 +70,7 @@ SERVICE_KEYS = (
     "memory",
     "priority",
     "idle_timeout",
+    "yield_after",
     "health_timeout",
     "devices",
     "stop",
@@ -125,6 +128,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     d = Table("defaults", root.get("defaults") or {}, DEFAULTS_KEYS)
     defaults = Defaults(
         idle_timeout_s=d.timeout_or_never("idle_timeout", DEFAULT_IDLE_TIMEOUT_S),
+        yield_after_s=d.timeout_or_never("yield_after", DEFAULT_YIELD_AFTER_S),
         health_timeout_s=d.duration("health_timeout", DEFAULT_HEALTH_TIMEOUT_S),
         agent_timeout_s=d.duration("agent_timeout", DEFAULT_AGENT_TIMEOUT_S),
         priority=d.int_("priority", DEFAULT_PRIORITY, -MAX_PRIORITY, MAX_PRIORITY),
@@ -231,6 +235,7 @@ def _service(
     elif host not in hosts:
         raise s.fail("host", f"unknown host {host!r}", hint=known_hint("hosts", host, hosts, path))
     stop = s.choice("stop", STOP_ACTIONS, "stop") or "stop"
+    kind = s.choice("kind", SERVICE_KINDS, "server") or "server"
     sleep_level = _sleep_level(s)
     if sleep_level is not None and stop != "sleep":
         raise s.fail("sleep_level", 'only with stop = "sleep"', hint='add stop = "sleep"')
@@ -245,6 +250,7 @@ def _service(
         memory_mib=s.size("memory"),
         priority=s.int_("priority", defaults.priority, -MAX_PRIORITY, MAX_PRIORITY),
         idle_timeout_s=s.timeout_or_never("idle_timeout", defaults.idle_timeout_s),
+        yield_after_s=yield_after(s, kind, defaults.yield_after_s),
         health_timeout_s=s.duration("health_timeout", defaults.health_timeout_s),
         devices=_devices(s),
         stop=stop,
@@ -271,7 +277,7 @@ def _service(
         ),
         preempt=s.bool_("preempt", False),
         resume=s.bool_("resume", False),
-        kind=s.choice("kind", SERVICE_KINDS, "server") or "server",
+        kind=kind,
     )
     _check_service(svc, hosts[host])
     if svc.resume and svc.launcher is None:

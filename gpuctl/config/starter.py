@@ -28,6 +28,7 @@ _HEADER = """\
 
 [defaults]
 idle_timeout = "30m"        # an idle service may be stopped after this ("never" exempts it)
+yield_after = "10m"         # unused this long, a server yields to any start that preempts
 health_timeout = "10m"      # a vLLM cold start takes minutes; 120 s fails every one
 # agent_timeout = "3s"      # how long status waits for an agent
 """

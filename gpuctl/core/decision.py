@@ -20,7 +20,8 @@ IDLE        no GPU process at all, no other service is starting, and no GPU hold
             memory beyond the driver's reserve that no process accounts for
 FITS        others hold GPU memory, but this service's budget fits on one GPU beside them
 PREEMPTABLE it fits on no GPU as things are, but would on one once some victims stop:
-            managed services of strictly lower priority, or ``gpuctl run --preemptible``
+            managed services of strictly lower priority, servers idle past their
+            ``yield_after`` whatever their priority, or ``gpuctl run --preemptible``
             jobs, with nothing in flight (``gpuctl.core.plan``); only when the caller
             hands in ``victims`` (what it knows of the running services)
 BUSY        it fits on no GPU it may use (or has no budget and anything else runs): say

@@ -10,15 +10,23 @@ stopping some *victims* on one GPU would free enough memory there. A victim is:
   CMD runs where the caller or the host's agent can signal it.
 
 Never a foreign process (it has no share: ``GpuRoom.shares`` lists services only), never
-a ``run`` job that is not preemptible, never equal or higher priority.
+a ``run`` job that is not preemptible, never equal or higher priority, with one
+exception: a server that has *yielded* (``yields``). Unused for at least its
+``yield_after``, with no request in flight and no lease, it is a victim whatever the
+priorities, even under ``force`` only when nothing is in flight (a request in flight
+means it is in use, not idle). An idle chat at priority 100 would otherwise hold 80 GiB
+against a job at 60 until its 30-minute idle timeout. A batch and a ``run`` job never
+yield: they answer no requests, so they would look idle while they work.
 
 Among the sets of victims that free enough on one GPU, the plan takes:
 
 1. the fewest stops;
-2. then the cheapest to bring back: the recorded start durations (a victim never started
+2. then the fewest victims that are not idle (``yields``): stopping an idle server
+   cuts no work short, and its price (a cold start when next used) comes later;
+3. then the cheapest to bring back: the recorded start durations (a victim never started
    successfully costs more than any measured one);
-3. then the least recently used (the most recent use among the victims is the oldest);
-4. then the lowest GPU index, then names in order (a stable answer).
+4. then the least recently used (the most recent use among the victims is the oldest);
+5. then the lowest GPU index, then names in order (a stable answer).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuctl.core.accounting import GpuRoom
+from gpuctl.core.idle import short_duration
 from gpuctl.core.units import format_mib
 
 # Above this many subsets of the least size, the greedy choice (largest first) is taken:
@@ -48,6 +57,10 @@ class VictimFacts:
     on a machine neither the caller nor the host's agent can signal); None: it can be.
     ``in_config``: the caller's config names it; a service only another config names is
     counted at its record's promise but never stopped from here (nothing here says how).
+    ``idle_s``: seconds since its last use (since it began running, if never used);
+    None: unknown. ``yield_after_s``: its ``yield_after`` (None: never). ``kind``:
+    "server" or "batch". The caller reads these from wherever it knows the service
+    (its config, or the promise its record carries): the rule is keyed on them alone.
     """
 
     name: str
@@ -61,10 +74,17 @@ class VictimFacts:
     last_used: float | None = None
     unreachable: str | None = None
     in_config: bool = True
+    idle_s: float | None = None
+    yield_after_s: float | None = None
+    kind: str = "server"
 
 
 @dataclass(frozen=True, slots=True)
 class Victim:
+    """A planned stop. ``idle_s`` is set where it is idle (``yields``); ``yielded``: it
+    is a victim only because it is idle (its priority is not below the asker's), so
+    whoever stops it checks again under its lease that it is still unused."""
+
     name: str
     gpu: int
     frees_mib: int
@@ -72,10 +92,14 @@ class Victim:
     job: bool = False
     restart_s: float | None = None
     last_used: float | None = None
+    idle_s: float | None = None
+    yield_after_s: float | None = None
+    yielded: bool = False
 
     def describe(self) -> str:
         what = "run job " if self.job else ""
-        return f"{what}{self.name} (priority {self.priority}, {format_mib(self.frees_mib)})"
+        idle = f", idle for {short_duration(self.idle_s)}" if self.idle_s is not None else ""
+        return f"{what}{self.name} (priority {self.priority}{idle}, {format_mib(self.frees_mib)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +124,43 @@ class Plan:
         return ", ".join(v.describe() for v in self.victims)
 
 
+def yields(f: VictimFacts) -> bool:
+    """Whether ``f`` is an idle server, a victim for any start that asks to preempt: a
+    managed server (never a batch or a run job), unused for at least its
+    ``yield_after``, with no lease and nothing in flight (known to be 0)."""
+    return (
+        f.managed
+        and not f.job
+        and f.kind != "batch"
+        and f.yield_after_s is not None
+        and f.idle_s is not None
+        and f.idle_s >= f.yield_after_s
+        and not f.leased
+        and f.in_flight == 0
+        and f.unreachable is None
+    )
+
+
+def _not_idle(f: VictimFacts) -> str:
+    """Why a server of equal or higher priority has not yielded, for BUSY's reason."""
+    if f.job or f.kind == "batch" or not f.managed:
+        return ""
+    if f.yield_after_s is None:
+        return ' (yield_after = "never")'
+    if f.idle_s is None:
+        return ""
+    if f.idle_s < f.yield_after_s:
+        used = short_duration(f.idle_s)
+        return f" (used {used} ago; it yields once idle {short_duration(f.yield_after_s)})"
+    if f.leased:
+        return " (idle, but a start or stop of it is under way)"
+    if f.in_flight is None:
+        return " (idle, but its requests in flight cannot be read)"
+    if f.in_flight > 0:
+        return f" (idle, but {f.in_flight} in flight)"
+    return ""
+
+
 def why_not(f: VictimFacts | None, priority: int, force: bool = False) -> str | None:
     """None when ``f`` may be stopped for work of ``priority``; else why not, in words."""
     if f is not None and not f.in_config:
@@ -108,8 +169,8 @@ def why_not(f: VictimFacts | None, priority: int, force: bool = False) -> str | 
         return "not started by gpuctl"
     if f.job and not f.preemptible:
         return "a run job, not --preemptible"
-    if f.priority >= priority:
-        return f"priority {f.priority} is not below {priority}"
+    if f.priority >= priority and not yields(f):
+        return f"priority {f.priority} is not below {priority}{_not_idle(f)}"
     if f.unreachable:
         return f.unreachable
     if f.leased:
@@ -143,7 +204,7 @@ def plan_victims(
         if short <= 0:
             continue  # it fits there already: not the planner's question
         pool = [
-            Victim(name, room.index, mib, f.priority, f.job, f.restart_s, f.last_used)
+            _victim(name, room.index, mib, f, priority)
             for name, mib in room.shares
             if mib > 0
             and (f := facts.get(name)) is not None
@@ -157,6 +218,22 @@ def plan_victims(
         if best is None or key < best[0]:
             best = (key, plan)
     return best[1] if best else None
+
+
+def _victim(name: str, gpu: int, mib: int, f: VictimFacts, priority: int) -> Victim:
+    idle = yields(f)
+    return Victim(
+        name,
+        gpu,
+        mib,
+        f.priority,
+        f.job,
+        f.restart_s,
+        f.last_used,
+        idle_s=f.idle_s if idle else None,
+        yield_after_s=f.yield_after_s if idle else None,
+        yielded=f.priority >= priority,
+    )
 
 
 def held_back(
@@ -193,11 +270,12 @@ def _cheapest(pool: list[Victim], short: int) -> tuple[Victim, ...] | None:
 
 
 def _cost(victims: Sequence[Victim]) -> tuple[object, ...]:
+    busy = sum(1 for v in victims if v.idle_s is None)
     unmeasured = sum(1 for v in victims if v.restart_s is None)
     restart = sum(v.restart_s or 0.0 for v in victims)
     # Never used sorts as the oldest use.
     latest_use = max((v.last_used or 0.0) for v in victims)
-    return (len(victims), unmeasured, restart, latest_use, tuple(v.name for v in victims))
+    return (len(victims), busy, unmeasured, restart, latest_use, tuple(v.name for v in victims))
 
 
 def _n_subsets(n: int, k: int) -> int:

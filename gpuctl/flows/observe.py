@@ -410,5 +410,6 @@ def look(
         counts=deps.store.inflight,
         server_in_flight=deps.server_in_flight,
         here=deps.here,
+        now=deps.clock(),
     )
     return with_victims(judge(), svc, judge, facts, force=deps.force), seen

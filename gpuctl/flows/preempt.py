@@ -5,7 +5,9 @@
 1. take each victim's lease (without waiting: a lease held means a start, stop or wake
    of it is under way, and the plan is void), and judge again under them that each
    still runs its recorded server with nothing in flight (a use that began before the
-   lease is in the counts; none can begin after it);
+   lease is in the counts; none can begin after it), and that a victim taken only
+   because it sat idle (``core.plan.yields``) has still not been used within its
+   ``yield_after``;
 2. mark each ``preempted`` (before its stop: a preemptor killed mid-way leaves no
    ``running`` record with its server gone; put back to ``running`` if the stop fails),
    stop it by its record's handle (a service with its launcher: SIGTERM, grace, SIGKILL
@@ -43,12 +45,13 @@ from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import PREFIX, is_job, job_route, unreachable
 from gpuctl.core.model import HostIdentity, Snapshot
-from gpuctl.core.plan import Plan
+from gpuctl.core.plan import Plan, Victim
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
 from gpuctl.errors import GpuctlError, LauncherError
 from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.observe import look
 from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.victims import idle_seconds
 
 if TYPE_CHECKING:
     from gpuctl.flows.ensure import Ctx
@@ -141,8 +144,10 @@ class _Taken:
 
 def make_room(deps: RoomDeps, plan: Plan, snapshot: Snapshot | None) -> Room:
     """Stop ``plan``'s victims and wait until the memory is back (see the module)."""
+    # Between the plan and the victims' leases: a use of an idle victim here must void it.
+    failpoints.hit("preempt.before_leases")
     t_stop = deps.clock()
-    room = _stop_victims(deps, list(plan.names), snapshot)
+    room = _stop_victims(deps, list(plan.victims), snapshot)
     room.stop_s = deps.clock() - t_stop
     if room.outcome != "made":
         return room
@@ -150,12 +155,13 @@ def make_room(deps: RoomDeps, plan: Plan, snapshot: Snapshot | None) -> Room:
     return _wait_for_memory(deps, room)
 
 
-def _stop_victims(deps: RoomDeps, names: list[str], snapshot: Snapshot | None) -> Room:
+def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | None) -> Room:
     """Take every victim's lease, judge again, stop them."""
     taken: list[_Taken] = []
     room = Room("made")
+    yielded = {v.name: v.yield_after_s for v in victims if v.yielded}
     try:
-        for name in names:
+        for name in (v.name for v in victims):
             grace = JOB_GRACE_S if is_job(name) else deps.config.service(name).stop_timeout_s
             h = holder_here("preempt")
             ok, rec = deps.store.acquire(name, h, grace + STOP_LEASE_MARGIN_S)
@@ -166,10 +172,20 @@ def _stop_victims(deps: RoomDeps, names: list[str], snapshot: Snapshot | None) -
         # be in flight (an in_use that began before the lease is counted; none begins
         # after it).
         counts = deps.store.inflight()
+        now = deps.clock()
         for t in taken:
             if t.record.phase is not Phase.RUNNING or not t.record.handle:
                 return Room("stale")
-            if counts.get(t.name, 0) > 0 and not deps.force:
+            if t.name in yielded:
+                # Stopped only because it sat idle (its priority is not below ours): a
+                # use since the plan (a request, a touch) means it no longer yields, and
+                # --force never cuts an idle server's request short: it is in use.
+                after = yielded[t.name]
+                if counts.get(t.name, 0) > 0 or after is None:
+                    return Room("stale")
+                if idle_seconds(t.record, now) < after:
+                    return Room("stale")
+            elif counts.get(t.name, 0) > 0 and not deps.force:
                 return Room("stale")
         for t in list(taken):
             assert t.record.handle is not None

@@ -95,6 +95,9 @@ class HostReport:
     memory: tuple[MemoryUse, ...] = ()  # per GPU, or one host-wide figure
     jobs: tuple[JobSpec, ...] = ()  # the `gpuctl run` jobs its records name
     others: tuple[OtherService, ...] = ()  # services only other configs name
+    # The servers that would yield now to a start that asks to preempt, whatever the
+    # priorities (``core.plan.yields``), and how long each has been idle, in seconds.
+    yielding: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

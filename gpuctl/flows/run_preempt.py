@@ -78,6 +78,7 @@ def with_job_victims(
         counts=deps.store.inflight,
         server_in_flight=deps.server_in_flight,
         here=deps.here,
+        now=deps.clock(),
     )
     return with_victims(verdict, spec, judge, facts)
 

@@ -13,7 +13,7 @@ first, then the snapshot with the servers they name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -32,7 +32,7 @@ from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
 from gpuctl.flows.observe import Observation, decide, memory_use, observe
 from gpuctl.flows.results import HostReport, OtherService, StatusReport
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
-from gpuctl.flows.victims import victim_facts, with_victims
+from gpuctl.flows.victims import victim_facts, with_victims, yielding
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -115,15 +115,20 @@ def _health_of(deps: StatusDeps, s: Any, ollama: str | None, timeout_s: float) -
 
 
 def _judge(
-    deps: StatusDeps, hd: HostDeps, obs: Observation, services: Sequence[Any], now: float
+    deps: StatusDeps,
+    hd: HostDeps,
+    obs: Observation,
+    services: Sequence[Any],
+    now: float,
+    *,
+    counts: Callable[[], Mapping[str, int]] | None,
+    in_flight: Callable[[Any], int | None] | None,
 ) -> Callable[[Any, Health], Verdict]:
     """How ``status`` decides each service of one host: as ``ensure`` does
     (``observe.decide``, then ``observe.with_victims``), so a service that would fit once
     lower-priority work stops is PREEMPTABLE here too, naming what ``ensure --preempt``
     would stop. The in-flight counts and the servers' metrics are read once per host, and
     only when some service does not fit."""
-    counts = _once(hd.read_inflight) if hd.read_inflight is not None else None
-    in_flight = _per_service(deps.server_in_flight) if deps.server_in_flight else None
 
     def judge(svc: Any, health: Health) -> Verdict:
         decide_it = partial(
@@ -139,7 +144,13 @@ def _judge(
         first = decide_it()
         if counts is not None and obs.snapshot is not None:
             facts = partial(
-                victim_facts, obs, services, svc, counts=counts, server_in_flight=in_flight
+                victim_facts,
+                obs,
+                services,
+                svc,
+                counts=counts,
+                server_in_flight=in_flight,
+                now=now,
             )
             first = with_victims(first, svc, decide_it, facts)
         return _queue_check(first, svc, obs, hd, waiters)
@@ -240,8 +251,17 @@ def status(deps: StatusDeps) -> StatusReport:
                 healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
             )
             now = deps.clock()
-            judge = _judge(deps, hd, obs, services, now)
+            # Read once per host, and only when asked: by a service that does not fit,
+            # or a server idle past its yield_after.
+            counts = _once(hd.read_inflight) if hd.read_inflight is not None else None
+            in_flight = _per_service(deps.server_in_flight) if deps.server_in_flight else None
+            judge = _judge(deps, hd, obs, services, now, counts=counts, in_flight=in_flight)
             verdicts = tuple(judge(s, hh) for s, hh in zip(services, hs, strict=True))
+            idle = (
+                yielding(obs, services, counts=counts, server_in_flight=in_flight, now=now)
+                if counts is not None
+                else {}
+            )
             reports.append(
                 HostReport(
                     name=hd.host.name,
@@ -258,6 +278,7 @@ def status(deps: StatusDeps) -> StatusReport:
                     memory=memory_use(obs, services, now, hd.host.gpu_memory_mib),
                     jobs=tuple(job_specs(obs.records.values())),
                     others=other_services(obs, services),
+                    yielding=idle,
                 )
             )
     return StatusReport(hosts=tuple(reports), taken_at=taken_at)

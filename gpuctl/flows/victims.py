@@ -12,9 +12,9 @@ from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, ServiceSpec, Verdict
 from gpuctl.core.jobs import job_specs, unreachable
 from gpuctl.core.model import HostIdentity
-from gpuctl.core.plan import VictimFacts
+from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import as_promised, strangers
-from gpuctl.core.record import Phase
+from gpuctl.core.record import Phase, Record
 from gpuctl.errors import GpuctlError
 
 if TYPE_CHECKING:
@@ -52,6 +52,88 @@ def with_victims(
     return again
 
 
+def idle_seconds(r: Record, now: float) -> float:
+    """How long ``r``'s service has gone unused: since its last use, or, never used,
+    since its phase began (a server started and never asked is idle from its start)."""
+    ref = r.last_used if r.last_used is not None else r.since
+    return max(0.0, now - ref)
+
+
+def could_yield(o: ServiceConfig, idle_s: float) -> bool:
+    """Idle past its ``yield_after`` by the clock alone (a batch never): worth reading
+    its server's in-flight requests to know whether it yields."""
+    return o.kind != "batch" and o.yield_after_s is not None and idle_s >= o.yield_after_s
+
+
+def _service_facts(
+    o: ServiceConfig,
+    r: Record,
+    stored: Mapping[str, int] | None,
+    server_in_flight: Callable[[ServiceConfig], int | None] | None,
+    now: float,
+) -> VictimFacts:
+    """One running service's facts; its server's in-flight metric is read where
+    ``server_in_flight`` is given and the store counts none (one request each)."""
+    from gpuctl.core.durations import expected_start_s
+
+    in_flight: int | None = None if stored is None else stored.get(o.name, 0)
+    if (
+        in_flight == 0
+        and server_in_flight is not None
+        and o.launcher != "ollama"
+        and o.kind != "batch"  # a batch answers no requests: nothing can be in flight
+    ):
+        try:
+            in_flight = server_in_flight(o) or 0
+        except GpuctlError:
+            in_flight = None
+    return VictimFacts(
+        o.name,
+        o.priority,
+        managed=o.launcher is not None and (bool(r.handle) or r.phase is Phase.PREEMPTED),
+        in_flight=in_flight,
+        leased=r.lease is not None or r.phase is not Phase.RUNNING,
+        restart_s=expected_start_s(r),
+        last_used=r.last_used,
+        idle_s=idle_seconds(r, now),
+        yield_after_s=o.yield_after_s,
+        kind=o.kind,
+    )
+
+
+def yielding(
+    seen: Observation,
+    services: Sequence[ServiceConfig],
+    *,
+    counts: Callable[[], Mapping[str, int]],
+    server_in_flight: Callable[[ServiceConfig], int | None] | None,
+    now: float,
+) -> dict[str, float]:
+    """The servers that would yield now (``core.plan.yields``) to any start or job that
+    asks to preempt, with how long each has been idle: for ``status``, on the facts the
+    planner reads. The in-flight counts are read only where some server is idle past
+    its ``yield_after`` by the clock; where they cannot be read, none is said to yield."""
+    idle = [
+        (o, r)
+        for o in as_promised(services, seen.records)
+        if (r := seen.records.get(o.name)) is not None
+        and r.phase is Phase.RUNNING
+        and could_yield(o, idle_seconds(r, now))
+    ]
+    if not idle:
+        return {}
+    try:
+        stored = counts()
+    except GpuctlError:
+        return {}
+    out: dict[str, float] = {}
+    for o, r in idle:
+        f = _service_facts(o, r, stored, server_in_flight, now)
+        if yields(f) and f.idle_s is not None:
+            out[o.name] = f.idle_s
+    return out
+
+
 def victim_facts(
     seen: Observation,
     others: Sequence[ServiceConfig],
@@ -60,6 +142,7 @@ def victim_facts(
     counts: Callable[[], Mapping[str, int]],
     server_in_flight: Callable[[ServiceConfig], int | None] | None = None,
     here: HostIdentity | None = None,
+    now: float | None = None,
 ) -> dict[str, VictimFacts]:
     """What the planner needs of each other service that runs: its priority, whether
     gpuctl can stop it (a launcher, and a record naming its server), a lease on it, what
@@ -69,8 +152,17 @@ def victim_facts(
     ``GpuctlError``) is unknown: such a service is no victim. A run job is one only where
     it can be signalled (``core.jobs.unreachable``): on this machine (``here``; None: this
     one), or on the machine the snapshot was read on (the agent's; for a host read
-    without one, this machine)."""
-    from gpuctl.core.durations import expected_start_s
+    without one, this machine).
+
+    A server of equal or higher priority is a victim only where it yields
+    (``core.plan.yields``): for it, ``idle_s`` is ``now`` (None: this machine's clock)
+    less its last use (or, never used, when its phase began), its server's in-flight
+    metric is read only once it is idle past its ``yield_after``, and ``kind`` and
+    ``yield_after_s`` come from its config."""
+    if now is None:
+        import time
+
+        now = time.time()
 
     # Each at its record's own figures: its priority is what its start promised.
     others = as_promised(others, seen.records)
@@ -92,27 +184,8 @@ def victim_facts(
     out: dict[str, VictimFacts] = {}
     for o in candidates:
         r = seen.records[o.name]
-        in_flight: int | None = None if stored is None else stored.get(o.name, 0)
-        if (
-            in_flight == 0
-            and o.priority < svc.priority
-            and server_in_flight is not None
-            and o.launcher != "ollama"
-            and o.kind != "batch"  # a batch answers no requests: nothing can be in flight
-        ):
-            try:
-                in_flight = server_in_flight(o) or 0
-            except GpuctlError:
-                in_flight = None
-        out[o.name] = VictimFacts(
-            o.name,
-            o.priority,
-            managed=o.launcher is not None and (bool(r.handle) or r.phase is Phase.PREEMPTED),
-            in_flight=in_flight,
-            leased=r.lease is not None or r.phase is not Phase.RUNNING,
-            restart_s=expected_start_s(r),
-            last_used=r.last_used,
-        )
+        ask = o.priority < svc.priority or could_yield(o, idle_seconds(r, now))
+        out[o.name] = _service_facts(o, r, stored, server_in_flight if ask else None, now)
     foreign, _ = strangers(seen.records.values(), (o.name for o in others), exclude=svc.name)
     for f in foreign:
         r = seen.records[f.name]

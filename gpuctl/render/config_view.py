@@ -75,6 +75,8 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "memory": size_text(s.memory_mib),
         "priority": s.priority,
         "idle_timeout": duration_text(s.idle_timeout_s),
+        # A batch never yields: the key is not one it takes.
+        "yield_after": duration_text(s.yield_after_s) if s.kind != "batch" else None,
         "health_timeout": duration_text(s.health_timeout_s),
         "devices": list(s.devices) if s.devices is not None else None,
         "stop": s.stop,
@@ -146,6 +148,7 @@ def config_to_json(conf: Config) -> dict[str, Any]:
         "path": str(conf.path) if conf.path else None,
         "defaults": {
             "idle_timeout": duration_text(d.idle_timeout_s),
+            "yield_after": duration_text(d.yield_after_s),
             "health_timeout": duration_text(d.health_timeout_s),
             "agent_timeout": duration_text(d.agent_timeout_s),
             "priority": d.priority,

@@ -34,7 +34,11 @@
         "name": "vllm", "host": "dgx", "decision": "LOADING", "reason": "…",
         "health": "refused", "memory_mib": 8200, "budget_mib": 81920,
         "pids": [1, 2], "priority": 100,
-        "gpu": null                     # the GPU it fits on (IDLE, FITS), else null
+        "gpu": null,                    # the GPU it fits on (IDLE, FITS), else null
+        "yields": false,                # idle past its yield_after: any preempting start stops it
+        "idle_s": null,                 # with yields: how long it has been idle
+        "victims": [{"name": "chat", "gpu": 0, "frees_mib": 81920, "priority": 100,
+                     "job": false, "idle_s": 720.0}]   # PREEMPTABLE: what it would stop
       }]
     }
 
@@ -150,6 +154,8 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     "priority": svc.priority,
                     "pids": [p.pid for p in v.own] + [s.pid for s in v.starting],
                     "gpu": v.gpu,
+                    "yields": svc.name in h.yielding,
+                    "idle_s": h.yielding.get(svc.name),
                     "hint": v.hint or None,
                     "victims": [
                         {
@@ -158,6 +164,7 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                             "frees_mib": x.frees_mib,
                             "priority": x.priority,
                             "job": x.job,
+                            "idle_s": x.idle_s,
                         }
                         for x in (v.plan.victims if v.plan else ())
                     ],

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuctl.core.decision import Decision
+from gpuctl.core.idle import short_duration
 from gpuctl.core.safe_text import visible
 from gpuctl.core.timestamps import normalise_iso
 from gpuctl.core.units import format_duration, format_mib
@@ -287,6 +288,10 @@ def service_table(h: HostReport, g: Glyphs = UNICODE) -> Table:
         if svc.memory_mib:
             mem += f" / {format_mib(svc.memory_mib)}"
         reason = f"{v.reason} (hint: {v.hint})" if v.hint else v.reason
+        idle = h.yielding.get(svc.name)
+        if idle is not None:
+            # Its priority does not protect it now: say so where its row is read.
+            reason += f"; idle {short_duration(idle)}: yields to any start that preempts"
         if g.cut != "…":  # the reasons' own cut marker, drawn as the table's
             reason = reason.replace("…", g.cut)
         # Text, not markup: a command line's "[...]" is data, never a style.
