@@ -236,6 +236,10 @@ def locks(
             report = service_ops.locks(deps, finished=finished)
         finally:
             deps.close()
+        from gpuctl.core.safe_text import visible
+
+        for _host, line in report.repaired:  # news, on stderr (with --json too)
+            say(visible(line))
         if json_out:
             print_json(locks_to_json(report))
         else:

@@ -1,0 +1,73 @@
+"""Heal the phases a host's records say (``gpuctl.core.heal``), whoever reads them.
+
+``ensure``, ``reclaim``, ``locks``, ``status`` (with a token that may write) and the
+agent's loop on the GPU host call ``heal`` with the records they read. For each record
+that could be lying about its server (``needs_look``), it reads the server's truth;
+when the rule says the phase is wrong it takes the service's lease without waiting (a
+lease held means a real start, stop or wake is under way: its holder owns the record,
+and this is skipped), reads the truth again under the lease with the record the lease
+came with, and writes the true phase with a note (``outcome = "repaired"`` in the
+record's attempts, which ``gpuctl locks`` shows). So a repair never races a start or a
+stop, and two healers never both write one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from gpuctl.adapters.store import Store, holder_here
+from gpuctl.core.heal import Repair, ServerTruth, diagnose, needs_look
+from gpuctl.core.record import Record
+from gpuctl.errors import GpuctlError
+
+# The heal's lease: long enough for one pid look-up and one health request.
+HEAL_LEASE_S = 30.0
+
+
+def heal(
+    store: Store,
+    records: Iterable[Record],
+    look: Callable[[Record], ServerTruth],
+    entry: str,
+    clock: Callable[[], float] = time.time,
+) -> list[Repair]:
+    """Repair the records whose phase their server's truth contradicts; the repairs done.
+
+    Never raises for one record: a store error skips it (the next reader tries again).
+    """
+    done: list[Repair] = []
+    for record in records:
+        if not needs_look(record):
+            continue
+        if diagnose(record, look(record), lease_live=False) is None:
+            continue
+        holder = holder_here(entry)
+        try:
+            granted, fresh = store.acquire(record.service, holder, HEAL_LEASE_S)
+        except GpuctlError:
+            continue
+        if not granted:
+            continue  # a start, stop or wake holds it: the record is theirs
+        released = False
+        try:
+            mine = replace(fresh, lease=None)
+            repair = diagnose(mine, look(mine), lease_live=False)
+            if repair is not None:
+                store.release(record.service, holder.id, repair.update(clock(), entry))
+                released = True
+                done.append(repair)
+        except GpuctlError:
+            pass
+        finally:
+            if not released:
+                with contextlib.suppress(GpuctlError):
+                    store.release(record.service, holder.id)
+    return done
+
+
+def repair_lines(host: str, repairs: Iterable[Repair]) -> list[str]:
+    """One stderr line per repair: ``repaired chat on dgx: preempted -> running: …``."""
+    return [f"repaired {r.service} on {host}: {r.line}" for r in repairs]
