@@ -91,6 +91,7 @@ def ensure(
         line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
         deps = deps_for(conf, service, host, progress=line.update if line else None)
         deps.preempt, deps.force = preempt, force
+        deps.on_repair = say
         if not json_out:
             deps.notice = line.say if line else say
         try:

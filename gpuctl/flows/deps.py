@@ -84,6 +84,9 @@ class EnsureDeps(Closers):
     # first heals the phases of the host's records that lie about their servers
     # (``gpuctl.flows.heal``). None: it heals nothing.
     heal_look: Callable[[Record], ServerTruth] | None = field(kw_only=True, default=None)
+    # Where each repair is said at once (the CLI's stderr, with --json too: a repair of
+    # another service's record is news whatever the output). None: only the notes.
+    on_repair: Callable[[str], None] | None = field(kw_only=True, default=None)
     # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
     wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
     # Preemption: carry out a PREEMPTABLE plan (``--preempt``; the service's

@@ -146,8 +146,8 @@ def _heal(ctx: _Ctx) -> None:
     repairs = heal(deps.store, records, deps.heal_look, deps.entry, deps.clock)
     for line in repair_lines(deps.host.name, repairs):
         ctx.notes.append(line)
-        if deps.notice is not None:
-            deps.notice(line)
+        if deps.on_repair is not None:
+            deps.on_repair(line)
 
 
 def _bystander(ctx: _Ctx, decision: Decision, reason: str, hint: str = "") -> EnsureResult | None:
