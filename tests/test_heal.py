@@ -73,13 +73,14 @@ def names() -> Iterator[tuple[str, str]]:
 
 
 def two(chat: str, batch: str) -> str:
-    """chat (100 GiB, priority 100) fits on the 120 GiB GPU only once batch (30 GiB,
-    priority 50, resume = true) stops."""
-    return (
-        service(chat, free_port(), 100, 100)
-        + "\n"
-        + service(batch, free_port(), 30, 50, 'resume = true\nkind = "batch"')
+    """chat (100 GiB, priority 100, health timeout 3 s) fits on the 120 GiB GPU only once
+    batch (30 GiB, priority 50, resume = true) stops."""
+    # chat's health timeout is short: its killed preemptor's promise (starting, nothing
+    # launched) is abandoned 3 s after it was made, for a reader whose config names it.
+    chat_toml = service(chat, free_port(), 100, 100).replace(
+        'health_timeout = "60s"', 'health_timeout = "3s"'
     )
+    return chat_toml + "\n" + service(batch, free_port(), 30, 50, 'resume = true\nkind = "batch"')
 
 
 def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -118,10 +119,9 @@ def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
     assert run_ensure(cfg, batch).returncode == 0
     (batch_pid,) = server_pids(batch)
     kill_preemptor_after_mark(cfg, chat, sig)
-    # The batch's server runs on: within seconds its record says so again, and the
-    # preemptor's own promise (starting, no nonce, nothing launched) is gone.
+    t_killed = time.time()
+    # The batch's server runs on: within seconds its record says so again.
     until(lambda: read_record(host, batch)["phase"] == "running")
-    until(lambda: read_record(host, chat)["phase"] == "stopped")
     assert server_pids(batch) == [batch_pid]
     rec = read_record(host, batch)
     assert rec["lease"] is None and rec["handle"]["pid"] == batch_pid
@@ -130,8 +130,16 @@ def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
         "agent",
         "ensure",
     )
+    # The preemptor's own promise (starting, no nonce, nothing launched): past chat's
+    # health timeout, `locks` (whose config knows it) no longer shows it starting.
+    time.sleep(max(0.0, t_killed + 3.5 - time.time()))
     r = gpuctl(cfg, "locks", "--json")
     assert r.returncode == 0, r.stderr
+    # (Ctrl-C lets the preemptor put its own record back on its way out; kill -9 does not.)
+    killed = sig == signal.SIGKILL
+    assert (
+        f"repaired {chat} on sim: starting -> stopped: nothing was launched" in r.stderr
+    ) is killed
     rows = {x["service"]: x for x in json.loads(r.stdout)["records"]}
     assert rows[batch]["repaired"]["repaired"] == note["repaired"]
     assert rows[chat]["phase"] == "stopped" and rows[chat]["lease"] is None
@@ -154,6 +162,7 @@ def test_without_an_agent_reclaim_heals_and_never_claims_a_resume(
     (batch_pid,) = server_pids(batch)
     kill_preemptor_after_mark(cfg, chat, signal.SIGKILL)
     assert read_record(host, batch)["phase"] == "preempted"  # nobody has looked yet
+    time.sleep(3.5)  # past chat's health timeout: its promise is abandoned
     r = gpuctl(cfg, "reclaim")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"repaired {batch} on sim: preempted -> running" in r.stderr

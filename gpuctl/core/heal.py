@@ -29,6 +29,11 @@ REPAIRED = "repaired"
 # What a process launcher's server cannot tell once it has gone: it was exec'd detached,
 # so its parent (the gpuctl that started it) is gone and init reaped its exit status.
 EXIT_UNKNOWN = "exit status unknown"
+# How long a start that launched nothing may stay ``starting`` when the reader does not
+# know the service's health timeout (the agent has no config): the longest cold start
+# gpuctl expects (a large vLLM on a DGX Spark, ten minutes) with room to spare. A reader
+# with the service in its config uses its ``health_timeout``.
+ABANDONED_AFTER_S = 900.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,14 @@ def needs_look(record: Record) -> bool:
     return False
 
 
-def diagnose(record: Record, truth: ServerTruth, *, lease_live: bool) -> Repair | None:
+def diagnose(
+    record: Record,
+    truth: ServerTruth,
+    *,
+    lease_live: bool,
+    now: float = 0.0,
+    abandoned_after_s: float = ABANDONED_AFTER_S,
+) -> Repair | None:
     """The repair ``record`` needs given ``truth``, or None when its phase is true (or
     cannot be told).
 
@@ -100,9 +112,11 @@ def diagnose(record: Record, truth: ServerTruth, *, lease_live: bool) -> Repair 
       to be picked again, reclaimed when idle, never resumed over itself.
     - ``starting`` whose server answers: ``running`` (as ``touch`` does), so a batch a
       resume started on a host with no agent is a victim again.
-    - ``starting`` with no start nonce, no handle and no live lease: the preemptor that
-      promised it died before launching anything (ensure writes a nonce before every
-      spawn): ``stopped``, nothing was started.
+    - ``starting`` with no start nonce, no handle and no live lease, for longer than
+      ``abandoned_after_s`` (the service's health timeout) since it was marked: the
+      preemptor that promised it died before launching anything (ensure writes a nonce
+      before every spawn), and no admission counts it any more: ``stopped``. Before
+      that, a start by an older client (no nonce) may still be loading: its health tells.
     - ``running`` or ``sleeping`` whose handle's process is dead: ``stopped`` when it
       exited 0, ``failed`` when it did not, and ``stopped`` saying its exit status is
       unknown where it cannot be learned.
@@ -121,12 +135,17 @@ def diagnose(record: Record, truth: ServerTruth, *, lease_live: bool) -> Repair 
     if phase is Phase.STARTING:
         if truth.answers is True:
             return Repair(record.service, phase, Phase.RUNNING, "its server answers")
-        if not record.start_nonce and not record.handle and truth.alive is not True:
+        if (
+            not record.start_nonce
+            and not record.handle
+            and truth.alive is not True
+            and now - record.since >= abandoned_after_s
+        ):
             return Repair(
                 record.service,
                 phase,
                 Phase.STOPPED,
-                "nothing was launched (the start's holder is gone)",
+                f"nothing was launched in {abandoned_after_s:g}s (the start's holder is gone)",
             )
         return None
     if phase in (Phase.RUNNING, Phase.SLEEPING) and truth.alive is False:

@@ -137,13 +137,20 @@ def _heal(ctx: _Ctx) -> None:
     deps = ctx.deps
     if deps.heal_look is None:
         return
-    from gpuctl.flows.heal import heal, repair_lines
+    from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 
     try:
         records = deps.store.records()
     except GpuctlError:
         return  # the round's own read reports it
-    repairs = heal(deps.store, records, deps.heal_look, deps.entry, deps.clock)
+    repairs = heal(
+        deps.store,
+        records,
+        deps.heal_look,
+        deps.entry,
+        clock=deps.clock,
+        abandoned_after=health_timeouts(deps.config),
+    )
     for line in repair_lines(deps.host.name, repairs):
         ctx.notes.append(line)
         if deps.on_repair is not None:

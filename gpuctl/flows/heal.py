@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from gpuctl.adapters.store import Store, holder_here
-from gpuctl.core.heal import Repair, ServerTruth, diagnose, needs_look
+from gpuctl.config import Config
+from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError
 
@@ -32,9 +33,14 @@ def heal(
     records: Iterable[Record],
     look: Callable[[Record], ServerTruth],
     entry: str,
+    *,
     clock: Callable[[], float] = time.time,
+    abandoned_after: Callable[[str], float] | None = None,
 ) -> list[Repair]:
     """Repair the records whose phase their server's truth contradicts; the repairs done.
+
+    ``abandoned_after``: service -> its health timeout, where the caller's config names
+    it (``core.heal.diagnose``); else ``ABANDONED_AFTER_S``.
 
     Never raises for one record: a store error skips it (the next reader tries again).
     """
@@ -42,7 +48,12 @@ def heal(
     for record in records:
         if not needs_look(record):
             continue
-        if diagnose(record, look(record), lease_live=False) is None:
+        after = abandoned_after(record.service) if abandoned_after else ABANDONED_AFTER_S
+
+        def judge(r: Record, after: float = after) -> Repair | None:
+            return diagnose(r, look(r), lease_live=False, now=clock(), abandoned_after_s=after)
+
+        if judge(record) is None:
             continue
         holder = holder_here(entry)
         try:
@@ -53,8 +64,9 @@ def heal(
             continue  # a start, stop or wake holds it: the record is theirs
         released = False
         try:
-            mine = replace(fresh, lease=None)
-            repair = diagnose(mine, look(mine), lease_live=False)
+            # Under our lease: the lease it replaced was not in force (else acquire
+            # refused), and the record is judged again as it is now.
+            repair = judge(replace(fresh, lease=None))
             if repair is not None:
                 store.release(record.service, holder.id, repair.update(clock(), entry))
                 released = True
@@ -66,6 +78,16 @@ def heal(
                 with contextlib.suppress(GpuctlError):
                     store.release(record.service, holder.id)
     return done
+
+
+def health_timeouts(config: Config) -> Callable[[str], float]:
+    """service -> its health timeout in ``config`` (``ABANDONED_AFTER_S`` for another's)."""
+
+    def of(service: str) -> float:
+        svc = config.services.get(service)
+        return svc.health_timeout_s if svc is not None else ABANDONED_AFTER_S
+
+    return of
 
 
 def repair_lines(host: str, repairs: Iterable[Repair]) -> list[str]:

@@ -164,9 +164,12 @@ def _reclaim_host(
         services = deps.config.services_on(rh.host.name)
         listed = rh.store.records()
         if rh.look is not None and not dry_run:
-            from gpuctl.flows.heal import heal
+            from gpuctl.flows.heal import heal, health_timeouts
 
-            repairs = heal(rh.store, listed, rh.look, "reclaim", deps.clock)
+            timeouts = health_timeouts(deps.config)
+            repairs = heal(
+                rh.store, listed, rh.look, "reclaim", clock=deps.clock, abandoned_after=timeouts
+            )
             report.repaired += [(rh.host.name, r) for r in repairs]
             if repairs:
                 listed = rh.store.records()

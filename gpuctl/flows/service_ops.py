@@ -189,9 +189,17 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
                 # A record that lies about its server (a killed preemptor's leftovers, a
                 # server gone on its own) is healed before it is shown, so `locks` never
                 # lists as starting a start nobody is making.
-                from gpuctl.flows.heal import heal, repair_lines
+                from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 
-                repairs = heal(store, listed, deps.look_of(h), "locks", deps.clock)
+                timeouts = health_timeouts(deps.config)
+                repairs = heal(
+                    store,
+                    listed,
+                    deps.look_of(h),
+                    "locks",
+                    clock=deps.clock,
+                    abandoned_after=timeouts,
+                )
                 repaired += [(h.name, line) for line in repair_lines(h.name, repairs)]
                 if repairs:
                     listed = store.records()

@@ -292,7 +292,7 @@ def status_deps(
                 sim_dir=local.sim_dir or h.sim_dir,
                 gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
             )
-        hosts.append(_host_deps(h, source, closers, http, notice))
+        hosts.append(_host_deps(h, source, closers, http, notice=notice, config=config))
     return StatusDeps(
         closers,
         config=config,
@@ -310,7 +310,9 @@ def _host_deps(
     source: str,
     closers: list[Callable[[], None]],
     http: SharedHttp,
+    *,
     notice: Callable[[str], None] | None = None,
+    config: Config | None = None,
 ) -> HostDeps:
     store = _host_store(h, closers, http)
 
@@ -319,9 +321,11 @@ def _host_deps(
         if notice is None or h.agent:
             return out
         from gpuctl.adapters.server_truth import truth_reader
-        from gpuctl.flows.heal import heal, repair_lines
+        from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 
-        repairs = heal(store(), out.records, truth_reader(on_host=True, client=http), "status")
+        look = truth_reader(on_host=True, client=http)
+        timeouts = health_timeouts(config) if config is not None else None
+        repairs = heal(store(), out.records, look, "status", abandoned_after=timeouts)
         for line in repair_lines(h.name, repairs):
             notice(line)
         return store().listing() if repairs else out
