@@ -60,16 +60,16 @@ def test_starting_that_answers_runs() -> None:
 
 def test_starting_that_never_launched_is_stopped() -> None:
     r = rec(Phase.STARTING)  # no nonce, no handle: a killed preemptor's promise
-    late = {"now": 62.0, "abandoned_after_s": 60.0}
-    fix = diagnose(r, ServerTruth(answers=False), lease_live=False, **late)  # type: ignore[arg-type]
+    no = ServerTruth(answers=False)
+    fix = diagnose(r, no, lease_live=False, now=62.0, abandoned_after_s=60.0)
     assert fix is not None and fix.phase is Phase.STOPPED
     assert "nothing was launched in 60s" in fix.why
     # Within its health timeout it may be an older client's start (no nonce) still
     # loading; its health will tell.
-    early = {"now": 30.0, "abandoned_after_s": 60.0}
-    assert diagnose(r, ServerTruth(answers=False), lease_live=False, **early) is None  # type: ignore[arg-type]
-    assert diagnose(r, ServerTruth(answers=False), lease_live=False, now=600.0) is None
-    assert diagnose(r, ServerTruth(answers=True), lease_live=False, **late).phase is Phase.RUNNING  # type: ignore[arg-type,union-attr]
+    assert diagnose(r, no, lease_live=False, now=30.0, abandoned_after_s=60.0) is None
+    assert diagnose(r, no, lease_live=False, now=600.0) is None  # 15 minutes by default
+    up = diagnose(r, ServerTruth(answers=True), lease_live=False, now=62.0, abandoned_after_s=60.0)
+    assert up is not None and up.phase is Phase.RUNNING
     # A nonce means a spawn may have happened: ensure finds its server by it.
     assert (
         diagnose(rec(Phase.STARTING, start_nonce="ab" * 8), ServerTruth(), lease_live=False) is None

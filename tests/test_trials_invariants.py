@@ -247,3 +247,59 @@ def test_a_run_preempt_job_stopping_the_peer_or_a_non_preemptible_job_is_caught(
     assert any("run --preempt peer (priority 100) preempted peer" in x for x in v.violations)
     assert any("job whisper was preempted, but it is not --preemptible" in x for x in v.violations)
     assert any("preempted job whisper, not --preemptible" in x for x in v.violations)
+
+
+def lying(at: float, phase: str = "preempted", **rec_extra: Any) -> Observation:
+    """The batch's server alive (pid 200) under a record that says ``phase``."""
+    o = obs(at, {"peer": "running"}, servers={"batch": (PIDS["batch"],)})
+    records = {**o.records, "batch": {**rec(phase, PIDS["batch"]), **rec_extra}}
+    return Observation(o.at, o.servers, o.jobs, records)
+
+
+def test_a_live_server_under_a_not_running_record_is_caught_after_a_look() -> None:
+    looked = CallerFacts("reclaim", "", 2.0, 2.5)
+    o = Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[lying(1.0), lying(4.0), lying(8.0)],
+        callers=[looked],
+    )
+    v = judged(o)
+    assert v.checked["no live server under a not-running record"] == 3
+    (msg,) = [m for m in v.violations if "not-running" in m or "live server" in m]
+    assert msg.startswith("batch: a live server under a preempted record since 1.00")
+    assert "6.0s after a caller looked" in msg
+
+
+def test_a_lie_nobody_looked_at_or_healed_in_time_passes() -> None:
+    base = {"services": [CHAT, BATCH, PEER], "total_mib": 120 * GIB}
+    # Nobody looked: no verdict yet.
+    o = Outcome(**base, observations=[lying(1.0), lying(20.0)], callers=[])  # type: ignore[arg-type]
+    assert not [m for m in judged(o).violations if "live server" in m]
+    # Looked at 2.0, healed (running) by 5.0.
+    healed = obs(5.0, {"batch": "running", "peer": "running"})
+    o = Outcome(
+        **base,  # type: ignore[arg-type]
+        observations=[lying(1.0), lying(3.0), healed, lying(30.0)],
+        callers=[CallerFacts("ensure", "chat", 2.0, 3.0)],
+    )
+    assert not [m for m in judged(o).violations if "live server" in m]
+    # A lease on the record: its holder is mid-way (a preemptor between mark and stop).
+    o = Outcome(
+        **base,  # type: ignore[arg-type]
+        observations=[lying(1.0, lease={"holder": "x"}), lying(9.0, lease={"holder": "x"})],
+        callers=[CallerFacts("status", "", 1.5, 2.0)],
+    )
+    assert not [m for m in judged(o).violations if "live server" in m]
+
+
+def test_with_an_agent_the_clock_runs_from_the_lie() -> None:
+    o = Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[lying(1.0, "stopped"), lying(7.0, "stopped")],
+        callers=[],
+        agent=True,
+    )
+    (msg,) = [m for m in judged(o).violations if "live server" in m]
+    assert "under a stopped record" in msg and "after the agent looked" in msg
