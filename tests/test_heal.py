@@ -34,6 +34,7 @@ from tests.ensure_helpers import (
     service_toml,
     unique_name,
 )
+from tests.test_schemas import check as check_schema
 
 pytestmark = pytest.mark.e2e
 
@@ -140,7 +141,9 @@ def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
     assert (
         f"repaired {chat} on sim: starting -> stopped: nothing was launched" in r.stderr
     ) is killed
-    rows = {x["service"]: x for x in json.loads(r.stdout)["records"]}
+    out = json.loads(r.stdout)
+    check_schema("locks", out)  # the repair note and `repaired` are declared
+    rows = {x["service"]: x for x in out["records"]}
     assert rows[batch]["repaired"]["repaired"] == note["repaired"]
     assert rows[chat]["phase"] == "stopped" and rows[chat]["lease"] is None
     assert rows[batch]["starts"] == 1  # a repair note is no start
