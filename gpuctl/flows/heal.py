@@ -1,7 +1,9 @@
 """Heal the phases a host's records say (``gpuctl.core.heal``), whoever reads them.
 
-``ensure``, ``reclaim``, ``locks``, ``status`` (with a token that may write) and the
-agent's loop on the GPU host call ``heal`` with the records they read. For each record
+``ensure`` (and ``resume``), ``reclaim``, ``locks``, ``status`` on a host without an
+agent (its store is this machine's), and the agent's loop on the GPU host call ``heal``
+with the records they read (a read-only client's attempt is refused by the agent and
+skipped: the agent heals there). For each record
 that could be lying about its server (``needs_look``), it reads the server's truth;
 when the rule says the phase is wrong it takes the service's lease without waiting (a
 lease held means a real start, stop or wake is under way: its holder owns the record,
@@ -53,7 +55,9 @@ def heal(
         def judge(r: Record, after: float = after) -> Repair | None:
             return diagnose(r, look(r), lease_live=False, now=clock(), abandoned_after_s=after)
 
-        if judge(record) is None:
+        # A lease on a listed record is in force (the store drops dead ones as it reads):
+        # its holder is mid-way (a preemptor between marking and signalling its victim).
+        if record.lease is not None or judge(record) is None:
             continue
         holder = holder_here(entry)
         try:
