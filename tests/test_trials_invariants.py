@@ -284,13 +284,30 @@ def test_a_lie_nobody_looked_at_or_healed_in_time_passes() -> None:
         callers=[CallerFacts("ensure", "chat", 2.0, 3.0)],
     )
     assert not [m for m in judged(o).violations if "live server" in m]
-    # A lease on the record: its holder is mid-way (a preemptor between mark and stop).
+    # A lease on the record whose holder lives: it is mid-way (a preemptor between
+    # marking and signalling its victim).
+    lease = {"holder": "x", "pid": 77, "expires": 100.0}
+    preemptor = CallerFacts("ensure", "chat", 0.5, None, preempts=100, pid=77)
     o = Outcome(
         **base,  # type: ignore[arg-type]
-        observations=[lying(1.0, lease={"holder": "x"}), lying(9.0, lease={"holder": "x"})],
-        callers=[CallerFacts("status", "", 1.5, 2.0)],
+        observations=[lying(1.0, lease=lease), lying(9.0, lease=lease)],
+        callers=[preemptor, CallerFacts("status", "", 1.5, 2.0)],
     )
     assert not [m for m in judged(o).violations if "live server" in m]
+
+
+def test_a_dead_preemptors_lease_excuses_nothing() -> None:
+    """The file keeps the lease of a preemptor killed mid-way: it is no excuse."""
+    lease = {"holder": "x", "pid": 77, "expires": 100.0}
+    killed = CallerFacts("ensure", "chat", 0.5, 1.5, preempts=100, pid=77)
+    o = Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[lying(2.0, lease=lease), lying(9.0, lease=lease)],
+        callers=[killed, CallerFacts("reclaim", "", 2.5, 3.0)],
+    )
+    (msg,) = [m for m in judged(o).violations if "live server" in m]
+    assert "since 2.00" in msg
 
 
 def test_with_an_agent_the_clock_runs_from_the_lie() -> None:

@@ -17,8 +17,8 @@ the callers are done, ``check_outcome`` judges the whole ``Outcome``:
   ``--preemptible``); each victim an ``ensure`` names in its own output ("preempted X
   to make room") is below that ensure's priority, and preemptible if a job;
 - **phases heal**: no live server under a record that says it is not running
-  (``stopped``, ``preempted``, ``failed``, with no lease on it: a lease holder is
-  mid-way) for longer than ``HEAL_S`` after anyone looked: a gpuctl command that
+  (``stopped``, ``preempted``, ``failed``, with no lease of a live holder on it: that
+  holder is mid-way) for longer than ``HEAL_S`` after anyone looked: a gpuctl command that
   heals (``HEALERS``) spawned since the lie began, or at once where an agent runs
   (``Outcome.agent``: its loop looks every few seconds);
 - **every stop explained**: a server that dies had a ``stop`` of it, a ``reclaim``, a
@@ -100,6 +100,7 @@ class CallerFacts:
     ended: float | None = None
     preempts: int | None = None
     output: str = ""
+    pid: int | None = None  # the gpuctl process (a lease it takes names this pid)
 
 
 @dataclass
@@ -353,6 +354,20 @@ def _stops_explained(o: Outcome, v: Verdict) -> None:
             )
 
 
+def _held(o: Outcome, rec: Mapping[str, Any], at: float) -> bool:
+    """The record's lease is its holder's, mid-way: the file keeps a dead holder's lease
+    until someone rewrites it, so only a caller alive then (by its pid) excuses it; a
+    lease whose holder the trial did not spawn excuses it until it expires."""
+    lease = rec.get("lease")
+    if not isinstance(lease, Mapping):
+        return False
+    pid = lease.get("pid")
+    mine = [c for c in o.callers if c.pid is not None and c.pid == pid]
+    if not mine:
+        return not isinstance(lease.get("expires"), int | float) or at < lease["expires"]
+    return any(_live_between(c, at, at) for c in mine)
+
+
 def _phases_heal(o: Outcome, v: Verdict) -> None:
     since: dict[str, float] = {}  # service -> when its record began to lie
     told: set[str] = set()
@@ -362,7 +377,7 @@ def _phases_heal(o: Outcome, v: Verdict) -> None:
                 continue
             rec = obs.records.get(name) or {}
             phase = rec.get("phase")
-            if not obs.servers.get(name) or phase not in NOT_RUNNING or rec.get("lease"):
+            if not obs.servers.get(name) or phase not in NOT_RUNNING or _held(o, rec, obs.at):
                 since.pop(name, None)
                 told.discard(name)
                 continue
