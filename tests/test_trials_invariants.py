@@ -299,3 +299,76 @@ def test_an_equal_priority_server_preempted_is_permitted_only_where_it_yielded(
     assert any("peer (priority 100) was preempted with no preemptor" in x for x in v.violations)
     assert any("preempted peer (priority 100)" in x for x in v.violations)
     assert any("peer's server 300 ended" in x for x in v.violations)
+
+
+def lying(at: float, phase: str = "preempted", **rec_extra: Any) -> Observation:
+    """The batch's server alive (pid 200) under a record that says ``phase``."""
+    o = obs(at, {"peer": "running"}, servers={"batch": (PIDS["batch"],)})
+    records = {**o.records, "batch": {**rec(phase, PIDS["batch"]), **rec_extra}}
+    return Observation(o.at, o.servers, o.jobs, records)
+
+
+def test_a_live_server_under_a_not_running_record_is_caught_after_a_look() -> None:
+    looked = CallerFacts("reclaim", "", 2.0, 2.5)
+    o = Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[lying(1.0), lying(4.0), lying(8.0)],
+        callers=[looked],
+    )
+    v = judged(o)
+    assert v.checked["no live server under a not-running record"] == 3
+    (msg,) = [m for m in v.violations if "not-running" in m or "live server" in m]
+    assert msg.startswith("batch: a live server under a preempted record since 1.00")
+    assert "6.0s after a caller looked" in msg
+
+
+def test_a_lie_nobody_looked_at_or_healed_in_time_passes() -> None:
+    base = {"services": [CHAT, BATCH, PEER], "total_mib": 120 * GIB}
+    # Nobody looked: no verdict yet.
+    o = Outcome(**base, observations=[lying(1.0), lying(20.0)], callers=[])  # type: ignore[arg-type]
+    assert not [m for m in judged(o).violations if "live server" in m]
+    # Looked at 2.0, healed (running) by 5.0.
+    healed = obs(5.0, {"batch": "running", "peer": "running"})
+    o = Outcome(
+        **base,  # type: ignore[arg-type]
+        observations=[lying(1.0), lying(3.0), healed, lying(30.0)],
+        callers=[CallerFacts("ensure", "chat", 2.0, 3.0)],
+    )
+    assert not [m for m in judged(o).violations if "live server" in m]
+    # A lease on the record whose holder lives: it is mid-way (a preemptor between
+    # marking and signalling its victim).
+    lease = {"holder": "x", "pid": 77, "expires": 100.0}
+    preemptor = CallerFacts("ensure", "chat", 0.5, None, preempts=100, pid=77)
+    o = Outcome(
+        **base,  # type: ignore[arg-type]
+        observations=[lying(1.0, lease=lease), lying(9.0, lease=lease)],
+        callers=[preemptor, CallerFacts("status", "", 1.5, 2.0)],
+    )
+    assert not [m for m in judged(o).violations if "live server" in m]
+
+
+def test_a_dead_preemptors_lease_excuses_nothing() -> None:
+    """The file keeps the lease of a preemptor killed mid-way: it is no excuse."""
+    lease = {"holder": "x", "pid": 77, "expires": 100.0}
+    killed = CallerFacts("ensure", "chat", 0.5, 1.5, preempts=100, pid=77)
+    o = Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[lying(2.0, lease=lease), lying(9.0, lease=lease)],
+        callers=[killed, CallerFacts("reclaim", "", 2.5, 3.0)],
+    )
+    (msg,) = [m for m in judged(o).violations if "live server" in m]
+    assert "since 2.00" in msg
+
+
+def test_with_an_agent_the_clock_runs_from_the_lie() -> None:
+    o = Outcome(
+        services=[CHAT, BATCH, PEER],
+        total_mib=120 * GIB,
+        observations=[lying(1.0, "stopped"), lying(7.0, "stopped")],
+        callers=[],
+        agent=True,
+    )
+    (msg,) = [m for m in judged(o).violations if "live server" in m]
+    assert "under a stopped record" in msg and "after the agent looked" in msg

@@ -102,7 +102,9 @@ class Caller:
         if self.out is not None:
             with contextlib.suppress(OSError):
                 text = self.out.read_text(errors="replace")
-        return CallerFacts(self.action, self.service, self.spawned, self.ended, self.preempts, text)
+        return CallerFacts(
+            self.action, self.service, self.spawned, self.ended, self.preempts, text, self.proc.pid
+        )
 
 
 @dataclass
@@ -375,6 +377,7 @@ def outcome(t: Trial) -> Outcome:
         callers=[c.facts() for c in t.callers],
         jobs=t.jobs,
         logs=logs,
+        agent=bool(t.host.agent_port),  # its loop heals without a caller (phases heal)
     )
 
 

@@ -19,6 +19,11 @@ the callers are done, ``check_outcome`` judges the whole ``Outcome``:
   ``yield_after`` by the time it turned (README "An idle server yields"); each victim an
   ``ensure`` names in its own output ("preempted X to make room") is below that
   ensure's priority or yielded while it was under way, and preemptible if a job;
+- **phases heal**: no live server under a record that says it is not running
+  (``stopped``, ``preempted``, ``failed``, with no lease of a live holder on it: that
+  holder is mid-way) for longer than ``HEAL_S`` after anyone looked: a gpuctl command that
+  heals (``HEALERS``) spawned since the lie began, or at once where an agent runs
+  (``Outcome.agent``: its loop looks every few seconds);
 - **every stop explained**: a server that dies had a ``stop`` of it, a ``reclaim``, a
   start of it (a failed start ends its server) or a preemptor above it (or, where it
   had yielded, any preemptor) under way; a job's CMD that ends before its own duration
@@ -43,6 +48,12 @@ JOB_PREFIX = "run."
 # still being delivered), and the sampler sees a caller gone only at its next sample.
 STOP_SLACK_S = 3.0
 LIVE_PHASES = ("starting", "running", "stopping")
+# The phases that say no server runs, and who heals a record that says one with a
+# server alive (README: Phases heal): within HEAL_S of looking, its command has read
+# the records, judged and written (a health request of 1 s at most among them).
+NOT_RUNNING = ("stopped", "preempted", "failed")
+HEALERS = ("ensure", "reclaim", "status", "locks", "resume")
+HEAL_S = 5.0
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 PREEMPTED_NOTE = re.compile(r"^preempted (.+) to make room")
 # ``gpuctl run --preempt`` says the same on its stderr (no JSON), one line per round.
@@ -97,6 +108,7 @@ class CallerFacts:
     ended: float | None = None
     preempts: int | None = None
     output: str = ""
+    pid: int | None = None  # the gpuctl process (a lease it takes names this pid)
 
 
 @dataclass
@@ -107,6 +119,7 @@ class Outcome:
     callers: Sequence[CallerFacts]
     jobs: Mapping[str, Job] = field(default_factory=dict)
     logs: Mapping[str, str] = field(default_factory=dict)  # where -> text
+    agent: bool = False  # the host had an agent (its loop heals without a caller)
 
 
 @dataclass
@@ -124,6 +137,7 @@ def check_outcome(o: Outcome) -> Verdict:
     _victims(o, v)
     _named_victims(o, v)
     _stops_explained(o, v)
+    _phases_heal(o, v)
     return v
 
 
@@ -402,4 +416,46 @@ def _stops_explained(o: Outcome, v: Verdict) -> None:
                 f"{name}'s {'CMD' if job else 'server'} {pid} ended between "
                 f"{after:.2f} and {by:.2f} with no stop, reclaim, start or higher-priority "
                 "preemptor of it under way"
+            )
+
+
+def _held(o: Outcome, rec: Mapping[str, Any], at: float) -> bool:
+    """The record's lease is its holder's, mid-way: the file keeps a dead holder's lease
+    until someone rewrites it, so only a caller alive then (by its pid) excuses it; a
+    lease whose holder the trial did not spawn excuses it until it expires."""
+    lease = rec.get("lease")
+    if not isinstance(lease, Mapping):
+        return False
+    pid = lease.get("pid")
+    mine = [c for c in o.callers if c.pid is not None and c.pid == pid]
+    if not mine:
+        return not isinstance(lease.get("expires"), int | float) or at < lease["expires"]
+    return any(_live_between(c, at, at) for c in mine)
+
+
+def _phases_heal(o: Outcome, v: Verdict) -> None:
+    since: dict[str, float] = {}  # service -> when its record began to lie
+    told: set[str] = set()
+    for obs in o.observations:
+        for name in sorted(set(obs.servers) | set(obs.records)):
+            if name.startswith(JOB_PREFIX):
+                continue
+            rec = obs.records.get(name) or {}
+            phase = rec.get("phase")
+            if not obs.servers.get(name) or phase not in NOT_RUNNING or _held(o, rec, obs.at):
+                since.pop(name, None)
+                told.discard(name)
+                continue
+            v.checked["no live server under a not-running record"] += 1
+            t0 = since.setdefault(name, obs.at)
+            looks = [c.spawned for c in o.callers if c.action in HEALERS and c.spawned >= t0]
+            if o.agent:
+                looks.append(t0)
+            if not looks or obs.at <= min(looks) + HEAL_S or name in told:
+                continue
+            told.add(name)
+            who = "the agent" if o.agent and min(looks) == t0 else "a caller"
+            v.violations.append(
+                f"{name}: a live server under a {phase} record since {t0:.2f}, still at "
+                f"{obs.at:.2f}, {obs.at - min(looks):.1f}s after {who} looked"
             )

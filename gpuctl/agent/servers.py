@@ -14,7 +14,11 @@ started with (``--match``) that are younger than ``--match-max-age``.
 
 ``promote_ready`` completes ``starting`` -> ``running`` for a record whose health URL
 answers 200, so a start whose launcher went away (``--no-wait``, a killed caller) does
-not stay ``starting`` until the next ``ensure``.
+not stay ``starting`` until the next ``ensure``. The same loop heals the other phases
+that lie about their server on this host (``gpuctl.flows.heal``): a ``preempted`` record
+whose server runs, a ``running`` one whose server is gone, an abandoned ``starting``, so
+a host heals within seconds even when no command looks, and a read-only client's
+``status`` only has to report.
 """
 
 from __future__ import annotations
@@ -92,6 +96,16 @@ def starting_with_health(store: DirectStore) -> list[Record]:
     return [r for r in _records(store) if r.phase is Phase.STARTING and r.health]
 
 
+def heal_here(store: DirectStore) -> list[str]:
+    """One heal pass over this host's records (the agent is on the host: pids count);
+    the repairs done, as log lines."""
+    from gpuctl.adapters.server_truth import truth_reader
+    from gpuctl.flows.heal import heal
+
+    repairs = heal(store, _records(store), truth_reader(on_host=True), "agent")
+    return [f"repaired {r.service}: {r.line}" for r in repairs]
+
+
 def promote(store: DirectStore, service: str) -> bool:
     """``starting`` -> ``running`` (the store's touch with ``ready``; it never revives a
     stopped record). True when the record is running afterwards."""
@@ -123,3 +137,11 @@ async def promote_loop(
                         on_change()
             except Exception as err:  # never let the loop die: the next round retries
                 log.warning("completing starts failed: %s: %s", type(err).__name__, err)
+            try:
+                repaired = await asyncio.to_thread(heal_here, store)
+                for line in repaired:
+                    log.warning("%s", line)
+                if repaired:
+                    on_change()
+            except Exception as err:  # as above
+                log.warning("healing phases failed: %s: %s", type(err).__name__, err)

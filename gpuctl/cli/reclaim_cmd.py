@@ -63,11 +63,16 @@ def reclaim(
             report = run(deps, dry_run=dry_run)
         finally:
             deps.close()
+        from gpuctl.core.safe_text import visible
+        from gpuctl.flows.heal import repair_lines
+
+        # What was healed goes to stderr, with --json too: a repair is news, not a result.
+        for host_name, r in report.repaired:
+            for line in repair_lines(host_name, [r]):
+                print(visible(line), file=sys.stderr)
         if json_out:
             print_json(reclaim_to_json(report))
         else:
-            from gpuctl.core.safe_text import visible
-
             # Lines quote outside text (a holder's command line): controls shown escaped.
             for line in reclaim_lines(report):
                 print(visible(line))

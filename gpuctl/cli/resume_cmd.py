@@ -47,6 +47,7 @@ def resume(
 
         conf = open_config(config)
         deps = deps_for(conf, service, host, entry="resume")
+        deps.on_repair = say  # a record healed on the way (gpuctl.flows.heal), on stderr
         try:
             result = run(deps, wait=not no_wait)
         finally:

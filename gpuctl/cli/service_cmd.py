@@ -91,6 +91,7 @@ def ensure(
         line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
         deps = deps_for(conf, service, host, progress=line.update if line else None)
         deps.preempt, deps.force = preempt, force
+        deps.on_repair = say
         if not json_out:
             deps.notice = line.say if line else say
         try:
@@ -236,6 +237,10 @@ def locks(
             report = service_ops.locks(deps, finished=finished)
         finally:
             deps.close()
+        from gpuctl.core.safe_text import visible
+
+        for _host, line in report.repaired:  # news, on stderr (with --json too)
+            say(visible(line))
         if json_out:
             print_json(locks_to_json(report))
         else:

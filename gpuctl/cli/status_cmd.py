@@ -123,7 +123,8 @@ def status(
                 )
             )
         local = LocalProbeOptions(probe=probe.value, sim_dir=sim_dir)
-        deps = status_deps(conf, host or None, local=local)
+        # A record healed here (a host without an agent) is said on stderr.
+        deps = status_deps(conf, host or None, local=local, notice=say)
         try:
             _status(deps, conf, json_out, watch, interval, wide, only or [], user or [])
         finally:

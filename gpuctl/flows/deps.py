@@ -24,6 +24,7 @@ from gpuctl.flows.results import Progress
 if TYPE_CHECKING:
     # Annotations only: ``status`` never builds a launcher, nor imports their base.
     from gpuctl.adapters.launchers.base import Handle, Launcher
+    from gpuctl.core.heal import ServerTruth
 
 # (match keywords, recorded server pids) -> the host's snapshot
 SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]
@@ -79,6 +80,13 @@ class EnsureDeps(Closers):
     # may be for nothing, rather than only after the timeout.
     notice: Callable[[str], None] | None = field(kw_only=True, default=None)
     entry: str = field(kw_only=True, default="ensure")
+    # record -> what its server is seen doing (``gpuctl.adapters.server_truth``): ensure
+    # first heals the phases of the host's records that lie about their servers
+    # (``gpuctl.flows.heal``). None: it heals nothing.
+    heal_look: Callable[[Record], ServerTruth] | None = field(kw_only=True, default=None)
+    # Where each repair is said at once (the CLI's stderr, with --json too: a repair of
+    # another service's record is news whatever the output). None: only the notes.
+    on_repair: Callable[[str], None] | None = field(kw_only=True, default=None)
     # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
     wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
     # Preemption: carry out a PREEMPTABLE plan (``--preempt``; the service's
@@ -170,6 +178,11 @@ class LocksDeps(Closers):
     hosts: list[HostConfig] = field(kw_only=True)
     store_of: Callable[[HostConfig], Store] = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
+    # host -> how its records' servers are seen (``gpuctl.adapters.server_truth``):
+    # ``locks`` heals the phases that lie before it lists them. None: it only lists.
+    look_of: Callable[[HostConfig], Callable[[Record], ServerTruth]] | None = field(
+        kw_only=True, default=None
+    )
 
 
 def describe_handle(h: Handle) -> str:

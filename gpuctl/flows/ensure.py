@@ -110,6 +110,7 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     """
     svc = deps.service
     ctx = _Ctx(deps, timeout_s if timeout_s is not None else svc.health_timeout_s)
+    _heal(ctx)
     for _ in range(MAX_ROUNDS):
         try:
             result = _ensure_round(ctx, wait)
@@ -126,6 +127,34 @@ def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
         f"the starts under way ended {MAX_ROUNDS} times without a running server",
         Decision.LOADING,
     )
+
+
+def _heal(ctx: _Ctx) -> None:
+    """Heal the host's records before deciding (``gpuctl.flows.heal``): a victim left
+    ``preempted`` over its live server by a killed preemptor is a victim again, and a
+    record over a dead server no longer holds its room. Each repair is said at once
+    (stderr) and kept in the result's notes."""
+    deps = ctx.deps
+    if deps.heal_look is None:
+        return
+    from gpuctl.flows.heal import heal, health_timeouts, repair_lines
+
+    try:
+        records = deps.store.records()
+    except GpuctlError:
+        return  # the round's own read reports it
+    repairs = heal(
+        deps.store,
+        records,
+        deps.heal_look,
+        deps.entry,
+        clock=deps.clock,
+        abandoned_after=health_timeouts(deps.config),
+    )
+    for line in repair_lines(deps.host.name, repairs):
+        ctx.notes.append(line)
+        if deps.on_repair is not None:
+            deps.on_repair(line)
 
 
 def _bystander(ctx: _Ctx, decision: Decision, reason: str, hint: str = "") -> EnsureResult | None:

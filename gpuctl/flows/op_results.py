@@ -115,6 +115,8 @@ class LocksReport:
     queue: list[tuple[str, Waiter]] = field(default_factory=list)
     # Records of `gpuctl run` jobs that ended long ago, left out (``locks --finished``).
     hidden_jobs: int = 0
+    # (host, one line) per record whose phase this run healed, for stderr.
+    repaired: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

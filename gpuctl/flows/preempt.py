@@ -194,6 +194,9 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
             # `preempted` (brought back once it fits), never `running` with its server
             # gone. Put back to `running` if the stop fails.
             deps.store.update(t.name, t.holder.id, {"phase": Phase.PREEMPTED.value})
+            # A preemptor killed here leaves a live server under `preempted`: whoever
+            # reads it next heals it back to `running` (``gpuctl.flows.heal``).
+            failpoints.hit("preempt.after_mark")
             try:
                 if is_job(t.name):
                     # Its handle stays, so its `gpuctl run` can say it was preempted.

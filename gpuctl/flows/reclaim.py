@@ -3,6 +3,9 @@
 Per host, one run at a time (a lease on the pseudo-service ``_reclaim``; a second run
 finds it held and leaves at once). Then:
 
+0. heal the phases its records say (``gpuctl.flows.heal``): a ``preempted`` record whose
+   server runs becomes ``running`` (so it is stopped when idle, and never "resumed"
+   over itself), a ``running`` one whose server is gone becomes ``stopped``;
 1. read the host once: its records and its in-flight counts (one list each, whatever
    the number of services), and a snapshot only when something may be stopped;
 2. judge every service (``gpuctl.core.idle.judge``), reading a server's own in-flight
@@ -30,6 +33,7 @@ from typing import Any
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase, Record
@@ -55,6 +59,9 @@ class ReclaimHost:
     make_launcher: Callable[[ServiceConfig, Snapshot | None], Launcher]
     # (service) -> puts a vLLM to sleep at its sleep_level; raises GpuctlError
     sleep_server: Callable[[ServiceConfig], None]
+    # record -> what its server is seen doing (``gpuctl.adapters.server_truth``), for the
+    # heal pass; None: no heal.
+    look: Callable[[Record], ServerTruth] | None = None
 
 
 @dataclass
@@ -99,6 +106,8 @@ class ReclaimReport:
     rotated_logs: list[str] = field(default_factory=list)
     # (host, resume): preempted services brought back (or tried) after the stops.
     resumed: list[tuple[str, Resumed]] = field(default_factory=list)
+    # (host, repair): records whose phase was healed before the stops (said on stderr).
+    repaired: list[tuple[str, Repair]] = field(default_factory=list)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -116,7 +125,7 @@ def reclaim(deps: ReclaimDeps, *, dry_run: bool = False) -> ReclaimReport:
         outcome = HostOutcome(rh.host.name)
         report.hosts.append(outcome)
         try:
-            _reclaim_host(deps, rh, outcome, report.planned, dry_run)
+            _reclaim_host(deps, rh, outcome, report, dry_run)
             if deps.resume is not None and outcome.busy is None:
                 # After the stops, highest priority first: what they freed may let a
                 # preempted batch come back.
@@ -136,9 +145,10 @@ def _reclaim_host(
     deps: ReclaimDeps,
     rh: ReclaimHost,
     outcome: HostOutcome,
-    planned: list[Planned],
+    report: ReclaimReport,
     dry_run: bool,
 ) -> None:
+    planned = report.planned
     run = holder_here("reclaim")
     if not dry_run:
         granted, rec = rh.store.acquire(RUN_LOCK, run, RUN_LOCK_TTL_S)
@@ -152,7 +162,18 @@ def _reclaim_host(
             return
     try:
         services = deps.config.services_on(rh.host.name)
-        records = {r.service: r for r in rh.store.records()}
+        listed = rh.store.records()
+        if rh.look is not None and not dry_run:
+            from gpuctl.flows.heal import heal, health_timeouts
+
+            timeouts = health_timeouts(deps.config)
+            repairs = heal(
+                rh.store, listed, rh.look, "reclaim", clock=deps.clock, abandoned_after=timeouts
+            )
+            report.repaired += [(rh.host.name, r) for r in repairs]
+            if repairs:
+                listed = rh.store.records()
+        records = {r.service: r for r in listed}
         in_flight = rh.store.inflight()
         now = deps.clock()
         facts = [_facts(s, records.get(s.name), in_flight, now, rh) for s in services]

@@ -52,6 +52,7 @@ def _rotate_logs() -> list[str]:
 
 def _host(host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp) -> ReclaimHost:
     from gpuctl.adapters import vllm
+    from gpuctl.adapters.server_truth import truth_reader
 
     store = store_for(host)
     closers.append(store.close)
@@ -82,4 +83,7 @@ def _host(host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp)
         server_in_flight=server_in_flight,
         make_launcher=make_launcher,
         sleep_server=sleep_server,
+        # Pids are looked up only on a host without an agent (its store is on this
+        # machine); with one, the agent heals on its host and health alone speaks here.
+        look=truth_reader(on_host=not host.agent, client=http),
     )

@@ -180,11 +180,31 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
     aside: list[tuple[str, SetAside]] = []
     hints: dict[str, str | None] = {}
     queue: list[tuple[str, Waiter]] = []
+    repaired: list[tuple[str, str]] = []
     for h in deps.hosts:
         names = [s.name for s in deps.config.services_on(h.name)]
         try:
             store = deps.store_of(h)
-            recs = {r.service: r for r in store.records()}
+            listed = store.records()
+            if deps.look_of is not None:
+                # A record that lies about its server (a killed preemptor's leftovers, a
+                # server gone on its own) is healed before it is shown, so `locks` never
+                # lists as starting a start nobody is making.
+                from gpuctl.flows.heal import heal, health_timeouts, repair_lines
+
+                timeouts = health_timeouts(deps.config)
+                repairs = heal(
+                    store,
+                    listed,
+                    deps.look_of(h),
+                    "locks",
+                    clock=deps.clock,
+                    abandoned_after=timeouts,
+                )
+                repaired += [(h.name, line) for line in repair_lines(h.name, repairs)]
+                if repairs:
+                    listed = store.records()
+            recs = {r.service: r for r in listed}
             kept = store.set_aside()
             queue += [(h.name, w) for w in store.waiters()]
         except GpuctlError as e:
@@ -201,7 +221,7 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
                 hidden += 1
                 continue
             rows.append((h.name, noted, None))
-    return LocksReport(rows, now, aside, hints, queue, hidden_jobs=hidden)
+    return LocksReport(rows, now, aside, hints, queue, hidden_jobs=hidden, repaired=repaired)
 
 
 def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:

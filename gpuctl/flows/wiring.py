@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import httpx
 
     from gpuctl.adapters.launchers.base import Launcher
+    from gpuctl.core.heal import ServerTruth
+    from gpuctl.core.record import Listing, Record
 
 LOCAL_HOST = "local"
 
@@ -185,6 +187,8 @@ def deps_for(
     def server_in_flight(svc: ServiceConfig) -> int | None:
         return _server_in_flight(svc, http)
 
+    from gpuctl.adapters.server_truth import truth_reader
+
     return EnsureDeps(
         closers,
         config=config,
@@ -204,6 +208,9 @@ def deps_for(
         wake_server=lambda base, level: _wake(base, level, http),
         progress=progress,
         entry=entry,
+        # Pids are looked up only on a host without an agent (its store is on this
+        # machine); with one, its agent heals on the host and only health speaks here.
+        heal_look=truth_reader(on_host=not host.agent, client=http),
     )
 
 
@@ -257,8 +264,14 @@ def status_deps(
     *,
     local: LocalProbeOptions | None = None,
     health_timeout_s: float = 2.0,
+    notice: Callable[[str], None] | None = None,
 ) -> StatusDeps:
     """The hosts ``status`` asks (default: every configured host; with none, this machine).
+
+    ``notice``: where a repair is said (``gpuctl.flows.heal``; the CLI's stderr). With
+    it, ``status`` heals the records of a host without an agent before it reports them
+    (its store is on this machine, so it may write there); a host with an agent is
+    healed by its agent, whatever token ``status`` holds. Without it, status only reads.
 
     Raises ``UsageError`` for an unknown host name.
     """
@@ -279,7 +292,7 @@ def status_deps(
                 sim_dir=local.sim_dir or h.sim_dir,
                 gpu_memory_mib=h.gpu_memory_mib or local.gpu_memory_mib,
             )
-        hosts.append(_host_deps(h, source, closers, http))
+        hosts.append(_host_deps(h, source, closers, http, notice=notice, config=config))
     return StatusDeps(
         closers,
         config=config,
@@ -293,13 +306,34 @@ def status_deps(
 
 
 def _host_deps(
-    h: HostConfig, source: str, closers: list[Callable[[], None]], http: SharedHttp
+    h: HostConfig,
+    source: str,
+    closers: list[Callable[[], None]],
+    http: SharedHttp,
+    *,
+    notice: Callable[[str], None] | None = None,
+    config: Config | None = None,
 ) -> HostDeps:
     store = _host_store(h, closers, http)
+
+    def listing() -> Listing:
+        out = store().listing()
+        if notice is None or h.agent:
+            return out
+        from gpuctl.adapters.server_truth import truth_reader
+        from gpuctl.flows.heal import heal, health_timeouts, repair_lines
+
+        look = truth_reader(on_host=True, client=http)
+        timeouts = health_timeouts(config) if config is not None else None
+        repairs = heal(store(), out.records, look, "status", abandoned_after=timeouts)
+        for line in repair_lines(h.name, repairs):
+            notice(line)
+        return store().listing() if repairs else out
+
     return HostDeps(
         h,
         source,
-        lambda: store().listing(),
+        listing,
         snapshot_reader(h, closers, http, lazy=True),
         server_finder(h),
         child_finder(h),
@@ -417,4 +451,10 @@ def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> Locks
         closers.append(store.close)
         return store
 
-    return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of)
+    def look_of(h: HostConfig) -> Callable[[Record], ServerTruth]:
+        from gpuctl.adapters.server_truth import truth_reader
+
+        # As ensure: pids only where the store is on this machine (no agent).
+        return truth_reader(on_host=not h.agent, client=http)
+
+    return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of, look_of=look_of)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.core.heal import is_repair, last_repair
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.core.units import format_duration
@@ -41,7 +42,8 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
                 "handle": rec.handle,
                 "failure": rec.failure.to_dict() if rec.failure else None,
                 "attempts": list(rec.attempts),
-                "starts": len(rec.attempts),
+                "starts": sum(1 for a in rec.attempts if not is_repair(a)),
+                "repaired": last_repair(rec),
                 "starts_capped": _capped(rec.attempts),
                 "recovered": rec.recovered,
                 # What its last start promised (budget, devices, priority, kind,
@@ -164,6 +166,17 @@ def render_locks(report: LocksReport) -> RenderableType:
             notes.append(plain(f"{host}/{rec.service}: last failure: {fail}", style="red"))
         if rec.recovered:
             notes.append(plain(f"{host}/{rec.service}: note: {rec.recovered}", style="yellow"))
+        fixed = last_repair(rec)
+        if fixed is not None:
+            when = fixed.get("ended")
+            notes.append(
+                plain(
+                    f"{host}/{rec.service}: repaired"
+                    f" {_clock(when if isinstance(when, int | float) else None)}"
+                    f" by {fixed.get('by', '?')}: {fixed.get('repaired', '')}",
+                    style="yellow",
+                )
+            )
     noted = " ".join(n.plain for n in notes)
     for host, a in report.set_aside:
         if visible(a.file) not in noted:  # older copies (the newest is noted on its row)
@@ -225,8 +238,10 @@ def _clock(t: float | None) -> str:
 
 def _starts(attempts: tuple[dict[str, Any], ...]) -> str:
     """How many starts the record keeps (the JSON has each one's outcome and duration);
-    ``10+`` once the kept history is full, since older starts were dropped from it."""
-    return f"{len(attempts)}+" if _capped(attempts) else str(len(attempts))
+    ``10+`` once the kept history is full, since older starts were dropped from it. A
+    repair note (``core.heal``) is no start."""
+    n = sum(1 for a in attempts if not is_repair(a))
+    return f"{n}+" if _capped(attempts) else str(n)
 
 
 def _capped(attempts: tuple[dict[str, Any], ...]) -> bool:

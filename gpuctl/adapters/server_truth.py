@@ -1,0 +1,54 @@
+"""What a record's server is seen doing, for ``gpuctl.core.heal``: its process, its health.
+
+``ps -o pid,lstart -p PID`` and ``curl -s -o /dev/null -w '%{http_code}' HEALTH``.
+
+A pid is looked up only where it lives: by a caller on the GPU host (the agent, or a
+command on a host without an agent, whose store is on this machine), and only for the
+``process`` launcher's handle, the one whose pid is the server itself on this machine (a
+Docker container's or a Jupyter terminal's server is the engine's or Jupyter's to tell).
+Elsewhere the process is "cannot tell" (None), and only the health URL speaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+from gpuctl.adapters import health, procinfo
+from gpuctl.core.heal import ServerTruth
+from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_pids import pid_is_here
+
+# A server that answers does so at once; the heal pass must not hold a command up.
+HEALTH_TIMEOUT_S = 1.0
+
+
+def truth_reader(
+    on_host: bool, client: Callable[[], httpx.Client] | None = None
+) -> Callable[[Record], ServerTruth]:
+    """``record -> ServerTruth``; never raises. ``client``: the command's shared HTTP
+    client, made only when a health URL is asked."""
+    here = None
+    if on_host:
+        me = procinfo.host_identity()
+        here = (me.hostname, me.boot_id)
+
+    def look(record: Record) -> ServerTruth:
+        h = record.handle or {}
+        pid, start = h.get("pid"), h.get("pid_start")
+        alive: bool | None = None
+        on_here = here is not None and pid_is_here(h, here)
+        if on_here and h.get("kind") == "process" and isinstance(pid, int):
+            started = float(start) if isinstance(start, int | float) else None
+            alive = procinfo.is_same_process(pid, started)
+        answers: bool | None = None
+        # Health is asked only where it can change the verdict: a start that may be
+        # done, a victim whose process cannot be looked up here.
+        if record.health and (
+            record.phase is Phase.STARTING or (record.phase is Phase.PREEMPTED and alive is None)
+        ):
+            answers = health.check(record.health, HEALTH_TIMEOUT_S, client() if client else None).ok
+        return ServerTruth(alive=alive, answers=answers)
+
+    return look
