@@ -154,3 +154,24 @@ def test_a_record_without_a_promise_is_unknown_until_a_config_that_names_it_heal
     finally:
         kill_servers(a)
         kill_servers(b)
+
+
+def test_a_run_job_from_a_config_that_names_nothing_counts_the_loading_promise(
+    host: SimHost,
+) -> None:
+    """`gpuctl run` decides through the same accounting: laptop B's job of 80 GiB is
+    BUSY while laptop A's vllm loads, though B's config names no service at all."""
+    a, b = unique_name("vllm"), unique_name("chat")
+    ca, _cb, _, _ = _configs(host, a, b, direct=False)
+    bare = host.base / "laptop-c.toml"
+    bare.write_text(ca.read_text().split("[services.", 1)[0])
+    loading = spawn_ensure(ca, a)
+    try:
+        _wait_starting(host, a)
+        job = _gpuctl(bare, "run", "--memory", "80GiB", "--", "true")
+        assert job.returncode == 3, (job.stdout, job.stderr)
+        assert a in job.stderr, job.stderr
+    finally:
+        loading.kill()
+        loading.communicate()
+        kill_servers(a)
