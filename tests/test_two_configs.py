@@ -102,6 +102,12 @@ def test_the_other_configs_start_is_counted_at_its_promise(
         assert out["decision"] == "BUSY", out
         assert s1 in out["reason"], out
         assert server_pids(s2) == [], "the second service was launched into promised memory"
+        # What keeps the room is named (its promise, not only what it holds yet), and the
+        # hint never offers a `gpuctl stop` this config cannot run.
+        assert f"gpuctl stop {s1}" not in out["hint"], out
+        if "(starting)" not in out["reason"]:  # its server holds memory already
+            assert "counted at its 80.0 GiB budget" in out["reason"], out
+            assert f"{s1}: not in this config" in out["hint"], out
 
         # Its status names the other laptop's service, and says it is not in this config.
         st = _gpuctl(c2, "status", "--json")
@@ -140,6 +146,14 @@ def test_a_record_without_a_promise_is_unknown_until_a_config_that_names_it_heal
         assert a in out["reason"] and "older gpuctl" in out["reason"], out
         assert f"gpuctl touch {a}" in (out.get("hint") or ""), out
         assert server_pids(b) == []
+        # Status never draws the room it cannot count as free.
+        st = json.loads(_gpuctl(cb, "status", "--json").stdout)
+        assert st["hosts"][0]["memory_promised_mib"] is None, st["hosts"][0]
+        assert st["hosts"][0]["devices"][0]["memory_promised_mib"] is None
+        row = next(o for o in st["hosts"][0]["others"] if o["name"] == a)
+        assert row["promise_known"] is False and row["budget_mib"] is None, row
+        text = _gpuctl(cb, "status").stdout
+        assert f"promised ? ({a}: unknown)" in text and "free ?" in text, text
 
         # A's next touch writes its figures into the record: the host heals as it is used.
         touched = _gpuctl(ca, "touch", a)

@@ -24,6 +24,6 @@ def yield_after(s: Table, kind: str, default: float | None) -> float | None:
         raise s.fail(
             "yield_after",
             "a batch never yields: it answers no requests, so it would look idle while it works",
-            hint='drop yield_after, or set kind = "server"',
+            hint='drop yield_after (or set it to "never"), or set kind = "server"',
         )
     return None

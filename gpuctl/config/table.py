@@ -115,7 +115,10 @@ class Table:
         try:
             return parse_duration_s(v)
         except ValueError as e:
-            raise self.fail(key, f'{e}, or "never"') from None
+            # "never" belongs with the durations it stands beside, before what was given.
+            words = str(e)
+            said = words.replace(", got ", ' or "never", got ', 1)
+            raise self.fail(key, said if said != words else f'{words}, or "never"') from None
 
     def path(self, key: str, base: Path | None) -> Path | None:
         v = self.str_(key)

@@ -332,7 +332,14 @@ def classify(
 
     def label(p: GpuProcess) -> str:
         o = owner_of(p.command, everyone, p.pid, servers)
-        return f" = {o.name}, priority {o.priority}" if o is not None else ""
+        if o is None:
+            return ""
+        # It counts at its budget (a loading server grows to it): say so, or the
+        # reason names 8 GiB held while 80 GiB is what keeps the room.
+        grows = o.memory_mib is not None and (p.memory_mib or 0) < o.memory_mib
+        return f" = {o.name}, priority {o.priority}" + (
+            f", counted at its {format_mib(o.memory_mib)} budget" if grows else ""
+        )
 
     holders_text = held_by(usable, top=BUSY_HOLDERS, label=label)
     by_size = sorted(holders_of(usable), key=lambda p: -(p.memory_mib or 0))

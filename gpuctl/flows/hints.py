@@ -29,8 +29,15 @@ def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = N
             elif p.user:
                 users.setdefault(p.user, None)
         steps = ["wait and try again"]
-        # `gpuctl stop` is for services; a run job ends with its command.
-        steps += [f"`gpuctl stop {s}`" for s in [n for n in ours if not is_job(n)][:2]]
+        # `gpuctl stop` is for services this config names; a run job ends with its
+        # command, and a service only another config names is stopped from there.
+        named = {s.name for s in services}
+        steps += [f"`gpuctl stop {s}`" for s in [n for n in ours if n in named][:2]]
+        strangers = [n for n in ours if n not in named and not is_job(n)]
+        if strangers:
+            steps.append(
+                f"{', '.join(strangers[:2])}: not in this config, stop it from one that names it"
+            )
         if users:
             steps.append(f"ask {', '.join(list(users)[:3])} to free it")
         return "; ".join(steps) + "; `gpuctl status` shows who holds the GPU"

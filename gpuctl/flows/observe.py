@@ -147,6 +147,7 @@ def memory_use(
     ):
         rooms.setdefault(r.index, []).append(r)
     devices = snap.device_list()
+    unknown = tuple(unknown_promises(seen, services))
     out = []
     for d in devices:
         mine = rooms.get(d.index, [])
@@ -161,6 +162,7 @@ def memory_use(
                 gpu=d.index if len(devices) > 1 else None,
                 held_mib=held,
                 promised_mib=max(0, committed - (held or 0)),
+                unknown_promises=unknown,
                 total_mib=room.total_mib if room else d.memory_total_mib,
                 unified=d.unified,
                 utilization_pct=d.utilization_pct,

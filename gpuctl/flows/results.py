@@ -51,10 +51,13 @@ class MemoryUse:
     error: str | None = None
     temperature_c: int | None = None
     power_w: float | None = None
+    # Services whose records hold memory without saying how much (an older release's):
+    # what is promised, and so what is free, is then unknown.
+    unknown_promises: tuple[str, ...] = ()
 
     @property
     def free_mib(self) -> int | None:
-        if self.total_mib is None or self.held_mib is None:
+        if self.total_mib is None or self.held_mib is None or self.unknown_promises:
             return None
         return self.total_mib - self.held_mib - self.promised_mib
 

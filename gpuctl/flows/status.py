@@ -371,6 +371,7 @@ def filtered(
                 h,
                 snapshot=snap,
                 services=tuple(h.services[i] for i in keep),
+                others=tuple(o for o in h.others if not only or o.name in only),
                 verdicts=tuple(h.verdicts[i] for i in keep),
                 health=tuple(h.health[i] for i in keep),
             )

@@ -115,7 +115,9 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
             "memory_total_mib": h.total_mib,
             "unified_memory": snap.unified_memory if snap else None,
             "is_idle": snap.is_idle if snap else None,
-            "memory_promised_mib": sum(m.promised_mib for m in h.memory) if snap else None,
+            "memory_promised_mib": sum(m.promised_mib for m in h.memory)
+            if snap and not any(m.unknown_promises for m in h.memory)
+            else None,
             "taken_at": normalise_iso(snap.taken_at) if snap else None,
             "host": snap.host.to_wire() if snap and snap.host else None,
             "state_dir": snap.state_dir if snap else None,
@@ -126,7 +128,10 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
             "others": [_other(o) for o in h.others],
         }
         if snap:
-            promised = {m.gpu if m.gpu is not None else 0: m.promised_mib for m in h.memory}
+            promised = {
+                m.gpu if m.gpu is not None else 0: None if m.unknown_promises else m.promised_mib
+                for m in h.memory
+            }
             for d in snap.device_list():
                 entry["devices"].append(
                     {**d.to_wire(), "memory_promised_mib": promised.get(d.index)}

@@ -117,6 +117,12 @@ def memory_bar(
         # The legend goes on its own line, unindented, so it fits 80 columns.
         free = max(0, total - held - m.promised_mib)
         t.append(f"\n{g.held} held {format_mib(held)}  ")
+        if m.unknown_promises:
+            # A record that does not say what it promised: nothing here can be called free.
+            who = ", ".join(m.unknown_promises[:2])
+            t.append(f"{g.promised} promised ? ({who}: unknown)", style="bold magenta")
+            t.append(f"  {g.free} free ?", style="dim")
+            return t
         t.append(f"{g.promised} promised {format_mib(m.promised_mib)}", style="yellow")
         t.append(f"  {g.free} free {format_mib(free)}", style="dim")
     return t
