@@ -118,6 +118,8 @@ def test_the_other_configs_start_is_counted_at_its_promise(
         assert row["phase"] == "starting", row
         text = _gpuctl(c2, "status").stdout
         assert s1 in text and "not in this config" in text, text
+        locks = _gpuctl(c2, "locks").stdout
+        assert f"{s1}: not in this config; counted at its promise: 80.0 GiB" in locks, locks
     finally:
         loading.kill()
         loading.communicate()
@@ -154,6 +156,8 @@ def test_a_record_without_a_promise_is_unknown_until_a_config_that_names_it_heal
         assert row["promise_known"] is False and row["budget_mib"] is None, row
         text = _gpuctl(cb, "status").stdout
         assert f"promised ? ({a}: unknown)" in text and "free ?" in text, text
+        locks = _gpuctl(cb, "locks").stdout
+        assert "does not say what it promised" in locks and f"gpuctl touch {a}" in locks, locks
 
         # A's next touch writes its figures into the record: the host heals as it is used.
         touched = _gpuctl(ca, "touch", a)

@@ -117,6 +117,9 @@ class LocksReport:
     hidden_jobs: int = 0
     # (host, one line) per record whose phase this run healed, for stderr.
     repaired: list[tuple[str, str]] = field(default_factory=list)
+    # (host, service) of the services this config names: a record of any other is
+    # another config's (counted at its promise) or a job's.
+    configured: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:

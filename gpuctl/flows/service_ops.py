@@ -221,7 +221,17 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
                 hidden += 1
                 continue
             rows.append((h.name, noted, None))
-    return LocksReport(rows, now, aside, hints, queue, hidden_jobs=hidden, repaired=repaired)
+    configured = {(h.name, s.name) for h in deps.hosts for s in deps.config.services_on(h.name)}
+    return LocksReport(
+        rows,
+        now,
+        aside,
+        hints,
+        queue,
+        hidden_jobs=hidden,
+        repaired=repaired,
+        configured=configured,
+    )
 
 
 def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.core.heal import is_repair, last_repair
-from gpuctl.core.record import MAX_ATTEMPTS_KEPT
+from gpuctl.core.jobs import is_job
+from gpuctl.core.promised_specs import holds_memory
+from gpuctl.core.record import MAX_ATTEMPTS_KEPT, Record
 from gpuctl.core.timestamps import iso_utc
-from gpuctl.core.units import format_duration
+from gpuctl.core.units import format_duration, format_mib
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -166,6 +168,9 @@ def render_locks(report: LocksReport) -> RenderableType:
             notes.append(plain(f"{host}/{rec.service}: last failure: {fail}", style="red"))
         if rec.recovered:
             notes.append(plain(f"{host}/{rec.service}: note: {rec.recovered}", style="yellow"))
+        promised = _promise_note(rec, (host, rec.service) in report.configured)
+        if promised:
+            notes.append(plain(f"{host}/{rec.service}: {promised}", style="dim"))
         fixed = last_repair(rec)
         if fixed is not None:
             when = fixed.get("ended")
@@ -223,6 +228,23 @@ def _queue_table(report: LocksReport) -> RenderableType:
             plain(f"{h.entry} pid {h.pid}@{h.host}"),
         )
     return t
+
+
+def _promise_note(rec: Record, configured: bool) -> str:
+    """What every client counts a service at (its record's promise), where it differs
+    from this config's word: a service only another config names, or a record that
+    holds memory without saying how much (an older release wrote it)."""
+    if is_job(rec.service) or not holds_memory(rec):
+        return ""
+    p = rec.promise
+    if p is None:
+        how = "its record (an older gpuctl's) does not say what it promised"
+        fix = f"`gpuctl touch {rec.service}` from a config that names it writes it"
+        return f"{how}; {fix}" if not configured else f"{how}; the next ensure or touch writes it"
+    if configured:
+        return ""
+    budget = format_mib(p.memory_mib) if p.memory_mib is not None else "no budget"
+    return f"not in this config; counted at its promise: {budget}, priority {p.priority}"
 
 
 def _clock(t: float | None) -> str:
