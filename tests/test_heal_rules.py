@@ -112,3 +112,15 @@ def test_healed_to_running_keeps_its_handle_and_clears_a_failure() -> None:
     healed = apply_update(r, fix.update(9.0, "agent"), 9.0)
     assert healed.phase is Phase.RUNNING and healed.handle == HANDLE and healed.failure is None
     assert not is_repair({"outcome": "ready", "duration_s": 1.0})
+
+
+def test_a_start_whose_server_died_fails_unless_someone_waits_on_it() -> None:
+    r = rec(Phase.STARTING, handle=HANDLE, start_nonce="ab12cd34ef56")
+    fix = diagnose(r, ServerTruth(alive=False), lease_live=False)
+    assert fix is not None and fix.phase is Phase.FAILED and fix.failed
+    assert fix.line.startswith("starting -> failed: its server (pid 4242) exited")
+    done = apply_update(r, fix.update(5.0, "agent"), 5.0)
+    assert done.phase is Phase.FAILED and done.handle is None and done.failure is not None
+    # Its waiting ensure (a live lease) records the end itself; unknown tells nothing.
+    assert diagnose(r, ServerTruth(alive=False), lease_live=True) is None
+    assert diagnose(r, ServerTruth(alive=None), lease_live=False) is None

@@ -87,6 +87,9 @@ def test_a_touch_heals_a_record_an_older_release_wrote(store: Any, state_dir: Pa
         ({"memory_mib": "80GiB", "priority": 1}, "promise.memory_mib"),
         ({"memory_mib": 1, "priority": 10**9}, "promise.priority"),
         ({"memory_mib": 1, "priority": 1, "devices": [-1]}, "promise.devices[0]"),
+        ({"memory_mib": None, "priority": 1, "devices": []}, "promise.devices"),
+        ({"memory_mib": 1, "priority": 1, "devices": [0, 0]}, "promise.devices"),
+        ({"memory_mib": 1, "priority": 1, "yield_after_s": -1}, "promise.yield_after_s"),
         ({"memory_mib": 1, "priority": 1, "kind": "daemon"}, "promise.kind"),
         ({"memory_mib": 1, "priority": 1, "resume": "yes"}, "promise.resume"),
         ({"priority": 1}, "promise.memory_mib"),
@@ -158,7 +161,9 @@ def test_a_config_promises_its_own_figures_and_takes_a_records_back() -> None:
         "vllm", "dgx", memory_mib=81920, priority=100, devices=(1,), kind="batch", resume=True
     )
     p = svc.promise()
-    assert p == Promise(81920, 100, (1,), "batch", True, svc.health_timeout_s)
+    assert p == Promise(
+        81920, 100, (1,), "batch", True, svc.health_timeout_s, yield_after_s=svc.yield_after_s
+    )
     other = svc.with_promise(OTHER)
     assert (other.memory_mib, other.priority, other.devices, other.kind) == (
         1024,

@@ -47,3 +47,37 @@ def test_a_service_another_caller_is_preempting_is_named_as_under_way(tmp_path: 
     assert why_not(victim_facts(run, [chat, low], chat, counts=dict)["low"], 100) is None
     gone = Observation(records={"low": Record("low", Phase.STOPPED)})
     assert "low" not in victim_facts(gone, [chat, low], chat, counts=dict)
+
+
+def test_a_server_whose_requests_cannot_be_read_never_yields(tmp_path: Path) -> None:
+    """Idle is known only where the server says nothing is in flight: a server with no
+    metrics to read (not vLLM) would have a request sent straight to it cut by a yield.
+    A strictly lower priority is still a victim, as before."""
+    from gpuctl.core.plan import yields
+
+    conf = config(tmp_path, TWO.replace("priority = 100", 'priority = 100\nyield_after = "1s"'))
+    chat, low = conf.services["chat"], conf.services["low"]
+    idle = Record("chat", Phase.RUNNING, since=1.0, last_used=1.0, handle={"pid": 4242})
+    obs = Observation(records={"chat": idle})
+    for metric, yielded in ((0, True), (None, False)):
+        facts = victim_facts(
+            obs, [chat, low], low, counts=dict, server_in_flight=lambda s, m=metric: m, now=1000.0
+        )
+        assert yields(facts["chat"]) is yielded, (metric, facts["chat"])
+
+
+def test_whether_a_server_yields_is_its_records_word(tmp_path: Path) -> None:
+    """`yield_after` rides in the promise: another config's shorter one never makes a
+    server its starter said never yields a victim."""
+    from gpuctl.core.plan import yields
+    from gpuctl.core.promise import Promise
+
+    conf = config(tmp_path, TWO.replace("priority = 100", 'priority = 100\nyield_after = "1s"'))
+    chat, low = conf.services["chat"], conf.services["low"]
+    said = Promise(81920, 100, yield_after_s=None)
+    idle = Record("chat", Phase.RUNNING, 1.0, 1.0, handle={"pid": 4242}, promise=said)
+    facts = victim_facts(
+        Observation(records={"chat": idle}), [chat, low], low, counts=dict,
+        server_in_flight=lambda s: 0, now=1000.0,
+    )  # fmt: skip
+    assert not yields(facts["chat"]) and facts["chat"].yield_after_s is None

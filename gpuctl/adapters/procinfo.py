@@ -35,9 +35,21 @@ def is_alive(pid: int) -> bool:
         # AccessDenied on status() is rare (hidepid); treat it as alive only if kill(0) works.
         try:
             os.kill(pid, 0)
+        except PermissionError:
+            # It exists, as another user's (EPERM is never said of a pid that is gone).
+            return _state_from_proc(pid) not in ("Z", "X")
         except OSError:
             return False
         return _state_from_proc(pid) not in ("Z", "X", None)
+
+
+def pid_namespace() -> int | None:
+    """The inode of this process's PID namespace (``stat -L /proc/self/ns/pid``), or None
+    where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _state_from_proc(pid: int) -> str | None:

@@ -22,6 +22,20 @@ from gpuctl.core.record_pids import pid_is_here
 
 # A server that answers does so at once; the heal pass must not hold a command up.
 HEALTH_TIMEOUT_S = 1.0
+# The kernel's initial PID namespace has this inode (PROC_PID_INIT_INO): a reader in it
+# sees every process of the machine.
+INIT_PID_NS = 0xEFFFFFFC
+
+
+def can_tell_gone(recorded_ns: int | None) -> bool:
+    """Whether "no such pid" here means the process of a handle counted in
+    ``recorded_ns`` is gone: only in that very namespace (a handle from before the key:
+    only from the machine's initial namespace, where every process shows). A reader in
+    a container without ``--pid=host`` sees no host pid, alive or not."""
+    mine = procinfo.pid_namespace()
+    if mine is None:
+        return False
+    return mine == (recorded_ns if recorded_ns is not None else INIT_PID_NS)
 
 
 def truth_reader(
@@ -42,6 +56,10 @@ def truth_reader(
         if on_here and h.get("kind") == "process" and isinstance(pid, int):
             started = float(start) if isinstance(start, int | float) else None
             alive = procinfo.is_same_process(pid, started)
+            ns = h.get("pid_ns")
+            if not alive and not can_tell_gone(ns if isinstance(ns, int) else None):
+                # Not seen from here is not gone: another PID namespace hides it.
+                alive = None
         answers: bool | None = None
         # Health is asked only where it can change the verdict: a start that may be
         # done, a victim whose process cannot be looked up here.

@@ -411,6 +411,8 @@ def records_schemas() -> dict[str, Any]:
                                 "minimum": 0,
                                 "maximum": MAX_DEVICE_INDEX,
                             },
+                            "minItems": 1,
+                            "uniqueItems": True,
                             "maxItems": MAX_DEVICE_INDEX + 1,
                         }
                     ),
@@ -422,6 +424,10 @@ def records_schemas() -> dict[str, Any]:
                     "type": "number",
                     "minimum": 0,
                     "maximum": codec.DURATION_MAX,
+                },
+                "yield_after_s": {
+                    **nullable({"type": "number", "minimum": 0, "maximum": codec.DURATION_MAX}),
+                    "description": "Unused this long, it yields to a preempting start; null: never.",
                 },
             },
         },
@@ -477,8 +483,11 @@ def records_schemas() -> dict[str, Any]:
                             "container_name": nullable(text(255)),
                             "terminal": nullable(text(255)),
                             "log": nullable(text(4096)),
+                            "pid_ns": nullable(
+                                {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
+                            ),
                         },
-                        "maxProperties": 7 + schema.MAX_EXTRA_KEYS,
+                        "maxProperties": 8 + schema.MAX_EXTRA_KEYS,
                         **extra,
                     }
                 ),

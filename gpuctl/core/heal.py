@@ -112,6 +112,9 @@ def diagnose(
       to be picked again, reclaimed when idle, never resumed over itself.
     - ``starting`` whose server answers: ``running`` (as ``touch`` does), so a batch a
       resume started on a host with no agent is a victim again.
+    - ``starting`` whose handle's process is dead, with nobody waiting on it (no live
+      lease: ``--no-wait``, a resume, a caller that died): ``failed``, with its back-off,
+      as the waiting ``ensure`` would have written; its promise counts no more.
     - ``starting`` with no start nonce, no handle and no live lease, for longer than
       ``abandoned_after_s`` (the service's health timeout) since it was marked: the
       preemptor that promised it died before launching anything (ensure writes a nonce
@@ -135,6 +138,16 @@ def diagnose(
     if phase is Phase.STARTING:
         if truth.answers is True:
             return Repair(record.service, phase, Phase.RUNNING, "its server answers")
+        if record.handle and truth.alive is False:
+            # No lease: nobody waits on this start to record how it ended.
+            pid = record.handle.get("pid")
+            return Repair(
+                record.service,
+                phase,
+                Phase.FAILED,
+                f"its server (pid {pid}) exited while it was starting",
+                failed=True,
+            )
         if (
             not record.start_nonce
             and not record.handle

@@ -23,7 +23,8 @@ class Promise:
     on the host, never a config elsewhere. ``memory_mib`` None: the service has no
     budget (anything else running makes it BUSY, and it counts as what it holds).
     ``devices`` None: any one GPU. ``kind``: ``server`` or ``batch`` (a batch answers no
-    requests). ``resume``: it is brought back after a preemption.
+    requests). ``resume``: it is brought back after a preemption. ``yield_after_s``: its
+    ``yield_after`` (None: never), so whether it yields is its starter's word too.
     """
 
     memory_mib: int | None
@@ -32,6 +33,9 @@ class Promise:
     kind: str = "server"
     resume: bool = False
     health_timeout_s: float = 600.0
+    # Unused this long, it yields to any start that preempts; None: never (and so for a
+    # promise an older release wrote without it: nothing says it may be stopped).
+    yield_after_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,4 +45,5 @@ class Promise:
             "kind": self.kind,
             "resume": self.resume,
             "health_timeout_s": self.health_timeout_s,
+            "yield_after_s": self.yield_after_s,
         }

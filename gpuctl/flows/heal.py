@@ -50,7 +50,11 @@ def heal(
     for record in records:
         if not needs_look(record):
             continue
-        after = abandoned_after(record.service) if abandoned_after else ABANDONED_AFTER_S
+        # The record's own promise says how long its start may take; else the config's.
+        if record.promise is not None:
+            after = record.promise.health_timeout_s
+        else:
+            after = abandoned_after(record.service) if abandoned_after else ABANDONED_AFTER_S
 
         def judge(r: Record, after: float = after) -> Repair | None:
             return diagnose(r, look(r), lease_live=False, now=clock(), abandoned_after_s=after)

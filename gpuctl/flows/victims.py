@@ -77,6 +77,7 @@ def _service_facts(
     from gpuctl.core.durations import expected_start_s
 
     in_flight: int | None = None if stored is None else stored.get(o.name, 0)
+    unread = o.launcher == "ollama"  # Ollama says nothing of the requests it serves
     if (
         in_flight == 0
         and server_in_flight is not None
@@ -84,9 +85,17 @@ def _service_facts(
         and o.kind != "batch"  # a batch answers no requests: nothing can be in flight
     ):
         try:
-            in_flight = server_in_flight(o) or 0
+            metric = server_in_flight(o)
         except GpuctlError:
             in_flight = None
+        else:
+            in_flight = metric or 0
+            unread = metric is None
+    # Idle is known only where the server itself says nothing is in flight: a request
+    # sent straight to a server with no metrics to read (not vLLM, Ollama) is invisible
+    # to the store's counts, and a yield would cut it. Such a server never yields; a
+    # strictly lower priority is stopped as before, its requests being counted as none.
+    yield_after = None if unread else o.yield_after_s
     return VictimFacts(
         o.name,
         o.priority,
@@ -96,7 +105,7 @@ def _service_facts(
         restart_s=expected_start_s(r),
         last_used=r.last_used,
         idle_s=idle_seconds(r, now),
-        yield_after_s=o.yield_after_s,
+        yield_after_s=yield_after,
         kind=o.kind,
     )
 

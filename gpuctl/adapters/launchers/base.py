@@ -13,7 +13,7 @@ class Handle:
     """What a launcher needs to find its server again, stored in the service's record.
 
     ``pid``/``pid_start`` identify the server process itself (never a wrapper shell); the
-    start time tells a reused pid from ours. Docker fills ``container_id``/``container_name``,
+    start time tells a reused pid from ours, ``pid_ns`` the PID namespace it is counted in. Docker fills ``container_id``/``container_name``,
     Jupyter ``terminal``; ``log`` is the server's log file where there is one.
     """
 
@@ -24,6 +24,9 @@ class Handle:
     container_name: str | None = None
     terminal: str | None = None
     log: str | None = None
+    # The PID namespace ``pid`` is numbered in (``procinfo.pid_namespace``): only a
+    # reader in the same one may take "no such pid" for "the server is gone".
+    pid_ns: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

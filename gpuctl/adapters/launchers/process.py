@@ -96,7 +96,11 @@ class ProcessLauncher:
         # the caller in.
         failpoints.hit("launch.spawned")
         return Handle(
-            kind=self.kind, pid=proc.pid, pid_start=procinfo.start_time(proc.pid), log=str(log)
+            kind=self.kind,
+            pid=proc.pid,
+            pid_start=procinfo.start_time(proc.pid),
+            log=str(log),
+            pid_ns=procinfo.pid_namespace(),
         )
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
@@ -111,6 +115,7 @@ class ProcessLauncher:
             pid=pid,
             pid_start=procinfo.start_time(pid),
             log=str(self.log_path(service)),
+            pid_ns=procinfo.pid_namespace(),
         )
 
     def alive(self, handle: Handle) -> bool | None:

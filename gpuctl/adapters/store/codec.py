@@ -140,6 +140,7 @@ HANDLE_FIELDS: Final = {
     "container_name": (nullable(_NAME_TEXT), ABSENT),
     "terminal": (nullable(_NAME_TEXT), ABSENT),
     "log": (nullable(text(4096)), ABSENT),
+    "pid_ns": (nullable(integer(0, 2**64 - 1)), ABSENT),
 }
 # An attempt is the starter's own note (``flows.ensure._attempt``): its known keys are
 # typed when present, and it may carry more scalars.
@@ -188,13 +189,28 @@ _ATTEMPT = obj(ATTEMPT_FIELDS, extra=scalar)
 
 # What a start promises (``core.record.Promise``): every client counts the service by
 # these figures, so they are as strictly typed as a pid. The bounds are the config's.
+_DEVICE_LIST = array(integer(0, MAX_DEVICE_INDEX), MAX_DEVICE_INDEX + 1)
+
+
+def _devices(v: Any, at: str) -> list[int]:
+    """GPU indexes as the config allows them: at least one, none twice (an empty list
+    would promise memory on no GPU at all)."""
+    out: list[int] = _DEVICE_LIST(v, at)
+    if not out:
+        raise RecordError(at, "an empty list (null: any one GPU)")
+    if len(set(out)) != len(out):
+        raise RecordError(at, f"a GPU is listed twice: {out}")
+    return out
+
+
 PROMISE_FIELDS: Final = {
     "memory_mib": (nullable(integer(1, 1 << 40)), REQUIRED),
     "priority": (integer(-PRIORITY_MAX, PRIORITY_MAX), REQUIRED),
-    "devices": (nullable(array(integer(0, MAX_DEVICE_INDEX), MAX_DEVICE_INDEX + 1)), None),
+    "devices": (nullable(_devices), None),
     "kind": (one_of("server", "batch"), "server"),
     "resume": (one_of(True, False), False),
     "health_timeout_s": (number(0.0, DURATION_MAX), 600.0),
+    "yield_after_s": (nullable(number(0.0, DURATION_MAX)), None),
 }
 _PROMISE = obj(PROMISE_FIELDS)
 
@@ -283,6 +299,7 @@ def _promise(v: dict[str, Any]) -> Promise:
         kind=v["kind"],
         resume=v["resume"],
         health_timeout_s=v["health_timeout_s"],
+        yield_after_s=v["yield_after_s"],
     )
 
 
