@@ -157,7 +157,8 @@ def test_agent_and_direct_path_build_the_same_snapshot(
 ) -> None:
     """One way to observe a host: the agent's /status and the agent-less path agree on
     memory (the processes' sum where the device has no figure; the configured total where
-    it has none)."""
+    it has none). Where the device has no figure and a process's memory is unknown,
+    its used memory is unknown on both paths: never that process counted as 0."""
     import httpx
 
     from gpuctl.adapters.local import build_snapshot
@@ -177,5 +178,18 @@ def test_agent_and_direct_path_build_the_same_snapshot(
     local = build_snapshot(reading, None, gpu_memory_mib=65536).to_wire()
     keys = ("memory_used_mib", "memory_total_mib", "unified_memory", "gpus", "processes")
     assert {k: remote[k] for k in keys} == {k: local[k] for k in keys}
-    assert local["memory_used_mib"] == (used if used is not None else 1000)
+    assert remote["devices"][0]["error"] == local["devices"][0]["error"]
+    if used is not None:
+        assert local["memory_used_mib"] == used
+        assert local["memory_total_mib"] == (total if total is not None else 65536)
+        return
+    assert local["devices"][0]["error"] and "4194001" in local["devices"][0]["error"]
+    assert remote["is_idle"] is False and local["is_idle"] is False
+    # Every process's memory known: the device's used memory is their sum, both ways.
+    known = reading_of(procs[0], procs[2], used=None, total=total, unified=unified)
+    with serve_in_thread(create_app(settings, FakeProbe(known))) as url:
+        remote = httpx.get(f"{url}/status").json()
+    local = build_snapshot(known, None, gpu_memory_mib=65536).to_wire()
+    assert {k: remote[k] for k in keys} == {k: local[k] for k in keys}
+    assert local["memory_used_mib"] == 1000
     assert local["memory_total_mib"] == (total if total is not None else 65536)
