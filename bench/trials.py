@@ -29,7 +29,12 @@ from tests.trials import TRIAL_GPU, run_trials
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument(
+        "--trials",
+        type=int,
+        default=None,
+        help="how many (default: 20, or as many as --budget fits)",
+    )
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--actions", type=int, default=8, help="actions per trial")
     ap.add_argument(
@@ -50,7 +55,7 @@ def main() -> int:
         report = run_trials(
             host,
             seed=seed,
-            trials=args.trials,
+            trials=args.trials if args.trials is not None or args.budget else 20,
             budget_s=args.budget,
             actions_per_trial=args.actions,
         )
