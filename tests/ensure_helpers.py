@@ -64,6 +64,14 @@ def service_toml(
     )
 
 
+def priced_service(name: str, port: int, gib: int, priority: int, extra: str = "") -> str:
+    """A sim model server service of ``gib`` GiB at ``priority`` (a 1 s load)."""
+    toml = service_toml(
+        name, port, model_server_command(name, port, f"{gib}GiB", "1s"), extra=extra
+    )
+    return toml.replace('memory = "20GiB"', f'memory = "{gib}GiB"\npriority = {priority}')
+
+
 def direct_config(host: SimHost, services_toml: str) -> Path:
     """A config for the same simulated host without its agent (the direct store path)."""
     path = host.base / "direct.toml"

@@ -28,10 +28,10 @@ from tests.ensure_helpers import (
     ensure_paused_at,
     kill_servers,
     model_server_command,
+    priced_service,
     read_record,
     run_ensure,
     server_pids,
-    service_toml,
     unique_name,
 )
 from tests.test_schemas import check as check_schema
@@ -42,13 +42,6 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
     yield from agent_host(tmp_path, monkeypatch, "120GiB")
-
-
-def service(name: str, port: int, gib: int, priority: int, extra: str = "") -> str:
-    toml = service_toml(
-        name, port, model_server_command(name, port, f"{gib}GiB", "1s"), extra=extra
-    )
-    return toml.replace('memory = "20GiB"', f'memory = "{gib}GiB"\npriority = {priority}')
 
 
 @pytest.fixture
@@ -78,10 +71,14 @@ def two(chat: str, batch: str) -> str:
     batch (30 GiB, priority 50, resume = true) stops."""
     # chat's health timeout is short: its killed preemptor's promise (starting, nothing
     # launched) is abandoned 3 s after it was made, for a reader whose config names it.
-    chat_toml = service(chat, free_port(), 100, 100).replace(
+    chat_toml = priced_service(chat, free_port(), 100, 100).replace(
         'health_timeout = "60s"', 'health_timeout = "3s"'
     )
-    return chat_toml + "\n" + service(batch, free_port(), 30, 50, 'resume = true\nkind = "batch"')
+    return (
+        chat_toml
+        + "\n"
+        + priced_service(batch, free_port(), 30, 50, 'resume = true\nkind = "batch"')
+    )
 
 
 def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -199,7 +196,7 @@ def test_a_server_gone_on_its_own_is_stopped_within_a_look(
     bare: SimHost, names: tuple[str, str]
 ) -> None:
     host, (_, batch) = bare, names
-    cfg = direct_config(host, service(batch, free_port(), 30, 50, 'kind = "batch"'))
+    cfg = direct_config(host, priced_service(batch, free_port(), 30, 50, 'kind = "batch"'))
     assert run_ensure(cfg, batch).returncode == 0
     (pid,) = server_pids(batch)
     os.kill(pid, signal.SIGKILL)  # it ends on its own; its parent is long gone
@@ -217,7 +214,7 @@ def test_a_server_gone_on_its_own_is_stopped_within_a_look(
 
 def test_agent_stops_a_record_whose_server_is_gone(host: SimHost, names: tuple[str, str]) -> None:
     _, batch = names
-    cfg = host.write_config(service(batch, free_port(), 30, 50))
+    cfg = host.write_config(priced_service(batch, free_port(), 30, 50))
     assert run_ensure(cfg, batch).returncode == 0
     (pid,) = server_pids(batch)
     os.kill(pid, signal.SIGKILL)
@@ -230,7 +227,7 @@ def test_without_an_agent_a_start_that_answers_moves_on_when_anyone_looks(
 ) -> None:
     host, (_, batch) = bare, names
     port = free_port()
-    cfg = direct_config(host, service(batch, port, 30, 50, 'kind = "batch"'))
+    cfg = direct_config(host, priced_service(batch, port, 30, 50, 'kind = "batch"'))
     r = run_ensure(cfg, batch, "--no-wait")
     assert r.returncode == 0, r.stdout + r.stderr
     assert read_record(host, batch)["phase"] == "starting"
@@ -257,7 +254,7 @@ def test_a_start_whose_server_died_with_nobody_waiting_fails(
     API's `is_idle` is true again), never `starting` for ever."""
     _, batch = names
     port = free_port()
-    toml = service(batch, port, 30, 50).replace(
+    toml = priced_service(batch, port, 30, 50).replace(
         model_server_command(batch, port, "30GiB", "1s"),
         model_server_command(batch, port, "30GiB", "30s"),
     )
@@ -294,7 +291,7 @@ def test_a_reader_in_another_pid_namespace_never_calls_a_live_server_gone(
     if probe.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode()[:200]}")
     _, batch = names
-    cfg = host.write_config(service(batch, free_port(), 30, 50))
+    cfg = host.write_config(priced_service(batch, free_port(), 30, 50))
     assert run_ensure(cfg, batch).returncode == 0
     (pid,) = server_pids(batch)
     host.stop(host.procs[0])  # the agent on the host's own namespace: no other healer

@@ -18,11 +18,10 @@ from tests.ensure_helpers import (
     cli_env,
     kill_servers,
     launches_in_log,
-    model_server_command,
+    priced_service,
     read_record,
     run_ensure,
     server_pids,
-    service_toml,
     unique_name,
 )
 
@@ -30,13 +29,6 @@ from tests.ensure_helpers import (
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
     yield from agent_host(tmp_path, monkeypatch, "120GiB")
-
-
-def service(name: str, port: int, gib: int, priority: int, extra: str = "") -> str:
-    toml = service_toml(
-        name, port, model_server_command(name, port, f"{gib}GiB", "1s"), extra=extra
-    )
-    return toml.replace('memory = "20GiB"', f'memory = "{gib}GiB"\npriority = {priority}')
 
 
 @pytest.fixture
@@ -57,7 +49,9 @@ def test_preempt_stops_the_lower_priority_batch_and_starts_once(
     chat, batch = names
     pc, pb = free_port(), free_port()
     cfg = host.write_config(
-        service(chat, pc, 80, 100) + "\n" + service(batch, pb, 30, 50, "resume = true")
+        priced_service(chat, pc, 80, 100)
+        + "\n"
+        + priced_service(batch, pb, 30, 50, "resume = true")
     )
     # A foreign 15 GiB job (whisper, not ours): never a victim.
     whisper = host.hold("whisper-job", "15GiB")
@@ -111,11 +105,11 @@ def test_preempt_key_and_equal_priority(host: SimHost, names: tuple[str, str]) -
     peer = unique_name("peer")
     pp = free_port()
     cfg = host.write_config(
-        service(chat, pc, 80, 100, "preempt = true")
+        priced_service(chat, pc, 80, 100, "preempt = true")
         + "\n"
-        + service(batch, pb, 30, 50)
+        + priced_service(batch, pb, 30, 50)
         + "\n"
-        + service(peer, pp, 80, 50, "preempt = true")
+        + priced_service(peer, pp, 80, 50, "preempt = true")
     )
     try:
         assert run_ensure(cfg, batch).returncode == 0
@@ -138,7 +132,9 @@ def test_preempt_key_and_equal_priority(host: SimHost, names: tuple[str, str]) -
 def test_in_flight_victim_needs_force(host: SimHost, names: tuple[str, str]) -> None:
     chat, batch = names
     pc, pb = free_port(), free_port()
-    cfg = host.write_config(service(chat, pc, 80, 100) + "\n" + service(batch, pb, 50, 50))
+    cfg = host.write_config(
+        priced_service(chat, pc, 80, 100) + "\n" + priced_service(batch, pb, 50, 50)
+    )
     assert run_ensure(cfg, batch).returncode == 0
     # A caller inside in_use(batch) in another process: one request in flight.
     holder = subprocess.Popen(
@@ -187,9 +183,9 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
     chat, batch = names
     pc, pb = free_port(), free_port()
     cfg = host.write_config(
-        service(chat, pc, 100, 100, 'preempt = true\nidle_timeout = "2s"')
+        priced_service(chat, pc, 100, 100, 'preempt = true\nidle_timeout = "2s"')
         + "\n"
-        + service(batch, pb, 30, 50, 'resume = true\nkind = "batch"')
+        + priced_service(batch, pb, 30, 50, 'resume = true\nkind = "batch"')
     )
     assert run_ensure(cfg, batch).returncode == 0
     assert run_ensure(cfg, chat).returncode == 0

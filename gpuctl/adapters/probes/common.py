@@ -4,6 +4,7 @@ rule for a device without a memory figure of its own (unified memory)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gpuctl.adapters import procinfo
@@ -107,39 +108,26 @@ def unified_device(
     """
     total, note = unified_total(gpu_memory_mib)
     mine = [p for p in processes if p.gpu == device.index]
+    base = GpuDevice(
+        index=device.index,
+        memory_total_mib=total,
+        unified=True,
+        name=device.name,
+        uuid=device.uuid,
+        utilization_pct=device.utilization_pct,
+        temperature_c=device.temperature_c,
+        power_w=device.power_w,
+    )
     unknown = [p.pid for p in mine if p.memory_mib is None]
     if unknown:
         pids = ", ".join(str(pid) for pid in unknown[:3])
-        return (
-            GpuDevice(
-                index=device.index,
-                memory_total_mib=total,
-                unified=True,
-                name=device.name,
-                uuid=device.uuid,
-                utilization_pct=device.utilization_pct,
-                temperature_c=device.temperature_c,
-                power_w=device.power_w,
-                error=f"unified memory: the driver does not say how much pid {pids} holds, "
-                "so its free memory is unknown",
-            ),
-            f"GPU {device.index}: {note}",
+        why = (
+            f"unified memory: the driver does not say how much pid {pids} holds, "
+            "so its free memory is unknown"
         )
+        return replace(base, error=why), f"GPU {device.index}: {note}"
     used = sum(p.memory_mib or 0 for p in mine)
-    return (
-        GpuDevice(
-            index=device.index,
-            memory_used_mib=used,
-            memory_total_mib=total,
-            unified=True,
-            name=device.name,
-            uuid=device.uuid,
-            utilization_pct=device.utilization_pct,
-            temperature_c=device.temperature_c,
-            power_w=device.power_w,
-        ),
-        f"GPU {device.index}: {note}",
-    )
+    return replace(base, memory_used_mib=used), f"GPU {device.index}: {note}"
 
 
 def percent(value: Any) -> int | None:
