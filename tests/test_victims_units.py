@@ -81,3 +81,17 @@ def test_whether_a_server_yields_is_its_records_word(tmp_path: Path) -> None:
         server_in_flight=lambda s: 0, now=1000.0,
     )  # fmt: skip
     assert not yields(facts["chat"]) and facts["chat"].yield_after_s is None
+
+
+def test_a_server_is_idle_from_its_last_use_or_from_when_it_began_running() -> None:
+    """A start marks a use when it begins: a load longer than ``yield_after`` must not
+    leave the server idle the moment it answers (found by the trials: a server healed
+    from starting to running was preempted as idle within the same sample)."""
+    from gpuctl.flows.victims import idle_seconds
+
+    loaded = Record("chat", Phase.RUNNING, since=700.0, last_used=100.0)
+    assert idle_seconds(loaded, 701.0) == 1.0
+    used = Record("chat", Phase.RUNNING, since=700.0, last_used=900.0)
+    assert idle_seconds(used, 960.0) == 60.0
+    never = Record("chat", Phase.RUNNING, since=700.0)
+    assert idle_seconds(never, 760.0) == 60.0

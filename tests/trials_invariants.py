@@ -252,10 +252,9 @@ def _yielded(o: Outcome, name: str, after: float, by: float) -> bool:
         rec = obs.records.get(name, rec)
     if rec is None or rec.get("phase") != "running":
         return False
-    ref = rec.get("last_used")
-    if ref is None:
-        ref = rec.get("since")
-    return isinstance(ref, int | float) and ref + svc.yield_after_s <= by + YIELD_SLACK_S
+    # Idle since the last use or since it began running, whichever is later (README).
+    refs = [t for t in (rec.get("last_used"), rec.get("since")) if isinstance(t, int | float)]
+    return bool(refs) and max(refs) + svc.yield_after_s <= by + YIELD_SLACK_S
 
 
 def _yields(o: Outcome) -> list[tuple[str, float, float]]:

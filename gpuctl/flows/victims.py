@@ -53,9 +53,11 @@ def with_victims(
 
 
 def idle_seconds(r: Record, now: float) -> float:
-    """How long ``r``'s service has gone unused: since its last use, or, never used,
-    since its phase began (a server started and never asked is idle from its start)."""
-    ref = r.last_used if r.last_used is not None else r.since
+    """How long ``r``'s service has gone unused: since its last use or since its phase
+    began, whichever is later. A start marks a use when it begins, so a server whose
+    load outlasted its ``yield_after`` would otherwise be idle the moment it answers,
+    and yield before anyone could use it."""
+    ref = r.since if r.last_used is None else max(r.last_used, r.since)
     return max(0.0, now - ref)
 
 
