@@ -427,6 +427,13 @@ def reset(t: Trial) -> None:
         for pid in server_pids(s.name):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    # A job's CMD runs in its own session: killing its `gpuctl run` leaves it to finish
+    # on its own, which it would do in the next trial, under a name that trial reuses
+    # but never started (an unexplained death there).
+    for pids in scan([], t.prefix)[1].values():
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while any(server_pids(s.name) for s in t.services) and time.monotonic() < deadline:
         time.sleep(0.05)
