@@ -75,11 +75,14 @@ def test_an_entry_from_another_host_counts_until_it_expires(store: DirectStore) 
     assert s.inflight() == {}
 
 
-def test_a_stop_under_way_refuses_new_uses_and_touches(store: DirectStore) -> None:
-    stopper = holder_here("reclaim")
+@pytest.mark.parametrize("entry", ["reclaim", "stop", "preempt"])
+def test_a_stop_under_way_refuses_new_uses_and_touches(store: DirectStore, entry: str) -> None:
+    """A preemptor's lease on its victim counts as a stop: the hour of trials caught a
+    request begun under it, after the preemptor's in-flight check, cut by its stop."""
+    stopper = holder_here(entry)
     assert store.acquire("llm", stopper, 60)[0]
     granted, rec = store.inflight_begin("llm", holder_here("in_use"), 30)
-    assert not granted and rec.lease is not None and rec.lease.entry == "reclaim"
+    assert not granted and rec.lease is not None and rec.lease.entry == entry
     assert store.inflight() == {}
     before = store.get("llm").last_used
     touched = store.touch("llm")

@@ -54,8 +54,10 @@ if TYPE_CHECKING:
         def _write_entry(self: _Files, service: str, entry: Lease) -> None: ...
 
 
-# A lease taken by these entry points is a stop under way: no new use may begin.
-STOP_ENTRIES = frozenset({"stop", "reclaim"})
+# A lease taken by these entry points is a stop under way: no new use may begin. A
+# preemptor's lease on its victim is one: it has checked that nothing is in flight, and
+# a use begun after that check would be cut by the stop that follows.
+STOP_ENTRIES = frozenset({"stop", "reclaim", "preempt"})
 _MAX_ENTRY_BYTES = 4096
 
 
