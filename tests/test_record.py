@@ -23,6 +23,7 @@ from gpuctl.adapters.store.codec import (
     parse_record,
     salvage,
 )
+from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     BACKOFF_MAX_S,
     ERROR_MAX,
@@ -719,11 +720,29 @@ def test_salvage_of_what_is_no_record_of_this_service_keeps_nothing() -> None:
 
 
 @pytest.mark.parametrize("phase", list(Phase))
-def test_a_held_lease_promises_the_service_whatever_its_phase(phase: Phase) -> None:
-    """A caller that took the lease may start the service any moment (it waits for the
-    admission lock, or for the memory of what it preempts): its budget counts before
-    the record says `starting`; the service being decided never counts itself."""
+def test_a_held_lease_of_an_older_release_promises_the_service_whatever_its_phase(
+    phase: Phase,
+) -> None:
+    """A lease on a record without a promise (an older release wrote it, which may spawn
+    without marking `starting`): its budget counts whatever the phase; the service being
+    decided never counts itself."""
     held = Record("chat", phase=phase, lease=lease())
     free = Record("vlm", phase=phase)
     assert starting_services([held, free]) == ["chat"]
     assert starting_services([held, free], exclude="chat") == []
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_lease_still_on_its_way_to_admission_promises_nothing(phase: Phase) -> None:
+    """This release's lease (the record says its promise) counts once admitted
+    (`starting`) or over a record that holds memory already (a stop's lease); a caller
+    still waiting for the admission lock (the record stopped, failed, or preempted with
+    its server gone) re-checks under it before it spawns, so it promises nothing yet."""
+    promise = Promise(memory_mib=80 * 1024, priority=50)
+    held = Record("chat", phase=phase, lease=lease(), promise=promise)
+    waiting = phase in (Phase.STOPPED, Phase.FAILED, Phase.PREEMPTED)
+    assert starting_services([held]) == ([] if waiting else ["chat"])
+    if phase is Phase.PREEMPTED:
+        # Its server still recorded: the stop may not have landed; it holds memory.
+        kept = replace(held, handle={"kind": "process", "pid": 4321})
+        assert starting_services([kept]) == ["chat"]

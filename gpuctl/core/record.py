@@ -382,11 +382,31 @@ def _clipped(attempt: dict[str, Any]) -> dict[str, Any]:
 
 
 def starting_services(records: Iterable[Record], exclude: str = "") -> list[str]:
-    """Services whose lease is held: a start under way, admitted (phase starting) or on
-    its way to admission (a caller that took the lease waits for the admission lock, or
-    for the memory of what it preempts); their memory is promised even before their
-    server exists. Counted whatever the phase: a caller that holds the lease may start
-    it any moment, and counting it as nothing showed a rival FITS into its room. A
-    lease held by a stop counts too, until the stop gives the memory back. ``exclude``:
-    the service being decided (its own lease never counts against itself)."""
-    return [r.service for r in records if r.lease is not None and r.service != exclude]
+    """Services whose start is under way and admitted: their lease is held and their
+    memory promised even before their server exists. That is phase ``starting`` (set
+    under the admission lock before the spawn, or by a preemption making room before its
+    victims give their memory back), and a lease on a record that holds memory already
+    (a stop's, until the stop gives it back). ``exclude``: the service being decided (its
+    own lease never counts against itself).
+
+    A lease on a record that holds nothing yet and says what it promises is a caller on
+    its way to the admission lock (this release wrote it, and re-checks under that lock
+    before it spawns): it does not count. The lock orders two rivals; the first admitted
+    marks itself ``starting`` and the second finds it. Counting each other's waiting
+    leases made each side's callers refuse the other's, so a service that then started
+    had callers told BUSY. A record without a promise (an older release, which may spawn
+    without marking ``starting``) counts whatever its phase."""
+    return [
+        r.service
+        for r in records
+        if r.lease is not None and r.service != exclude and not _waiting(r)
+    ]
+
+
+def _waiting(r: Record) -> bool:
+    """A start that holds its lease and nothing else yet (see ``starting_services``)."""
+    if r.promise is None:
+        return False
+    return r.phase in (Phase.STOPPED, Phase.FAILED) or (
+        r.phase is Phase.PREEMPTED and not r.handle
+    )
