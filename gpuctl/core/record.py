@@ -1,5 +1,8 @@
 """A service's record and its lease, as plain data with pure rules.
 
+Long because it is one shape with the rules that read it (phase, lease, back-off, what
+a record promises), which every decision shares.
+
 The record is the one shared truth about a service on its GPU host: its phase, when it
 was last used, who holds the right to start or stop it (the lease), how to find its
 server again (the launcher's handle), its start attempts, and its last failure with the
@@ -382,31 +385,28 @@ def _clipped(attempt: dict[str, Any]) -> dict[str, Any]:
 
 
 def starting_services(records: Iterable[Record], exclude: str = "") -> list[str]:
-    """Services whose start is under way and admitted: their lease is held and their
-    memory promised even before their server exists. That is phase ``starting`` (set
-    under the admission lock before the spawn, or by a preemption making room before its
-    victims give their memory back), and a lease on a record that holds memory already
-    (a stop's, until the stop gives it back). ``exclude``: the service being decided (its
-    own lease never counts against itself).
+    """Services whose admitted start promises memory before its server exists: a live
+    lease on a record in phase ``starting`` (set under the admission lock before the
+    spawn, or by a preemption before its victims give their memory back) or one that
+    holds memory already (a stop's lease, until the memory comes back). ``exclude``: the
+    service being decided (its own lease never counts against itself).
 
-    A lease on a record that holds nothing yet and says what it promises is a caller on
-    its way to the admission lock (this release wrote it, and re-checks under that lock
-    before it spawns): it does not count. The lock orders two rivals; the first admitted
-    marks itself ``starting`` and the second finds it. Counting each other's waiting
-    leases made each side's callers refuse the other's, so a service that then started
-    had callers told BUSY. A record without a promise (an older release, which may spawn
-    without marking ``starting``) counts whatever its phase."""
+    A lease on a record that holds nothing yet and states its promise is a caller on its
+    way to the admission lock, which re-checks under it before it spawns: it counts for
+    nothing, so of two rivals the first admitted starts and the other then finds it
+    (counting each other's waiting leases refused callers of the one that started). A
+    record without a promise (an older release, which may spawn without ``starting``)
+    counts whatever its phase."""
     return [
         r.service
         for r in records
-        if r.lease is not None and r.service != exclude and not _waiting(r)
+        if r.lease is not None
+        and r.service != exclude
+        and not (
+            r.promise is not None
+            and (
+                r.phase in (Phase.STOPPED, Phase.FAILED)
+                or (r.phase is Phase.PREEMPTED and not r.handle)
+            )
+        )
     ]
-
-
-def _waiting(r: Record) -> bool:
-    """A start that holds its lease and nothing else yet (see ``starting_services``)."""
-    if r.promise is None:
-        return False
-    return r.phase in (Phase.STOPPED, Phase.FAILED) or (
-        r.phase is Phase.PREEMPTED and not r.handle
-    )
