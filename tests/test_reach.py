@@ -221,3 +221,16 @@ def test_docker_stops_only_a_container_with_its_proof_label(
         with pytest.raises(Unproven):
             launcher.stop(h, 1.0)
     assert ct.stopped is ok
+
+
+@pytest.mark.parametrize("name", ["run.x", "run.", "run.chat.v2"])
+def test_a_service_named_like_a_job_is_refused(tmp_path: Path, name: str) -> None:
+    """``gpuctl run --name x`` keeps its record as run.x: a service of that name would
+    share it."""
+    from gpuctl.config import load_config
+    from gpuctl.errors import ConfigError
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[hosts.h]\nprobe = "sim"\n\n[services."{name}"]\ncommand = "sleep 1"\n')
+    with pytest.raises(ConfigError, match=r"services\.\S+: a service name may not start"):
+        load_config(cfg)

@@ -259,14 +259,8 @@ class OllamaLauncher:
         import httpx
 
         if handle.pid and self._loader_alive(handle):
-            # The unload names the config's model, never the record's; the loader's pid
-            # is signalled only for a handle a start of this model wrote.
-            if handle.proof != self.model:
-                raise Unproven(
-                    f"the record names pid {handle.pid} as the loader of "
-                    f"{handle.proof or 'no model'}, not of {self.model}",
-                    UNPROVEN_HINT,
-                )
+            if handle.proof != self.model:  # only a handle a start of this model wrote
+                raise Unproven(f"pid {handle.pid} is not the loader of {self.model}", UNPROVEN_HINT)
             # Our load is still running: ending it first keeps it from loading the model
             # again right after the unload.
             with contextlib.suppress(OSError):
