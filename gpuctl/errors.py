@@ -19,6 +19,7 @@ appear only with ``GPUCTL_DEBUG=1``.
      ├── StoreError             the state store is unreadable / unwritable (exit 1)
      │    └── NoStore           the host's agent keeps no records (no --state-dir)
      └── LauncherError          a launcher backend (Docker, Jupyter) refused us (exit 1)
+          ├── Unproven          a record names a process without gpuctl's proof (exit 4)
           └── JupyterUnreachable  the Jupyter server did not answer
                                   (adapters.launchers.jupyter.errors; exit 1)
 
@@ -120,3 +121,14 @@ class NoStore(StoreError):
 
 class LauncherError(GpuctlError):
     """A launcher backend (Docker Engine, Jupyter server, local process) refused us."""
+
+
+class Unproven(LauncherError):
+    """A record names a server that does not carry the proof its start left (the nonce
+    in its environment, the container's label, the model): nothing was signalled.
+
+    The records are writable by every token holder and group member, so a pid in one
+    proves nothing; gpuctl can only tell that the process may not be its own (exit 4).
+    """
+
+    exit_code = ExitCode.UNKNOWN

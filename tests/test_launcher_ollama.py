@@ -67,7 +67,7 @@ def test_start_loads_detached_and_health_follows_api_ps(
     assert claims_mib(sim_dir) == {"ollama qwen3:32b": 20 * GIB}
     assert server.ps()["qwen3:32b"]["size_vram"] == 20 * 2**30
     assert "loaded: load" in launcher.log_tail(handle)
-    assert launcher.find(SVC) == Handle(kind="ollama")
+    assert launcher.find(SVC) == Handle(kind="ollama", proof="qwen3:32b")
     assert launcher.ps()["qwen3:32b"].vram_mib == 20 * GIB
 
 

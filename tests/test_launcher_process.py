@@ -91,7 +91,8 @@ def test_service_env_may_set_a_secret_on_purpose(
     pids.append(handle.pid)
     env = read_env(out)
     assert env["DGX_TOKEN"] == "given"
-    assert START_NONCE_ENV not in env
+    # A start without a nonce gets its own: it is the proof its stop checks.
+    assert env[START_NONCE_ENV] == handle.proof
 
 
 def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path, pids: list[int]) -> None:

@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters import procinfo
-from gpuctl.errors import LauncherError
+from gpuctl.adapters.launchers.environ import (
+    RUN_JOB_ENV,
+    RUN_NONCE_ENV,
+    RUN_PREEMPTIBLE_ENV,
+    START_NONCE_ENV,
+)
+from gpuctl.adapters.proof import MIN_NONCE_LEN, has_env, require_env
+from gpuctl.errors import LauncherError, Unproven
 
 # How long a preempted job gets between SIGTERM and SIGKILL to save its work.
 JOB_GRACE_S = 10.0
-# What ``gpuctl run`` puts into CMD's environment (and the nonce into its record).
-RUN_JOB_ENV = "GPUCTL_RUN_JOB"
-RUN_NONCE_ENV = "GPUCTL_RUN_NONCE"
-RUN_PREEMPTIBLE_ENV = "GPUCTL_RUN_PREEMPTIBLE"
-_MIN_NONCE_LEN = 16
 
 
 def new_nonce() -> str:
@@ -38,8 +40,8 @@ def new_nonce() -> str:
 
 def run_env(env: dict[str, str], job: str, nonce: str, preemptible: bool) -> dict[str, str]:
     """CMD's environment: ``env`` with the job's marks (replacing any inherited from an
-    outer job)."""
-    out = dict(env)
+    outer job), less a server's start nonce (a job run from inside a server is no server)."""
+    out = {k: v for k, v in env.items() if k != START_NONCE_ENV}
     out[RUN_JOB_ENV] = job
     out[RUN_NONCE_ENV] = nonce
     out[RUN_PREEMPTIBLE_ENV] = "1" if preemptible else "0"
@@ -53,37 +55,44 @@ def verify_job(pid: int, job: str, nonce: object, proc_root: str = "/proc") -> N
     Raises:
         LauncherError: it is not (or its environment cannot be read): never signal it.
     """
-    if not isinstance(nonce, str) or len(nonce) < _MIN_NONCE_LEN:
+    if not isinstance(nonce, str) or len(nonce) < MIN_NONCE_LEN:
         raise LauncherError(
             f"the record of run.{job} carries no run nonce: pid {pid} is not known to be its CMD",
             hint="only a job started by this gpuctl's `gpuctl run --preemptible` can be stopped",
         )
+    refused = "a record naming another process is refused: read the record again"
+    marks = {RUN_JOB_ENV: job, RUN_NONCE_ENV: nonce, RUN_PREEMPTIBLE_ENV: "1"}
     try:
-        with open(f"{proc_root}/{pid}/environ", "rb") as f:
-            entries = set(f.read().split(b"\0"))
+        require_env(
+            pid,
+            marks,
+            f"run.{job}'s CMD",
+            refused,
+            lacks="the job's name, nonce or --preemptible mark",
+            proc_root=proc_root,
+        )
         stat = Path(f"{proc_root}/{pid}/stat").read_text()
+    except Unproven as e:
+        raise LauncherError(e.message, e.hint) from None
     except OSError as e:
         raise LauncherError(
-            f"cannot read pid {pid}'s environment ({e.strerror or e}): "
+            f"cannot read pid {pid}'s stat ({e.strerror or e}): "
             f"not signalling what may not be run.{job}'s CMD",
             hint="run the agent (or gpuctl) as the user who runs the job, or as root",
         ) from None
-    marks = {
-        f"{RUN_JOB_ENV}={job}".encode(),
-        f"{RUN_NONCE_ENV}={nonce}".encode(),
-        f"{RUN_PREEMPTIBLE_ENV}=1".encode(),
-    }
-    if not marks <= entries:
+    if has_env(pid, START_NONCE_ENV, proc_root):
+        # The marks pass only to the job's own CMD (``run_env``), never to a server
+        # gpuctl launches (``launchers.environ`` scrubs them); a server started by an
+        # older gpuctl from inside a job still carries both, and is not the job's CMD.
         raise LauncherError(
-            f"pid {pid} is not run.{job}'s CMD (its environment lacks the job's "
-            "name, nonce or --preemptible mark)",
-            hint="a record naming another process is refused: read the record again",
+            f"pid {pid} is a server gpuctl launched (it carries {START_NONCE_ENV}), "
+            f"not run.{job}'s CMD",
+            hint=refused,
         )
-    fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+    fields = stat.rsplit(")", 1)[-1].split()  # state, ppid, pgrp, session, ...
     if len(fields) < 4 or fields[3] != str(pid):
         raise LauncherError(
-            f"pid {pid} does not lead its own session, as run.{job}'s CMD does",
-            hint="a record naming another process is refused: read the record again",
+            f"pid {pid} does not lead its own session, as run.{job}'s CMD does", hint=refused
         )
 
 

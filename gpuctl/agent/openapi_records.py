@@ -486,8 +486,9 @@ def records_schemas() -> dict[str, Any]:
                             "pid_ns": nullable(
                                 {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
                             ),
+                            "proof": nullable(text(255)),
                         },
-                        "maxProperties": 8 + schema.MAX_EXTRA_KEYS,
+                        "maxProperties": 9 + schema.MAX_EXTRA_KEYS,
                         **extra,
                     }
                 ),

@@ -36,7 +36,8 @@ from gpuctl.config.model import (
 from gpuctl.config.priority_fields import yield_after
 from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
 from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
-from gpuctl.core.jobs import PRIORITY_MAX
+from gpuctl.core.jobs import PREFIX as JOB_PREFIX
+from gpuctl.core.jobs import PRIORITY_MAX, is_job
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
 from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.core.units import is_bare_number
@@ -179,6 +180,14 @@ def _check_name(kind: str, name: str) -> None:
             f"{kind}.{key_text(name)}: a service name may not start with '_' "
             "(gpuctl's own store entries, such as _admission, are named so)",
             hint=f"rename it, e.g. {name.lstrip('_') or 'svc'}",
+        )
+    if kind == "services" and is_job(name):
+        # `gpuctl run --name X` keeps its record as run.X: a service of that name would
+        # share the job's record and lock, and a stop of one would reach the other.
+        raise ConfigError(
+            f"{kind}.{key_text(name)}: a service name may not start with {JOB_PREFIX!r} "
+            "(the records of `gpuctl run` jobs are named so)",
+            hint=f"rename it, e.g. {name[len(JOB_PREFIX) :] or 'svc'}",
         )
 
 

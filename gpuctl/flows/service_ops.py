@@ -13,7 +13,7 @@ from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside
 from gpuctl.core.record_pids import recorded_servers
-from gpuctl.errors import GpuctlError, StoreError, Undecided
+from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.observe import hidden_words, keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
@@ -25,7 +25,11 @@ def stop(deps: EnsureDeps) -> StopResult:
     """Stop the service's server: by its record, else by its match keywords on the host.
 
     Takes the lease first (waiting a little for a start under way), so a stop and a
-    start never run at once.
+    start never run at once. Only a server carrying its start's proof is signalled
+    (``Launcher.stop``); anything else is reported and its record kept as it was.
+
+    Raises:
+        Unproven: the record (or a keyword match) names a process without that proof.
     """
     svc = deps.service
     holder = holder_here("stop")
@@ -61,7 +65,10 @@ def stop(deps: EnsureDeps) -> StopResult:
         if record.handle:
             handle = Handle.from_dict(record.handle)
             if launcher.alive(handle) is not False:
-                launcher.stop(handle, svc.stop_timeout_s)
+                try:
+                    launcher.stop(handle, svc.stop_timeout_s)
+                except Unproven as e:
+                    raise Unproven(f"{svc.name}: {e.message}; not signalled", e.hint) from None
                 result.stopped.append(describe_handle(handle))
         if not result.stopped:
             found = launcher.find(svc, record.start_nonce)
@@ -92,6 +99,7 @@ def stop(deps: EnsureDeps) -> StopResult:
             ages: dict[int, float | None] = {}
             for pid, age in seen:
                 ages[pid] = age if age is not None else ages.get(pid)
+            unproven: list[str] = []
             for pid, age in ages.items():
                 # The pid with the start time the reading saw (its age), so a pid the
                 # kernel has handed to another process since is never signalled.
@@ -102,8 +110,22 @@ def stop(deps: EnsureDeps) -> StopResult:
                     continue
                 if launcher.alive(handle) is False:
                     continue  # gone since the reading: not ours to report
-                launcher.stop(handle, svc.stop_timeout_s)
+                try:
+                    # A keyword match carries no recorded proof: the launcher signals
+                    # it only where it can prove it (never a bare pid it would have to
+                    # take on the command line's word: that may be another user's).
+                    launcher.stop(handle, svc.stop_timeout_s)
+                except Unproven:
+                    unproven.append(str(pid))
+                    continue
                 result.stopped.append(f"pid {pid}")
+            if unproven and not result.stopped:
+                raise Unproven(
+                    f"{svc.name}: pid {', '.join(unproven)} match its keywords but carry no "
+                    "proof that gpuctl started them; not signalled",
+                    "if they are its servers, stop them by hand; then `gpuctl stop` "
+                    "clears its record",
+                )
         if aside is not None and not result.stopped:
             reason, hint = hidden_words(svc, aside)
             raise Undecided(f"{svc.name}: found nothing of it running, but {reason}", hint=hint)
@@ -113,6 +135,11 @@ def stop(deps: EnsureDeps) -> StopResult:
             else "nothing of it was running"
         )
         deps.store.release(svc.name, holder.id, {"phase": Phase.STOPPED.value, "handle": None})
+    except Unproven:
+        # Nothing was signalled: the record stays as it was, for a person to judge.
+        with contextlib.suppress(GpuctlError):
+            deps.store.release(svc.name, holder.id, {"phase": record.phase.value})
+        raise
     except BaseException:
         with contextlib.suppress(GpuctlError):
             deps.store.release(svc.name, holder.id)

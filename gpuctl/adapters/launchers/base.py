@@ -27,6 +27,12 @@ class Handle:
     # The PID namespace ``pid`` is numbered in (``procinfo.pid_namespace``): only a
     # reader in the same one may take "no such pid" for "the server is gone".
     pid_ns: int | None = None
+    # What the launcher's ``stop`` checks before it signals anything (``adapters.proof``):
+    # the start nonce in the server's environment (process, jupyter), the value of the
+    # container's ``gpuctl.proof`` label set when it was created (docker: a reused
+    # container keeps its creation's), the model (ollama). Absent from a server started
+    # before gpuctl kept it: such a server is reported, never signalled.
+    proof: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -66,7 +72,14 @@ class Launcher(Protocol):
         ...
 
     def stop(self, handle: Handle, grace_s: float) -> None:
-        """SIGTERM (or the engine's stop), SIGKILL after ``grace_s``. Idempotent."""
+        """SIGTERM (or the engine's stop), SIGKILL after ``grace_s``. Idempotent.
+
+        Only a server that carries the handle's ``proof``: a record is writable by
+        every token holder, so the pid or container it names proves nothing.
+
+        Raises:
+            Unproven: the server does not carry the proof; nothing was signalled.
+        """
         ...
 
     def log_tail(self, handle: Handle, lines: int = 20) -> str:

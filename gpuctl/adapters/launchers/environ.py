@@ -17,9 +17,25 @@ START_NONCE_ENV = "GPUCTL_START_NONCE"
 caller wrote into the record before spawning. ``/proc/<pid>/environ`` then names the
 server of a start whose caller died before it recorded the pid."""
 
-# gpuctl's own variables that a server must never inherit: the agent's token, and the
-# test-only failpoints (and a nonce from a gpuctl that itself runs under a server).
-_ALWAYS_DROPPED = ("GPUCTL_AGENT_TOKEN", "GPUCTL_FAILPOINTS", "GPUCTL_FAILPOINTS_DIR")
+RUN_JOB_ENV = "GPUCTL_RUN_JOB"
+RUN_NONCE_ENV = "GPUCTL_RUN_NONCE"
+RUN_PREEMPTIBLE_ENV = "GPUCTL_RUN_PREEMPTIBLE"
+"""The marks ``gpuctl run`` puts into its CMD's environment (``adapters.jobs.run_env``).
+They belong to CMD alone: a stop of the job signals whatever carries them, so a server
+launched from inside the job must never inherit them."""
+RUN_MARK_PREFIX = "GPUCTL_RUN_"
+
+# gpuctl's own variables that a server must never inherit: the agent's token, the
+# test-only failpoints, and an enclosing job's marks (and a nonce from a gpuctl that
+# itself runs under a server).
+_ALWAYS_DROPPED = (
+    "GPUCTL_AGENT_TOKEN",
+    "GPUCTL_FAILPOINTS",
+    "GPUCTL_FAILPOINTS_DIR",
+    RUN_JOB_ENV,
+    RUN_NONCE_ENV,
+    RUN_PREEMPTIBLE_ENV,
+)
 
 
 def secret_names(host: HostConfig) -> frozenset[str]:
@@ -39,7 +55,9 @@ def server_env(
 ) -> dict[str, str]:
     """``inherited`` without ``secrets``, then the service's ``env``, then the nonce."""
     drop = {*secrets, *_ALWAYS_DROPPED, START_NONCE_ENV}
-    env = {k: v for k, v in inherited.items() if k not in drop}
+    env = {
+        k: v for k, v in inherited.items() if k not in drop and not k.startswith(RUN_MARK_PREFIX)
+    }
     env.update(service.env)
     if start_nonce:
         env[START_NONCE_ENV] = start_nonce
@@ -51,3 +69,14 @@ def dropped(service: ServiceConfig, secrets: Iterable[str]) -> list[str]:
     (a Jupyter terminal's shell has the Jupyter server's), minus those the service sets."""
     drop = {*secrets, *_ALWAYS_DROPPED, START_NONCE_ENV}
     return sorted(n for n in drop if n not in service.env)
+
+
+def new_start_nonce() -> str:
+    """A start's nonce, for a caller that brought none: unguessable, so no other process
+    carries it by chance, and long enough to count as proof (``adapters.proof``)."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+UNPROVEN_HINT = "if it is the server, stop it by hand; then `gpuctl stop` clears its record"

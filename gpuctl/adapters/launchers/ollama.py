@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.launchers.environ import UNPROVEN_HINT
 from gpuctl.core.decision import Health
 from gpuctl.core.units import format_mib
-from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.errors import LauncherError, StartFailed, Unproven
 
 if TYPE_CHECKING:
     import httpx
@@ -236,6 +237,7 @@ class OllamaLauncher:
             pid=proc.pid,
             pid_start=procinfo.start_time(proc.pid),
             log=str(log) if log else None,
+            proof=self.model,
         )
 
     def alive(self, handle: Handle) -> bool | None:
@@ -257,6 +259,8 @@ class OllamaLauncher:
         import httpx
 
         if handle.pid and self._loader_alive(handle):
+            if handle.proof != self.model:  # only a handle a start of this model wrote
+                raise Unproven(f"pid {handle.pid} is not the loader of {self.model}", UNPROVEN_HINT)
             # Our load is still running: ending it first keeps it from loading the model
             # again right after the unload.
             with contextlib.suppress(OSError):
@@ -303,7 +307,7 @@ class OllamaLauncher:
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
         """The model, when Ollama has it loaded (a handle with nothing to signal)."""
         try:
-            return Handle(kind=KIND) if self.model in self.ps() else None
+            return Handle(kind=KIND, proof=self.model) if self.model in self.ps() else None
         except LauncherError:
             return None
 
@@ -331,7 +335,8 @@ class OllamaLauncher:
 
         if not procinfo.is_same_process(handle.pid, handle.pid_start):
             return False
-        return "gpuctl.adapters.launchers.ollama_loader" in (procinfo.command_of(handle.pid) or "")
+        argv = (procinfo.command_of(handle.pid) or "").split()
+        return "gpuctl.adapters.launchers.ollama_loader" in argv and self.model in argv
 
 
 def check_ollama(url: str, model: str, timeout_s: float, client: httpx.Client) -> Health:

@@ -8,8 +8,9 @@ ties the server to the caller: it survives the caller's exit and restart. This f
 original ``subprocess.Popen`` child that died with its parent.
 
 The server's environment is the caller's without gpuctl's secrets, plus the service's
-``env`` and ``GPUCTL_START_NONCE`` (see ``environ``); its log is never a symbolic link
-and is private (see ``logfile``).
+``env`` and ``GPUCTL_START_NONCE`` (see ``environ``). The nonce is also the proof a
+stop checks before it signals (``adapters.proof``): a record can name any pid. Its log
+is never a symbolic link and is private (see ``logfile``).
 
 It serves only the host gpuctl runs on: the flow checks that the caller's host identity
 matches the agent's before it uses this launcher.
@@ -29,8 +30,14 @@ from pathlib import Path
 from gpuctl import failpoints
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.launchers.environ import START_NONCE_ENV, server_env
+from gpuctl.adapters.launchers.environ import (
+    START_NONCE_ENV,
+    UNPROVEN_HINT,
+    new_start_nonce,
+    server_env,
+)
 from gpuctl.adapters.launchers.logfile import open_log, tail_file
+from gpuctl.adapters.proof import require_env
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed
 
@@ -64,7 +71,9 @@ class ProcessLauncher:
             raise StartFailed(f"services.{service.name}.command: {e}") from None
         log = self.log_path(service)
         out = open_log(log, service.name)
-        env = server_env(service, os.environ, self.secrets, start_nonce)
+        # Every start carries a nonce: it is what a stop checks before it signals.
+        nonce = start_nonce or new_start_nonce()
+        env = server_env(service, os.environ, self.secrets, nonce)
         try:
             os.write(
                 out,
@@ -101,6 +110,7 @@ class ProcessLauncher:
             pid_start=procinfo.start_time(proc.pid),
             log=str(log),
             pid_ns=procinfo.pid_namespace(),
+            proof=nonce,
         )
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
@@ -116,6 +126,7 @@ class ProcessLauncher:
             pid_start=procinfo.start_time(pid),
             log=str(self.log_path(service)),
             pid_ns=procinfo.pid_namespace(),
+            proof=start_nonce,
         )
 
     def alive(self, handle: Handle) -> bool | None:
@@ -127,6 +138,9 @@ class ProcessLauncher:
         pid = handle.pid
         if pid is None or not procinfo.is_same_process(pid, handle.pid_start):
             return
+        require_env(
+            pid, {START_NONCE_ENV: handle.proof}, "the server its record names", UNPROVEN_HINT
+        )
         _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:

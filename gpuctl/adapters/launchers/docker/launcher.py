@@ -18,12 +18,14 @@ from gpuctl.adapters.launchers.docker.pids import server_pid
 from gpuctl.adapters.launchers.docker.spec import (
     LABEL_HASH,
     LABEL_MANAGED,
+    LABEL_PROOF,
     container_name,
     create_kwargs,
 )
-from gpuctl.adapters.launchers.environ import server_env
+from gpuctl.adapters.launchers.environ import UNPROVEN_HINT, new_start_nonce, server_env
+from gpuctl.adapters.proof import MIN_NONCE_LEN
 from gpuctl.config import ServiceConfig
-from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.errors import LauncherError, StartFailed, Unproven
 
 DEFAULT_URL = "unix:///var/run/docker.sock"
 _RUNNING = ("running", "restarting", "paused")
@@ -112,7 +114,8 @@ class DockerLauncher:
         Raises:
             StartFailed: a volume, port or size in the service's config cannot be used.
         """
-        return create_kwargs(service, server_env(service, {}, self.secrets, start_nonce))
+        env = server_env(service, {}, self.secrets, start_nonce)
+        return create_kwargs(service, env, start_nonce or "")
 
     # ------------------------------------------------------------------ Launcher
 
@@ -131,7 +134,8 @@ class DockerLauncher:
                 missing image, bad mount ...); nothing is left behind.
             LauncherError: the engine cannot be reached.
         """
-        kwargs = self.inspect_config(service, start_nonce)
+        # Every created container carries a proof label: it is what a stop checks.
+        kwargs = self.inspect_config(service, start_nonce or new_start_nonce())
         name = kwargs["name"]
         want = kwargs["labels"][LABEL_HASH]
         with self._errors():
@@ -186,13 +190,27 @@ class DockerLauncher:
         """``docker stop -t grace``: SIGTERM, SIGKILL after ``grace_s``. Keeps the container
         (a later start with the same config reuses it). A missing container is fine.
 
+        Only a container gpuctl created whose ``gpuctl.proof`` label is the handle's
+        proof: the record can name any container on the engine.
+
         Raises:
+            Unproven: the container lacks the label (another's, or made before gpuctl
+                set it); nothing was stopped.
             LauncherError: the engine cannot be reached or refused.
         """
         with self._errors():
             ct = self._by_handle(handle)
             if ct is None or ct.status in ("exited", "dead", "created"):
                 return
+            labels = ct.labels or {}
+            proof = handle.proof
+            ok = isinstance(proof, str) and len(proof) >= MIN_NONCE_LEN
+            if not ok or labels.get(LABEL_MANAGED) != "true" or labels.get(LABEL_PROOF) != proof:
+                raise Unproven(
+                    f"container {ct.name} on {self.url} is not known to be the server its "
+                    f"record names (no {LABEL_PROOF} label matching the record's)",
+                    UNPROVEN_HINT.replace("stop it by hand", f"docker stop {ct.name} by hand"),
+                )
             if ct.status == "paused":
                 ct.unpause()
             ct.stop(timeout=max(0, math.ceil(grace_s)))  # whole seconds, never shorter
@@ -306,4 +324,5 @@ class DockerLauncher:
             pid_start=started,
             container_id=ct.id,
             container_name=ct.name,
+            proof=(ct.labels or {}).get(LABEL_PROOF) or None,
         )

@@ -16,6 +16,10 @@ from gpuctl.errors import StartFailed
 LABEL_MANAGED = "gpuctl.managed"
 LABEL_SERVICE = "gpuctl.service"
 LABEL_HASH = "gpuctl.config-hash"
+# Set once, when the container is created (the creating start's nonce), and kept in the
+# record's handle: a stop checks it before it asks the engine to stop anything, so a
+# record naming someone else's container is refused. A reused container keeps it.
+LABEL_PROOF = "gpuctl.proof"
 
 
 def container_name(service: ServiceConfig) -> str:
@@ -45,12 +49,15 @@ def config_hash(service: ServiceConfig) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def create_kwargs(service: ServiceConfig, environment: Mapping[str, str]) -> dict[str, Any]:
+def create_kwargs(
+    service: ServiceConfig, environment: Mapping[str, str], proof: str = ""
+) -> dict[str, Any]:
     """The keyword arguments ``containers.create`` gets for ``service``.
 
     Args:
         environment: the container's environment (the service's ``env`` and gpuctl's
             start nonce; a container never inherits the caller's environment).
+        proof: the ``gpuctl.proof`` label's value (none when empty).
 
     Raises:
         StartFailed: a volume, port or size in the service's config cannot be used.
@@ -70,6 +77,7 @@ def create_kwargs(service: ServiceConfig, environment: Mapping[str, str]) -> dic
             LABEL_MANAGED: "true",
             LABEL_SERVICE: service.name,
             LABEL_HASH: config_hash(service),
+            **({LABEL_PROOF: proof} if proof else {}),
         },
         "environment": dict(environment),
         "volumes": [_volume(where, v) for v in service.volumes],

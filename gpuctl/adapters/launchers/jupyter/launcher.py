@@ -8,7 +8,12 @@ from collections.abc import Iterable
 
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.launchers.environ import START_NONCE_ENV, dropped
+from gpuctl.adapters.launchers.environ import (
+    START_NONCE_ENV,
+    UNPROVEN_HINT,
+    dropped,
+    new_start_nonce,
+)
 from gpuctl.adapters.launchers.jupyter.errors import JupyterUnreachable
 from gpuctl.adapters.launchers.jupyter.rest import JupyterApi
 from gpuctl.adapters.launchers.jupyter.script import (
@@ -23,8 +28,9 @@ from gpuctl.adapters.launchers.jupyter.script import (
     under_root,
 )
 from gpuctl.adapters.launchers.jupyter.terminal import Terminal
+from gpuctl.adapters.proof import MIN_NONCE_LEN
 from gpuctl.config import ServiceConfig
-from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.errors import LauncherError, StartFailed, Unproven
 
 _POLL_S = 0.2
 
@@ -78,7 +84,9 @@ class JupyterLauncher:
             StartFailed: the script could not be written, the log is a symbolic link, or
                 the terminal did not launch it.
         """
-        script = launch_script(service, start_nonce, dropped(service, self.secrets))
+        # Every start carries a nonce: it is what a stop checks before it signals.
+        nonce = start_nonce or new_start_nonce()
+        script = launch_script(service, nonce, dropped(service, self.secrets))
         path = script_path(service)
         name = terminal_name(service)
         log = log_path(service)
@@ -117,6 +125,7 @@ class JupyterLauncher:
             pid_start=started,
             terminal=name,
             log=join_root(root, log),
+            proof=nonce,
         )
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
@@ -149,7 +158,7 @@ class JupyterLauncher:
                 return None
             pid = roots[0]
             _, started = self._proc(term, pid)
-        return Handle(kind=self.kind, pid=pid, pid_start=started, terminal=name)
+        return Handle(kind=self.kind, pid=pid, pid_start=started, terminal=name, proof=start_nonce)
 
     def alive(self, handle: Handle) -> bool | None:
         """True while the recorded pid runs and is ours; None when Jupyter cannot be reached.
@@ -170,10 +179,23 @@ class JupyterLauncher:
         """SIGTERM the server's process group, SIGKILL it after ``grace_s``; wait until gone.
 
         Idempotent: a server already gone (or a zombie, or a reused pid) is left alone.
+        Only a process whose environment carries the handle's start nonce is signalled
+        (``adapters.proof``; checked in the terminal, on the host).
+
+        Raises:
+            Unproven: the process does not carry the nonce; nothing was signalled.
         """
         if handle.pid is None:
             return
         pid, ticks = handle.pid, max(1, math.ceil(grace_s / _POLL_S))
+        proof = handle.proof
+        if not isinstance(proof, str) or len(proof) < MIN_NONCE_LEN or not proof.isalnum():
+            raise Unproven(
+                f"pid {pid} on {self.host_name} is not known to be the server its record "
+                "names: its record has no proof",
+                UNPROVEN_HINT,
+            )
+        entry = shlex.quote(f"{START_NONCE_ENV}={proof}")
         # s: the state letter, '' once /proc/PID is gone. Z and X have exited.
         state = f"s=$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -c1)"
         wait = (
@@ -181,16 +203,23 @@ class JupyterLauncher:
             "[ $n -ge $t ] && break; sleep 0.2; n=$((n+1)); done"
         )
         line = (
-            f"t={ticks}; kill -TERM -- -{pid} 2>/dev/null || kill -TERM {pid} 2>/dev/null; {wait}; "
+            f"if ! grep -qsxzF -- {entry} /proc/{pid}/environ; then echo {{M}}STOP=unproven; "
+            f"else t={ticks}; kill -TERM -- -{pid} 2>/dev/null || kill -TERM {pid} 2>/dev/null; {wait}; "
             f"r=${{s:-gone}}; case $s in ''|Z|X) ;; *) kill -KILL -- -{pid} 2>/dev/null || "
             f"kill -KILL {pid} 2>/dev/null; r=killed; t=25; {wait};; esac; "
-            "echo {M}STOP=$r ${s:-gone}"
+            "echo {M}STOP=$r ${s:-gone}; fi"
         )
         with self.api.client() as client, self.api.terminal(client, _term(handle)) as term:
             state_now, started = self._proc(term, pid)
             if not _is_ours(state_now, started, handle):
                 return
             got = term.run(line, ("STOP",), timeout_s=grace_s + 5 + 2 * self.timeout_s)
+        if got["STOP"].strip() == "unproven":
+            raise Unproven(
+                f"pid {pid} on {self.host_name} is not the server its record names (its "
+                f"environment lacks {START_NONCE_ENV}, or cannot be read)",
+                UNPROVEN_HINT,
+            )
         last = got["STOP"].split()[-1:] or ["gone"]
         if last[0] not in ("gone", "Z", "X", "x"):
             raise LauncherError(
