@@ -42,6 +42,7 @@ Forms covered (also inside one argument that holds a whole command line)::
 
 from __future__ import annotations
 
+import functools
 import re
 
 MASK = "***"
@@ -89,6 +90,7 @@ _WORD_SPLIT = re.compile(r"[-_.:/]+|(?<=[a-z0-9])(?=[A-Z])")
 _AUTH_HEADER = re.compile(
     r"(?i)\b((?:proxy-)?authorization\s*[:=]\s*)(?:([a-z][a-z0-9-]*)(\s+|%20))?([^\s'\"]+)"
 )
+_SCHEME_WORD = re.compile(r"(?i)bearer|basic")
 # "Bearer X", "Basic X" on their own (a header split over arguments, a log line).
 _AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic)(\s+|%20)([^\s'\"]+)")
 # user:password@ in URLs.
@@ -138,6 +140,7 @@ def mask_url_passwords(text: str) -> str:
     return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}{m.group(3)}", text)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_secret_name(name: str) -> bool:
     """True for option or variable names whose value is a secret (see the module docstring)."""
     bare = name.lstrip("-").strip()
@@ -175,6 +178,10 @@ def _redact_assignments(text: str) -> str:
 
 def redact_text(text: str) -> str:
     """One argument or one line with the secret values replaced by ``***``."""
+    # Every pattern below needs a ":" or "=" or one of the schemes' words: most arguments
+    # (``--port``, ``8000``, a model name) have none, and this runs on every process line.
+    if "=" not in text and ":" not in text and not _SCHEME_WORD.search(text):
+        return text
     out = _AUTH_HEADER.sub(
         lambda m: (
             f"{m.group(1)}{m.group(2) or ''}{m.group(3) or ''}{MASK}"
