@@ -236,6 +236,29 @@ def test_other_processes_secrets_never_leave_the_agent(
             assert secret not in text
 
 
+def test_the_read_token_sees_no_secret_of_any_process_a_few_letters_match(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    """Issue 17: 12 forms leaked through ``/status?match=`` to the read-only token, and a
+    few letters match unrelated processes too, so every listed process is redacted. Real
+    processes carry each form on their command lines; each secret showed whole before."""
+    from tests.test_redact import leaked_forms
+
+    kw = f"leakkw{uuid.uuid4().hex[:8]}"
+    secret = f"Se7{uuid.uuid4().hex[:12]}"
+    pids = [procs(kw, *form).pid for form in leaked_forms(secret)]
+    read = {"Authorization": "Bearer read-only-token"}
+    with agent(tmp_path, read_token="read-only-token") as url:
+        for match in (kw, "leak", "py"):  # its own keyword; a few letters
+            r = httpx.get(f"{url}/status", params={"match": match, "fresh": "1"}, headers=read)
+            assert r.status_code == 200, r.text
+            listed = {s["pid"]: s["command"] for s in r.json()["starting"]}
+            assert set(pids) <= set(listed), match
+            assert secret not in r.text
+            for pid in pids:
+                assert "***" in listed[pid] and kw in listed[pid], listed[pid]
+
+
 # --------------------------------------------------------------------------- the installed CLI
 
 

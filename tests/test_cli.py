@@ -547,3 +547,21 @@ def test_sim_ls_warns_once_when_its_total_differs_from_the_sim_dirs(cli_env: Pat
     assert same.exit_code == 0 and "warning" not in same.stderr
     help_text = runner.invoke(app, ["sim", "ls", "--help"]).stdout
     assert "saved in" not in " ".join(help_text.split())
+
+
+def test_config_show_masks_env_secrets_command_keys_and_url_tokens(cli_env: Path) -> None:
+    """Issue 17: ``config show`` printed these three secrets whole (each failed before)."""
+    config_file(cli_env).write_text(
+        "[hosts.dgx]\n"
+        "[services.vllm]\n"
+        'command = "vllm serve m --api-key sk-cmd-secret1 --port 8000"\n'
+        'health = "http://127.0.0.1:8000/health?token=url-secret2"\n'
+        'env = { HF_TOKEN = "hf_env_secret3", CUDA_HOME = "/usr/local/cuda" }\n'
+    )
+    for args in (["config", "show"], ["config", "show", "--json"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        for secret in ("sk-cmd-secret1", "url-secret2", "hf_env_secret3"):
+            assert secret not in r.output, (args, r.output)
+        assert "--api-key ***" in r.output and "token=***" in r.output
+        assert "/usr/local/cuda" in r.output

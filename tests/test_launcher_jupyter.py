@@ -525,3 +525,30 @@ def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
         assert launcher.find(svc) is None
         launcher.stop(handle, grace_s=5)
         assert launcher.find(svc, nonce) is None
+
+
+def test_a_terminal_server_inherits_no_secret_the_config_or_gpuctl_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+) -> None:
+    """Issue 17: the terminal's shell has the Jupyter server's environment, and every one
+    of these reached the server before (only this host's names were unset). The names
+    the config gives are unset by list; any ``GPUCTL_RUN_*`` or secret-named ``GPUCTL_*``
+    by pattern. The environment is read from /proc."""
+    from gpuctl.adapters.launchers.environ import secret_names
+    from tests.test_launcher_process import INHERITED_SECRETS, config_with_secrets, environ_of
+
+    for name, value in INHERITED_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GPUCTL_CONFIG", "/etc/gpuctl.toml")
+    config = config_with_secrets()
+    with jupyter_server(tmp_path / "root") as js:
+        launcher = JupyterLauncher(js.url, js.token, timeout_s=20, secrets=secret_names(config))
+        svc = service("envdump2", f"{PY} -c 'import time; time.sleep(600)'")
+        handle = launcher.start(svc, start_nonce=secrets.token_hex(8))
+        assert handle.pid is not None
+        pids.append(handle.pid)
+        env = environ_of(handle.pid)
+        launcher.stop(handle, grace_s=5)
+    for name in INHERITED_SECRETS:
+        assert name not in env, name
+    assert env["GPUCTL_CONFIG"] == "/etc/gpuctl.toml"

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +183,77 @@ def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: list[int])
     assert procinfo.find_by_env(START_NONCE_ENV, nonce) == handle.pid
     with contextlib.suppress(OSError):
         os.killpg(handle.pid, signal.SIGKILL)
+
+
+# Issue 17: the secrets a server inherited beyond GPUCTL_AGENT_TOKEN, each one a leak.
+INHERITED_SECRETS = {
+    "GPUCTL_AGENT_READ_TOKEN": "read-secret",
+    "OTHER_HOST_TOKEN": "other-host-secret",  # another host's token_env
+    "OTHER_HOST_READ": "other-host-read-secret",  # another host's read_token_env
+    "PROXY_KEYS": "proxy-key-1,proxy-key-2",  # proxy.api_keys_env
+    "GPUCTL_RUN_JOB": "train",  # an enclosing `gpuctl run` job's marks
+    "GPUCTL_RUN_NONCE": "run-nonce-0123456789abcdef",
+    "GPUCTL_RUN_PREEMPTIBLE": "1",
+    "GPUCTL_SOME_FUTURE_TOKEN": "future-secret",  # any GPUCTL_* secret by its name
+}
+
+
+def config_with_secrets() -> Any:
+    """Two hosts and a proxy, each naming secrets in the environment."""
+    from gpuctl.config import Config
+    from gpuctl.config.model import ProxyConfig
+
+    here = HostConfig(name="here", token_env="DGX_TOKEN")
+    other = HostConfig(
+        name="other",
+        agent="http://other:8765",
+        token_env="OTHER_HOST_TOKEN",
+        read_token_env="OTHER_HOST_READ",
+    )
+    return Config(
+        path=None,
+        hosts={"here": here, "other": other},
+        proxy=ProxyConfig(api_keys_env="PROXY_KEYS"),
+    )
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """A live process's environment, as /proc shows it to whoever may read it."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(e.split("=", 1) for e in raw.decode().split("\0") if "=" in e)
+
+
+def test_a_launched_server_inherits_no_secret_the_config_or_gpuctl_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+) -> None:
+    """Before issue 17 every one of ``INHERITED_SECRETS`` reached the server: only the
+    agent's token and this host's variables were dropped. The launcher comes from the
+    same wiring ``ensure`` and ``reclaim`` use; the environment is read from /proc."""
+    from gpuctl.flows.launcher_wiring import launcher_for
+
+    for name, value in INHERITED_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("GPUCTL_CONFIG", "/etc/gpuctl.toml")
+    monkeypatch.setenv("HARMLESS", "kept")
+    config = config_with_secrets()
+    svc = ServiceConfig(
+        name="envdump",
+        host="here",
+        launcher="process",
+        command=f"{PY} -c 'import time; time.sleep(600)'",
+        env={"OTHER_HOST_TOKEN": "given on purpose"},
+    )
+    launcher = launcher_for(svc, config.hosts["here"], None, config)
+    nonce = secrets.token_hex(8)
+    handle = launcher.start(svc, start_nonce=nonce)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    env = environ_of(handle.pid)
+    for name in INHERITED_SECRETS:
+        if name != "OTHER_HOST_TOKEN":
+            assert name not in env, name
+    assert env["OTHER_HOST_TOKEN"] == "given on purpose"
+    # gpuctl's own settings stay: a server that runs gpuctl needs them.
+    assert env["GPUCTL_CONFIG"] == "/etc/gpuctl.toml" and env["HARMLESS"] == "kept"
+    assert env[START_NONCE_ENV] == nonce

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuctl.config import HostConfig, ServiceConfig
+from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
@@ -17,8 +17,14 @@ if TYPE_CHECKING:
     from gpuctl.adapters.launchers.base import Launcher
 
 
-def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | None) -> Launcher:
+def launcher_for(
+    service: ServiceConfig, host: HostConfig, snapshot: Snapshot | None, config: Config
+) -> Launcher:
+    """The launcher ``service`` names on ``host``. Its servers inherit none of the secrets
+    any part of ``config`` names (``environ.secret_names``): every host's, not only this one's."""
     from gpuctl.adapters.launchers.environ import secret_names
+
+    secrets = secret_names(config)
 
     kind = service.launcher
     if kind is None:
@@ -47,11 +53,11 @@ def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | 
         state_dir = (
             Path(snapshot.state_dir) if snapshot and snapshot.state_dir else default_state_dir()
         )
-        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secret_names(host))
+        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secrets)
     if kind == "docker":
         from gpuctl.adapters.launchers.docker import DockerLauncher
 
-        return DockerLauncher(host.docker, secrets=secret_names(host))
+        return DockerLauncher(host.docker, secrets=secrets)
     if kind == "ollama":
         from gpuctl.adapters.launchers.ollama import OllamaLauncher
         from gpuctl.config.paths import default_state_dir
@@ -67,9 +73,7 @@ def launcher_for(service: ServiceConfig, host: HostConfig, snapshot: Snapshot | 
     from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 
     assert host.jupyter is not None
-    return JupyterLauncher(
-        host.jupyter, host.jupyter_token(), host_name=host.name, secrets=secret_names(host)
-    )
+    return JupyterLauncher(host.jupyter, host.jupyter_token(), host_name=host.name, secrets=secrets)
 
 
 def handle_checker(

@@ -26,7 +26,7 @@ def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> Rec
     return ReclaimDeps(
         closers,
         config=config,
-        hosts=[_host(h, closers, http) for h in hosts],
+        hosts=[_host(config, h, closers, http) for h in hosts],
         here=procinfo.host_identity(),
         rotate_logs=_rotate_logs,
         resume=lambda host, store, dry_run: _resume(config, host, store, dry_run),
@@ -50,7 +50,9 @@ def _rotate_logs() -> list[str]:
     return rotate_all(default_state_dir() / "logs")
 
 
-def _host(host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp) -> ReclaimHost:
+def _host(
+    config: Config, host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp
+) -> ReclaimHost:
     from gpuctl.adapters import vllm
     from gpuctl.adapters.server_truth import truth_reader
 
@@ -60,7 +62,7 @@ def _host(host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp)
 
     def make_launcher(svc: ServiceConfig, snap: Snapshot | None) -> Launcher:
         if svc.name not in launchers:
-            launchers[svc.name] = launcher_for(svc, host, snap)
+            launchers[svc.name] = launcher_for(svc, host, snap, config)
             closers.append(launchers[svc.name].close)
         return launchers[svc.name]
 

@@ -174,7 +174,7 @@ def deps_for(
     def make_launcher(snapshot: Snapshot | None) -> Launcher:
         # One launcher (and one Docker client) per use case, closed with the deps.
         if not made:
-            launcher = launcher_for(service, host, snapshot)
+            launcher = launcher_for(service, host, snapshot, config)
             made.append(launcher)
             closers.append(launcher.close)
         return made[0]
@@ -377,7 +377,7 @@ def victim_launchers(
 
     def launcher_of(svc: ServiceConfig, snapshot: Snapshot | None) -> Launcher:
         if svc.name not in made:
-            made[svc.name] = launcher_for(svc, host, snapshot)
+            made[svc.name] = launcher_for(svc, host, snapshot, config)
             closers.append(made[svc.name].close)
         return made[svc.name]
 

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.redact import MASK, is_secret_name
 
 
 def size_text(mib: int | None) -> str | None:
@@ -44,6 +45,12 @@ def _url(url: str | None) -> str | None:
     return show_url(url) if url else url
 
 
+def _command(command: str | None) -> str | None:
+    from gpuctl.core.redact import redact_command
+
+    return redact_command(command) if command else command
+
+
 def _host(h: HostConfig) -> dict[str, Any]:
     return {
         "agent": _url(h.agent),
@@ -69,7 +76,9 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "host": s.host,
         "launcher": s.launcher,
         "image": s.image,
-        "command": s.command,
+        # A command or an env value may hold a key (``--api-key X``, ``HF_TOKEN``): masked
+        # as /status masks other people's command lines (``core.redact``).
+        "command": _command(s.command),
         "health": _url(s.health),
         "match": list(s.match) or None,
         "memory": size_text(s.memory_mib),
@@ -84,7 +93,7 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "metrics": _url(s.metrics),
         "model": s.model,
         "cwd": s.cwd,
-        "env": dict(s.env) or None,
+        "env": {k: MASK if is_secret_name(k) else v for k, v in s.env.items()} or None,
         "log": s.log,
         "gpus": s.gpus,
         "ipc_mode": s.ipc_mode,

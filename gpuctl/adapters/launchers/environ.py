@@ -2,7 +2,11 @@
 the service's ``env``, and the start nonce that lets gpuctl find it before it is recorded.
 
 A server lives for hours and writes logs and crash dumps that other people read; the
-agent's token or the host's ``token_env`` in its environment would leak through them.
+agent's tokens or any host's ``token_env`` in its environment would leak through them.
+So the environment a server gets is the caller's, less every variable any part of the
+config names as a secret (``secret_names``) and every ``GPUCTL_*`` secret
+(``is_scrubbed``). ``server_env`` builds it for the process and Docker launchers, and
+``dropped`` names what a Jupyter terminal's launch script unsets: one rule, here.
 The service's own ``env`` may still set any of those names on purpose.
 """
 
@@ -10,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuctl.config import HostConfig, ServiceConfig
+from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.redact import is_secret_name
 
 START_NONCE_ENV = "GPUCTL_START_NONCE"
 """The variable each launcher puts into its server's environment: the ``start_nonce`` the
@@ -24,12 +29,15 @@ RUN_PREEMPTIBLE_ENV = "GPUCTL_RUN_PREEMPTIBLE"
 They belong to CMD alone: a stop of the job signals whatever carries them, so a server
 launched from inside the job must never inherit them."""
 RUN_MARK_PREFIX = "GPUCTL_RUN_"
+"""Every mark a ``gpuctl run`` job has, this release's and any later one's."""
 
-# gpuctl's own variables that a server must never inherit: the agent's token, the
-# test-only failpoints, and an enclosing job's marks (and a nonce from a gpuctl that
-# itself runs under a server).
+# gpuctl's own variables that a server must never inherit, whatever the config says: the
+# agent's two tokens (``gpuctl agent`` reads them from these), an enclosing ``gpuctl run``
+# job's marks, the test-only failpoints, and a nonce from a gpuctl that itself runs
+# under a server.
 _ALWAYS_DROPPED = (
     "GPUCTL_AGENT_TOKEN",
+    "GPUCTL_AGENT_READ_TOKEN",
     "GPUCTL_FAILPOINTS",
     "GPUCTL_FAILPOINTS_DIR",
     RUN_JOB_ENV,
@@ -38,13 +46,31 @@ _ALWAYS_DROPPED = (
 )
 
 
-def secret_names(host: HostConfig) -> frozenset[str]:
-    """The environment variables that hold gpuctl's secrets for ``host``."""
+def secret_names(source: Config | HostConfig) -> frozenset[str]:
+    """The environment variables that hold gpuctl's secrets: for a whole config, every
+    host's ``token_env``, ``read_token_env`` and ``jupyter_token_env`` (a server started
+    for one host must not carry another host's token) and the proxy's ``api_keys_env``;
+    for one host (a launcher built alone, as in tests), that host's."""
     names = {*_ALWAYS_DROPPED, START_NONCE_ENV}
-    for name in (host.token_env, host.read_token_env, host.jupyter_token_env):
-        if name:
-            names.add(name)
+    hosts = source.hosts.values() if isinstance(source, Config) else (source,)
+    for host in hosts:
+        for name in (host.token_env, host.read_token_env, host.jupyter_token_env):
+            if name:
+                names.add(name)
+    if isinstance(source, Config) and source.proxy.api_keys_env:
+        names.add(source.proxy.api_keys_env)
     return frozenset(names)
+
+
+def is_scrubbed(name: str, secrets: Iterable[str] | frozenset[str]) -> bool:
+    """Whether a launched server must not inherit ``name``: one of ``secrets``, one of
+    gpuctl's own (``_ALWAYS_DROPPED``), a ``GPUCTL_RUN_*`` mark, or any ``GPUCTL_*``
+    variable whose name is a secret's (``GPUCTL_PROXY_KEY``: a name gpuctl may read one
+    day is scrubbed before it is added here). ``GPUCTL_CONFIG``, ``GPUCTL_STATE_DIR`` and
+    the like are kept: a server that runs gpuctl itself needs them."""
+    if name in secrets or name in _ALWAYS_DROPPED or name == START_NONCE_ENV:
+        return True
+    return name.startswith("GPUCTL_") and (name.startswith(RUN_MARK_PREFIX) or is_secret_name(name))
 
 
 def server_env(
@@ -53,11 +79,10 @@ def server_env(
     secrets: Iterable[str],
     start_nonce: str | None,
 ) -> dict[str, str]:
-    """``inherited`` without ``secrets``, then the service's ``env``, then the nonce."""
-    drop = {*secrets, *_ALWAYS_DROPPED, START_NONCE_ENV}
-    env = {
-        k: v for k, v in inherited.items() if k not in drop and not k.startswith(RUN_MARK_PREFIX)
-    }
+    """A launched server's environment: ``inherited`` less what ``is_scrubbed`` names,
+    then the service's ``env``, then the nonce. The one place that builds it."""
+    drop = frozenset(secrets)
+    env = {k: v for k, v in inherited.items() if not is_scrubbed(k, drop)}
     env.update(service.env)
     if start_nonce:
         env[START_NONCE_ENV] = start_nonce
@@ -66,7 +91,9 @@ def server_env(
 
 def dropped(service: ServiceConfig, secrets: Iterable[str]) -> list[str]:
     """The secret names a launcher must unset where it cannot choose the environment
-    (a Jupyter terminal's shell has the Jupyter server's), minus those the service sets."""
+    (a Jupyter terminal's shell has the Jupyter server's), minus those the service sets.
+    A name only ``is_scrubbed``'s pattern would catch cannot be listed here: the launch
+    script unsets those by pattern (``jupyter.script``)."""
     drop = {*secrets, *_ALWAYS_DROPPED, START_NONCE_ENV}
     return sorted(n for n in drop if n not in service.env)
 

@@ -83,6 +83,13 @@ def launch_script(
     names = [n for n in unset if _VAR.fullmatch(n)]
     if names:
         lines.append("unset " + " ".join(sorted(names)))
+    # What ``environ.is_scrubbed`` catches by pattern and no list can name: an enclosing
+    # job's marks and gpuctl's secret-named variables (``exports`` below set back any the
+    # service gives on purpose).
+    lines.append(
+        "for v in ${!GPUCTL_@}; do case $v in GPUCTL_RUN_*|*TOKEN*|*KEY*|*SECRET*|*PASSW*|*PWD*)"
+        ' unset "$v";; esac; done'
+    )
     exports = dict(service.env)
     if start_nonce:
         exports[START_NONCE_ENV] = start_nonce
