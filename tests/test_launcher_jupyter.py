@@ -33,7 +33,7 @@ from gpuctl.adapters.launchers.jupyter import (
     terminal_name,
 )
 from gpuctl.config import ServiceConfig
-from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.errors import LauncherError, StartFailed, Unproven
 from tests.jupyter_helpers import JupyterServer, free_port, jupyter_server
 
 pytestmark = pytest.mark.jupyter
@@ -138,15 +138,18 @@ def type_in(js: JupyterServer, name: str, line: str, timeout_s: float = 20) -> s
         ("sh -c 'echo a; exit 3'", "exec sh -c 'echo a; exit 3'"),
         ("srv --log x 2>&1 > out", "exec srv --log x 2>&1 > out"),
         ("CUDA_VISIBLE_DEVICES=0 vllm serve m", "exec env CUDA_VISIBLE_DEVICES=0 vllm serve m"),
-        ("source venv/bin/activate && vllm serve m", "source venv/bin/activate && vllm serve m"),
-        ("a; b", "a; b"),
-        ("a | tee log", "a | tee log"),
-        ("srv &", "srv &"),
-        ("cd /x", "cd /x"),
+        (
+            "source venv/bin/activate && vllm serve m",
+            "exec bash -c 'source venv/bin/activate && vllm serve m'",
+        ),
+        ("a; b", "exec bash -c 'a; b'"),
+        ("a | tee log", "exec bash -c 'a | tee log'"),
+        ("srv &", "exec bash -c 'srv &'"),
+        ("cd /x", "exec bash -c 'cd /x'"),
         ("exec srv", "exec srv"),
-        ("FOO=1", "FOO=1"),
-        ("srv 'unbalanced", "srv 'unbalanced"),
-        ("a\nb", "a\nb"),
+        ("FOO=1", "exec bash -c FOO=1"),
+        ("srv 'unbalanced", "exec bash -c 'srv '\"'\"'unbalanced'"),
+        ("a\nb", "exec bash -c 'a\nb'"),
     ],
 )
 def test_exec_line(command: str, line: str) -> None:
@@ -311,27 +314,53 @@ def test_stop_reaches_the_children_of_a_compound_command(
     assert handle.pid is not None
     pids.append(handle.pid)
     wrapper = psutil.Process(handle.pid)
-    wait_until(lambda: bool(wrapper.children()), 10, "the child of the wrapper shell")
-    child = wrapper.children()[0].pid
-    pids.append(child)
+
+    def the_server() -> list[int]:
+        # bash may exec the list's last command in the wrapper's place (the wrapper is
+        # then the server), or run it as the wrapper's child.
+        if "time.sleep" in " ".join(wrapper.cmdline()):
+            return [handle.pid]
+        return [c.pid for c in wrapper.children() if "time.sleep" in " ".join(c.cmdline())]
+
+    wait_until(lambda: bool(the_server()), 10, "the server of the compound command")
+    group = the_server()
+    pids.extend(group)
     launcher.stop(handle, grace_s=5)
     assert dead(handle.pid)
-    assert dead(child)
+    assert all(dead(p) for p in group)
 
 
 def test_a_reused_pid_is_not_ours(launcher: JupyterLauncher) -> None:
-    proc = subprocess.Popen([PY, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    """A pid whose start time differs is not ours (left alone, no error); one whose
+    start time matches is signalled only when its environment carries the handle's
+    start nonce: a record naming the right pid with another proof gets Unproven."""
+    nonce = "a1" * 16
+    env = {**os.environ, "GPUCTL_START_NONCE": nonce}
+    proc = subprocess.Popen(
+        [PY, "-c", "import time; time.sleep(600)"], start_new_session=True, env=env
+    )
     try:
-        stranger = Handle(kind="jupyter", pid=proc.pid, pid_start=1.0, terminal="gpuctl_reuse")
+        stranger = Handle(
+            kind="jupyter", pid=proc.pid, pid_start=1.0, terminal="gpuctl_reuse", proof=nonce
+        )
         assert launcher.alive(stranger) is False
         launcher.stop(stranger, grace_s=1)
         assert proc.poll() is None  # not signalled
 
-        ours = Handle(
+        started = psutil.Process(proc.pid).create_time()
+        forged = Handle(
             kind="jupyter",
             pid=proc.pid,
-            pid_start=psutil.Process(proc.pid).create_time(),
+            pid_start=started,
             terminal="gpuctl_reuse",
+            proof="b2" * 16,
+        )
+        with pytest.raises(Unproven):
+            launcher.stop(forged, grace_s=1)
+        assert proc.poll() is None  # not signalled
+
+        ours = Handle(
+            kind="jupyter", pid=proc.pid, pid_start=started, terminal="gpuctl_reuse", proof=nonce
         )
         assert launcher.alive(ours) is True
         launcher.stop(ours, grace_s=5)
@@ -429,7 +458,7 @@ def test_jupyter_down() -> None:
     assert url in str(e.value)
     assert down.alive(Handle(kind="jupyter", pid=1, terminal="gpuctl_never")) is None
     with pytest.raises(LauncherError, match="cannot reach"):
-        down.stop(Handle(kind="jupyter", pid=1, terminal="gpuctl_never"), 1)
+        down.stop(Handle(kind="jupyter", pid=1, terminal="gpuctl_never", proof="c3" * 16), 1)
 
 
 def test_no_terminals_and_a_refused_host_header(tmp_path: Path) -> None:

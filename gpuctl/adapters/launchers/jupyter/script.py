@@ -105,28 +105,35 @@ def launch_script(
 
 
 def exec_line(command: str) -> str:
-    """``exec <command>`` where that keeps the command's meaning, else the command as is.
+    """``exec <command>`` where that keeps the command's meaning, else ``exec bash -c``.
 
     A simple command (``vllm serve … --port 8000``, with redirections) is exec'd, so the
     launched pid is the server. Leading ``VAR=value`` words go through ``env``. A list
-    or pipeline (``;``, ``&&``, ``|``…), a compound command or a builtin is written
-    unchanged: the recorded pid is then the wrapper shell, and ``stop`` still reaches
-    the server because it signals the whole process group.
+    or pipeline (``;``, ``&&``, ``|``…), a compound command, a builtin or several lines
+    run in a fresh ``bash -c`` exec'd in the terminal's place: the recorded pid is then
+    that wrapper, and ``stop`` still reaches the server because it signals the whole
+    process group. Either way the recorded pid's own environment (``/proc/PID/environ``,
+    fixed when the process is exec'd) carries the start nonce the script exported, which
+    is the proof a stop checks; the terminal's shell, started before the export, does
+    not carry it.
     """
     text = command.strip()
+    wrapped = f"exec bash -c {shlex.quote(text)}"
     if "\n" in text:
-        return text
+        return wrapped
     try:
         lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
         words = list(lexer)
     except ValueError:
-        return text  # unbalanced quotes: let bash say so in the log
+        return wrapped  # unbalanced quotes: let bash say so in the log
     if not words or any(w[0] in ";&|()" for w in words if _is_punct(w)):
-        return text
+        return wrapped
     first = next((i for i, w in enumerate(words) if not _ASSIGNMENT.match(w)), None)
-    if first is None or words[first] in _NO_EXEC_FIRST:
+    if first is not None and words[first] == "exec" and first == 0:
         return text
+    if first is None or words[first] in _NO_EXEC_FIRST:
+        return wrapped
     return f"exec env {text}" if first > 0 else f"exec {text}"
 
 
