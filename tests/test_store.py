@@ -970,7 +970,7 @@ store = DirectStore(Path(sys.argv[1]))
 h = holder_here("test")
 store.acquire("vllm", h, 60)
 store.release("vllm", h.id, {"touch": True})
-store.inflight_begin("vllm", h, 60)
+store.inflight_begin("vllm", h, 30)
 """
 
 

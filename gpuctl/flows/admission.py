@@ -10,10 +10,15 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from gpuctl.adapters.store import Store, holder_here
+from gpuctl.core.record import ADMISSION_TTL_MAX_S
 from gpuctl.errors import GpuctlError, StoreError
 
 ADMISSION = "_admission"
-ADMISSION_TTL_S = 60.0
+# A few seconds, not renewed: the lock covers a re-check and the recorded spawn, and a
+# start marks itself ``starting`` (its promise counted by every rival's re-check) before
+# it spawns, so a spawn that outlasts the term stays counted after the lock lapses. A
+# short term means a forged or stuck holder delays other starts for seconds, not minutes.
+ADMISSION_TTL_S = ADMISSION_TTL_MAX_S
 
 
 class AdmissionTimeout(Exception):

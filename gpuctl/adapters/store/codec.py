@@ -83,6 +83,7 @@ __all__ = [
     "decode_waiter",
     "decode_waiters",
     "encode_record",
+    "parse_json",
     "parse_record",
     "salvage",
 ]
@@ -352,26 +353,35 @@ def _waiter(v: dict[str, Any]) -> Waiter:
     )
 
 
+def parse_json(raw: bytes, limit: int = MAX_RECORD_BYTES) -> Any:
+    """A store file's bytes as JSON data: the one reader of every file the store reads
+    (records, queue and in-flight entries), so none can crash a reader.
+
+    Raises:
+        RecordError: over ``limit`` bytes, not UTF-8, not JSON, or nested too deep.
+    """
+    if len(raw) > limit:
+        raise RecordError("$", f"{len(raw)} bytes, at most {limit}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError("$", f"not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RecordError("$", f"not JSON: {e}") from None
+    except RecursionError:
+        # A string of "[" deeper than Python's stack: no store file nests like that.
+        raise RecordError("$", "nested too deep") from None
+
+
 def parse_record(raw: bytes) -> Record:
     """A record file's bytes as a ``Record``: never anything but a record or a RecordError.
 
     Raises:
         RecordError: too big, not UTF-8, not JSON, nested too deep, or off the schema.
     """
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError("$", f"{len(raw)} bytes, at most {MAX_RECORD_BYTES}")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecordError("$", f"not UTF-8 (byte {e.start})") from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise RecordError("$", f"not JSON: {e}") from None
-    except RecursionError:
-        # A string of "[" deeper than Python's stack: no record nests like that.
-        raise RecordError("$", "nested too deep") from None
-    return decode_record(data)
+    return decode_record(parse_json(raw))
 
 
 def salvage(raw: bytes, service: str, now: float | None = None) -> Record:
