@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from gpuctl.adapters.store.schema import (
     ABSENT,
+    MAX_EXTRA_KEYS,
     REQUIRED,
     RecordError,
     array,
@@ -430,7 +431,25 @@ def _sound_fields(raw: bytes, service: str) -> dict[str, Any]:
         if name in data and name not in ("service", "recovered"):
             with contextlib.suppress(RecordError):
                 kept[name] = check(data[name], f"$.{name}")
+    if "handle" not in kept and type(data.get("handle")) is dict:
+        kept["handle"] = _sound_handle(data["handle"])
     return kept
+
+
+def _sound_handle(handle: dict[str, Any]) -> dict[str, Any] | None:
+    """The fields of a handle that pass on their own (a pre-nonce record's one bad field
+    must not lose the pid that finds its server), or None when none does. What a
+    handle's reader cannot use whole, it treats as unknown, never as no server."""
+    out: dict[str, Any] = {}
+    for key, value in list(handle.items())[: MAX_EXTRA_KEYS + len(HANDLE_FIELDS)]:
+        if not isinstance(key, str):
+            continue
+        check = HANDLE_FIELDS[key][0] if key in HANDLE_FIELDS else scalar
+        with contextlib.suppress(RecordError):
+            out[key] = check(value, f"$.handle.{key}")
+    with contextlib.suppress(RecordError):
+        return dict(RECORD_FIELDS["handle"][0](out, "$.handle"))
+    return None
 
 
 def service_named(text: str, service: str) -> bool:

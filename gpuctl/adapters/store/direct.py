@@ -475,7 +475,7 @@ def _set_aside_names(state_dir: Path) -> list[tuple[str, str, float]]:
     scan(("locks",), _LINKED, "_locks")
     scan(("queue",), _JUNK, "_queue")
     for name in scan(("inflight",), _LINKED, "_inflight"):
-        if _NAME.fullmatch(name):
+        if _NAME.fullmatch(name) and not _LINKED.fullmatch(name):
             scan(("inflight", name), _JUNK, "_inflight")
     return out
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpuctl.adapters.store.codec import (
     QUEUE_ID,
     QUEUE_TTL_MAX_S,
+    SEQ_MAX,
     RecordError,
     decode_waiter,
     parse_json,
@@ -79,7 +80,10 @@ class QueueFiles:
             live = self._live_waiters()
             now = self.clock()
             mine = next((w for w in live if w.id == holder.id), None)
-            seq = mine.seq if mine else max((w.seq for w in live), default=0) + 1
+            # Bounded: an entry at the top of the range (forged) must not make every later
+            # join unwritable; joiners past it tie there and are ordered by arrival time.
+            last = max((w.seq for w in live), default=0)
+            seq = mine.seq if mine else min(last + 1, SEQ_MAX)
             since = mine.since if mine else now
             ttl_s = min(ttl_s, QUEUE_TTL_MAX_S)  # the wire's bound, for direct callers too
             entry = Waiter(name, priority, memory_mib, seq, since, holder.lease(now, ttl_s))
