@@ -380,7 +380,9 @@ class DirectStore(InflightFiles, QueueFiles):
         lock, rec = self._as_holder(service, holder_id)
         try:
             assert rec.lease is not None
-            rec = replace(rec, lease=replace(rec.lease, expires=self.clock() + ttl_s))
+            # A lease's term counts from its last renewal (``core.record.overlong``).
+            now = self.clock()
+            rec = replace(rec, lease=replace(rec.lease, granted=now, expires=now + ttl_s))
             self._write(rec)
             return rec
         finally:
