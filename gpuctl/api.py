@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from gpuctl.config import Config, ServiceConfig, load_config
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S
 from gpuctl.errors import ConfigError, ExitCode, GpuctlError, UsageError
 
 TOUCH_EVERY_S = 30.0
@@ -278,7 +279,7 @@ class in_use:  # lower case: used like contextlib's context managers
             await asyncio.to_thread(self._use.exit)
 
 
-INFLIGHT_TTL_S = 30.0
+INFLIGHT_TTL_S = INFLIGHT_TTL_MAX_S
 INFLIGHT_RENEW_S = 5.0
 INFLIGHT_WAIT_S = 120.0
 

@@ -164,10 +164,13 @@ def test_timeout_bounds_the_wait_for_the_admission_lock(
             from pathlib import Path
             from gpuctl.adapters.store import DirectStore, holder_here
             store = DirectStore(Path({str(host.state_dir)!r}))
-            granted, _ = store.acquire("_admission", holder_here("test"), 600)
+            h = holder_here("test")
+            granted, _ = store.acquire("_admission", h, 10)  # its longest term; renewed
             assert granted
             print("held", flush=True)
-            time.sleep(600)
+            for _ in range(300):
+                time.sleep(2)
+                store.renew("_admission", h.id, 10)
             """
         )
     )

@@ -52,7 +52,7 @@ def test_a_holder_killed_with_kill_9_leaves_nothing_behind(store: DirectStore) -
         import os, signal
         from gpuctl.adapters.store import DirectStore, holder_here
         s = DirectStore({str(store.state_dir)!r})
-        s.inflight_begin("llm", holder_here("in_use"), 3600)
+        s.inflight_begin("llm", holder_here("in_use"), 30)
         print("in", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
         """

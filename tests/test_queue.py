@@ -199,7 +199,12 @@ def test_a_hostile_entry_counts_for_nothing(tmp_path: Path, content: bytes) -> N
     bad = tmp_path / "state" / "queue" / "abc123.json"
     bad.write_bytes(content)
     assert [x.name for x in store.waiters()] == ["run.ok"]
-    assert bad.exists()  # left for a person to look at
+    # Set aside once, beside it, for a person to look at; never read again.
+    kept = [p.name for p in bad.parent.iterdir() if p.name.startswith("abc123.json.corrupt-")]
+    assert len(kept) == 1 and not bad.exists()
+    assert (bad.parent / kept[0]).read_bytes() == content
+    assert [x.name for x in store.waiters()] == ["run.ok"]
+    assert [a.file for a in store.set_aside()] == [f"queue/{kept[0]}"]
 
 
 def test_an_entry_filed_under_another_holders_name_counts_for_nothing(tmp_path: Path) -> None:
@@ -271,13 +276,21 @@ def test_a_queue_folder_that_is_a_link_or_a_file_is_a_clear_error(
         (state / "queue").symlink_to(elsewhere)
     else:
         (state / "queue").write_text("")
-    for call in (
-        lambda: store.queue_join(holder_here("run"), 30, name="run.x", priority=1, memory_mib=1),
-        store.waiters,
-    ):
-        with pytest.raises(StoreError) as e:
-            call()
-        assert "queue" in e.value.message and "not a link" in e.value.hint
+    join = lambda: store.queue_join(  # noqa: E731
+        holder_here("run"), 30, name="run.x", priority=1, memory_mib=1
+    )
+    if kind == "link":
+        # Never followed: set aside beside it (kept, and listed), and a real folder made.
+        join()
+        assert [x.name for x in store.waiters()] == ["run.x"]
+        assert not (state / "queue").is_symlink()
+        assert [a.service for a in store.set_aside()] == ["_state"]
+        assert [p.name for p in state.glob("queue.link-*")] != []
+    else:
+        for call in (join, store.waiters):
+            with pytest.raises(StoreError) as e:
+                call()
+            assert "queue" in e.value.message and "not a link" in e.value.hint
     assert sorted(p.name for p in elsewhere.iterdir()) == ["abc.json"]
 
 
@@ -291,9 +304,10 @@ def forged(
     expires: float,
     priority: int = 1_000_000,
     memory_mib: int = 1 << 30,
+    pid: int = 1,
 ) -> dict[str, object]:
-    """An entry as an attacker writes it: held by pid 1 of this host and boot, at its real
-    start time (alive to every reader here), far beyond any GPU unless told otherwise."""
+    """An entry as an attacker writes it: held by ``pid`` (1 unless told) of this host and
+    boot, at its real start time, far beyond any GPU unless told otherwise."""
     from gpuctl.adapters import procinfo
 
     here = procinfo.host_identity()
@@ -301,8 +315,8 @@ def forged(
         holder_id,
         here.hostname,
         here.boot_id,
-        1,
-        procinfo.start_time(1),
+        pid,
+        procinfo.start_time(pid),
         "run",
         granted,
         expires,
@@ -361,11 +375,12 @@ def test_the_forged_stuck_queue_entry_lapses(
     )
     assert [x.name for x in store.waiters()] == ["run.mine"]
     assert sorted(p.stem for p in base.glob("*.json")) == [me.id]  # both deleted
-    # One within the cap stays live (its holder is alive): only the order skips it.
+    # One within the cap, but held by pid 1 of this host: pid 1 is never a holder (it
+    # would be alive for ever), so it counts for nothing either.
     (base / "forged3.json").write_text(
         json.dumps(forged("forged3", granted=now, expires=now + 250))
     )
-    assert [x.name for x in store.waiters()] == ["run.forged", "run.mine"]
+    assert [x.name for x in store.waiters()] == ["run.mine"]
 
 
 def test_a_forged_priority_beyond_the_services_range_counts_for_nothing(

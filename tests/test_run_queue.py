@@ -271,6 +271,7 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
     longer than an entry lives without renewal: its naps there renew it, so it is still
     first when the lock is free, and runs first."""
     from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.core.record import ADMISSION_TTL_MAX_S
     from gpuctl.flows.admission import ADMISSION
     from gpuctl.flows.run_queue import QUEUE_TTL_S
 
@@ -285,9 +286,14 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
         jobs.wait("next", 50)
         wait_for(lambda: jobs.queued() == ["head", "next"], "next is queued")
         # The waiters take the admission lock for a moment on each look: until it is ours.
-        wait_for(lambda: store.acquire(ADMISSION, other, 120)[0], "the admission lock is ours")
+        term = ADMISSION_TTL_MAX_S
+        wait_for(lambda: store.acquire(ADMISSION, other, term)[0], "the admission lock is ours")
         first = {q["name"]: q["seq"] for q in locks(cfg)["queue"]}
-        time.sleep(QUEUE_TTL_S + 3)  # past the entry's life without a renewal
+        # Past the entry's life without a renewal, holding the lock (renewed) throughout.
+        until = time.monotonic() + QUEUE_TTL_S + 3
+        while time.monotonic() < until:
+            time.sleep(1.0)
+            store.renew(ADMISSION, other.id, term)
         obj = locks(cfg)
         assert {q["name"]: q["seq"] for q in obj["queue"]} == first  # same places
         store.release(ADMISSION, other.id)
@@ -301,22 +307,32 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
 
 def test_a_forged_head_that_can_never_fit_blocks_no_one(host: SimHost) -> None:
     """The attacker's stuck queue, within the term cap: an entry of priority 1,000,000,
-    larger than the GPU, held by this host's pid 1 (alive) and renewed for 290 s. A job
-    without --wait and one with it both run: the head is skipped, not waited on."""
+    larger than the GPU, held by a live process of this host and renewed for 290 s. A
+    job without --wait and one with it both run: the head is skipped, not waited on. The
+    same entry held by pid 1 is void (pid 1 is never a caller)."""
     from tests.test_queue import forged
 
     cfg = host.write_config("")
     queue = host.state_dir / "queue"
     queue.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    (queue / "forged9.json").write_text(
-        json.dumps(forged("forged9", granted=now, expires=now + 290))
+    (queue / "forged1.json").write_text(
+        json.dumps(forged("forged1", granted=now, expires=now + 290))
     )
-    assert [q["name"] for q in locks(cfg)["queue"]] == ["run.forged"]  # it is there, live
-    r = gpuctl(cfg, "run", "-m", "1GiB", "-p", "10", "--", "true")
-    assert r.returncode == 0, r.stderr
-    r = gpuctl(cfg, "run", "--wait", "--timeout", "60s", "-m", "1GiB", "--", "true")
-    assert r.returncode == 0, r.stderr
+    assert [q["name"] for q in locks(cfg)["queue"]] == []  # void: held by pid 1
+    holder = subprocess.Popen(["sleep", "300"])
+    try:
+        (queue / "forged9.json").write_text(
+            json.dumps(forged("forged9", granted=now, expires=now + 290, pid=holder.pid))
+        )
+        assert [q["name"] for q in locks(cfg)["queue"]] == ["run.forged"]  # there, live
+        r = gpuctl(cfg, "run", "-m", "1GiB", "-p", "10", "--", "true")
+        assert r.returncode == 0, r.stderr
+        r = gpuctl(cfg, "run", "--wait", "--timeout", "60s", "-m", "1GiB", "--", "true")
+        assert r.returncode == 0, r.stderr
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_service_does_not_jump_a_higher_priority_waiter(host: SimHost) -> None:

@@ -46,7 +46,9 @@ def test_every_role_has_its_section_and_claims() -> None:
     for role, lines in claims.items():
         assert len(lines) >= 3, f"{role}: {lines}"
         for line in lines:
-            assert re.search(r"\b(can|cannot)\b", line), f"{role}: says neither can nor cannot: {line}"
+            assert re.search(r"\b(can|cannot)\b", line), (
+                f"{role}: says neither can nor cannot: {line}"
+            )
 
 
 def test_every_claim_names_tests_that_exist() -> None:

@@ -970,7 +970,7 @@ store = DirectStore(Path(sys.argv[1]))
 h = holder_here("test")
 store.acquire("vllm", h, 60)
 store.release("vllm", h.id, {"touch": True})
-store.inflight_begin("vllm", h, 60)
+store.inflight_begin("vllm", h, 30)
 """
 
 
@@ -1066,7 +1066,6 @@ def test_a_held_lock_is_a_store_error_naming_the_file(
 DROP_TO_NOBODY_AND_ACQUIRE = """
 import os, sys
 from pathlib import Path
-import filelock
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.errors import StoreError
 h = holder_here("t")

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuctl.core.jobs import PRIORITY_MAX
-from gpuctl.core.record import Lease
+from gpuctl.core.record import Lease, overlong
 from gpuctl.core.units import format_mib
 
 __all__ = [
@@ -66,8 +66,6 @@ __all__ = [
 # that outlives its holder from another host (kill -9 there) blocks the queue this long
 # at most, and no entry lives longer than this after its grant, whatever its file says.
 QUEUE_TTL_MAX_S = 300.0
-# Float rounding of ``granted + ttl`` and a small clock step on the host.
-_SLACK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +98,7 @@ def overlived(w: Waiter, now: float) -> bool:
     """An entry whose term is longer than any waiter may ask (``QUEUE_TTL_MAX_S`` after its
     grant), or that expires further ahead than that from ``now`` (a grant in the future):
     it counts as lapsed, whoever its holder is."""
-    h = w.holder
-    longest = QUEUE_TTL_MAX_S + _SLACK_S
-    return h.expires - h.granted > longest or h.expires - now > longest
+    return overlong(w.holder, now, QUEUE_TTL_MAX_S)
 
 
 def can_fit(w: Waiter, largest_mib: int | None) -> bool:

@@ -1,7 +1,8 @@
 """A service's record and its lease, as plain data with pure rules.
 
-Long because it is one shape with the rules that read it (phase, lease, back-off, what
-a record promises), which every decision shares.
+Long because a lease's rules (its state, its kind's longest term, which leases promise
+memory) and the record they guard are one model: split, each half would have to import
+the other's shapes.
 
 The record is the one shared truth about a service on its GPU host: its phase, when it
 was last used, who holds the right to start or stop it (the lease), how to find its
@@ -272,6 +273,31 @@ def backoff_s(count: int) -> float:
     return float(min(BACKOFF_FIRST_S * 2.0 ** min(count - 1, 64), BACKOFF_MAX_S))
 
 
+# Each kind of lease's documented term, the longest any holder asks: one whose file says
+# longer (or that expires further ahead than that) was not written by gpuctl, and is void
+# (else a 7-day in-flight entry kept a server from ever being reclaimed, and a long
+# ``_admission`` lease made every ``ensure`` time out). The agent refuses a longer one
+# with a 400. In-flight entries renew every few seconds; ``_reclaim`` covers one pass;
+# ``_admission`` covers a re-check and a spawn (see ``flows.admission``).
+INFLIGHT_TTL_MAX_S = 30.0
+RECLAIM_TTL_MAX_S = 15 * 60.0
+ADMISSION_TTL_MAX_S = 10.0
+# By the pseudo-service the lease is on (a service's own lease: its holder chooses,
+# within the wire's bound).
+TERM_MAX_S: dict[str, float] = {"_reclaim": RECLAIM_TTL_MAX_S, "_admission": ADMISSION_TTL_MAX_S}
+# Float rounding of ``granted + ttl`` and a small clock step on the host.
+TERM_SLACK_S = 1.0
+
+
+def overlong(lease: Lease, now: float, longest: float | None) -> bool:
+    """A lease whose term is longer than ``longest`` (its kind's documented term), or that
+    expires further ahead than that from ``now`` (a grant in the future)."""
+    if longest is None:
+        return False
+    most = longest + TERM_SLACK_S
+    return lease.expires - lease.granted > most or lease.expires - now > most
+
+
 class LeaseState(StrEnum):
     NONE = "none"
     LIVE = "live"
@@ -286,8 +312,10 @@ def lease_state(
     here_host: str,
     here_boot_id: str,
     holder_alive: bool | None,
+    longest: float | None = None,
 ) -> LeaseState:
-    """Is this lease still in force?
+    """Is this lease still in force? ``longest``: its kind's documented term (one longer
+    is void: ``overlong``).
 
     ``holder_alive`` is what the caller found for the holder's pid (and start time) on
     *this* machine; it only counts when the lease was taken on this machine (same
@@ -296,7 +324,11 @@ def lease_state(
     if lease is None:
         return LeaseState.NONE
     same_host = lease.host == here_host and lease.boot_id == here_boot_id
-    if same_host and holder_alive is False:
+    # pid 1 is never a gpuctl holder (it would be alive for ever), and every holder on
+    # this host records its start time (the pid-reuse check): without it, it is forged.
+    if same_host and (holder_alive is False or lease.pid == 1 or lease.pid_start is None):
+        return LeaseState.VOID
+    if overlong(lease, now, longest):
         return LeaseState.VOID
     if now >= lease.expires:
         return LeaseState.EXPIRED

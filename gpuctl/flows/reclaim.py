@@ -36,13 +36,13 @@ from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
 from gpuctl.core.model import HostIdentity, Snapshot
-from gpuctl.core.record import Phase, Record
+from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.resume import Resumed
 
 RUN_LOCK = "_reclaim"
-RUN_LOCK_TTL_S = 15 * 60.0
+RUN_LOCK_TTL_S = RECLAIM_TTL_MAX_S
 STOP_LEASE_MARGIN_S = 60.0
 
 

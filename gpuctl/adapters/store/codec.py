@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from gpuctl.adapters.store.schema import (
     ABSENT,
+    MAX_EXTRA_KEYS,
     REQUIRED,
     RecordError,
     array,
@@ -83,6 +84,7 @@ __all__ = [
     "decode_waiter",
     "decode_waiters",
     "encode_record",
+    "parse_json",
     "parse_record",
     "salvage",
 ]
@@ -352,26 +354,35 @@ def _waiter(v: dict[str, Any]) -> Waiter:
     )
 
 
+def parse_json(raw: bytes, limit: int = MAX_RECORD_BYTES) -> Any:
+    """A store file's bytes as JSON data: the one reader of every file the store reads
+    (records, queue and in-flight entries), so none can crash a reader.
+
+    Raises:
+        RecordError: over ``limit`` bytes, not UTF-8, not JSON, or nested too deep.
+    """
+    if len(raw) > limit:
+        raise RecordError("$", f"{len(raw)} bytes, at most {limit}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError("$", f"not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RecordError("$", f"not JSON: {e}") from None
+    except RecursionError:
+        # A string of "[" deeper than Python's stack: no store file nests like that.
+        raise RecordError("$", "nested too deep") from None
+
+
 def parse_record(raw: bytes) -> Record:
     """A record file's bytes as a ``Record``: never anything but a record or a RecordError.
 
     Raises:
         RecordError: too big, not UTF-8, not JSON, nested too deep, or off the schema.
     """
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError("$", f"{len(raw)} bytes, at most {MAX_RECORD_BYTES}")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecordError("$", f"not UTF-8 (byte {e.start})") from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise RecordError("$", f"not JSON: {e}") from None
-    except RecursionError:
-        # A string of "[" deeper than Python's stack: no record nests like that.
-        raise RecordError("$", "nested too deep") from None
-    return decode_record(data)
+    return decode_record(parse_json(raw))
 
 
 def salvage(raw: bytes, service: str, now: float | None = None) -> Record:
@@ -420,7 +431,25 @@ def _sound_fields(raw: bytes, service: str) -> dict[str, Any]:
         if name in data and name not in ("service", "recovered"):
             with contextlib.suppress(RecordError):
                 kept[name] = check(data[name], f"$.{name}")
+    if "handle" not in kept and type(data.get("handle")) is dict:
+        kept["handle"] = _sound_handle(data["handle"])
     return kept
+
+
+def _sound_handle(handle: dict[str, Any]) -> dict[str, Any] | None:
+    """The fields of a handle that pass on their own (a pre-nonce record's one bad field
+    must not lose the pid that finds its server), or None when none does. What a
+    handle's reader cannot use whole, it treats as unknown, never as no server."""
+    out: dict[str, Any] = {}
+    for key, value in list(handle.items())[: MAX_EXTRA_KEYS + len(HANDLE_FIELDS)]:
+        if not isinstance(key, str):
+            continue
+        check = HANDLE_FIELDS[key][0] if key in HANDLE_FIELDS else scalar
+        with contextlib.suppress(RecordError):
+            out[key] = check(value, f"$.handle.{key}")
+    with contextlib.suppress(RecordError):
+        return dict(RECORD_FIELDS["handle"][0](out, "$.handle"))
+    return None
 
 
 def service_named(text: str, service: str) -> bool:

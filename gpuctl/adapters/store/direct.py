@@ -20,13 +20,10 @@ files 0660, so every member can take leases and nobody else can read them.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import os
 import re
 import stat
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,11 +37,18 @@ from gpuctl.adapters.store.codec import (
     parse_record,
     salvage,
 )
-from gpuctl.adapters.store.files import NotAFile, folder_modes, make_state_dirs, read_bounded
+from gpuctl.adapters.store.files import (
+    Folder,
+    FolderLock,
+    NotAFile,
+    folder_modes,
+    make_state_dirs,
+)
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
+    TERM_MAX_S,
     Holder,
     LeaseState,
     Listing,
@@ -88,19 +92,16 @@ class DirectStore(InflightFiles, QueueFiles):
         """The subfolders, with their modes (``files.make_state_dirs``)."""
         make_state_dirs(self.state_dir, self.modes()[0])
 
-    def _lock(self, service: str) -> Any:
-        from filelock import FileLock
-
-        self._ensure_dirs()
-        _, lock_path = self._paths(service)
-        # An explicit mode: filelock then sets it with fchmod, whatever the umask.
-        return FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S, mode=self.modes()[1])
-
-    def _load(self, service: str) -> Record | str:
-        """The record on disk checked against the schema, or why it fails."""
+    def _load(self, service: str, folder: Folder | None = None) -> Record | str:
+        """The record on disk checked against the schema, or why it fails (``folder``:
+        the records folder, when the caller has it open)."""
         path, _ = self._paths(service)
         try:
-            raw = read_bounded(path)
+            if folder is None:
+                with self._records() as f:
+                    raw = f.read(path.name)
+            else:
+                raw = folder.read(path.name)
         except FileNotFoundError:
             return Record(service=service)
         except NotAFile as e:
@@ -120,6 +121,14 @@ class DirectStore(InflightFiles, QueueFiles):
             return f"it names service {rec.service!r}"
         return rec
 
+    def _records(self, create: bool = False) -> Folder:
+        """The records folder, open without following links (``files.Folder``).
+
+        Raises:
+            FileNotFoundError: there is none yet (or a link stood there: set aside).
+        """
+        return Folder(self.state_dir, "records", create=self.modes()[0] if create else None)
+
     def _read(self, service: str) -> Record:
         """The record, under its lock: one that fails the schema is set aside."""
         got = self._load(service)
@@ -133,17 +142,12 @@ class DirectStore(InflightFiles, QueueFiles):
         and the service goes on with the fields of it that pass (``codec.salvage``)."""
         now = self.clock()
         try:
-            fresh = salvage(read_bounded(path), service, now)
-        except OSError:  # a symbolic link (never followed), or gone
-            fresh = Record(service=service, since=now)
-        stamp = int(now)
-        saved = path.with_name(f"{path.name}.corrupt-{stamp}")
-        n = 1
-        while saved.exists():  # two recoveries in one second keep both copies
-            saved = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-            n += 1
-        try:
-            os.replace(path, saved)
+            with self._records() as folder:
+                try:
+                    fresh = salvage(folder.read(path.name), service, now)
+                except OSError:  # a symbolic link (never followed), or gone
+                    fresh = Record(service=service, since=now)
+                saved = path.with_name(folder.set_aside(path.name, ".corrupt-", now))
         except OSError as e:
             raise StoreError(
                 f"the record {path} is unreadable ({why}) and cannot be set aside: "
@@ -172,25 +176,11 @@ class DirectStore(InflightFiles, QueueFiles):
                 f"refusing to write an invalid record for {record.service!r}: {e}"
             ) from None
         try:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with self._records(create=True) as folder:
+                folder.write(path.name, data.encode(), self.modes()[1])
         except OSError as e:
             raise StoreError(
-                f"cannot write in {path.parent}: {e.strerror or e}",
-                hint=f"{path.parent} must be writable by this user (and on a local disk)",
-            ) from None
-        try:
-            # Atomic through os.replace: a reader never sees a torn record. No fsync: it
-            # costs milliseconds on every lease operation, and after a power loss the
-            # records' leases are void anyway (the boot id changes, the servers are gone).
-            with os.fdopen(fd, "w") as f:
-                os.fchmod(f.fileno(), self.modes()[1])
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise StoreError(
-                f"cannot write {path}: {e.strerror or e}",
+                f"cannot write in {path.parent} ({path.name}): {e.strerror or e}",
                 hint=f"{path.parent} must be writable by this user (and on a local disk)",
             ) from None
 
@@ -210,33 +200,31 @@ class DirectStore(InflightFiles, QueueFiles):
             here_host=here.hostname,
             here_boot_id=here.boot_id,
             holder_alive=alive,
+            longest=TERM_MAX_S.get(rec.service),
         )
         if state is LeaseState.LIVE:
             return rec, state
         return replace(rec, lease=None), state
 
-    def _locked(self, service: str) -> Any:
-        from filelock import Timeout
-
-        lock = self._lock(service)
+    def _locked(self, service: str) -> FolderLock:
+        """The service's file lock, held (``release()`` frees it)."""
+        self._ensure_dirs()
+        path = self._paths(service)[1]
         try:
-            # filelock polls a non-blocking flock; its default 50 ms step made 32 callers
-            # touching at the same moment queue for up to a second. Records are held
-            # for about a millisecond, so poll finely.
-            lock.acquire(poll_interval=0.002)
-        except Timeout:
-            path = self._paths(service)[1]
+            with Folder(self.state_dir, "locks", create=self.modes()[0]) as folder:
+                # Records are held for about a millisecond: poll finely, so 32 callers
+                # touching at the same moment do not queue for a second.
+                return folder.lock(path.name, self.modes()[1], LOCK_TIMEOUT_S, 0.002)
+        except TimeoutError:
             raise StoreError(
                 f"the lock of {service!r} ({path}) is held for more than {LOCK_TIMEOUT_S:.0f}s",
                 hint=f"a process is stuck holding it: `fuser -v {path}` names it",
             ) from None
         except OSError as e:
-            path = self._paths(service)[1]
             raise StoreError(
                 f"cannot lock {service!r} ({path}): {e.strerror or e}",
                 hint=f"{path.parent} must be writable by this user (and on a local disk)",
             ) from None
-        return lock
 
     # ---- the interface
 
@@ -266,8 +254,8 @@ class DirectStore(InflightFiles, QueueFiles):
 
         out: list[int] = []
         me = procinfo.host_identity()
-        for path in self._record_paths():
-            got = self._load(path.stem)
+        for name in self._record_names():
+            got = self._load(name)
             if isinstance(got, Record):
                 pid = (got.handle or {}).get("pid")
                 # Another machine's (or boot's) pid is not looked up here.
@@ -277,54 +265,86 @@ class DirectStore(InflightFiles, QueueFiles):
                     out.append(pid)
         return out
 
-    def _record_paths(self) -> list[Path]:
+    def _record_names(self) -> list[str]:
+        """The services that have a record file, sorted."""
         d = self.state_dir / "records"
         try:
-            _listable(d)
-            paths = sorted(d.glob("*.json"))
+            with self._records() as folder:
+                names = folder.names()
+        except FileNotFoundError:
+            return []
         except OSError as e:
+            if e.errno == errno.ENOTDIR and not self.state_dir.is_dir():
+                return []  # no state folder, nor can there be (a folder above is a file)
+            # A file where the folder belongs is an error, not an idle host.
             raise StoreError(
                 f"cannot list {d}: {e.strerror or e}",
-                hint=f"{d} must be readable by this user",
+                hint=f"{d} must be a folder (not a link) readable by this user",
             ) from None
+        stems = sorted(n[:-5] for n in names if n.endswith(".json"))
         # Names starting with "_" are gpuctl's own locks (the admission lock), not services.
-        return [p for p in paths if _NAME.fullmatch(p.stem) and not p.stem.startswith("_")]
+        return [n for n in stems if _NAME.fullmatch(n) and not n.startswith("_")]
 
     def records(self) -> list[Record]:
-        return [self.get(p.stem) for p in self._record_paths()]
+        return [self.get(name) for name in self._record_names()]
 
     def listing(self) -> Listing:
         # Records first: reading them sets aside what fails, and the list then names it.
         return Listing(self.records(), self.set_aside())
 
     def set_aside(self) -> list[SetAside]:
-        """The record files that failed the schema and were kept, oldest first, each with
-        why it failed (read again, at most ``MAX_RECORD_BYTES`` of it)."""
-        d = self.state_dir / "records"
-        out: list[SetAside] = []
+        """What was set aside in the state folder and kept for a person, oldest first:
+        record files that failed the schema (each with why, read again), links found
+        where a folder or a lock belonged, junk in ``queue/`` and ``inflight/``.
+
+        Counted and summarised, never all read: the newest of each service first, at
+        most ``MAX_SET_ASIDE_LISTED`` rows, and one row that counts the rest (10,001
+        copies made the agent's answer too long to read, and the host UNKNOWN).
+        """
         try:
-            _listable(d)
-            paths = list(d.glob("*.json.corrupt-*"))
+            found = _set_aside_names(self.state_dir)
         except OSError as e:
-            raise StoreError(f"cannot list {d}: {e.strerror or e}") from None
-        for path in paths:
-            m = _KEPT.fullmatch(path.name)
-            if m is None:
-                continue
-            try:
-                size = path.lstat().st_size
-                got: str | Record = (
-                    "it is a symbolic link" if path.is_symlink() else _why(read_bounded(path))
-                )
-            except OSError as e:
-                got = f"cannot read it: {e.strerror or e}"
-            why = got if isinstance(got, str) else "it passes the schema now"
-            out.append(SetAside(m["service"], path.name, float(m["stamp"]), size, clip(why)))
+            raise StoreError(
+                f"cannot list {self.state_dir}: {e.strerror or e}",
+                hint=f"{self.state_dir} must be readable by this user",
+            ) from None
+        newest: dict[str, tuple[str, str, float]] = {}
+        for item in sorted(found, key=lambda t: t[2]):
+            newest[item[0]] = item
+        first = sorted(newest.values(), key=lambda t: -t[2])
+        firsts = set(first)
+        rest = sorted((t for t in found if t not in firsts), key=lambda t: -t[2])
+        listed = (first + rest)[:MAX_SET_ASIDE_LISTED]
+        out = [self._describe(*item) for item in listed]
+        left = len(found) - len(listed)
+        if left > 0:
+            at = max(t[2] for t in (first + rest)[MAX_SET_ASIDE_LISTED:])
+            why = f"{left} more set-aside files, not read; remove them once seen"
+            out.append(SetAside("*", f"+{left} more", at, 0, why))
         return sorted(out, key=lambda a: (a.at, a.file))
+
+    def _describe(self, service: str, rel: str, at: float) -> SetAside:
+        """One set-aside file, with why it was set aside (a record's reason read again)."""
+        folder_rel, _, name = rel.rpartition("/")
+        try:
+            with Folder(self.state_dir, *filter(None, folder_rel.split("/"))) as folder:
+                st = folder.lstat(name)
+                if stat.S_ISLNK(st.st_mode):
+                    got: str | Record = "it is a symbolic link (never followed)"
+                elif folder_rel == "records":
+                    got = _why(folder.read(name))
+                else:
+                    got = "it is not a sound entry (it counted for nothing)"
+        except OSError as e:
+            st, got = None, f"cannot read it: {e.strerror or e}"
+        why = got if isinstance(got, str) else "it passes the schema now"
+        file = name if folder_rel == "records" else rel
+        return SetAside(service, file, at, st.st_size if st else 0, clip(why))
 
     def acquire(
         self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
     ) -> tuple[bool, Record]:
+        _check_term(service, ttl_s)
         lock = self._locked(service)
         try:
             rec, state = self._effective(self._read(service))
@@ -356,10 +376,13 @@ class DirectStore(InflightFiles, QueueFiles):
         return lock, rec
 
     def renew(self, service: str, holder_id: str, ttl_s: float) -> Record:
+        _check_term(service, ttl_s)
         lock, rec = self._as_holder(service, holder_id)
         try:
             assert rec.lease is not None
-            rec = replace(rec, lease=replace(rec.lease, expires=self.clock() + ttl_s))
+            # A lease's term counts from its last renewal (``core.record.overlong``).
+            now = self.clock()
+            rec = replace(rec, lease=replace(rec.lease, granted=now, expires=now + ttl_s))
             self._write(rec)
             return rec
         finally:
@@ -421,19 +444,42 @@ def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
     return out
 
 
-def _listable(d: Path) -> None:
-    """Raise unless ``d`` is a folder or absent (no records yet): ``glob`` in a file
-    finds nothing, and a host whose records folder is a file would read as idle.
+def _check_term(service: str, ttl_s: float) -> None:
+    """Refuse a lease longer than its kind's documented term (400 on the wire)."""
+    longest = TERM_MAX_S.get(service)
+    if longest is not None and not ttl_s <= longest:
+        raise UsageError(f"a lease on {service!r} lasts at most {longest:.0f}s, not {ttl_s}s")
 
-    Raises:
-        NotADirectoryError: it is there and is not a folder.
-    """
-    try:
-        mode = os.stat(d).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return  # it is not there, nor can it be (a folder above is a file): no records
-    if not stat.S_ISDIR(mode):
-        raise NotADirectoryError(errno.ENOTDIR, "it is not a directory")
+
+def _set_aside_names(state_dir: Path) -> list[tuple[str, str, float]]:
+    """(service, path under the state folder, when) of everything set aside there:
+    listed by name only (never read, never followed). A record's copy is named by its
+    service; anything else by ``_<folder>`` (``_state`` for the state folder itself), so
+    it never passes for a service's set-aside record (``core.record.hidden_by_set_aside``)."""
+    out: list[tuple[str, str, float]] = []
+
+    def scan(parts: tuple[str, ...], pattern: re.Pattern[str], service: str | None) -> list[str]:
+        try:
+            with Folder(state_dir, *parts) as folder:
+                names = folder.names()
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        prefix = "".join(f"{p}/" for p in parts)
+        for name in names:
+            m = pattern.fullmatch(name)
+            if m is not None:
+                who = service or m["service"]
+                out.append((who, prefix + name, float(m["stamp"])))
+        return names
+
+    scan((), _LINKED, "_state")
+    scan(("records",), _KEPT, None)
+    scan(("locks",), _LINKED, "_locks")
+    scan(("queue",), _JUNK, "_queue")
+    for name in scan(("inflight",), _LINKED, "_inflight"):
+        if _NAME.fullmatch(name) and not _LINKED.fullmatch(name):
+            scan(("inflight", name), _JUNK, "_inflight")
+    return out
 
 
 def _why(raw: bytes) -> str | Record:
@@ -444,3 +490,8 @@ def _why(raw: bytes) -> str | Record:
 
 
 _KEPT = re.compile(r"(?P<service>.+)\.json\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
+# A link set aside where a folder or a lock file belonged (``files.LINK_SUFFIX``).
+_LINKED = re.compile(r"(?P<service>[^/]+?)(?:\.lock)?\.link-(?P<stamp>\d{1,12})(?:-\d+)?")
+# A queue or in-flight file that is not a sound entry, set aside once.
+_JUNK = re.compile(r"(?P<service>.+)\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
+MAX_SET_ASIDE_LISTED = 100

@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuctl.adapters.store.base import check_name
-from gpuctl.adapters.store.codec import decode_lease
-from gpuctl.core.record import Holder, Lease, LeaseState, Record, lease_state
+from gpuctl.adapters.store.base import _NAME, check_name
+from gpuctl.adapters.store.codec import RecordError, decode_lease, parse_json
+from gpuctl.adapters.store.files import Folder, set_aside_junk
+from gpuctl.core.record import (
+    INFLIGHT_TTL_MAX_S,
+    Holder,
+    Lease,
+    LeaseState,
+    Record,
+    lease_state,
+)
 from gpuctl.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
         def _entry_path(self: _Files, service: str, holder_id: str) -> Path: ...
         def _inflight_dir(self, service: str) -> Path: ...
         def _write_entry(self: _Files, service: str, entry: Lease) -> None: ...
+        def _entries(self, service: str, create: bool = False) -> Folder: ...
 
 
 # A lease taken by these entry points is a stop under way: no new use may begin. A
@@ -90,6 +96,7 @@ class InflightFiles:
 
         Returns (granted, record): not granted while a stop holds the lease.
         """
+        _check_ttl(ttl_s)
         lock = self._locked(service)
         try:
             rec, _ = self._effective(self._read(service))
@@ -104,6 +111,7 @@ class InflightFiles:
 
     def inflight_renew(self: _Files, service: str, holder: Holder, ttl_s: float) -> Record:
         """Keep ``holder``'s entry alive and mark the service used (every few seconds)."""
+        _check_ttl(ttl_s)
         lock = self._locked(service)
         try:
             self._write_entry(service, holder.lease(self.clock(), ttl_s))
@@ -119,8 +127,9 @@ class InflightFiles:
         """``holder_id`` has nothing in flight any more (its 1 → 0): the idle clock starts."""
         lock = self._locked(service)
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._entry_path(service, holder_id))
+            path = self._entry_path(service, holder_id)
+            with contextlib.suppress(FileNotFoundError), self._entries(service) as folder:
+                folder.unlink(path.name)
             rec = self._read(service)
             if not stopping(self._effective(rec)[0]):
                 rec = rec.touched(self.clock())
@@ -134,79 +143,93 @@ class InflightFiles:
     def inflight(self: _Files) -> dict[str, int]:
         """Live in-flight holders per service (services with none are left out).
 
-        Read without locks; entries whose holder is dead on this host are deleted.
+        Read without locks; entries whose holder is dead on this host, or whose term is
+        longer than ``INFLIGHT_TTL_MAX_S``, are deleted; a file that is not a sound entry
+        is set aside once (``<name>.corrupt-<time>``, kept for a person) and logged once.
         """
         from gpuctl.adapters import procinfo
 
         base = self.state_dir / "inflight"
         try:
-            services = [e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
+            with Folder(self.state_dir, "inflight") as top:
+                services = [n for n in top.names() if _NAME.fullmatch(n) and not top.is_link(n)]
         except FileNotFoundError:
             return {}
         except OSError as e:
-            raise StoreError(f"cannot read {base}: {e.strerror or e}") from None
+            raise StoreError(
+                f"cannot read {base}: {e.strerror or e}",
+                hint=f"{base} must be a folder (not a link) readable by this user",
+            ) from None
         here = procinfo.host_identity()
         now = self.clock()
         out: dict[str, int] = {}
         for service in services:
             n = 0
-            for path in (base / service).glob("*.json"):
-                entry = _read_entry(path)
-                if entry is None:
-                    continue
-                alive = None
-                if entry.host == here.hostname and entry.boot_id == here.boot_id:
-                    alive = procinfo.is_same_process(entry.pid, entry.pid_start)
-                state = lease_state(
-                    entry, now, here_host=here.hostname, here_boot_id=here.boot_id,
-                    holder_alive=alive,
-                )  # fmt: skip
-                if state is LeaseState.LIVE:
-                    n += 1
-                elif state is LeaseState.VOID:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)  # its holder is dead: nothing is in flight
+            try:
+                folder = Folder(self.state_dir, "inflight", service)
+            except OSError:
+                continue  # a file, or a link (set aside now): no entries
+            with folder:
+                for name in folder.names():
+                    if not name.endswith(".json"):
+                        continue
+                    entry = _read_entry(folder, name, now)
+                    if entry is None:
+                        continue
+                    alive = None
+                    if entry.host == here.hostname and entry.boot_id == here.boot_id:
+                        alive = procinfo.is_same_process(entry.pid, entry.pid_start)
+                    state = lease_state(
+                        entry, now, here_host=here.hostname, here_boot_id=here.boot_id,
+                        holder_alive=alive, longest=INFLIGHT_TTL_MAX_S,
+                    )  # fmt: skip
+                    if state is LeaseState.LIVE:
+                        n += 1
+                    elif state is LeaseState.VOID:
+                        with contextlib.suppress(OSError):
+                            folder.unlink(name)  # dead, or forged: nothing is in flight
             if n:
                 out[service] = n
         return out
 
+    def _entries(self: _Files, service: str, create: bool = False) -> Folder:
+        """The service's in-flight folder, reached without following links."""
+        mode = self.modes()[0] if create else None
+        return Folder(self.state_dir, "inflight", check_name(service), create=mode)
+
     def _write_entry(self: _Files, service: str, entry: Lease) -> None:
         path = self._entry_path(service, entry.id)
         try:
-            dir_mode, file_mode = self.modes()
-            for d in (path.parent.parent, path.parent):
-                with contextlib.suppress(FileExistsError):
-                    d.mkdir(mode=dir_mode)
-                    os.chmod(d, dir_mode)  # mkdir's mode goes through the umask
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    os.fchmod(f.fileno(), file_mode)
-                    json.dump(entry.to_dict(), f, sort_keys=True)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            with self._entries(service, create=True) as folder:
+                data = json.dumps(entry.to_dict(), sort_keys=True).encode()
+                folder.write(path.name, data, self.modes()[1])
         except OSError as e:
-            raise StoreError(f"cannot write {path}: {e.strerror or e}") from None
+            raise StoreError(
+                f"cannot write {path}: {e.strerror or e}",
+                hint=f"{path.parent} must be a folder (not a link) writable by this user",
+            ) from None
 
 
-def _read_entry(path: Path) -> Lease | None:
-    """An entry, or None when it is unreadable or not one (a hostile file counts for
-    nothing rather than crashing every reader; it is left for a human to see)."""
+def _check_ttl(ttl_s: float) -> None:
+    """Refuse an entry longer than its documented term (400 on the wire)."""
+    if not ttl_s <= INFLIGHT_TTL_MAX_S:
+        raise UsageError(
+            f"an in-flight entry lasts at most {INFLIGHT_TTL_MAX_S:.0f}s, not {ttl_s}s"
+        )
+
+
+def _read_entry(folder: Folder, name: str, now: float) -> Lease | None:
+    """An entry, or None when it is not one: a hostile file counts for nothing rather
+    than crashing every reader, and is set aside once (kept for a person, logged once),
+    never read again."""
     try:
-        from gpuctl.adapters.store.files import read_bounded
-
-        raw = read_bounded(path, _MAX_ENTRY_BYTES)  # never a FIFO's blocking open
-        if len(raw) > _MAX_ENTRY_BYTES:
-            return None
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            return None
-        entry = decode_lease(data)
-    except (OSError, ValueError, KeyError, TypeError):
+        raw = folder.read(name, _MAX_ENTRY_BYTES)  # never a link, never a FIFO's open
+        entry = decode_lease(parse_json(raw, _MAX_ENTRY_BYTES))
+        if entry.holder != name[: -len(".json")]:
+            raise RecordError("$.holder", "names another holder than its file")
+    except FileNotFoundError:
         return None
-    if not (math.isfinite(entry.expires) and 0 < entry.pid < 2**31):
+    except (OSError, RecordError) as e:
+        set_aside_junk(folder, name, now, e)
         return None
     return entry

@@ -22,16 +22,19 @@ and is left for a person to look at (its holder's next ``join`` overwrites it).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
-import logging
-import os
-import stat
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuctl.adapters.store.codec import QUEUE_ID, QUEUE_TTL_MAX_S, RecordError, decode_waiter
+from gpuctl.adapters.store.codec import (
+    QUEUE_ID,
+    QUEUE_TTL_MAX_S,
+    SEQ_MAX,
+    RecordError,
+    decode_waiter,
+    parse_json,
+)
+from gpuctl.adapters.store.files import Folder, set_aside_junk
 from gpuctl.core.queue import Waiter, in_order, overlived
 from gpuctl.core.record import Holder, LeaseState, lease_state
 from gpuctl.errors import StoreError, UsageError
@@ -53,8 +56,6 @@ if TYPE_CHECKING:
 
 QUEUE_LOCK = "_queue"
 _MAX_ENTRY_BYTES = 4096
-
-log = logging.getLogger("gpuctl.store")
 
 
 class QueueFiles:
@@ -79,7 +80,10 @@ class QueueFiles:
             live = self._live_waiters()
             now = self.clock()
             mine = next((w for w in live if w.id == holder.id), None)
-            seq = mine.seq if mine else max((w.seq for w in live), default=0) + 1
+            # Bounded: an entry at the top of the range (forged) must not make every later
+            # join unwritable; joiners past it tie there and are ordered by arrival time.
+            last = max((w.seq for w in live), default=0)
+            seq = mine.seq if mine else min(last + 1, SEQ_MAX)
             since = mine.since if mine else now
             ttl_s = min(ttl_s, QUEUE_TTL_MAX_S)  # the wire's bound, for direct callers too
             entry = Waiter(name, priority, memory_mib, seq, since, holder.lease(now, ttl_s))
@@ -87,7 +91,7 @@ class QueueFiles:
                 decode_waiter(entry.to_dict())  # never write what no reader accepts
             except RecordError as e:
                 raise UsageError(f"bad queue entry: {e}") from None
-            _write_json(path, entry.to_dict(), self.modes())
+            _write_json(self.state_dir, path, entry.to_dict(), self.modes())
             return entry, in_order([*(w for w in live if w.id != holder.id), entry])
         finally:
             lock.release()
@@ -95,8 +99,10 @@ class QueueFiles:
     def queue_leave(self: _Files, holder_id: str) -> bool:
         """Delete the caller's entry; whether there was one. No lock: an unlink is atomic,
         and leaving must work even while a stuck process holds the queue's lock."""
+        name = self._waiter_path(holder_id).name
         try:
-            os.unlink(self._waiter_path(holder_id))
+            with Folder(self.state_dir, "queue") as folder:
+                folder.unlink(name)
         except FileNotFoundError:
             return False
         except OSError as e:
@@ -108,7 +114,7 @@ class QueueFiles:
 
     def waiters(self: _Files) -> list[Waiter]:
         """The live waiters, in the order they will be served."""
-        if not _any_entry(self.state_dir / "queue"):
+        if not _any_entry(self.state_dir):
             return []  # the common case (every plain `gpuctl run` asks): no lock to take
         lock = self._locked(QUEUE_LOCK)
         try:
@@ -122,8 +128,7 @@ class QueueFiles:
 
         base = self.state_dir / "queue"
         try:
-            _real_folder(base)
-            paths = [Path(e.path) for e in os.scandir(base) if e.name.endswith(".json")]
+            folder = Folder(self.state_dir, "queue")
         except FileNotFoundError:
             return []
         except OSError as e:
@@ -134,87 +139,63 @@ class QueueFiles:
         here = procinfo.host_identity()
         now = self.clock()
         live: list[Waiter] = []
-        for path in paths:
-            w = _read_waiter(path)
-            if w is None:
-                continue
-            h = w.holder
-            alive = None
-            if h.host == here.hostname and h.boot_id == here.boot_id:
-                alive = procinfo.is_same_process(h.pid, h.pid_start)
-            state = lease_state(
-                h, now, here_host=here.hostname, here_boot_id=here.boot_id, holder_alive=alive
-            )
-            if state is LeaseState.LIVE and not overlived(w, now):
-                live.append(w)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)  # its holder is gone, or stopped renewing: it waits no more
+        with folder:
+            for name in folder.names():
+                if not name.endswith(".json"):
+                    continue
+                w = _read_waiter(folder, name, now)
+                if w is None:
+                    continue
+                h = w.holder
+                alive = None
+                if h.host == here.hostname and h.boot_id == here.boot_id:
+                    alive = procinfo.is_same_process(h.pid, h.pid_start)
+                state = lease_state(
+                    h, now, here_host=here.hostname, here_boot_id=here.boot_id,
+                    holder_alive=alive, longest=QUEUE_TTL_MAX_S,
+                )  # fmt: skip
+                if state is LeaseState.LIVE and not overlived(w, now):
+                    live.append(w)
+                else:
+                    with contextlib.suppress(OSError):
+                        folder.unlink(name)  # its holder is gone, or stopped renewing
         return live
 
 
-def _real_folder(path: Path) -> None:
-    """Raise unless ``path`` is a folder itself: a symbolic link there would have the
-    entries written (and read, and deleted) wherever it points.
-
-    Raises:
-        FileNotFoundError: it is not there.
-        NotADirectoryError: it is a link, or a file.
-    """
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "it is not a folder (a link, or a file)")
-
-
-def _any_entry(base: Path) -> bool:
+def _any_entry(state_dir: Path) -> bool:
     """Whether the queue folder may hold an entry (an unreadable folder: yes, so that
     the locked read reports it)."""
     try:
-        _real_folder(base)
-        with os.scandir(base) as it:
-            return any(e.name.endswith(".json") for e in it)
+        with Folder(state_dir, "queue") as folder:
+            return any(n.endswith(".json") for n in folder.names())
     except FileNotFoundError:
         return False
     except OSError:
         return True
 
 
-def _read_waiter(path: Path) -> Waiter | None:
-    """An entry, or None when it is not one (a hostile file counts for nothing rather
-    than crashing every reader; it stays for a person to see)."""
-    from gpuctl.adapters.store.files import read_bounded
-
+def _read_waiter(folder: Folder, name: str, now: float) -> Waiter | None:
+    """An entry, or None when it is not one: a hostile file counts for nothing rather
+    than crashing every reader, and is set aside once (kept for a person, logged once)."""
     try:
-        raw = read_bounded(path, _MAX_ENTRY_BYTES)  # never follows a link, never a FIFO
-        if len(raw) > _MAX_ENTRY_BYTES:
-            raise ValueError(f"over {_MAX_ENTRY_BYTES} bytes")
-        w = decode_waiter(json.loads(raw))
-    except (OSError, ValueError) as e:  # RecordError and JSON errors are ValueErrors
-        log.warning("%s is not a queue entry (%s); it counts for nothing", path, e)
+        raw = folder.read(name, _MAX_ENTRY_BYTES)  # never follows a link, never a FIFO
+        w = decode_waiter(parse_json(raw, _MAX_ENTRY_BYTES))
+        if w.holder.holder != name[: -len(".json")]:
+            raise RecordError("$.holder.holder", "names another holder than its file")
+    except FileNotFoundError:
         return None
-    if w.holder.holder != path.stem:
-        log.warning("%s names another holder; it counts for nothing", path)
+    except (OSError, RecordError) as e:
+        set_aside_junk(folder, name, now, e)
         return None
     return w
 
 
-def _write_json(path: Path, data: dict[str, Any], modes: tuple[int, int]) -> None:
-    """Atomically, with the store's modes whatever the umask."""
+def _write_json(state_dir: Path, path: Path, data: dict[str, Any], modes: tuple[int, int]) -> None:
+    """Atomically, with the store's modes whatever the umask, never through a link."""
     dir_mode, file_mode = modes
     try:
-        with contextlib.suppress(FileExistsError):
-            path.parent.mkdir(mode=dir_mode)
-            os.chmod(path.parent, dir_mode)  # mkdir's mode goes through the umask
-        _real_folder(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                os.fchmod(f.fileno(), file_mode)
-                json.dump(data, f, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with Folder(state_dir, "queue", create=dir_mode) as folder:
+            folder.write(path.name, json.dumps(data, sort_keys=True).encode(), file_mode)
     except OSError as e:
         raise StoreError(
             f"cannot write {path}: {e.strerror or e}",
