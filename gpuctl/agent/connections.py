@@ -23,8 +23,8 @@ Rules (tests/test_connections.py):
   (a server-sent-events stream included) the connection is busy, whatever the time.
 
 The guard hooks uvicorn's httptools protocol (``guarded_protocol``): a subclass's
-``connection_made``, ``data_received``, ``on_headers_complete`` and
-``on_response_complete``. A request costs two dict updates and a clock read; the one
+``connection_made``, ``on_headers_complete`` and ``on_response_complete`` (never
+``data_received``: a request's first byte is seen by uvicorn's new scope). A request costs two dict updates and a clock read; the one
 timer per connection is moved by writing its deadline, and is re-armed only when it
 fires early.
 """
@@ -111,11 +111,15 @@ def refusal(body: bytes) -> bytes:
 class _Conn:
     """What the guard keeps of one connection."""
 
-    __slots__ = ("busy", "close", "deadline", "head_by", "peer", "timer")
+    __slots__ = ("begun", "busy", "close", "deadline", "head_by", "peer", "scope", "timer")
 
-    def __init__(self, peer: str, close: Callable[[], None]) -> None:
+    def __init__(
+        self, peer: str, close: Callable[[], None], begun: Callable[[object], bool]
+    ) -> None:
         self.peer = peer
         self.close = close
+        self.begun = begun  # whether a request has begun since the answer (``scope``)
+        self.scope: object = None
         self.busy = False
         self.deadline = 0.0  # when the timer closes it (while not busy)
         self.head_by = 0.0  # the head's deadline, once a first byte has arrived
@@ -142,7 +146,11 @@ class ConnectionGuard:
     # -- admission
 
     def admit(
-        self, peer: str, close: Callable[[], None], loop: asyncio.AbstractEventLoop
+        self,
+        peer: str,
+        close: Callable[[], None],
+        loop: asyncio.AbstractEventLoop,
+        begun: Callable[[object], bool],
     ) -> _Conn | None:
         """A new connection from ``peer``: its handle, or None when it must be refused
         (the caller writes ``self.refused`` and closes it)."""
@@ -160,7 +168,7 @@ class ConnectionGuard:
             self.closed_for_room += 1
             self.forget(victim)
             victim.close()
-        c = _Conn(peer, close)
+        c = _Conn(peer, close, begun)
         self.total += 1
         self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
         self._wait(c, loop.time(), self.limits.head_timeout_s, loop)
@@ -184,32 +192,32 @@ class ConnectionGuard:
 
     # -- the request cycle
 
-    def first_byte(self, c: _Conn) -> None:
-        """Bytes arrived on a connection waiting for a request: from now on only the
-        head's deadline counts, not the idle one."""
-        if not c.busy and c.head_by:
-            c.deadline, c.head_by = c.head_by, 0.0
-
     def request(self, c: _Conn) -> None:
         """A whole request head arrived: the connection is busy until its answer ends."""
         if not c.busy and c.peer:
             c.busy = True
             self._unwait(c, c.peer)
 
-    def answered(self, c: _Conn, loop: asyncio.AbstractEventLoop) -> None:
-        """The answer ended and the connection is kept alive: it waits for the next."""
+    def answered(self, c: _Conn, loop: asyncio.AbstractEventLoop, scope: object) -> None:
+        """The answer ended and the connection is kept alive: it waits for the next
+        request, idle until its first byte (``scope``: the request just answered)."""
         if c.busy and c.peer:
             c.busy = False
             now = loop.time()
             self._wait(c, now, self.limits.idle_timeout_s, loop)
             c.head_by = now + self.limits.head_timeout_s
+            c.scope = scope
 
     def _wait(self, c: _Conn, now: float, within: float, loop: asyncio.AbstractEventLoop) -> None:
         c.deadline = now + within
         c.head_by = 0.0
         self.waiting[c] = None
         self.waiting_by_peer.setdefault(c.peer, {})[c] = None
-        if c.timer is None:
+        t = c.timer
+        if t is not None and t.when() > c.deadline:
+            t.cancel()  # due later than now needed (a head's 10 s, where 5 s idle count)
+            t = None
+        if t is None:
             c.timer = loop.call_at(c.deadline, self._expire, c, loop)
 
     def _unwait(self, c: _Conn, peer: str) -> None:
@@ -226,8 +234,10 @@ class ConnectionGuard:
             return
         if c.busy:
             return  # re-armed by `answered`
-        now = loop.time()
-        if now < c.deadline:
+        if c.head_by and c.begun(c.scope):
+            # Idle no more: the next head has begun, and has until its own deadline.
+            c.deadline, c.head_by = c.head_by, 0.0
+        if loop.time() < c.deadline:
             c.timer = loop.call_at(c.deadline, self._expire, c, loop)
             return
         self.closed_idle += 1
@@ -239,14 +249,19 @@ def guarded_protocol(base: type[Any], guard: ConnectionGuard) -> type[Any]:
     """``base`` (uvicorn's ``HttpToolsProtocol`` or a subclass) with ``guard``'s bounds
     and timers: pass the result as ``uvicorn.Config(http=...)``."""
 
+    # The base's methods called directly: zero-argument super() costs a lookup on each
+    # call, and these run on every request.
+    made, lost = base.connection_made, base.connection_lost
+    headers_complete, response_complete = base.on_headers_complete, base.on_response_complete
+
     class Guarded(base):  # type: ignore[misc]
         _guarded: _Conn | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
-            super().connection_made(transport)
+            made(self, transport)
             client = self.client
             peer = peer_key(str(client[0])) if client else "local"
-            c = guard.admit(peer, self._close_now, self.loop)
+            c = guard.admit(peer, self._close_now, self.loop, self._head_begun)
             if c is None:
                 transport.write(guard.refused)
                 transport.close()
@@ -257,31 +272,30 @@ def guarded_protocol(base: type[Any], guard: ConnectionGuard) -> type[Any]:
             if not self.transport.is_closing():
                 self.transport.close()
 
+        def _head_begun(self, since: object) -> bool:
+            # uvicorn's on_message_begin makes a new scope at a request's first byte: no
+            # hook of ours runs on the bytes themselves (data_received is the hot path).
+            return self.scope is not since
+
         def connection_lost(self, exc: Exception | None) -> None:
             c = self._guarded
             if c is not None:
                 guard.forget(c)
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            c = self._guarded
-            if c is not None and c.head_by:
-                guard.first_byte(c)
-            super().data_received(data)
+            lost(self, exc)
 
         def on_headers_complete(self) -> None:
             c = self._guarded
             if c is not None:
                 guard.request(c)
-            super().on_headers_complete()
+            headers_complete(self)
 
         def on_response_complete(self) -> None:
             # A pipelined request already read starts now: the connection stays busy.
             pipelined = bool(self.pipeline)
-            super().on_response_complete()
+            response_complete(self)
             c = self._guarded
             if c is not None and not pipelined and not self.transport.is_closing():
-                guard.answered(c, self.loop)
+                guard.answered(c, self.loop, self.scope)
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
