@@ -26,6 +26,7 @@ class Proxy:
         *args: str,
         name: str = "proxy",
         env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ) -> None:
         self.host = host
         self.name = name
@@ -35,6 +36,7 @@ class Proxy:
             ["proxy", "--listen", f"127.0.0.1:{self.port}", *args],
             name,
             {"GPUCTL_CONFIG": str(config), **(env or {})},
+            nofile,
         )
         deadline = time.monotonic() + 30
         while True:

@@ -94,6 +94,16 @@ def test_agent_unit_runs_a_dedicated_user_hardened() -> None:
     assert one(unit, "Install", "WantedBy") == "multi-user.target"
 
 
+def test_agent_unit_raises_the_descriptor_limit() -> None:
+    """systemd's default soft limit (1024) is below what its connection bound needs:
+    1,100 idle sockets took every descriptor of the agent (issue 17)."""
+    from gpuctl.core.conn_limits import DEFAULT_MAX_TOTAL
+
+    unit = parse_unit(CONTRIB / "gpuctl-agent.service")
+    soft = one(unit, "Service", "LimitNOFILE").split(":")[0]
+    assert soft.isdigit() and int(soft) > 2 * DEFAULT_MAX_TOTAL, soft
+
+
 @pytest.mark.parametrize("name", ["gpuctl-agent.service", "gpuctl-reclaim.service"])
 def test_state_dir_is_shared_through_the_gpuctl_group(name: str) -> None:
     """0770 + setgid, owned by gpuctl:gpuctl, files group-writable: agent, cron and people

@@ -735,3 +735,68 @@ def test_a_job_whose_cmd_shows_no_memory_yet_is_still_a_victim(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(cmd_pid, signal.SIGKILL)
         keeper.communicate(timeout=60)
+
+
+# A job's CMD that takes SIGTERM as a note (writes argv[1]) and runs on: its stop waits
+# out the whole grace period.
+DEAF = r"""
+import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda n, f: pathlib.Path(sys.argv[1]).write_text("term"))
+print("holding", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_slow_job_stops_never_hold_record_reads(
+    host: SimHost, tmp_path: Path, jobs_cleanup: list[str]
+) -> None:
+    """As many stops as the shared thread pool has threads (cpu + 4, at most 32: six once
+    held GET /records for 27.9 s), of jobs that outlive SIGTERM, with a long grace: GET
+    /records answers while every one of them is still under way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpuctl.agent.store_api import STOP_WORKERS
+
+    n = min(32, (os.cpu_count() or 1) + 4)
+    cfg = host.write_config("")
+    procs: list[subprocess.Popen[str]] = []
+    pids: list[int] = []
+    pool = ThreadPoolExecutor(n)
+    try:
+        stops = []
+        for i in range(n):
+            tag = unique_name("deaf")
+            cmd = [sys.executable, "-c", DEAF, str(tmp_path / f"term{i}")]
+            p = subprocess.Popen(
+                [gpuctl_exe(), "run", "-m", "1GiB", "--name", tag, "--preemptible", "--", *cmd],
+                env=cli_env(cfg),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(p)
+            assert p.stdout is not None and p.stdout.readline().strip() == "holding"
+            v = f"run.{tag}"
+            h = read_record(host, v)["handle"]
+            pids.append(h["pid"])
+            body = {"holder": lease(host, v), "pid": h["pid"], "pid_start": h["pid_start"]}
+            stops.append(pool.submit(post, host, v, {**body, "grace_s": 120}))
+        # Every stop that has a thread has sent its SIGTERM: it is in its grace period.
+        deadline = time.monotonic() + 60
+        while sum((tmp_path / f"term{i}").exists() for i in range(n)) < min(n, STOP_WORKERS):
+            assert time.monotonic() < deadline, "the stops did not begin"
+            time.sleep(0.05)
+        r = httpx.get(
+            f"{host.agent_url}/records",
+            headers={"Authorization": f"Bearer {host.token}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert not any(s.done() for s in stops), "a stop ended before the read was answered"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        pool.shutdown(wait=True)
+        end(host, *procs)

@@ -76,6 +76,11 @@ def json_response(
     return make_response(status, body, b"application/json", extra_headers)
 
 
+def error_body(error: str, hint: str = "") -> bytes:
+    """The JSON body of an error answer: ``{"error", "hint"}``."""
+    return json.dumps({"error": error, "hint": hint}, separators=(",", ":")).encode()
+
+
 def error_response(
     status: int, error: str, hint: str = "", extra_headers: Iterable[tuple[bytes, bytes]] = ()
 ) -> Response:

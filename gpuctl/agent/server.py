@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from gpuctl.adapters.probes.base import Probe
+from gpuctl.core.conn_limits import ConnectionLimits
 from gpuctl.errors import GpuctlError, UsageError
 
 _OFF_LOOPBACK_HINT = "set GPUCTL_AGENT_TOKEN or pass --token-file"
@@ -185,6 +186,7 @@ def serve(
     read_token: str | None = None,
     match: tuple[str, ...] = (),
     match_max_age_s: float = 900.0,
+    limits: ConnectionLimits | None = None,
 ) -> None:
     """Serve the agent until SIGTERM / Ctrl-C.
 
@@ -202,12 +204,16 @@ def serve(
         read_token: a read-only token (GETs only); needs ``token``.
         match: keywords of servers to report to clients of the original /status.
         match_max_age_s: only such processes younger than this.
+        limits: the bounds on connections and their timeouts (``connections.py``).
 
     Raises:
         UsageError: a bad or busy listen address, or no token off loopback.
         ProbeError: the probe cannot be set up (no GPU, no driver).
     """
     addr = resolve_listen(listen)
+    limits = limits if limits is not None else ConnectionLimits()
+    if bad := limits.check():
+        raise UsageError(f"bad connection limits: {bad[0]}")
     token = token or None
     read_token = read_token or None
     check_token_policy(addr, token)
@@ -245,6 +251,7 @@ def serve(
                 read_token=read_token,
                 match=match,
                 match_max_age_s=match_max_age_s,
+                limits=limits,
             )
         finally:
             probe.close()
@@ -265,11 +272,15 @@ def _run(
     read_token: str | None,
     match: tuple[str, ...],
     match_max_age_s: float,
+    limits: ConnectionLimits,
 ) -> None:
     # Lazy: the server stack stays out of every other command's start-up.
     import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.agent.connections import ConnectionGuard, effective, guarded_protocol
+    from gpuctl.agent.http import error_body
 
     _setup_logging(log_level)
     settings = AgentSettings(
@@ -283,7 +294,17 @@ def _run(
     )
     config = uvicorn.Config(
         create_app(settings, probe),
-        http="httptools" if _importable("httptools") else "h11",
+        # httptools is a dependency; the guard hooks its protocol (connections.py).
+        http=guarded_protocol(
+            HttpToolsProtocol,
+            ConnectionGuard(
+                effective(limits, fds_per_connection=1),
+                error_body(
+                    "the agent has too many connections with a request under way",
+                    "try again in a moment",
+                ),
+            ),
+        ),
         loop="uvloop" if _importable("uvloop") else "asyncio",
         ws="none",
         lifespan="on",
@@ -293,6 +314,8 @@ def _run(
         proxy_headers=False,
         log_level=log_level,
         timeout_graceful_shutdown=5,
+        # The guard closes idle connections itself; uvicorn's own timer agrees with it.
+        timeout_keep_alive=max(1, round(limits.idle_timeout_s)),
     )
     auth = "token required" if token else "no token: loopback only"
     banner = (

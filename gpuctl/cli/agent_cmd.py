@@ -15,6 +15,13 @@ import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
 from gpuctl.config.model import ProbeName
+from gpuctl.core.conn_limits import (
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_PER_PEER,
+    DEFAULT_MAX_TOTAL,
+    ConnectionLimits,
+)
 from gpuctl.errors import UsageError
 
 
@@ -163,6 +170,45 @@ def register(app: typer.Typer) -> None:
                 ],
             ),
         ] = "warning",
+        max_connections: Annotated[
+            int,
+            typer.Option(
+                "--max-connections",
+                help="Connections kept in all; past it a new one closes the longest idle "
+                "one (cut to what the descriptor limit allows).",
+                min=1,
+                metavar="N",
+            ),
+        ] = DEFAULT_MAX_TOTAL,
+        max_per_peer: Annotated[
+            int,
+            typer.Option(
+                "--max-connections-per-peer",
+                help="Connections kept from one address (an IPv6 /64), at least 64.",
+                min=1,
+                metavar="N",
+            ),
+        ] = DEFAULT_MAX_PER_PEER,
+        header_timeout: Annotated[
+            float,
+            typer.Option(
+                "--header-timeout",
+                parser=duration_parser("--header-timeout"),
+                show_default="10s",
+                help="Close a connection whose request head has not all arrived by then.",
+                metavar="DURATION",
+            ),
+        ] = DEFAULT_HEAD_TIMEOUT_S,
+        idle_timeout: Annotated[
+            float,
+            typer.Option(
+                "--idle-timeout",
+                parser=duration_parser("--idle-timeout"),
+                show_default="5s",
+                help="Close a kept-alive connection idle this long after an answer.",
+                metavar="DURATION",
+            ),
+        ] = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         """Run the GPU host agent: /status, /records, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
@@ -206,4 +252,10 @@ def register(app: typer.Typer) -> None:
                 read_token=read_token,
                 match=keywords,
                 match_max_age_s=match_max_age,
+                limits=ConnectionLimits(
+                    max_total=max_connections,
+                    max_per_peer=max_per_peer,
+                    head_timeout_s=header_timeout,
+                    idle_timeout_s=idle_timeout,
+                ),
             )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.config.secrets import read_secret
+from gpuctl.core.conn_limits import ConnectionLimits
 from gpuctl.core.promise import Promise
 from gpuctl.errors import UsageError
 
@@ -233,6 +234,7 @@ class ProxyConfig:
     sse_interval_s: float = DEFAULT_PROXY_SSE_INTERVAL_S
     retry_after_s: float = DEFAULT_PROXY_RETRY_AFTER_S
     access_log: bool = True
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def api_keys(self) -> tuple[str, ...]:
         """The client keys (empty: none configured).

@@ -16,6 +16,14 @@ from gpuctl.config.model import (
     ServiceConfig,
 )
 from gpuctl.config.table import ENV_NAME, Table, show
+from gpuctl.core.conn_limits import (
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_PER_PEER,
+    DEFAULT_MAX_TOTAL,
+    MIN_PER_PEER,
+    ConnectionLimits,
+)
 from gpuctl.errors import ConfigError
 
 PROXY_KEYS = (
@@ -27,6 +35,10 @@ PROXY_KEYS = (
     "sse_interval",
     "retry_after",
     "access_log",
+    "max_connections",
+    "max_connections_per_peer",
+    "header_timeout",
+    "idle_timeout",
 )
 # A model name as clients send it ("Qwen/Qwen3-32B", "qwen3:32b"): printable, no spaces.
 _MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
@@ -44,6 +56,16 @@ def parse_proxy(raw: Any, base: Path | None) -> ProxyConfig:
     if keys_env and keys_file:
         raise ConfigError("proxy: set api_keys_env or api_keys_file, not both")
     max_body = p.size("max_body")
+    limits = ConnectionLimits(
+        max_total=p.int_("max_connections", DEFAULT_MAX_TOTAL, 1, 1 << 20),
+        max_per_peer=p.int_(
+            "max_connections_per_peer", DEFAULT_MAX_PER_PEER, MIN_PER_PEER, 1 << 20
+        ),
+        head_timeout_s=p.duration("header_timeout", DEFAULT_HEAD_TIMEOUT_S),
+        idle_timeout_s=p.duration("idle_timeout", DEFAULT_IDLE_TIMEOUT_S),
+    )
+    if bad := limits.check():
+        raise ConfigError(f"proxy: {bad[0]}")
     return ProxyConfig(
         listen=listen,
         api_keys_env=keys_env,
@@ -53,6 +75,7 @@ def parse_proxy(raw: Any, base: Path | None) -> ProxyConfig:
         sse_interval_s=p.duration("sse_interval", DEFAULT_PROXY_SSE_INTERVAL_S),
         retry_after_s=p.duration("retry_after", DEFAULT_PROXY_RETRY_AFTER_S),
         access_log=p.bool_("access_log", True),
+        connections=limits,
     )
 
 

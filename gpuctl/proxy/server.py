@@ -116,6 +116,8 @@ def serve(
     try:
         import uvicorn
 
+        from gpuctl.agent.connections import ConnectionGuard, effective, guarded_protocol
+        from gpuctl.proxy.errors import error_body
         from gpuctl.proxy.protocol import ProxyHttpProtocol
 
         _setup_logging(log_level, p.access_log)
@@ -124,7 +126,20 @@ def serve(
             app,
             # uvicorn's own, but a request it cannot parse gets a JSON error (protocol.py);
             # httptools is a dependency (the upstream client parses with it too).
-            http=ProxyHttpProtocol,
+            # The agent's bounds on connections (connections.py): 2 descriptors each, the
+            # client's and the upstream's.
+            http=guarded_protocol(
+                ProxyHttpProtocol,
+                ConnectionGuard(
+                    effective(p.connections, fds_per_connection=2),
+                    error_body(
+                        "the proxy has too many connections with a request under way; "
+                        "try again in a moment",
+                        "service_unavailable",
+                        "too_many_connections",
+                    ),
+                ),
+            ),
             loop="uvloop" if _importable("uvloop") else "asyncio",
             ws="none",
             lifespan="on",
@@ -134,6 +149,7 @@ def serve(
             proxy_headers=False,
             log_level=log_level,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=max(1, round(p.connections.idle_timeout_s)),
             backlog=2048,
         )
         # After uvicorn.Config, which sets up uvicorn's loggers.

@@ -32,6 +32,12 @@ class SimHostError(SimError):
     """The simulated host's agent did not come up."""
 
 
+def _limit_nofile(n: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,9 +102,15 @@ class SimHost:
         return env
 
     def spawn(
-        self, args: Sequence[str], log_name: str, extra_env: dict[str, str] | None = None
+        self,
+        args: Sequence[str],
+        log_name: str,
+        extra_env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ) -> subprocess.Popen[bytes]:
-        """Start ``python -m gpuctl ARGS`` detached from our terminal, logging to a file."""
+        """Start ``python -m gpuctl ARGS`` detached from our terminal, logging to a file.
+        ``nofile``: its descriptor limit, soft and hard (a service manager's, for the
+        flood tests)."""
         log = open(self.base / f"{log_name}.log", "ab")  # noqa: SIM115  (the child owns it)
         env = self.env()
         if extra_env:
@@ -110,14 +122,17 @@ class SimHost:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=None if nofile is None else lambda: _limit_nofile(nofile),  # noqa: PLW1509  (setrlimit only)
         )
         log.close()
         self.procs.append(proc)
         return proc
 
-    def start_agent(self, timeout_s: float = 20.0, args: Sequence[str] = ()) -> None:
+    def start_agent(
+        self, timeout_s: float = 20.0, args: Sequence[str] = (), nofile: int | None = None
+    ) -> None:
         """Start ``gpuctl agent --probe sim [ARGS]`` on a free loopback port and wait for
-        /healthz."""
+        /healthz. ``nofile``: the agent's descriptor limit (``spawn``)."""
         import urllib.error
         import urllib.request
 
@@ -139,6 +154,7 @@ class SimHost:
             ],
             "agent",
             {"GPUCTL_AGENT_TOKEN": self.token},
+            nofile,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
