@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from gpuctl.adapters.probes.base import Probe
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
 from gpuctl.errors import GpuctlError, UsageError
 
 _OFF_LOOPBACK_HINT = "set GPUCTL_AGENT_TOKEN or pass --token-file"
@@ -185,6 +186,7 @@ def serve(
     read_token: str | None = None,
     match: tuple[str, ...] = (),
     match_max_age_s: float = 900.0,
+    health_ports: PortRanges | None = None,
 ) -> None:
     """Serve the agent until SIGTERM / Ctrl-C.
 
@@ -202,6 +204,8 @@ def serve(
         read_token: a read-only token (GETs only); needs ``token``.
         match: keywords of servers to report to clients of the original /status.
         match_max_age_s: only such processes younger than this.
+        health_ports: where on this machine it fetches records' health URLs
+            (``--health-ports``); None: ``DEFAULT_HEALTH_PORTS``.
 
     Raises:
         UsageError: a bad or busy listen address, or no token off loopback.
@@ -245,6 +249,9 @@ def serve(
                 read_token=read_token,
                 match=match,
                 match_max_age_s=match_max_age_s,
+                health_ports=health_ports
+                if health_ports is not None
+                else parse_ports(DEFAULT_HEALTH_PORTS),
             )
         finally:
             probe.close()
@@ -265,6 +272,7 @@ def _run(
     read_token: str | None,
     match: tuple[str, ...],
     match_max_age_s: float,
+    health_ports: PortRanges,
 ) -> None:
     # Lazy: the server stack stays out of every other command's start-up.
     import uvicorn
@@ -280,6 +288,7 @@ def _run(
         read_token=read_token,
         match=match,
         match_max_age_s=match_max_age_s,
+        health_ports=health_ports,
     )
     config = uvicorn.Config(
         create_app(settings, probe),

@@ -15,6 +15,7 @@ import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
 from gpuctl.config.model import ProbeName
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS
 from gpuctl.errors import UsageError
 
 
@@ -110,6 +111,16 @@ def register(app: typer.Typer) -> None:
                 metavar="DURATION",
             ),
         ] = 900.0,
+        health_ports: Annotated[
+            str,
+            typer.Option(
+                "--health-ports",
+                help="Ports (8000-8100,9000) on which it fetches the health URL a record "
+                "names, and only at this machine's own addresses (loopback, its interfaces' "
+                "IPs, localhost); 'none': never. Another URL is refused and logged once.",
+                metavar="PORTS",
+            ),
+        ] = DEFAULT_HEALTH_PORTS,
         sim_dir: Annotated[
             Path | None,
             typer.Option(
@@ -183,6 +194,15 @@ def register(app: typer.Typer) -> None:
             keywords = tuple(
                 sorted({w.strip().lower() for w in (match or "").split(",") if w.strip()})
             )
+            from gpuctl.core.health_reach import parse_ports
+
+            try:
+                ports = parse_ports(health_ports)
+            except ValueError as err:
+                raise UsageError(
+                    f"--health-ports: {err}",
+                    hint="name ports and ranges like 8000-8100,9000, or 'none'",
+                ) from None
             level = log_level.lower()
             if level not in (*LOG_LEVELS, "critical"):
                 raise UsageError(
@@ -206,4 +226,5 @@ def register(app: typer.Typer) -> None:
                 read_token=read_token,
                 match=keywords,
                 match_max_age_s=match_max_age,
+                health_ports=ports,
             )

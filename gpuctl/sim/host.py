@@ -53,6 +53,10 @@ class SimHost:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     agent_port: int = 0
+    # The agent's --health-ports: its model servers listen on ports the kernel picks
+    # (``free_port``, anywhere in the ephemeral range), so it may fetch any unprivileged
+    # port of loopback. The agent's own rule (this machine only) still holds.
+    health_ports: str = "1024-65535"
     _own_root: bool = False
 
     def __enter__(self) -> SimHost:
@@ -117,7 +121,7 @@ class SimHost:
 
     def start_agent(self, timeout_s: float = 20.0, args: Sequence[str] = ()) -> None:
         """Start ``gpuctl agent --probe sim [ARGS]`` on a free loopback port and wait for
-        /healthz."""
+        /healthz. ``--health-ports`` is ``health_ports`` unless ARGS name it."""
         import urllib.error
         import urllib.request
 
@@ -135,6 +139,7 @@ class SimHost:
                 str(self.state_dir),
                 "--cache-ttl",
                 "0.2s",
+                *([] if "--health-ports" in args else ["--health-ports", self.health_ports]),
                 *args,
             ],
             "agent",
