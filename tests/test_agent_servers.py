@@ -141,9 +141,10 @@ class Health:
 def test_a_healthy_starting_server_becomes_running(tmp_path: Path) -> None:
     health = Health()
     store = DirectStore(tmp_path / "state")
-    with serve_in_thread(health) as server, agent(
-        tmp_path, health_ports=parse_ports(server.rpartition(":")[2])
-    ) as _url:
+    with (
+        serve_in_thread(health) as server,
+        agent(tmp_path, health_ports=parse_ports(server.rpartition(":")[2])) as _url,
+    ):
         starting_record(tmp_path / "state", "chat", health=f"{server}/health")
         starting_record(tmp_path / "state", "silent")  # no health URL: left alone
         time.sleep(1.5)  # several rounds of the agent's loop while the server loads

@@ -123,27 +123,28 @@ def test_a_health_url_on_a_port_not_given_is_never_fetched(
 ) -> None:
     allowed, refused = CountingHealth(), CountingHealth()
     store = DirectStore(tmp_path / "state")
-    with serve_in_thread(allowed) as ok_url, serve_in_thread(refused) as no_url:
-        with caplog.at_level(logging.WARNING, logger="gpuctl.agent"):
-            with agent(tmp_path, str(port_of(ok_url))):
-                # The heal loop's path: a preempted docker record, its process not
-                # visible here, so only its health would speak (200 would mean running).
-                write_record(
-                    store.state_dir,
-                    "victim",
-                    phase="preempted",
-                    handle={"kind": "docker", "container_id": "c0ffee"},
-                    health=f"{no_url}/health",
-                )
-                # The start-completion loop's path.
-                write_record(store.state_dir, "chat", phase="starting", health=f"{no_url}/health")
-                write_record(
-                    store.state_dir, "control", phase="starting", health=f"{ok_url}/health"
-                )
-                assert settle(store, "control") is Phase.RUNNING
-                time.sleep(1.5)  # more rounds of both loops
-                assert store.get("chat").phase is Phase.STARTING
-                assert store.get("victim").phase is Phase.PREEMPTED
+    caplog.set_level(logging.WARNING, logger="gpuctl.agent")
+    with (
+        serve_in_thread(allowed) as ok_url,
+        serve_in_thread(refused) as no_url,
+        agent(tmp_path, str(port_of(ok_url))),
+    ):
+        # The heal loop's path: a preempted docker record, its process not
+        # visible here, so only its health would speak (200 would mean running).
+        write_record(
+            store.state_dir,
+            "victim",
+            phase="preempted",
+            handle={"kind": "docker", "container_id": "c0ffee"},
+            health=f"{no_url}/health",
+        )
+        # The start-completion loop's path.
+        write_record(store.state_dir, "chat", phase="starting", health=f"{no_url}/health")
+        write_record(store.state_dir, "control", phase="starting", health=f"{ok_url}/health")
+        assert settle(store, "control") is Phase.RUNNING
+        time.sleep(1.5)  # more rounds of both loops
+        assert store.get("chat").phase is Phase.STARTING
+        assert store.get("victim").phase is Phase.PREEMPTED
     assert refused.requests == 0 and allowed.requests >= 1
     assert off_loopback == []
     lines = [r.getMessage() for r in caplog.records if "not fetching" in r.getMessage()]
@@ -157,26 +158,21 @@ def test_a_health_url_off_this_machine_is_refused_unfetched(
 ) -> None:
     allowed = CountingHealth()
     store = DirectStore(tmp_path / "state")
-    with serve_in_thread(allowed) as ok_url:
-        with caplog.at_level(logging.WARNING, logger="gpuctl.agent"):
-            # The far port is allowed: only the address refuses it.
-            with agent(tmp_path, f"{port_of(ok_url)},8000"):
-                write_record(
-                    store.state_dir, "far", phase="starting", health=f"http://{FAR}:8000/health"
-                )
-                write_record(
-                    store.state_dir,
-                    "named",
-                    phase="starting",
-                    health="http://metadata.internal:8000/health",
-                )
-                write_record(
-                    store.state_dir, "control", phase="starting", health=f"{ok_url}/health"
-                )
-                assert settle(store, "control") is Phase.RUNNING
-                time.sleep(1.5)
-                assert store.get("far").phase is Phase.STARTING
-                assert store.get("named").phase is Phase.STARTING
+    caplog.set_level(logging.WARNING, logger="gpuctl.agent")
+    # The far port is allowed: only the address refuses it.
+    with serve_in_thread(allowed) as ok_url, agent(tmp_path, f"{port_of(ok_url)},8000"):
+        write_record(store.state_dir, "far", phase="starting", health=f"http://{FAR}:8000/health")
+        write_record(
+            store.state_dir,
+            "named",
+            phase="starting",
+            health="http://metadata.internal:8000/health",
+        )
+        write_record(store.state_dir, "control", phase="starting", health=f"{ok_url}/health")
+        assert settle(store, "control") is Phase.RUNNING
+        time.sleep(1.5)
+        assert store.get("far").phase is Phase.STARTING
+        assert store.get("named").phase is Phase.STARTING
     assert off_loopback == []
     text = caplog.text
     assert f"{FAR} is not an address of this machine" in text

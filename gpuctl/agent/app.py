@@ -170,9 +170,9 @@ class AgentApp:
             if store_path:
                 # The state store: path parameters, so it routes itself (store_api.py).
                 op, service = self.store_api.route(method, path)
-                self._tokens.check(scope, write=self.store_api.is_write(op))
+                writer = self._tokens.check(scope, write=self.store_api.is_write(op))
                 body = await Request(scope, receive).body()
-                status, payload = await self.store_api.handle(op, service, body)
+                status, payload = await self.store_api.handle(op, service, body, masked=not writer)
                 response = json_response(status, payload)
             else:
                 if route is None:

@@ -144,7 +144,6 @@ def heal_here(store: DirectStore, gate: HealthGate) -> list[str]:
     """One heal pass over this host's records (the agent is on the host: pids count);
     the repairs done, as log lines."""
     from gpuctl.adapters.server_truth import truth_reader
-
     from gpuctl.flows.heal import heal
 
     look = truth_reader(on_host=True, may_fetch=gate.allows)
