@@ -514,3 +514,25 @@ def test_the_read_token_sees_a_records_secrets_masked_the_write_token_as_written
         full = httpx.get(f"{agent.url}{path}", headers=AUTH).json()
         record = full["records"][0] if path == "/records" else full
         assert record["health"] == SECRET_HEALTH
+
+
+def test_openapi_documents_403_and_413_where_the_agent_answers_them(agent: Agent) -> None:
+    doc = httpx.get(f"{agent.url}/openapi.json").json()
+    ops = [
+        (path, method, spec["responses"])
+        for path, item in doc["paths"].items()
+        if path.startswith("/records")
+        for method, spec in item.items()
+        if method != "parameters"
+    ]
+    assert len(ops) >= 14
+    for path, method, responses in ops:
+        # Every /records request's body is read (and bounded) before it is routed.
+        assert "413" in responses, (method, path)
+        # Every write is refused to the read-only token.
+        assert ("403" in responses) == (method != "get"), (method, path)
+    # And the agent does answer them so, where the document says.
+    big = {"holder": "x" * (wire.MAX_BODY_BYTES + 1), "ttl_s": 1}
+    assert agent.post(f"/records/{SVC}/lease/renew", big).status_code == 413
+    r = httpx.post(f"{agent.url}/records/_queue/leave", headers=RO, json={"holder": "a1"})
+    assert r.status_code == 403
