@@ -24,6 +24,7 @@ import pytest
 
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.agent.app import AgentSettings, create_app
+from gpuctl.core.health_reach import parse_ports
 from gpuctl.core.record import Phase
 from gpuctl.core.status_wire import parse_status
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
@@ -140,7 +141,10 @@ class Health:
 def test_a_healthy_starting_server_becomes_running(tmp_path: Path) -> None:
     health = Health()
     store = DirectStore(tmp_path / "state")
-    with serve_in_thread(health) as server, agent(tmp_path) as _url:
+    with (
+        serve_in_thread(health) as server,
+        agent(tmp_path, health_ports=parse_ports(server.rpartition(":")[2])) as _url,
+    ):
         starting_record(tmp_path / "state", "chat", health=f"{server}/health")
         starting_record(tmp_path / "state", "silent")  # no health URL: left alone
         time.sleep(1.5)  # several rounds of the agent's loop while the server loads
@@ -158,7 +162,7 @@ def test_a_stopped_record_is_never_revived(tmp_path: Path) -> None:
     store.acquire("chat", h, 60)
     with serve_in_thread(health) as server:
         store.release("chat", h.id, {"phase": "stopped", "health": f"{server}/health"})
-        with agent(tmp_path):
+        with agent(tmp_path, health_ports=parse_ports(server.rpartition(":")[2])):
             time.sleep(1.5)
             assert store.get("chat").phase is Phase.STOPPED
 

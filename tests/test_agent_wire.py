@@ -486,3 +486,53 @@ def test_any_object_passes_a_validator_or_is_a_400_naming_a_field(data: dict[str
         except wire.BadRequest as err:
             assert err.status == 400
             assert err.error.startswith("bad request body")
+
+
+SECRET_HEALTH = "http://gpuctl:hunter2@127.0.0.1:8000/health?token=tok-77e1&x=1"
+
+
+def test_the_read_token_sees_a_records_secrets_masked_the_write_token_as_written(
+    agent: Agent,
+) -> None:
+    h = holder_dict()
+    assert agent.post(f"/records/{SVC}/lease", {"holder": h, "ttl_s": 60}).status_code == 200
+    update = {
+        "health": SECRET_HEALTH,
+        "failure": {"error": "exited 1", "log_tail": "args: --api-key sk-live-9c1d\nbye"},
+        "attempt": {"outcome": "failed", "error": "curl -H 'Authorization: Bearer tok-77e1'"},
+    }
+    r = agent.post(f"/records/{SVC}/lease/release", {"holder": h["id"], "update": update})
+    assert r.status_code == 200, r.text
+    for path in ("/records", f"/records/{SVC}"):
+        body = httpx.get(f"{agent.url}{path}", headers=RO).text
+        for secret in ("hunter2", "tok-77e1", "sk-live-9c1d"):
+            assert secret not in body, (path, secret)
+        # Still readable as what it is: the URL, its host, the names of what was masked.
+        assert "http://gpuctl:***@127.0.0.1:8000/health?token=***&x=1" in body, body
+        assert "--api-key ***" in body
+        # The write token's client fetches that URL: it gets it as written.
+        full = httpx.get(f"{agent.url}{path}", headers=AUTH).json()
+        record = full["records"][0] if path == "/records" else full
+        assert record["health"] == SECRET_HEALTH
+
+
+def test_openapi_documents_403_and_413_where_the_agent_answers_them(agent: Agent) -> None:
+    doc = httpx.get(f"{agent.url}/openapi.json").json()
+    ops = [
+        (path, method, spec["responses"])
+        for path, item in doc["paths"].items()
+        if path.startswith("/records")
+        for method, spec in item.items()
+        if method != "parameters"
+    ]
+    assert len(ops) >= 14
+    for path, method, responses in ops:
+        # Every /records request's body is read (and bounded) before it is routed.
+        assert "413" in responses, (method, path)
+        # Every write is refused to the read-only token.
+        assert ("403" in responses) == (method != "get"), (method, path)
+    # And the agent does answer them so, where the document says.
+    big = {"holder": "x" * (wire.MAX_BODY_BYTES + 1), "ttl_s": 1}
+    assert agent.post(f"/records/{SVC}/lease/renew", big).status_code == 413
+    r = httpx.post(f"{agent.url}/records/_queue/leave", headers=RO, json={"holder": "a1"})
+    assert r.status_code == 403

@@ -12,6 +12,7 @@ from __future__ import annotations
 import httpx
 
 from gpuctl.core.decision import NO_HEALTH, Health
+from gpuctl.core.health_reach import IpAddress
 from gpuctl.core.redact import mask_url_passwords, show_url
 
 
@@ -76,3 +77,24 @@ async def check_async(url: str | None, client: httpx.AsyncClient, timeout_s: flo
     except httpx.HTTPError as e:
         return _from_exception(url, e)
     return _from_response(url, r.status_code)
+
+
+def local_addresses() -> frozenset[IpAddress]:
+    """This machine's interface addresses (``ip -brief addr``), read afresh each call (an
+    interface can come up while the agent runs); empty when they cannot be read."""
+    import ipaddress
+
+    import psutil
+
+    out: set[IpAddress] = set()
+    try:
+        interfaces = psutil.net_if_addrs()
+    except OSError:
+        return frozenset()
+    for addrs in interfaces.values():
+        for a in addrs:
+            try:
+                out.add(ipaddress.ip_address(a.address.split("%", 1)[0]))
+            except ValueError:
+                continue  # a link-layer (MAC) address
+    return frozenset(out)

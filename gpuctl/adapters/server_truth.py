@@ -39,10 +39,14 @@ def can_tell_gone(recorded_ns: int | None) -> bool:
 
 
 def truth_reader(
-    on_host: bool, client: Callable[[], httpx.Client] | None = None
+    on_host: bool,
+    client: Callable[[], httpx.Client] | None = None,
+    may_fetch: Callable[[Record], bool] | None = None,
 ) -> Callable[[Record], ServerTruth]:
     """``record -> ServerTruth``; never raises. ``client``: the command's shared HTTP
-    client, made only when a health URL is asked."""
+    client, made only when a health URL is asked. ``may_fetch``: whether this record's
+    health URL may be fetched at all (the agent's ``core.health_reach`` rule); a refused
+    one is never fetched, and its answer stays "cannot tell", so it changes no phase."""
     here = None
     if on_host:
         me = procinfo.host_identity()
@@ -63,8 +67,13 @@ def truth_reader(
         answers: bool | None = None
         # Health is asked only where it can change the verdict: a start that may be
         # done, a victim whose process cannot be looked up here.
-        if record.health and (
-            record.phase is Phase.STARTING or (record.phase is Phase.PREEMPTED and alive is None)
+        if (
+            record.health
+            and (
+                record.phase is Phase.STARTING
+                or (record.phase is Phase.PREEMPTED and alive is None)
+            )
+            and (may_fetch is None or may_fetch(record))
         ):
             answers = health.check(record.health, HEALTH_TIMEOUT_S, client() if client else None).ok
         return ServerTruth(alive=alive, answers=answers)

@@ -57,10 +57,11 @@ from gpuctl.agent.query import (
     parse_match,
     parse_pids,
 )
-from gpuctl.agent.servers import Servers, promote_loop, scan_servers
+from gpuctl.agent.servers import HealthGate, Servers, promote_loop, scan_servers
 from gpuctl.agent.settings import AgentSettings
 from gpuctl.agent.snapshot import Scan, agent_snapshot
 from gpuctl.agent.store_api import StoreApi, read_all
+from gpuctl.core.health_reach import HealthReach
 from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
 from gpuctl.core.timestamps import iso_utc
@@ -141,7 +142,12 @@ class AgentApp:
                 if self.store_api.store is not None:
                     interval = min(max(self.settings.cache_ttl_s, 0.5), 5.0)
                     self._promoter = asyncio.ensure_future(
-                        promote_loop(self.store_api.store, interval, self.invalidate)
+                        promote_loop(
+                            self.store_api.store,
+                            interval,
+                            self.invalidate,
+                            HealthGate(HealthReach(self.settings.health_ports)),
+                        )
                     )
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -164,9 +170,9 @@ class AgentApp:
             if store_path:
                 # The state store: path parameters, so it routes itself (store_api.py).
                 op, service = self.store_api.route(method, path)
-                self._tokens.check(scope, write=self.store_api.is_write(op))
+                writer = self._tokens.check(scope, write=self.store_api.is_write(op))
                 body = await Request(scope, receive).body()
-                status, payload = await self.store_api.handle(op, service, body)
+                status, payload = await self.store_api.handle(op, service, body, masked=not writer)
                 response = json_response(status, payload)
             else:
                 if route is None:

@@ -23,10 +23,15 @@ class Tokens:
         self._token = token.encode() if token else None
         self._read_token = read_token.encode() if read_token else None
 
-    def check(self, scope: Scope, *, write: bool) -> None:
-        """Pass, or raise the 401/403 HttpError; nothing to check on an agent without a token."""
+    def check(self, scope: Scope, *, write: bool) -> bool:
+        """Pass, or raise the 401/403 HttpError; nothing to check on an agent without a token.
+
+        Returns:
+            Whether the caller may write (the write token, or an agent without one); False
+            for the read-only token, which is shown records with their secrets masked.
+        """
         if self._token is None:
-            return
+            return True
         value: bytes | None = None
         for key, val in scope["headers"]:
             if key == b"authorization":
@@ -44,10 +49,10 @@ class Tokens:
         if scheme.lower() == b"bearer":
             # compare_digest: the time taken must not tell how much of a guess was right.
             if hmac.compare_digest(credentials, self._token):
-                return
+                return True
             if self._read_token is not None and hmac.compare_digest(credentials, self._read_token):
                 if not write:
-                    return
+                    return False
                 raise HttpError(
                     403,
                     "this token is read-only: it cannot change the store",

@@ -63,10 +63,17 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "or it cannot be read, written or locked."
     )
     conflict = err("The caller does not hold the lease (any more): it expired, or was voided.")
-    common = {"400": bad, "401": unauthorized, "503": down}
+    # The agent reads the body of every /records request, a GET's too, before it routes.
+    too_big = err(f"The request body is over the agent's limit ({wire.MAX_BODY_BYTES} bytes).")
+    read_only = err("The token is read-only: it cannot change the store.")
+    common = {"400": bad, "401": unauthorized, "413": too_big, "503": down}
+    reads = {"401": unauthorized, "413": too_big, "503": down}
 
     def op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {"summary": summary, **extra, "responses": {**responses, **common}}
+        # Every operation with a body writes: the read-only token gets 403 (an operation's
+        # own 403, the job stop's, says more and wins).
+        writes = {"403": read_only} if "requestBody" in extra else {}
+        return {"summary": summary, **extra, "responses": {**writes, **responses, **common}}
 
     record = ok("Record", "The record after the operation.")
     return {
@@ -75,8 +82,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 "summary": "Every service's record (an expired or void lease reads as none).",
                 "responses": {
                     "200": ok("RecordList", "The records, by service name."),
-                    "401": unauthorized,
-                    "503": down,
+                    **reads,
                 },
             }
         },
@@ -182,8 +188,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 "summary": "Live in-flight holders per service (services that have some).",
                 "responses": {
                     "200": ok("InflightList", "Counts by service."),
-                    "401": unauthorized,
-                    "503": down,
+                    **reads,
                 },
             }
         },
@@ -193,8 +198,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 "order they will be served (priority, then arrival).",
                 "responses": {
                     "200": ok("QueueList", "The waiters, first to be served first."),
-                    "401": unauthorized,
-                    "503": down,
+                    **reads,
                 },
             },
             "post": {
@@ -205,8 +209,8 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 "responses": {
                     "200": ok("QueueJoined", "The caller's entry and the whole queue."),
                     "400": bad,
-                    "401": unauthorized,
-                    "503": down,
+                    "403": read_only,
+                    **reads,
                 },
             },
         },
@@ -217,8 +221,8 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 "responses": {
                     "200": ok("QueueLeft", "Whether the caller was in the queue."),
                     "400": bad,
-                    "401": unauthorized,
-                    "503": down,
+                    "403": read_only,
+                    **reads,
                 },
             }
         },

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.core.conn_limits import ConnectionLimits
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
 from gpuctl.errors import GpuctlError, UsageError
 
 _OFF_LOOPBACK_HINT = "set GPUCTL_AGENT_TOKEN or pass --token-file"
@@ -187,6 +188,7 @@ def serve(
     match: tuple[str, ...] = (),
     match_max_age_s: float = 900.0,
     limits: ConnectionLimits | None = None,
+    health_ports: PortRanges | None = None,
 ) -> None:
     """Serve the agent until SIGTERM / Ctrl-C.
 
@@ -205,6 +207,8 @@ def serve(
         match: keywords of servers to report to clients of the original /status.
         match_max_age_s: only such processes younger than this.
         limits: the bounds on connections and their timeouts (``connections.py``).
+        health_ports: where on this machine it fetches records' health URLs
+            (``--health-ports``); None: ``DEFAULT_HEALTH_PORTS``.
 
     Raises:
         UsageError: a bad or busy listen address, or no token off loopback.
@@ -252,6 +256,9 @@ def serve(
                 match=match,
                 match_max_age_s=match_max_age_s,
                 limits=limits,
+                health_ports=health_ports
+                if health_ports is not None
+                else parse_ports(DEFAULT_HEALTH_PORTS),
             )
         finally:
             probe.close()
@@ -273,6 +280,7 @@ def _run(
     match: tuple[str, ...],
     match_max_age_s: float,
     limits: ConnectionLimits,
+    health_ports: PortRanges,
 ) -> None:
     # Lazy: the server stack stays out of every other command's start-up.
     import uvicorn
@@ -291,6 +299,7 @@ def _run(
         read_token=read_token,
         match=match,
         match_max_age_s=match_max_age_s,
+        health_ports=health_ports,
     )
     config = uvicorn.Config(
         create_app(settings, probe),

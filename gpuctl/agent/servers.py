@@ -13,7 +13,8 @@ GPU. For them the agent also lists, in ``processes`` with ``memory_mib: 0`` and
 started with (``--match``) that are younger than ``--match-max-age``.
 
 ``promote_ready`` completes ``starting`` -> ``running`` for a record whose health URL
-answers 200, so a start whose launcher went away (``--no-wait``, a killed caller) does
+answers 200 (a URL the agent may fetch: this machine's, on ``--health-ports``;
+``HealthGate``), so a start whose launcher went away (``--no-wait``, a killed caller) does
 not stay ``starting`` until the next ``ensure``. The same loop heals the other phases
 that lie about their server on this host (``gpuctl.flows.heal``): a ``preempted`` record
 whose server runs, a ``running`` one whose server is gone, an abandoned ``starting``, so
@@ -25,14 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from gpuctl.adapters import procinfo
+from gpuctl.adapters.health import local_addresses
 from gpuctl.adapters.recorded_servers import find_servers, server_children
 from gpuctl.adapters.store import DirectStore
+from gpuctl.core.health_reach import HealthReach, IpAddress
 from gpuctl.core.model import StartingProcess
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.redact import show_url
 
 log = logging.getLogger("gpuctl.agent")
 
@@ -91,18 +95,59 @@ def scan_servers(
     return Servers(tuple(recorded), tuple(loading), tuple(sorted(owners.items())), promised)
 
 
-def starting_with_health(store: DirectStore) -> list[Record]:
-    """Records that wait for their server to answer: phase starting, a health URL."""
-    return [r for r in _records(store) if r.phase is Phase.STARTING and r.health]
+# Refused URLs remembered so each is logged once; forgotten all at once past this many.
+_MAX_REPORTED = 1024
 
 
-def heal_here(store: DirectStore) -> list[str]:
+class HealthGate:
+    """Whether the agent may fetch a record's health URL (``core.health_reach``), logging
+    each refused URL once: a refused record is reported, not logged every round."""
+
+    def __init__(
+        self,
+        reach: HealthReach,
+        local: Callable[[], Collection[IpAddress]] = local_addresses,
+    ) -> None:
+        self.reach = reach
+        self._local = local
+        self._reported: set[tuple[str, str]] = set()
+
+    def allows(self, record: Record) -> bool:
+        url = record.health
+        if not url:
+            return False
+        why = self.reach.refusal(url, self._local())
+        if why is None:
+            return True
+        key = (record.service, url)
+        if key not in self._reported:
+            if len(self._reported) >= _MAX_REPORTED:
+                self._reported.clear()
+            self._reported.add(key)
+            log.warning(
+                "not fetching the health URL %s of %s: %s; its phase is left as it is "
+                "(pass its port to `gpuctl agent --health-ports`, or fix its health)",
+                show_url(url),
+                record.service,
+                why,
+            )
+        return False
+
+
+def starting_with_health(store: DirectStore, gate: HealthGate) -> list[Record]:
+    """Records that wait for their server to answer: phase starting, a health URL the
+    agent may fetch."""
+    return [r for r in _records(store) if r.phase is Phase.STARTING and r.health and gate.allows(r)]
+
+
+def heal_here(store: DirectStore, gate: HealthGate) -> list[str]:
     """One heal pass over this host's records (the agent is on the host: pids count);
     the repairs done, as log lines."""
     from gpuctl.adapters.server_truth import truth_reader
     from gpuctl.flows.heal import heal
 
-    repairs = heal(store, _records(store), truth_reader(on_host=True), "agent")
+    look = truth_reader(on_host=True, may_fetch=gate.allows)
+    repairs = heal(store, _records(store), look, "agent")
     return [f"repaired {r.service}: {r.line}" for r in repairs]
 
 
@@ -113,7 +158,7 @@ def promote(store: DirectStore, service: str) -> bool:
 
 
 async def promote_loop(
-    store: DirectStore, interval_s: float, on_change: Callable[[], None]
+    store: DirectStore, interval_s: float, on_change: Callable[[], None], gate: HealthGate
 ) -> None:
     """Every ``interval_s``: complete ``starting`` -> ``running`` for the records whose
     health URL answers 200 (runs with the app; cancelled at shutdown)."""
@@ -123,7 +168,7 @@ async def promote_loop(
         while True:
             await asyncio.sleep(interval_s)
             try:
-                waiting = await asyncio.to_thread(starting_with_health, store)
+                waiting = await asyncio.to_thread(starting_with_health, store, gate)
                 for record in waiting:
                     assert record.health is not None
                     try:
@@ -138,7 +183,7 @@ async def promote_loop(
             except Exception as err:  # never let the loop die: the next round retries
                 log.warning("completing starts failed: %s: %s", type(err).__name__, err)
             try:
-                repaired = await asyncio.to_thread(heal_here, store)
+                repaired = await asyncio.to_thread(heal_here, store, gate)
                 for line in repaired:
                     log.warning("%s", line)
                 if repaired:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuctl.adapters.procinfo import host_identity
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
 from gpuctl.core.model import HostIdentity
 
 
@@ -25,6 +26,8 @@ class AgentSettings:
         match: keywords of servers to report, for clients of the original ``/status``,
             in ``processes`` (``memory_mib`` 0, ``on_gpu`` false) while they load.
         match_max_age_s: only such processes younger than this count as loading.
+        health_ports: the ports of this machine on which it fetches a record's health
+            URL (``core.health_reach``); ``--health-ports``.
     """
 
     token: str | None = None
@@ -35,3 +38,4 @@ class AgentSettings:
     state_dir: str | None = None
     gpu_memory_mib: int | None = None
     host: HostIdentity = field(default_factory=host_identity)
+    health_ports: PortRanges = field(default_factory=lambda: parse_ports(DEFAULT_HEALTH_PORTS))

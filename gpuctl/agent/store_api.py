@@ -23,6 +23,11 @@ POST     /records/{job}/stop                 {"holder": id, "pid": N, "pid_start
                                              (a --preemptible run job; job_stop.py)
 =======  ==================================  =========================================
 
+The read-only token is shown each record with its secrets masked (``core.record_mask``):
+its health URL's password and query tokens, and secrets in its failure's error and log
+tail. The write token sees them as written: its holder wrote them, and its client's heal
+fetches that health URL.
+
 Every body is validated (``wire.py``) before the store sees it: a bad value is a 400
 naming its field, never a 503 from deep inside the store. Store calls take a file lock
 and may wait for it, so they run in a worker thread. Every write calls ``on_write``, so
@@ -46,6 +51,7 @@ from gpuctl.agent.http import HttpError
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import Record, apply_update
+from gpuctl.core.record_mask import masked as masked_record
 from gpuctl.core.redact import redact_lines
 from gpuctl.errors import GpuctlError, StoreError, UsageError
 
@@ -172,8 +178,11 @@ class StoreApi:
     def is_write(op: str) -> bool:
         return op not in _READS
 
-    async def handle(self, op: str, service: str | None, body: bytes) -> tuple[int, Any]:
-        """Run one routed request; returns (status, JSON body). Bad input raises HttpError."""
+    async def handle(
+        self, op: str, service: str | None, body: bytes, *, masked: bool = False
+    ) -> tuple[int, Any]:
+        """Run one routed request; returns (status, JSON body). Bad input raises HttpError.
+        ``masked``: the caller holds the read-only token (``core.record_mask``)."""
         if self.store is None:
             return 503, {
                 "error": "this agent has no state directory",
@@ -187,8 +196,10 @@ class StoreApi:
                 # the shared pool (cpu + 4 threads) six of them held every read for 28 s.
                 # Its own pool: stops past STOP_WORKERS wait their turn, reads never do.
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._stops, self._dispatch, op, service, args)
-            return await asyncio.to_thread(self._dispatch, op, service, args)
+                return await loop.run_in_executor(
+                    self._stops, self._dispatch, op, service, args, masked
+                )
+            return await asyncio.to_thread(self._dispatch, op, service, args, masked)
         except RecordError as e:
             return 400, {"error": f"bad request: {e}", "hint": ""}
         except UsageError as e:
@@ -242,13 +253,19 @@ class StoreApi:
                 raise wire.BadRequest("update", str(err)) from None
         return args
 
-    def _dispatch(self, op: str, svc: str | None, args: dict[str, Any]) -> tuple[int, Any]:
+    def _dispatch(
+        self, op: str, svc: str | None, args: dict[str, Any], masked: bool = False
+    ) -> tuple[int, Any]:
         store = self.store
         assert store is not None
+
+        def shown(r: Record) -> dict[str, Any]:
+            return (masked_record(r) if masked else r).to_dict()
+
         if op == "list":
             records, bad = read_all(store)
             out: dict[str, Any] = {
-                "records": [r.to_dict() for r in records],
+                "records": [shown(r) for r in records],
                 "set_aside": [a.to_dict() for a in store.set_aside()],
             }
             if bad:
@@ -271,7 +288,7 @@ class StoreApi:
             return 200, {"left": store.queue_leave(args["holder"])}
         assert svc is not None
         if op == "get":
-            return 200, store.get(svc).to_dict()
+            return 200, shown(store.get(svc))
         if op == "update":
             return 200, store.update(svc, args["holder"], args["update"]).to_dict()
         if op == "acquire":

@@ -22,6 +22,7 @@ from gpuctl.core.conn_limits import (
     DEFAULT_MAX_TOTAL,
     ConnectionLimits,
 )
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS
 from gpuctl.errors import UsageError
 
 
@@ -117,6 +118,16 @@ def register(app: typer.Typer) -> None:
                 metavar="DURATION",
             ),
         ] = 900.0,
+        health_ports: Annotated[
+            str,
+            typer.Option(
+                "--health-ports",
+                help="Ports (8000-8100,9000) on which it fetches the health URL a record "
+                "names, and only at this machine's own addresses (loopback, its interfaces' "
+                "IPs, localhost); 'none': never. Another URL is refused and logged once.",
+                metavar="PORTS",
+            ),
+        ] = DEFAULT_HEALTH_PORTS,
         sim_dir: Annotated[
             Path | None,
             typer.Option(
@@ -229,6 +240,15 @@ def register(app: typer.Typer) -> None:
             keywords = tuple(
                 sorted({w.strip().lower() for w in (match or "").split(",") if w.strip()})
             )
+            from gpuctl.core.health_reach import parse_ports
+
+            try:
+                ports = parse_ports(health_ports)
+            except ValueError as err:
+                raise UsageError(
+                    f"--health-ports: {err}",
+                    hint="name ports and ranges like 8000-8100,9000, or 'none'",
+                ) from None
             level = log_level.lower()
             if level not in (*LOG_LEVELS, "critical"):
                 raise UsageError(
@@ -258,4 +278,5 @@ def register(app: typer.Typer) -> None:
                     head_timeout_s=header_timeout,
                     idle_timeout_s=idle_timeout,
                 ),
+                health_ports=ports,
             )

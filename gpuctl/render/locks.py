@@ -8,6 +8,7 @@ from gpuctl.core.heal import is_repair, last_repair
 from gpuctl.core.jobs import is_job
 from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT, Record
+from gpuctl.core.record_mask import masked
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.core.units import format_duration, format_mib
 
@@ -25,10 +26,11 @@ def _iso(t: float | None) -> str | None:
 
 def locks_to_json(report: LocksReport) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
-    for host, rec, err in report.rows:
-        if rec is None:
+    for host, row, err in report.rows:
+        if row is None:
             rows.append({"host": host, "error": err})
             continue
+        rec = masked(row)  # what gpuctl prints of a record (core.record_mask)
         lease = rec.lease
         rows.append(
             {
@@ -132,9 +134,10 @@ def render_locks(report: LocksReport) -> RenderableType:
         t.add_column(col, no_wrap=not folds, overflow="fold" if folds else "ellipsis")
     now = report.now
     notes: list[Text] = []
-    for host, rec, _err in report.rows:
-        if rec is None:
+    for host, row, _err in report.rows:
+        if row is None:
             continue  # said on stderr (locks_errors): an error squeezed into a cell is unreadable
+        rec = masked(row)
         lease = rec.lease
         holder = f"{lease.entry} pid {lease.pid}@{lease.host}" if lease else "-"
         fail = ""

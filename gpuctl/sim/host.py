@@ -59,6 +59,10 @@ class SimHost:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     agent_port: int = 0
+    # The agent's --health-ports: its model servers listen on ports the kernel picks
+    # (``free_port``, anywhere in the ephemeral range), so it may fetch any unprivileged
+    # port of loopback. The agent's own rule (this machine only) still holds.
+    health_ports: str = "1024-65535"
     _own_root: bool = False
 
     def __enter__(self) -> SimHost:
@@ -132,7 +136,8 @@ class SimHost:
         self, timeout_s: float = 20.0, args: Sequence[str] = (), nofile: int | None = None
     ) -> None:
         """Start ``gpuctl agent --probe sim [ARGS]`` on a free loopback port and wait for
-        /healthz. ``nofile``: the agent's descriptor limit (``spawn``)."""
+        /healthz. ``nofile``: the agent's descriptor limit (``spawn``). ``--health-ports``
+        is ``health_ports`` unless ARGS name it."""
         import urllib.error
         import urllib.request
 
@@ -150,6 +155,7 @@ class SimHost:
                 str(self.state_dir),
                 "--cache-ttl",
                 "0.2s",
+                *([] if "--health-ports" in args else ["--health-ports", self.health_ports]),
                 *args,
             ],
             "agent",
