@@ -17,7 +17,7 @@ from gpuctl.adapters.store import codec, schema
 from gpuctl.agent import job_stop, wire
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.promise import MAX_DEVICE_INDEX
-from gpuctl.core.record import RECORD_SCHEMA, Phase
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
 
 # The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
 # for store failures, a "hint".
@@ -655,7 +655,12 @@ def records_schemas() -> dict[str, Any]:
                     "allOf": [_ref("Holder"), {"properties": {"id": inflight_id}}],
                     "description": "As for a lease; the id names the entry's file.",
                 },
-                "ttl_s": ttl,
+                "ttl_s": {
+                    **ttl,
+                    "maximum": INFLIGHT_TTL_MAX_S,
+                    "description": "Seconds until the entry lapses unless renewed (at most "
+                    f"{INFLIGHT_TTL_MAX_S:g}).",
+                },
             },
         },
         "Waiter": {

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuctl.agent.http import HttpError
-from gpuctl.core.record import Phase
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, Phase
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_DEPTH = 16
@@ -337,8 +337,17 @@ def inflight_id(value: Any, field: str) -> str:
     return text
 
 
+def inflight_ttl(value: Any, field: str = "ttl_s") -> float:
+    """An in-flight entry's term: at most ``INFLIGHT_TTL_MAX_S`` (its user renews it
+    while the request runs); a longer one would keep a server from reclaim for good."""
+    seconds = number(value, field, low=0.0, high=INFLIGHT_TTL_MAX_S)
+    if seconds <= 0:
+        raise BadRequest(field, "must be more than 0 seconds")
+    return seconds
+
+
 def inflight_request(data: dict[str, Any]) -> dict[str, Any]:
-    args = obj(data, "", {"holder": holder, "ttl_s": ttl}, required=("holder", "ttl_s"))
+    args = obj(data, "", {"holder": holder, "ttl_s": inflight_ttl}, required=("holder", "ttl_s"))
     inflight_id(args["holder"].get("id"), "holder.id")
     return args
 
