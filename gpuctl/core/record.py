@@ -427,6 +427,25 @@ ERROR_MAX = 4096
 LOG_TAIL_MAX = 16384
 
 
+def fit_update(update: dict[str, Any]) -> dict[str, Any]:
+    """A record update cut to what the store keeps of it (a failure's error and log
+    tail, an attempt's error, at most ``LOG_TAIL_MAX`` characters each): the agent's
+    request schema allows no more, so a 60 KiB log tail still records the failure."""
+    out = dict(update)
+    f = out.get("failure")
+    if isinstance(f, dict):
+        f = dict(f)
+        if isinstance(f.get("error"), str):
+            f["error"] = f["error"][:LOG_TAIL_MAX]
+        if isinstance(f.get("log_tail"), str):
+            f["log_tail"] = f["log_tail"][-LOG_TAIL_MAX:]
+        out["failure"] = f
+    a = out.get("attempt")
+    if isinstance(a, dict) and isinstance(a.get("error"), str):
+        out["attempt"] = {**a, "error": a["error"][:LOG_TAIL_MAX]}
+    return out
+
+
 def clip(text: str, limit: int = ERROR_MAX) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
