@@ -99,3 +99,43 @@ def test_an_undecodable_record_of_a_loading_server_hides_nothing(
     else:  # nothing left to find it by: it says it cannot tell, and why
         assert s.returncode == 4 and "set aside as unreadable" in said, said
         assert server_pids(server) == [pid]
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "decision"),
+    [("pid", "5150", "UNKNOWN"), ("kind", 7, "LOADING")],
+    ids=["bad-pid", "bad-kind"],
+)
+def test_a_pre_nonce_record_with_one_bad_handle_field_is_never_idle(
+    host: SimHost, names: list[str], field: str, bad: object, decision: str
+) -> None:
+    """A loading server's record an older release wrote (no start nonce), with one handle
+    field off the schema: salvage keeps what passes, and the service reads UNKNOWN where
+    what was kept does not prove its server (the pid was the bad field), LOADING where it
+    does (the kept pid runs), never IDLE, so no second copy starts."""
+    a, server = unique_name("pre"), unique_name("anon")  # its command does not name `a`
+    names += [a, server]
+    port = free_port()
+    cfg = host.write_config(big_service(a, port, server, load_time="600s"))
+    r = run_ensure(cfg, a, "--no-wait")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    (pid,) = server_pids(server)
+    path = host.state_dir / "records" / f"{a}.json"
+    data = json.loads(path.read_text())
+    assert data["handle"]["pid"] == pid
+    data["start_nonce"] = None
+    data["handle"][field] = bad
+    path.write_text(json.dumps(data))
+
+    s = gpuctl(cfg, "status", "--json")
+    assert s.stdout, s.stderr
+    (row,) = [v for v in json.loads(s.stdout)["services"] if v["name"] == a]
+    assert row["decision"] == decision, row
+    if decision == "UNKNOWN":
+        assert "handle" in row["reason"] and f"{a}.json.corrupt-" in row["hint"], row
+        assert f"gpuctl stop {a}" in row["hint"], row
+
+    r = run_ensure(cfg, a, "--no-wait")
+    assert r.returncode == 4 or json.loads(r.stdout)["launched"] is False, (r.stdout, r.stderr)
+    assert server_pids(server) == [pid], "started twice"
+    assert launches_in_log(host.state_dir / "logs" / f"{a}.log") == 1

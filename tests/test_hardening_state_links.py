@@ -18,7 +18,7 @@ import pytest
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.adapters.store.codec import SEQ_MAX, salvage
-from gpuctl.core.record import Lease
+from gpuctl.core.record import Lease, unreadable_handle
 from gpuctl.errors import UsageError
 from gpuctl.sim.host import SimHost
 
@@ -216,3 +216,16 @@ def test_salvage_keeps_the_sound_fields_of_a_pre_nonce_handle() -> None:
     assert rec.handle is not None
     assert rec.handle["pid"] == 5150 and rec.handle["kind"] == "jupyter"
     assert "terminal" not in rec.handle
+
+
+def test_salvage_marks_the_handle_fields_it_dropped() -> None:
+    """The mark is what makes a salvaged handle read UNKNOWN (``unreadable_handle``)."""
+    fixture = Path(__file__).parent / "fixtures" / "records" / "vllm-jupyter.json"
+    data = json.loads(fixture.read_text())
+    data["handle"]["pid"] = "5150"
+    rec = salvage(json.dumps(data).encode(), "vllm-jupyter", time.time())
+    assert rec.handle is not None and "pid" not in rec.handle
+    assert unreadable_handle(rec) == "pid"
+    data["handle"] = [1]
+    rec = salvage(json.dumps(data).encode(), "vllm-jupyter", time.time())
+    assert unreadable_handle(rec) == "*"

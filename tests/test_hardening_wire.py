@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpuctl.agent.wire import MAX_BODY_BYTES
 from gpuctl.sim.host import SimHost
 
 
@@ -23,8 +24,9 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
 
 
 @pytest.mark.parametrize(
-    "body", [b" " * (200 * 1024), b"\n" * (65 * 1024), b"a" * (10 * 1024 * 1024)],
-    ids=["200KiB-spaces", "65KiB-newlines", "10MiB"],
+    "body",
+    [b" " * (MAX_BODY_BYTES + 200 * 1024), b"\n" * (MAX_BODY_BYTES + 1), b"a" * (10 * 1024 * 1024)],
+    ids=["limit+200KiB-spaces", "limit+1-newlines", "10MiB"],
 )  # fmt: skip
 def test_an_oversized_body_is_413(host: SimHost, body: bytes) -> None:
     r = httpx.post(

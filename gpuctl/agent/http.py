@@ -129,7 +129,10 @@ class Request:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await self._drain(size)
+                # Drain only a body still coming: after its last chunk, another receive
+                # waits for a disconnect that never comes, and the 413 is never sent.
+                if message.get("more_body", False):
+                    await self._drain(size)
                 raise HttpError(413, f"request body over {limit} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -273,7 +273,7 @@ def records_schemas() -> dict[str, Any]:
             {"type": "boolean"},
             {"type": "integer", "minimum": -(2**53), "maximum": 2**53},
             {"type": "number", "minimum": -1e15, "maximum": 1e15},
-            text(4096),
+            text(wire.MAX_EXTRA_TEXT),
         ]
     }
     extra = {
@@ -492,7 +492,7 @@ def records_schemas() -> dict[str, Any]:
                             ),
                             "proof": nullable(text(255)),
                         },
-                        "maxProperties": 9 + schema.MAX_EXTRA_KEYS,
+                        "maxProperties": len(wire.HANDLE_KNOWN) + schema.MAX_EXTRA_KEYS,
                         **extra,
                     }
                 ),
@@ -509,9 +509,9 @@ def records_schemas() -> dict[str, Any]:
                         },
                         "launcher": text(32),
                         "outcome": text(32),
-                        "error": nullable(text(codec.TEXT_MAX)),
+                        "error": nullable(text(wire.MAX_TEXT)),
                     },
-                    "maxProperties": 6 + schema.MAX_EXTRA_KEYS,
+                    "maxProperties": len(wire.ATTEMPT_KNOWN) + schema.MAX_EXTRA_KEYS,
                     **extra,
                 },
                 "failure": nullable(
@@ -522,8 +522,8 @@ def records_schemas() -> dict[str, Any]:
                         ),
                         "additionalProperties": False,
                         "properties": {
-                            "error": text(codec.TEXT_MAX),
-                            "log_tail": text(codec.TEXT_MAX),
+                            "error": text(wire.MAX_TEXT),
+                            "log_tail": text(wire.MAX_TEXT),
                         },
                     }
                 ),

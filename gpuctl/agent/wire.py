@@ -18,15 +18,39 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from gpuctl.adapters.store.schema import MAX_EXTRA_KEYS
+from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S, Phase
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, LOG_TAIL_MAX, Phase
 
-MAX_BODY_BYTES = 64 * 1024
+# The HTTP reader's own limit (and a record file's, ``codec.MAX_RECORD_BYTES``): every
+# body the request schemas allow fits under it (``MAX_TEXT``, ``MAX_EXTRA_TEXT``, tested
+# against /openapi.json), so no body the schema allows gets a 413.
+MAX_BODY_BYTES = http.MAX_BODY_BYTES
 MAX_DEPTH = 16
 # Linux's PID_MAX_LIMIT (2^22): no pid on any Linux host is larger.
 PID_MAX = 4_194_304
 MAX_TTL_S = 7 * 24 * 3600.0
-MAX_TEXT = 64 * 1024
+# A failure's error and log tail, an attempt's error: the store keeps no more than the
+# last 16 KiB of a log tail (``core.record.LOG_TAIL_MAX``), so a client clips to it.
+MAX_TEXT = LOG_TAIL_MAX
+# A free value in a handle or an attempt (what a launcher adds): a name, a path.
+MAX_EXTRA_TEXT = 1024
+# The known fields of each (``codec.HANDLE_FIELDS`` + ``proof``; ``codec.ATTEMPT_FIELDS``).
+HANDLE_KNOWN = frozenset(
+    {
+        "kind",
+        "pid",
+        "pid_start",
+        "container_id",
+        "container_name",
+        "terminal",
+        "log",
+        "pid_ns",
+        "proof",
+    }
+)
+ATTEMPT_KNOWN = frozenset({"started", "ended", "duration_s", "launcher", "outcome", "error"})
 MAX_SHORT_TEXT = 256
 # Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
 MAX_EPOCH_S = 1e11
@@ -187,11 +211,28 @@ def obj(
     return out
 
 
-def free_object(value: Any, field: str) -> dict[str, Any]:
-    """A free-form object (a handle, an attempt): bounded by the body's size and depth;
-    a ``pid`` in it must still be a pid, and its times finite."""
-    if not isinstance(value, dict):
-        raise BadRequest(field, f"expected an object, got {_kind(value)}")
+def free_object(known: frozenset[str]) -> Callable[[Any, str], dict[str, Any]]:
+    """A free-form object (a handle, an attempt) as /openapi.json bounds it: at most
+    ``MAX_EXTRA_KEYS`` keys beyond ``known``, each free string at most
+    ``MAX_EXTRA_TEXT`` characters (an ``error``: ``MAX_TEXT``); a ``pid`` in it must
+    still be a pid, and its times finite. The store then checks its own schema."""
+
+    def check(value: Any, field: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise BadRequest(field, f"expected an object, got {_kind(value)}")
+        extra = [k for k in value if k not in known]
+        if len(extra) > MAX_EXTRA_KEYS:
+            raise BadRequest(field, f"{len(extra)} unknown fields, at most {MAX_EXTRA_KEYS}")
+        for key, item in value.items():
+            most = MAX_TEXT if key == "error" else MAX_EXTRA_TEXT
+            if isinstance(item, str) and key not in known - {"error"} and len(item) > most:
+                raise BadRequest(f"{field}.{key}", f"{len(item)} characters, at most {most}")
+        return _free_fields(value, field)
+
+    return check
+
+
+def _free_fields(value: dict[str, Any], field: str) -> dict[str, Any]:
     if "pid" in value and value["pid"] is not None:
         pid(value["pid"], f"{field}.pid")
     for key in ("pid_start", "started", "ended", "duration_s"):
@@ -255,8 +296,8 @@ def record_update(value: Any, field: str) -> dict[str, Any]:
         field,
         {
             "phase": _phase,
-            "handle": nullable(free_object),
-            "attempt": free_object,
+            "handle": nullable(free_object(HANDLE_KNOWN)),
+            "attempt": free_object(ATTEMPT_KNOWN),
             "failure": nullable(failure),
             "touch": boolean,
             # Fields of the store's schema that this agent passes on (the store applies them).

@@ -264,6 +264,25 @@ def hidden_by_set_aside(
     return latest
 
 
+# The key salvage adds to a handle it could not keep whole (``codec.salvage``): the names
+# of the fields it dropped, comma-separated ("*": the handle was not an object). Such a
+# handle may have lost the one field that finds its server (the pid of a record an
+# older release wrote, with no start nonce to fall back on), so it means UNKNOWN until
+# a start or a stop writes a sound one: never IDLE, which let a second copy start.
+UNREADABLE_KEY = "unreadable"
+# Phases in which a record's handle stands for a server that may run.
+SERVER_PHASES = frozenset({Phase.STARTING, Phase.RUNNING, Phase.SLEEPING, Phase.STOPPING})
+
+
+def unreadable_handle(record: Record | None) -> str | None:
+    """The handle fields salvage dropped from a record of a server that may run, or
+    None (a sound handle, or a phase with no server)."""
+    if record is None or record.phase not in SERVER_PHASES or not record.handle:
+        return None
+    dropped = record.handle.get(UNREADABLE_KEY)
+    return str(dropped) if dropped is not None else None
+
+
 def backoff_s(count: int) -> float:
     """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min."""
     if count <= 0:
@@ -406,6 +425,25 @@ _PHASES = tuple(p.value for p in Phase)
 # that printed a megabyte of progress bars must not make its record unwritable.
 ERROR_MAX = 4096
 LOG_TAIL_MAX = 16384
+
+
+def fit_update(update: dict[str, Any]) -> dict[str, Any]:
+    """A record update cut to what the store keeps of it (a failure's error and log
+    tail, an attempt's error, at most ``LOG_TAIL_MAX`` characters each): the agent's
+    request schema allows no more, so a 60 KiB log tail still records the failure."""
+    out = dict(update)
+    f = out.get("failure")
+    if isinstance(f, dict):
+        f = dict(f)
+        if isinstance(f.get("error"), str):
+            f["error"] = f["error"][:LOG_TAIL_MAX]
+        if isinstance(f.get("log_tail"), str):
+            f["log_tail"] = f["log_tail"][-LOG_TAIL_MAX:]
+        out["failure"] = f
+    a = out.get("attempt")
+    if isinstance(a, dict) and isinstance(a.get("error"), str):
+        out["attempt"] = {**a, "error": a["error"][:LOG_TAIL_MAX]}
+    return out
 
 
 def clip(text: str, limit: int = ERROR_MAX) -> str:

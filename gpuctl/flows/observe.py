@@ -38,6 +38,7 @@ from gpuctl.core.record import (
     SetAside,
     hidden_by_set_aside,
     starting_services,
+    unreadable_handle,
 )
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.core.timestamps import iso_utc
@@ -232,6 +233,16 @@ def decide(
         if aside is not None:
             reason, hint = hidden_words(svc, aside)
             return replace(verdict, decision=Decision.UNKNOWN, reason=reason, hint=hint)
+    dropped = unreadable_handle(own)
+    if dropped is not None and verdict.decision not in (
+        Decision.READY,
+        Decision.SLEEPING,
+        Decision.UNKNOWN,
+        Decision.LOADING,
+    ):
+        # What salvage kept did not prove its server (a LOADING did): it may run unseen.
+        reason, hint = unreadable_words(svc, own, dropped, seen.set_aside)
+        return replace(verdict, decision=Decision.UNKNOWN, reason=reason, hint=hint, plan=None)
     if verdict.decision in (Decision.IDLE, Decision.FITS, Decision.PREEMPTABLE):
         unknown = unknown_promises(seen, others, me=svc.name)
         if unknown:
@@ -263,6 +274,22 @@ def unknown_words(names: Sequence[str], records: Mapping[str, Record]) -> tuple[
         f"it is unknown",
         f"run `gpuctl touch {first}` (or ensure it) from a config that names it, which "
         "writes its figures into the record; or stop it there",
+    )
+
+
+def unreadable_words(
+    svc: ServiceSpec, rec: Record | None, dropped: str, set_aside: Sequence[SetAside]
+) -> tuple[str, str]:
+    """(reason, hint) for a record whose handle salvage could not keep whole."""
+    copies = [a for a in set_aside if a.service == svc.name]
+    kept = max(copies, key=lambda a: a.at) if copies else None
+    file = f"records/{kept.file}" if kept else f"the set-aside copy of records/{svc.name}.json"
+    phase = rec.phase.value if rec is not None else "running"
+    return (
+        f"its record says {phase}, but its handle was unreadable ({dropped} failed the "
+        f"schema; the file was kept as {file}): its server may run unseen",
+        f"look for its server (`gpuctl status --wide`, `ps`); if it runs, stop it by hand; "
+        f"then `gpuctl stop {svc.name}` clears the record, and remove {file} once seen",
     )
 
 
@@ -307,11 +334,16 @@ def _accounting(
     promised = [
         *starting_services(seen.records.values(), exclude=me),
         *orphaned_starts(seen.records.values(), [*configured, *foreign], now, exclude=me),
-        # A start a set-aside record may hide counts at its budget too.
+        # A start a set-aside record may hide counts at its budget too, and so does a
+        # server whose handle salvage could not keep whole.
         *(
             s.name
             for s in services
-            if s.name != me and hidden_start(seen, s, seen.records.get(s.name), now)
+            if s.name != me
+            and (
+                hidden_start(seen, s, rec := seen.records.get(s.name), now)
+                or unreadable_handle(rec) is not None
+            )
         ),
     ]
     return specs, promised

@@ -40,7 +40,9 @@ class Handle:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Handle:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        # A salvaged handle may have lost its kind (``codec.salvage``): "" is no
+        # launcher's, so nothing acts on it as if it knew whose server it is.
+        return cls(**{"kind": "", **{k: v for k, v in data.items() if k in names}})
 
 
 class Launcher(Protocol):

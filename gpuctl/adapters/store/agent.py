@@ -18,7 +18,7 @@ from gpuctl.adapters.store.codec import (
 )
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Holder, Listing, Record, SetAside
+from gpuctl.core.record import Holder, Listing, Record, SetAside, fit_update
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
@@ -191,14 +191,16 @@ class AgentStore:
             self._call(
                 "POST",
                 f"/records/{check_name(service)}/lease/release",
-                {"holder": holder_id, "update": update or {}},
+                {"holder": holder_id, "update": fit_update(update or {})},
             )
         )
 
     def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
         return self._record(
             self._call(
-                "PATCH", f"/records/{check_name(service)}", {"holder": holder_id, "update": update}
+                "PATCH",
+                f"/records/{check_name(service)}",
+                {"holder": holder_id, "update": fit_update(update)},
             )
         )
 

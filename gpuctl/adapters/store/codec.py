@@ -51,6 +51,7 @@ from gpuctl.core.promise import MAX_DEVICE_INDEX, Promise
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S, Waiter
 from gpuctl.core.record import (
     RECORD_SCHEMA,
+    UNREADABLE_KEY,
     Failure,
     Holder,
     Lease,
@@ -90,6 +91,8 @@ __all__ = [
 ]
 
 MAX_RECORD_BYTES: Final = 1 << 20
+# The longest mark salvage leaves in a handle (``UNREADABLE_KEY``): a list of names.
+MARK_MAX: Final = 256
 PID_MAX: Final = 1 << 22
 TIME_MAX: Final = 4_102_444_800.0  # 2100-01-01T00:00:00Z
 DURATION_MAX: Final = 10 * 365 * 86_400.0
@@ -431,25 +434,47 @@ def _sound_fields(raw: bytes, service: str) -> dict[str, Any]:
         if name in data and name not in ("service", "recovered"):
             with contextlib.suppress(RecordError):
                 kept[name] = check(data[name], f"$.{name}")
-    if "handle" not in kept and type(data.get("handle")) is dict:
+    if "handle" not in kept and data.get("handle") is not None:
         kept["handle"] = _sound_handle(data["handle"])
     return kept
 
 
-def _sound_handle(handle: dict[str, Any]) -> dict[str, Any] | None:
+def _sound_handle(handle: Any) -> dict[str, Any]:
     """The fields of a handle that pass on their own (a pre-nonce record's one bad field
-    must not lose the pid that finds its server), or None when none does. What a
-    handle's reader cannot use whole, it treats as unknown, never as no server."""
+    must not lose the pid that finds its server), marked with the names of those that
+    did not (``core.record.UNREADABLE_KEY``): a reader treats what it cannot use whole as
+    unknown, never as no server (``core.record.unreadable_handle``)."""
+    if type(handle) is not dict:
+        return {UNREADABLE_KEY: "*"}
     out: dict[str, Any] = {}
-    for key, value in list(handle.items())[: MAX_EXTRA_KEYS + len(HANDLE_FIELDS)]:
-        if not isinstance(key, str):
+    dropped: list[str] = []
+    extras = 0
+    for key, value in handle.items():
+        if not isinstance(key, str) or key == UNREADABLE_KEY:
             continue
-        check = HANDLE_FIELDS[key][0] if key in HANDLE_FIELDS else scalar
-        with contextlib.suppress(RecordError):
-            out[key] = check(value, f"$.handle.{key}")
-    with contextlib.suppress(RecordError):
-        return dict(RECORD_FIELDS["handle"][0](out, "$.handle"))
-    return None
+        known = key in HANDLE_FIELDS
+        if not known and extras >= MAX_EXTRA_KEYS - 1:  # room for the mark
+            dropped.append(key)
+            continue
+        try:
+            out[key] = (HANDLE_FIELDS[key][0] if known else scalar)(value, f"$.handle.{key}")
+        except RecordError:
+            dropped.append(key)
+            continue
+        if not known:
+            extras += 1
+    try:
+        return dict(_HANDLE({**out, UNREADABLE_KEY: _names(dropped)}, "$.handle"))
+    except RecordError:
+        # A run job's handle without a sound budget: its pid would count as holding
+        # nothing, so nothing of it is kept but the mark (the service reads UNKNOWN).
+        return {UNREADABLE_KEY: _names([*dropped, *out])}
+
+
+def _names(dropped: list[str]) -> str:
+    """The dropped fields' names as one mark value, within a handle value's bound."""
+    text = ",".join(n.replace(",", "_") for n in dropped) or "*"
+    return text if len(text) <= MARK_MAX else text[: MARK_MAX - 3] + "..."
 
 
 def service_named(text: str, service: str) -> bool:
