@@ -246,6 +246,10 @@ class DirectStore(InflightFiles, QueueFiles):
         ``MAX_VOIDED_LISTED`` kept copies."""
         from gpuctl.adapters import procinfo
 
+        # Their readers set aside the forged entries they find; nobody may have read
+        # them since they were planted.
+        self.inflight()
+        self.waiters()
         try:
             raw = [self._load(n) for n in [*self._record_names(), *PSEUDO_LEASES]]
             # As on disk (``get`` would drop the void lease it is asked about); a record
