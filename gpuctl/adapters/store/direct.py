@@ -38,7 +38,6 @@ from gpuctl.adapters.store.codec import (
     salvage,
 )
 from gpuctl.adapters.store.files import (
-    VOID_SUFFIX,
     Folder,
     FolderLock,
     NotAFile,
@@ -48,7 +47,7 @@ from gpuctl.adapters.store.files import (
 )
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.adapters.store.queue import QueueFiles
-from gpuctl.adapters.store.voided import PSEUDO_LEASES
+from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (

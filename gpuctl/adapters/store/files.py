@@ -322,23 +322,6 @@ def set_aside_junk(folder: Folder, name: str, now: float, why: object) -> None:
     log.warning("%s is not a sound entry (%s); set aside as %s", folder.path / name, why_text, kept)
 
 
-# A lease or entry found forged (``core.record.void_why``): ``<name>.void-<time>``.
-VOID_SUFFIX: Final = ".void-"
-
-
-def set_aside_void(folder: Folder, name: str, now: float, why: str) -> None:
-    """A queue or in-flight entry found forged: renamed beside itself once, kept for a
-    person (``gpuctl locks`` shows who held it and why it is void) and logged once. It
-    counts for nothing either way; a reader that may not rename it deletes it."""
-    try:
-        kept = folder.set_aside(name, VOID_SUFFIX, now)
-    except OSError:
-        with contextlib.suppress(OSError):
-            folder.unlink(name)
-        return
-    log.warning("%s is void (%s); set aside as %s", folder.path / name, why, kept)
-
-
 class FolderLock:
     """A held ``flock``; ``release()`` frees it (closing the descriptor)."""
 

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuctl.adapters.store.base import _NAME, check_name
 from gpuctl.adapters.store.codec import RecordError, decode_lease, parse_json
-from gpuctl.adapters.store.files import Folder, set_aside_junk, set_aside_void
+from gpuctl.adapters.store.files import Folder, set_aside_junk
+from gpuctl.adapters.store.voided import set_aside_void
 from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
     Holder,

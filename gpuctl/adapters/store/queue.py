@@ -35,7 +35,8 @@ from gpuctl.adapters.store.codec import (
     decode_waiter,
     parse_json,
 )
-from gpuctl.adapters.store.files import Folder, set_aside_junk, set_aside_void
+from gpuctl.adapters.store.files import Folder, set_aside_junk
+from gpuctl.adapters.store.voided import set_aside_void
 from gpuctl.core.queue import Waiter, in_order, overlived
 from gpuctl.core.record import Holder, LeaseState, lease_state, void_why
 from gpuctl.errors import StoreError, UsageError

@@ -18,9 +18,12 @@ are read (each a small bounded read), and one row counts the rest.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Final
 
 from gpuctl.adapters.store.base import _NAME
 from gpuctl.adapters.store.codec import (
@@ -42,6 +45,24 @@ from gpuctl.core.record import (
     void_why,
 )
 
+# A lease or entry found forged (``core.record.void_why``): ``<name>.void-<time>``.
+VOID_SUFFIX: Final = ".void-"
+
+
+def set_aside_void(folder: Folder, name: str, now: float, why: str) -> None:
+    """A queue or in-flight entry found forged: renamed beside itself once, kept for a
+    person (``gpuctl locks`` shows who held it and why it is void) and logged once. It
+    counts for nothing either way; a reader that may not rename it deletes it."""
+    try:
+        kept = folder.set_aside(name, VOID_SUFFIX, now)
+    except OSError:
+        with contextlib.suppress(OSError):
+            folder.unlink(name)
+        return
+    log.warning("%s is void (%s); set aside as %s", folder.path / name, why, kept)
+
+
+log = logging.getLogger("gpuctl.store")
 MAX_VOIDED_LISTED = 100
 _ENTRY_BYTES = 4096
 # ``<name>.json.void-<time>`` (``-1``, ``-2`` … when two land in one second).
