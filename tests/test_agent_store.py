@@ -38,6 +38,7 @@ RECORD_PATHS = {
     "/records/{service}/inflight/end": {"post"},
     "/records/{service}/stop": {"post"},
     "/records/_inflight": {"get"},
+    "/records/_voided": {"get"},
     "/records/_queue": {"get", "post"},
     "/records/_queue/leave": {"post"},
 }

@@ -1,6 +1,6 @@
 """The /records part of the agent's OpenAPI document: the state store's paths and schemas.
 
-Long because it is one declarative document (fourteen operations and their request and
+Long because it is one declarative document (fifteen operations and their request and
 answer schemas, each bound spelled out) that reads best whole; it holds no logic.
 
 The request schemas say exactly what the agent accepts (``gpuctl.agent.wire`` and the
@@ -188,6 +188,17 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 "summary": "Live in-flight holders per service (services that have some).",
                 "responses": {
                     "200": ok("InflightList", "Counts by service."),
+                    **reads,
+                },
+            }
+        },
+        "/records/_voided": {
+            "get": {
+                "summary": "Leases and in-flight and queue entries found forged (a term longer "
+                "than their kind's, a holder at pid 1 or without a start time on this host): "
+                "they count for nothing, and are kept for a person (`gpuctl locks`).",
+                "responses": {
+                    "200": ok("VoidedList", "Oldest first; one `more` row counts the rest."),
                     **reads,
                 },
             }
@@ -446,6 +457,30 @@ def records_schemas() -> dict[str, Any]:
                 "size": {"type": "integer", "minimum": 0},
                 "why": {"type": "string", "description": "Where it failed the schema."},
             },
+        },
+        "Voided": {
+            "type": "object",
+            "description": "A lease or entry found forged (`gpuctl locks` shows it).",
+            "required": list(codec.VOIDED_FIELDS),
+            "properties": {
+                "kind": {"type": "string", "enum": list(codec.VOIDED_KINDS)},
+                "service": {"type": "string", "minLength": 1, "maxLength": 255},
+                "file": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 300,
+                    "description": "Where it is, under the state folder.",
+                },
+                "host": {"type": "string", "maxLength": 255, "description": "Its holder's."},
+                "pid": {"type": "integer", "minimum": 0, "maximum": codec.PID_MAX},
+                "at": {**epoch, "description": "When it was set aside (or granted)."},
+                "why": {"type": "string", "maxLength": 4096},
+            },
+        },
+        "VoidedList": {
+            "type": "object",
+            "required": ["voided"],
+            "properties": {"voided": {"type": "array", "items": _ref("Voided")}},
         },
         "RecordList": {
             "type": "object",

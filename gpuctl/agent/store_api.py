@@ -14,6 +14,8 @@ POST     /records/{svc}/inflight             {"holder": {…}, "ttl_s": N} → {
 POST     /records/{svc}/inflight/renew       {"holder": {…}, "ttl_s": N} → record
 POST     /records/{svc}/inflight/end         {"holder": id} → record
 GET      /records/_inflight                  {"inflight": {svc: holders, …}}
+GET      /records/_voided                    {"voided": [voided, …]} (forged leases and
+                                             entries, kept for a person; gpuctl locks)
 GET      /records/_queue                     {"queue": [waiter, …]} (in the order served)
 POST     /records/_queue                     {"holder": {…}, "ttl_s", "name", "priority",
                                              "memory_mib"} → {"waiter", "queue"} (join/renew)
@@ -69,7 +71,7 @@ _ROUTES: dict[tuple[str, ...], dict[str, str]] = {
     ("inflight", "end"): {"POST": "inflight_end"},
     ("stop",): {"POST": "stop_job"},
 }
-_READS = frozenset({"list", "get", "inflight_list", "queue_list"})
+_READS = frozenset({"list", "get", "inflight_list", "queue_list", "voided_list"})
 # The wait queue (``gpuctl.adapters.store.queue``): not a service, so routed on its own.
 _QUEUE_ROUTES: dict[tuple[str, ...], dict[str, str]] = {
     (): {"GET": "queue_list", "POST": "queue_join"},
@@ -147,12 +149,12 @@ class StoreApi:
                 "use GET",
                 [(b"allow", b"GET, HEAD")],
             )
-        if parts == ["_inflight"]:
+        if parts in (["_inflight"], ["_voided"]):
             if method in ("GET", "HEAD"):
-                return "inflight_list", None
+                return f"{parts[0][1:]}_list", None
             raise HttpError(
                 405,
-                f"{method} is not allowed on /records/_inflight",
+                f"{method} is not allowed on /records/{parts[0]}",
                 "use GET",
                 [(b"allow", b"GET, HEAD")],
             )
@@ -273,6 +275,9 @@ class StoreApi:
             return 200, out
         if op == "inflight_list":
             return 200, {"inflight": store.inflight()}
+        if op == "voided_list":
+            # Hosts and pids only, no secrets: the read token sees them as written.
+            return 200, {"voided": [v.to_dict() for v in store.voided()]}
         if op == "queue_list":
             return 200, {"queue": [w.to_dict() for w in store.waiters()]}
         if op == "queue_join":

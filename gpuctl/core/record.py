@@ -317,6 +317,59 @@ def overlong(lease: Lease, now: float, longest: float | None) -> bool:
     return lease.expires - lease.granted > most or lease.expires - now > most
 
 
+def void_why(
+    lease: Lease, now: float, *, here_host: str, here_boot_id: str, longest: float | None
+) -> str | None:
+    """Why gpuctl never wrote this lease (or in-flight or queue entry) as it stands, so
+    it counts for nothing whoever holds it; None: it may be sound. What ``gpuctl locks``
+    shows for each one voided.
+
+    pid 1 is never a gpuctl holder (it would be alive for ever), and every holder on
+    this host records its start time (the pid-reuse check): without it, it is forged.
+    A term longer than its kind's documented one is forged wherever it was taken.
+    """
+    if lease.host == here_host and lease.boot_id == here_boot_id:
+        if lease.pid == 1:
+            return "holder at pid 1"
+        if lease.pid_start is None:
+            return "holder without a start time on this host"
+    if overlong(lease, now, longest):
+        assert longest is not None
+        return f"term longer than {longest:.0f} s"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Voided:
+    """A lease or an entry found forged (``void_why``), for ``gpuctl locks`` to show.
+
+    ``kind``: ``lease`` (a record's, ``_reclaim``'s or ``_admission``'s), ``inflight``
+    or ``queue``; ``service``: the record, the in-flight entry's service, or ``_queue``;
+    ``file``: where it is, under the state folder; ``at``: when it was set aside (a
+    lease still in its record: when it was granted). A summary row (``kind`` ``more``)
+    counts the copies not read.
+    """
+
+    kind: str
+    service: str
+    file: str
+    host: str
+    pid: int
+    at: float
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "service": self.service,
+            "file": self.file,
+            "host": self.host,
+            "pid": self.pid,
+            "at": self.at,
+            "why": self.why,
+        }
+
+
 class LeaseState(StrEnum):
     NONE = "none"
     LIVE = "live"
@@ -343,11 +396,9 @@ def lease_state(
     if lease is None:
         return LeaseState.NONE
     same_host = lease.host == here_host and lease.boot_id == here_boot_id
-    # pid 1 is never a gpuctl holder (it would be alive for ever), and every holder on
-    # this host records its start time (the pid-reuse check): without it, it is forged.
-    if same_host and (holder_alive is False or lease.pid == 1 or lease.pid_start is None):
+    if same_host and holder_alive is False:
         return LeaseState.VOID
-    if overlong(lease, now, longest):
+    if void_why(lease, now, here_host=here_host, here_boot_id=here_boot_id, longest=longest):
         return LeaseState.VOID
     if now >= lease.expires:
         return LeaseState.EXPIRED

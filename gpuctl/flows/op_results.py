@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Any
 
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Record, SetAside
+from gpuctl.core.record import Record, SetAside, Voided
 from gpuctl.errors import ExitCode
 
 
@@ -120,6 +120,9 @@ class LocksReport:
     # (host, service) of the services this config names: a record of any other is
     # another config's (counted at its promise) or a job's.
     configured: set[tuple[str, str]] = field(default_factory=set)
+    # Leases and entries found forged (``core.record.void_why``), per host: they count
+    # for nothing, and are kept until someone removes them (``adapters.store.voided``).
+    voided: list[tuple[str, Voided]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -11,7 +11,7 @@ from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Phase, Record, SetAside, hidden_by_set_aside
+from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_aside
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
@@ -197,7 +197,8 @@ def touch(deps: EnsureDeps) -> TouchResult:
 
 def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
     """Every configured service's record on each host (a host that fails is reported),
-    the record files each store set aside as unreadable, and each host's wait queue.
+    the record files each store set aside as unreadable, each host's wait queue, and the
+    leases and entries it found forged (voided).
 
     The records of ``gpuctl run`` jobs that ended more than an hour ago are counted, not
     listed, unless ``finished`` (``core.jobs.finished_long_ago``)."""
@@ -207,6 +208,7 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
     aside: list[tuple[str, SetAside]] = []
     hints: dict[str, str | None] = {}
     queue: list[tuple[str, Waiter]] = []
+    voided: list[tuple[str, Voided]] = []
     repaired: list[tuple[str, str]] = []
     for h in deps.hosts:
         names = [s.name for s in deps.config.services_on(h.name)]
@@ -238,6 +240,10 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
             rows.append((h.name, None, e.message))
             hints[h.name] = e.hint
             continue
+        # Only `locks` asks (it reads every record again, and the kept copies): `status`
+        # never pays for it. An agent older than this list answers 404: it lists none.
+        with contextlib.suppress(GpuctlError):
+            voided += [(h.name, v) for v in store.voided()]
         aside += [(h.name, a) for a in kept]
         last_kept = {a.service: a for a in sorted(kept, key=lambda a: a.at)}
         for n in names:
@@ -257,6 +263,7 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
         queue,
         hidden_jobs=hidden,
         repaired=repaired,
+        voided=voided,
         configured=configured,
     )
 

@@ -84,12 +84,25 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
         }
         for i, (host, w) in enumerate(report.queue)
     ]
+    voided = [
+        {
+            "host": host,
+            "kind": v.kind,
+            "service": v.service,
+            "file": v.file,
+            "holder": {"host": v.host, "pid": v.pid},
+            "at": _iso(v.at),
+            "why": v.why,
+        }
+        for host, v in report.voided
+    ]
     return {
         "schema": 1,
         "ok": report.ok,
         "records": rows,
         "set_aside": aside,
         "queue": queue,
+        "voided": voided,
         "hidden_jobs": report.hidden_jobs,
     }
 
@@ -204,6 +217,8 @@ def render_locks(report: LocksReport) -> RenderableType:
     parts: list[RenderableType] = [t, *notes] if t.row_count else [*notes]
     if report.queue:
         parts += [Text(""), _queue_table(report)]
+    if report.voided:
+        parts += [Text(""), _voided_table(report)]
     return Group(*parts) if len(parts) != 1 else parts[0]
 
 
@@ -230,6 +245,23 @@ def _queue_table(report: LocksReport) -> RenderableType:
             f"{_clock(w.since)} ({format_duration(report.now - w.since)})",
             plain(f"{h.entry} pid {h.pid}@{h.host}"),
         )
+    return t
+
+
+def _voided_table(report: LocksReport) -> RenderableType:
+    """The leases and entries found forged: they count for nothing, and are kept (who
+    planted them is worth a look) until someone removes the file."""
+    from rich.table import Table
+
+    from gpuctl.render.safe import plain
+
+    t = Table(header_style="bold", box=None, pad_edge=False, title="voided (count for nothing)")
+    for col in ("HOST", "KIND", "SERVICE", "HOLDER", "WHY", "FILE"):
+        fold = col in ("WHY", "FILE")
+        t.add_column(col, no_wrap=not fold, overflow="fold" if fold else "ellipsis")
+    for host, v in report.voided:
+        holder = f"pid {v.pid}@{v.host}" if v.pid else "-"
+        t.add_row(plain(host), v.kind, plain(v.service), plain(holder), plain(v.why), plain(v.file))
     return t
 
 

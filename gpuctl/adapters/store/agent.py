@@ -13,12 +13,13 @@ from gpuctl.adapters.store.base import check_name
 from gpuctl.adapters.store.codec import (
     decode_record,
     decode_set_aside,
+    decode_voided,
     decode_waiter,
     decode_waiters,
 )
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Holder, Listing, Record, SetAside, fit_update
+from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided, fit_update
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
@@ -274,6 +275,15 @@ class AgentStore:
         if not isinstance(killed, bool):
             raise self._broken("a job stop answer without a boolean 'killed'")
         return killed
+
+    def voided(self) -> list[Voided]:
+        from gpuctl.adapters.store.codec import RecordError
+
+        data = self._call("GET", "/records/_voided")
+        try:
+            return decode_voided(data.get("voided") if isinstance(data, dict) else None)
+        except RecordError as e:
+            raise self._broken(f"a broken list of voided leases ({e})") from None
 
     def inflight(self) -> dict[str, int]:
         from gpuctl.errors import AgentUnavailable

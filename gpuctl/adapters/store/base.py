@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Holder, Listing, Record, SetAside
+from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided
 from gpuctl.errors import UsageError
 
 # The one rule for names, shared with the config and the agent's OpenAPI document.
@@ -37,6 +37,11 @@ class Store(Protocol):
     def set_aside(self) -> list[SetAside]:
         """The record files that failed validation and were kept (``gpuctl locks`` lists
         them until someone removes them)."""
+        ...
+
+    def voided(self) -> list[Voided]:
+        """The leases and entries found forged (``core.record.void_why``) and kept for a
+        person (``gpuctl locks`` shows them; ``adapters.store.voided``)."""
         ...
 
     def acquire(

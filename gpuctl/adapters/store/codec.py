@@ -58,6 +58,7 @@ from gpuctl.core.record import (
     Phase,
     Record,
     SetAside,
+    Voided,
 )
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "decode_promise",
     "decode_record",
     "decode_set_aside",
+    "decode_voided",
     "decode_waiter",
     "decode_waiters",
     "encode_record",
@@ -246,6 +248,19 @@ SET_ASIDE_FIELDS: Final = {
 MAX_SET_ASIDE: Final = 10_000
 _SET_ASIDE_LIST = array(obj(SET_ASIDE_FIELDS), MAX_SET_ASIDE)
 
+# A lease or entry found forged (``core.record.Voided``; ``GET /records/_voided``).
+VOIDED_KINDS: Final = ("lease", "inflight", "queue", "more")
+VOIDED_FIELDS: Final = {
+    "kind": (one_of(*VOIDED_KINDS), REQUIRED),
+    "service": (text(255, min_len=1), REQUIRED),
+    "file": (text(300, min_len=1), REQUIRED),
+    "host": (text(255), REQUIRED),
+    "pid": (integer(0, PID_MAX), REQUIRED),
+    "at": (TIME, REQUIRED),
+    "why": (text(4096), REQUIRED),
+}
+_VOIDED_LIST = array(obj(VOIDED_FIELDS), MAX_SET_ASIDE)
+
 # A wait-queue entry (``core.queue.Waiter``): its holder's id names its file, so it is
 # letters and digits only (gpuctl's are uuid hex).
 QUEUE_ID = re.compile(r"[A-Za-z0-9]{1,64}")
@@ -339,6 +354,11 @@ def decode_holder(data: Any, at: str = "$.holder") -> Holder:
 def decode_set_aside(data: Any, at: str = "$.set_aside") -> list[SetAside]:
     """The agent's list of set-aside record files (``GET /records``)."""
     return [SetAside(**v) for v in _SET_ASIDE_LIST(data, at)]
+
+
+def decode_voided(data: Any, at: str = "$.voided") -> list[Voided]:
+    """The agent's list of voided leases and entries (``GET /records/_voided``)."""
+    return [Voided(**v) for v in _VOIDED_LIST(data, at)]
 
 
 def decode_waiter(data: Any, at: str = "$") -> Waiter:

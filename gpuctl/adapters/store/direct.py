@@ -43,9 +43,12 @@ from gpuctl.adapters.store.files import (
     NotAFile,
     folder_modes,
     make_state_dirs,
+    set_aside_name,
 )
 from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.adapters.store.queue import QueueFiles
+from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
+from gpuctl.adapters.store.voided import voided as list_voided
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     TERM_MAX_S,
@@ -55,9 +58,11 @@ from gpuctl.core.record import (
     Phase,
     Record,
     SetAside,
+    Voided,
     apply_update,
     clip,
     lease_state,
+    void_why,
 )
 from gpuctl.core.record_pids import pid_is_here
 from gpuctl.errors import StoreError, UsageError
@@ -206,6 +211,56 @@ class DirectStore(InflightFiles, QueueFiles):
             return rec, state
         return replace(rec, lease=None), state
 
+    def _keep_void(self, on_disk: Record) -> None:
+        """Before a writer replaces a forged lease (``core.record.void_why``), a copy of
+        its record is kept beside it (``<service>.json.void-<time>``) and logged, for
+        ``gpuctl locks`` to show who planted it (``voided``). A dead holder's lease is
+        not kept: it was sound. Called under the service's lock."""
+        from gpuctl.adapters import procinfo
+
+        lease = on_disk.lease
+        if lease is None:
+            return
+        here, now = procinfo.host_identity(), self.clock()
+        why = void_why(
+            lease, now, here_host=here.hostname, here_boot_id=here.boot_id,
+            longest=TERM_MAX_S.get(on_disk.service),
+        )  # fmt: skip
+        if why is None:
+            return
+        path = self._paths(on_disk.service)[0]
+        try:
+            with self._records() as folder:
+                name = set_aside_name(path.name, VOID_SUFFIX, now, folder.exists)
+                folder.write(name, encode_record(on_disk).encode(), self.modes()[1])
+        except (OSError, RecordError) as e:
+            log.warning("%s: a void lease (%s) could not be kept: %s", path, why, e)
+            return
+        log.warning("%s: lease of %s pid %d is void (%s); kept as %s",
+                    path, lease.host, lease.pid, why, name)  # fmt: skip
+
+    def voided(self) -> list[Voided]:
+        """The void leases and entries (``voided``), for ``gpuctl locks`` only: it reads
+        every record, ``_reclaim``'s and ``_admission``'s, and up to
+        ``MAX_VOIDED_LISTED`` kept copies."""
+        from gpuctl.adapters import procinfo
+
+        # Their readers set aside the forged entries they find; nobody may have read
+        # them since they were planted.
+        self.inflight()
+        self.waiters()
+        try:
+            raw = [self._load(n) for n in [*self._record_names(), *PSEUDO_LEASES]]
+            # As on disk (``get`` would drop the void lease it is asked about); a record
+            # that fails the schema is listed as set aside instead.
+            recs = [r for r in raw if isinstance(r, Record)]
+            return list_voided(self.state_dir, recs, procinfo.host_identity(), self.clock())
+        except OSError as e:
+            raise StoreError(
+                f"cannot list {self.state_dir}: {e.strerror or e}",
+                hint=f"{self.state_dir} must be readable by this user",
+            ) from None
+
     def _locked(self, service: str) -> FolderLock:
         """The service's file lock, held (``release()`` frees it)."""
         self._ensure_dirs()
@@ -347,7 +402,10 @@ class DirectStore(InflightFiles, QueueFiles):
         _check_term(service, ttl_s)
         lock = self._locked(service)
         try:
-            rec, state = self._effective(self._read(service))
+            on_disk = self._read(service)
+            rec, state = self._effective(on_disk)
+            if state is LeaseState.VOID:
+                self._keep_void(on_disk)
             if state is LeaseState.LIVE and rec.lease is not None and rec.lease.holder != holder.id:
                 return False, rec
             rec = replace(rec, lease=holder.lease(self.clock(), ttl_s))

@@ -211,6 +211,10 @@ class Folder:
         """The names in the folder (no order)."""
         return os.listdir(self.fd)
 
+    def exists(self, name: str) -> bool:
+        """Whether the name is taken in this folder (a link counts, never followed)."""
+        return _exists(self.fd, name)
+
     def is_link(self, name: str) -> bool:
         try:
             return stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)

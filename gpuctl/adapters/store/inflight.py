@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpuctl.adapters.store.base import _NAME, check_name
 from gpuctl.adapters.store.codec import RecordError, decode_lease, parse_json
 from gpuctl.adapters.store.files import Folder, set_aside_junk
+from gpuctl.adapters.store.voided import set_aside_void
 from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
     Holder,
@@ -37,6 +38,7 @@ from gpuctl.core.record import (
     LeaseState,
     Record,
     lease_state,
+    void_why,
 )
 from gpuctl.errors import StoreError, UsageError
 
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         def modes(self) -> tuple[int, int]: ...
         def _write(self, record: Record) -> None: ...
         def _effective(self, rec: Record) -> tuple[Record, LeaseState]: ...
+        def _keep_void(self, on_disk: Record) -> None: ...
         def _entry_path(self: _Files, service: str, holder_id: str) -> Path: ...
         def _inflight_dir(self, service: str) -> Path: ...
         def _write_entry(self: _Files, service: str, entry: Lease) -> None: ...
@@ -99,7 +102,10 @@ class InflightFiles:
         _check_ttl(ttl_s)
         lock = self._locked(service)
         try:
-            rec, _ = self._effective(self._read(service))
+            on_disk = self._read(service)
+            rec, state = self._effective(on_disk)
+            if state is LeaseState.VOID:
+                self._keep_void(on_disk)  # its write below drops the lease
             if stopping(rec):
                 return False, rec
             self._write_entry(service, holder.lease(self.clock(), ttl_s))
@@ -143,8 +149,10 @@ class InflightFiles:
     def inflight(self: _Files) -> dict[str, int]:
         """Live in-flight holders per service (services with none are left out).
 
-        Read without locks; entries whose holder is dead on this host, or whose term is
-        longer than ``INFLIGHT_TTL_MAX_S``, are deleted; a file that is not a sound entry
+        Read without locks; entries whose holder is dead on this host are deleted; forged
+        ones (``core.record.void_why``: a term longer than ``INFLIGHT_TTL_MAX_S``, a
+        holder at pid 1 or without a start time) are set aside once
+        (``<name>.void-<time>``, kept for ``gpuctl locks`` to show); a file that is not a sound entry
         is set aside once (``<name>.corrupt-<time>``, kept for a person) and logged once.
         """
         from gpuctl.adapters import procinfo
@@ -186,8 +194,17 @@ class InflightFiles:
                     if state is LeaseState.LIVE:
                         n += 1
                     elif state is LeaseState.VOID:
-                        with contextlib.suppress(OSError):
-                            folder.unlink(name)  # dead, or forged: nothing is in flight
+                        # Nothing is in flight either way. A forged entry is kept for a
+                        # person (``gpuctl locks`` shows it); a dead holder's is deleted.
+                        why = void_why(
+                            entry, now, here_host=here.hostname, here_boot_id=here.boot_id,
+                            longest=INFLIGHT_TTL_MAX_S,
+                        )  # fmt: skip
+                        if why is not None:
+                            set_aside_void(folder, name, now, why)
+                        else:
+                            with contextlib.suppress(OSError):
+                                folder.unlink(name)
             if n:
                 out[service] = n
         return out

@@ -15,7 +15,8 @@ Like a lease, an entry is tied to its holder's pid, start time and boot id: on t
 host, the entry of a holder that died (``kill -9``) is void at once; from elsewhere
 (through the agent) it lapses at its expiry, and no later than ``QUEUE_TTL_MAX_S`` after
 its grant whatever its file says (``core.queue.overlived``). Every reader under the lock deletes the
-void and lapsed entries it finds. A file that is not a sound entry counts for nothing
+dead and lapsed entries it finds, and sets aside a forged one once (``<id>.json.void-<time>``,
+kept for ``gpuctl locks`` to show: ``core.record.void_why``). A file that is not a sound entry counts for nothing
 and is left for a person to look at (its holder's next ``join`` overwrites it).
 """
 
@@ -35,8 +36,9 @@ from gpuctl.adapters.store.codec import (
     parse_json,
 )
 from gpuctl.adapters.store.files import Folder, set_aside_junk
+from gpuctl.adapters.store.voided import set_aside_void
 from gpuctl.core.queue import Waiter, in_order, overlived
-from gpuctl.core.record import Holder, LeaseState, lease_state
+from gpuctl.core.record import Holder, LeaseState, lease_state, void_why
 from gpuctl.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
@@ -154,8 +156,14 @@ class QueueFiles:
                     h, now, here_host=here.hostname, here_boot_id=here.boot_id,
                     holder_alive=alive, longest=QUEUE_TTL_MAX_S,
                 )  # fmt: skip
+                why = void_why(
+                    h, now, here_host=here.hostname, here_boot_id=here.boot_id,
+                    longest=QUEUE_TTL_MAX_S,
+                )  # fmt: skip
                 if state is LeaseState.LIVE and not overlived(w, now):
                     live.append(w)
+                elif why is not None:
+                    set_aside_void(folder, name, now, why)  # forged: kept for a person
                 else:
                     with contextlib.suppress(OSError):
                         folder.unlink(name)  # its holder is gone, or stopped renewing
