@@ -598,7 +598,10 @@ def test_readers_never_see_a_partial_write(env: Env) -> None:
     reader.start()
     try:
         for i in range(300):
-            env.store.update(SVC, h.id, {"attempt": {"n": i, "pad": "x" * 2000}, "touch": True})
+            # Big writes (2,000 characters of padding, in values the wire allows) so that
+            # a torn write would show.
+            pad = {f"pad{k}": "x" * 1000 for k in range(2)}
+            env.store.update(SVC, h.id, {"attempt": {"n": i, **pad}, "touch": True})
     finally:
         stop.set()
         reader.join(30)
