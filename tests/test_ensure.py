@@ -218,17 +218,27 @@ def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_pa
     assert out["launched"] is False
     assert len(server_pids(svc)) == 1  # never a second server while the first lives
     assert launches_in_log(log_of(host, svc)) == 0  # gpuctl itself launched nothing
-    # Nothing recorded it, so stop finds it by its keywords.
+    # Nothing recorded it and it carries no start nonce (its starter was no gpuctl of
+    # this release): stop finds it by its keywords, reports it, and signals nothing.
     (server,) = server_pids(svc)
-    r = subprocess.run(
-        [gpuctl_exe(), "stop", svc, "--json"],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+
+    def stop() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [gpuctl_exe(), "stop", svc, "--json"],
+            env=cli_env(cfg),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    r = stop()
+    assert r.returncode == 4, (r.stdout, r.stderr)
+    assert f"pid {server}" in r.stderr and "no proof" in r.stderr
+    assert server_pids(svc) == [server]
+    # A person stops it by hand; then `gpuctl stop` clears the record.
+    os.kill(server, signal.SIGKILL)
+    r = stop()
     assert r.returncode == 0, r.stderr
-    assert f"pid {server}" in json.loads(r.stdout)["stopped"]
     assert server_pids(svc) == []
 
 

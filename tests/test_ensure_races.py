@@ -194,13 +194,16 @@ def test_timeout_bounds_the_wait_for_the_admission_lock(
 
 
 def test_two_stops_one_pid(host: SimHost, names: list[str]) -> None:
-    """Two stops at once of a server found by its keywords (no record names it): one
-    reports stopping it; the other acts on a fresh reading and reports nothing."""
+    """Two stops at once of a server gpuctl started (its record names it, its start
+    nonce proves it): one reports stopping it; the other acts on a fresh reading and
+    reports nothing. (A server found only by its keywords is never signalled:
+    tests/test_reach.py.)"""
     a = unique_name("stop")
     names.append(a)
     pa = free_port()
     cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="0s")))
-    host.model_server(a, "20GiB", port=pa, load_time="0s")
+    r = run_ensure(cfg, a)
+    assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 20
     while not sim_claims(host, a):
         assert time.monotonic() < deadline

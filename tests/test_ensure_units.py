@@ -12,7 +12,7 @@ import pytest
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.model import GpuProcess, StartingProcess
-from gpuctl.core.record import Phase
+from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
 from gpuctl.flows import service_ops
 from gpuctl.flows.ensure import ADMISSION, ensure
 from gpuctl.flows.results import Outcome
@@ -103,13 +103,14 @@ def test_an_orphaned_start_with_no_server_is_started_again(w: World) -> None:
 
 
 def test_timeout_bounds_the_admission_wait_and_nothing_launches_late(w: World) -> None:
-    w.store.acquire(ADMISSION, holder_here("someone-else"), 600)
+    # Held for its whole term (10 s), longer than the caller's 5 s deadline.
+    w.store.acquire(ADMISSION, holder_here("someone-else"), ADMISSION_TTL_MAX_S)
     t0 = w.clock.t
-    r = ensure(w.deps(), timeout_s=15)
+    r = ensure(w.deps(), timeout_s=5)
     assert r.outcome is Outcome.TIMEOUT and r.launched is False
     assert "admission" in r.reason
     assert w.launcher.started == []
-    assert w.clock.t - t0 <= 15.1
+    assert w.clock.t - t0 <= 5.1
 
 
 def test_stop_acts_on_a_fresh_reading_and_never_reports_a_dead_pid(w: World) -> None:

@@ -41,6 +41,6 @@ def test_the_store_still_takes_its_own_names(tmp_path: Path) -> None:
     assert is_valid_name("_admission") and not is_service_name("_admission")
     store = DirectStore(tmp_path / "state")
     h = holder_here("test")
-    granted, _ = store.acquire("_admission", h, 30)
+    granted, _ = store.acquire("_admission", h, 10)
     assert granted
     store.release("_admission", h.id)
