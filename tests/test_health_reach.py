@@ -195,6 +195,7 @@ LOCAL = frozenset({ipaddress.ip_address("10.1.2.3")})
         "http://0.0.0.0:8000/health",
         "http://10.1.2.3:8000/health",  # an interface of this machine
         "http://[::ffff:127.0.0.1]:8000/health",
+        "http://[::1%25lo]:8000/health",  # an IPv6 zone names an interface
         "http://user:pw@127.0.0.1:8000/health?token=x",
     ],
 )
@@ -210,6 +211,9 @@ def test_this_machine_on_a_given_port_may_be_fetched(url: str) -> None:
         ("http://10.1.2.4:8000/health", "not an address of this machine"),
         ("http://gpu.example:8000/health", "is a name"),
         ("http://localhost.evil.example:8000/h", "is a name"),
+        # A zone belongs to an IPv6 literal only: after an IPv4 one, "%" starts no zone.
+        ("http://127.0.0.1%x.evil.com:8000/h", "is a name"),
+        ("http://user@127.0.0.1%25eth0:8000/h", "is a name"),
         ("http://127.0.0.1:8001/health", "port 8001 is not in"),
         ("http://127.0.0.1/health", "port 80 is not in"),
         ("https://127.0.0.1/health", "port 443 is not in"),

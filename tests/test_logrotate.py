@@ -68,8 +68,11 @@ def test_symbolic_links_are_neither_followed_nor_rotated(tmp_path: Path) -> None
     log = tmp_path / "other.log"
     log.write_bytes(b"z" * 5000)
     (tmp_path / "other.log.1").symlink_to(target)
-    assert not rotate(log, max_bytes=10, keep=1)
+    # A link at the copy's name is unlinked (the name only) and the copy made afresh.
+    assert rotate(log, max_bytes=10, keep=1)
     assert target.read_bytes() == b"y" * 5000
+    assert not (tmp_path / "other.log.1").is_symlink()
+    assert (tmp_path / "other.log.1").read_bytes() == b"z" * 5000
 
 
 def test_rotate_all_rotates_the_big_logs_of_a_folder(tmp_path: Path) -> None:

@@ -67,9 +67,15 @@ def parse_ports(text: str) -> PortRanges:
     return PortRanges(tuple(sorted(set(ranges))))
 
 
-def _literal(host: str) -> IpAddress | None:
+def _literal(host: str, bracketed: bool) -> IpAddress | None:
+    """The IP literal ``host`` names, or None for a name. A zone (``%eth0``) is cut only
+    from an IPv6 literal in brackets, where it names an interface, not an address;
+    elsewhere ``%`` is part of the host, so ``127.0.0.1%x.evil.com`` is a name, never
+    loopback (a resolver, or a later parser, may read it as one)."""
+    if bracketed:
+        host = host.split("%", 1)[0]
     try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])  # an IPv6 zone names no address
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return None
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
@@ -97,7 +103,8 @@ class HealthReach:
             return "not an http(s) URL with a host"
         if port is None:
             port = 443 if scheme == "https" else 80
-        ip = _literal(host)
+        # The netloc's host part starts with "[" only for an IPv6 literal.
+        ip = _literal(host, parts.netloc.rpartition("@")[2].startswith("["))
         if ip is None:
             if host.lower().rstrip(".") != "localhost":
                 return (

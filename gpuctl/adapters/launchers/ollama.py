@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import UNPROVEN_HINT
+from gpuctl.adapters.launchers.logfile import open_log, tail_file
 from gpuctl.core.decision import Health
 from gpuctl.core.units import format_mib
 from gpuctl.errors import LauncherError, StartFailed, Unproven
@@ -212,8 +213,9 @@ class OllamaLauncher:
             sys.executable, "-m", "gpuctl.adapters.launchers.ollama_loader",
             self.url, self.model, str(self.keep_alive), str(service.health_timeout_s),
         ]  # fmt: skip
+        root = self.log_dir.parent if self.log_dir else None
         try:
-            out = _open_log(log) if log else subprocess.DEVNULL
+            out = open_log(log, service.name, root=root) if log else subprocess.DEVNULL
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -225,8 +227,8 @@ class OllamaLauncher:
                     close_fds=True,
                 )
             finally:
-                if not isinstance(out, int):
-                    out.close()
+                if out != subprocess.DEVNULL:
+                    os.close(out)
         except OSError as e:
             raise StartFailed(f"cannot start the Ollama loader: {e.strerror or e}") from None
         self._loader = proc
@@ -296,13 +298,7 @@ class OllamaLauncher:
         """The loader's output (Ollama's own log is the daemon's, not ours)."""
         if not handle.log:
             return ""
-        try:
-            fd = os.open(handle.log, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return ""
-        with os.fdopen(fd, "rb") as f:
-            text = f.read()[-16384:].decode(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        return tail_file(Path(handle.log), lines, limit=16384)  # never blocks on a FIFO
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
         """The model, when Ollama has it loaded (a handle with nothing to signal)."""
@@ -363,12 +359,6 @@ def _listed(url: str, model: str, found: LoadedModel | None) -> Health:
     if found is None:
         return Health("refused", f"{model} is not loaded in Ollama at {url}")
     return Health("ready", f"{model} is loaded in Ollama ({_placed(found)})", 200, found.vram_mib)
-
-
-def _open_log(path: Path) -> Any:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-    return os.fdopen(fd, "ab")
 
 
 def _mib(value: object) -> int:

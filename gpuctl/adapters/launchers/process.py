@@ -46,7 +46,8 @@ class ProcessLauncher:
     """Start, find, check and stop detached commands on this machine.
 
     Args:
-        log_dir: where a service without its own ``log`` logs (``<name>.log``).
+        log_dir: where a service without its own ``log`` logs (``<name>.log``); its
+            parent is the state folder, from which a log under it is reached.
         secrets: environment variable names the server must not inherit unless the
             service's ``env`` sets them.
     """
@@ -70,7 +71,7 @@ class ProcessLauncher:
         except ValueError as e:
             raise StartFailed(f"services.{service.name}.command: {e}") from None
         log = self.log_path(service)
-        out = open_log(log, service.name)
+        out = open_log(log, service.name, root=self.log_dir.parent)
         # Every start carries a nonce: it is what a stop checks before it signals.
         nonce = start_nonce or new_start_nonce()
         env = server_env(service, os.environ, self.secrets, nonce)
