@@ -249,8 +249,11 @@ class OllamaLauncher:
             return None
         return self._loader_alive(handle)
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         """Unload (``keep_alive: 0``) and wait up to ``grace_s`` for the model to go.
+
+        ``service`` is not needed: this launcher is built for one service's model, and
+        only a handle naming that model is acted on.
 
         Raises:
             LauncherError: Ollama does not answer, or still has the model after ``grace_s``
