@@ -1,5 +1,8 @@
 """Redact secrets from command lines and log lines before gpuctl shows, logs or stores them.
 
+Long because its patterns and the argument walk must be read together: each form below
+is caught in exactly one place, and splitting them would hide which one.
+
 Other people's processes carry secrets on their command lines (``--ServerApp.token=…``,
 ``--api-key sk-…``, ``curl -H 'Authorization: Bearer …'``, ``HF_TOKEN=… vllm serve``),
 and ``/status`` shows those lines to every token holder. Only the *values* of
@@ -8,9 +11,9 @@ reader still sees which program runs and which model it serves.
 
 A name is secret-looking when one of its words (split at ``-``, ``_``, ``.``, ``:``, ``/``
 and case changes) is token, key, secret, password, passwd, pwd, passphrase, pass, pat,
-jwt, credential(s), creds, auth, cookie or signature, or ends in token, secret, password,
-passwd or passphrase, or its last word is pass or pw (``--pass``, ``DB_PASS``, not
-``--pass-count``) (``PGPASSWORD``, ``accesstoken``): ``--api-key``,
+jwt, cred, credential(s), creds, auth, oauth, dbpass, cookie or signature, or ends in
+token, secret, password, passwd or passphrase, or its last word is pass, pw or sig
+(``--pass``, ``DB_PASS``, ``?sig=``, not ``--pass-count``) (``PGPASSWORD``, ``accesstoken``): ``--api-key``,
 ``--ServerApp.token``, ``HF_TOKEN``, ``GITHUB_PAT``, ``MYSQL_PWD``. Names that merely
 contain such letters (``--tokenizer``, ``--max-tokens``, ``--keyword``, ``--pattern``)
 are not, and neither are the shell's ``PWD`` and ``OLDPWD`` (directories).
@@ -27,6 +30,14 @@ as one of those: a port or port mapping (``8000``, ``8000:80/tcp``), a path (``/
 letters alone, given as ``-p``, is therefore shown: readability of every ``mkdir -p`` and
 compiler line against a password that weak.
 
+An option's name ends at its first ``:``, ``=`` or ``/``; what follows is its value, so a
+secret word inside a value names nothing and a value glued on is masked:
+``-HX-Auth-Token:X`` (``-H`` and a header), ``-HAuthorization:X``, ``--api-key:X``,
+``-Dtoken:X``. A value glued on by ``-`` (``--token-Xy3``) is one when it is no flag word
+of lowercase letters (``--api-key-file``, ``--use-auth-token`` stay flags). ``-u`` and
+``--user`` give ``user:password`` (curl): the password goes, ``uid:gid`` stays. After
+``redis-cli``, ``-a X`` is a password.
+
 ``-k`` is not one: it is curl's ``--insecure`` and many tools' "keep" or "count"; a
 secret given as ``-k X`` is not recognised.
 
@@ -35,7 +46,9 @@ Forms covered (also inside one argument that holds a whole command line)::
     --name=VALUE  --name VALUE  -name VALUE  NAME=VALUE  name: VALUE  -p VALUE  -pVALUE
     {"name": "VALUE"}  'name':'VALUE'  (JSON or a dict inside an argument)
     X-Api-Key:VALUE (also inside another option's value: --header=X-Api-Key:VALUE)
-    https://h/x?name=VALUE&a=1 (a URL's query)
+    https://h/x?name=VALUE&a=1 (a URL's query; ?name%3DVALUE decoded first)
+    -HName:VALUE  --name:VALUE  --name-VALUE  -u user:VALUE  --user=user:VALUE
+    os.environ['NAME']='VALUE'  name = 'VALUE' (code inside an argument)
     Authorization: Bearer VALUE / Basic VALUE   bearer VALUE
     scheme://user:VALUE@host   scheme://VALUE@host (a user alone is a token: ghp_…@github.com)
 """

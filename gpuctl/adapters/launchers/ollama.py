@@ -252,8 +252,7 @@ class OllamaLauncher:
     def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         """Unload (``keep_alive: 0``) and wait up to ``grace_s`` for the model to go.
 
-        ``service`` is not needed: this launcher is built for one service's model, and
-        only a handle naming that model is acted on.
+        ``service`` is unused: this launcher serves one service's model, its proof.
 
         Raises:
             LauncherError: Ollama does not answer, or still has the model after ``grace_s``
