@@ -117,7 +117,7 @@ class Launcher:
             return False
         return not self.dies
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         self.stopped.append(handle)
 
     def log_tail(self, handle: Handle, lines: int = 20) -> str:

@@ -245,12 +245,15 @@ def test_the_read_token_sees_no_secret_of_any_process_a_few_letters_match(
 ) -> None:
     """Issue 17: 12 forms leaked through ``/status?match=`` to the read-only token, and a
     few letters match unrelated processes too, so every listed process is redacted. Real
-    processes carry each form on their command lines; each secret showed whole before."""
-    from tests.test_redact import leaked_forms
+    processes carry each form on their command lines; each secret showed whole before.
+    The 22 forms an attack review found after that (``-HX-Auth-Token:X``, ``-u user:X``,
+    code, percent-encoded names) are here too: each showed whole before they were fixed."""
+    from tests.test_redact import leaked_after_17, leaked_forms
 
     kw = f"leakkw{uuid.uuid4().hex[:8]}"
     secret = f"Se7{uuid.uuid4().hex[:12]}"
-    pids = [procs(kw, *form).pid for form in leaked_forms(secret)]
+    forms = leaked_forms(secret) + leaked_after_17(secret)
+    pids = [procs(kw, *form).pid for form in forms]
     read = {"Authorization": "Bearer read-only-token"}
     with agent(tmp_path, read_token="read-only-token") as url:
         for match in (kw, "leak", "py"):  # its own keyword; a few letters

@@ -550,18 +550,30 @@ def test_sim_ls_warns_once_when_its_total_differs_from_the_sim_dirs(cli_env: Pat
 
 
 def test_config_show_masks_env_secrets_command_keys_and_url_tokens(cli_env: Path) -> None:
-    """Issue 17: ``config show`` printed these three secrets whole (each failed before)."""
+    """Issue 17: ``config show`` printed these three secrets whole (each failed before).
+    An attack review then found a URL's password in an ``env`` value under a plain name,
+    a key in another such value and a value glued to an option in ``command`` (the last
+    three: each failed before they were masked)."""
     config_file(cli_env).write_text(
         "[hosts.dgx]\n"
         "[services.vllm]\n"
-        'command = "vllm serve m --api-key sk-cmd-secret1 --port 8000"\n'
+        'command = "vllm serve m --api-key sk-cmd-secret1 --port 8000 -HX-Auth-Token:hdr-secret6"\n'
         'health = "http://127.0.0.1:8000/health?token=url-secret2"\n'
-        'env = { HF_TOKEN = "hf_env_secret3", CUDA_HOME = "/usr/local/cuda" }\n'
+        'env = { HF_TOKEN = "hf_env_secret3", CUDA_HOME = "/usr/local/cuda",'
+        ' DB_URL = "postgres://u:db-secret4@h/db", EXTRA_ARGS = "--api-key sk-secret5" }\n'
     )
     for args in (["config", "show"], ["config", "show", "--json"]):
         r = runner.invoke(app, args)
         assert r.exit_code == 0, r.output
-        for secret in ("sk-cmd-secret1", "url-secret2", "hf_env_secret3"):
+        assert "postgres://u:***@h/db" in r.output, r.output
+        for secret in (
+            "sk-cmd-secret1",
+            "url-secret2",
+            "hf_env_secret3",
+            "db-secret4",
+            "sk-secret5",
+            "hdr-secret6",
+        ):
             assert secret not in r.output, (args, r.output)
         assert "--api-key ***" in r.output and "token=***" in r.output
         assert "/usr/local/cuda" in r.output

@@ -257,3 +257,29 @@ def test_a_launched_server_inherits_no_secret_the_config_or_gpuctl_names(
     # gpuctl's own settings stay: a server that runs gpuctl needs them.
     assert env["GPUCTL_CONFIG"] == "/etc/gpuctl.toml" and env["HARMLESS"] == "kept"
     assert env[START_NONCE_ENV] == nonce
+
+
+def test_a_stop_proves_the_service_too_and_an_inherited_mark_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+) -> None:
+    """A gpuctl that itself runs under another service's server inherits that server's
+    ``GPUCTL_START_SERVICE``: its launch must not pass it on, and a stop for another
+    service refuses a server whose mark names its own (failed before: no such mark)."""
+    from gpuctl.adapters.launchers.environ import START_SERVICE_ENV
+    from gpuctl.errors import Unproven
+
+    monkeypatch.setenv(START_SERVICE_ENV, "svcb")
+    monkeypatch.setenv(START_NONCE_ENV, "f" * 32)
+    launcher = ProcessLauncher(tmp_path / "logs")
+    out = tmp_path / "env.json"
+    svc = ServiceConfig(name="svca", host="dgx", command=f"{DUMP_ENV} {out}")
+    handle = launcher.start(svc)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    env = read_env(out)
+    assert env[START_SERVICE_ENV] == "svca" and env[START_NONCE_ENV] == handle.proof
+    with pytest.raises(Unproven):
+        launcher.stop(handle, 1.0, "svcb")
+    assert procinfo.is_alive(handle.pid)
+    launcher.stop(handle, 5.0, "svca")
+    assert not procinfo.is_alive(handle.pid)

@@ -97,6 +97,51 @@ def test_stop_of_a_forged_record_signals_nothing_and_reports_it(
         gpuctl(cfg, "stop", svc)
 
 
+def test_a_record_copied_from_another_service_never_stops_that_server(
+    host: SimHost,
+) -> None:
+    """A record is bound to its service, not only to a start: ``svcb``'s record copied to
+    ``svca`` (its handle and proof whole) made ``gpuctl stop svca``, and reclaim, kill
+    ``svcb``'s server. The server's ``GPUCTL_START_SERVICE`` names ``svcb``, so both are
+    refused, nothing is signalled, and it is reported (failed before: svcb was killed)."""
+    from gpuctl.sim.host import free_port
+    from tests.ensure_helpers import model_server_command, service_toml
+
+    a, b = unique_name("reacha"), unique_name("reachb")
+    pa, pb = free_port(), free_port()
+    cfg = host.write_config(
+        service_toml(a, pa, model_server_command(a, pa, memory="20GiB", load_time="0.5s"),
+                     extra='idle_timeout = "1s"')
+        + service_toml(b, pb, model_server_command(b, pb, memory="20GiB", load_time="0.5s"),
+                       extra='idle_timeout = "never"')
+    )  # fmt: skip
+    try:
+        for svc in (a, b):
+            r = gpuctl(cfg, "ensure", svc, "--json")
+            assert r.returncode == 0, r.stdout + r.stderr
+        real_a = read_record(host, a)["handle"]
+        theirs = read_record(host, b)["handle"]
+        (victim,) = server_pids(b)
+        marks = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
+        assert f"GPUCTL_START_SERVICE={b}".encode() in marks
+        forge(host, a, theirs)
+        r = gpuctl(cfg, "stop", a)
+        assert r.returncode == ExitCode.UNKNOWN, r.stderr
+        assert "is not the server its record names" in r.stderr, r.stderr
+        time.sleep(0.3)
+        assert server_pids(b) == [victim]
+        idle_past(host, a, 1.0)
+        r = gpuctl(cfg, "reclaim", "--json")
+        (c,) = [c for c in json.loads(r.stdout)["candidates"] if c["service"] == a]
+        assert not c["done"] and "is not the server its record names" in c["error"], c
+        time.sleep(0.3)
+        assert server_pids(b) == [victim]
+        forge(host, a, real_a)
+    finally:
+        gpuctl(cfg, "stop", a)
+        gpuctl(cfg, "stop", b)
+
+
 def test_reclaim_of_a_forged_record_signals_nothing(
     host: SimHost, sleeper: subprocess.Popen[bytes]
 ) -> None:

@@ -32,7 +32,7 @@ class FakeLauncher:
     kind: str = "process"
     stopped: list[Handle] = field(default_factory=list)
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         self.stopped.append(handle)
 
     def close(self) -> None:

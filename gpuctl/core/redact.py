@@ -1,5 +1,8 @@
 """Redact secrets from command lines and log lines before gpuctl shows, logs or stores them.
 
+Long because its patterns and the argument walk must be read together: each form below
+is caught in exactly one place, and splitting them would hide which one.
+
 Other people's processes carry secrets on their command lines (``--ServerApp.token=…``,
 ``--api-key sk-…``, ``curl -H 'Authorization: Bearer …'``, ``HF_TOKEN=… vllm serve``),
 and ``/status`` shows those lines to every token holder. Only the *values* of
@@ -8,9 +11,9 @@ reader still sees which program runs and which model it serves.
 
 A name is secret-looking when one of its words (split at ``-``, ``_``, ``.``, ``:``, ``/``
 and case changes) is token, key, secret, password, passwd, pwd, passphrase, pass, pat,
-jwt, credential(s), creds, auth, cookie or signature, or ends in token, secret, password,
-passwd or passphrase, or its last word is pass or pw (``--pass``, ``DB_PASS``, not
-``--pass-count``) (``PGPASSWORD``, ``accesstoken``): ``--api-key``,
+jwt, cred, credential(s), creds, auth, oauth, dbpass, cookie or signature, or ends in
+token, secret, password, passwd or passphrase, or its last word is pass, pw or sig
+(``--pass``, ``DB_PASS``, ``?sig=``, not ``--pass-count``) (``PGPASSWORD``, ``accesstoken``): ``--api-key``,
 ``--ServerApp.token``, ``HF_TOKEN``, ``GITHUB_PAT``, ``MYSQL_PWD``. Names that merely
 contain such letters (``--tokenizer``, ``--max-tokens``, ``--keyword``, ``--pattern``)
 are not, and neither are the shell's ``PWD`` and ``OLDPWD`` (directories).
@@ -27,6 +30,14 @@ as one of those: a port or port mapping (``8000``, ``8000:80/tcp``), a path (``/
 letters alone, given as ``-p``, is therefore shown: readability of every ``mkdir -p`` and
 compiler line against a password that weak.
 
+An option's name ends at its first ``:``, ``=`` or ``/``; what follows is its value, so a
+secret word inside a value names nothing and a value glued on is masked:
+``-HX-Auth-Token:X`` (``-H`` and a header), ``-HAuthorization:X``, ``--api-key:X``,
+``-Dtoken:X``. A value glued on by ``-`` (``--token-Xy3``) is one when it is no flag word
+of lowercase letters (``--api-key-file``, ``--use-auth-token`` stay flags). ``-u`` and
+``--user`` give ``user:password`` (curl): the password goes, ``uid:gid`` stays. After
+``redis-cli``, ``-a X`` is a password.
+
 ``-k`` is not one: it is curl's ``--insecure`` and many tools' "keep" or "count"; a
 secret given as ``-k X`` is not recognised.
 
@@ -35,7 +46,9 @@ Forms covered (also inside one argument that holds a whole command line)::
     --name=VALUE  --name VALUE  -name VALUE  NAME=VALUE  name: VALUE  -p VALUE  -pVALUE
     {"name": "VALUE"}  'name':'VALUE'  (JSON or a dict inside an argument)
     X-Api-Key:VALUE (also inside another option's value: --header=X-Api-Key:VALUE)
-    https://h/x?name=VALUE&a=1 (a URL's query)
+    https://h/x?name=VALUE&a=1 (a URL's query; ?name%3DVALUE decoded first)
+    -HName:VALUE  --name:VALUE  --name-VALUE  -u user:VALUE  --user=user:VALUE
+    os.environ['NAME']='VALUE'  name = 'VALUE' (code inside an argument)
     Authorization: Bearer VALUE / Basic VALUE   bearer VALUE
     scheme://user:VALUE@host   scheme://VALUE@host (a user alone is a token: ghp_…@github.com)
 """
@@ -44,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import re
+from urllib.parse import unquote as _unquote
 
 MASK = "***"
 
@@ -69,13 +83,16 @@ _SECRET_WORDS = frozenset(
         "bearer",
         "cookie",
         "signature",
+        "cred",
+        "oauth",
+        "dbpass",
     }
 )
 # Words that look like a secret's but name a count or a kind of thing.
 _NOT_SECRET = frozenset({"max_tokens", "tokens", "keys"})
 # Words that name a secret only as a name's last word: ``--pass``, ``DB_PASS``, ``-pw``,
 # never ``--pass-count``.
-_SECRET_LAST = frozenset({"pass", "pw"})
+_SECRET_LAST = frozenset({"pass", "pw", "sig"})
 # The shell's working directories, not MySQL's ``MYSQL_PWD``.
 _SHELL_DIRS = frozenset({"PWD", "OLDPWD"})
 # One word that ends in a secret's word: ``PGPASSWORD``, ``accesstoken``, ``hftoken``.
@@ -100,7 +117,9 @@ _URL_PASSWORD = re.compile(
 # A user alone before ``@`` (no ``:``) is a token: ``https://ghp_X@github.com``. A plain
 # user name (``ssh://git@host``) goes too: a rule that tells the two apart would guess.
 _URL_USER = re.compile(r"(?i)(?<![a-z0-9+.-])([a-z][a-z0-9+.-]{0,31}://)([^\s/:@'\"]{1,1024})(@)")
-# name=value and name: value inside one argument (also several per argument, e.g. a query),
+# name=value and name: value inside one argument, and a secret-looking name assigned in code
+# (``os.environ['HF_TOKEN']='X'``, ``key = "X"``: a subscript's ``']`` and spaces may sit
+# between the name and ``=``; ``==`` is a comparison, no assignment), (also several per argument, e.g. a query),
 # the name and the value each maybe quoted (JSON: ``{"token":"X"}``). The name is the last
 # word before the separator (``--ServerApp.token=`` gives ``token``, ``--api-key=`` gives
 # ``key``), and starts only where a word starts. Only the name and separator are matched:
@@ -108,7 +127,8 @@ _URL_USER = re.compile(r"(?i)(?<![a-z0-9+.-])([a-z][a-z0-9+.-]{0,31}://)([^\s/:@
 # (``https://h/x?api_key=X``, where ``https:`` is a name; ``--header=X-Api-Key:X``). The
 # value is matched only after a secret's name, once, so the scan stays linear.
 _ASSIGN = re.compile(
-    r"(?<![A-Za-z0-9_])(?P<name>[A-Za-z_][A-Za-z0-9_]{0,63})[\"']?(?:=|:\s{0,8})[\"']?"
+    r"(?<![A-Za-z0-9_])(?P<name>[A-Za-z_][A-Za-z0-9_]{0,63})[\"']?\]?\s{0,8}"
+    r"(?:=(?!=)|:)\s{0,8}[\"']?"
 )
 _VALUE = re.compile(r"[^\s&;,'\"]+")
 
@@ -177,9 +197,24 @@ def _redact_assignments(text: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """One argument or one line with the secret values replaced by ``***``."""
+    """One argument or one line with the secret values replaced by ``***``.
+
+    A percent-encoded secret (``?token%3DX``, ``access%5Ftoken=X``,
+    ``authorization%3A%20Bearer%20X``) is found in the decoded text, and the argument is
+    then shown decoded with its mask: the encoding only hid the name from the patterns.
+    """
     # Every pattern below needs a ":" or "=" or one of the schemes' words: most arguments
     # (``--port``, ``8000``, a model name) have none, and this runs on every process line.
+    if "%" in text:
+        decoded = _unquote(text)
+        if decoded != text:
+            red = _redact_plain(decoded)
+            if red != decoded:
+                return red
+    return _redact_plain(text)
+
+
+def _redact_plain(text: str) -> str:
     if "=" not in text and ":" not in text and not _SCHEME_WORD.search(text):
         return text
     out = _AUTH_HEADER.sub(
@@ -208,14 +243,72 @@ _ENDS_IN_SCHEME = re.compile(
 # A long option after a secret option is the next option, not its value (a flag such as
 # ``--use-auth-token`` takes none); anything else, ``-Xy…`` too, is the value.
 _LONG_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]{0,63}")
-# What ``-p``'s value is when it is no password: a port or port mapping, a path, a word of
+# What ``-p``'s value is when it is no password: a port or port mapping (numbers of at most
+# five digits: ``-p 00000000`` is a PIN, not a port), a path, a word of
 # lowercase letters (a folder for ``mkdir -p``; ``-pthread``, ``-print``), an option.
 _NOT_A_PASSWORD = re.compile(
-    r"[0-9][0-9.:-]{0,63}(?:/(?:tcp|udp|sctp))?|[/~.].*|[a-z_.:-]{1,64}|-.*", re.DOTALL
+    r"[0-9]{1,5}(?:[.:-][0-9]{1,5}){0,8}(?:/(?:tcp|udp|sctp))?|[/~.].*|[a-z_.:-]{1,64}|-.*",
+    re.DOTALL,
 )
 # A trailing name before ``:`` or ``=`` at the end of an argument (``{"api_key":``).
 _QUOTED = re.compile(r"(['\"]*)(.*?)(['\"}\]),]*)", re.DOTALL)
 _TRAILING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}\Z")
+
+
+# Where an option's name ends: ``-HX-Auth-Token:X``, ``--api-key:X``, ``-Dtoken=X``,
+# ``-v/a:/b`` (a secret word after the first of these is part of a value, not the name).
+_NAME_END = re.compile(r"[:=/]")
+# The words of a flag after a secret's word (``--api-key-file``, ``--use-auth-token``):
+# lowercase letters only, so what follows ``--token-`` with a capital or a digit
+# (``--token-Xy3…``) is a value glued on, not more of the name.
+_FLAG_TAIL = re.compile(r"[a-z]{1,24}(?:[-_][a-z]{1,24}){0,5}")
+# ``-u``/``--user`` give ``user:password`` (curl, wget, httpie); ``uid:gid`` (docker) is no
+# password.
+_USER_OPTIONS = frozenset({"-u", "--user"})
+# An argument without these holds nothing any pattern here looks for (unless it is an
+# option, or a scheme's word alone).
+_INERT = re.compile(r"[^:=%\s]*")
+_UID_GID = re.compile(r"[0-9]{1,10}(?::[0-9]{1,10})?")
+
+
+def _secret_option(bare: str) -> int | None:
+    """Where the value glued to a secret option starts in ``bare`` (``len(bare)`` when
+    none is glued on: the next argument is its value), or None for any other argument.
+
+    The name ends at the first ``:``, ``=`` or ``/``: ``-HX-Auth-Token:X`` is the option
+    ``-H`` with a header, ``--api-key:X`` a key with its value, and a secret word inside
+    the value (``--user=admin:token9``) names nothing. A short option's letter may be
+    glued to a secret's name (``-HAuthorization:X``, ``-Dtoken:X``).
+    """
+    cut = _NAME_END.search(bare)
+    name = bare[: cut.start()] if cut else bare
+    secret = is_secret_name(name)
+    if "-" in name[2:]:
+        # Each prefix: ``--pass`` is a secret's name where ``--pass-0000`` is none.
+        body = name.lstrip("-")
+        lead = len(name) - len(body)
+        i = body.find("-")
+        while i != -1:
+            if is_secret_name(body[:i]) and not _FLAG_TAIL.fullmatch(body[i + 1 :]):
+                return lead + i + 1  # --token-Xy3…, -token-Xy3…
+            # A short option's value glued on by ``-`` only after its first word: in
+            # ``-HX-Auth-Token:X`` the words after ``-H`` are a header's name.
+            i = body.find("-", i + 1) if lead > 1 else -1
+    if cut is None:
+        return len(bare) if secret else None
+    short = not name.startswith("--") and len(name) > 2 and is_secret_name(name[2:])
+    if cut.group() == "=" and not short:
+        return None  # ``--name=X``: ``redact_text`` judges it by the name's last word
+    return cut.end() if short or secret else None
+
+
+def _user_password(value: str) -> str | None:
+    """``user:password`` (``-u``/``--user``'s value) with the password masked; None when
+    there is none to mask."""
+    user, colon, pw = value.partition(":")
+    if not colon or not pw or pw == MASK or _UID_GID.fullmatch(value):
+        return None
+    return f"{user}:{MASK}"
 
 
 def _is_password(value: str) -> bool:
@@ -227,7 +320,7 @@ def _ends_in_secret_name(bare: str) -> bool:
     """``TOKEN=``, ``key:``, ``"api_key":`` (JSON split at its spaces): a secret's value follows."""
     if not bare.endswith((":", "=")):
         return False
-    name = _TRAILING_NAME.search(bare[-80:].rstrip(":=").rstrip("\"'"))
+    name = _TRAILING_NAME.search(bare[-80:].rstrip(":= ").rstrip("\"'[]"))
     return name is not None and is_secret_name(name.group())
 
 
@@ -247,9 +340,18 @@ def redact_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
     out: list[str] = []
     hide_next = False
     port_or_password = False
+    user_next = False
+    redis = False
+    prev = ""
     for arg in argv:
         bare = arg.strip("'\"")
-        low = bare.lower()
+        before, prev = prev, bare
+        if user_next:
+            user_next = False
+            shown = _user_password(bare)
+            if shown is not None:
+                out.append(arg.replace(bare, shown))  # curl -u admin:X
+                continue
         if port_or_password:
             port_or_password = False
             if _is_password(bare):
@@ -257,7 +359,7 @@ def redact_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
                 continue
         if hide_next:
             hide_next = False
-            if low in _SCHEMES:
+            if bare.lower() in _SCHEMES:
                 # "Authorization:" "Bearer" "X": the scheme stays, what follows goes.
                 out.append(arg)
                 hide_next = True
@@ -265,22 +367,46 @@ def redact_argv(argv: list[str] | tuple[str, ...]) -> list[str]:
             if bare and bare != "-" and not _LONG_OPTION.fullmatch(bare):
                 out.append(_mask_value(arg))
                 continue
-        if bare == "-p":
-            port_or_password = True  # mysql -p X; docker -p 8000:80
+        dash = bare[:1] == "-"
+        if not dash and _INERT.fullmatch(arg):
+            # Most arguments (a program, a model, a number): no pattern can match in them.
+            low = bare.lower()
+            if low in {"bearer", "basic"}:
+                hide_next = True
+            elif low.endswith("redis-cli"):
+                redis = True  # its -a is the password
             out.append(arg)
             continue
-        if bare.startswith("-p") and not bare.startswith("--") and _is_password(bare[2:]):
-            out.append(arg.replace(bare, "-p" + MASK))  # mysql -pX
-            continue
-        if low in ("bearer", "basic"):
-            hide_next = True
-            out.append(arg)
-            continue
-        if bare.startswith("-") and "=" not in bare and is_secret_name(bare):
-            hide_next = True  # --api-key X
-            out.append(arg)
-            continue
-        if _ends_in_secret_name(bare):
+        if dash:
+            if bare == "-p":
+                port_or_password = True  # mysql -p X; docker -p 8000:80
+                out.append(arg)
+                continue
+            if bare[1:2] == "p" and _is_password(bare[2:]):
+                out.append(arg.replace(bare, "-p" + MASK))  # mysql -pX
+                continue
+            if bare in _USER_OPTIONS or (redis and bare == "-a"):
+                user_next = bare != "-a"
+                hide_next = bare == "-a"
+                out.append(arg)
+                continue
+            if bare.startswith("--user="):
+                shown = _user_password(bare[7:])
+                if shown is not None:
+                    out.append(arg.replace(bare, bare[:7] + shown))  # curl --user=admin:X
+                    continue
+            at = None if _SPACE.search(bare) else _secret_option(bare)
+            if at is not None:
+                value = bare[at:]
+                if not value or value.lower() in _SCHEMES:
+                    hide_next = True  # --api-key X; -HAuthorization: Bearer X
+                    out.append(arg)
+                else:
+                    out.append(arg.replace(bare, bare[:at] + MASK))  # --api-key:X, --token-X
+                continue
+        if _ends_in_secret_name(bare) or (
+            bare in ("=", ":") and _ends_in_secret_name(before + bare)
+        ):
             hide_next = True  # "Authorization:" X, TOKEN= X, key: X, {"api_key": X
             out.append(arg)
             continue

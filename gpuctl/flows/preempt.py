@@ -208,7 +208,7 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                     # The snapshot says which machine the agent runs on: a process
                     # launcher signals a server only on its own machine.
                     launcher = deps.launcher_for(vs, snapshot)
-                    launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s)
+                    launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s, vs.name)
             except GpuctlError as e:
                 with contextlib.suppress(GpuctlError):
                     deps.store.release(t.name, t.holder.id, {"phase": Phase.RUNNING.value})

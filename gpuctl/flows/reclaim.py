@@ -286,7 +286,7 @@ def _free(
             else:
                 handle = Handle.from_dict(rec.handle) if rec.handle else Handle(kind="ollama")
                 launcher = rh.make_launcher(svc, snap)
-                launcher.stop(handle, svc.stop_timeout_s)
+                launcher.stop(handle, svc.stop_timeout_s, svc.name)
                 update = {"phase": Phase.STOPPED.value, "handle": None}
         except GpuctlError as e:
             p.error, p.hint = e.message, e.hint

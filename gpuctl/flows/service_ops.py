@@ -66,14 +66,14 @@ def stop(deps: EnsureDeps) -> StopResult:
             handle = Handle.from_dict(record.handle)
             if launcher.alive(handle) is not False:
                 try:
-                    launcher.stop(handle, svc.stop_timeout_s)
+                    launcher.stop(handle, svc.stop_timeout_s, svc.name)
                 except Unproven as e:
                     raise Unproven(f"{svc.name}: {e.message}; not signalled", e.hint) from None
                 result.stopped.append(describe_handle(handle))
         if not result.stopped:
             found = launcher.find(svc, record.start_nonce)
             if found is not None:
-                launcher.stop(found, svc.stop_timeout_s)
+                launcher.stop(found, svc.stop_timeout_s, svc.name)
                 result.stopped.append(describe_handle(found))
         if snapshot is not None and not result.stopped:
             # A server whose launcher died before it could record it: find it by keywords.
@@ -114,7 +114,7 @@ def stop(deps: EnsureDeps) -> StopResult:
                     # A keyword match carries no recorded proof: the launcher signals
                     # it only where it can prove it (never a bare pid it would have to
                     # take on the command line's word: that may be another user's).
-                    launcher.stop(handle, svc.stop_timeout_s)
+                    launcher.stop(handle, svc.stop_timeout_s, svc.name)
                 except Unproven:
                     unproven.append(str(pid))
                     continue

@@ -46,6 +46,8 @@ def _url(url: str | None) -> str | None:
 
 
 def _command(command: str | None) -> str | None:
+    """A command line (or an ``env`` value) as shown: secret values as ``***``, URL
+    passwords too (``core.redact.redact_command``)."""
     from gpuctl.core.redact import redact_command
 
     return redact_command(command) if command else command
@@ -93,7 +95,9 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "metrics": _url(s.metrics),
         "model": s.model,
         "cwd": s.cwd,
-        "env": {k: MASK if is_secret_name(k) else v for k, v in s.env.items()} or None,
+        # A value under any name may still hold one: ``DB_URL = "postgres://u:X@h/db"``,
+        # ``EXTRA_ARGS = "--api-key X"``: each value is redacted as a command line.
+        "env": {k: MASK if is_secret_name(k) else _command(v) for k, v in s.env.items()} or None,
         "log": s.log,
         "gpus": s.gpus,
         "ipc_mode": s.ipc_mode,

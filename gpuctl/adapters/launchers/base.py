@@ -73,11 +73,15 @@ class Launcher(Protocol):
         """True while the server runs (a zombie is dead); None when it cannot be told."""
         ...
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         """SIGTERM (or the engine's stop), SIGKILL after ``grace_s``. Idempotent.
 
         Only a server that carries the handle's ``proof``: a record is writable by
-        every token holder, so the pid or container it names proves nothing.
+        every token holder, so the pid or container it names proves nothing. With
+        ``service`` (the name of the record being acted on, never read from the handle),
+        only a server started for that service (``GPUCTL_START_SERVICE``, the
+        ``gpuctl.service`` label): a record copied from another service carries that
+        one's proof too. Every flow passes it.
 
         Raises:
             Unproven: the server does not carry the proof; nothing was signalled.

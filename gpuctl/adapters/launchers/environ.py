@@ -22,6 +22,12 @@ START_NONCE_ENV = "GPUCTL_START_NONCE"
 caller wrote into the record before spawning. ``/proc/<pid>/environ`` then names the
 server of a start whose caller died before it recorded the pid."""
 
+START_SERVICE_ENV = "GPUCTL_START_SERVICE"
+"""Set beside the nonce at every launch: the service the server was started for. A stop
+checks both (``adapters.proof``): the nonce alone ties a process to a start, not to a
+service, so a record copied from ``svcb`` to ``svca`` (same handle, same nonce) would
+have a stop of ``svca`` kill ``svcb``'s server."""
+
 RUN_JOB_ENV = "GPUCTL_RUN_JOB"
 RUN_NONCE_ENV = "GPUCTL_RUN_NONCE"
 RUN_PREEMPTIBLE_ENV = "GPUCTL_RUN_PREEMPTIBLE"
@@ -51,7 +57,7 @@ def secret_names(source: Config | HostConfig) -> frozenset[str]:
     host's ``token_env``, ``read_token_env`` and ``jupyter_token_env`` (a server started
     for one host must not carry another host's token) and the proxy's ``api_keys_env``;
     for one host (a launcher built alone, as in tests), that host's."""
-    names = {*_ALWAYS_DROPPED, START_NONCE_ENV}
+    names = {*_ALWAYS_DROPPED, START_NONCE_ENV, START_SERVICE_ENV}
     hosts = source.hosts.values() if isinstance(source, Config) else (source,)
     for host in hosts:
         for name in (host.token_env, host.read_token_env, host.jupyter_token_env):
@@ -68,7 +74,7 @@ def is_scrubbed(name: str, secrets: Iterable[str] | frozenset[str]) -> bool:
     variable whose name is a secret's (``GPUCTL_PROXY_KEY``: a name gpuctl may read one
     day is scrubbed before it is added here). ``GPUCTL_CONFIG``, ``GPUCTL_STATE_DIR`` and
     the like are kept: a server that runs gpuctl itself needs them."""
-    if name in secrets or name in _ALWAYS_DROPPED or name == START_NONCE_ENV:
+    if name in secrets or name in _ALWAYS_DROPPED or name in (START_NONCE_ENV, START_SERVICE_ENV):
         return True
     return name.startswith("GPUCTL_") and (name.startswith(RUN_MARK_PREFIX) or is_secret_name(name))
 
@@ -80,13 +86,20 @@ def server_env(
     start_nonce: str | None,
 ) -> dict[str, str]:
     """A launched server's environment: ``inherited`` less what ``is_scrubbed`` names,
-    then the service's ``env``, then the nonce. The one place that builds it."""
+    then the service's ``env``, then the nonce and the service's name (the proof a stop
+    checks, ``start_marks``). The one place that builds it."""
     drop = frozenset(secrets)
     env = {k: v for k, v in inherited.items() if not is_scrubbed(k, drop)}
     env.update(service.env)
     if start_nonce:
-        env[START_NONCE_ENV] = start_nonce
+        env.update(start_marks(service.name, start_nonce))
     return env
+
+
+def start_marks(service: str, start_nonce: str) -> dict[str, str]:
+    """The marks a launch puts into its server's environment, and a stop of ``service``
+    requires there (``adapters.proof.require_env``): the start's nonce and the service."""
+    return {START_NONCE_ENV: start_nonce, START_SERVICE_ENV: service}
 
 
 def dropped(service: ServiceConfig, secrets: Iterable[str]) -> list[str]:
@@ -94,7 +107,7 @@ def dropped(service: ServiceConfig, secrets: Iterable[str]) -> list[str]:
     (a Jupyter terminal's shell has the Jupyter server's), minus those the service sets.
     A name only ``is_scrubbed``'s pattern would catch cannot be listed here: the launch
     script unsets those by pattern (``jupyter.script``)."""
-    drop = {*secrets, *_ALWAYS_DROPPED, START_NONCE_ENV}
+    drop = {*secrets, *_ALWAYS_DROPPED, START_NONCE_ENV, START_SERVICE_ENV}
     return sorted(n for n in drop if n not in service.env)
 
 

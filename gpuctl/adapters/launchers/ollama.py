@@ -251,8 +251,10 @@ class OllamaLauncher:
             return None
         return self._loader_alive(handle)
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         """Unload (``keep_alive: 0``) and wait up to ``grace_s`` for the model to go.
+
+        ``service`` is unused: this launcher serves one service's model, its proof.
 
         Raises:
             LauncherError: Ollama does not answer, or still has the model after ``grace_s``

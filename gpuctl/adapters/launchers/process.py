@@ -32,6 +32,7 @@ from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import (
     START_NONCE_ENV,
+    START_SERVICE_ENV,
     UNPROVEN_HINT,
     new_start_nonce,
     server_env,
@@ -135,13 +136,14 @@ class ProcessLauncher:
             return None
         return procinfo.is_same_process(handle.pid, handle.pid_start)
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         pid = handle.pid
         if pid is None or not procinfo.is_same_process(pid, handle.pid_start):
             return
-        require_env(
-            pid, {START_NONCE_ENV: handle.proof}, "the server its record names", UNPROVEN_HINT
-        )
+        marks: dict[str, object] = {START_NONCE_ENV: handle.proof}
+        if service is not None:
+            marks[START_SERVICE_ENV] = service  # not another service's server
+        require_env(pid, marks, "the server its record names", UNPROVEN_HINT)
         _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:

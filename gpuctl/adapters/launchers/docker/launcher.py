@@ -19,6 +19,7 @@ from gpuctl.adapters.launchers.docker.spec import (
     LABEL_HASH,
     LABEL_MANAGED,
     LABEL_PROOF,
+    LABEL_SERVICE,
     container_name,
     create_kwargs,
 )
@@ -186,7 +187,7 @@ class DockerLauncher:
         except LauncherError:
             return None
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         """``docker stop -t grace``: SIGTERM, SIGKILL after ``grace_s``. Keeps the container
         (a later start with the same config reuses it). A missing container is fine.
 
@@ -205,10 +206,16 @@ class DockerLauncher:
             labels = ct.labels or {}
             proof = handle.proof
             ok = isinstance(proof, str) and len(proof) >= MIN_NONCE_LEN
+            # Its gpuctl.service label too: another service's record copied here carries
+            # that container's proof.
+            other = service is not None and labels.get(LABEL_SERVICE) != service
             if not ok or labels.get(LABEL_MANAGED) != "true" or labels.get(LABEL_PROOF) != proof:
+                other = True
+            if other:
                 raise Unproven(
                     f"container {ct.name} on {self.url} is not known to be the server its "
-                    f"record names (no {LABEL_PROOF} label matching the record's)",
+                    f"record names (no {LABEL_PROOF} and {LABEL_SERVICE} labels matching "
+                    "the record's)",
                     UNPROVEN_HINT.replace("stop it by hand", f"docker stop {ct.name} by hand"),
                 )
             if ct.status == "paused":

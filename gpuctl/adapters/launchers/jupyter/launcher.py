@@ -10,6 +10,7 @@ from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import (
     START_NONCE_ENV,
+    START_SERVICE_ENV,
     UNPROVEN_HINT,
     dropped,
     new_start_nonce,
@@ -175,7 +176,7 @@ class JupyterLauncher:
             return None
         return _is_ours(state, started, handle)
 
-    def stop(self, handle: Handle, grace_s: float) -> None:
+    def stop(self, handle: Handle, grace_s: float, service: str | None = None) -> None:
         """SIGTERM the server's process group, SIGKILL it after ``grace_s``; wait until gone.
 
         Idempotent: a server already gone (or a zombie, or a reused pid) is left alone.
@@ -196,6 +197,12 @@ class JupyterLauncher:
                 UNPROVEN_HINT,
             )
         entry = shlex.quote(f"{START_NONCE_ENV}={proof}")
+        # And the service it was started for: a record copied from another service
+        # carries that server's nonce too.
+        test = f"grep -qsxzF -- {entry} /proc/{pid}/environ"
+        if service is not None:
+            mark = shlex.quote(f"{START_SERVICE_ENV}={service}")
+            test += f" && grep -qsxzF -- {mark} /proc/{pid}/environ"
         # s: the state letter, '' once /proc/PID is gone. Z and X have exited.
         state = f"s=$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -c1)"
         wait = (
@@ -203,7 +210,7 @@ class JupyterLauncher:
             "[ $n -ge $t ] && break; sleep 0.2; n=$((n+1)); done"
         )
         line = (
-            f"if ! grep -qsxzF -- {entry} /proc/{pid}/environ; then echo {{M}}STOP=unproven; "
+            f"if ! {{ {test}; }}; then echo {{M}}STOP=unproven; "
             f"else t={ticks}; kill -TERM -- -{pid} 2>/dev/null || kill -TERM {pid} 2>/dev/null; {wait}; "
             f"r=${{s:-gone}}; case $s in ''|Z|X) ;; *) kill -KILL -- -{pid} 2>/dev/null || "
             f"kill -KILL {pid} 2>/dev/null; r=killed; t=25; {wait};; esac; "
@@ -217,7 +224,7 @@ class JupyterLauncher:
         if got["STOP"].strip() == "unproven":
             raise Unproven(
                 f"pid {pid} on {self.host_name} is not the server its record names (its "
-                f"environment lacks {START_NONCE_ENV}, or cannot be read)",
+                f"environment lacks {START_NONCE_ENV} or {START_SERVICE_ENV}, or cannot be read)",
                 UNPROVEN_HINT,
             )
         last = got["STOP"].split()[-1:] or ["gone"]

@@ -6,7 +6,7 @@ import re
 import shlex
 from collections.abc import Iterable
 
-from gpuctl.adapters.launchers.environ import START_NONCE_ENV
+from gpuctl.adapters.launchers.environ import start_marks
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import StartFailed
 
@@ -92,7 +92,7 @@ def launch_script(
     )
     exports = dict(service.env)
     if start_nonce:
-        exports[START_NONCE_ENV] = start_nonce
+        exports.update(start_marks(service.name, start_nonce))
     for key, value in exports.items():
         if not _VAR.fullmatch(key):
             raise StartFailed(
