@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -246,3 +247,155 @@ def test_a_stream_being_sent_is_not_idle(servers: dict[str, Target]) -> None:
         assert r.status_code == 200
         body = b"".join(r.iter_bytes())
     assert body == b"".join(b"data: %d\n\n" % i for i in range(6))
+
+
+# -- the guard's order of victims, in process (no server): a fake uvicorn protocol and loop
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.armed: list[tuple[float, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, fn: object) -> object:
+        self.armed.append((self.now + delay, fn))
+        return object()
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.response_complete = False
+
+
+class _State:
+    total_requests = 0
+
+
+class _Proto:
+    """What the guard reads of uvicorn's HttpToolsProtocol."""
+
+    def __init__(self, state: _State) -> None:
+        self.server_state = state
+        self.transport = _Transport()
+        self.cycle: _Cycle | None = None
+        self.scope: object = None
+
+    def head(self) -> None:
+        """A request's first byte, then its whole head: a request under way."""
+        self.scope = object()
+        self.cycle = _Cycle()
+
+    def answer(self, guard: Any, c: Any, clock: _Clock) -> None:
+        """The answer ends (what guarded_protocol's on_response_complete records)."""
+        assert self.cycle is not None
+        self.cycle.response_complete = True
+        self.server_state.total_requests += 1
+        c.since, c.scope = clock.time(), self.scope
+
+
+def _guard(per_peer: int = 64, total: int = 128) -> tuple[Any, _Clock, _State]:
+    from gpuctl.agent.connections import ConnectionGuard
+
+    limits = ConnectionLimits(max_total=total, max_per_peer=per_peer)
+    return ConnectionGuard(limits, b"{}"), _Clock(), _State()
+
+
+def _open(guard: Any, clock: _Clock, state: _State, peer: str = "a") -> tuple[_Proto, Any]:
+    clock.now += 1
+    p = _Proto(state)
+    return p, guard.admit(peer, p, clock)
+
+
+def test_a_full_bound_closes_the_connection_that_waited_longest() -> None:
+    """The victim is the one waiting longest since its opening or its last answer; one
+    with a request under way is never chosen; when all are busy the new one is refused;
+    and an answer after a scan makes its connection the youngest again."""
+    g, clock, state = _guard()
+    conns = [_open(g, clock, state) for _ in range(64)]
+    # The oldest three are busy; the fourth answers late, so it waited the least.
+    for p, _ in conns[:3]:
+        p.head()
+    p3, c3 = conns[3]
+    p3.head()
+    clock.now += 1
+    p3.answer(g, c3, clock)
+    order = [p for p, _ in conns[4:]] + [p3]
+    for want in order[:10]:  # a flood from the same peer: each new one takes one's place
+        p, c = _open(g, clock, state)
+        assert c is not None and want.transport.closed
+        assert not any(q.transport.closed for q, _ in conns[:3])
+    # After the scan, one of the queued ones answers: it goes to the back of the line.
+    p_mid, c_mid = conns[20]
+    p_mid.head()
+    clock.now += 1
+    p_mid.answer(g, c_mid, clock)
+    for _ in range(7):
+        assert _open(g, clock, state)[1] is not None
+    assert all(p.transport.closed for p, _ in conns[14:20])
+    assert conns[21][0].transport.closed and not p_mid.transport.closed
+    assert g.closed_for_room == 17 and g.total == 64
+
+
+def test_a_full_bound_of_busy_connections_refuses_until_one_answers() -> None:
+    g, clock, state = _guard(per_peer=64, total=64)
+    conns = [_open(g, clock, state, peer=f"p{i % 2}") for i in range(64)]
+    for p, _ in conns:
+        p.head()
+    for _ in range(3):
+        assert _open(g, clock, state, peer="new")[1] is None
+    assert g.refused_total == 3 and g.total == 64
+    p, c = conns[40]
+    clock.now += 1
+    p.answer(g, c, clock)  # now waiting: the next one over the bound takes its place
+    assert _open(g, clock, state, peer="new")[1] is not None
+    assert p.transport.closed and g.total == 64
+
+
+def test_the_sweep_closes_by_the_head_and_idle_deadlines_only_when_waiting() -> None:
+    g, clock, state = _guard()
+    head, idle = g.limits.head_timeout_s, g.limits.idle_timeout_s
+    silent, _ = _open(g, clock, state)  # no byte: the head timeout from its opening
+    opened = clock.now
+    streaming, _ = _open(g, clock, state)  # a request under way: never timed
+    streaming.head()
+    idle_p, idle_c = _open(g, clock, state)  # answered, then nothing: the idle timeout
+    next_p, next_c = _open(g, clock, state)  # answered, then a head begun: head timeout
+    clock.now += 1
+    t0 = clock.now
+    idle_p.head()
+    idle_p.answer(g, idle_c, clock)
+    next_p.head()
+    next_p.answer(g, next_c, clock)
+    next_p.scope = object()
+    assert len(clock.armed) == 1  # one sweep for the server, none per connection
+
+    def sweep_at(t: float) -> None:
+        clock.now = t
+        _, fn = clock.armed.pop()
+        fn()  # type: ignore[operator]
+
+    sweep_at(t0 + idle - 0.01)
+    assert not any(p.transport.closed for p in (silent, streaming, idle_p, next_p))
+    sweep_at(t0 + idle)
+    assert idle_p.transport.closed and not silent.transport.closed
+    sweep_at(opened + head)
+    assert silent.transport.closed and not next_p.transport.closed
+    sweep_at(t0 + head)
+    assert next_p.transport.closed
+    sweep_at(t0 + 100 * head)
+    assert not streaming.transport.closed and g.total == 1 and g.closed_idle == 3
+    assert clock.armed  # a connection is left: the sweep goes on

@@ -23,10 +23,13 @@ Rules (tests/test_connections.py):
   (a server-sent-events stream included) the connection is busy, whatever the time.
 
 The guard hooks uvicorn's httptools protocol (``guarded_protocol``): a subclass's
-``connection_made``, ``on_headers_complete`` and ``on_response_complete`` (never
-``data_received``: a request's first byte is seen by uvicorn's new scope). A request costs two dict updates and a clock read; the one
-timer per connection is moved by writing its deadline, and is re-armed only when it
-fires early.
+``connection_made``, ``connection_lost`` and ``on_response_complete``, which is all a
+request costs it (a clock read and two attribute writes). Nothing hooks
+``data_received`` or ``on_headers_complete``, the hot path: a request under way is
+uvicorn's cycle whose answer has not ended, and a head begun is uvicorn's new scope,
+both read only when a bound is hit or a sweep runs. No timer per connection either: one
+sweep per server closes the connections past their deadlines, and the victim of a full
+bound is found by a scan (``_Pool``), when a bound is hit.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import resource
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -109,150 +111,178 @@ def refusal(body: bytes) -> bytes:
 
 
 class _Conn:
-    """What the guard keeps of one connection."""
+    """What the guard keeps of one connection: the hot path writes ``since`` and
+    ``scope`` once per answer, and nothing else.
 
-    __slots__ = ("begun", "busy", "close", "deadline", "head_by", "peer", "scope", "timer")
+    Whether a request is under way is read from uvicorn's own state when needed (a cycle
+    whose answer has not ended), so a request's head costs the guard nothing."""
 
-    def __init__(
-        self, peer: str, close: Callable[[], None], begun: Callable[[object], bool]
-    ) -> None:
+    __slots__ = ("peer", "proto", "scope", "since")
+
+    def __init__(self, peer: str, proto: Any, since: float) -> None:
         self.peer = peer
-        self.close = close
-        self.begun = begun  # whether a request has begun since the answer (``scope``)
-        self.scope: object = None
-        self.busy = False
-        self.deadline = 0.0  # when the timer closes it (while not busy)
-        self.head_by = 0.0  # the head's deadline, once a first byte has arrived
-        self.timer: asyncio.TimerHandle | None = None
+        self.proto: Any = proto  # uvicorn's HttpToolsProtocol; None once forgotten
+        # When it began waiting: its opening, then each answer's end.
+        self.since = since
+        # The protocol's request scope when it began waiting: uvicorn makes a new one at a
+        # request's first byte, so another one there means the next head has begun.
+        self.scope: object = _OPENED
+
+    def busy(self) -> bool:
+        """A request is under way: its head has arrived and its answer has not ended."""
+        cycle = self.proto.cycle
+        return cycle is not None and not cycle.response_complete
+
+
+# ``_Conn.scope`` of a connection that has had no answer yet: never a protocol's scope, so
+# the head timeout counts from the opening.
+_OPENED = object()
+
+
+class _Pool:
+    """The connections counted against one bound (one peer's, or all), and the order in
+    which the waiting ones go when the bound is hit.
+
+    The order is found lazily: when a victim is needed and ``queue`` holds none, one scan
+    sorts the waiting connections by how long they have waited and keeps them, longest
+    last, each with its ``since`` then. A kept entry is still right while its connection
+    counts, is waiting and has the same ``since``; and every connection that has begun
+    waiting since the scan (new, or answered) waited less than any such entry. So a
+    flood that hits the bound with every new connection costs one scan for as many
+    victims as it found, and a request costs the order nothing."""
+
+    __slots__ = ("conns", "none_at", "queue")
+
+    def __init__(self) -> None:
+        self.conns: dict[_Conn, None] = {}
+        self.queue: list[tuple[float, _Conn]] = []
+        # (answers, admissions) when a scan last found every connection busy: until one of
+        # them moves, none can have begun waiting, so a refusal needs no scan.
+        self.none_at: tuple[int, int] | None = None
+
+    def victim(self, stamp: tuple[int, int]) -> _Conn | None:
+        """The connection that has waited longest, or None when all are busy."""
+        queue = self.queue
+        while queue:
+            since, c = queue.pop()
+            if c.proto is not None and c.since == since and not c.busy():
+                return c
+        if self.none_at == stamp:
+            return None
+        queue.extend((c.since, c) for c in self.conns if not c.busy())
+        if not queue:
+            self.none_at = stamp
+            return None
+        queue.sort(key=_since, reverse=True)
+        return queue.pop()[1]
+
+
+def _since(entry: tuple[float, _Conn]) -> float:
+    return entry[0]
 
 
 class ConnectionGuard:
-    """The bounds and timers of one server's connections (one event loop)."""
+    """The bounds and timeouts of one server's connections (one event loop)."""
 
     def __init__(self, limits: ConnectionLimits, refused_body: bytes) -> None:
         self.limits = limits
         self.refused = refusal(refused_body)
-        self.total = 0
-        self.per_peer: dict[str, int] = {}
-        # Connections without a request under way, longest waiting first (dicts keep
-        # insertion order); in all and by peer.
-        self.waiting: dict[_Conn, None] = {}
-        self.waiting_by_peer: dict[str, dict[_Conn, None]] = {}
+        self.all = _Pool()
+        self.by_peer: dict[str, _Pool] = {}
+        self.admitted = 0
+        # One sweep closes every connection past its deadline, every ``period`` seconds
+        # while there are connections: a request arms no timer, and a deadline is kept
+        # to within a tenth of the shorter timeout (half a second at most).
+        self.period = min(0.5, min(limits.head_timeout_s, limits.idle_timeout_s) / 10)
+        self.sweep: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed_idle = 0
         self.closed_for_room = 0
         self.refused_total = 0
 
+    @property
+    def total(self) -> int:
+        return len(self.all.conns)
+
     # -- admission
 
-    def admit(
-        self,
-        peer: str,
-        close: Callable[[], None],
-        loop: asyncio.AbstractEventLoop,
-        begun: Callable[[object], bool],
-    ) -> _Conn | None:
-        """A new connection from ``peer``: its handle, or None when it must be refused
-        (the caller writes ``self.refused`` and closes it)."""
+    def admit(self, peer: str, proto: Any, loop: asyncio.AbstractEventLoop) -> _Conn | None:
+        """A new connection from ``peer`` (``proto``: its uvicorn protocol): its handle, or
+        None when it must be refused (the caller writes ``self.refused`` and closes it)."""
         self.loop = loop
-        pool: dict[_Conn, None] | None = None  # where to make room, when full
-        if self.per_peer.get(peer, 0) >= self.limits.max_per_peer:
-            pool = self.waiting_by_peer.get(peer, {})
-        elif self.total >= self.limits.max_total:
-            pool = self.waiting
+        mine = self.by_peer.get(peer)
+        pool: _Pool | None = None  # where to make room, when full
+        if mine is not None and len(mine.conns) >= self.limits.max_per_peer:
+            pool = mine
+        elif len(self.all.conns) >= self.limits.max_total:
+            pool = self.all
         if pool is not None:
-            if not pool:
+            victim = pool.victim((proto.server_state.total_requests, self.admitted))
+            if victim is None:
                 self.refused_total += 1
                 return None
-            victim = next(iter(pool))
             self.closed_for_room += 1
-            self.forget(victim)
-            victim.close()
-        c = _Conn(peer, close, begun)
-        self.total += 1
-        self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
-        self._wait(c, loop.time(), self.limits.head_timeout_s, loop)
+            self.close(victim)
+        c = _Conn(peer, proto, loop.time())
+        self.admitted += 1
+        self.all.conns[c] = None
+        if mine is None:
+            mine = self.by_peer[peer] = _Pool()
+        mine.conns[c] = None
+        if self.sweep is None:
+            self.sweep = loop.call_later(self.period, self._sweep)
         return c
 
     def forget(self, c: _Conn) -> None:
         """The connection ended (or is being closed): it counts no more. Idempotent."""
-        if c.peer == "":
+        if c.proto is None:
             return
-        peer, c.peer = c.peer, ""
-        self.total -= 1
-        left = self.per_peer[peer] - 1
-        if left:
-            self.per_peer[peer] = left
-        else:
-            del self.per_peer[peer]
-        self._unwait(c, peer)
-        if c.timer is not None:
-            c.timer.cancel()
-            c.timer = None
+        c.proto = None
+        del self.all.conns[c]
+        mine = self.by_peer[c.peer]
+        del mine.conns[c]
+        if not mine.conns:
+            del self.by_peer[c.peer]
 
-    # -- the request cycle
-
-    def request(self, c: _Conn) -> None:
-        """A whole request head arrived: the connection is busy until its answer ends."""
-        if not c.busy and c.peer:
-            c.busy = True
-            self._unwait(c, c.peer)
-
-    def answered(self, c: _Conn, loop: asyncio.AbstractEventLoop, scope: object) -> None:
-        """The answer ended and the connection is kept alive: it waits for the next
-        request, idle until its first byte (``scope``: the request just answered)."""
-        if c.busy and c.peer:
-            c.busy = False
-            now = loop.time()
-            self._wait(c, now, self.limits.idle_timeout_s, loop)
-            c.head_by = now + self.limits.head_timeout_s
-            c.scope = scope
-
-    def _wait(self, c: _Conn, now: float, within: float, loop: asyncio.AbstractEventLoop) -> None:
-        c.deadline = now + within
-        c.head_by = 0.0
-        self.waiting[c] = None
-        self.waiting_by_peer.setdefault(c.peer, {})[c] = None
-        t = c.timer
-        if t is not None and t.when() > c.deadline:
-            t.cancel()  # due later than now needed (a head's 10 s, where 5 s idle count)
-            t = None
-        if t is None:
-            c.timer = loop.call_at(c.deadline, self._expire, c, loop)
-
-    def _unwait(self, c: _Conn, peer: str) -> None:
-        self.waiting.pop(c, None)
-        mine = self.waiting_by_peer.get(peer)
-        if mine is not None:
-            mine.pop(c, None)
-            if not mine:
-                del self.waiting_by_peer[peer]
-
-    def _expire(self, c: _Conn, loop: asyncio.AbstractEventLoop) -> None:
-        c.timer = None
-        if not c.peer:
-            return
-        if c.busy:
-            return  # re-armed by `answered`
-        if c.head_by and c.begun(c.scope):
-            # Idle no more: the next head has begun, and has until its own deadline.
-            c.deadline, c.head_by = c.head_by, 0.0
-        if loop.time() < c.deadline:
-            c.timer = loop.call_at(c.deadline, self._expire, c, loop)
-            return
-        self.closed_idle += 1
+    def close(self, c: _Conn) -> None:
+        """Forget ``c`` and close its connection."""
+        transport = c.proto.transport
         self.forget(c)
-        c.close()
+        if not transport.is_closing():
+            transport.close()
+
+    # -- time
+
+    def _sweep(self) -> None:
+        """Close every waiting connection past its deadline: the head timeout from its
+        opening or its last answer's end while a head is on its way (or none has come
+        yet), the idle timeout from its last answer's end while nothing has come since."""
+        assert self.loop is not None
+        now = self.loop.time()
+        head_by = now - self.limits.head_timeout_s
+        idle_by = now - self.limits.idle_timeout_s
+        late = [
+            c
+            for c in self.all.conns
+            if c.since <= (head_by if c.proto.scope is not c.scope else idle_by) and not c.busy()
+        ]
+        for c in late:
+            self.closed_idle += 1
+            self.close(c)
+        self.sweep = self.loop.call_later(self.period, self._sweep) if self.all.conns else None
 
 
 def guarded_protocol(base: type[Any], guard: ConnectionGuard) -> type[Any]:
     """``base`` (uvicorn's ``HttpToolsProtocol`` or a subclass) with ``guard``'s bounds
-    and timers: pass the result as ``uvicorn.Config(http=...)``."""
+    and timeouts: pass the result as ``uvicorn.Config(http=...)``."""
 
     # The base's methods called directly: zero-argument super() costs a lookup on each
-    # call, and these run on every request.
-    made, lost = base.connection_made, base.connection_lost
-    headers_complete, response_complete = base.on_headers_complete, base.on_response_complete
+    # call, and on_response_complete runs on every request.
+    made, lost, response_complete = (
+        base.connection_made,
+        base.connection_lost,
+        base.on_response_complete,
+    )
 
     class Guarded(base):  # type: ignore[misc]
         _guarded: _Conn | None = None
@@ -261,21 +291,12 @@ def guarded_protocol(base: type[Any], guard: ConnectionGuard) -> type[Any]:
             made(self, transport)
             client = self.client
             peer = peer_key(str(client[0])) if client else "local"
-            c = guard.admit(peer, self._close_now, self.loop, self._head_begun)
+            c = guard.admit(peer, self, self.loop)
             if c is None:
                 transport.write(guard.refused)
                 transport.close()
                 return
             self._guarded = c
-
-        def _close_now(self) -> None:
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def _head_begun(self, since: object) -> bool:
-            # uvicorn's on_message_begin makes a new scope at a request's first byte: no
-            # hook of ours runs on the bytes themselves (data_received is the hot path).
-            return self.scope is not since
 
         def connection_lost(self, exc: Exception | None) -> None:
             c = self._guarded
@@ -283,19 +304,14 @@ def guarded_protocol(base: type[Any], guard: ConnectionGuard) -> type[Any]:
                 guard.forget(c)
             lost(self, exc)
 
-        def on_headers_complete(self) -> None:
-            c = self._guarded
-            if c is not None:
-                guard.request(c)
-            headers_complete(self)
-
         def on_response_complete(self) -> None:
-            # A pipelined request already read starts now: the connection stays busy.
-            pipelined = bool(self.pipeline)
+            # The connection waits from now, unless a pipelined request already read
+            # starts (then uvicorn's cycle is that request's, and it is busy).
             response_complete(self)
             c = self._guarded
-            if c is not None and not pipelined and not self.transport.is_closing():
-                guard.answered(c, self.loop, self.scope)
+            if c is not None:
+                c.since = self.loop.time()
+                c.scope = self.scope
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
