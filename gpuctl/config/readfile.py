@@ -12,24 +12,14 @@ import os
 import stat
 from pathlib import Path
 
+from gpuctl.core.file_kind import not_regular
+
 TOKEN_LIMIT = 64 * 1024
 CONFIG_LIMIT = 1024 * 1024
 
 
 class NotSmallFile(ValueError):
     """The file is not a regular file, or larger than its bound (the message says which)."""
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "something else"
 
 
 def read_small(path: Path, limit: int) -> bytes:
@@ -46,7 +36,7 @@ def read_small(path: Path, limit: int) -> bytes:
         if stat.S_ISDIR(mode):  # callers say "a folder" in their own words
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(mode):
-            raise NotSmallFile(f"{path} is {_kind(mode)}, not a regular file")
+            raise NotSmallFile(f"{path} is {not_regular(mode)}")
         chunks: list[bytes] = []
         size = 0
         while size <= limit:

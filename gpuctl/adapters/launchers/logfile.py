@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuctl.adapters.store.files import Folder, NotAFile, folder_modes
+from gpuctl.core.file_kind import file_kind
 from gpuctl.errors import StartFailed
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -54,18 +55,6 @@ def log_mode(folder: Path | int) -> int:
     return 0o640 if shared else 0o600
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
 def open_regular(name: str | Path, flags: int, dir_fd: int | None = None, mode: int = 0o600) -> int:
     """Open a regular file, never blocking: ``O_NONBLOCK | O_NOFOLLOW``, then the open
     descriptor must be a regular file, then ``O_NONBLOCK`` is cleared (a FIFO never gets
@@ -83,11 +72,11 @@ def open_regular(name: str | Path, flags: int, dir_fd: int | None = None, mode: 
         if e.errno not in (errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP):
             raise
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        raise NotAFile(errno.EINVAL, f"it is {_kind(st.st_mode)}") from None
+        raise NotAFile(errno.EINVAL, f"it is {file_kind(st.st_mode)}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise NotAFile(errno.EINVAL, f"it is {_kind(st.st_mode)}")
+            raise NotAFile(errno.EINVAL, f"it is {file_kind(st.st_mode)}")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)

@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Final
 
 from gpuctl.adapters.store.codec import MAX_RECORD_BYTES
+from gpuctl.core.file_kind import file_kind, not_regular
 from gpuctl.errors import StoreError
 
 SUBDIRS = ("records", "locks", "logs")
@@ -102,26 +103,10 @@ class NotAFile(OSError):
     """A store file that is not a regular file (a FIFO, a folder, a device): never read."""
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
 def _read_fd(fd: int, limit: int) -> bytes:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
-        kind = _kind(mode)
-        raise NotAFile(
-            errno.EINVAL,
-            f"it is {kind}, not a regular file" if kind[0] == "a" else f"it is {kind}",
-        )
+        raise NotAFile(errno.EINVAL, f"it is {not_regular(mode)}")
     chunks: list[bytes] = []
     left = limit + 1
     while left > 0:
@@ -289,7 +274,7 @@ class Folder:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise NotAFile(errno.EINVAL, f"it is {_kind(st.st_mode)}")
+                raise NotAFile(errno.EINVAL, f"it is {file_kind(st.st_mode)}")
             if stat.S_IMODE(st.st_mode) != file_mode and st.st_uid == os.geteuid():
                 os.fchmod(fd, file_mode)
             deadline = time.monotonic() + timeout_s
