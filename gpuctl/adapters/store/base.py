@@ -9,7 +9,17 @@ from typing import Any, Protocol
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided
+from gpuctl.core.record import (
+    Holder,
+    Lease,
+    LeaseState,
+    Listing,
+    Record,
+    SetAside,
+    Voided,
+    lease_state,
+    void_why,
+)
 from gpuctl.errors import UsageError
 
 # The one rule for names, shared with the config and the agent's OpenAPI document.
@@ -117,6 +127,22 @@ def check_name(service: str) -> str:
     if not isinstance(service, str) or not _NAME.fullmatch(service):
         raise UsageError(f"invalid service name {service!r}")
     return service
+
+
+def judged_here(lease: Lease, now: float, longest: float | None) -> tuple[LeaseState, str | None]:
+    """A lease (or in-flight or queue entry) as this host judges it: its state, its
+    holder alive only if it runs here (``core.record.lease_state``), and why it is
+    void if it is forged (``core.record.void_why``; None otherwise). ``longest``: its
+    kind's documented term."""
+    from gpuctl.adapters import procinfo
+
+    here = procinfo.host_identity()
+    alive = None
+    if lease.host == here.hostname and lease.boot_id == here.boot_id:
+        alive = procinfo.is_same_process(lease.pid, lease.pid_start)
+    where = {"here_host": here.hostname, "here_boot_id": here.boot_id}
+    state = lease_state(lease, now, holder_alive=alive, longest=longest, **where)
+    return state, void_why(lease, now, longest=longest, **where)
 
 
 def holder_here(entry: str) -> Holder:

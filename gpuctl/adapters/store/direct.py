@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name
+from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
 from gpuctl.adapters.store.codec import (
     RecordError,
     check_record,
@@ -61,8 +61,6 @@ from gpuctl.core.record import (
     Voided,
     apply_update,
     clip,
-    lease_state,
-    void_why,
 )
 from gpuctl.core.record_pids import pid_is_here
 from gpuctl.errors import StoreError, UsageError
@@ -190,23 +188,10 @@ class DirectStore(InflightFiles, QueueFiles):
             ) from None
 
     def _effective(self, rec: Record) -> tuple[Record, LeaseState]:
-        from gpuctl.adapters import procinfo
-
         lease = rec.lease
         if lease is None:
             return rec, LeaseState.NONE
-        here = procinfo.host_identity()
-        alive = None
-        if lease.host == here.hostname and lease.boot_id == here.boot_id:
-            alive = procinfo.is_same_process(lease.pid, lease.pid_start)
-        state = lease_state(
-            lease,
-            self.clock(),
-            here_host=here.hostname,
-            here_boot_id=here.boot_id,
-            holder_alive=alive,
-            longest=TERM_MAX_S.get(rec.service),
-        )
+        state, _ = judged_here(lease, self.clock(), TERM_MAX_S.get(rec.service))
         if state is LeaseState.LIVE:
             return rec, state
         return replace(rec, lease=None), state
@@ -216,16 +201,11 @@ class DirectStore(InflightFiles, QueueFiles):
         its record is kept beside it (``<service>.json.void-<time>``) and logged, for
         ``gpuctl locks`` to show who planted it (``voided``). A dead holder's lease is
         not kept: it was sound. Called under the service's lock."""
-        from gpuctl.adapters import procinfo
-
         lease = on_disk.lease
         if lease is None:
             return
-        here, now = procinfo.host_identity(), self.clock()
-        why = void_why(
-            lease, now, here_host=here.hostname, here_boot_id=here.boot_id,
-            longest=TERM_MAX_S.get(on_disk.service),
-        )  # fmt: skip
+        now = self.clock()
+        _, why = judged_here(lease, now, TERM_MAX_S.get(on_disk.service))
         if why is None:
             return
         path = self._paths(on_disk.service)[0]

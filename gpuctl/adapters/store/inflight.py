@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuctl.adapters.store.base import _NAME, check_name
+from gpuctl.adapters.store.base import _NAME, check_name, judged_here
 from gpuctl.adapters.store.codec import RecordError, decode_lease, parse_json
 from gpuctl.adapters.store.files import Folder, set_aside_junk
 from gpuctl.adapters.store.voided import set_aside_void
@@ -37,8 +37,6 @@ from gpuctl.core.record import (
     Lease,
     LeaseState,
     Record,
-    lease_state,
-    void_why,
 )
 from gpuctl.errors import StoreError, UsageError
 
@@ -155,7 +153,6 @@ class InflightFiles:
         (``<name>.void-<time>``, kept for ``gpuctl locks`` to show); a file that is not a sound entry
         is set aside once (``<name>.corrupt-<time>``, kept for a person) and logged once.
         """
-        from gpuctl.adapters import procinfo
 
         base = self.state_dir / "inflight"
         try:
@@ -168,7 +165,6 @@ class InflightFiles:
                 f"cannot read {base}: {e.strerror or e}",
                 hint=f"{base} must be a folder (not a link) readable by this user",
             ) from None
-        here = procinfo.host_identity()
         now = self.clock()
         out: dict[str, int] = {}
         for service in services:
@@ -184,22 +180,12 @@ class InflightFiles:
                     entry = _read_entry(folder, name, now)
                     if entry is None:
                         continue
-                    alive = None
-                    if entry.host == here.hostname and entry.boot_id == here.boot_id:
-                        alive = procinfo.is_same_process(entry.pid, entry.pid_start)
-                    state = lease_state(
-                        entry, now, here_host=here.hostname, here_boot_id=here.boot_id,
-                        holder_alive=alive, longest=INFLIGHT_TTL_MAX_S,
-                    )  # fmt: skip
+                    state, why = judged_here(entry, now, INFLIGHT_TTL_MAX_S)
                     if state is LeaseState.LIVE:
                         n += 1
                     elif state is LeaseState.VOID:
                         # Nothing is in flight either way. A forged entry is kept for a
                         # person (``gpuctl locks`` shows it); a dead holder's is deleted.
-                        why = void_why(
-                            entry, now, here_host=here.hostname, here_boot_id=here.boot_id,
-                            longest=INFLIGHT_TTL_MAX_S,
-                        )  # fmt: skip
                         if why is not None:
                             set_aside_void(folder, name, now, why)
                         else:

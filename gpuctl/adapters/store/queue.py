@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gpuctl.adapters.store.base import judged_here
 from gpuctl.adapters.store.codec import (
     QUEUE_ID,
     QUEUE_TTL_MAX_S,
@@ -38,7 +39,7 @@ from gpuctl.adapters.store.codec import (
 from gpuctl.adapters.store.files import Folder, set_aside_junk
 from gpuctl.adapters.store.voided import set_aside_void
 from gpuctl.core.queue import Waiter, in_order, overlived
-from gpuctl.core.record import Holder, LeaseState, lease_state, void_why
+from gpuctl.core.record import Holder, LeaseState
 from gpuctl.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
@@ -126,7 +127,6 @@ class QueueFiles:
 
     def _live_waiters(self: _Files) -> list[Waiter]:
         """Every live entry (under the queue's lock); void and lapsed ones are deleted."""
-        from gpuctl.adapters import procinfo
 
         base = self.state_dir / "queue"
         try:
@@ -138,7 +138,6 @@ class QueueFiles:
                 f"cannot read the wait queue {base}: {e.strerror or e}",
                 hint=f"{base} must be a folder (not a link) readable by this user",
             ) from None
-        here = procinfo.host_identity()
         now = self.clock()
         live: list[Waiter] = []
         with folder:
@@ -148,18 +147,7 @@ class QueueFiles:
                 w = _read_waiter(folder, name, now)
                 if w is None:
                     continue
-                h = w.holder
-                alive = None
-                if h.host == here.hostname and h.boot_id == here.boot_id:
-                    alive = procinfo.is_same_process(h.pid, h.pid_start)
-                state = lease_state(
-                    h, now, here_host=here.hostname, here_boot_id=here.boot_id,
-                    holder_alive=alive, longest=QUEUE_TTL_MAX_S,
-                )  # fmt: skip
-                why = void_why(
-                    h, now, here_host=here.hostname, here_boot_id=here.boot_id,
-                    longest=QUEUE_TTL_MAX_S,
-                )  # fmt: skip
+                state, why = judged_here(w.holder, now, QUEUE_TTL_MAX_S)
                 if state is LeaseState.LIVE and not overlived(w, now):
                     live.append(w)
                 elif why is not None:
