@@ -54,14 +54,20 @@ def status_json(cfg: Path) -> dict[str, Any]:
     return obj
 
 
-def test_an_older_releases_lease_not_yet_admitted_counts_at_its_budget(host: SimHost) -> None:
+def big_and_small(host: SimHost) -> tuple[str, str, Path]:
+    """Two services on the 120 GiB GPU that do not fit together: big (80 GiB) and small
+    (50 GiB); their names and the config."""
     big, small = unique_name("big"), unique_name("small")
     toml = ""
     for svc, gib in ((big, 80), (small, 50)):
         port = free_port()
         t = service_toml(svc, port, model_server_command(svc, port, f"{gib}GiB", "1s"))
         toml += t.replace('memory = "20GiB"', f'memory = "{gib}GiB"') + "\n"
-    cfg = host.write_config(toml)
+    return big, small, host.write_config(toml)
+
+
+def test_an_older_releases_lease_not_yet_admitted_counts_at_its_budget(host: SimHost) -> None:
+    big, small, cfg = big_and_small(host)
     store = DirectStore(host.state_dir)
     # An older release's ensure of big took its lease (no promise in the record): its
     # record is not `starting` yet (the phase it had before).
@@ -95,13 +101,7 @@ def test_a_lease_waiting_for_admission_does_not_refuse_a_rival(host: SimHost) ->
     """This release's caller of big holds its lease (with big's promise) and has not
     been admitted: small is admitted first and starts; big, admitted after it, finds
     small `starting` and is BUSY: the admission lock decided, and nothing over-commits."""
-    big, small = unique_name("big"), unique_name("small")
-    toml = ""
-    for svc, gib in ((big, 80), (small, 50)):
-        port = free_port()
-        t = service_toml(svc, port, model_server_command(svc, port, f"{gib}GiB", "1s"))
-        toml += t.replace('memory = "20GiB"', f'memory = "{gib}GiB"') + "\n"
-    cfg = host.write_config(toml)
+    big, small, cfg = big_and_small(host)
     store = DirectStore(host.state_dir)
     starter = holder_here("ensure")
     granted, rec = store.acquire(big, starter, 600, Promise(memory_mib=80 * GiB, priority=50))
