@@ -104,12 +104,6 @@ def _service(conf: Config, name: str) -> ServiceConfig:
     return svc
 
 
-def _has_fast_path(svc: ServiceConfig) -> bool:
-    """A health URL whose 200 means ready: not an Ollama model (``/api/ps``), and not a
-    vLLM in sleep mode, which answers ``/health`` while asleep."""
-    return bool(svc.health) and svc.stop != "sleep"
-
-
 def _touch_due(conf: Config, svc: ServiceConfig) -> bool:
     key = (str(conf.path), svc.name)
     now = time.monotonic()
@@ -170,7 +164,7 @@ def ensure_ready_sync(
     """The synchronous twin of ``ensure_ready``."""
     conf = _config(config)
     svc = _service(conf, service)
-    if not _has_fast_path(svc):
+    if not svc.health_means_ready:
         return _slow_path(conf, service, timeout, wait)
     with _lock:
         client = _sync_clients.get("")
@@ -205,7 +199,7 @@ async def ensure_ready(
     """
     conf = _config(config)
     svc = _service(conf, service)
-    if not _has_fast_path(svc):
+    if not svc.health_means_ready:
         return await asyncio.to_thread(_slow_path, conf, service, timeout, wait)
     loop = asyncio.get_running_loop()
     client = _async_clients.get(loop)

@@ -87,3 +87,30 @@ def test_a_model_ollama_lacks_fails_with_the_pull_hint(
     out = json.loads(r.stdout)
     assert out["outcome"] == "failed"
     assert "ollama pull nope:7b" in out["hint"]
+
+
+def test_ensure_ready_loads_a_model_whose_daemon_answers_its_health_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Ollama model with a `health` URL (the daemon's root, which answers 200 whether
+    or not the model is loaded): `gpuctl.api.ensure_ready_sync` does not call it READY
+    on that 200, as the proxy does not; it loads the model through the ensure flow."""
+    from gpuctl.api import ensure_ready_sync
+
+    sim_dir = tmp_path / "sim"
+    srv = SimOllama(sim_dir, tmp_path, "-m", "qwen3:32b=20GiB", "--load-time", "1s")
+    try:
+        config = tmp_path / "config.toml"
+        config.write_text(
+            f'[hosts.box]\nprobe = "sim"\nsim_dir = "{sim_dir}"\nollama = "{srv.url}"\n\n'
+            '[services.qwen]\nhost = "box"\nlauncher = "ollama"\nmodel = "qwen3:32b"\n'
+            f'memory = "20GiB"\nhealth = "{srv.url}/"\nhealth_timeout = "60s"\n'
+        )
+        monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+        assert claims_mib(sim_dir) == {}
+        r = ensure_ready_sync("qwen", config=config)
+        assert r.ready and r.launched, r
+        assert claims_mib(sim_dir) == {"ollama qwen3:32b": 20 * GIB}
+    finally:
+        srv.kill()

@@ -200,6 +200,14 @@ class ServiceConfig:
         return replace(self, **{f.name: getattr(p, f.name) for f in fields(Promise)})
 
     @property
+    def health_means_ready(self) -> bool:
+        """Whether its health URL answering 200 means it is ready to serve: not for an
+        Ollama model (the daemon answers whether or not the model is loaded: ``/api/ps``
+        tells), nor for a vLLM in sleep mode (it answers ``/health`` asleep). Callers
+        that skip the ensure flow on a 200 (``gpuctl.api``, the proxy) ask this."""
+        return bool(self.health) and self.stop != "sleep" and self.launcher != "ollama"
+
+    @property
     def keywords(self) -> tuple[str, ...]:
         """What marks a host process as this service's: its match keywords, else its name.
 

@@ -217,17 +217,24 @@ def deps_for(
 def _service_health(
     service: ServiceConfig, host: HostConfig, http: SharedHttp, launcher: Callable[[], Launcher]
 ) -> Callable[[], Health]:
-    """The service's health check: its ``health`` URL, or for an Ollama model ``/api/ps``
-    (asked by its launcher, which also knows whether its own load is still running)."""
+    """The service's health check: its ``health`` URL; for an Ollama model ``/api/ps``
+    first (asked by its launcher, which also knows whether its own load is still
+    running), since the daemon answers any URL of its own whether or not the model is
+    loaded, then its ``health`` URL if it has one."""
     from gpuctl.adapters import health
 
-    if service.launcher == "ollama" and not service.health:
+    if service.launcher == "ollama":
         from gpuctl.adapters.launchers.ollama import OllamaLauncher
+
+        url = service.health
 
         def ollama() -> Health:
             lx = launcher()
             assert isinstance(lx, OllamaLauncher)
-            return lx.health()
+            loaded = lx.health()
+            if not loaded.ok or url is None:
+                return loaded
+            return health.check(url, timeout_s=2.0, client=http())
 
         return ollama
     if service.stop == "sleep" and service.health:

@@ -54,12 +54,6 @@ class Readiness:
     cold: bool = False  # it went through the ensure flow: the server was not answering
 
 
-def has_fast_path(svc: ServiceConfig) -> bool:
-    """A health URL whose 200 means ready: not an Ollama model (``/api/ps`` tells), and
-    not a vLLM in sleep mode (it answers ``/health`` asleep)."""
-    return bool(svc.health) and svc.stop != "sleep" and svc.launcher != "ollama"
-
-
 def run_ensure(
     conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
 ) -> Readiness:
@@ -196,7 +190,7 @@ class SingleFlight:
         return text
 
     async def _run(self, svc: ServiceConfig) -> Readiness:
-        if has_fast_path(svc):
+        if svc.health_means_ready:
             assert svc.health is not None
             try:
                 r = await self.client.get(svc.health, timeout=HEALTH_TIMEOUT_S)
