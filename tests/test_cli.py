@@ -198,6 +198,29 @@ def test_config_path_show_mask(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -
     assert load_config(again).services == load_config(cfg).services
 
 
+def test_config_show_writes_toml_that_check_reads_back(cli_env: Path) -> None:
+    """A host named `gpu.box` (a dotted name: a quoted key in TOML) and strings TOML must
+    escape come back from `config show` as the same config, which `config check` passes;
+    by hand, `[hosts.gpu.box]` made a table `box` inside a host `gpu`."""
+    cfg = config_file(cli_env)
+    cfg.write_text(
+        '[hosts."gpu.box"]\nagent = "http://127.0.0.1:9400"\n'
+        '[services."chat-1"]\nhost = "gpu.box"\nmemory = "8GiB"\n'
+        'command = "vllm serve \'m\' --chat-template \\"{{x}}\\"\ttab"\n'
+    )
+    assert runner.invoke(app, ["config", "check"]).exit_code == 0
+    shown = runner.invoke(app, ["config", "show"]).stdout
+    assert '[hosts."gpu.box"]' in shown, shown
+    again = cli_env / "again.toml"
+    again.write_text(shown)
+    r = runner.invoke(app, ["config", "check", "--config", str(again)])
+    assert r.exit_code == 0, r.output
+    from gpuctl.config import load_config
+
+    assert load_config(again).services == load_config(cfg).services
+    assert load_config(again).hosts == load_config(cfg).hosts
+
+
 def test_config_show_and_check_carry_yield_after(cli_env: Path) -> None:
     """``yield_after`` is shown under its key (a batch has none: it never yields) in both
     views, and the TOML view loads back as the same config; ``check`` names a bad one."""

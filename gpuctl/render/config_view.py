@@ -7,7 +7,6 @@ they come from, as comments (TOML) or a masked string (JSON).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -172,40 +171,31 @@ def config_to_json(conf: Config) -> dict[str, Any]:
     }
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return str(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a TOML basic string is a JSON string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return (
-            "{ "
-            + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items())
-            + " }"
-        )
-    raise TypeError(type(v).__name__)
-
-
 def config_to_toml(conf: Config) -> str:
+    """The config as gpuctl reads it, in TOML that loads back as the same config.
+
+    Written by a TOML library (``tomli_w``), never by hand: a host or service name that
+    is not a bare key (``gpu.box``) must be quoted (``[hosts."gpu.box"]``), and strings
+    escaped as TOML wants. Secrets are never values here: where a host's token comes
+    from is said in comments above the tables."""
+    import tomli_w
+
     obj = config_to_json(conf)
-    lines = [f"# {obj['path'] or '(no config file)'}: as gpuctl reads it, defaults filled in", ""]
-    lines.append("[defaults]")
-    lines += [f"{k} = {_toml_value(v)}" for k, v in obj["defaults"].items()]
+    notes = [f"# {obj['path'] or '(no config file)'}: as gpuctl reads it, defaults filled in"]
+    hosts: dict[str, Any] = {}
     for name, body in obj["hosts"].items():
-        lines += ["", f"[hosts.{name}]"]
+        kept = {}
         for k, v in body.items():
             if k in ("token", "read_token", "jupyter_token"):
                 if v:
-                    lines.append(f"# {k}: {v}")
+                    notes.append(f"# hosts.{name}.{k}: {v}")
                 continue
-            lines.append(f"{k} = {_toml_value(v)}")
-    for name, body in obj["services"].items():
-        lines += ["", f"[services.{name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
-    lines += ["", "[proxy]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in obj["proxy"].items()]
-    return "\n".join(lines) + "\n"
+            kept[k] = v
+        hosts[name] = kept
+    doc = {
+        "defaults": obj["defaults"],
+        "hosts": hosts,
+        "services": obj["services"],
+        "proxy": obj["proxy"],
+    }
+    return "\n".join(notes) + "\n\n" + tomli_w.dumps(doc)
