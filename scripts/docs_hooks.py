@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# The pages describe this checkout, whichever gpuctl is installed (or none: `mkdocs` from
+# another environment still finds the app).
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 MARKER = re.compile(r"<!-- gpuctl:([\w-]+) -->")
 # Help is rendered at a fixed width and without colour, so a build gives the same page
 # on every machine and terminal.
@@ -216,5 +220,4 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     print(RENDERERS[sys.argv[1]]())
