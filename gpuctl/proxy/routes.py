@@ -10,7 +10,10 @@ passes ``/<path>`` through, for servers that do not speak OpenAI.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
 from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 from gpuctl.config import Config, ServiceConfig
@@ -18,19 +21,35 @@ from gpuctl.errors import ConfigError
 from gpuctl.proxy.errors import ClientGone, Refusal
 from gpuctl.proxy.relay import Receive, Scope
 
-# The OpenAI paths whose body names the model.
-MODEL_IN_BODY = frozenset(
+# The OpenAI paths whose body names the model, and where: a JSON object's "model", or
+# a multipart form field "model" (whisper's uploads).
+MODEL_IN_BODY: Mapping[str, Literal["json", "form"]] = MappingProxyType(
     {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/v1/rerank",
-        "/v1/score",
+        "/v1/chat/completions": "json",
+        "/v1/completions": "json",
+        "/v1/embeddings": "json",
+        "/v1/audio/transcriptions": "form",
+        "/v1/audio/translations": "form",
+        "/v1/rerank": "json",
+        "/v1/score": "json",
     }
 )
 SERVICES_PREFIX = "/services/"
+# Every path the proxy answers, as an OpenAPI template, with the methods it documents
+# (HEAD rides on GET; /services/ passes any method through). ``app.ProxyApp._route``
+# serves these and ``openapi.openapi_document`` documents exactly these, so a route
+# cannot be served undocumented (tests/test_proxy_units.py holds the two together).
+ROUTES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "/healthz": ("GET",),
+        "/openapi.json": ("GET",),
+        "/metrics": ("GET",),
+        "/v1/models": ("GET",),
+        "/v1/models/{model}": ("GET",),
+        **{path: ("POST",) for path in MODEL_IN_BODY},
+        SERVICES_PREFIX + "{name}/{path}": ("GET", "POST"),
+    }
+)
 _MAX_PART_HEADERS = 8192
 # What a client-sent name may show of itself in an error message or the access log.
 _SHOWN_CHARS = 120
