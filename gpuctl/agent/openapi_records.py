@@ -16,6 +16,7 @@ from typing import Any
 from gpuctl.adapters.store import codec, schema
 from gpuctl.agent import job_stop, wire
 from gpuctl.core.names import NAME_PATTERN
+from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.core.record import INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
 
@@ -69,18 +70,12 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
     common = {"400": bad, "401": unauthorized, "413": too_big, "503": down}
     reads = {"401": unauthorized, "413": too_big, "503": down}
 
-    def op(
-        operation_id: str, summary: str, responses: dict[str, Any], **extra: Any
-    ) -> dict[str, Any]:
+    def op(name: str, summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
         # Every operation with a body writes: the read-only token gets 403 (an operation's
         # own 403, the job stop's, says more and wins).
         writes = {"403": read_only} if "requestBody" in extra else {}
-        return {
-            "operationId": operation_id,
-            "summary": summary,
-            **extra,
-            "responses": {**writes, **responses, **common},
-        }
+        answers = {**writes, **responses, **common}
+        return {"operationId": name, "summary": summary, **extra, "responses": answers}
 
     record = ok("Record", "The record after the operation.")
     return {
@@ -292,7 +287,7 @@ def records_schemas() -> dict[str, Any]:
     }
     time = {"type": "number", "minimum": 0, "maximum": codec.TIME_MAX}
     nullable_time = {**time, "type": ["number", "null"]}
-    pid = {"type": "integer", "minimum": 1, "maximum": codec.PID_MAX}
+    pid = {"type": "integer", "minimum": 1, "maximum": PID_MAX}
 
     def text(most: int, least: int = 0) -> dict[str, Any]:
         return {"type": "string", "minLength": least, "maxLength": most}
@@ -495,7 +490,7 @@ def records_schemas() -> dict[str, Any]:
                     "description": "Where it is, under the state folder.",
                 },
                 "host": {"type": "string", "maxLength": 255, "description": "Its holder's."},
-                "pid": {"type": "integer", "minimum": 0, "maximum": codec.PID_MAX},
+                "pid": {"type": "integer", "minimum": 0, "maximum": PID_MAX},
                 "at": {**epoch, "description": "When it was set aside (or granted)."},
                 "why": {"type": "string", "maxLength": 4096},
             },
@@ -673,7 +668,7 @@ def records_schemas() -> dict[str, Any]:
             "required": ["holder", "pid", "pid_start"],
             "properties": {
                 "holder": holder_id,
-                "pid": {**pid, "maximum": wire.PID_MAX},
+                "pid": {**pid, "maximum": PID_MAX},
                 "pid_start": {
                     "type": "number",
                     "minimum": 0,

@@ -17,6 +17,7 @@ from typing import Literal
 from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.core.json_kind import json_kind
 from gpuctl.errors import ConfigError
 from gpuctl.proxy.errors import ClientGone, Refusal
 from gpuctl.proxy.relay import Receive, Scope
@@ -241,22 +242,16 @@ def why_no_model(content_type: str, body: bytes) -> tuple[str, str]:
             "invalid_request",
         )
     if not isinstance(obj, dict):
-        return f"the request body is {_json_kind(obj)}, not a JSON object", "invalid_request"
+        return (
+            f"the request body is {json_kind(obj, integers=False)}, not a JSON object",
+            "invalid_request",
+        )
     if "model" not in obj:
         return "the request names no model ('model' in the JSON body)", "model_missing"
-    return f"'model' must be a string, not {_json_kind(obj['model'])}", "invalid_request"
-
-
-def _json_kind(value: object) -> str:
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "a boolean"
-    return "null" if value is None else "a number"
+    return (
+        f"'model' must be a string, not {json_kind(obj['model'], integers=False)}",
+        "invalid_request",
+    )
 
 
 def multipart_boundary(content_type: str) -> bytes | None:
