@@ -24,7 +24,7 @@ from gpuctl.agent.http import HttpError
 from gpuctl.core.json_kind import json_kind
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.pids import PID_MAX
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S, LOG_TAIL_MAX, Phase
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, LOG_TAIL_MAX, UPDATE_FIELDS, Phase
 
 # The HTTP reader's own limit (and a record file's, ``codec.MAX_RECORD_BYTES``): every
 # body the request schemas allow fits under it (``MAX_TEXT``, ``MAX_EXTRA_TEXT``, tested
@@ -290,9 +290,7 @@ def record_update(value: Any, field: str) -> dict[str, Any]:
     )
 
 
-_UPDATE_KEYS = frozenset(
-    {"phase", "handle", "attempt", "failure", "touch", "start_nonce", "health"}
-)
+_UPDATE_KEYS = frozenset(UPDATE_FIELDS)  # declared once: core.record.RecordUpdate
 
 
 def _phase(value: Any, field: str) -> str:
