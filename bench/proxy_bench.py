@@ -35,8 +35,8 @@ Usage::
 
 ``--baseline DIR``: also run the ``gpuctl proxy`` of another checkout (``git worktree
 add DIR <commit>``), as target ``baseline``, to measure a change before and after in
-one run; with ``--baseline-client h1`` (and DIR this checkout) the baseline is the same
-proxy on its lean upstream client, beside the default (aiohttp's).
+one run; with ``--baseline-client aiohttp`` (and DIR this checkout) the baseline is the
+same proxy on aiohttp's client, beside the default (the lean one).
 
 Targets of the issue (10): added p50 <= 1 ms and p99 <= 5 ms; streaming >= 95 % of
 direct at 64 streams; added latency <= half of LiteLLM's. This is a measurement, not a
@@ -169,7 +169,7 @@ def main() -> int:
     ap.add_argument("--baseline", help="a gpuctl checkout whose proxy runs beside this one")
     ap.add_argument(
         "--baseline-client",
-        help="GPUCTL_PROXY_CLIENT for the baseline (h1: the lean client, beside aiohttp's)",
+        help="GPUCTL_PROXY_CLIENT for the baseline (aiohttp, beside the default lean client)",
     )
     args = ap.parse_args()
     if shutil.which("wrk") is None:

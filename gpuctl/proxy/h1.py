@@ -1,7 +1,6 @@
 """A lean upstream client (``upstream.UpstreamClient``): HTTP/1.1 over pooled keep-alive
-connections, answers parsed by httptools. aiohttp's client (``aio``) is the default;
-this one runs with ``GPUCTL_PROXY_CLIENT=h1`` and is the reference that the contract
-cases (tests/test_proxy_h1.py) hold both to.
+connections, answers parsed by httptools. The default; aiohttp's (``aio``) runs with
+``GPUCTL_PROXY_CLIENT=aiohttp``, and tests/test_proxy_h1.py holds both to one contract.
 
 Long because one exchange's rules (framing, reuse, backpressure, the retry) hang
 together and are easier to check in one place than across files.
