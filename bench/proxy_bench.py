@@ -35,7 +35,8 @@ Usage::
 
 ``--baseline DIR``: also run the ``gpuctl proxy`` of another checkout (``git worktree
 add DIR <commit>``), as target ``baseline``, to measure a change before and after in
-one run.
+one run; with ``--baseline-client aiohttp`` (and DIR this checkout) the baseline is the
+same proxy on aiohttp's client, beside the default (the lean one).
 
 Targets of the issue (10): added p50 <= 1 ms and p99 <= 5 ms; streaming >= 95 % of
 direct at 64 streams; added latency <= half of LiteLLM's. This is a measurement, not a
@@ -166,6 +167,10 @@ def main() -> int:
     ap.add_argument("--paced-tokens", type=int, default=5)
     ap.add_argument("--litellm-venv", default="/tmp/litellm-venv")
     ap.add_argument("--baseline", help="a gpuctl checkout whose proxy runs beside this one")
+    ap.add_argument(
+        "--baseline-client",
+        help="GPUCTL_PROXY_CLIENT for the baseline (aiohttp, beside the default lean client)",
+    )
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk is not on PATH")
@@ -208,6 +213,8 @@ def main() -> int:
             bport = free_port()
             src = str(Path(args.baseline).resolve())
             env = {**host.env(), "GPUCTL_CONFIG": str(conf), "PYTHONPATH": src}
+            if args.baseline_client:
+                env["GPUCTL_PROXY_CLIENT"] = args.baseline_client
             with open(host.base / "baseline.log", "ab") as log:
                 base_proc = subprocess.Popen(
                     [sys.executable, "-m", "gpuctl", "proxy", "--listen", f"127.0.0.1:{bport}"],

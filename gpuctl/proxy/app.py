@@ -48,13 +48,6 @@ from gpuctl import __version__
 from gpuctl.api import in_use
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.proxy.errors import ClientGone, Refusal, error_body, retry_after, shutting_down
-from gpuctl.proxy.h1 import (
-    Client,
-    ConnectFailed,
-    UpstreamError,
-    UpstreamTimeout,
-    is_idempotent,
-)
 from gpuctl.proxy.metrics import ProxyMetrics
 from gpuctl.proxy.ready import UNTRUSTED, Readiness, SingleFlight, run_ensure
 from gpuctl.proxy.relay import (
@@ -86,6 +79,14 @@ from gpuctl.proxy.routes import (
     split_services_path,
     wants_stream,
     why_no_model,
+)
+from gpuctl.proxy.upstream import (
+    CLIENT_ENV,
+    ConnectFailed,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamTimeout,
+    is_idempotent,
 )
 from gpuctl.proxy.use import ServiceUse
 
@@ -164,7 +165,9 @@ class ProxyApp:
         self._keys = tuple(k.encode() for k in settings.api_keys)
         self._ensure = ensure
         self._client: httpx.AsyncClient | None = None  # health checks, model cards
-        self.upstream = Client(UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S)
+        self.upstream: UpstreamClient = new_client(
+            UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S
+        )
         self._flight: SingleFlight | None = None
         self._states: dict[str, ServiceUse] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
@@ -190,7 +193,7 @@ class ProxyApp:
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """httpx, for the cold paths; requests go through ``self.upstream`` (h1.py)."""
+        """httpx, for the cold paths; requests go through ``self.upstream``."""
         if self._client is None:
             from gpuctl.proxy.upstream import make_client
 
@@ -212,7 +215,7 @@ class ProxyApp:
     async def aclose(self) -> None:
         for st in self._states.values():
             await st.let_go(closing=True)
-        self.upstream.close()
+        await self.upstream.aclose()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -691,7 +694,7 @@ class ProxyApp:
         ]
         # Watched from the moment the request goes upstream: a client that leaves before
         # the answer's head, or while a small answer is read whole, cancels this task
-        # (relay.Watch), which aborts the upstream request (h1 closes its connection).
+        # (relay.Watch), which aborts the upstream request (its connection is closed).
         me = asyncio.current_task()
         assert me is not None
         watch = Watch(call.receive, me)
@@ -724,7 +727,7 @@ class ProxyApp:
                 headers,
                 call.body,
                 # The OpenAI inference paths change no state: one that met a keep-alive
-                # connection closed under it may go again (h1.py's retry rule).
+                # connection closed under it may go again (upstream.py's retry rule).
                 idempotent=call.path in MODEL_IN_BODY or is_idempotent(method),
             )
         except ConnectFailed:
@@ -779,3 +782,19 @@ class ProxyApp:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": r.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def new_client(connect_timeout_s: float, read_timeout_s: float) -> UpstreamClient:
+    """The implementation ``GPUCTL_PROXY_CLIENT`` names (``h1``, the default, or
+    ``aiohttp``); each is imported only here, when the proxy starts. It lives here, not in
+    ``upstream``, which both implementations import: no import circle."""
+    kind = os.environ.get(CLIENT_ENV, "h1")
+    if kind == "h1":
+        from gpuctl.proxy import h1
+
+        return h1.Client(connect_timeout_s, read_timeout_s)
+    if kind != "aiohttp":
+        raise ValueError(f"{CLIENT_ENV}={kind!r}: 'aiohttp' or 'h1'")
+    from gpuctl.proxy import aio
+
+    return aio.Client(connect_timeout_s, read_timeout_s)

@@ -1,4 +1,6 @@
-"""The proxy's upstream client: HTTP/1.1 over pooled keep-alive connections, lean.
+"""A lean upstream client (``upstream.UpstreamClient``): HTTP/1.1 over pooled keep-alive
+connections, answers parsed by httptools. The default; aiohttp's (``aio``) runs with
+``GPUCTL_PROXY_CLIENT=aiohttp``, and tests/test_proxy_h1.py holds both to one contract.
 
 Long because one exchange's rules (framing, reuse, backpressure, the retry) hang
 together and are easier to check in one place than across files.
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import socket
 import ssl
 from typing import cast
@@ -52,75 +53,26 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gpuctl.proxy import upstream as _up
+from gpuctl.proxy.upstream import (
+    ConnectFailed,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+    UpstreamUntrusted,
+    tls_context,
+    untrusted_text,
+)
+
 # Buffered response bytes above which the socket is not read until they are consumed.
 HIGH_WATER = 256 * 1024
-# A body read whole (``Response.read``; the proxy itself streams every answer) is held
-# in memory: one above this is refused. 512 MiB is far above any OpenAI-style JSON
-# answer (2,048 embeddings of 4,096 floats are about 170 MB as JSON) and still bounds
-# a hostile one.
-MAX_BODY = 512 * 1024 * 1024
-# An answer's head (status line, headers, any 1xx heads before it): llhttp takes one of
-# any size, so 200,000 headers were accepted and forwarded. 64 KiB, as the proxy's own
-# request limit (app.MAX_HEADER_BYTES, nginx's order).
-MAX_HEAD = 64 * 1024
-# A pooled connection idle for longer is closed rather than reused: uvicorn (vLLM's
-# server) closes keep-alive connections after 5 s idle, and a request written as it
-# closes one would be lost in the race.
-IDLE_S = 4.0
 MAX_IDLE = 512  # idle connections kept per upstream (256 streams end together in the bench)
 # Bodies up to this size are copied behind the head so that one write carries both.
 _JOIN_BODY = 64 * 1024
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 # Request headers the client writes itself or must not forward: hop-by-hop ones are
 # dropped by the caller; ``expect`` is, here, since the body goes out at once.
 _OWN = frozenset({b"host", b"content-length", b"transfer-encoding", b"expect", b"connection"})
-
-
-class UpstreamError(Exception):
-    """The upstream failed to give an answer (or a whole one)."""
-
-
-class ConnectFailed(UpstreamError):
-    """No connection to the upstream (refused, unreachable, no such host)."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """No connection, or no byte of an awaited answer, within the timeout."""
-
-
-class UpstreamTooLarge(UpstreamError):
-    """An answer head over ``MAX_HEAD``, or a body read whole over ``MAX_BODY``."""
-
-
-class UpstreamClosed(UpstreamError):
-    """The server closed the connection before the answer ended."""
-
-
-class UpstreamUntrusted(UpstreamError):
-    """An https upstream whose certificate does not verify (``tls_context``)."""
-
-
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """What an https upstream's certificate is verified against, hostname included: the
-    CA bundle that ``SSL_CERT_FILE`` names (or the folder ``SSL_CERT_DIR`` names), else
-    certifi's. That is httpx's own choice, so gpuctl's health checks (the ensure flow's)
-    and the proxy trust the same servers. Raises ``OSError`` (``ssl.SSLError``) for a
-    bundle that cannot be loaded."""
-    import httpx  # only for an https upstream; the proxy has it loaded already
-
-    return httpx.create_ssl_context()
-
-
-def untrusted_text(why: str) -> str:
-    return (
-        f"its TLS certificate is not trusted ({why}): set SSL_CERT_FILE to the CA bundle "
-        "that signed it, for the proxy as for gpuctl"
-    )
-
-
-def is_idempotent(method: str) -> bool:
-    return method in _SAFE_METHODS
 
 
 class _Conn(asyncio.Protocol):
@@ -221,7 +173,7 @@ class _Conn(asyncio.Protocol):
             # llhttp buffers a header it has not seen the end of: a head that does not
             # end within the limit is cut here, whatever on_header has seen of it.
             self.head_raw += len(data)
-            if self.head_raw > MAX_HEAD:
+            if self.head_raw > _up.MAX_HEAD:
                 self._fail(self._head_too_large())
 
     def eof_received(self) -> bool | None:
@@ -252,12 +204,12 @@ class _Conn(asyncio.Protocol):
             raise UpstreamError("more after the answer")  # ends feed_data; see data_received
 
     def _head_too_large(self) -> UpstreamTooLarge:
-        return UpstreamTooLarge(f"an answer head over {MAX_HEAD // 1024} KiB")
+        return UpstreamTooLarge(f"an answer head over {_up.MAX_HEAD // 1024} KiB")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # Counted here too: a whole head can arrive in one read.
         self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > MAX_HEAD:
+        if self.head_bytes > _up.MAX_HEAD:
             err = self._head_too_large()
             self._fail(err)
             raise err  # ends feed_data (data_received keeps the first error)
@@ -288,8 +240,8 @@ class _Conn(asyncio.Protocol):
         self.chunks.append(body)
         self.buffered += len(body)
         if self.whole:
-            if self.buffered > MAX_BODY:
-                self._fail(UpstreamTooLarge(f"an answer over {MAX_BODY // 2**20} MiB"))
+            if self.buffered > _up.MAX_BODY:
+                self._fail(UpstreamTooLarge(f"an answer over {_up.MAX_BODY // 2**20} MiB"))
             else:
                 # read() wakes at the end only, not per chunk; bytes still arriving are
                 # not silence, so the read timeout moves on.
@@ -492,7 +444,7 @@ class Pool:
             c = idle.pop()
             if c.closed:
                 continue
-            if now - c.idle_since > IDLE_S:
+            if now - c.idle_since > _up.IDLE_S:
                 c.abort()
                 continue
             return c
@@ -506,13 +458,16 @@ class Pool:
         now = c.loop.time()
         c.idle_since = now
         # The oldest sit at the bottom: drop the stale ones there while we are here.
-        while idle and (idle[0].closed or now - idle[0].idle_since > IDLE_S):
+        while idle and (idle[0].closed or now - idle[0].idle_since > _up.IDLE_S):
             idle.pop(0).abort()
         idle.append(c)
 
     def close(self) -> None:
         while self.idle:
             self.idle.pop().abort()
+
+    def idle_count(self) -> int:
+        return sum(not c.closed for c in self.idle)
 
     async def request(
         self,
@@ -592,3 +547,6 @@ class Client:
     def close(self) -> None:
         for p in self.pools.values():
             p.close()
+
+    async def aclose(self) -> None:
+        self.close()

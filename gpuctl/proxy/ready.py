@@ -199,7 +199,7 @@ class SingleFlight:
             except httpx.HTTPError as e:
                 why = _unverified(e)
                 if why is not None:
-                    from gpuctl.proxy.h1 import untrusted_text
+                    from gpuctl.proxy.upstream import untrusted_text
 
                     u = urlsplit(svc.health)  # its origin: no credentials shown
                     where = f"https://{u.netloc.rpartition('@')[2]}"

@@ -4,7 +4,7 @@ A small answer (a length up to ``WHOLE_MAX``, or a body that came whole with its
 goes in one message once whole; any other is sent as it arrives, chunk by chunk,
 whatever its framing (a length, chunked, SSE, until the connection closes), each
 ``send`` awaited: uvicorn holds it while the client's socket is full, and the upstream socket is not read while a
-chunk waits (h1's ``HIGH_WATER``), so a slow client slows its upstream and the proxy's
+chunk waits (the upstream client's backpressure), so a slow client slows its upstream and the proxy's
 memory stays bounded whatever the answer's size. An answer cut short after its head
 went is cut for the client too (uvicorn closes the connection short of the length or
 of the last chunk), never ended as if whole. A client that goes away cancels its
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from gpuctl.proxy.errors import sse_error_event
-from gpuctl.proxy.h1 import Response, UpstreamError
+from gpuctl.proxy.upstream import Response, UpstreamError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -208,7 +208,7 @@ class Watch:
 
     After ``WATCH_DELAY_S`` (or at once, by ``start``) a task awaits the client's
     disconnect; while ``on``, a client that went away cancels ``task`` (the request's
-    own, awaiting its upstream: h1 then closes the connection, which is how an
+    own, awaiting its upstream: the upstream client then closes the connection, which is how an
     OpenAI-compatible server learns to abort the request) and ``fired`` says so. A
     client that left before the answer's head, or while a small answer was read whole,
     left the upstream working and the request counted in flight until the answer came

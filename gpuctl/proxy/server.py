@@ -89,7 +89,7 @@ def serve(
             hint="give a service health (or url) and models = [...]",
         )
     if routes.https():
-        from gpuctl.proxy.h1 import tls_context
+        from gpuctl.proxy.upstream import tls_context
 
         try:
             tls_context()  # a CA bundle that cannot be loaded: said now, not per request
@@ -125,7 +125,7 @@ def serve(
         config = uvicorn.Config(
             app,
             # uvicorn's own, but a request it cannot parse gets a JSON error (protocol.py);
-            # httptools is a dependency (the upstream client parses with it too).
+            # httptools is a dependency.
             # The agent's bounds on connections (connections.py): 2 descriptors each, the
             # client's and the upstream's.
             http=guarded_protocol(
