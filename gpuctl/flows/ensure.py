@@ -1,10 +1,5 @@
 """``ensure``: make a service ready, starting it only when that is safe, exactly once.
 
-Long because it is one flow whose steps share one context and must be read in order: the
-rounds and the launch under the admission lease (re-check, record, release) are where
-exactly-once is decided. Its admission, deps, hints, results, observation and waits live
-beside it.
-
 The steps (a service is started only after a fresh look under the admission lease):
 
 1. health check; if it answers: touch, done (READY);

@@ -1,9 +1,5 @@
 """One way to look at a host and decide: records, recorded pids, keywords, snapshot, classify.
 
-Long because the observation, the accounting that reads it (records at their promises,
-starts under way, hidden and orphaned starts) and the one call of ``classify`` are one
-rule: split, ``status`` and ``ensure`` could drift apart.
-
 ``status`` and ``ensure`` both come through here, so they never disagree about a
 service: the records are read first, and the servers they name are asked for by pid
 (whatever their command line: a ``vllm serve`` under a service called "chat"), along

@@ -1,9 +1,6 @@
 """Build the real adapters for a flow: a service's store, agent and launcher; the hosts
 ``status`` and ``locks`` ask.
 
-Long because every entry point (ensure, status, locks, run, reclaim, the proxy) is
-wired from the same few adapters here, side by side, so that they stay alike.
-
 A host with an agent is reached through its agent by every entry point; a host
 without one is this machine, with the store used directly (one store per host: the
 records live on the GPU host, so every caller sees the same truth).
