@@ -19,7 +19,7 @@ from gpuctl.core.record import Phase, Record
 from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
 from gpuctl.flows.deps import HostDeps, LocksDeps, StatusDeps
-from gpuctl.flows.ensure import ensure
+from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.results import Outcome
 from gpuctl.flows.status import status, watch
 from tests.flow_fakes import GIB, Agent, Clock, World, config, world

@@ -331,6 +331,127 @@ def test_no_package_cycles(depth: int) -> None:
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
 
 
+def _load_time_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is loaded or type-checked: its top level, class
+    bodies and ``if``/``try`` blocks (``if TYPE_CHECKING:`` included: a type-only circle
+    still ties two ideas together). Imports inside functions are lazy and left out."""
+    out: list[ast.Import | ast.ImportFrom] = []
+
+    def walk(stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            if isinstance(s, ast.Import | ast.ImportFrom):
+                out.append(s)
+            elif isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            elif isinstance(s, ast.ClassDef):
+                walk(s.body)
+            else:
+                for name in ("body", "orelse", "finalbody"):
+                    walk(getattr(s, name, None) or [])
+                for handler in getattr(s, "handlers", None) or []:
+                    walk(handler.body)
+
+    walk(tree.body)
+    return out
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    """Every module of ``root``/gpuctl and the modules it imports at load time. Importing
+    ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so a module also depends on
+    the packages above what it imports."""
+    files = {_module_of_in(root, p): p for p in (root / "gpuctl").rglob("*.py")}
+
+    def with_parents(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & files.keys()
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        edges = graph.setdefault(mod, set())
+        for node in _load_time_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".")
+                    up = node.level - (1 if path.name == "__init__.py" else 0)
+                    anchor = anchor[: len(anchor) - up] if up else anchor
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for name in names:
+                edges |= with_parents(name)
+        edges -= {mod, *with_parents(mod)}  # a module's own packages run before it
+    return graph
+
+
+def _module_of_in(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other (Tarjan's strongly connected
+    components with more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while (w := stack.pop()) != v:
+                part.append(w)
+            if part:
+                found.append(sorted([v, *part]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_module_graph_sees_type_only_and_package_circles(tmp_path: Path) -> None:
+    pkg = tmp_path / "gpuctl"
+    (pkg / "p").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuctl.b import B\n"
+    )
+    (pkg / "b.py").write_text("from gpuctl import a\n")
+    (pkg / "lazy.py").write_text("def f():\n    from gpuctl import b\n")
+    (pkg / "p" / "__init__.py").write_text("from gpuctl.p.x import X\n")
+    (pkg / "p" / "x.py").write_text("from gpuctl.y import Y\n")
+    (pkg / "y.py").write_text("from gpuctl.p.z import Z\n")
+    (pkg / "p" / "z.py").write_text("Z = 1\n")
+    graph = _module_graph(tmp_path)
+    assert graph["gpuctl.lazy"] == set()
+    assert graph["gpuctl.y"] == {"gpuctl.p", "gpuctl.p.z"}
+    assert _module_cycles(graph) == [
+        ["gpuctl.a", "gpuctl.b"],
+        ["gpuctl.p", "gpuctl.p.x", "gpuctl.y"],
+    ]
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """0 file-level circles: no two modules import each other, directly or round a loop,
+    counting type-only imports and the packages an import runs."""
+    graph = _module_graph(ROOT)
+    assert sum(map(len, graph.values())) > 100, "the scan found no imports"
+    assert _module_cycles(graph) == []
+
+
 def test_the_repo_stands_alone() -> None:
     """No source cites a design document the repository does not carry ("DESIGN §N")."""
     cited = []

@@ -74,7 +74,7 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
-        from gpuctl.flows.ensure import ensure as run
+        from gpuctl.flows.ensure.rounds import ensure as run
         from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import ensure_text, ensure_to_json
 

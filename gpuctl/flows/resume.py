@@ -29,7 +29,7 @@ from gpuctl.flows.results import EnsureResult
 
 def resume(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
     """Start ``deps.service`` if it fits now, never stopping anything for it."""
-    from gpuctl.flows.ensure import ensure
+    from gpuctl.flows.ensure.rounds import ensure
 
     svc = deps.service
     try:

@@ -15,7 +15,7 @@ from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_as
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
-from gpuctl.flows.observe import hidden_words, keywords
+from gpuctl.flows.look import hidden_words, keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
 STOP_LEASE_WAIT_S = 10.0

@@ -7,7 +7,7 @@ here: status makes a handful of requests, and the thread pool costs less at CLI
 start than an event loop and the async stack. A single host with no health URL to
 ask is read on the calling thread: no pool at all.
 
-Each host is observed as ``ensure`` observes it (``gpuctl.flows.observe``): records
+Each host is observed as ``ensure`` observes it (``gpuctl.flows.look``): records
 first, then the snapshot with the servers they name.
 """
 
@@ -29,10 +29,17 @@ from gpuctl.core.queue import Waiter
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
-from gpuctl.flows.observe import Observation, decide, memory_use, observe
+from gpuctl.flows.look import (
+    Observation,
+    decide,
+    memory_use,
+    observe,
+    victim_facts,
+    with_victims,
+    yielding,
+)
 from gpuctl.flows.results import HostReport, OtherService, StatusReport
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
-from gpuctl.flows.victims import victim_facts, with_victims, yielding
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

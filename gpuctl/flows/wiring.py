@@ -367,7 +367,7 @@ def run_job_stopper(store: Store) -> JobStopper:
     here, else through the host's agent (the store's ``stop_job``) when it runs there."""
     from gpuctl.adapters import procinfo
     from gpuctl.adapters.store.agent import AgentStore
-    from gpuctl.flows.preempt import job_stopper
+    from gpuctl.flows.ensure.preempt import job_stopper
 
     agent_stop = store.stop_job if isinstance(store, AgentStore) else None
     return job_stopper(procinfo.host_identity(), agent_stop)

@@ -146,7 +146,7 @@ HANDLE_FIELDS: Final = {
     "log": (nullable(text(4096)), ABSENT),
     "pid_ns": (nullable(integer(0, 2**64 - 1)), ABSENT),
 }
-# An attempt is the starter's own note (``flows.ensure._attempt``): its known keys are
+# An attempt is the starter's own note (``flows.ensure.launch._attempt``): its known keys are
 # typed when present, and it may carry more scalars.
 ATTEMPT_FIELDS: Final = {
     "started": (TIME, ABSENT),
