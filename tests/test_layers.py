@@ -20,7 +20,19 @@ PKG = ROOT / "gpuctl"
 RUFF = str(Path(sys.executable).with_name("ruff"))
 
 # The folders with a fence. The proxy's is checked once gpuctl/proxy/ exists.
-FENCED = ("core", "adapters", "flows", "render", "sim", "proxy")
+FENCED = (
+    "core",
+    "config",
+    "adapters",
+    "flows",
+    "wiring",
+    "demo",
+    "agent",
+    "render",
+    "sim",
+    "proxy",
+    "cli",
+)
 
 
 def _tree_copy(tmp: Path) -> Path:
@@ -90,6 +102,28 @@ BANNED = [
     ("sim", "from gpuctl.errors import GpuctlError", "gpuctl.errors"),
     ("sim", "from gpuctl.config import load_config", "gpuctl.config"),
     ("sim", "from gpuctl.flows import ensure", "gpuctl.flows"),
+    ("flows", "from gpuctl.wiring.build import deps_for", "gpuctl.wiring"),
+    ("flows", "from gpuctl.demo import tour", "gpuctl.demo"),
+    ("flows", "from gpuctl.proxy.app import ProxyApp", "gpuctl.proxy"),
+    ("config", "from gpuctl.adapters.store import DirectStore", "gpuctl.adapters"),
+    ("config", "from gpuctl.flows.status import status", "gpuctl.flows"),
+    ("config", "from gpuctl.render.config_view import show", "gpuctl.render"),
+    ("config", "import httpx", "httpx"),
+    ("wiring", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("wiring", "from gpuctl.render.results import ensure_text", "gpuctl.render"),
+    ("wiring", "from gpuctl.agent.app import create_app", "gpuctl.agent"),
+    ("wiring", "from gpuctl.proxy import app", "gpuctl.proxy"),
+    ("wiring", "import rich", "rich"),
+    ("demo", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("demo", "import rich", "rich"),
+    ("agent", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("agent", "from gpuctl.render.status_view import render_status", "gpuctl.render"),
+    ("agent", "from gpuctl.wiring.build import deps_for", "gpuctl.wiring"),
+    ("agent", "from gpuctl.proxy import app", "gpuctl.proxy"),
+    ("agent", "import typer", "typer"),
+    ("cli", "import docker", "docker"),
+    ("cli", "import pynvml", "pynvml"),
+    ("cli", "from gpuctl.core.decision import classify", "gpuctl.core.decision"),
     ("proxy", "from gpuctl.cli.common import say", "gpuctl.cli"),
     ("proxy", "from gpuctl.render.results import ensure_text", "gpuctl.render"),
     ("proxy", "import rich", "rich"),
@@ -106,6 +140,13 @@ ALLOWED = [
     ("sim", "from gpuctl.core.units import parse_size_mib"),
     ("sim", "import fcntl"),
     ("proxy", "from gpuctl.flows import ensure"),
+    ("config", "from gpuctl.core.units import parse_size_mib"),
+    ("wiring", "from gpuctl.adapters.store import DirectStore"),
+    ("wiring", "from gpuctl.flows.deps import EnsureDeps"),
+    ("demo", "from gpuctl.wiring.build import gather_status"),
+    ("agent", "from gpuctl.adapters.store import DirectStore"),
+    ("cli", "from rich.table import Table"),
+    ("cli", "from gpuctl.wiring.build import deps_for"),
 ]
 
 
@@ -331,10 +372,11 @@ def test_no_package_cycles(depth: int) -> None:
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
 
 
-def _load_time_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+def _load_time_imports(tree: ast.Module, lazy: bool = False) -> list[ast.Import | ast.ImportFrom]:
     """The imports a module runs when it is loaded or type-checked: its top level, class
     bodies and ``if``/``try`` blocks (``if TYPE_CHECKING:`` included: a type-only circle
-    still ties two ideas together). Imports inside functions are lazy and left out."""
+    still ties two ideas together). Imports inside functions are lazy: left out unless
+    ``lazy``."""
     out: list[ast.Import | ast.ImportFrom] = []
 
     def walk(stmts: list[ast.stmt]) -> None:
@@ -342,7 +384,8 @@ def _load_time_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
             if isinstance(s, ast.Import | ast.ImportFrom):
                 out.append(s)
             elif isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
+                if lazy:
+                    walk(s.body)
             elif isinstance(s, ast.ClassDef):
                 walk(s.body)
             else:
@@ -355,7 +398,7 @@ def _load_time_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return out
 
 
-def _module_graph(root: Path) -> dict[str, set[str]]:
+def _module_graph(root: Path, lazy: bool = False) -> dict[str, set[str]]:
     """Every module of ``root``/gpuctl and the modules it imports at load time. Importing
     ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so a module also depends on
     the packages above what it imports."""
@@ -368,7 +411,7 @@ def _module_graph(root: Path) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
         edges = graph.setdefault(mod, set())
-        for node in _load_time_imports(ast.parse(path.read_text())):
+        for node in _load_time_imports(ast.parse(path.read_text()), lazy):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:
@@ -450,6 +493,45 @@ def test_no_module_imports_itself_in_a_circle() -> None:
     graph = _module_graph(ROOT)
     assert sum(map(len, graph.values())) > 100, "the scan found no imports"
     assert _module_cycles(graph) == []
+
+
+# The layers, lowest first. A module imports its own layer and those below, never one
+# above (lazy imports included: an upward import inside a function is still upward).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gpuctl", "gpuctl.core"),
+    ("gpuctl.errors", "gpuctl.failpoints", "gpuctl.sim"),
+    ("gpuctl.config",),
+    ("gpuctl.adapters",),
+    ("gpuctl.flows",),
+    ("gpuctl.wiring",),
+    ("gpuctl.agent", "gpuctl.api", "gpuctl.demo", "gpuctl.render"),
+    ("gpuctl.proxy",),
+    ("gpuctl.cli", "gpuctl.__main__"),
+)
+
+
+def _layer_of(mod: str) -> int:
+    top = ".".join(mod.split(".")[:2])
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    raise AssertionError(f"{mod} is in no layer of LAYERS: add its package there")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} -> {b}" for a, bs in graph.items() for b in bs if _layer_of(b) > _layer_of(a)
+    )
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {"gpuctl.flows.x": {"gpuctl.core.y"}, "gpuctl.adapters.z": {"gpuctl.wiring.w"}}
+    assert _upward(graph) == ["gpuctl.adapters.z -> gpuctl.wiring.w"]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    graph = _module_graph(ROOT, lazy=True)
+    assert not _upward(graph), "\n".join(_upward(graph))
 
 
 def test_the_repo_stands_alone() -> None:

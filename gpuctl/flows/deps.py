@@ -1,6 +1,6 @@
 """What the flows work with: every adapter, the clock and the sleep come in as arguments.
 
-``gpuctl.flows.wiring`` builds the real ones; a test hands in fakes, or real adapters
+``gpuctl.wiring.build`` builds the real ones; a test hands in fakes, or real adapters
 against a loopback agent. No flow reaches for an adapter, ``time.time`` or
 ``time.sleep`` by itself.
 """

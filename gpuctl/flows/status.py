@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from gpuctl.config import Config
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
 from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.model import GpuProcess, StartingProcess
@@ -49,7 +48,6 @@ __all__ = [
     "LocalProbeOptions",
     "StatusReport",
     "filtered",
-    "gather",
     "status",
     "watch",
 ]
@@ -334,23 +332,6 @@ def watch(
         if report is None:
             raise
         return report
-
-
-def gather(
-    config: Config,
-    host_names: Sequence[str] | None = None,
-    *,
-    local: LocalProbeOptions | None = None,
-    health_timeout_s: float = 2.0,
-) -> StatusReport:
-    """Wire the real adapters, gather once, close them (for callers without deps)."""
-    from gpuctl.flows.wiring import status_deps
-
-    deps = status_deps(config, host_names, local=local, health_timeout_s=health_timeout_s)
-    try:
-        return status(deps)
-    finally:
-        deps.close()
 
 
 def filtered(

@@ -59,7 +59,7 @@ def run_ensure(
 ) -> Readiness:
     """The CLI's ensure flow, blocking (call it in a worker thread)."""
     from gpuctl.flows.ensure.rounds import ensure
-    from gpuctl.flows.wiring import deps_for
+    from gpuctl.wiring.build import deps_for
 
     try:
         deps = deps_for(conf, name, entry="proxy", progress=progress)

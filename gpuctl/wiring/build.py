@@ -29,8 +29,9 @@ from gpuctl.flows.deps import (
     SnapshotReader,
     StatusDeps,
 )
-from gpuctl.flows.launcher_wiring import handle_checker, launcher_for
 from gpuctl.flows.results import Progress
+from gpuctl.flows.status import StatusReport, status
+from gpuctl.wiring.launchers import handle_checker, launcher_for
 
 if TYPE_CHECKING:
     import httpx
@@ -462,3 +463,18 @@ def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> Locks
         return truth_reader(on_host=not h.agent, client=http)
 
     return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of, look_of=look_of)
+
+
+def gather_status(
+    config: Config,
+    host_names: Sequence[str] | None = None,
+    *,
+    local: LocalProbeOptions | None = None,
+    health_timeout_s: float = 2.0,
+) -> StatusReport:
+    """``status`` once with the real adapters, closed after (for callers without deps)."""
+    deps = status_deps(config, host_names, local=local, health_timeout_s=health_timeout_s)
+    try:
+        return status(deps)
+    finally:
+        deps.close()

@@ -1,6 +1,6 @@
 """The real adapters for ``gpuctl run`` (``gpuctl.flows.run``): the host's store, its
 fresh readings, and what a preemption needs (victims' launchers, their requests in
-flight, the run-job stopper), as ``gpuctl.flows.wiring`` builds them for ``ensure``."""
+flight, the run-job stopper), as ``gpuctl.wiring.build`` builds them for ``ensure``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
     """
     from gpuctl.adapters.store import store_for
     from gpuctl.errors import UsageError
-    from gpuctl.flows.wiring import (
+    from gpuctl.wiring.build import (
         SharedHttp,
         no_hosts,
         run_job_stopper,
@@ -45,7 +45,7 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
 
     def resume() -> list[str]:
         from gpuctl.flows.resume import resume_preempted, to_resume
-        from gpuctl.flows.wiring import deps_for
+        from gpuctl.wiring.build import deps_for
 
         due = to_resume(config, host.name, store)
         done = resume_preempted(due, lambda s: deps_for(config, s.name, entry="run"))

@@ -10,10 +10,10 @@ from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.errors import ConfigError
-from gpuctl.flows.launcher_wiring import launcher_for
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
 from gpuctl.flows.resume import Resumed
-from gpuctl.flows.wiring import SharedHttp, snapshot_reader
+from gpuctl.wiring.build import SharedHttp, snapshot_reader
+from gpuctl.wiring.launchers import launcher_for
 
 
 def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> ReclaimDeps:
@@ -35,7 +35,7 @@ def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> Rec
 
 def _resume(config: Config, host: HostConfig, store: Store, dry_run: bool) -> list[Resumed]:
     from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
-    from gpuctl.flows.wiring import deps_for
+    from gpuctl.wiring.build import deps_for
 
     due = to_resume(config, host.name, store)
     if dry_run:
