@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.adapters.procinfo import host_identity
 from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
@@ -41,7 +42,6 @@ ChildFinder = Callable[[Iterable[Record], Mapping[int, str]], dict[int, str]]
 
 
 def _host_identity() -> HostIdentity:
-    from gpuctl.adapters.procinfo import host_identity
 
     return host_identity()
 

@@ -26,6 +26,7 @@ from gpuctl.core.decision import (
     classify,
     gpu_rooms,
 )
+from gpuctl.core.durations import expected_start_s
 from gpuctl.core.jobs import job_specs, unreachable
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.plan import VictimFacts, yields
@@ -507,7 +508,6 @@ def _service_facts(
 ) -> VictimFacts:
     """One running service's facts; its server's in-flight metric is read where
     ``server_in_flight`` is given and the store counts none (one request each)."""
-    from gpuctl.core.durations import expected_start_s
 
     in_flight: int | None = None if stored is None else stored.get(o.name, 0)
     unread = o.launcher == "ollama"  # Ollama says nothing of the requests it serves

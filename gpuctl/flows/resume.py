@@ -24,12 +24,12 @@ from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.results import EnsureResult
 
 
 def resume(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
     """Start ``deps.service`` if it fits now, never stopping anything for it."""
-    from gpuctl.flows.ensure.rounds import ensure
 
     svc = deps.service
     try:

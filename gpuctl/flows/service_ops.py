@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import replace
 from datetime import datetime
 
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
@@ -181,7 +182,6 @@ def _started_before(pid: int, taken: float | None) -> bool:
     listed it (True where that cannot be told)."""
     if taken is None:
         return True
-    from gpuctl.adapters import procinfo
 
     started = procinfo.start_time(pid)
     return started is None or started <= taken + 0.5

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuctl.adapters.store.inflight import stopping
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.errors import AgentAuthError, GpuctlError
 from gpuctl.flows.deps import EnsureDeps
@@ -98,6 +99,5 @@ def touch(ctx: Ctx, ready: bool = False) -> object:
     except GpuctlError as e:
         ctx.notes.append(f"could not mark it used: {e.message}")
         return None
-    from gpuctl.adapters.store.inflight import stopping
 
     return STOPPING if stopping(rec) else None

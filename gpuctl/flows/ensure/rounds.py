@@ -16,6 +16,7 @@ agent, a real store and a real launcher, or fakes for pure units. The waits are
 from __future__ import annotations
 
 from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.inflight import stopping
 from gpuctl.core.decision import Decision
 from gpuctl.core.record import LEASE_MARGIN_S
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
@@ -25,6 +26,7 @@ from gpuctl.flows.ensure.context import REFUSALS, STOPPING, Ctx, bystander, touc
 from gpuctl.flows.ensure.launch import expected_left_s, launch_under_lease
 from gpuctl.flows.ensure.preempt import preempt
 from gpuctl.flows.ensure.wake import wake
+from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
 
@@ -66,7 +68,6 @@ def _heal(ctx: Ctx) -> None:
     deps = ctx.deps
     if deps.heal_look is None:
         return
-    from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 
     try:
         records = deps.store.records()
@@ -137,7 +138,6 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
 def _after_stop(ctx: Ctx, wait: bool) -> EnsureResult | None:
     """Wait (within the deadline) for a stop under way to end; None: look again."""
     deps, svc = ctx.deps, ctx.deps.service
-    from gpuctl.adapters.store.inflight import stopping
 
     ctx.note_once("found it being stopped; waiting for the stop to end")
     if not wait:
