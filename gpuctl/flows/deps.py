@@ -41,11 +41,6 @@ ServerFinder = Callable[[Iterable[Record]], dict[int, str]]
 ChildFinder = Callable[[Iterable[Record], Mapping[int, str]], dict[int, str]]
 
 
-def _host_identity() -> HostIdentity:
-
-    return host_identity()
-
-
 @dataclass
 class Closers:
     """The clients a command opened, closed once when it ends."""
@@ -109,7 +104,7 @@ class EnsureDeps(Closers):
     # How a preempted run job is stopped (None: only one whose CMD runs on this machine).
     stop_job: JobStopper | None = field(kw_only=True, default=None)
     # This machine (a run job is signalled here only when its record names it).
-    here: HostIdentity = field(kw_only=True, default_factory=_host_identity)
+    here: HostIdentity = field(kw_only=True, default_factory=host_identity)
 
     def fresh_reader(self) -> SnapshotReader:
         return self.read_snapshot_fresh or self.read_snapshot
