@@ -129,8 +129,8 @@ def _touch(conf: Config, svc: ServiceConfig) -> None:
 
 
 def _slow_path(conf: Config, name: str, timeout: float | None, wait: bool) -> ReadyResult:
-    from gpuctl.flows.ensure import ensure
-    from gpuctl.flows.wiring import deps_for
+    from gpuctl.flows.ensure.rounds import ensure
+    from gpuctl.wiring.build import deps_for
 
     try:
         deps = deps_for(conf, name, entry="api")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl.flows.demo_chapters import CHAPTERS, heading
+from gpuctl.demo.chapters import CHAPTERS, heading
 from tests.conftest import gpuctl_exe
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 from gpuctl.cli.demo_cmd import RichNarrator
-from gpuctl.flows.demo import intro
+from gpuctl.demo.tour import intro
 from gpuctl.render.safe import console
 
 

@@ -97,10 +97,10 @@ def test_metrics_show_a_histogram_prometheus_can_parse() -> None:
 
 def test_a_waiter_expects_what_is_left_of_a_start_under_way() -> None:
     from gpuctl.core.record import Phase
-    from gpuctl.flows.ensure import _expected
+    from gpuctl.flows.ensure.launch import expected_left_s
 
-    assert _expected(REC, 1000.0) == 340.0  # our own start: all of it
+    assert expected_left_s(REC, 1000.0) == 340.0  # our own start: all of it
     under_way = replace(REC, phase=Phase.STARTING, since=1000.0)
-    assert _expected(under_way, 1100.0) == 240.0
-    assert _expected(under_way, 2000.0) == 1.0  # late: nearly done, never negative
-    assert _expected(None, 0.0) is None
+    assert expected_left_s(under_way, 1100.0) == 240.0
+    assert expected_left_s(under_way, 2000.0) == 1.0  # late: nearly done, never negative
+    assert expected_left_s(None, 0.0) is None

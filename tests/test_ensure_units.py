@@ -14,7 +14,8 @@ from gpuctl.adapters.store import holder_here
 from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
 from gpuctl.flows import service_ops
-from gpuctl.flows.ensure import ADMISSION, ensure
+from gpuctl.flows.admission import ADMISSION
+from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.results import Outcome
 from tests.flow_fakes import GIB, Agent, World, config, world
 
@@ -154,7 +155,7 @@ def test_touch_completes_starting_only_when_the_server_answers(w: World) -> None
 def test_status_calls_an_orphaned_start_loading_until_its_health_timeout(w: World) -> None:
     """`status` never calls a service free while a start of it may be loading unseen."""
     from gpuctl.core.decision import Decision, Health
-    from gpuctl.flows.observe import Observation, decide
+    from gpuctl.flows.look import Observation, decide
 
     orphan(w, "vllm")
     svc = w.config.service("vllm")

@@ -19,7 +19,7 @@ from gpuctl.core.record import Phase, Record
 from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
 from gpuctl.flows.deps import HostDeps, LocksDeps, StatusDeps
-from gpuctl.flows.ensure import ensure
+from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.results import Outcome
 from gpuctl.flows.status import status, watch
 from tests.flow_fakes import GIB, Agent, Clock, World, config, world
@@ -574,3 +574,18 @@ def test_a_reader_bug_is_that_hosts_unknown_with_a_hint(tmp_path: Path) -> None:
     a, b = status(deps).hosts
     assert a.ok
     assert not b.ok and "KeyError" in (b.error or "") and "GPUCTL_DEBUG=1" in (b.hint or "")
+
+
+def test_resume_hands_the_callers_deps_back_as_they_were(w: World) -> None:
+    """A resume never preempts, but only for itself: the deps it was handed keep their
+    own ``preempt`` and service afterwards, so a later ensure with them still may."""
+    from gpuctl.flows.resume import resume
+
+    w.health.ready_after(0)
+    deps = w.deps()
+    deps.preempt = True
+    svc = deps.service
+    r = resume(deps)
+    assert r.outcome is Outcome.READY
+    assert deps.preempt is True
+    assert deps.service is svc

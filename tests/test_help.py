@@ -135,8 +135,8 @@ def test_help_shows_no_markup_and_never_points_to_itself(path: tuple[str, ...]) 
 def test_demo_help_lists_every_chapter_the_demo_plays() -> None:
     """`gpuctl demo --help` named five decisions and neither the priorities chapter nor the
     proxy one; it lists every chapter now, each on its own line within 80 columns."""
-    from gpuctl.flows.demo import intro
-    from gpuctl.flows.demo_chapters import CHAPTERS, heading
+    from gpuctl.demo.chapters import CHAPTERS, heading
+    from gpuctl.demo.tour import intro
 
     text = help_text(("demo",))
     for n in range(1, len(CHAPTERS) + 1):

@@ -22,8 +22,8 @@ import pytest
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_aside
-from gpuctl.flows.ensure import ensure
-from gpuctl.flows.observe import decide, observe
+from gpuctl.flows.ensure.rounds import ensure
+from gpuctl.flows.look import decide, observe
 from gpuctl.flows.results import Outcome
 from tests.flow_fakes import World, config, world
 from tests.test_ensure_units import TWO_BIG

@@ -229,7 +229,7 @@ def test_a_launched_server_inherits_no_secret_the_config_or_gpuctl_names(
     """Before issue 17 every one of ``INHERITED_SECRETS`` reached the server: only the
     agent's token and this host's variables were dropped. The launcher comes from the
     same wiring ``ensure`` and ``reclaim`` use; the environment is read from /proc."""
-    from gpuctl.flows.launcher_wiring import launcher_for
+    from gpuctl.wiring.launchers import launcher_for
 
     for name, value in INHERITED_SECRETS.items():
         monkeypatch.setenv(name, value)

@@ -1,7 +1,7 @@
 """The house holds: each layer's fence (its folder's ruff.toml, rule TID251 banned-api) fails
 a deliberate bad import written into a file of that layer, the real tree passes them, the
 core and the sim import nothing but the standard library and gpuctl.core, no package imports
-in a cycle, and no module grows past its size without a reason at its top."""
+in a cycle."""
 
 from __future__ import annotations
 
@@ -20,7 +20,19 @@ PKG = ROOT / "gpuctl"
 RUFF = str(Path(sys.executable).with_name("ruff"))
 
 # The folders with a fence. The proxy's is checked once gpuctl/proxy/ exists.
-FENCED = ("core", "adapters", "flows", "render", "sim", "proxy")
+FENCED = (
+    "core",
+    "config",
+    "adapters",
+    "flows",
+    "wiring",
+    "demo",
+    "agent",
+    "render",
+    "sim",
+    "proxy",
+    "cli",
+)
 
 
 def _tree_copy(tmp: Path) -> Path:
@@ -90,6 +102,28 @@ BANNED = [
     ("sim", "from gpuctl.errors import GpuctlError", "gpuctl.errors"),
     ("sim", "from gpuctl.config import load_config", "gpuctl.config"),
     ("sim", "from gpuctl.flows import ensure", "gpuctl.flows"),
+    ("flows", "from gpuctl.wiring.build import deps_for", "gpuctl.wiring"),
+    ("flows", "from gpuctl.demo import tour", "gpuctl.demo"),
+    ("flows", "from gpuctl.proxy.app import ProxyApp", "gpuctl.proxy"),
+    ("config", "from gpuctl.adapters.store import DirectStore", "gpuctl.adapters"),
+    ("config", "from gpuctl.flows.status import status", "gpuctl.flows"),
+    ("config", "from gpuctl.render.config_view import show", "gpuctl.render"),
+    ("config", "import httpx", "httpx"),
+    ("wiring", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("wiring", "from gpuctl.render.results import ensure_text", "gpuctl.render"),
+    ("wiring", "from gpuctl.agent.app import create_app", "gpuctl.agent"),
+    ("wiring", "from gpuctl.proxy import app", "gpuctl.proxy"),
+    ("wiring", "import rich", "rich"),
+    ("demo", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("demo", "import rich", "rich"),
+    ("agent", "from gpuctl.cli.common import say", "gpuctl.cli"),
+    ("agent", "from gpuctl.render.status_view import render_status", "gpuctl.render"),
+    ("agent", "from gpuctl.wiring.build import deps_for", "gpuctl.wiring"),
+    ("agent", "from gpuctl.proxy import app", "gpuctl.proxy"),
+    ("agent", "import typer", "typer"),
+    ("cli", "import docker", "docker"),
+    ("cli", "import pynvml", "pynvml"),
+    ("cli", "from gpuctl.core.decision import classify", "gpuctl.core.decision"),
     ("proxy", "from gpuctl.cli.common import say", "gpuctl.cli"),
     ("proxy", "from gpuctl.render.results import ensure_text", "gpuctl.render"),
     ("proxy", "import rich", "rich"),
@@ -106,6 +140,13 @@ ALLOWED = [
     ("sim", "from gpuctl.core.units import parse_size_mib"),
     ("sim", "import fcntl"),
     ("proxy", "from gpuctl.flows import ensure"),
+    ("config", "from gpuctl.core.units import parse_size_mib"),
+    ("wiring", "from gpuctl.adapters.store import DirectStore"),
+    ("wiring", "from gpuctl.flows.deps import EnsureDeps"),
+    ("demo", "from gpuctl.wiring.build import gather_status"),
+    ("agent", "from gpuctl.adapters.store import DirectStore"),
+    ("cli", "from rich.table import Table"),
+    ("cli", "from gpuctl.wiring.build import deps_for"),
 ]
 
 
@@ -331,53 +372,166 @@ def test_no_package_cycles(depth: int) -> None:
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
 
 
-# Past about 400 lines a module usually holds several ideas; one that holds one long idea
-# says why at its top. None may pass 800.
-SOFT_LIMIT = 400
-HARD_LIMIT = 800
+def _load_time_imports(tree: ast.Module, lazy: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is loaded or type-checked: its top level, class
+    bodies and ``if``/``try`` blocks (``if TYPE_CHECKING:`` included: a type-only circle
+    still ties two ideas together). Imports inside functions are lazy: left out unless
+    ``lazy``."""
+    out: list[ast.Import | ast.ImportFrom] = []
+
+    def walk(stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            if isinstance(s, ast.Import | ast.ImportFrom):
+                out.append(s)
+            elif isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef):
+                if lazy:
+                    walk(s.body)
+            elif isinstance(s, ast.ClassDef):
+                walk(s.body)
+            else:
+                for name in ("body", "orelse", "finalbody"):
+                    walk(getattr(s, name, None) or [])
+                for handler in getattr(s, "handlers", None) or []:
+                    walk(handler.body)
+
+    walk(tree.body)
+    return out
 
 
-def _long_because(path: Path) -> bool:
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    head = "\n".join(doc.splitlines()[:5])
-    return "Long because" in head
+def _module_graph(root: Path, lazy: bool = False) -> dict[str, set[str]]:
+    """Every module of ``root``/gpuctl and the modules it imports at load time. Importing
+    ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so a module also depends on
+    the packages above what it imports."""
+    files = {_module_of_in(root, p): p for p in (root / "gpuctl").rglob("*.py")}
+
+    def with_parents(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & files.keys()
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        edges = graph.setdefault(mod, set())
+        for node in _load_time_imports(ast.parse(path.read_text()), lazy):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".")
+                    up = node.level - (1 if path.name == "__init__.py" else 0)
+                    anchor = anchor[: len(anchor) - up] if up else anchor
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for name in names:
+                edges |= with_parents(name)
+        edges -= {mod, *with_parents(mod)}  # a module's own packages run before it
+    return graph
 
 
-def _size_offenders(root: Path) -> list[str]:
-    too_long = []
-    for path in sorted((root / "gpuctl").rglob("*.py")):
-        n = len(path.read_text().splitlines())
-        rel = path.relative_to(root)
-        if n > HARD_LIMIT:
-            too_long.append(f"{rel}: {n} lines (over {HARD_LIMIT}: split it)")
-        elif n > SOFT_LIMIT and not _long_because(path):
-            too_long.append(
-                f"{rel}: {n} lines (over {SOFT_LIMIT}: split it, or say 'Long because ...' "
-                "in its docstring's first lines)"
-            )
-    return too_long
+def _module_of_in(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
-def test_the_size_check_fails_a_long_module(tmp_path: Path) -> None:
+def _module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other (Tarjan's strongly connected
+    components with more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while (w := stack.pop()) != v:
+                part.append(w)
+            if part:
+                found.append(sorted([v, *part]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_module_graph_sees_type_only_and_package_circles(tmp_path: Path) -> None:
     pkg = tmp_path / "gpuctl"
-    pkg.mkdir()
-    body = "x = 1\n" * (SOFT_LIMIT + 10)
-    (pkg / "short.py").write_text('"""Short."""\n' + "x = 1\n" * 10)
-    (pkg / "long.py").write_text('"""Several ideas."""\n' + body)
-    (pkg / "why.py").write_text('"""One table.\n\nLong because it is one table."""\n' + body)
-    (pkg / "late.py").write_text('"""One.\n\n\n\n\n\nLong because too late."""\n' + body)
-    (pkg / "huge.py").write_text('"""Long because huge."""\n' + "x = 1\n" * HARD_LIMIT)
-    found = _size_offenders(tmp_path)
-    assert [f.split(":")[0] for f in found] == [
-        "gpuctl/huge.py",
-        "gpuctl/late.py",
-        "gpuctl/long.py",
+    (pkg / "p").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuctl.b import B\n"
+    )
+    (pkg / "b.py").write_text("from gpuctl import a\n")
+    (pkg / "lazy.py").write_text("def f():\n    from gpuctl import b\n")
+    (pkg / "p" / "__init__.py").write_text("from gpuctl.p.x import X\n")
+    (pkg / "p" / "x.py").write_text("from gpuctl.y import Y\n")
+    (pkg / "y.py").write_text("from gpuctl.p.z import Z\n")
+    (pkg / "p" / "z.py").write_text("Z = 1\n")
+    graph = _module_graph(tmp_path)
+    assert graph["gpuctl.lazy"] == set()
+    assert graph["gpuctl.y"] == {"gpuctl.p", "gpuctl.p.z"}
+    assert _module_cycles(graph) == [
+        ["gpuctl.a", "gpuctl.b"],
+        ["gpuctl.p", "gpuctl.p.x", "gpuctl.y"],
     ]
 
 
-def test_modules_are_short_or_say_why() -> None:
-    too_long = _size_offenders(ROOT)
-    assert not too_long, "\n".join(too_long)
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """0 file-level circles: no two modules import each other, directly or round a loop,
+    counting type-only imports and the packages an import runs."""
+    graph = _module_graph(ROOT)
+    assert sum(map(len, graph.values())) > 100, "the scan found no imports"
+    assert _module_cycles(graph) == []
+
+
+# The layers, lowest first. A module imports its own layer and those below, never one
+# above (lazy imports included: an upward import inside a function is still upward).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gpuctl", "gpuctl.core"),
+    ("gpuctl.errors", "gpuctl.failpoints", "gpuctl.sim"),
+    ("gpuctl.config",),
+    ("gpuctl.adapters",),
+    ("gpuctl.flows",),
+    ("gpuctl.wiring",),
+    ("gpuctl.agent", "gpuctl.api", "gpuctl.demo", "gpuctl.render"),
+    ("gpuctl.proxy",),
+    ("gpuctl.cli", "gpuctl.__main__"),
+)
+
+
+def _layer_of(mod: str) -> int:
+    top = ".".join(mod.split(".")[:2])
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    raise AssertionError(f"{mod} is in no layer of LAYERS: add its package there")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} -> {b}" for a, bs in graph.items() for b in bs if _layer_of(b) > _layer_of(a)
+    )
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {"gpuctl.flows.x": {"gpuctl.core.y"}, "gpuctl.adapters.z": {"gpuctl.wiring.w"}}
+    assert _upward(graph) == ["gpuctl.adapters.z -> gpuctl.wiring.w"]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    graph = _module_graph(ROOT, lazy=True)
+    assert not _upward(graph), "\n".join(_upward(graph))
 
 
 def test_the_repo_stands_alone() -> None:

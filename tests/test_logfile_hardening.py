@@ -89,7 +89,7 @@ def test_a_root_reclaim_never_makes_a_setuid_copy_of_a_planted_log(
     mine.write_bytes(b"m" * (65 * 2**20))
     os.chmod(mine, 0o6777)
     monkeypatch.setenv("GPUCTL_STATE_DIR", str(shared_logs.parent))
-    from gpuctl.flows.reclaim_wiring import _rotate_logs  # what `gpuctl reclaim` runs
+    from gpuctl.wiring.reclaim import _rotate_logs  # what `gpuctl reclaim` runs
 
     rotated = _rotate_logs()
     for p in shared_logs.glob("*.log.*"):  # every copy: none setuid, setgid or open

@@ -599,7 +599,7 @@ def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -
     pid and start time), any other refused; and without an agent only here."""
     from gpuctl.core.model import HostIdentity, Snapshot
     from gpuctl.errors import LauncherError
-    from gpuctl.flows import preempt
+    from gpuctl.flows.ensure import preempt
 
     here, dgx = HostIdentity("laptop", "b1"), HostIdentity("dgx", "b2")
     local: list[dict[str, Any]] = []

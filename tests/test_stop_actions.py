@@ -8,7 +8,7 @@ from gpuctl.adapters.vllm import metrics_url, origin, parse_in_flight
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, classify
 from gpuctl.core.model import GpuProcess, Snapshot
-from gpuctl.flows.wake import wake_fits
+from gpuctl.flows.ensure.wake import wake_fits
 
 GIB = 1024
 SVC = ServiceConfig(name="vllm", host="h", memory_mib=80 * GIB, stop="sleep", sleep_level=1)

@@ -1238,7 +1238,7 @@ def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive
     and the store are real; the health check itself runs the stop, so the window is hit
     every time."""
     from gpuctl.core.decision import Health
-    from gpuctl.flows.ensure import ensure
+    from gpuctl.flows.ensure.rounds import ensure
     from gpuctl.flows.results import Outcome
     from gpuctl.flows.service_ops import stop
     from tests.flow_fakes import world

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from gpuctl.core.plan import why_not
 from gpuctl.core.record import Phase, Record
-from gpuctl.flows.observe import Observation
-from gpuctl.flows.victims import victim_facts
+from gpuctl.flows.look import Observation, victim_facts
 from tests.flow_fakes import config
 
 TWO = """
@@ -87,7 +86,7 @@ def test_a_server_is_idle_from_its_last_use_or_from_when_it_began_running() -> N
     """A start marks a use when it begins: a load longer than ``yield_after`` must not
     leave the server idle the moment it answers (found by the trials: a server healed
     from starting to running was preempted as idle within the same sample)."""
-    from gpuctl.flows.victims import idle_seconds
+    from gpuctl.flows.look import idle_seconds
 
     loaded = Record("chat", Phase.RUNNING, since=700.0, last_used=100.0)
     assert idle_seconds(loaded, 701.0) == 1.0

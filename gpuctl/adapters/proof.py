@@ -13,6 +13,7 @@ whose environment cannot be read is not signalled either.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from gpuctl.errors import Unproven
@@ -49,8 +50,7 @@ def require_env(
     if not marks or weak:
         raise Unproven(f"pid {pid} is not known to be {what}: its record has no proof", hint)
     try:
-        with open(f"{proc_root}/{pid}/environ", "rb") as f:
-            entries = set(f.read().split(b"\0"))
+        entries = set(_environ(pid, proc_root).split(b"\0"))
     except OSError as e:
         raise Unproven(
             f"cannot read pid {pid}'s environment ({e.strerror or e}): "
@@ -62,6 +62,24 @@ def require_env(
             f"pid {pid} is not {what} (its environment lacks {lacks})",
             hint,
         )
+
+
+# A process in the middle of its exec shows an empty environment for a moment (the
+# kernel swaps its memory): read it again for up to this long before judging.
+_EXEC_GRACE_S = 0.5
+
+
+def _environ(pid: int, proc_root: str) -> bytes:
+    """``/proc/PID/environ``; read again while it is empty, for up to ``_EXEC_GRACE_S``
+    (a server gpuctl just spawned may still be inside its exec; an empty environment
+    never carries a proof anyway, so waiting costs only that moment)."""
+    deadline = time.monotonic() + _EXEC_GRACE_S
+    while True:
+        with open(f"{proc_root}/{pid}/environ", "rb") as f:
+            data = f.read()
+        if data or time.monotonic() >= deadline:
+            return data
+        time.sleep(0.02)
 
 
 def has_env(pid: int, name: str, proc_root: str = "/proc") -> bool:

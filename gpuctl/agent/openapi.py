@@ -1,8 +1,4 @@
-"""The agent's ``/openapi.json``: the hand-written OpenAPI 3.1 document of every endpoint.
-
-Long because it is one declarative document (paths and schemas) that reads best whole;
-it holds no logic.
-"""
+"""The agent's ``/openapi.json``: the hand-written OpenAPI 3.1 document of every endpoint."""
 
 from __future__ import annotations
 

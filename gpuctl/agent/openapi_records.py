@@ -1,8 +1,5 @@
 """The /records part of the agent's OpenAPI document: the state store's paths and schemas.
 
-Long because it is one declarative document (fifteen operations and their request and
-answer schemas, each bound spelled out) that reads best whole; it holds no logic.
-
 The request schemas say exactly what the agent accepts (``gpuctl.agent.wire`` and the
 store's record schema, ``gpuctl.adapters.store.codec``), bounds included, so a client
 generated from them never sends what the agent refuses, and schemathesis can hold the

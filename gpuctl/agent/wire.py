@@ -1,8 +1,5 @@
 """Request bodies off the wire: bounded JSON, then exact types, each error a 400 naming its field.
 
-Long because every endpoint's body check is one contract with the store's schema, read
-best side by side.
-
 Every body is hostile until checked. Size and nesting are bounded *before* ``json.loads``
 runs (100,000 nested ``[`` would otherwise blow its recursion limit); ``NaN`` and
 ``Infinity`` are refused by the parser; then each endpoint's shape is checked with exact

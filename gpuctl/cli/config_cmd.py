@@ -58,11 +58,10 @@ def check(config: ConfigOpt = None) -> None:
     """
     with errors_to_exit():
         from gpuctl.config import config_path, load_config
-        from gpuctl.config.secrets import secret_problems
 
         p, _ = config_path(chosen_config(config))
         conf = load_config(chosen_config(config))
-        problems = [e for h in conf.hosts.values() for e in secret_problems(h)]
+        problems = [e for h in conf.hosts.values() for e in h.secret_problems()]
         warnings = [*conf.warnings, *conf.doubts]
         local_dir = None if problems else _local_state_dir_warning(conf)
         if local_dir:

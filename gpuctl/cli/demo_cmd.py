@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit
-from gpuctl.flows.demo_chapters import help_text
+from gpuctl.demo.chapters import help_text
 
 if TYPE_CHECKING:
     from gpuctl.flows.status import StatusReport
@@ -32,10 +32,10 @@ def demo(
         ),
     ] = 8.0,
 ) -> None:
-    """A guided tour on a simulated GPU (its help lists the chapters: demo_chapters)."""
+    """A guided tour on a simulated GPU (its help lists the chapters: gpuctl.demo.chapters)."""
     with errors_to_exit():
-        from gpuctl.flows.demo import run_demo
-        from gpuctl.flows.demo_priority import decision_of
+        from gpuctl.demo.priority import decision_of
+        from gpuctl.demo.tour import run_demo
 
         narrator = RichNarrator()
         report = run_demo(narrator, load_time_s=load_time)
@@ -102,8 +102,8 @@ class RichNarrator:
     def locks(self, config_path: str) -> None:
         from gpuctl.config import load_config
         from gpuctl.flows import service_ops
-        from gpuctl.flows.wiring import locks_deps
         from gpuctl.render.locks import render_locks
+        from gpuctl.wiring.build import locks_deps
 
         deps = locks_deps(load_config(Path(config_path)))
         try:

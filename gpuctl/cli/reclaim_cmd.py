@@ -49,13 +49,13 @@ def reclaim(
         if host and all_hosts:
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
         from gpuctl.flows.reclaim import reclaim as run
-        from gpuctl.flows.reclaim_wiring import reclaim_deps
         from gpuctl.render.reclaim_view import (
             host_errors,
             nothing_due,
             reclaim_lines,
             reclaim_to_json,
         )
+        from gpuctl.wiring.reclaim import reclaim_deps
 
         conf = open_config(config)
         deps = reclaim_deps(conf, host)

@@ -42,8 +42,8 @@ def resume(
     """
     with errors_to_exit():
         from gpuctl.flows.resume import resume as run
-        from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import ensure_text, ensure_to_json
+        from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
         deps = deps_for(conf, service, host, entry="resume")

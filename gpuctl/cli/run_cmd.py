@@ -110,7 +110,7 @@ def run(
     with errors_to_exit():
         from gpuctl.flows.run import RunRequest
         from gpuctl.flows.run import run as run_job
-        from gpuctl.flows.run_wiring import run_deps
+        from gpuctl.wiring.run import run_deps
 
         if not cmd:
             fail(UsageError("no command given", hint="gpuctl run --memory 15GiB -- CMD ARGS…"))

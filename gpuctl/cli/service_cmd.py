@@ -74,9 +74,9 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
-        from gpuctl.flows.ensure import ensure as run
-        from gpuctl.flows.wiring import deps_for
+        from gpuctl.flows.ensure.rounds import ensure as run
         from gpuctl.render.results import ensure_text, ensure_to_json
+        from gpuctl.wiring.build import deps_for
 
         timeout_s = timeout
         conf = open_config(config)
@@ -169,8 +169,8 @@ def stop(
     """Stop SERVICE's server (found by its record, else by its match keywords)."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
-        from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import stop_text, stop_to_json
+        from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
         deps = deps_for(conf, service, host, entry="stop")
@@ -190,8 +190,8 @@ def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -
     """Mark SERVICE as used now (reclaim measures idle time from the last use)."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
-        from gpuctl.flows.wiring import deps_for
         from gpuctl.render.results import touch_text
+        from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
         deps = deps_for(conf, service, host, entry="touch")
@@ -228,8 +228,8 @@ def locks(
     """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure; and the wait queue (run --wait) in the order it is served."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
-        from gpuctl.flows.wiring import locks_deps
         from gpuctl.render.locks import locks_to_json
+        from gpuctl.wiring.build import locks_deps
 
         conf = open_config(config)
         deps = locks_deps(conf, host)

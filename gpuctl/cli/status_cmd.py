@@ -96,7 +96,7 @@ def status(
     """
     with errors_to_exit():
         from gpuctl.flows.deps import LocalProbeOptions
-        from gpuctl.flows.wiring import status_deps
+        from gpuctl.wiring.build import status_deps
 
         if host and all_hosts:
             fail(UsageError("--host and --all exclude each other"))

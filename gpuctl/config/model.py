@@ -16,7 +16,7 @@ from typing import Any
 from gpuctl.config.secrets import read_secret
 from gpuctl.core.conn_limits import ConnectionLimits
 from gpuctl.core.promise import Promise
-from gpuctl.errors import UsageError
+from gpuctl.errors import ConfigError, UsageError
 
 
 class ProbeName(StrEnum):
@@ -128,6 +128,16 @@ class HostConfig:
         return read_secret(
             self.name, "jupyter_token", self.jupyter_token_env, self.jupyter_token_file
         )
+
+    def secret_problems(self) -> list[ConfigError]:
+        """Every secret this host names that cannot be read now (``gpuctl config check``)."""
+        problems: list[ConfigError] = []
+        for read in (self.token, self.read_token, self.jupyter_token):
+            try:
+                read()
+            except ConfigError as e:
+                problems.append(e)
+        return problems
 
 
 @dataclass(frozen=True, slots=True)

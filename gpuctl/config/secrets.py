@@ -9,12 +9,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpuctl.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gpuctl.config.model import HostConfig
 
 
 def read_secret(host: str, what: str, env: str | None, file: Path | None) -> str | None:
@@ -89,17 +85,6 @@ def write_secret_file(path: Path, secret: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def secret_problems(host: HostConfig) -> list[ConfigError]:
-    """Every secret ``host`` names that cannot be read now (``gpuctl config check``)."""
-    problems: list[ConfigError] = []
-    for read in (host.token, host.read_token, host.jupyter_token):
-        try:
-            read()
-        except ConfigError as e:
-            problems.append(e)
-    return problems
 
 
 def read_key_list(env: str | None, file: Path | None) -> tuple[str, ...]:

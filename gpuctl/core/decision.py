@@ -1,8 +1,5 @@
 """The decision (docs/explanation/decisions.md): what state is a service in, and may it start now?
 
-Long because the decision table, its order of precedence and each row's reason are
-one contract, easier to check side by side than across files.
-
 ``classify`` is a pure function of the service's health answer, the agent's snapshot
 (or why there is none), the service's spec and the other services' specs. The rows
 are checked in order of precedence; the first that holds wins:

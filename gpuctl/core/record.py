@@ -1,9 +1,5 @@
 """A service's record and its lease, as plain data with pure rules.
 
-Long because a lease's rules (its state, its kind's longest term, which leases promise
-memory) and the record they guard are one model: split, each half would have to import
-the other's shapes.
-
 The record is the one shared truth about a service on its GPU host: its phase, when it
 was last used, who holds the right to start or stop it (the lease), how to find its
 server again (the launcher's handle), its start attempts, and its last failure with the

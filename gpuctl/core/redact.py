@@ -1,8 +1,5 @@
 """Redact secrets from command lines and log lines before gpuctl shows, logs or stores them.
 
-Long because its patterns and the argument walk must be read together: each form below
-is caught in exactly one place, and splitting them would hide which one.
-
 Other people's processes carry secrets on their command lines (``--ServerApp.token=…``,
 ``--api-key sk-…``, ``curl -H 'Authorization: Bearer …'``, ``HF_TOKEN=… vllm serve``),
 and ``/status`` shows those lines to every token holder. Only the *values* of

@@ -1,6 +1,6 @@
 """What the flows work with: every adapter, the clock and the sleep come in as arguments.
 
-``gpuctl.flows.wiring`` builds the real ones; a test hands in fakes, or real adapters
+``gpuctl.wiring.build`` builds the real ones; a test hands in fakes, or real adapters
 against a loopback agent. No flow reaches for an adapter, ``time.time`` or
 ``time.sleep`` by itself.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.adapters.procinfo import host_identity
 from gpuctl.adapters.store import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
@@ -38,12 +39,6 @@ ServerFinder = Callable[[Iterable[Record]], dict[int, str]]
 # (records, {pid: service} of their servers) -> {pid: service} of the processes those
 # servers forked (``adapters.recorded_servers.server_children``)
 ChildFinder = Callable[[Iterable[Record], Mapping[int, str]], dict[int, str]]
-
-
-def _host_identity() -> HostIdentity:
-    from gpuctl.adapters.procinfo import host_identity
-
-    return host_identity()
 
 
 @dataclass
@@ -109,7 +104,7 @@ class EnsureDeps(Closers):
     # How a preempted run job is stopped (None: only one whose CMD runs on this machine).
     stop_job: JobStopper | None = field(kw_only=True, default=None)
     # This machine (a run job is signalled here only when its record names it).
-    here: HostIdentity = field(kw_only=True, default_factory=_host_identity)
+    here: HostIdentity = field(kw_only=True, default_factory=host_identity)
 
     def fresh_reader(self) -> SnapshotReader:
         return self.read_snapshot_fresh or self.read_snapshot

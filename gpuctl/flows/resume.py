@@ -24,24 +24,27 @@ from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.results import EnsureResult
 
 
 def resume(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
     """Start ``deps.service`` if it fits now, never stopping anything for it."""
-    from gpuctl.flows.ensure import ensure
 
     svc = deps.service
     try:
         phase = deps.store.get(svc.name).phase
     except GpuctlError:
         phase = None
+    # Never preempting is this call's rule, not the caller's: both are put back.
+    preempt = deps.preempt
     deps.service = replace(svc, preempt=False)
     deps.preempt = False
     try:
         result = ensure(deps, timeout_s=timeout_s, wait=wait)
     finally:
         deps.service = svc
+        deps.preempt = preempt
     if phase is not None and phase is not Phase.PREEMPTED:
         result.notes.insert(0, f"{svc.name} was not preempted (phase {phase.value})")
     return result

@@ -10,7 +10,7 @@
    larger than the GPU never queues (exit 3 at once). The entry is renewed on every look
    and removed once admitted, and on a timeout, Ctrl-C, SIGTERM or an error.
    PREEMPTABLE (it fits once lower-priority victims stop): with ``--preempt`` they are
-   stopped as ``ensure --preempt`` stops them (``gpuctl.flows.preempt.make_room``) and
+   stopped as ``ensure --preempt`` stops them (``gpuctl.flows.ensure.preempt.make_room``) and
    it looks again; without, exit 3 naming them and how to ask.
 2. CMD is started directly (never through a shell) in its own session, and recorded as
    ``run.<name>`` before the lock is released: its pid, start time, budget, priority and
@@ -52,7 +52,7 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows import run_preempt as rp
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
-from gpuctl.flows.observe import decide, observe
+from gpuctl.flows.look import decide, observe
 from gpuctl.flows.run_queue import Place, QueuedAdmission, ahead_now
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).

@@ -1,5 +1,5 @@
 """``gpuctl run --preempt``: make room for a job that is PREEMPTABLE with the one
-machinery ``ensure --preempt`` uses (``gpuctl.flows.preempt.make_room``)."""
+machinery ``ensure --preempt`` uses (``gpuctl.flows.ensure.preempt.make_room``)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import JobStopper
-from gpuctl.flows.observe import Observation
-from gpuctl.flows.preempt import RoomDeps, local_job_stopper, make_room
-from gpuctl.flows.victims import victim_facts, with_victims
+from gpuctl.flows.ensure.preempt import RoomDeps, local_job_stopper, make_room
+from gpuctl.flows.look import Observation, victim_facts, with_victims
 
 # (a victim service, snapshot) -> its launcher, to stop it with
 VictimLauncher = Callable[[ServiceConfig, Snapshot | None], Launcher]
@@ -69,7 +68,7 @@ def with_job_victims(
 ) -> Verdict:
     """The job's ``verdict``, or where it is BUSY and stopping lower-priority work would
     make room, PREEMPTABLE with the plan: decided as ``ensure`` and ``status`` decide
-    (``flows.victims.with_victims``)."""
+    (``flows.look.with_victims``)."""
     facts = partial(
         victim_facts,
         seen,

@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import replace
 from datetime import datetime
 
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
@@ -15,7 +16,7 @@ from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_as
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
-from gpuctl.flows.observe import hidden_words, keywords
+from gpuctl.flows.look import hidden_words, keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
 STOP_LEASE_WAIT_S = 10.0
@@ -181,7 +182,6 @@ def _started_before(pid: int, taken: float | None) -> bool:
     listed it (True where that cannot be told)."""
     if taken is None:
         return True
-    from gpuctl.adapters import procinfo
 
     started = procinfo.start_time(pid)
     return started is None or started <= taken + 0.5

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuctl.adapters.procinfo import command_of
+from gpuctl.errors import UsageError
 from gpuctl.flows.results import SimClaim, SimListing
+from gpuctl.sim.gpu import SimGpu
 
 if TYPE_CHECKING:
     from gpuctl.config import Config
@@ -20,7 +23,6 @@ def configured_sim_dir(conf: Config) -> tuple[Path | None, str]:
     Raises:
         UsageError: simulated hosts in different folders: which one is meant is not known.
     """
-    from gpuctl.errors import UsageError
 
     sims = [h for h in conf.hosts.values() if h.probe == "sim" and not h.agent]
     folders = {h.sim_dir for h in sims}
@@ -36,8 +38,6 @@ def configured_sim_dir(conf: Config) -> tuple[Path | None, str]:
 
 
 def list_claims(sim_dir: Path | None, total_mib: int | None, source: str = "") -> SimListing:
-    from gpuctl.adapters.procinfo import command_of
-    from gpuctl.sim.gpu import SimGpu
 
     sim = SimGpu(sim_dir, total_mib, define=False)  # a listing never changes the GPUs
     claims = tuple(

@@ -7,7 +7,7 @@ here: status makes a handful of requests, and the thread pool costs less at CLI
 start than an event loop and the async stack. A single host with no health URL to
 ask is read on the calling thread: no pool at all.
 
-Each host is observed as ``ensure`` observes it (``gpuctl.flows.observe``): records
+Each host is observed as ``ensure`` observes it (``gpuctl.flows.look``): records
 first, then the snapshot with the servers they name.
 """
 
@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from gpuctl.config import Config
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
 from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.model import GpuProcess, StartingProcess
@@ -29,10 +28,17 @@ from gpuctl.core.queue import Waiter
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
-from gpuctl.flows.observe import Observation, decide, memory_use, observe
+from gpuctl.flows.look import (
+    Observation,
+    decide,
+    memory_use,
+    observe,
+    victim_facts,
+    with_victims,
+    yielding,
+)
 from gpuctl.flows.results import HostReport, OtherService, StatusReport
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
-from gpuctl.flows.victims import victim_facts, with_victims, yielding
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -42,7 +48,6 @@ __all__ = [
     "LocalProbeOptions",
     "StatusReport",
     "filtered",
-    "gather",
     "status",
     "watch",
 ]
@@ -327,23 +332,6 @@ def watch(
         if report is None:
             raise
         return report
-
-
-def gather(
-    config: Config,
-    host_names: Sequence[str] | None = None,
-    *,
-    local: LocalProbeOptions | None = None,
-    health_timeout_s: float = 2.0,
-) -> StatusReport:
-    """Wire the real adapters, gather once, close them (for callers without deps)."""
-    from gpuctl.flows.wiring import status_deps
-
-    deps = status_deps(config, host_names, local=local, health_timeout_s=health_timeout_s)
-    try:
-        return status(deps)
-    finally:
-        deps.close()
 
 
 def filtered(

@@ -24,7 +24,7 @@ from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps
-from gpuctl.flows.observe import keywords, look
+from gpuctl.flows.look import keywords, look
 from gpuctl.flows.results import Outcome, Progress
 
 POLL_S = 0.2

@@ -1,10 +1,5 @@
 """The proxy as a raw ASGI application, run by ``gpuctl.proxy.server``.
 
-Long because it is one request's path through the proxy (route, authorize, read the
-body, hold it until the service is ready, forward, refuse), whose steps share the app's
-per-service state; the routes, readiness, use counts, relay, errors, metrics and the
-OpenAPI document live beside it.
-
 Endpoints::
 
     GET  /healthz                   no auth   {"ok": true}

@@ -2,9 +2,6 @@
 connections, answers parsed by httptools. The default; aiohttp's (``aio``) runs with
 ``GPUCTL_PROXY_CLIENT=aiohttp``, and tests/test_proxy_h1.py holds both to one contract.
 
-Long because one exchange's rules (framing, reuse, backpressure, the retry) hang
-together and are easier to check in one place than across files.
-
 Why not httpx here: under ``wrk`` with 64 clients the proxy spent 0.87 ms of CPU per
 request where the server it fronts spent 0.31, and a profile put three quarters of the
 proxy's time in httpx, httpcore, anyio and h11 (their per-request objects, cancel

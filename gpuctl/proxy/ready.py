@@ -2,7 +2,7 @@
 
 Requests for a service that is not known to be ready join one asyncio task per service
 (single flight in this process); the task asks the server's health URL, and only when
-that fails runs the CLI's own ensure flow (``gpuctl.flows.ensure``) in a worker thread.
+that fails runs the CLI's own ensure flow (``gpuctl.flows.ensure.rounds``) in a worker thread.
 Across proxy processes (and ``gpuctl ensure`` callers) the store's lease already
 serialises starts: only the lease holder launches, the others wait for its server.
 
@@ -58,8 +58,8 @@ def run_ensure(
     conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
 ) -> Readiness:
     """The CLI's ensure flow, blocking (call it in a worker thread)."""
-    from gpuctl.flows.ensure import ensure
-    from gpuctl.flows.wiring import deps_for
+    from gpuctl.flows.ensure.rounds import ensure
+    from gpuctl.wiring.build import deps_for
 
     try:
         deps = deps_for(conf, name, entry="proxy", progress=progress)

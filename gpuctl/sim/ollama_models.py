@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuctl.core.units import format_mib, parse_size_mib
-from gpuctl.sim.claim import Claim
 from gpuctl.sim.console import log
 from gpuctl.sim.errors import SimOutOfMemory
-from gpuctl.sim.gpu import SimGpu
+from gpuctl.sim.gpu import Claim, SimGpu
 
 DEFAULT_KEEP_ALIVE_S = 300.0
 FOREVER = math.inf

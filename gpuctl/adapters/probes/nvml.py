@@ -1,9 +1,5 @@
 """The NVML probe (``nvidia-ml-py``, imported as ``pynvml``): per-GPU, per-process memory.
 
-Long because every NVML call it makes sits next to the quirk it works around (listed
-below), and the MIG instances are read with the same memory and process-list calls as
-their parent GPU, through the same per-GPU error handling.
-
 NVML quirks this module works around (as gpustat, nvitop and nvtop met them):
 
 * GB10 / DGX Spark unified memory: ``nvmlDeviceGetMemoryInfo`` (v1 and v2) answers

@@ -1,8 +1,5 @@
 """Record files and wire bodies to ``core.record`` data and back, through one schema.
 
-Long because the schema is one declaration (its field tables) with the decoders that
-read it, and splitting them would put a record's shape in two places.
-
 Every record is checked against the tables below when it is read (a file, an agent's
 answer) and before it is written, so a record that a hostile or broken writer left
 cannot make a reader crash, or lie: a pid of 2**31 that overflows ``kill()``, a NaN or
@@ -149,7 +146,7 @@ HANDLE_FIELDS: Final = {
     "log": (nullable(text(4096)), ABSENT),
     "pid_ns": (nullable(integer(0, 2**64 - 1)), ABSENT),
 }
-# An attempt is the starter's own note (``flows.ensure._attempt``): its known keys are
+# An attempt is the starter's own note (``flows.ensure.launch._attempt``): its known keys are
 # typed when present, and it may carry more scalars.
 ATTEMPT_FIELDS: Final = {
     "started": (TIME, ABSENT),

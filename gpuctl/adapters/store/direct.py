@@ -1,9 +1,5 @@
 """``DirectStore``: the records on this machine's file system (the GPU host).
 
-Long because every operation here shares one discipline (the file lock, the schema on
-read and write, setting aside what fails, the modes), and splitting it would spread
-that discipline over modules that each get half of it right.
-
 Layout::
 
     <state_dir>/records/<service>.json   the record (atomic replace)

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.launchers.environ import secret_names
+from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
@@ -22,7 +25,6 @@ def launcher_for(
 ) -> Launcher:
     """The launcher ``service`` names on ``host``. Its servers inherit none of the secrets
     any part of ``config`` names (``environ.secret_names``): every host's, not only this one's."""
-    from gpuctl.adapters.launchers.environ import secret_names
 
     secrets = secret_names(config)
 
@@ -70,7 +72,6 @@ def launcher_for(
             keep_alive_s=service.idle_timeout_s,
             log_dir=default_state_dir() / "logs",
         )
-    from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 
     assert host.jupyter is not None
     return JupyterLauncher(host.jupyter, host.jupyter_token(), host_name=host.name, secrets=secrets)
@@ -84,7 +85,6 @@ def handle_checker(
     def check(record: Record) -> bool | None:
         if not record.handle:
             return None
-        from gpuctl.adapters.launchers.base import Handle
 
         handle = Handle.from_dict(record.handle)
         if handle.kind == "process" and handle.pid and not host.agent:

@@ -13,36 +13,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
-from gpuctl.flows.deps import EnsureDeps
-from gpuctl.flows.observe import keywords
+from gpuctl.flows.ensure.context import Ctx
+from gpuctl.flows.look import keywords
 from gpuctl.flows.results import EnsureResult, Outcome
-from gpuctl.flows.wait import BystanderWatch, Waited, wait_ready
-
-
-class Ctx(Protocol):
-    """What the wake needs of ``ensure``'s context."""
-
-    deps: EnsureDeps
-    t0: float
-    deadline: float
-    notes: list[str]
-
-    def elapsed(self) -> float: ...
-
-    def note_once(self, note: str) -> None: ...
-
-    def result(
-        self, outcome: Outcome, reason: str, decision: Decision | str, **kw: Any
-    ) -> EnsureResult: ...
-
-    def from_wait(self, w: Waited, decision: Decision, **kw: Any) -> EnsureResult: ...
+from gpuctl.flows.wait import BystanderWatch, wait_ready
 
 
 def wake_fits(

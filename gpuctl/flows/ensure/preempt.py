@@ -35,7 +35,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 from gpuctl import failpoints
 from gpuctl.adapters.jobs import JOB_GRACE_S, stop_job
@@ -49,12 +49,10 @@ from gpuctl.core.plan import Plan, Victim
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
 from gpuctl.errors import GpuctlError, LauncherError
 from gpuctl.flows.deps import JobStopper
-from gpuctl.flows.observe import look
+from gpuctl.flows.ensure.context import Ctx
+from gpuctl.flows.ensure.launch import launch_under_lease
+from gpuctl.flows.look import idle_seconds, look
 from gpuctl.flows.results import EnsureResult, Outcome
-from gpuctl.flows.victims import idle_seconds
-
-if TYPE_CHECKING:
-    from gpuctl.flows.ensure import Ctx
 
 # How often the memory is looked for after the stops (the issue's "about 0.2 s").
 POLL_S = 0.2
@@ -249,26 +247,11 @@ def _wait_for_memory(deps: RoomDeps, room: Room) -> Room:
         deps.sleep(POLL_S)
 
 
-# ensure's launch_under_lease, handed in by ensure (importing it here would make the two
-# modules import each other).
-class Launch(Protocol):
-    def __call__(
-        self,
-        ctx: Ctx,
-        holder: Holder,
-        ttl: float,
-        first: Decision,
-        wait: bool,
-        *,
-        restore: dict[str, Any] | None = None,
-    ) -> EnsureResult | None: ...
-
-
 def preempt(
-    ctx: Ctx, verdict: Verdict, snapshot: Snapshot | None, wait: bool, launch: Launch
+    ctx: Ctx, verdict: Verdict, snapshot: Snapshot | None, wait: bool
 ) -> EnsureResult | None:
     """``ensure --preempt``: carry out ``verdict.plan`` and start the service with
-    ``launch`` (ensure's ``launch_under_lease``); None: look again (the plan went stale: a
+    ``launch_under_lease``; None: look again (the plan went stale: a
     victim's lease was taken, or the service's own)."""
     deps, svc = ctx.deps, ctx.deps.service
     plan = verdict.plan
@@ -322,7 +305,7 @@ def preempt(
         # launch_under_lease releases it from here on, putting `restore` back if it
         # launches nothing (refused, out of time, an exception).
         own_released = True
-        return launch(ctx, holder, ttl, Decision.PREEMPTABLE, wait, restore=restore)
+        return launch_under_lease(ctx, holder, ttl, Decision.PREEMPTABLE, wait, restore=restore)
     finally:
         if not own_released:
             with contextlib.suppress(GpuctlError):

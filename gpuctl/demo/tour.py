@@ -24,11 +24,12 @@ from typing import Any, Protocol
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
+from gpuctl.demo.chapters import heading
+from gpuctl.demo.priority import IDLE_S, decision_of, photos_toml, priority_chapter
 from gpuctl.errors import GpuctlError
-from gpuctl.flows.demo_chapters import heading
-from gpuctl.flows.demo_priority import IDLE_S, decision_of, photos_toml, priority_chapter
-from gpuctl.flows.status import StatusReport, gather
+from gpuctl.flows.status import StatusReport
 from gpuctl.sim.host import SimHost, SimHostError, free_port
+from gpuctl.wiring.build import gather_status
 
 
 class Narrator(Protocol):
@@ -103,7 +104,7 @@ sse_interval = "1s"
         config = load_config(cfg_path)
 
         def poll() -> StatusReport:
-            return gather(config)
+            return gather_status(config)
 
         narrator.chapter(
             heading(1),

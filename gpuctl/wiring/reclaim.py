@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from gpuctl.adapters import procinfo, vllm
 from gpuctl.adapters.launchers.base import Launcher
+from gpuctl.adapters.launchers.logfile import rotate_all
+from gpuctl.adapters.server_truth import truth_reader
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.config.paths import default_state_dir
 from gpuctl.core.model import Snapshot
 from gpuctl.errors import ConfigError
-from gpuctl.flows.launcher_wiring import launcher_for
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
-from gpuctl.flows.resume import Resumed
-from gpuctl.flows.wiring import SharedHttp, snapshot_reader
+from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
+from gpuctl.wiring.build import SharedHttp, deps_for, snapshot_reader
+from gpuctl.wiring.launchers import launcher_for
 
 
 def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> ReclaimDeps:
     """Every configured host (or the named ones). Raises ``UsageError`` for an unknown one."""
-    from gpuctl.adapters import procinfo
 
     hosts = [config.host(n) for n in host_names] if host_names else list(config.hosts.values())
     closers: list[Callable[[], None]] = []
@@ -34,8 +37,6 @@ def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> Rec
 
 
 def _resume(config: Config, host: HostConfig, store: Store, dry_run: bool) -> list[Resumed]:
-    from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
-    from gpuctl.flows.wiring import deps_for
 
     due = to_resume(config, host.name, store)
     if dry_run:
@@ -44,8 +45,6 @@ def _resume(config: Config, host: HostConfig, store: Store, dry_run: bool) -> li
 
 
 def _rotate_logs() -> list[str]:
-    from gpuctl.adapters.launchers.logfile import rotate_all
-    from gpuctl.config.paths import default_state_dir
 
     return rotate_all(default_state_dir() / "logs")
 
@@ -53,8 +52,6 @@ def _rotate_logs() -> list[str]:
 def _host(
     config: Config, host: HostConfig, closers: list[Callable[[], None]], http: SharedHttp
 ) -> ReclaimHost:
-    from gpuctl.adapters import vllm
-    from gpuctl.adapters.server_truth import truth_reader
 
     store = store_for(host)
     closers.append(store.close)

@@ -20,7 +20,7 @@ from gpuctl.flows.status import StatusReport
 
 
 class Narrator(Protocol):
-    """What the chapter uses of ``gpuctl.flows.demo.Narrator``."""
+    """What the chapter uses of ``gpuctl.demo.tour.Narrator``."""
 
     def chapter(self, title: str, text: str) -> None: ...
     def watch(

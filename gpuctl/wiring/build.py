@@ -1,9 +1,6 @@
 """Build the real adapters for a flow: a service's store, agent and launcher; the hosts
 ``status`` and ``locks`` ask.
 
-Long because every entry point (ensure, status, locks, run, reclaim, the proxy) is
-wired from the same few adapters here, side by side, so that they stay alike.
-
 A host with an agent is reached through its agent by every entry point; a host
 without one is this machine, with the store used directly (one store per host: the
 records live on the GPU host, so every caller sees the same truth).
@@ -16,8 +13,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from gpuctl.adapters import health, procinfo, vllm
+from gpuctl.adapters.launchers.ollama import check_ollama
+from gpuctl.adapters.local import local_snapshot
+from gpuctl.adapters.recorded_servers import find_servers, server_children
+from gpuctl.adapters.server_truth import truth_reader
 from gpuctl.adapters.store import Store, store_for
+from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.config.paths import default_state_dir
 from gpuctl.core.decision import Health
 from gpuctl.core.model import Snapshot
 from gpuctl.errors import UsageError
@@ -32,8 +36,11 @@ from gpuctl.flows.deps import (
     SnapshotReader,
     StatusDeps,
 )
-from gpuctl.flows.launcher_wiring import handle_checker, launcher_for
+from gpuctl.flows.ensure.preempt import job_stopper
+from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.results import Progress
+from gpuctl.flows.status import StatusReport, status
+from gpuctl.wiring.launchers import handle_checker, launcher_for
 
 if TYPE_CHECKING:
     import httpx
@@ -107,9 +114,6 @@ def snapshot_reader(
             client()
         return lambda kws, pids: client().status(match=kws, pids=pids, fresh=fresh)
 
-    from gpuctl.adapters.local import local_snapshot
-    from gpuctl.config.paths import default_state_dir
-
     state_dir = str(default_state_dir())
 
     def read(kws: Sequence[str], pids: Sequence[int]) -> Snapshot:
@@ -130,7 +134,6 @@ def server_finder(host: HostConfig) -> ServerFinder | None:
     agent finds them on its own host)."""
     if host.agent:
         return None
-    from gpuctl.adapters.recorded_servers import find_servers
 
     return find_servers
 
@@ -140,7 +143,6 @@ def child_finder(host: HostConfig) -> ChildFinder | None:
     agent names them in its ``/status``)."""
     if host.agent:
         return None
-    from gpuctl.adapters.recorded_servers import server_children
 
     return server_children
 
@@ -187,8 +189,6 @@ def deps_for(
     def server_in_flight(svc: ServiceConfig) -> int | None:
         return _server_in_flight(svc, http)
 
-    from gpuctl.adapters.server_truth import truth_reader
-
     return EnsureDeps(
         closers,
         config=config,
@@ -221,7 +221,6 @@ def _service_health(
     first (asked by its launcher, which also knows whether its own load is still
     running), since the daemon answers any URL of its own whether or not the model is
     loaded, then its ``health`` URL if it has one."""
-    from gpuctl.adapters import health
 
     if service.launcher == "ollama":
         from gpuctl.adapters.launchers.ollama import OllamaLauncher
@@ -327,8 +326,6 @@ def _host_deps(
         out = store().listing()
         if notice is None or h.agent:
             return out
-        from gpuctl.adapters.server_truth import truth_reader
-        from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 
         look = truth_reader(on_host=True, client=http)
         timeouts = health_timeouts(config) if config is not None else None
@@ -368,9 +365,6 @@ def _host_store(
 def run_job_stopper(store: Store) -> JobStopper:
     """How a preempted ``gpuctl run`` job is stopped: from this machine when its CMD runs
     here, else through the host's agent (the store's ``stop_job``) when it runs there."""
-    from gpuctl.adapters import procinfo
-    from gpuctl.adapters.store.agent import AgentStore
-    from gpuctl.flows.preempt import job_stopper
 
     agent_stop = store.stop_job if isinstance(store, AgentStore) else None
     return job_stopper(procinfo.host_identity(), agent_stop)
@@ -399,32 +393,27 @@ def server_in_flight_reader(http: SharedHttp) -> Callable[[ServiceConfig], int |
 def _server_in_flight(svc: ServiceConfig, http: SharedHttp) -> int | None:
     """A running service's requests in flight from its server's metrics (vLLM's
     ``/metrics``); None where it has none. Raises GpuctlError when they cannot be read."""
-    from gpuctl.adapters import vllm
 
     url = vllm.metrics_url(svc.health, svc.metrics)
     return vllm.in_flight(url, http()) if url else None
 
 
 def _check_health(url: str, timeout_s: float, http: SharedHttp) -> Health:
-    from gpuctl.adapters import health
 
     return health.check(url, timeout_s, client=http())
 
 
 def _check_sleeping(url: str, h: Health, timeout_s: float, http: SharedHttp) -> Health:
-    from gpuctl.adapters import health
 
     return health.check_sleeping(url, h, http(), timeout_s)
 
 
 def _wake(base: str, level: int, http: SharedHttp) -> None:
-    from gpuctl.adapters import vllm
 
     vllm.wake(base, level, http())
 
 
 def _check_ollama(url: str, model: str, timeout_s: float, http: SharedHttp) -> Health:
-    from gpuctl.adapters.launchers.ollama import check_ollama
 
     return check_ollama(url, model, timeout_s, http())
 
@@ -459,9 +448,23 @@ def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> Locks
         return store
 
     def look_of(h: HostConfig) -> Callable[[Record], ServerTruth]:
-        from gpuctl.adapters.server_truth import truth_reader
 
         # As ensure: pids only where the store is on this machine (no agent).
         return truth_reader(on_host=not h.agent, client=http)
 
     return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of, look_of=look_of)
+
+
+def gather_status(
+    config: Config,
+    host_names: Sequence[str] | None = None,
+    *,
+    local: LocalProbeOptions | None = None,
+    health_timeout_s: float = 2.0,
+) -> StatusReport:
+    """``status`` once with the real adapters, closed after (for callers without deps)."""
+    deps = status_deps(config, host_names, local=local, health_timeout_s=health_timeout_s)
+    try:
+        return status(deps)
+    finally:
+        deps.close()

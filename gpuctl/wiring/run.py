@@ -1,14 +1,26 @@
 """The real adapters for ``gpuctl run`` (``gpuctl.flows.run``): the host's store, its
 fresh readings, and what a preemption needs (victims' launchers, their requests in
-flight, the run-job stopper), as ``gpuctl.flows.wiring`` builds them for ``ensure``."""
+flight, the run-job stopper), as ``gpuctl.wiring.build`` builds them for ``ensure``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from gpuctl.adapters import procinfo
+from gpuctl.adapters.store import store_for
 from gpuctl.config import Config
+from gpuctl.errors import UsageError
+from gpuctl.flows.resume import resume_preempted, to_resume
 from gpuctl.flows.run import RunDeps
+from gpuctl.wiring.build import (
+    SharedHttp,
+    deps_for,
+    no_hosts,
+    run_job_stopper,
+    server_in_flight_reader,
+    snapshot_reader,
+    victim_launchers,
+)
 
 
 def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None]) -> RunDeps:
@@ -17,16 +29,6 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
     Raises:
         UsageError: no such host, or several and none named.
     """
-    from gpuctl.adapters.store import store_for
-    from gpuctl.errors import UsageError
-    from gpuctl.flows.wiring import (
-        SharedHttp,
-        no_hosts,
-        run_job_stopper,
-        server_in_flight_reader,
-        snapshot_reader,
-        victim_launchers,
-    )
 
     if host_name is None:
         if not config.hosts:
@@ -44,8 +46,6 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
     closers.append(store.close)
 
     def resume() -> list[str]:
-        from gpuctl.flows.resume import resume_preempted, to_resume
-        from gpuctl.flows.wiring import deps_for
 
         due = to_resume(config, host.name, store)
         done = resume_preempted(due, lambda s: deps_for(config, s.name, entry="run"))

@@ -1,0 +1,103 @@
+"""One ``ensure`` call's context, shared by its rounds, its launch, its wake and its
+preemption: the deadline, the notes, how it words a result, and the two steps every part
+takes (mark the service used; wait for someone else's start)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuctl.adapters.store.inflight import stopping
+from gpuctl.core.decision import Decision, Verdict
+from gpuctl.errors import AgentAuthError, GpuctlError
+from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.hints import refusal_hint
+from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.wait import BystanderWatch, Waited, wait_ready
+
+
+class Ctx:
+    """One ``ensure`` call: its deadline, its notes, and how it words a result."""
+
+    def __init__(self, deps: EnsureDeps, timeout_s: float) -> None:
+        self.deps = deps
+        self.t0 = deps.clock()
+        self.deadline = self.t0 + timeout_s
+        self.notes: list[str] = []
+        # What a start of it usually takes (the median of its recent ones), for the
+        # progress bar; None before its first successful start.
+        self.expected_s: float | None = None
+
+    def elapsed(self) -> float:
+        return self.deps.clock() - self.t0
+
+    def note_once(self, note: str) -> None:
+        """A note for the result, once per kind (its words before any detail)."""
+        head = note.partition(";")[0].partition("(")[0].strip()
+        if not any(n.startswith(head) for n in self.notes):
+            self.notes.append(note)
+
+    def result(
+        self, outcome: Outcome, reason: str, decision: Decision | str, **kw: Any
+    ) -> EnsureResult:
+        kw.setdefault("hint", refusal_hint(self.deps, outcome))
+        return EnsureResult(
+            service=self.deps.service.name,
+            host=self.deps.host.name,
+            outcome=outcome,
+            reason=reason,
+            decision=str(decision),
+            waited_s=self.elapsed(),
+            notes=self.notes,
+            **kw,
+        )
+
+    def from_verdict(self, verdict: Verdict, **kw: Any) -> EnsureResult:
+        outcome = REFUSALS.get(verdict.decision, Outcome.FAILED)
+        kw.setdefault("hint", refusal_hint(self.deps, outcome, verdict))
+        return self.result(outcome, verdict.reason, verdict.decision, **kw)
+
+    def from_wait(self, w: Waited, decision: Decision, **kw: Any) -> EnsureResult:
+        assert w.outcome is not None
+        kw.setdefault("hint", refusal_hint(self.deps, w.outcome, w.verdict))
+        return self.result(w.outcome, w.reason, w.decision or decision, log_tail=w.log_tail, **kw)
+
+
+REFUSALS = {
+    Decision.BUSY: Outcome.BUSY,
+    # Without --preempt (or preempt = true) a plan is only reported: exit 3, naming it.
+    Decision.PREEMPTABLE: Outcome.BUSY,
+    Decision.UNKNOWN: Outcome.UNKNOWN,
+    Decision.FAILED: Outcome.FAILED,
+}
+
+
+def bystander(ctx: Ctx, decision: Decision, reason: str, hint: str = "") -> EnsureResult | None:
+    """Wait for someone else's start; None when it ended and this caller may start it.
+    ``hint``: the decision's own advice, kept for a timeout (the start may not be ours)."""
+    waited = wait_ready(ctx, BystanderWatch(ctx, reason))
+    if waited.outcome is None:
+        return None
+    if waited.outcome is Outcome.READY:
+        touch(ctx, ready=True)
+    if waited.outcome is Outcome.TIMEOUT and hint and waited.verdict is None:
+        return ctx.from_wait(waited, decision, hint=hint)
+    return ctx.from_wait(waited, decision)
+
+
+STOPPING = object()
+
+
+def touch(ctx: Ctx, ready: bool = False) -> object:
+    """Mark it used; ``STOPPING`` when a stop holds its lease (the touch then lost)."""
+    try:
+        svc = ctx.deps.service
+        rec = ctx.deps.store.touch(svc.name, ready=ready, promise=svc.promise())
+    except AgentAuthError:
+        # Not a passing failure: with a token that may not write (the read-only one)
+        # every use would go unrecorded, and reclaim would stop the server under its user.
+        raise
+    except GpuctlError as e:
+        ctx.notes.append(f"could not mark it used: {e.message}")
+        return None
+
+    return STOPPING if stopping(rec) else None
