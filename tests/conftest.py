@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,31 @@ def gpuctl_exe() -> str:
     found = shutil.which("gpuctl")
     assert found, "gpuctl is not installed next to the test interpreter"
     return found
+
+
+def config_env(config: Path) -> dict[str, str]:
+    """This process's environment with ``GPUCTL_CONFIG=config`` and no debug output: what a
+    user's shell gives the gpuctl a test runs."""
+    env = dict(os.environ)
+    env["GPUCTL_CONFIG"] = str(config)
+    env.pop("GPUCTL_DEBUG", None)
+    return env
+
+
+def gpuctl(
+    config: Path, *args: str, timeout: float = 120, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``gpuctl ARGS`` run as the installed console script with ``config``, its output
+    captured; ``env`` adds to (or overrides) the environment. It never raises on a non-zero
+    exit: the tests assert on the code."""
+    return subprocess.run(
+        [gpuctl_exe(), *args],
+        env={**config_env(config), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def has_nvidia() -> bool:

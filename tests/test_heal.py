@@ -19,10 +19,9 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
-    cli_env,
     direct_config,
     end_in_window,
     ensure_paused_at,
@@ -78,17 +77,6 @@ def two(chat: str, batch: str) -> str:
         chat_toml
         + "\n"
         + priced_service(batch, free_port(), 30, 50, 'resume = true\nkind = "batch"')
-    )
-
-
-def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
     )
 
 

@@ -18,9 +18,9 @@ import jsonschema
 import pytest
 
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import agent_host, cli_env, direct_config, unique_name
-from tests.test_run import claims, gpuctl, hold_cmd, wait_for
+from tests.test_run import claims, hold_cmd, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_GIB = 30
