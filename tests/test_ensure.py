@@ -268,7 +268,9 @@ def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "exited while loading" in human and "retry in" in human
+    # The table's "retry in Ns" shows only while the back-off runs (a loaded machine can
+    # be past it by now): the back-off itself is asserted on the JSON above.
+    assert "exited while loading" in human and "(1x" in human
 
 
 def test_agent_stopped_mid_wait(host: SimHost, svc: str) -> None:
