@@ -115,6 +115,7 @@ def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     assert read_record(host, svc)["phase"] == "stopped"
 
 
+@pytest.mark.xdist_group("heavy")  # 32 callers: never beside another heavy test
 def test_race_32_processes_and_8_api_calls_one_launch(host: SimHost, svc: str) -> None:
     port = free_port()
     cfg = host.write_config(

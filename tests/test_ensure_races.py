@@ -38,6 +38,10 @@ from tests.ensure_helpers import (
     unique_name,
 )
 
+# Heavy: many processes at once, and windows that a second heavy test beside it would widen.
+# With -n, the "heavy" group runs on one worker, one test after another.
+pytestmark = pytest.mark.xdist_group("heavy")
+
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:

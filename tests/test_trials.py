@@ -23,6 +23,10 @@ from gpuctl.sim.host import SimHost
 from tests.ensure_helpers import agent_host
 from tests.trials import ACTIONS, COUNTED, TRIAL_GPU, run_trials, trial_seed
 
+# Heavy: many processes at once, and windows that a second heavy test beside it would widen.
+# With -n, the "heavy" group runs on one worker, one test after another.
+pytestmark = pytest.mark.xdist_group("heavy")
+
 BUDGET_S = 120.0
 UNTIL_COUNTED_S = 240.0
 
