@@ -1138,7 +1138,7 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
     sim_host.state_dir.mkdir(parents=True, exist_ok=True)
     # The records folder is a file: no record can be read (``glob`` in it finds nothing,
     # which must not read as "no records"). A folder named ``llmx.json`` used to stand
-    # for this; it is now set aside like any bad record (tests/test_hardening_store_files.py)
+    # for this; it is now set aside like any bad record (tests/test_store_file_kinds.py)
     # and its service is UNKNOWN for the start it may hide (below).
     (sim_host.state_dir / "records").write_text("")
     out = subprocess.run(
