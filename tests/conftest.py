@@ -90,5 +90,33 @@ def gpuctl(
     )
 
 
+def gpuctl_in_process(
+    config: Path, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``gpuctl ARGS`` run in this process through Typer's ``CliRunner``, with the
+    environment ``gpuctl()`` would give it: for tests that check only the output and the
+    exit code, without the half second a spawned interpreter costs. The API's
+    per-process caches are reset around it. A test of what the console script itself
+    adds (its exit path, its stream set-up) runs ``gpuctl()`` instead."""
+    from typer.testing import CliRunner
+
+    from gpuctl import api
+    from gpuctl.cli.app import create_app
+
+    # Every variable set as gpuctl() would see it; GPUCTL_DEBUG removed (None).
+    wanted: dict[str, str | None] = {**config_env(config), **(env or {})}
+    wanted.setdefault("GPUCTL_DEBUG", None)
+    api._reset_for_tests()
+    try:
+        r = CliRunner().invoke(create_app(list(args)), list(args), env=wanted)
+    finally:
+        api._reset_for_tests()
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(
+        [gpuctl_exe(), *args], r.exit_code, stdout=r.stdout, stderr=r.stderr
+    )
+
+
 def has_nvidia() -> bool:
     return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidiactl")
