@@ -7,6 +7,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -23,6 +24,24 @@ RUN_TAG = secrets.token_hex(3)
 def tagged(word: str) -> str:
     """``word`` made this run's own: ``trainer`` -> ``trainer-1a2b3c``."""
     return f"{word}-{RUN_TAG}"
+
+
+_HOMES: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest process (each xdist worker) gets config and state homes of its own: a
+    test that sets none never reads the user's config, nor shares the default state or
+    sim directory with a test on another worker."""
+    home = tempfile.mkdtemp(prefix="gpuctl-tests-")
+    _HOMES.append(home)
+    for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
+        os.environ[var] = os.path.join(home, sub)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for home in _HOMES:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
