@@ -1,6 +1,6 @@
 """The one exception tree of gpuctl, and its exit codes.
 
-Every error carries the exit code the CLI returns for it (README: Exit codes) and a hint
+Every error carries the exit code the CLI returns for it (docs/reference/exit-codes.md) and a hint
 that names the fix. Commands convert these to one line on stderr; tracebacks
 appear only with ``GPUCTL_DEBUG=1``.
 
@@ -37,7 +37,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Exit codes, a documented contract (README: Exit codes); scripts rely on them."""
+    """Exit codes, a documented contract (docs/reference/exit-codes.md); scripts rely on them."""
 
     OK = 0
     FAILED = 1

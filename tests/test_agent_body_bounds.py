@@ -41,7 +41,8 @@ def test_an_oversized_body_is_413(host: SimHost, body: bytes) -> None:
 
 @pytest.mark.parametrize("pid", ["1.5", "4242.25", "1e-3"])
 def test_a_pid_with_a_fraction_is_400(host: SimHost, pid: str) -> None:
-    """README: ``1.5`` is not a pid (``1.0`` is the integer 1: JSON has one number type)."""
+    """docs/reference/agent.md: ``1.5`` is not a pid (``1.0`` is the integer 1: JSON has one
+    number type)."""
     from gpuctl.adapters.store import holder_here
 
     h = holder_here("test").to_dict()

@@ -137,6 +137,20 @@ def test_openapi_refs_resolve() -> None:
     assert {"Record", "Lease", "Failure", "Holder", "RecordUpdate"} <= refs
 
 
+def test_every_operation_has_a_unique_operation_id() -> None:
+    """Generated clients name their calls by it: none may be missing or shared."""
+    methods = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
+    ids = [
+        op.get("operationId")
+        for item in openapi_document()["paths"].values()
+        for method, op in item.items()
+        if method in methods
+    ]
+    assert len(ids) == 20
+    assert None not in ids
+    assert len(ids) == len(set(ids)), sorted(ids)
+
+
 def test_service_name_pattern_matches_the_store() -> None:
     assert store_module._NAME.pattern == SERVICE_NAME_PATTERN
 

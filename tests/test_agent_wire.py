@@ -536,3 +536,49 @@ def test_openapi_documents_403_and_413_where_the_agent_answers_them(agent: Agent
     assert agent.post(f"/records/{SVC}/lease/renew", big).status_code == 413
     r = httpx.post(f"{agent.url}/records/_queue/leave", headers=RO, json={"holder": "a1"})
     assert r.status_code == 403
+
+
+# --------------------------------------------------------------------------- one home each
+
+
+def test_json_kind_names_each_json_value_as_errors_quote_it() -> None:
+    from gpuctl.core.json_kind import json_kind
+
+    cases: list[tuple[Any, str]] = [
+        (None, "null"),
+        (True, "a boolean"),
+        (7, "an integer"),
+        (7.5, "a number"),
+        ("x", "a string"),
+        ([], "an array"),
+        ({}, "an object"),
+    ]
+    assert [json_kind(v) for v, _ in cases] == [k for _, k in cases]
+    assert json_kind(7, integers=False) == "a number"
+    assert json_kind(False, integers=False) == "a boolean"
+
+
+def test_the_pid_bound_and_the_name_rule_have_one_home_each() -> None:
+    """A copy drifts: the bound lives in gpuctl.core.pids, the name rule in core.names."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "gpuctl"
+    copies = {
+        "the pid bound": re.compile(
+            r"^\w*PID_\w+\s*(?::\s*\w+)?\s*=\s*(1 << 22|4_?194_?304)", re.M
+        ),
+        "the name rule": re.compile(re.escape("[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}")),
+        "a JSON kind helper": re.compile(r'return "an array"'),
+    }
+    homes = {
+        "the pid bound": "core/pids.py",
+        "the name rule": "core/names.py",
+        "a JSON kind helper": "core/json_kind.py",
+    }
+    for what, pattern in copies.items():
+        found = sorted(
+            p.relative_to(root).as_posix()
+            for p in root.rglob("*.py")
+            if pattern.search(p.read_text(encoding="utf-8"))
+        )
+        assert found == [homes[what]], what

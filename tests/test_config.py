@@ -563,10 +563,12 @@ def test_one_list_of_probe_names() -> None:
         parse_config({"hosts": {"h": {"probe": "cuda"}}})
 
 
-def test_readme_config_example_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """README's configuration example is a config gpuctl accepts (it documents every key)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Configuration") :]
+def test_docs_config_example_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The configuration reference's example is a config gpuctl accepts (it documents every
+    key)."""
+    section = (
+        Path(__file__).resolve().parents[1] / "docs" / "reference" / "configuration.md"
+    ).read_text()
     block = section[
         section.index("```toml\n") + 8 : section.index("\n```", section.index("```toml"))
     ]

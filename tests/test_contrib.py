@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTRIB = ROOT / "contrib"
 UNITS = ("gpuctl-agent.service", "gpuctl-reclaim.service", "gpuctl-reclaim.timer")
 STATE_DIR = "/var/lib/gpuctl"
-INSTALLED = "/opt/gpuctl/.venv/bin/gpuctl"  # where the files expect gpuctl; README says edit
+INSTALLED = "/opt/gpuctl/.venv/bin/gpuctl"  # the units expect it here; the docs say edit
 
 
 def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:

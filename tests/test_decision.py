@@ -1,4 +1,4 @@
-"""Table tests of the pure decision (README: How it decides)."""
+"""Table tests of the pure decision (docs/explanation/decisions.md)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ lease still on its way to the admission lock counts only when an older release w
 
 The real CLI on the 120 GiB simulated GPU with its agent. An older release's caller that
 took a service's lease may spawn it any moment without marking it ``starting``: ``status``
-and ``ensure`` of another service count that service's budget as promised, as README
-says, rather than as nothing. This release's caller re-checks under the admission lock
-before it spawns, so the lock orders two rivals: the first admitted starts, the other
+and ``ensure`` of another service count that service's budget as promised, as
+docs/explanation/decisions.md says, rather than as nothing. This release's caller
+re-checks under the admission lock before it spawns, so the lock orders two rivals: the first admitted starts, the other
 then finds it ``starting`` and is BUSY, and neither's callers are refused by a rival
 that never started.
 """

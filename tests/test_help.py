@@ -19,7 +19,8 @@ from gpuctl.cli.app import create_app
 
 runner = CliRunner()
 
-# The commands README lists. A planned one that the app does not have yet must not be promised.
+# The commands docs/reference/commands.md lists. A planned one that the app does not have
+# yet must not be promised.
 README_COMMANDS = [
     "status",
     "ensure",

@@ -230,3 +230,77 @@ def test_why_no_model_names_each_case_and_cuts_what_it_quotes() -> None:
     for body in (b"", b"{", b"[]", b"null", b'{"model": 1}', b"\xfe", b'{"x": 1}'):
         assert model_from_json(body)[0] is None
         assert why_no_model(json_ct, body)[0]
+
+
+# --------------------------------------------------------------------------- the document
+
+
+def _answer(app: Any, method: str, path: str) -> tuple[int, dict[str, Any]]:
+    """One request through the proxy's ASGI app, in process: its status and JSON body."""
+    import asyncio
+    import json
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 1),
+    }
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, {}
+
+
+def test_the_proxy_document_lists_every_route_it_serves_and_no_other() -> None:
+    from gpuctl.proxy.app import ProxyApp, ProxySettings
+    from gpuctl.proxy.openapi import openapi_document
+    from gpuctl.proxy.routes import MODEL_IN_BODY, ROUTES
+
+    doc = openapi_document(["m"], ["svc"])
+    documented = {p: tuple(m.upper() for m in item) for p, item in doc["paths"].items()}
+    assert documented == dict(ROUTES)
+    assert {
+        "/v1/audio/translations",
+        "/v1/rerank",
+        "/v1/score",
+    } <= set(doc["paths"]) & set(MODEL_IN_BODY)
+    # The router serves each documented operation: none is answered "no route" (a
+    # model path without a model says so; an unknown model or service says which).
+    c = conf({"svc": {"health": H, "models": ["m"]}})
+    app = ProxyApp(c, RouteTable(c), ProxySettings(access_log=False))
+    filled = {"{model}": "nope", "{name}": "nope", "{path}": "x"}
+    for template, methods in ROUTES.items():
+        path = template
+        for k, v in filled.items():
+            path = path.replace(k, v)
+        for method in methods:
+            status, body = _answer(app, method, path)
+            code = body.get("error", {}).get("code") if isinstance(body, dict) else None
+            assert code not in ("not_found", "method_not_allowed"), (method, path, body)
+            assert status != 500, (method, path, body)
+    status, body = _answer(app, "GET", "/v1/undocumented")
+    assert (status, body["error"]["code"]) == (404, "not_found")
+
+
+def test_every_proxy_operation_has_a_unique_operation_id() -> None:
+    from gpuctl.proxy.openapi import openapi_document
+
+    paths = openapi_document(["m"], ["svc"])["paths"]
+    ids = [op.get("operationId") for item in paths.values() for op in item.values()]
+    assert None not in ids
+    assert len(ids) == len(set(ids)), sorted(ids)

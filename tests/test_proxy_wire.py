@@ -491,8 +491,8 @@ def test_multipart_model_comes_from_the_form_field_only(
 def test_a_body_that_names_no_model_is_told_what_is_wrong_with_it(
     wire: Wire, opened: list[http.client.HTTPConnection]
 ) -> None:
-    """Each of README's 400s says which it is (every one read "the request names no
-    model"): no body, not JSON, not an object, no `model`, a `model` not a string."""
+    """Each of the proxy's documented 400s (docs/how-to/proxy.md) says which it is (every
+    one read "the request names no model"): no body, not JSON, not an object, no `model`, a `model` not a string."""
     c = conn(wire, opened)
     ct = [("Content-Type", "application/json"), *AUTH.items()]
     cases = [

@@ -1,6 +1,7 @@
-"""README's code blocks are what a newcomer pastes: each Python block runs as written (no
-top-level ``await``, no ``[...]`` standing for an argument, every name it imports from
-gpuctl exists), and a shell block holds commands, not their output."""
+"""The code blocks of README, CONTRIBUTING and docs/ are what a newcomer pastes: each
+Python block runs as written (no top-level ``await``, no ``[...]`` standing for an
+argument, every name it imports from gpuctl exists), and a shell block holds commands,
+not their output."""
 
 from __future__ import annotations
 
@@ -10,19 +11,29 @@ import importlib
 import re
 from pathlib import Path
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
-def blocks(lang: str) -> list[str]:
-    found = [body for kind, body in BLOCK.findall(README) if kind == lang]
+def blocks(lang: str, pages: list[Path] = PAGES) -> list[str]:
+    found = [
+        body for page in pages for kind, body in BLOCK.findall(page.read_text()) if kind == lang
+    ]
     assert found, lang
     return found
 
 
+def test_each_kind_of_block_is_where_a_reader_looks() -> None:
+    """The snippets this file checks are where they were moved to, so no check runs empty."""
+    assert blocks("sh", [ROOT / "README.md"])  # the demo and the test command
+    assert blocks("python", [ROOT / "docs" / "how-to" / "python.md"])
+    assert blocks("python", [ROOT / "docs" / "how-to" / "proxy.md"])
+
+
 def test_python_blocks_run_as_pasted() -> None:
     for src in blocks("python"):
-        compile(src, "README.md", "exec")  # a SyntaxError for an `await` outside a function
+        compile(src, "<doc>", "exec")  # a SyntaxError for an `await` outside a function
         tree = ast.parse(src)
         for node in ast.walk(tree):
             # `messages=[...]` is a list holding Ellipsis: a TypeError in the client.

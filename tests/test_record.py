@@ -746,3 +746,30 @@ def test_a_lease_still_on_its_way_to_admission_promises_nothing(phase: Phase) ->
         # Its server still recorded: the stop may not have landed; it holds memory.
         kept = replace(held, handle={"kind": "process", "pid": 4321})
         assert starting_services([kept]) == ["chat"]
+
+
+def test_a_record_update_is_declared_once() -> None:
+    """The agent's request check and its OpenAPI component take the update's fields from
+    ``RecordUpdate``; its wire form reads back as the same value."""
+    from gpuctl.agent import wire
+    from gpuctl.agent.openapi import openapi_document
+    from gpuctl.core.record import UPDATE_FIELDS, RecordUpdate
+
+    assert set(UPDATE_FIELDS) == wire._UPDATE_KEYS
+    component = openapi_document()["components"]["schemas"]["RecordUpdate"]
+    assert set(component["properties"]) == set(UPDATE_FIELDS)
+    update = RecordUpdate(
+        phase=Phase.RUNNING, handle=None, failure=None, touch=True, health="http://h:1/"
+    )
+    wire_form = update.to_dict()
+    assert wire_form == {
+        "phase": "running",
+        "handle": None,
+        "failure": None,
+        "touch": True,
+        "health": "http://h:1/",
+    }
+    assert RecordUpdate.from_dict(wire_form) == update
+    assert not RecordUpdate() and RecordUpdate().to_dict() == {}
+    with pytest.raises(ValueError, match="unknown update key 'colour'"):
+        RecordUpdate.from_dict({"colour": "red"})

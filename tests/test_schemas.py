@@ -323,22 +323,27 @@ def test_reclaim_and_stop(host: Host) -> None:
     assert rc == 0 and nothing["stopped"] == []
 
 
-def readme_block(after: str) -> str:
-    text = (ROOT / "README.md").read_text()
+COMMANDS_PAGE = ROOT / "docs" / "reference" / "commands.md"
+
+
+def docs_block(after: str) -> str:
+    text = COMMANDS_PAGE.read_text()
     start = text.index(after)
     m = re.search(r"```json\n(.*?)```", text[start:], re.DOTALL)
-    assert m, f"no JSON block after {after!r} in README.md"
+    assert m, f"no JSON block after {after!r} in {COMMANDS_PAGE.name}"
     return m.group(1)
 
 
-def test_readme_status_example_is_complete() -> None:
-    """README's example of `gpuctl status --json` leaves out no key (state_dir, the host's
-    taken_at, ...): it passes the strict schema, so it has every key and no other."""
-    example = json.loads(readme_block("`gpuctl status --json`, in full:"))
+def test_docs_status_example_is_complete() -> None:
+    """The commands reference's example of `gpuctl status --json` leaves out no key
+    (state_dir, the host's taken_at, ...): it passes the strict schema, so it has every key
+    and no other."""
+    example = json.loads(docs_block("`gpuctl status --json`, in full:"))
     check("status", example)
 
 
-def test_readme_points_to_the_schemas() -> None:
-    text = (ROOT / "README.md").read_text()
-    for name in NAMES:
-        assert f"schemas/{name}.schema.json" in text
+def test_docs_point_to_the_schemas() -> None:
+    for page in (COMMANDS_PAGE, ROOT / "docs" / "reference" / "schemas.md"):
+        text = page.read_text()
+        for name in NAMES:
+            assert f"schemas/{name}.schema.json" in text, (page.name, name)

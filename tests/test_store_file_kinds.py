@@ -42,7 +42,7 @@ def test_a_fifo_and_a_folder_among_the_records_are_set_aside_never_block(host: S
         assert r.status_code == 200, r.text
     kept = {a["service"]: a for a in r.json()["set_aside"]}
     assert set(kept) == {"x", "zdir"}, kept
-    assert "FIFO" in kept["x"]["why"] and "directory" in kept["zdir"]["why"], kept
+    assert "FIFO" in kept["x"]["why"] and "folder" in kept["zdir"]["why"], kept
     assert not (records / "x.json").exists() or (records / "x.json").is_file()
     s = httpx.get(f"{host.agent_url}/status", params={"fresh": 1}, headers=auth, timeout=20)
     assert s.status_code == 200, s.text

@@ -288,8 +288,8 @@ def yielding_outcome(
 def test_an_equal_priority_server_preempted_is_permitted_only_where_it_yielded(
     last_used: float | None, since: float, peer: Service | None, permitted: bool
 ) -> None:
-    """README "An idle server yields": the one exception to "never equal or higher
-    priority", judged from the victim's own record, for the preemption, the name its
+    """docs/explanation/priorities.md, "An idle server yields": the one exception to "never
+    equal or higher priority", judged from the victim's own record, for the preemption, the name its
     preemptor gives, and the stop of its server."""
     v = judged(yielding_outcome(last_used, peer, since=since))
     if permitted:

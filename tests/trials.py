@@ -6,7 +6,7 @@ The scenario is sized so that preemption happens often: a 120 GiB GPU; ``chat`` 
 priority 100, ``preempt = true``); ``batch`` (30 GiB, priority 50, ``resume = true``);
 ``peer`` (20 GiB, priority 100: a victim of chat only once it has sat idle for its
 ``yield_after`` of 1 s, shorter than the 2 s idle timeout that lets reclaim stop it,
-README "An idle server yields"); and ``gpuctl run`` jobs of
+docs/explanation/priorities.md, "An idle server yields"); and ``gpuctl run`` jobs of
 15 GiB at priority 40, 60 or 100, preemptible or not (tests/trials_priority.py). Chat
 does not fit beside the batch and a job: it must stop the batch, or a preemptible job
 below it, or find itself BUSY.

@@ -16,7 +16,8 @@ the callers are done, ``check_outcome`` judges the whole ``Outcome``:
   ``preempted`` had a preemptor under way of strictly higher priority (and a job was
   ``--preemptible``), or of any priority where the victim had *yielded*: a server (not
   a batch, not a job) whose record, just before, said it had gone unused for its
-  ``yield_after`` by the time it turned (README "An idle server yields"); each victim an
+  ``yield_after`` by the time it turned (docs/explanation/priorities.md, "An idle server
+  yields"); each victim an
   ``ensure`` names in its own output ("preempted X to make room") is below that
   ensure's priority or yielded while it was under way, and preemptible if a job;
 - **phases heal**: no live server under a record that says it is not running
@@ -49,7 +50,8 @@ JOB_PREFIX = "run."
 STOP_SLACK_S = 3.0
 LIVE_PHASES = ("starting", "running", "stopping")
 # The phases that say no server runs, and who heals a record that says one with a
-# server alive (README: Phases heal): within HEAL_S of looking, its command has read
+# server alive (docs/explanation/starting-servers.md, "Phases heal"): within HEAL_S of
+# looking, its command has read
 # the records, judged and written (a health request of 1 s at most among them).
 NOT_RUNNING = ("stopped", "preempted", "failed")
 HEALERS = ("ensure", "reclaim", "status", "locks", "resume")
@@ -252,7 +254,8 @@ def _yielded(o: Outcome, name: str, after: float, by: float) -> bool:
         rec = obs.records.get(name, rec)
     if rec is None or rec.get("phase") != "running":
         return False
-    # Idle since the last use or since it began running, whichever is later (README).
+    # Idle since the last use or since it began running, whichever is later
+    # (docs/explanation/priorities.md).
     refs = [t for t in (rec.get("last_used"), rec.get("since")) if isinstance(t, int | float)]
     return bool(refs) and max(refs) + svc.yield_after_s <= by + YIELD_SLACK_S
 

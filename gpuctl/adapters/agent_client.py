@@ -1,4 +1,4 @@
-"""The client of a GPU host's agent (README: The agent), sync and async.
+"""The client of a GPU host's agent (docs/reference/agent.md), sync and async.
 
 ``AgentClient.status(["vllm"])`` is the same request as::
 

@@ -1,4 +1,4 @@
-"""The GPU host agent as a raw ASGI application (README: The agent).
+"""The GPU host agent as a raw ASGI application (docs/reference/agent.md).
 
 No web framework: Starlette/FastAPI would cost import time and a good share of the
 throughput, and the agent needs only a handful of fixed routes. ``create_app`` builds the

@@ -1,8 +1,8 @@
-"""Bounds on the connections a server holds: the agent's and the proxy's (README: "Limits
-on connections"). Anyone who can reach the port can open connections, token or not;
-1,100 idle ones once took every descriptor of both servers (systemd's default
-``ulimit -n`` is 1024), and uvicorn alone arms no timer on a connection until its first
-answer, so they stayed open for ever.
+"""Bounds on the connections a server holds: the agent's and the proxy's
+(docs/reference/agent.md, "Limits on connections"). Anyone who can reach the port can open
+connections, token or not; 1,100 idle ones once took every descriptor of both servers
+(systemd's default ``ulimit -n`` is 1024), and uvicorn alone arms no timer on a
+connection until its first answer, so they stayed open for ever.
 
 Rules (tests/test_connections.py):
 

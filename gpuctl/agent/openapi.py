@@ -49,6 +49,7 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/healthz": {
                 "get": {
+                    "operationId": "getHealth",
                     "summary": "Liveness of the agent itself (not of the GPU).",
                     "security": [],
                     "responses": {
@@ -65,6 +66,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/openapi.json": {
                 "get": {
+                    "operationId": "getOpenapi",
                     "summary": "This document.",
                     "security": [],
                     "responses": {
@@ -77,6 +79,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/status": {
                 "get": {
+                    "operationId": "getStatus",
                     "summary": "The GPU's processes and memory, cached for the agent's cache TTL.",
                     "parameters": [
                         {
@@ -151,6 +154,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/metrics": {
                 "get": {
+                    "operationId": "getMetrics",
                     "summary": (
                         "Prometheus metrics: GPU and per-process memory, per-service phase, "
                         "lease and idle seconds, agent counters."

@@ -16,6 +16,7 @@ from typing import Any
 from gpuctl.adapters.store import codec, schema
 from gpuctl.agent import job_stop, wire
 from gpuctl.core.names import NAME_PATTERN
+from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.core.record import INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
 
@@ -69,16 +70,18 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
     common = {"400": bad, "401": unauthorized, "413": too_big, "503": down}
     reads = {"401": unauthorized, "413": too_big, "503": down}
 
-    def op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    def op(name: str, summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
         # Every operation with a body writes: the read-only token gets 403 (an operation's
         # own 403, the job stop's, says more and wins).
         writes = {"403": read_only} if "requestBody" in extra else {}
-        return {"summary": summary, **extra, "responses": {**writes, **responses, **common}}
+        answers = {**writes, **responses, **common}
+        return {"operationId": name, "summary": summary, **extra, "responses": answers}
 
     record = ok("Record", "The record after the operation.")
     return {
         "/records": {
             "get": {
+                "operationId": "listRecords",
                 "summary": "Every service's record (an expired or void lease reads as none).",
                 "responses": {
                     "200": ok("RecordList", "The records, by service name."),
@@ -89,10 +92,12 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}": {
             "parameters": [service],
             "get": op(
+                "getRecord",
                 "One service's record; a service without one reads as stopped.",
                 {"200": ok("Record", "The record (an expired or void lease reads as none).")},
             ),
             "patch": op(
+                "updateRecord",
                 "Change the record, as the lease holder.",
                 {"200": record, "409": conflict},
                 requestBody=body("HolderUpdate", "Who asks, and what changes."),
@@ -101,6 +106,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/lease": {
             "parameters": [service],
             "post": op(
+                "takeLease",
                 "Take the lease (the right to start or stop the service) unless another "
                 "holder has a live one. A holder may take its own lease again.",
                 {"200": ok("LeaseGrant", "Granted, or not, with the record as it stands.")},
@@ -110,6 +116,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/lease/renew": {
             "parameters": [service],
             "post": op(
+                "renewLease",
                 "Extend the lease, as its holder.",
                 {"200": record, "409": conflict},
                 requestBody=body("RenewRequest", "The holder's id and the new time to live."),
@@ -118,6 +125,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/lease/release": {
             "parameters": [service],
             "post": op(
+                "releaseLease",
                 "Apply an update and drop the lease, if the caller still holds it; "
                 "otherwise nothing changes.",
                 {"200": record},
@@ -127,6 +135,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/touch": {
             "parameters": [service],
             "post": op(
+                "touchRecord",
                 "Mark a use: last_used = now. Needs no lease.",
                 {"200": record},
                 requestBody={
@@ -138,6 +147,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/inflight": {
             "parameters": [service],
             "post": op(
+                "beginInflight",
                 "Count the caller as using the service (requests in flight), and mark a use; "
                 "refused while a stop holds the lease.",
                 {"200": ok("LeaseGrant", "Counted, or not, with the record as it stands.")},
@@ -147,6 +157,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/inflight/renew": {
             "parameters": [service],
             "post": op(
+                "renewInflight",
                 "Keep the caller's in-flight entry alive, and mark a use.",
                 {"200": record},
                 requestBody=body("InflightRequest", "Who uses it, and for how long at most."),
@@ -155,6 +166,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/inflight/end": {
             "parameters": [service],
             "post": op(
+                "endInflight",
                 "The caller has nothing in flight on the service any more.",
                 {"200": record},
                 requestBody=body("InflightEnd", "The holder's id."),
@@ -163,6 +175,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         "/records/{service}/stop": {
             "parameters": [service],
             "post": op(
+                "stopJob",
                 "Stop a `gpuctl run --preemptible` job whose CMD runs on this agent's "
                 "machine, as the holder of its lease: SIGTERM to its process group, the "
                 "grace period, SIGKILL. Only the pid and start time its live record names; "
@@ -185,6 +198,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         },
         "/records/_inflight": {
             "get": {
+                "operationId": "listInflight",
                 "summary": "Live in-flight holders per service (services that have some).",
                 "responses": {
                     "200": ok("InflightList", "Counts by service."),
@@ -194,6 +208,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         },
         "/records/_voided": {
             "get": {
+                "operationId": "listVoided",
                 "summary": "Leases and in-flight and queue entries found forged (a term longer "
                 "than their kind's, a holder at pid 1 or without a start time on this host): "
                 "they count for nothing, and are kept for a person (`gpuctl locks`).",
@@ -205,6 +220,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         },
         "/records/_queue": {
             "get": {
+                "operationId": "listQueue",
                 "summary": "The host's wait queue (`gpuctl run --wait`): live waiters, in the "
                 "order they will be served (priority, then arrival).",
                 "responses": {
@@ -213,6 +229,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
                 },
             },
             "post": {
+                "operationId": "joinQueue",
                 "summary": "Join the wait queue, or renew the caller's entry (same holder id: "
                 "it keeps its place). An entry lapses at its expiry, or at once when its "
                 "holder's process is dead on this host.",
@@ -227,6 +244,7 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
         },
         "/records/_queue/leave": {
             "post": {
+                "operationId": "leaveQueue",
                 "summary": "Leave the wait queue (admitted, gave up, interrupted).",
                 "requestBody": body("QueueLeave", "The holder's id."),
                 "responses": {
@@ -269,7 +287,7 @@ def records_schemas() -> dict[str, Any]:
     }
     time = {"type": "number", "minimum": 0, "maximum": codec.TIME_MAX}
     nullable_time = {**time, "type": ["number", "null"]}
-    pid = {"type": "integer", "minimum": 1, "maximum": codec.PID_MAX}
+    pid = {"type": "integer", "minimum": 1, "maximum": PID_MAX}
 
     def text(most: int, least: int = 0) -> dict[str, Any]:
         return {"type": "string", "minLength": least, "maxLength": most}
@@ -472,7 +490,7 @@ def records_schemas() -> dict[str, Any]:
                     "description": "Where it is, under the state folder.",
                 },
                 "host": {"type": "string", "maxLength": 255, "description": "Its holder's."},
-                "pid": {"type": "integer", "minimum": 0, "maximum": codec.PID_MAX},
+                "pid": {"type": "integer", "minimum": 0, "maximum": PID_MAX},
                 "at": {**epoch, "description": "When it was set aside (or granted)."},
                 "why": {"type": "string", "maxLength": 4096},
             },
@@ -650,7 +668,7 @@ def records_schemas() -> dict[str, Any]:
             "required": ["holder", "pid", "pid_start"],
             "properties": {
                 "holder": holder_id,
-                "pid": {**pid, "maximum": wire.PID_MAX},
+                "pid": {**pid, "maximum": PID_MAX},
                 "pid_start": {
                     "type": "number",
                     "minimum": 0,

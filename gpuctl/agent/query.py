@@ -12,8 +12,6 @@ MAX_KEYWORD_LEN = 200
 MAX_MATCH_SETS = 128
 # A caller's process tree and pipeline: a few dozen at most.
 MAX_EXCLUDE = 256
-# Linux's PID_MAX_LIMIT (2^22): no pid on any Linux host is larger.
-PID_MAX = 1 << 22
 
 
 def _pid_list(most: int) -> str:

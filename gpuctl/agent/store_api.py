@@ -51,6 +51,7 @@ from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder
 from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.model import HostIdentity
+from gpuctl.core.names import is_valid_name
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import Record, apply_update
 from gpuctl.core.record_mask import masked as masked_record
@@ -107,7 +108,7 @@ def read_all(store: DirectStore) -> tuple[list[Record], list[dict[str, str]]]:
     except OSError as err:
         raise StoreError(f"cannot list {store.state_dir / 'records'}: {err}") from None
     for name in names:
-        if not wire.SERVICE_NAME.fullmatch(name) or name.startswith("_"):
+        if not is_valid_name(name) or name.startswith("_"):
             continue
         try:
             records.append(store.get(name))

@@ -21,15 +21,16 @@ from typing import Any
 from gpuctl.adapters.store.schema import MAX_EXTRA_KEYS
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S, LOG_TAIL_MAX, Phase
+from gpuctl.core.json_kind import json_kind
+from gpuctl.core.names import is_valid_name
+from gpuctl.core.pids import PID_MAX
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, LOG_TAIL_MAX, UPDATE_FIELDS, Phase
 
 # The HTTP reader's own limit (and a record file's, ``codec.MAX_RECORD_BYTES``): every
 # body the request schemas allow fits under it (``MAX_TEXT``, ``MAX_EXTRA_TEXT``, tested
 # against /openapi.json), so no body the schema allows gets a 413.
 MAX_BODY_BYTES = http.MAX_BODY_BYTES
 MAX_DEPTH = 16
-# Linux's PID_MAX_LIMIT (2^22): no pid on any Linux host is larger.
-PID_MAX = 4_194_304
 MAX_TTL_S = 7 * 24 * 3600.0
 # A failure's error and log tail, an attempt's error: the store keeps no more than the
 # last 16 KiB of a log tail (``core.record.LOG_TAIL_MAX``), so a client clips to it.
@@ -55,8 +56,6 @@ MAX_SHORT_TEXT = 256
 # Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
 MAX_EPOCH_S = 1e11
 
-# The store's service names; fullmatch, so a trailing newline does not pass ($ would let it).
-SERVICE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}")
 _STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
 
@@ -72,7 +71,7 @@ class BadRequest(HttpError):
 
 
 def check_service_name(name: str) -> str:
-    if not SERVICE_NAME.fullmatch(name):
+    if not is_valid_name(name):
         raise HttpError(
             400,
             f"invalid service name {name[:120]!r}",
@@ -118,24 +117,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except ValueError as err:  # also UnicodeDecodeError and over-long integers
         raise BadRequest("", f"not JSON ({err})") from None
     if not isinstance(data, dict):
-        raise BadRequest("", f"expected a JSON object, got {_kind(data)}")
+        raise BadRequest("", f"expected a JSON object, got {json_kind(data)}")
     return data
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
 
 
 # ---- field checkers: (value, field path) -> value, or BadRequest
@@ -143,7 +126,7 @@ def _kind(value: Any) -> str:
 
 def string(value: Any, field: str, *, max_len: int = MAX_SHORT_TEXT, empty: bool = True) -> str:
     if not isinstance(value, str):
-        raise BadRequest(field, f"expected a string, got {_kind(value)}")
+        raise BadRequest(field, f"expected a string, got {json_kind(value)}")
     if len(value) > max_len:
         raise BadRequest(field, f"longer than {max_len} characters")
     if not empty and not value:
@@ -153,13 +136,13 @@ def string(value: Any, field: str, *, max_len: int = MAX_SHORT_TEXT, empty: bool
 
 def boolean(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
-        raise BadRequest(field, f"expected true or false, got {_kind(value)}")
+        raise BadRequest(field, f"expected true or false, got {json_kind(value)}")
     return value
 
 
 def pid(value: Any, field: str, *, zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(field, f"expected an integer pid, got {_kind(value)}")
+        raise BadRequest(field, f"expected an integer pid, got {json_kind(value)}")
     low = 0 if zero else 1
     if not low <= value <= PID_MAX:
         raise BadRequest(field, f"a pid is from {low} to {PID_MAX}, got {value}")
@@ -168,7 +151,7 @@ def pid(value: Any, field: str, *, zero: bool = False) -> int:
 
 def number(value: Any, field: str, *, low: float = 0.0, high: float = MAX_EPOCH_S) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(field, f"expected a number, got {_kind(value)}")
+        raise BadRequest(field, f"expected a number, got {json_kind(value)}")
     as_float = float(value)
     if not math.isfinite(as_float) or not low <= as_float <= high:
         raise BadRequest(field, f"expected a finite number from {low:g} to {high:g}")
@@ -197,7 +180,7 @@ def obj(
 ) -> dict[str, Any]:
     """An object with only ``fields`` (each checked), ``required`` ones present."""
     if not isinstance(value, dict):
-        raise BadRequest(field, f"expected an object, got {_kind(value)}")
+        raise BadRequest(field, f"expected an object, got {json_kind(value)}")
     prefix = f"{field}." if field else ""
     for key in required:
         if key not in value:
@@ -219,7 +202,7 @@ def free_object(known: frozenset[str]) -> Callable[[Any, str], dict[str, Any]]:
 
     def check(value: Any, field: str) -> dict[str, Any]:
         if not isinstance(value, dict):
-            raise BadRequest(field, f"expected an object, got {_kind(value)}")
+            raise BadRequest(field, f"expected an object, got {json_kind(value)}")
         extra = [k for k in value if k not in known]
         if len(extra) > MAX_EXTRA_KEYS:
             raise BadRequest(field, f"{len(extra)} unknown fields, at most {MAX_EXTRA_KEYS}")
@@ -307,9 +290,7 @@ def record_update(value: Any, field: str) -> dict[str, Any]:
     )
 
 
-_UPDATE_KEYS = frozenset(
-    {"phase", "handle", "attempt", "failure", "touch", "start_nonce", "health"}
-)
+_UPDATE_KEYS = frozenset(UPDATE_FIELDS)  # declared once: core.record.RecordUpdate
 
 
 def _phase(value: Any, field: str) -> str:
@@ -406,7 +387,7 @@ def touch_request(data: dict[str, Any]) -> dict[str, Any]:
 
 def integer(value: Any, field: str, *, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(field, f"expected an integer, got {_kind(value)}")
+        raise BadRequest(field, f"expected an integer, got {json_kind(value)}")
     if not low <= value <= high:
         raise BadRequest(field, f"expected an integer from {low} to {high}, got {value}")
     return value
@@ -423,7 +404,7 @@ def queue_id(value: Any, field: str) -> str:
 
 def _job_name(value: Any, field: str) -> str:
     text = string(value, field)
-    if not SERVICE_NAME.fullmatch(text):
+    if not is_valid_name(text):
         raise BadRequest(field, "expected a name: letters, digits, '_', '.', '-' (not first)")
     return text
 

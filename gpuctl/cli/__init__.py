@@ -1,1 +1,1 @@
-"""Typer commands: parse, call one flow, render. No decisions here (README: Development)."""
+"""Typer commands: parse, call one flow, render. No decisions here (CONTRIBUTING.md)."""

@@ -1,4 +1,4 @@
-"""``gpuctl agent``: run the GPU host agent (README: The agent).
+"""``gpuctl agent``: run the GPU host agent (docs/reference/agent.md).
 
 The server stack (uvicorn, the ASGI app, the probes) is imported inside the command, so
 ``gpuctl --help`` does not pay for it.

@@ -1,4 +1,4 @@
-"""``gpuctl sim ...``: the simulated GPU host (README: Commands), built of real processes.
+"""``gpuctl sim ...``: the simulated GPU host (docs/reference/commands.md), built of real processes.
 
 The simulator's modules are imported inside the commands: ``gpuctl --help`` must not
 pay for them.

@@ -1,4 +1,5 @@
-"""The configuration (README: Configuration): TOML validated at load into frozen dataclasses.
+"""The configuration (docs/reference/configuration.md): TOML validated at load into frozen
+dataclasses.
 
 Everything is validated when the file is loaded, and every error names its location
 (``services.vllm.memory: expected a size like '80GiB' ...``). Secrets never live in the

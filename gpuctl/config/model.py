@@ -161,7 +161,7 @@ class ServiceConfig:
     sleep_level: int | None = None
     metrics: str | None = None
     model: str | None = None
-    # Launcher details (see README "Configuration").
+    # Launcher details (docs/reference/configuration.md, "Launcher keys").
     cwd: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     log: str | None = None

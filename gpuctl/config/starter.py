@@ -24,7 +24,7 @@ DEFAULT_AGENT_URL = "http://127.0.0.1:9400"
 
 _HEADER = """\
 # gpuctl configuration, written by `gpuctl config init`.
-# Check it with `gpuctl config check`; see every key in README "Configuration".
+# Check it with `gpuctl config check`; every key is in docs/reference/configuration.md.
 
 [defaults]
 idle_timeout = "30m"        # an idle service may be stopped after this ("never" exempts it)

@@ -36,7 +36,11 @@ class Table:
 
                 # A huge key would make difflib slow; nothing that long is a typo of ours.
                 close = difflib.get_close_matches(key, keys, n=1) if len(key) <= 100 else []
-                hint = f"did you mean {close[0]!r}?" if close else "see README 'Configuration'"
+                hint = (
+                    f"did you mean {close[0]!r}?"
+                    if close
+                    else "see docs/reference/configuration.md"
+                )
                 raise ConfigError(f"{self.loc(key_text(key))}: unknown key", hint=hint)
 
     def loc(self, key: str) -> str:

@@ -1,4 +1,4 @@
-"""Memory per GPU, as admission counts it (README: How it decides).
+"""Memory per GPU, as admission counts it (docs/explanation/decisions.md).
 
 A service fits on one GPU, never on the sum of several. On each GPU: memory no process
 accounts for ("unattributed": processes whose memory NVML cannot tell, as on MIG, or

@@ -1,4 +1,4 @@
-"""The decision (README: How it decides): what state is a service in, and may it start now?
+"""The decision (docs/explanation/decisions.md): what state is a service in, and may it start now?
 
 Long because the decision table, its order of precedence and each row's reason are
 one contract, easier to check side by side than across files.

@@ -21,9 +21,8 @@ from gpuctl.core.model import (
     StartingProcess,
 )
 from gpuctl.core.names import is_valid_name
+from gpuctl.core.pids import PID_MAX
 
-# PID_MAX_LIMIT on 64-bit Linux: every pid is below it.
-PID_LIMIT = 4_194_304
 # A MiB figure beyond an exbibyte is not memory, it is garbage (or 1e308).
 MAX_MIB = 2**40
 MAX_GPUS = 1024
@@ -140,7 +139,7 @@ def _opt_str(d: dict[str, Any], key: str) -> str | None:
 
 def _pid(d: dict[str, Any], where: str) -> int:
     pid: int = _req(d, "pid", int, where)
-    if not 0 < pid < PID_LIMIT:
+    if not 0 < pid < PID_MAX:
         raise ValueError(f"field '{where}.pid' is out of range: {pid}")
     return pid
 

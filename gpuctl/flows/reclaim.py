@@ -1,4 +1,4 @@
-"""``gpuctl reclaim``: give the GPU back, from cron (README: Giving the GPU back).
+"""``gpuctl reclaim``: give the GPU back, from cron (docs/how-to/reclaim.md).
 
 Per host, one run at a time (a lease on the pseudo-service ``_reclaim``; a second run
 finds it held and leaves at once). Then:

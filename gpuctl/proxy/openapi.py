@@ -3,7 +3,9 @@
 It describes what the proxy itself answers: its routes, the models and services it
 fronts (from the route table, so a client or a fuzzer sees the names it accepts), and
 its refusals in OpenAI's error shape. A forwarded request's answer is the service's
-own, whatever its status: the document leaves it open (``default``). Declarative only.
+own, whatever its status: the document leaves it open (``default``). Declarative only;
+its paths are ``routes.ROUTES``, the table the router serves, and every operation has
+its own ``operationId`` for generated clients.
 """
 
 from __future__ import annotations
@@ -11,11 +13,26 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl import __version__
+from gpuctl.proxy.routes import MODEL_IN_BODY
 
-_MODEL_PATHS = {
-    "/v1/chat/completions": "A chat completion (streamed as SSE with stream = true).",
-    "/v1/completions": "A text completion.",
-    "/v1/embeddings": "Embeddings.",
+# The routed paths (``routes.MODEL_IN_BODY``): each one's operationId and summary.
+_MODEL_OPS = {
+    "/v1/chat/completions": (
+        "createChatCompletion",
+        "A chat completion (streamed as SSE with stream = true).",
+    ),
+    "/v1/completions": ("createCompletion", "A text completion."),
+    "/v1/embeddings": ("createEmbedding", "Embeddings."),
+    "/v1/audio/transcriptions": (
+        "createTranscription",
+        "Whisper's upload, transcribed; its model is a form field.",
+    ),
+    "/v1/audio/translations": (
+        "createTranslation",
+        "Whisper's upload, translated into English; its model is a form field.",
+    ),
+    "/v1/rerank": ("createRerank", "Documents ranked against a query."),
+    "/v1/score": ("createScore", "Similarity scores of text pairs."),
 }
 
 
@@ -57,12 +74,26 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         "required": ["model"],
         "properties": {"model": {"enum": models}},
     }
+    form_body = {
+        "type": "object",
+        "required": ["model"],  # the file is the service's to ask for
+        "properties": {
+            "model": {"enum": models},
+            "file": {"type": "string", "format": "binary"},
+        },
+    }
+    bodies = {
+        "json": {"application/json": {"schema": model_body}},
+        "form": {"multipart/form-data": {"schema": form_body}},
+    }
 
-    def routed(summary: str, content: dict[str, Any]) -> dict[str, Any]:
+    def routed(path: str) -> dict[str, Any]:
+        operation_id, summary = _MODEL_OPS[path]
         return {
             "post": {
+                "operationId": operation_id,
                 "summary": summary + " Routed by its model to the service that lists it.",
-                "requestBody": {"required": True, "content": content},
+                "requestBody": {"required": True, "content": bodies[MODEL_IN_BODY[path]]},
                 "responses": {**refusals, "default": upstream},
             }
         }
@@ -70,6 +101,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/healthz": {
             "get": {
+                "operationId": "getHealth",
                 "summary": "Liveness of the proxy itself.",
                 "security": [],
                 "responses": {
@@ -82,6 +114,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         },
         "/openapi.json": {
             "get": {
+                "operationId": "getOpenapi",
                 "summary": "This document.",
                 "responses": {
                     "200": {
@@ -94,6 +127,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         },
         "/metrics": {
             "get": {
+                "operationId": "getMetrics",
                 "summary": "Prometheus text: requests, in flight, cold starts, waits, latency.",
                 "responses": {
                     "200": {
@@ -106,6 +140,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         },
         "/v1/models": {
             "get": {
+                "operationId": "listModels",
                 "summary": "Every configured model, whether its server runs or not.",
                 "responses": {
                     "200": {
@@ -122,6 +157,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         },
         "/v1/models/{model}": {
             "get": {
+                "operationId": "getModel",
                 "summary": "The server's own card when it answers, else the proxy's.",
                 "parameters": [
                     {"name": "model", "in": "path", "required": True, "schema": {"enum": models}}
@@ -136,25 +172,7 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
                 },
             }
         },
-        **{
-            p: routed(s, {"application/json": {"schema": model_body}})
-            for p, s in _MODEL_PATHS.items()
-        },
-        "/v1/audio/transcriptions": routed(
-            "Whisper's upload; its model is a form field.",
-            {
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["model"],  # the file is the service's to ask for
-                        "properties": {
-                            "model": {"enum": models},
-                            "file": {"type": "string", "format": "binary"},
-                        },
-                    }
-                }
-            },
-        ),
+        **{path: routed(path) for path in MODEL_IN_BODY},
     }
     passthrough = {
         "summary": "Any path passed through to the service (for servers that do not speak "
@@ -172,8 +190,12 @@ def openapi_document(models: list[str], services: list[str]) -> dict[str, Any]:
         },
     }
     paths["/services/{name}/{path}"] = {
-        "get": passthrough,
-        "post": {**passthrough, "requestBody": {"content": {"*/*": {"schema": {}}}}},
+        "get": {"operationId": "getServicePath", **passthrough},
+        "post": {
+            "operationId": "postServicePath",
+            **passthrough,
+            "requestBody": {"content": {"*/*": {"schema": {}}}},
+        },
     }
     return {
         "openapi": "3.1.0",

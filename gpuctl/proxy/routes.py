@@ -10,27 +10,47 @@ passes ``/<path>`` through, for servers that do not speak OpenAI.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
 from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.core.json_kind import json_kind
 from gpuctl.errors import ConfigError
 from gpuctl.proxy.errors import ClientGone, Refusal
 from gpuctl.proxy.relay import Receive, Scope
 
-# The OpenAI paths whose body names the model.
-MODEL_IN_BODY = frozenset(
+# The OpenAI paths whose body names the model, and where: a JSON object's "model", or
+# a multipart form field "model" (whisper's uploads).
+MODEL_IN_BODY: Mapping[str, Literal["json", "form"]] = MappingProxyType(
     {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/v1/rerank",
-        "/v1/score",
+        "/v1/chat/completions": "json",
+        "/v1/completions": "json",
+        "/v1/embeddings": "json",
+        "/v1/audio/transcriptions": "form",
+        "/v1/audio/translations": "form",
+        "/v1/rerank": "json",
+        "/v1/score": "json",
     }
 )
 SERVICES_PREFIX = "/services/"
+# Every path the proxy answers, as an OpenAPI template, with the methods it documents
+# (HEAD rides on GET; /services/ passes any method through). ``app.ProxyApp._route``
+# serves these and ``openapi.openapi_document`` documents exactly these, so a route
+# cannot be served undocumented (tests/test_proxy_units.py holds the two together).
+ROUTES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "/healthz": ("GET",),
+        "/openapi.json": ("GET",),
+        "/metrics": ("GET",),
+        "/v1/models": ("GET",),
+        "/v1/models/{model}": ("GET",),
+        **{path: ("POST",) for path in MODEL_IN_BODY},
+        SERVICES_PREFIX + "{name}/{path}": ("GET", "POST"),
+    }
+)
 _MAX_PART_HEADERS = 8192
 # What a client-sent name may show of itself in an error message or the access log.
 _SHOWN_CHARS = 120
@@ -222,22 +242,16 @@ def why_no_model(content_type: str, body: bytes) -> tuple[str, str]:
             "invalid_request",
         )
     if not isinstance(obj, dict):
-        return f"the request body is {_json_kind(obj)}, not a JSON object", "invalid_request"
+        return (
+            f"the request body is {json_kind(obj, integers=False)}, not a JSON object",
+            "invalid_request",
+        )
     if "model" not in obj:
         return "the request names no model ('model' in the JSON body)", "model_missing"
-    return f"'model' must be a string, not {_json_kind(obj['model'])}", "invalid_request"
-
-
-def _json_kind(value: object) -> str:
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "a boolean"
-    return "null" if value is None else "a number"
+    return (
+        f"'model' must be a string, not {json_kind(obj['model'], integers=False)}",
+        "invalid_request",
+    )
 
 
 def multipart_boundary(content_type: str) -> bytes | None:

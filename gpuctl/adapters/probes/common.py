@@ -9,11 +9,9 @@ from typing import Any
 
 from gpuctl.adapters import procinfo
 from gpuctl.core.model import GpuDevice, GpuProcess
+from gpuctl.core.pids import PID_MAX
 
 MIB = 2**20
-# PID_MAX_LIMIT on 64-bit Linux: a pid is always below it, so anything else is garbage
-# read through a mismatched struct (nvitop #75: [1184, 0, 4294967295, ...]).
-PID_LIMIT = 4_194_304
 # No GPU holds 16 TiB (the largest today, under 300 GiB): a figure beyond it is
 # NVML_VALUE_NOT_AVAILABLE (2^64-1 bytes, "16 EiB") or garbage, and means unknown.
 MAX_DEVICE_MIB = 2**24
@@ -25,7 +23,9 @@ MAX_POWER_W = 10_000
 
 def valid_pid(pid: int) -> bool:
     """True for a pid the kernel could have issued (not 0, 0xFFFFFFFF or beyond the limit)."""
-    return 0 < pid < PID_LIMIT
+    # Every pid is below PID_MAX: anything else is garbage read through a mismatched
+    # struct (nvitop #75: [1184, 0, 4294967295, ...]).
+    return 0 < pid < PID_MAX
 
 
 def larger(a: int | None, b: int | None) -> int | None:

@@ -47,6 +47,7 @@ from gpuctl.adapters.store.schema import (
     text,
 )
 from gpuctl.core.names import NAME_RE
+from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX, Promise
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S, Waiter
 from gpuctl.core.record import (
@@ -95,7 +96,6 @@ __all__ = [
 MAX_RECORD_BYTES: Final = 1 << 20
 # The longest mark salvage leaves in a handle (``UNREADABLE_KEY``): a list of names.
 MARK_MAX: Final = 256
-PID_MAX: Final = 1 << 22
 TIME_MAX: Final = 4_102_444_800.0  # 2100-01-01T00:00:00Z
 DURATION_MAX: Final = 10 * 365 * 86_400.0
 MAX_ATTEMPTS_READ: Final = 64

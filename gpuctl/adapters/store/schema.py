@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from gpuctl.core.json_kind import json_kind
+
 MAX_EXTRA_KEYS: Final = 32
 
 
@@ -34,24 +36,11 @@ REQUIRED: Final = object()
 ABSENT: Final = object()  # an optional key that stays absent when it is not given
 
 
-def _type_name(v: Any) -> str:
-    if v is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
-        type(v),
-        "an array"
-        if isinstance(v, list)
-        else "an object"
-        if isinstance(v, dict)
-        else type(v).__name__,
-    )
-
-
 def integer(lo: int, hi: int) -> Check:
     def check(v: Any, at: str) -> int:
         # bool is an int to Python, never to a record: ``true`` is not pid 1.
         if type(v) is not int:
-            raise RecordError(at, f"expected an integer, got {_type_name(v)}")
+            raise RecordError(at, f"expected an integer, got {json_kind(v)}")
         if not lo <= v <= hi:
             raise RecordError(at, f"{v} is out of range ({lo}..{hi})")
         return v
@@ -62,7 +51,7 @@ def integer(lo: int, hi: int) -> Check:
 def number(lo: float, hi: float) -> Check:
     def check(v: Any, at: str) -> float:
         if type(v) is not int and type(v) is not float:
-            raise RecordError(at, f"expected a number, got {_type_name(v)}")
+            raise RecordError(at, f"expected a number, got {json_kind(v)}")
         if not math.isfinite(v):
             raise RecordError(at, f"{v} is not a finite number")
         if not lo <= v <= hi:
@@ -75,7 +64,7 @@ def number(lo: float, hi: float) -> Check:
 def text(max_len: int, *, min_len: int = 0, pattern: re.Pattern[str] | None = None) -> Check:
     def check(v: Any, at: str) -> str:
         if type(v) is not str:
-            raise RecordError(at, f"expected a string, got {_type_name(v)}")
+            raise RecordError(at, f"expected a string, got {json_kind(v)}")
         if not min_len <= len(v) <= max_len:
             raise RecordError(at, f"length {len(v)} is out of range ({min_len}..{max_len})")
         if pattern is not None and not pattern.fullmatch(v):
@@ -111,7 +100,7 @@ def nullable(inner: Check) -> Check:
 def array(item: Check, max_len: int) -> Check:
     def check(v: Any, at: str) -> list[Any]:
         if type(v) is not list:
-            raise RecordError(at, f"expected an array, got {_type_name(v)}")
+            raise RecordError(at, f"expected an array, got {json_kind(v)}")
         if len(v) > max_len:
             raise RecordError(at, f"{len(v)} items, at most {max_len}")
         return [item(x, f"{at}[{i}]") for i, x in enumerate(v)]
@@ -132,7 +121,7 @@ def scalar(v: Any, at: str) -> Any:
         return number(-1e15, 1e15)(v, at)
     if type(v) is str:
         return text(4096)(v, at)
-    raise RecordError(at, f"expected a string, number, boolean or null, got {_type_name(v)}")
+    raise RecordError(at, f"expected a string, number, boolean or null, got {json_kind(v)}")
 
 
 def obj(fields: Mapping[str, tuple[Check, Any]], *, extra: Check | None = None) -> Check:
@@ -149,7 +138,7 @@ def obj(fields: Mapping[str, tuple[Check, Any]], *, extra: Check | None = None) 
 
     def check(v: Any, at: str) -> dict[str, Any]:
         if type(v) is not dict:
-            raise RecordError(at, f"expected an object, got {_type_name(v)}")
+            raise RecordError(at, f"expected an object, got {json_kind(v)}")
         where = paths.get(at)
         if where is None:
             where = tuple(f"{at}.{name}" for name, _, _ in table)
