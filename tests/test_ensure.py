@@ -72,6 +72,7 @@ def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
 
 
+@pytest.mark.slow
 def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     port = free_port()
     cfg = host.write_config(
@@ -115,6 +116,7 @@ def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     assert read_record(host, svc)["phase"] == "stopped"
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("heavy")  # 32 callers: never beside another heavy test
 def test_race_32_processes_and_8_api_calls_one_launch(host: SimHost, svc: str) -> None:
     port = free_port()
@@ -148,6 +150,7 @@ def test_race_32_processes_and_8_api_calls_one_launch(host: SimHost, svc: str) -
     assert "CUDA out of memory" not in log_of(host, svc).read_text()
 
 
+@pytest.mark.slow
 def test_race_across_both_store_paths_one_launch(host: SimHost, svc: str) -> None:
     port = free_port()
     services = service_toml(svc, port, model_server_command(svc, port, load_time="4s"))
@@ -418,6 +421,7 @@ def test_a_recorded_server_counts_whatever_its_command_says(host: SimHost, svc: 
         kill_servers(other)
 
 
+@pytest.mark.slow
 def test_two_services_that_do_not_fit_together_race(host: SimHost) -> None:
     """10 callers each for two 80 GiB services on a 128 GiB GPU, all at once: one service
     starts (its callers all get 0), the other is BUSY (3); never both, never an OOM."""

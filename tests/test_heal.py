@@ -96,6 +96,7 @@ def kill_preemptor_after_mark(cfg: Path, chat: str, sig: int) -> None:
     end_in_window(p, sig)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
     host: SimHost, names: tuple[str, str], sig: int
@@ -263,6 +264,7 @@ def test_a_start_whose_server_died_with_nobody_waiting_fails(
     assert status["is_idle"] is True, status
 
 
+@pytest.mark.slow
 def test_a_reader_in_another_pid_namespace_never_calls_a_live_server_gone(
     host: SimHost, names: tuple[str, str], tmp_path: Path
 ) -> None:

@@ -33,6 +33,7 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Pat
     srv.kill()
 
 
+@pytest.mark.slow
 def test_ensure_loads_the_model_once_status_shows_it_and_stop_unloads_it(
     setup: tuple[Path, SimOllama], tmp_path: Path
 ) -> None:

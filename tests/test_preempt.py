@@ -43,6 +43,7 @@ def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
 
 
+@pytest.mark.slow
 def test_preempt_stops_the_lower_priority_batch_and_starts_once(
     host: SimHost, names: tuple[str, str]
 ) -> None:
@@ -129,6 +130,7 @@ def test_preempt_key_and_equal_priority(host: SimHost, names: tuple[str, str]) -
         kill_servers(peer)
 
 
+@pytest.mark.slow
 def test_in_flight_victim_needs_force(host: SimHost, names: tuple[str, str]) -> None:
     chat, batch = names
     pc, pb = free_port(), free_port()
@@ -174,6 +176,7 @@ def test_in_flight_victim_needs_force(host: SimHost, names: tuple[str, str]) -> 
         holder.stdout.close()
 
 
+@pytest.mark.slow
 def test_resume_command_and_reclaim_bring_the_batch_back(
     host: SimHost, names: tuple[str, str]
 ) -> None:

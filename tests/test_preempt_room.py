@@ -46,6 +46,7 @@ def service(name: str, port: int, gib: int, priority: int, extra: str = "") -> s
     return toml.replace('memory = "20GiB"', f'memory = "{gib}GiB"\npriority = {priority}\n{extra}')
 
 
+@pytest.mark.slow
 def test_a_resume_between_the_stops_and_the_launch_does_not_take_the_room(host: SimHost) -> None:
     chat, batch = unique_name("chat"), unique_name("batch")
     pc, pb = free_port(), free_port()
@@ -91,6 +92,7 @@ def test_a_resume_between_the_stops_and_the_launch_does_not_take_the_room(host: 
         kill_servers(batch)
 
 
+@pytest.mark.slow
 def test_a_preemptor_killed_while_stopping_its_victim_leaves_it_preempted(
     host: SimHost,
 ) -> None:

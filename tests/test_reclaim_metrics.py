@@ -71,6 +71,7 @@ def page() -> Iterator[tuple[list[str], int]]:
         srv.server_close()
 
 
+@pytest.mark.slow
 def test_metrics_without_both_vllm_gauges_keep_the_server(
     host: SimHost, svc: str, page: tuple[list[str], int]
 ) -> None:

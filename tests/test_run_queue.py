@@ -127,6 +127,7 @@ def full_gpu(host: SimHost) -> tuple[subprocess.Popen[bytes], subprocess.Popen[b
     return procs
 
 
+@pytest.mark.slow
 def test_priority_then_arrival_one_at_a_time(host: SimHost) -> None:
     """Arrivals: low (10), eq1 (50), eq2 (50), high (90). With room for one job at a time,
     they run high, eq1, eq2, low: priority first, then arrival, never two at once."""
@@ -265,6 +266,7 @@ def test_a_job_not_on_the_gpu_yet_counts_at_its_budget(host: SimHost) -> None:
         job.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
     host: SimHost,
 ) -> None:

@@ -1164,6 +1164,7 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
     assert "llmx.json" in svc["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_ensure_json_prints_its_object_when_a_lock_is_held(sim_host: Any) -> None:
     """A lock file held on the host: the agent says so within the client's timeout,

@@ -36,6 +36,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
     yield from agent_host(tmp_path, monkeypatch, gpu_memory=TRIAL_GPU)
 
 
+@pytest.mark.slow
 def test_random_trials_keep_the_invariants(host: SimHost) -> None:
     seed = trial_seed()
     report = run_trials(host, seed=seed, budget_s=BUDGET_S, until_counted_s=UNTIL_COUNTED_S)

@@ -79,6 +79,7 @@ def idle_past_yield_after(host: SimHost, name: str) -> None:
     time.sleep(max(0.0, used + YIELD_AFTER_S + 0.3 - time.time()))
 
 
+@pytest.mark.slow
 def test_an_idle_server_of_higher_priority_yields_to_ensure_preempt(
     host: SimHost, names: list[str]
 ) -> None:
