@@ -171,13 +171,14 @@ def test_a_preemptor_out_of_time_at_its_launch_puts_its_phase_back(host: SimHost
     )
     try:
         assert run_ensure(cfg, batch).returncode == 0
-        t0 = time.time()
         caller = _stopped_at(cfg, chat, "preempt.before_launch", "--timeout", "4s")
+        stopped = time.monotonic()
         # The victim is stopped and its room made; the caller's deadline passes before
-        # its launch.
+        # its launch. Its 4 s run from its own start, before the failpoint: 4.5 s from
+        # here are past them however slowly a loaded machine started it.
         assert server_pids(batch) == []
         assert read_record(host, chat)["phase"] == "starting"
-        time.sleep(max(0.0, t0 + 4.5 - time.time()))
+        time.sleep(max(0.0, stopped + 4.5 - time.monotonic()))
         caller.send_signal(signal.SIGCONT)
         out, err = caller.communicate(timeout=60)
         res = json.loads(out)
