@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `tests.trials`
@@ -24,7 +23,7 @@ import tests.trials_configs
 import tests.trials_priority
 import tests.trials_reclaim  # noqa: F401  (registers reclaim, in_use requests and their checks)
 from gpuctl.sim.host import SimHost
-from tests.trials import TRIAL_GPU, run_trials
+from tests.trials import TRIAL_GPU, run_trials, trial_seed
 
 
 def main() -> int:
@@ -35,13 +34,18 @@ def main() -> int:
         default=None,
         help="how many (default: 20, or as many as --budget fits)",
     )
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="default: GPUCTL_TRIALS_SEED, a fixed one where CI is set, else a fresh one",
+    )
     ap.add_argument("--actions", type=int, default=8, help="actions per trial")
     ap.add_argument(
         "--budget", type=float, default=None, help="stop after this many seconds (and trials)"
     )
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else time.time_ns() % 1_000_000
+    seed = trial_seed(args.seed)
     with (
         tempfile.TemporaryDirectory(prefix="gpuctl-trials-") as tmp,
         SimHost(gpu_memory=TRIAL_GPU, root=Path(tmp) / "host") as host,

@@ -15,6 +15,9 @@ raises KeyboardInterrupt as Ctrl-C does), ``kill`` (SIGKILL itself), ``interrupt
 something in that window, then sends SIGCONT and the process goes on). With
 ``GPUCTL_FAILPOINTS_DIR`` set, a paused process also creates ``<dir>/<name>.<pid>``.
 
+The same variable shortens a duration that a test would otherwise wait out in a
+subprocess it cannot reach (``seconds``): ``GPUCTL_FAILPOINTS='run_queue.ttl=seconds:6'``.
+
 Unset (always, outside tests), ``hit`` costs one dictionary lookup.
 """
 
@@ -69,6 +72,16 @@ def hit(name: str) -> None:
         sys.stderr.flush()
         while True:
             time.sleep(3600)
+
+
+def seconds(name: str, default: float) -> float:
+    """``default``, or the duration a test set for ``name`` (``NAME=seconds:<s>``): a TTL
+    or a back-off shortened so the test waits seconds for it, not a quarter of a minute."""
+    global _active  # noqa: PLW0603  (parsed once per process)
+    if _active is None:
+        _active = _parse(os.environ.get(ENV, ""))
+    action = _active.get(name, "")
+    return float(action.removeprefix("seconds:")) if action.startswith("seconds:") else default
 
 
 def reset() -> None:

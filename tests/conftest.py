@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,24 @@ RUN_TAG = secrets.token_hex(3)
 def tagged(word: str) -> str:
     """``word`` made this run's own: ``trainer`` -> ``trainer-1a2b3c``."""
     return f"{word}-{RUN_TAG}"
+
+
+_HOMES: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest process (each xdist worker) gets config and state homes of its own: a
+    test that sets none never reads the user's config, nor shares the default state or
+    sim directory with a test on another worker."""
+    home = tempfile.mkdtemp(prefix="gpuctl-tests-")
+    _HOMES.append(home)
+    for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
+        os.environ[var] = os.path.join(home, sub)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for home in _HOMES:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
@@ -62,6 +82,59 @@ def gpuctl_exe() -> str:
     found = shutil.which("gpuctl")
     assert found, "gpuctl is not installed next to the test interpreter"
     return found
+
+
+def config_env(config: Path) -> dict[str, str]:
+    """This process's environment with ``GPUCTL_CONFIG=config`` and no debug output: what a
+    user's shell gives the gpuctl a test runs."""
+    env = dict(os.environ)
+    env["GPUCTL_CONFIG"] = str(config)
+    env.pop("GPUCTL_DEBUG", None)
+    return env
+
+
+def gpuctl(
+    config: Path, *args: str, timeout: float = 120, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``gpuctl ARGS`` run as the installed console script with ``config``, its output
+    captured; ``env`` adds to (or overrides) the environment. It never raises on a non-zero
+    exit: the tests assert on the code."""
+    return subprocess.run(
+        [gpuctl_exe(), *args],
+        env={**config_env(config), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def gpuctl_in_process(
+    config: Path, *args: str, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``gpuctl ARGS`` run in this process through Typer's ``CliRunner``, with the
+    environment ``gpuctl()`` would give it: for tests that check only the output and the
+    exit code, without the half second a spawned interpreter costs. The API's
+    per-process caches are reset around it. A test of what the console script itself
+    adds (its exit path, its stream set-up) runs ``gpuctl()`` instead."""
+    from typer.testing import CliRunner
+
+    from gpuctl import api
+    from gpuctl.cli.app import create_app
+
+    # Every variable set as gpuctl() would see it; GPUCTL_DEBUG removed (None).
+    wanted: dict[str, str | None] = {**config_env(config), **(env or {})}
+    wanted.setdefault("GPUCTL_DEBUG", None)
+    api._reset_for_tests()
+    try:
+        r = CliRunner().invoke(create_app(list(args)), list(args), env=wanted)
+    finally:
+        api._reset_for_tests()
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(
+        [gpuctl_exe(), *args], r.exit_code, stdout=r.stdout, stderr=r.stderr
+    )
 
 
 def has_nvidia() -> bool:

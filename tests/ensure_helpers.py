@@ -16,7 +16,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import config_env, gpuctl_exe
 
 
 def agent_host(
@@ -103,10 +103,7 @@ def spawn_ensure(config: Path, name: str, *args: str) -> subprocess.Popen[str]:
 
 
 def cli_env(config: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["GPUCTL_CONFIG"] = str(config)
-    env.pop("GPUCTL_DEBUG", None)
-    return env
+    return config_env(config)
 
 
 def sim_claims(host: SimHost, name: str) -> list[int]:

@@ -194,6 +194,7 @@ def _located(message: str, roots: set[str]) -> bool:
     )
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(configs)
 def test_any_config_is_a_config_or_a_located_error(data: dict[str, Any]) -> None:

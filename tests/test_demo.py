@@ -52,6 +52,7 @@ def panels(out: str) -> list[tuple[tuple[str, str], ...]]:
     return found
 
 
+@pytest.mark.slow
 def test_demo_piped_beside_a_foreign_vllm(
     foreign_vllm: subprocess.Popen[bytes], tmp_path: Path
 ) -> None:

@@ -72,6 +72,7 @@ def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
 
 
+@pytest.mark.slow
 def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     port = free_port()
     cfg = host.write_config(
@@ -115,6 +116,8 @@ def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     assert read_record(host, svc)["phase"] == "stopped"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("heavy")  # 32 callers: never beside another heavy test
 def test_race_32_processes_and_8_api_calls_one_launch(host: SimHost, svc: str) -> None:
     port = free_port()
     cfg = host.write_config(
@@ -147,6 +150,7 @@ def test_race_32_processes_and_8_api_calls_one_launch(host: SimHost, svc: str) -
     assert "CUDA out of memory" not in log_of(host, svc).read_text()
 
 
+@pytest.mark.slow
 def test_race_across_both_store_paths_one_launch(host: SimHost, svc: str) -> None:
     port = free_port()
     services = service_toml(svc, port, model_server_command(svc, port, load_time="4s"))
@@ -268,7 +272,9 @@ def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "exited while loading" in human and "retry in" in human
+    # The table's "retry in Ns" shows only while the back-off runs (a loaded machine can
+    # be past it by now): the back-off itself is asserted on the JSON above.
+    assert "exited while loading" in human and "(1x" in human
 
 
 def test_agent_stopped_mid_wait(host: SimHost, svc: str) -> None:
@@ -415,6 +421,7 @@ def test_a_recorded_server_counts_whatever_its_command_says(host: SimHost, svc: 
         kill_servers(other)
 
 
+@pytest.mark.slow
 def test_two_services_that_do_not_fit_together_race(host: SimHost) -> None:
     """10 callers each for two 80 GiB services on a 128 GiB GPU, all at once: one service
     starts (its callers all get 0), the other is BUSY (3); never both, never an OOM."""

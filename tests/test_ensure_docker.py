@@ -158,6 +158,8 @@ class IdWatcher:
             c.close()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("heavy")  # 32 callers: never beside another heavy test
 def test_race_32_processes_and_8_api_calls_one_container(
     client: Any, host: SimHost, svc: str
 ) -> None:

@@ -101,6 +101,8 @@ def server_log(jupyter: JupyterServer, name: str) -> Path:
     return jupyter.root / "gpuctl-jupyter" / f"{name}.log"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("heavy")  # 32 callers: never beside another heavy test
 def test_race_32_processes_and_8_api_calls_one_server(
     jupyter: JupyterServer, host: SimHost, svc: str
 ) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
     big_service,
     cli_env,
@@ -37,6 +37,10 @@ from tests.ensure_helpers import (
     sim_claims,
     unique_name,
 )
+
+# Heavy: many processes at once, and windows that a second heavy test beside it would widen.
+# With -n, the "heavy" group runs on one worker, one test after another.
+pytestmark = pytest.mark.xdist_group("heavy")
 
 
 @pytest.fixture
@@ -60,17 +64,6 @@ def names() -> Iterator[list[str]]:
 
 def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
-
-
-def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize("via", ["agent", "direct"])

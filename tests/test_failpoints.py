@@ -63,3 +63,29 @@ def test_pause_until_signalled(tmp_path: Path) -> None:
 def test_sleep(tmp_path: Path) -> None:
     out, _ = run("here=sleep:0.01", tmp_path).communicate(timeout=30)
     assert out.strip() == "passed"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, 15.0),
+        ("run_queue.ttl=kill", 15.0),  # not a duration: the default stays
+        ("elsewhere=seconds:1", 15.0),
+        ("here=pause;run_queue.ttl=seconds:6", 6.0),
+    ],
+)
+def test_seconds_shortens_only_the_named_duration(
+    value: str | None, expected: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuctl import failpoints
+
+    if value is None:
+        monkeypatch.delenv("GPUCTL_FAILPOINTS", raising=False)
+    else:
+        monkeypatch.setenv("GPUCTL_FAILPOINTS", value)
+    failpoints.reset()
+    try:
+        assert failpoints.seconds("run_queue.ttl", 15.0) == expected
+    finally:
+        monkeypatch.undo()
+        failpoints.reset()

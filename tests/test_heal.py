@@ -19,10 +19,9 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
-    cli_env,
     direct_config,
     end_in_window,
     ensure_paused_at,
@@ -81,17 +80,6 @@ def two(chat: str, batch: str) -> str:
     )
 
 
-def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
     deadline = time.time() + timeout_s
     while not what():
@@ -108,6 +96,7 @@ def kill_preemptor_after_mark(cfg: Path, chat: str, sig: int) -> None:
     end_in_window(p, sig)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
     host: SimHost, names: tuple[str, str], sig: int
@@ -275,6 +264,7 @@ def test_a_start_whose_server_died_with_nobody_waiting_fails(
     assert status["is_idle"] is True, status
 
 
+@pytest.mark.slow
 def test_a_reader_in_another_pid_namespace_never_calls_a_live_server_gone(
     host: SimHost, names: tuple[str, str], tmp_path: Path
 ) -> None:

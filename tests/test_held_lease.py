@@ -66,6 +66,7 @@ def big_and_small(host: SimHost) -> tuple[str, str, Path]:
     return big, small, host.write_config(toml)
 
 
+@pytest.mark.slow
 def test_an_older_releases_lease_not_yet_admitted_counts_at_its_budget(host: SimHost) -> None:
     big, small, cfg = big_and_small(host)
     store = DirectStore(host.state_dir)

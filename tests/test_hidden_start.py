@@ -161,27 +161,22 @@ def test_a_lease_taken_after_the_set_aside_ends_the_doubt(w: World) -> None:
 
 @pytest.mark.e2e
 def test_status_and_ensure_through_the_agent(sim_host: Any) -> None:
-    from tests.conftest import gpuctl_exe
-    from tests.ensure_helpers import cli_env, launches_in_log, service_toml
+    from tests.conftest import gpuctl
+    from tests.ensure_helpers import launches_in_log, service_toml, unique_name
 
-    name = f"llmh{int(time.time() * 1000) % 100000}"
+    name = unique_name("llmh")
     cfg = sim_host.write_config(service_toml(name, 1, "sleep 60"))
     records = sim_host.state_dir / "records"
     records.mkdir(parents=True, exist_ok=True)
     (records / f"{name}.json").write_text("{not json")
 
-    def gpuctl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [gpuctl_exe(), *args], env=cli_env(cfg), capture_output=True, text=True, check=False
-        )
-
-    status = gpuctl("status", "--json")
+    status = gpuctl(cfg, "status", "--json")
     assert status.returncode == 0, status.stderr  # the host answered
     (svc,) = json.loads(status.stdout)["services"]
     assert svc["decision"] == "UNKNOWN", svc
     kept = [p.name for p in records.glob(f"{name}.json.corrupt-*")]
     assert len(kept) == 1 and kept[0] in svc["reason"]
-    out = gpuctl("ensure", name, "--json", "--no-wait")
+    out = gpuctl(cfg, "ensure", name, "--json", "--no-wait")
     assert out.returncode == 4, (out.stdout, out.stderr)
     result = json.loads(out.stdout)
     assert result["outcome"] == "unknown" and kept[0] in result["hint"]

@@ -242,6 +242,7 @@ def test_the_terminal_is_found_again_not_recreated(
     launcher.stop(custom, grace_s=5)
 
 
+@pytest.mark.slow
 def test_the_server_outlives_its_terminal_and_jupyter(tmp_path: Path, pids: list[int]) -> None:
     root, port = tmp_path / "root", free_port()
     svc = fake_vllm("survivor", port, tmp_path / "sim")
@@ -514,6 +515,7 @@ def test_the_log_is_private_whatever_the_umask(
     assert os.stat(handle.log).st_mode & 0o777 == 0o600
 
 
+@pytest.mark.slow
 def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
 ) -> None:

@@ -46,6 +46,7 @@ def _start_and_stop(env: dict[str, str], svc: str) -> None:
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_starts_past_the_kept_history_show_as_at_least(tmp_path: Path) -> None:
     assert MAX_ATTEMPTS_KEPT == 10  # the figure the column and the schema name

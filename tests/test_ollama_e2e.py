@@ -6,14 +6,12 @@ The real CLI against a simulated Ollama on a simulated GPU, with the store on di
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import gpuctl_exe
-from tests.ensure_helpers import cli_env
+from tests.conftest import gpuctl
 from tests.ollama_helpers import SimOllama, claims_mib
 
 GIB = 1024
@@ -35,13 +33,7 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Pat
     srv.kill()
 
 
-def gpuctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args], env=cli_env(config), capture_output=True, text=True,
-        timeout=120, check=False,
-    )  # fmt: skip
-
-
+@pytest.mark.slow
 def test_ensure_loads_the_model_once_status_shows_it_and_stop_unloads_it(
     setup: tuple[Path, SimOllama], tmp_path: Path
 ) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -43,6 +43,7 @@ def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
 
 
+@pytest.mark.slow
 def test_preempt_stops_the_lower_priority_batch_and_starts_once(
     host: SimHost, names: tuple[str, str]
 ) -> None:
@@ -129,6 +130,7 @@ def test_preempt_key_and_equal_priority(host: SimHost, names: tuple[str, str]) -
         kill_servers(peer)
 
 
+@pytest.mark.slow
 def test_in_flight_victim_needs_force(host: SimHost, names: tuple[str, str]) -> None:
     chat, batch = names
     pc, pb = free_port(), free_port()
@@ -174,6 +176,7 @@ def test_in_flight_victim_needs_force(host: SimHost, names: tuple[str, str]) -> 
         holder.stdout.close()
 
 
+@pytest.mark.slow
 def test_resume_command_and_reclaim_bring_the_batch_back(
     host: SimHost, names: tuple[str, str]
 ) -> None:
@@ -191,24 +194,14 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
     assert run_ensure(cfg, chat).returncode == 0
     assert read_record(host, batch)["phase"] == "preempted"
 
-    def gpuctl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [gpuctl_exe(), *args],
-            env=cli_env(cfg),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-
-    r = gpuctl("resume", batch, "--json")
+    r = gpuctl(cfg, "resume", batch, "--json")
     assert r.returncode == 3, r.stdout + r.stderr
     assert json.loads(r.stdout)["decision"] == "BUSY"
     assert len(server_pids(chat)) == 1 and server_pids(batch) == []
     assert read_record(host, batch)["phase"] == "preempted"
 
     # A dry run says it would try; nothing changes.
-    r = gpuctl("reclaim", "--dry-run", "--json")
+    r = gpuctl(cfg, "reclaim", "--dry-run", "--json")
     out = json.loads(r.stdout)
     assert [x["service"] for x in out["resumed"]] == [batch] and out["resumed"][0]["dry_run"]
     assert server_pids(batch) == []
@@ -217,7 +210,7 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
 
     deadline = time.time() + 60
     while True:  # past the chat's idle timeout of 2 s
-        r = gpuctl("reclaim", "--json")
+        r = gpuctl(cfg, "reclaim", "--json")
         out = json.loads(r.stdout)
         assert r.returncode == 0, r.stdout + r.stderr
         if out["resumed"] and out["resumed"][0]["started"]:
@@ -229,5 +222,5 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
     assert read_record(host, batch)["phase"] in ("starting", "running")
     assert launches_in_log(log_of(host, batch)) == 2
     # Text output for cron: one line per action.
-    r = gpuctl("resume", batch)
+    r = gpuctl(cfg, "resume", batch)
     assert r.returncode == 0, r.stdout + r.stderr

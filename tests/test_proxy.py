@@ -506,6 +506,7 @@ def _answers(port: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_preemption_by_policy_and_never_under_a_stream(host: SimHost) -> None:
     batch, ask, pre = unique_name("pxb"), unique_name("pxa"), unique_name("pxp")
     pb, pa, pp = free_port(), free_port(), free_port()

@@ -12,6 +12,7 @@ the collector could free.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import json
 from collections.abc import Iterator
@@ -95,6 +96,8 @@ def test_requests_leave_no_cyclic_garbage(host: SimHost, loop: str) -> None:
         {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     ).encode()
 
+    kinds: collections.Counter[str] = collections.Counter()
+
     async def run() -> int:
         for _ in range(20):  # warm: the pool, the health check, the store's count
             status, data = await _one(app, body)
@@ -108,6 +111,7 @@ def test_requests_leave_no_cyclic_garbage(host: SimHost, loop: str) -> None:
             gc.set_debug(gc.DEBUG_SAVEALL)
             gc.collect()
             found = len(gc.garbage)
+            kinds.update(type(o).__qualname__ for o in gc.garbage)
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
@@ -131,4 +135,6 @@ def test_requests_leave_no_cyclic_garbage(host: SimHost, loop: str) -> None:
         api._reset_for_tests()
     # Before: about 30 objects a request (9,000 here). Asyncio's own bookkeeping may
     # leave a few; nothing that grows with the requests.
-    assert found < REQUESTS // 10, f"{found} objects freed only by the collector"
+    assert found < REQUESTS // 10, (
+        f"{found} objects freed only by the collector: {kinds.most_common(12)}"
+    )

@@ -146,6 +146,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 # --------------------------------------------------------------------- large answers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2**20, 20 * 2**20], ids=["1MiB", "20MiB"])
 def test_a_large_embeddings_answer_arrives_whole_through_the_openai_client(
     setup: Setup, size: int

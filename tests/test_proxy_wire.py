@@ -806,6 +806,7 @@ def test_a_hostile_upstream_is_a_502_or_a_cut_answer_never_a_500(
     assert "Traceback" not in log and "a bug in gpuctl" not in log, log[-3000:]
 
 
+@pytest.mark.slow
 def test_queue_timeout_is_503_model_loading_and_a_start_that_fails_is_502(
     host: SimHost,
 ) -> None:

@@ -27,9 +27,10 @@ from gpuctl.adapters.launchers.process import ProcessLauncher
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import ExitCode, Unproven
 from gpuctl.sim.host import SimHost
+from tests.conftest import gpuctl
 from tests.ensure_helpers import agent_host, read_record, server_pids, unique_name
 from tests.test_launcher_process import DUMP_ENV, read_env
-from tests.test_reclaim import gpuctl, idle_past, started
+from tests.test_reclaim import idle_past, started
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -43,13 +43,6 @@ def svc() -> Iterator[str]:
     name = unique_name("idle")
     yield name
     kill_servers(name)
-
-
-def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args], env=cli_env(cfg), capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )  # fmt: skip
 
 
 def started(

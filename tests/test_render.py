@@ -441,6 +441,21 @@ def test_locks_json_and_text_list_set_aside_files() -> None:
     assert "kept unreadable record x.json.corrupt-0" in text  # older copies listed below
 
 
+def test_locks_text_says_retry_in_only_while_the_back_off_runs() -> None:
+    """The failure cell counts the failures and, while the back-off runs, says when the
+    next try comes (judged at the report's ``now``, so no clock is read here)."""
+    from gpuctl.core.record import Failure, Phase, Record
+    from gpuctl.render.locks import render_locks
+
+    now = 1_800_000_010.0
+    failure = Failure(at=now - 2, error="exited while loading", count=1, backoff_until=now + 8)
+    rec = Record(service="x", phase=Phase.FAILED, failure=failure)
+    text = _text(render_locks(LocksReport([("a", rec, None)], now, [])), width=160)
+    assert "exited while loading (1x, retry in 8s)" in text
+    later = _text(render_locks(LocksReport([("a", rec, None)], now + 60, [])), width=160)
+    assert "exited while loading (1x)" in later and "retry in" not in later
+
+
 def test_a_long_command_takes_the_room_that_is_left(tmp_path: Path) -> None:
     base = _report(tmp_path)
     h = base.hosts[0]

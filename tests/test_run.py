@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -32,17 +32,6 @@ from tests.ensure_helpers import (
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
     yield from agent_host(tmp_path, monkeypatch, "120GiB")
-
-
-def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def hold_cmd(name: str, gib: int) -> list[str]:

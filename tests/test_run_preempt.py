@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -112,17 +112,6 @@ def job_cmd(tag: str, gib: int, out: Path) -> list[str]:
 
 def new_cmd(tag: str, gib: int, out: Path) -> list[str]:
     return [sys.executable, "-c", NEW, tag, str(gib * GIB), str(out)]
-
-
-def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def start_job(

@@ -18,9 +18,9 @@ import jsonschema
 import pytest
 
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import agent_host, cli_env, direct_config, unique_name
-from tests.test_run import claims, gpuctl, hold_cmd, wait_for
+from tests.test_run import claims, hold_cmd, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_GIB = 30
@@ -34,8 +34,9 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
 class Jobs:
     """The `gpuctl run --wait` callers of a test, each holding 30 GiB once it runs."""
 
-    def __init__(self, host: SimHost, cfg: Path) -> None:
+    def __init__(self, host: SimHost, cfg: Path, env: dict[str, str] | None = None) -> None:
         self.host, self.cfg = host, cfg
+        self.env = {**cli_env(cfg), **(env or {})}
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.tag = unique_name("q")
 
@@ -59,7 +60,7 @@ class Jobs:
                 "--",
                 *hold_cmd(n, JOB_GIB),
             ],
-            env=cli_env(self.cfg),
+            env=self.env,
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -126,6 +127,7 @@ def full_gpu(host: SimHost) -> tuple[subprocess.Popen[bytes], subprocess.Popen[b
     return procs
 
 
+@pytest.mark.slow
 def test_priority_then_arrival_one_at_a_time(host: SimHost) -> None:
     """Arrivals: low (10), eq1 (50), eq2 (50), high (90). With room for one job at a time,
     they run high, eq1, eq2, low: priority first, then arrival, never two at once."""
@@ -264,20 +266,24 @@ def test_a_job_not_on_the_gpu_yet_counts_at_its_budget(host: SimHost) -> None:
         job.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
     host: SimHost,
 ) -> None:
     """The head waits inside the admission lock's wait (another start holds it) for
     longer than an entry lives without renewal: its naps there renew it, so it is still
-    first when the lock is free, and runs first."""
+    first when the lock is free, and runs first. The entries live 6 s here, not
+    QUEUE_TTL_S (15 s), through the test-only ``run_queue.ttl`` failpoint: three beats
+    (BEAT_S) still fit in one life."""
     from gpuctl.adapters.store import DirectStore, holder_here
     from gpuctl.core.record import ADMISSION_TTL_MAX_S
     from gpuctl.flows.admission import ADMISSION
-    from gpuctl.flows.run_queue import QUEUE_TTL_S
+    from gpuctl.flows.run_queue import BEAT_S
 
+    ttl_s = 3 * BEAT_S
     cfg = host.write_config("")
     _, small = full_gpu(host)
-    jobs = Jobs(host, cfg)
+    jobs = Jobs(host, cfg, env={"GPUCTL_FAILPOINTS": f"run_queue.ttl=seconds:{ttl_s}"})
     store = DirectStore(host.state_dir)
     other = holder_here("ensure")
     try:
@@ -290,7 +296,7 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
         wait_for(lambda: store.acquire(ADMISSION, other, term)[0], "the admission lock is ours")
         first = {q["name"]: q["seq"] for q in locks(cfg)["queue"]}
         # Past the entry's life without a renewal, holding the lock (renewed) throughout.
-        until = time.monotonic() + QUEUE_TTL_S + 3
+        until = time.monotonic() + ttl_s + 3
         while time.monotonic() < until:
             time.sleep(1.0)
             store.renew(ADMISSION, other.id, term)

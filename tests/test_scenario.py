@@ -86,6 +86,7 @@ def batch_pids(tag: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_the_original_scenario(host: SimHost, tmp_path: Path) -> None:
     chat, photos, whisper = unique_name("chat"), unique_name("photos"), unique_name("whisper")
     pc, pp = free_port(), free_port()

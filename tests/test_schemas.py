@@ -286,6 +286,7 @@ def test_locks_with_a_lease_held_and_a_corrupt_record(host: Host) -> None:
     assert lease_rows[n["broken"]]["failure"]["count"] >= 1
 
 
+@pytest.mark.slow
 def test_reclaim_and_stop(host: Host) -> None:
     n = host.names
     for key in ("idle", "chat"):

@@ -6,7 +6,6 @@ Real CLI, real agent, the fake vLLM on a simulated GPU (``--enable-sleep-mode``)
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,9 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe, tagged
+from tests.conftest import gpuctl, tagged
 from tests.ensure_helpers import (
     agent_host,
-    cli_env,
     kill_servers,
     model_server_command,
     service_toml,
@@ -36,13 +34,6 @@ def svc() -> Iterator[str]:
     name = unique_name("sleepy")
     yield name
     kill_servers(name)
-
-
-def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args], env=cli_env(cfg), capture_output=True, text=True,
-        timeout=120, check=False,
-    )  # fmt: skip
 
 
 def decision(cfg: Path, svc: str) -> dict[str, Any]:

@@ -1138,7 +1138,7 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
     sim_host.state_dir.mkdir(parents=True, exist_ok=True)
     # The records folder is a file: no record can be read (``glob`` in it finds nothing,
     # which must not read as "no records"). A folder named ``llmx.json`` used to stand
-    # for this; it is now set aside like any bad record (tests/test_hardening_store_files.py)
+    # for this; it is now set aside like any bad record (tests/test_store_file_kinds.py)
     # and its service is UNKNOWN for the start it may hide (below).
     (sim_host.state_dir / "records").write_text("")
     out = subprocess.run(
@@ -1164,6 +1164,7 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
     assert "llmx.json" in svc["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_ensure_json_prints_its_object_when_a_lock_is_held(sim_host: Any) -> None:
     """A lock file held on the host: the agent says so within the client's timeout,
@@ -1197,36 +1198,31 @@ def test_ensure_json_prints_its_object_when_a_lock_is_held(sim_host: Any) -> Non
 def test_locks_touch_and_status_live_with_a_poisoned_record(sim_host: Any) -> None:
     """The poisoned store, as a user meets it: ``locks`` lists the set-aside file and
     exits 0, ``touch`` works, ``status`` answers; no "internal error" anywhere."""
-    from tests.conftest import gpuctl_exe
-    from tests.ensure_helpers import cli_env, service_toml
+    from tests.conftest import gpuctl
+    from tests.ensure_helpers import service_toml
 
     cfg = sim_host.write_config(service_toml("llmz", 1, "sleep 1"))
     records = sim_host.state_dir / "records"
     records.mkdir(parents=True, exist_ok=True)
     (records / "llmz.json").write_text(POISON["lease-pid"].replace(SVC, "llmz"))
 
-    def gpuctl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [gpuctl_exe(), *args], env=cli_env(cfg), capture_output=True, text=True, check=False
-        )
-
-    locks = gpuctl("locks", "--json")
+    locks = gpuctl(cfg, "locks", "--json")
     assert locks.returncode == 0, locks.stderr
     report = json.loads(locks.stdout)
     (kept,) = report["set_aside"]
     assert kept["service"] == "llmz"
     assert kept["why"].startswith("at $.lease.pid: 2147483648 is out of range")
     assert (records / kept["file"]).exists()
-    text = gpuctl("locks")
+    text = gpuctl(cfg, "locks")
     assert text.returncode == 0
     assert kept["file"] in text.stdout + text.stderr
-    touch = gpuctl("touch", "llmz")
+    touch = gpuctl(cfg, "touch", "llmz")
     assert touch.returncode == 0, touch.stderr
-    status = gpuctl("status", "--json")
+    status = gpuctl(cfg, "status", "--json")
     assert status.returncode == 0, status.stderr  # a pid of 2**31 never held anything
     (svc,) = json.loads(status.stdout)["services"]
     assert svc["name"] == "llmz"
-    again = json.loads(gpuctl("locks", "--json").stdout)
+    again = json.loads(gpuctl(cfg, "locks", "--json").stdout)
     assert [a["file"] for a in again["set_aside"]] == [kept["file"]]
 
 

@@ -4,14 +4,13 @@ As many trials as fit in about two minutes (a budget, not a timing assertion), a
 past it (to four minutes at most) while a preemption, a resume or a kill has not yet
 happened: the report must show each of them, and no broken invariant.
 
-The seed changes from run to run and is printed with any violation, so a failure can be
-replayed: ``GPUCTL_TRIALS_SEED=<seed> pytest tests/test_trials.py``.
+The seed is fixed under CI (``CI=true``: ``tests.trials.CI_SEED``) and changes from run to
+run elsewhere; it is printed with any violation, so a failure can be replayed:
+``GPUCTL_TRIALS_SEED=<seed> pytest tests/test_trials.py``.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,11 @@ import tests.trials_priority
 import tests.trials_reclaim  # noqa: F401  (registers reclaim, in_use requests and their checks)
 from gpuctl.sim.host import SimHost
 from tests.ensure_helpers import agent_host
-from tests.trials import ACTIONS, COUNTED, TRIAL_GPU, run_trials
+from tests.trials import ACTIONS, COUNTED, TRIAL_GPU, run_trials, trial_seed
+
+# Heavy: many processes at once, and windows that a second heavy test beside it would widen.
+# With -n, the "heavy" group runs on one worker, one test after another.
+pytestmark = pytest.mark.xdist_group("heavy")
 
 BUDGET_S = 120.0
 UNTIL_COUNTED_S = 240.0
@@ -33,8 +36,9 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
     yield from agent_host(tmp_path, monkeypatch, gpu_memory=TRIAL_GPU)
 
 
+@pytest.mark.slow
 def test_random_trials_keep_the_invariants(host: SimHost) -> None:
-    seed = int(os.environ.get("GPUCTL_TRIALS_SEED") or time.time_ns() % 1_000_000)
+    seed = trial_seed()
     report = run_trials(host, seed=seed, budget_s=BUDGET_S, until_counted_s=UNTIL_COUNTED_S)
     print(report.summary())
     assert report.violations == [], f"seed {seed}: {report.violations}"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
+from tests import conftest
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import (
     agent_host,
@@ -62,14 +63,7 @@ def service(name: str, gib: int, priority: int, extra: str = "") -> str:
 
 
 def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env={**cli_env(cfg), "COLUMNS": "250"},  # the table's reasons on one line
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return conftest.gpuctl(cfg, *args, env={"COLUMNS": "250"})  # the table's reasons on one line
 
 
 def status_of(cfg: Path, name: str) -> dict[str, Any]:
@@ -85,6 +79,7 @@ def idle_past_yield_after(host: SimHost, name: str) -> None:
     time.sleep(max(0.0, used + YIELD_AFTER_S + 0.3 - time.time()))
 
 
+@pytest.mark.slow
 def test_an_idle_server_of_higher_priority_yields_to_ensure_preempt(
     host: SimHost, names: list[str]
 ) -> None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from gpuctl import failpoints
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.core.decision import Verdict
 from gpuctl.core.jobs import JobSpec
@@ -25,7 +26,8 @@ from gpuctl.errors import GpuctlError
 
 # A waiter renews its entry on every look (about twice a second); one that stops renewing
 # (stopped with Ctrl-Z, or killed on another machine than the GPU host, where nobody can
-# see its pid die) lapses after this, and stops holding up the queue.
+# see its pid die) lapses after this, and stops holding up the queue. A test shortens it
+# with the failpoint ``run_queue.ttl=seconds:<s>`` (gpuctl.failpoints.seconds).
 QUEUE_TTL_S = 15.0
 # While it waits for the admission lock (another start holds it, up to a minute), the
 # head renews its entry this often, so it does not lapse and lose its place.
@@ -123,8 +125,9 @@ class Place:
         s = self.spec
         assert s.memory_mib is not None
         self.joined = True  # before the call: a join that lands and then fails is left too
+        ttl_s = failpoints.seconds("run_queue.ttl", QUEUE_TTL_S)
         _, queue = self.store.queue_join(
-            self.holder, QUEUE_TTL_S, name=s.name, priority=s.priority, memory_mib=s.memory_mib
+            self.holder, ttl_s, name=s.name, priority=s.priority, memory_mib=s.memory_mib
         )
         self._renewed = time.monotonic()
         self.largest_mib = largest_mib

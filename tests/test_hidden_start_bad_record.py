@@ -18,6 +18,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl
 from tests.ensure_helpers import (
     big_service,
     end_in_window,
@@ -29,7 +30,6 @@ from tests.ensure_helpers import (
     sim_claims,
     unique_name,
 )
-from tests.test_ensure_races import gpuctl
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost
+from tests.conftest import gpuctl
 from tests.ensure_helpers import kill_servers, server_pids, unique_name
-from tests.test_reclaim import candidate, gpuctl, idle_past, reclaim_json, started
+from tests.test_reclaim import candidate, idle_past, reclaim_json, started
 
 
 @pytest.fixture
@@ -70,6 +71,7 @@ def page() -> Iterator[tuple[list[str], int]]:
         srv.server_close()
 
 
+@pytest.mark.slow
 def test_metrics_without_both_vllm_gauges_keep_the_server(
     host: SimHost, svc: str, page: tuple[list[str], int]
 ) -> None:

@@ -1,6 +1,7 @@
 """Config values that passed and should not have (or that need a decision): a 1e-300 s
 health timeout, ``match = []``; and ``idle_timeout = "Never"``, which is taken as
-"never" (case does not matter, as for every keyword). The installed CLI on real files."""
+"never" (case does not matter, as for every keyword). The CLI in process on real files;
+the installed one for ``status``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 
 BASE = (
     '[hosts.local]\nprobe = "sim"\n\n[services.web]\nlauncher = "process"\n'
@@ -19,13 +20,11 @@ BASE = (
 
 
 def check(tmp_path: Path, extra: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpuctl config ARGS`` (default ``check``) on BASE + ``extra``, in this process."""
     cfg = tmp_path / "c.toml"
     cfg.write_text(BASE + extra)
-    env = dict(os.environ, GPUCTL_CONFIG=str(cfg), GPUCTL_STATE_DIR=str(tmp_path / "s"))
-    return subprocess.run(
-        [gpuctl_exe(), "config", *(args or ("check",))], env=env, capture_output=True,
-        text=True, timeout=60, check=False,
-    )  # fmt: skip
+    argv = ("config", *(args or ("check",)))
+    return gpuctl_in_process(cfg, *argv, env={"GPUCTL_STATE_DIR": str(tmp_path / "s")})
 
 
 @pytest.mark.parametrize(
