@@ -188,3 +188,23 @@ def big_service(name: str, port: int, server_name: str, load_time: str = "6s") -
     keyword (only its record or its start nonce tell it is the service's)."""
     toml = service_toml(name, port, model_server_command(server_name, port, "80GiB", load_time))
     return toml.replace('memory = "20GiB"', 'memory = "80GiB"')
+
+
+class LoopbackHealth:
+    """A health endpoint for a loopback ASGI server: answers ``status`` (200 unless
+    told otherwise; a loading model server says 503) and counts what it is asked."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.requests = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        self.requests += 1
+        await send({"type": "http.response.start", "status": self.status, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok" if self.status == 200 else b""})

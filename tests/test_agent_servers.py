@@ -28,6 +28,7 @@ from gpuctl.core.health_reach import parse_ports
 from gpuctl.core.record import Phase
 from gpuctl.core.status_wire import parse_status
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+from tests.ensure_helpers import LoopbackHealth
 
 TOKEN = "servers-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -121,25 +122,8 @@ def test_no_nonce_process_no_report(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- starting -> running
 
 
-class Health:
-    """A model server's health endpoint on loopback: 503 while loading, then 200."""
-
-    def __init__(self) -> None:
-        self.status = 503
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
-        await send({"type": "http.response.start", "status": self.status, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
-
-
 def test_a_healthy_starting_server_becomes_running(tmp_path: Path) -> None:
-    health = Health()
+    health = LoopbackHealth(503)
     store = DirectStore(tmp_path / "state")
     with (
         serve_in_thread(health) as server,
@@ -155,7 +139,7 @@ def test_a_healthy_starting_server_becomes_running(tmp_path: Path) -> None:
 
 
 def test_a_stopped_record_is_never_revived(tmp_path: Path) -> None:
-    health = Health()
+    health = LoopbackHealth(503)
     health.status = 200
     store = DirectStore(tmp_path / "state")
     h = holder_here("test")

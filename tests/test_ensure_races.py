@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl, gpuctl_exe
 from tests.ensure_helpers import (
+    agent_host,
     big_service,
     cli_env,
     end_in_window,
@@ -45,13 +45,7 @@ pytestmark = pytest.mark.xdist_group("heavy")
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
-    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
-    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
-    api._reset_for_tests()
-    with SimHost(root=tmp_path / "simhost") as h:
-        h.start_agent()
-        yield h
-    api._reset_for_tests()
+    yield from agent_host(tmp_path, monkeypatch)
 
 
 @pytest.fixture

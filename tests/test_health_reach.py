@@ -26,28 +26,11 @@ from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, HealthReach, parse_ports
 from gpuctl.core.record import Phase
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+from tests.ensure_helpers import LoopbackHealth
 
 TOKEN = "reach-token"
 # TEST-NET-1 (RFC 5737): documentation only, never routed. It is only ever a record's value.
 FAR = "192.0.2.1"
-
-
-class CountingHealth:
-    """A health endpoint on loopback that answers 200 and counts what it is asked."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
-        self.requests += 1
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
 
 
 @pytest.fixture
@@ -121,7 +104,7 @@ def settle(store: DirectStore, service: str, timeout_s: float = 15.0) -> Phase:
 def test_a_health_url_on_a_port_not_given_is_never_fetched(
     tmp_path: Path, off_loopback: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    allowed, refused = CountingHealth(), CountingHealth()
+    allowed, refused = LoopbackHealth(), LoopbackHealth()
     store = DirectStore(tmp_path / "state")
     caplog.set_level(logging.WARNING, logger="gpuctl.agent")
     with (
@@ -156,7 +139,7 @@ def test_a_health_url_on_a_port_not_given_is_never_fetched(
 def test_a_health_url_off_this_machine_is_refused_unfetched(
     tmp_path: Path, off_loopback: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    allowed = CountingHealth()
+    allowed = LoopbackHealth()
     store = DirectStore(tmp_path / "state")
     caplog.set_level(logging.WARNING, logger="gpuctl.agent")
     # The far port is allowed: only the address refuses it.
