@@ -21,6 +21,7 @@ from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.idle import Action
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost, reclaim
 from gpuctl.render.reclaim_view import reclaim_lines, reclaim_to_json
 
@@ -199,7 +200,7 @@ def test_reclaim_racing_ensure_never_stops_a_starting_service(world: World) -> N
     running(world, idle_s=7200)
     starter = holder_here("ensure")
     assert world.store.acquire("llm", starter, 600)[0]
-    world.store.update("llm", starter.id, {"phase": Phase.STARTING.value})
+    world.store.update("llm", starter.id, RecordUpdate.from_wire({"phase": Phase.STARTING.value}))
     report = reclaim(world.deps(SVC))
     assert world.launcher.stopped == []
     assert report.planned[0].candidate.action is Action.KEEP

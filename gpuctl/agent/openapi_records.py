@@ -18,7 +18,7 @@ from gpuctl.core import record_shapes as shapes
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX
-from gpuctl.core.record import DURATION_MAX, INFLIGHT_TTL_MAX_S, RECORD_SCHEMA
+from gpuctl.core.record import DURATION_MAX, INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
 
 # The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
 # for store failures, a "hint".
@@ -295,6 +295,7 @@ def shaped_schemas() -> dict[str, Any]:
         "anyOf": [_ref("Promise"), {"type": "null"}],
         "description": "What the start this lease is for promises (kept in the record).",
     }
+    out["Phase"]["enum"] = [p.value for p in Phase]  # in the lifecycle's order
     out["Holder"]["description"] = "Who asks for a lease: a fresh id per call, and its process."
     out["RecordUpdate"]["description"] = "Changes to a record; every key is optional."
     return out

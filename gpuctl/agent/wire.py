@@ -296,8 +296,11 @@ def _problem(msg: str, value: Any, t: Any) -> str:
         return f"expected one of {', '.join(str(e.value) for e in t.cls)}"
     inspect = msgspec.inspect
     if isinstance(t, inspect.IntType | inspect.FloatType) and isinstance(value, int | float):
-        low = f"{t.ge:g}" if t.ge is not None else f"more than {t.gt:g}"
-        high = f"{t.le:g}" if t.le is not None else f"less than {t.lt:g}"
+        low = f"{t.ge}" if t.ge is not None else f"more than {t.gt}"
+        high = f"{t.le}" if t.le is not None else f"less than {t.lt}"
+        if isinstance(t, inspect.FloatType):
+            low = f"{t.ge:g}" if t.ge is not None else f"more than {t.gt:g}"
+            high = f"{t.le:g}" if t.le is not None else f"less than {t.lt:g}"
         shown = value if isinstance(value, int) else f"{value:g}"
         return f"{shown} is out of range ({low}..{high})"
     if isinstance(t, inspect.StrType) and isinstance(value, str):

@@ -211,6 +211,18 @@ class RecordUpdate(Struct, forbid_unknown_fields=True, omit_defaults=True):
     def __bool__(self) -> bool:
         return self != _NOTHING
 
+    @classmethod
+    def from_wire(cls, data: Any) -> RecordUpdate:
+        """The typed value of a JSON update, exact types (``"no"`` is not a boolean).
+
+        Raises:
+            ValueError: an unknown key or a bad value, naming where.
+        """
+        try:
+            return msgspec.convert(data, cls, strict=True)
+        except msgspec.ValidationError as err:
+            raise ValueError(f"bad record update: {err}") from None
+
     def to_wire(self) -> dict[str, Any]:
         """The JSON form: only the fields set (``touch`` only when true)."""
         out: dict[str, Any] = msgspec.to_builtins(self)

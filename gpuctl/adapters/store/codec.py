@@ -154,7 +154,7 @@ def _fields_of(shape: type[msgspec.Struct]) -> dict[str, tuple[Check, Any]]:
         default = REQUIRED if f.required else f.default
         out[f.encode_name] = (
             _check_of(f.type),
-            ABSENT if default is msgspec.UNSET else default,
+            ABSENT if default in (msgspec.UNSET, msgspec.NODEFAULT) else default,
         )
     return out
 
