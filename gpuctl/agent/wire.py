@@ -230,7 +230,7 @@ def _said_again(message: str, data: Any, shape: Any, field: str) -> BadRequest:
     assert m is not None
     msg, path = m["msg"], m["path"] or "$"
     key_of = re.match(r"`key` in `(.*)`$", path)
-    parts = [p for p in re.split(r"\.|(?=\[)", (key_of[1] if key_of else path)[1:]) if p]
+    parts = re.findall(r"\[\.\.\.\]|[^.\[]+", (key_of[1] if key_of else path)[1:])
     if "[...]" in parts:  # a value in a handle or an attempt: find its key
         at = parts.index("[...]")
         inner = _value_at(data, parts[:at])

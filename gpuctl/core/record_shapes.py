@@ -223,6 +223,24 @@ class RecordUpdate(Struct, forbid_unknown_fields=True, omit_defaults=True):
         except msgspec.ValidationError as err:
             raise ValueError(f"bad record update: {err}") from None
 
+    def checked(self) -> RecordUpdate:
+        """This update, checked against its declaration as the agent checks it (a Struct
+        built in Python is not): ``"no"`` is no ``touch``.
+
+        Raises:
+            ValueError: ``update.touch: …``, naming the field. A value inside a handle or
+                an attempt is left to the store's record check, which names its key.
+        """
+        try:
+            msgspec.convert(msgspec.to_builtins(self), RecordUpdate, strict=True)
+        except msgspec.ValidationError as err:
+            text = str(err)
+            if "[...]" in text:
+                return self
+            msg, _, path = text.partition(" - at `")
+            raise ValueError(f"update{path.rstrip('`').removeprefix('$')}: {msg}") from None
+        return self
+
     def to_wire(self) -> dict[str, Any]:
         """The JSON form: only the fields set (``touch`` only when true)."""
         out: dict[str, Any] = msgspec.to_builtins(self)

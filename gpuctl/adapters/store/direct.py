@@ -469,9 +469,9 @@ def _apply(rec: Record, update: RecordUpdate, now: float) -> Record:
     never a record no reader accepts. A holder's write also ends a recovery note: the
     record says what is true again."""
     try:
-        out = replace(apply_update(rec, update, now), recovered=None)
+        out = replace(apply_update(rec, update.checked(), now), recovered=None)
         check_record(out)
-    except RecordError as e:
+    except ValueError as e:  # RecordError too
         raise UsageError(f"bad record update: {e}") from None
     return out
 
