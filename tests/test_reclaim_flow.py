@@ -91,9 +91,10 @@ def running(world: World, name: str = "llm", *, handle: bool = True, idle_s: flo
     store = world.store
     world.clock[0] -= idle_s
     store.acquire(name, h, 60)
-    update: dict[str, Any] = {"phase": Phase.RUNNING.value, "touch": True}
+    update = RecordUpdate(phase=Phase.RUNNING, touch=True)
     if handle:
-        update["handle"] = {"kind": "process", "pid": 999999, "pid_start": 1.0}
+        handle_value = {"kind": "process", "pid": 999999, "pid_start": 1.0}
+        update = RecordUpdate(phase=Phase.RUNNING, touch=True, handle=handle_value)
     store.release(name, h.id, update)
     world.clock[0] += idle_s
 

@@ -297,7 +297,9 @@ class StoreApi:
         if op == "update":
             return 200, store.update(svc, args["holder"], args["update"]).to_dict()
         if op == "acquire":
-            granted, rec = store.acquire(svc, args["holder"], args["ttl_s"], _promise_arg(args))
+            granted, rec = store.acquire(
+                svc, decode_holder(args["holder"]), args["ttl_s"], _promise_arg(args)
+            )
             return 200, {"granted": granted, "record": rec.to_dict()}
         if op == "inflight_begin":
             granted, rec = store.inflight_begin(svc, decode_holder(args["holder"]), args["ttl_s"])

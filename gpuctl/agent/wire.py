@@ -28,7 +28,6 @@ from gpuctl.core.json_kind import json_kind
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.record import INFLIGHT_TTL_MAX_S, MAX_EXTRA_KEYS
-from gpuctl.core.record import Holder as HolderValue
 
 # The HTTP reader's own limit (and a record file's, ``codec.MAX_RECORD_BYTES``): every
 # body the request schemas allow fits under it (``MAX_TEXT``, ``MAX_EXTRA_TEXT``, tested
@@ -330,12 +329,11 @@ def holder(value: Any, field: str) -> dict[str, Any]:
 
 
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
-    """``holder`` (a ``core.record.Holder``), ``ttl_s``, ``promise`` (a dict or None)."""
+    """``holder`` (as it came), ``ttl_s``, ``promise`` (a dict or None)."""
     body = shaped(data, shapes.LeaseRequest)
     if body.promise is not None:
         promise(body.promise, "promise")
-    value: HolderValue = body.holder.value()
-    return {"holder": value, "ttl_s": body.ttl_s, "promise": body.promise}
+    return {"holder": data["holder"], "ttl_s": body.ttl_s, "promise": body.promise}
 
 
 def renew_request(data: dict[str, Any]) -> dict[str, Any]:
