@@ -258,9 +258,9 @@ def parse_status(data: object) -> Snapshot:
         raise ValueError("is_idle disagrees with processes")
     # The schema's pattern is searched (``$`` passes a trailing newline): the one name
     # rule decides.
-    for i, e in enumerate(s.servers or ()):
-        if not is_valid_name(e.service):
-            raise ValueError(f"servers[{i}].service: not a service name: {e.service[:40]!r}")
+    for i, srv in enumerate(s.servers or ()):
+        if not is_valid_name(srv.service):
+            raise ValueError(f"servers[{i}].service: not a service name: {srv.service[:40]!r}")
     snap = Snapshot(
         memory_used_mib=s.memory_used_mib,
         memory_total_mib=s.memory_total_mib,
