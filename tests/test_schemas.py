@@ -3,10 +3,11 @@
 simulated GPU, in the states a script meets (ready, started, loading with a lease held,
 busy, failed, timed out, a host down, a corrupt record set aside).
 
-Each output is checked twice: against the schema as shipped (which lets a consumer
-validate newer output that adds keys), and against a strict copy that refuses any key
-the schema does not declare, so a key added to the output without being documented
-fails here.
+The schemas are generated from the Structs of ``gpuctl.render.schemas`` (a test diffs
+the committed files against a fresh generation). Each output is checked three times:
+by its Struct, against the schema as shipped (which lets a consumer validate newer
+output that adds keys), and against a strict copy that refuses any key the schema does
+not declare, so a key added to the output without being declared fails here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
@@ -29,6 +31,7 @@ from gpuctl.core.decision import Decision
 from gpuctl.core.idle import Action
 from gpuctl.core.record import Phase
 from gpuctl.flows.results import Outcome
+from gpuctl.render import schemas
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import unique_name
@@ -64,6 +67,13 @@ def strict(schema: Any) -> Any:
 
 
 def check(name: str, obj: Any) -> None:
+    """``obj`` is a valid ``name`` output: its Struct takes it, and so do the generated
+    schema and its strict copy."""
+    struct = next(o.struct for o in schemas.OUTPUTS if o.name == name)
+    try:
+        msgspec.convert(obj, struct, strict=True)
+    except msgspec.ValidationError as e:
+        raise AssertionError(f"gpuctl.render.schemas.{struct.__name__} refuses it: {e}") from e
     schema = load(name)
     for variant in (schema, strict(schema)):
         v = Draft202012Validator(variant, format_checker=FormatChecker())
@@ -116,8 +126,6 @@ def test_committed_schemas_are_generated_from_the_structs() -> None:
 
 
 def test_the_generator_check_names_a_stale_file(tmp_path: Path) -> None:
-    from gpuctl.render import schemas
-
     for o in schemas.OUTPUTS:
         (tmp_path / f"{o.name}.schema.json").write_text(schemas.rendered(o))
     assert schemas.stale(tmp_path) == []
