@@ -31,6 +31,8 @@ def status_components() -> dict[str, Any]:
     for name, schema in components.items():
         props = schema.get("properties", {})
         schema["required"] = [k for k in props if k not in _SOMETIMES.get(name, ())]
+        for prop in props.values():
+            prop.pop("default", None)
     return components
 
 
