@@ -6,6 +6,7 @@ from typing import Any
 
 from gpuctl import __version__
 from gpuctl.agent import query
+from gpuctl.agent.openapi_events import event_schemas, events_paths
 from gpuctl.core.model import STATUS_SCHEMA
 
 __all__ = ["SERVICE_NAME_PATTERN", "openapi_document"]
@@ -165,6 +166,7 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
             **records_paths(unauthorized),
+            **events_paths(unauthorized, {"$ref": "#/components/schemas/Error"}),
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
@@ -396,6 +398,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                 },
                 **records_schemas(),
+                **event_schemas(),
             },
         },
     }

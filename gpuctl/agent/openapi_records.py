@@ -605,6 +605,10 @@ def records_schemas() -> dict[str, Any]:
                     **nullable(_ref("Promise")),
                     "description": "What the start this lease is for promises (kept in the record).",
                 },
+                "event": {
+                    **_ref("Event"),
+                    "description": "The journal's event for this write (kept if it lands).",
+                },
             },
         },
         "LeaseGrant": {
@@ -628,7 +632,14 @@ def records_schemas() -> dict[str, Any]:
             "type": "object",
             "additionalProperties": False,
             "required": ["holder", "update"],
-            "properties": {"holder": holder_id, "update": _ref("RecordUpdate")},
+            "properties": {
+                "holder": holder_id,
+                "update": _ref("RecordUpdate"),
+                "event": {
+                    **_ref("Event"),
+                    "description": "The journal's event for this write (kept if it lands).",
+                },
+            },
         },
         "ReleaseRequest": {
             "type": "object",
@@ -637,6 +648,10 @@ def records_schemas() -> dict[str, Any]:
             "properties": {
                 "holder": holder_id,
                 "update": nullable(_ref("RecordUpdate")),
+                "event": {
+                    **_ref("Event"),
+                    "description": "The journal's event for this write (kept if it lands).",
+                },
             },
         },
         "TouchRequest": {

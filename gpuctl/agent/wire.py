@@ -18,6 +18,7 @@ from typing import Any
 from gpuctl.adapters.store.schema import MAX_EXTRA_KEYS
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
+from gpuctl.core.events import Event, event_from_dict
 from gpuctl.core.json_kind import json_kind
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.pids import PID_MAX
@@ -309,11 +310,32 @@ def promise(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
+def event(value: Any, field: str) -> Event:
+    """A journal event (``core.events``), checked and bounded."""
+    try:
+        return event_from_dict(value)
+    except ValueError as err:
+        where, _, why = str(err).partition(": ")
+        raise BadRequest(where if where.startswith("event") else field, why or str(err)) from None
+
+
+def events_request(data: dict[str, Any]) -> list[Event]:
+    """``POST /events``: events that ride on no record write (at most ``MAX_EVENTS``)."""
+    args = obj(data, "", {"events": lambda v, f: v}, required=("events",))
+    items = args["events"]
+    if not isinstance(items, list) or len(items) > MAX_EVENTS:
+        raise BadRequest("events", f"expected a list of at most {MAX_EVENTS} events")
+    return [event(item, f"events[{i}]") for i, item in enumerate(items)]
+
+
+MAX_EVENTS = 64
+
+
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     return obj(
         data,
         "",
-        {"holder": holder, "ttl_s": ttl, "promise": nullable(promise)},
+        {"holder": holder, "ttl_s": ttl, "promise": nullable(promise), "event": event},
         required=("holder", "ttl_s"),
     )
 
@@ -331,7 +353,11 @@ def holder_update(data: dict[str, Any]) -> dict[str, Any]:
     return obj(
         data,
         "",
-        {"holder": lambda v, f: string(v, f, empty=False), "update": record_update},
+        {
+            "holder": lambda v, f: string(v, f, empty=False),
+            "update": record_update,
+            "event": event,
+        },
         required=("holder", "update"),
     )
 
@@ -340,7 +366,11 @@ def release_request(data: dict[str, Any]) -> dict[str, Any]:
     return obj(
         data,
         "",
-        {"holder": lambda v, f: string(v, f, empty=False), "update": nullable(record_update)},
+        {
+            "holder": lambda v, f: string(v, f, empty=False),
+            "update": nullable(record_update),
+            "event": event,
+        },
         required=("holder",),
     )
 

@@ -32,12 +32,15 @@ from typing import Any
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store, holder_here
+from gpuctl.adapters.store.journal import journal_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.events import Cause, Event, Kind
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
 from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.resume import Resumed
 
@@ -200,6 +203,8 @@ def _reclaim_host(
         if not dry_run:
             with contextlib.suppress(GpuctlError):
                 rh.store.release(RUN_LOCK, run.id)
+            if not rh.host.agent and hasattr(rh.store, "state_dir"):  # no agent prunes here
+                journal_for(rh.store.state_dir).maintain()
 
 
 def _facts(
@@ -294,9 +299,28 @@ def _free(
         p.done = True
     finally:
         with contextlib.suppress(GpuctlError):
-            rh.store.release(svc.name, holder.id, update)
+            rh.store.release(svc.name, holder.id, update, event=_stop_event(svc, rec, update))
         if touch_after:
             _touch(rh, svc, p)
+
+
+def _stop_event(svc: ServiceConfig, rec: Record, update: dict[str, Any] | None) -> Event | None:
+    """The journal's word for a reclaim's stop (or sleep): idle for how long."""
+    if update is None:
+        return None
+    sleep = update.get("phase") == Phase.SLEEPING.value
+    idle = rec.idle_for(time.time())
+    return story.ev(
+        Kind.STOP,
+        svc.name,
+        "reclaim",
+        cause=Cause.SLEEP if sleep else Cause.IDLE,
+        before=rec.phase,
+        after=Phase.SLEEPING if sleep else Phase.STOPPED,
+        reason=f"idle past its {svc.idle_timeout_s:.0f}s idle timeout",
+        idle_s=idle,
+        budget_mib=svc.memory_mib,
+    )
 
 
 def report_lines(report: ReclaimReport) -> Sequence[Planned]:

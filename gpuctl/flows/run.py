@@ -43,6 +43,7 @@ from gpuctl.adapters.jobs import GatedChild, new_nonce, run_env
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
+from gpuctl.core.events import Kind
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter, queued_reason
@@ -50,6 +51,7 @@ from gpuctl.core.record import Phase, Record
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import run_preempt as rp
+from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
 from gpuctl.flows.look import decide, observe
@@ -346,6 +348,16 @@ def _start(
             spec.name,
             holder.id,
             {"phase": Phase.RUNNING.value, "handle": handle, "touch": True, "failure": None},
+            event=story.ev(
+                Kind.LAUNCH,
+                spec.name,
+                "run",
+                job=True,
+                after=Phase.RUNNING,
+                budget_mib=story.mib(spec.memory_mib),
+                priority=spec.priority,
+                command=" ".join(req.argv)[:500],
+            ),
         )
     except GpuctlError:
         # Unrecorded, it would hold memory nobody counts: it does not run.
@@ -395,6 +407,19 @@ def _ended(deps: RunDeps, name: str) -> bool:
         update: dict[str, Any] = {"handle": None}
         if not preempted:
             update["phase"] = Phase.STOPPED.value
+        end = (
+            None
+            if preempted
+            else story.ev(
+                Kind.STOP,
+                name,
+                "run",
+                job=True,
+                before=rec.phase,
+                after=Phase.STOPPED,
+                reason="the job ended",
+            )
+        )
         with contextlib.suppress(GpuctlError):
-            deps.store.release(name, holder.id, update)
+            deps.store.release(name, holder.id, update, event=end)
     return preempted

@@ -10,11 +10,13 @@ from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
+from gpuctl.core.events import Cause, Kind
 from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_aside
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
+from gpuctl.flows import story
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.look import hidden_words, keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
@@ -135,7 +137,20 @@ def stop(deps: EnsureDeps) -> StopResult:
             if result.stopped
             else "nothing of it was running"
         )
-        deps.store.release(svc.name, holder.id, {"phase": Phase.STOPPED.value, "handle": None})
+        deps.store.release(
+            svc.name,
+            holder.id,
+            {"phase": Phase.STOPPED.value, "handle": None},
+            event=story.ev(
+                Kind.STOP,
+                svc.name,
+                "stop",
+                cause=Cause.MANUAL,
+                before=record.phase,
+                after=Phase.STOPPED,
+                reason=result.reason,
+            ),
+        )
     except Unproven:
         # Nothing was signalled: the record stays as it was, for a person to judge.
         with contextlib.suppress(GpuctlError):

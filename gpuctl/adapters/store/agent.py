@@ -17,6 +17,7 @@ from gpuctl.adapters.store.codec import (
     decode_waiter,
     decode_waiters,
 )
+from gpuctl.core.events import Event
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided, fit_update
@@ -57,6 +58,7 @@ class AgentStore:
         self._timeout = httpx.Timeout(timeout_s)
         self._owned = client is None
         self._keeps_promises = True  # until the agent refuses the key (an older one)
+        self._keeps_events = True  # likewise, for the journal's events
         # No credentials on the client: each request carries its own (a shared client
         # also talks to health URLs, which must never see the agent's token).
         self._client = client if client is not None else http_client(timeout_s)
@@ -169,10 +171,22 @@ class AgentStore:
             raise self._broken(f"a broken set-aside list: {e}") from None
 
     def acquire(
-        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+        self,
+        service: str,
+        holder: Holder,
+        ttl_s: float,
+        promise: Promise | None = None,
+        event: Event | None = None,
     ) -> tuple[bool, Record]:
         body: dict[str, Any] = {"holder": holder.to_dict(), "ttl_s": ttl_s}
-        data = self._promising("POST", f"/records/{check_name(service)}/lease", body, promise)
+        path = f"/records/{check_name(service)}/lease"
+        try:
+            data = self._promising("POST", path, self._with_event(body, event), promise)
+        except UsageError as e:
+            if event is None or "event" not in e.message or "unknown field" not in e.message:
+                raise
+            self._keeps_events = False
+            data = self._promising("POST", path, body, promise)
         granted = data.get("granted") if isinstance(data, dict) else None
         if not isinstance(granted, bool):
             raise self._broken("a lease answer without a boolean 'granted'")
@@ -187,23 +201,49 @@ class AgentStore:
             )
         )
 
-    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
-        return self._record(
-            self._call(
-                "POST",
-                f"/records/{check_name(service)}/lease/release",
-                {"holder": holder_id, "update": fit_update(update or {})},
-            )
-        )
+    def release(
+        self,
+        service: str,
+        holder_id: str,
+        update: dict[str, Any] | None = None,
+        event: Event | None = None,
+    ) -> Record:
+        body = {"holder": holder_id, "update": fit_update(update or {})}
+        path = f"/records/{check_name(service)}/lease/release"
+        return self._record(self._eventful("POST", path, body, event))
 
-    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
-        return self._record(
-            self._call(
-                "PATCH",
-                f"/records/{check_name(service)}",
-                {"holder": holder_id, "update": fit_update(update)},
-            )
-        )
+    def update(
+        self, service: str, holder_id: str, update: dict[str, Any], event: Event | None = None
+    ) -> Record:
+        body = {"holder": holder_id, "update": fit_update(update)}
+        return self._record(self._eventful("PATCH", f"/records/{check_name(service)}", body, event))
+
+    def note(self, *events: Event) -> None:
+        """``POST /events``; never raises (the journal is a witness, not a gate)."""
+        if not events or not self._keeps_events:
+            return
+        try:
+            self._call("POST", "/events", {"events": [e.to_dict() for e in events]})
+        except GpuctlError as e:
+            from gpuctl.adapters.store.journal import dropped
+
+            dropped(f"the agent on {self.host_name}: {e.message}")
+
+    def _with_event(self, body: dict[str, Any], event: Event | None) -> dict[str, Any]:
+        return {**body, "event": event.to_dict()} if event and self._keeps_events else body
+
+    def _eventful(self, method: str, path: str, body: dict[str, Any], event: Event | None) -> Any:
+        """``body`` with the event riding on it. An agent older than the journal refuses
+        the key (400 "unknown field"): asked again without it, once per client."""
+        if event is None or not self._keeps_events:
+            return self._call(method, path, body)
+        try:
+            return self._call(method, path, self._with_event(body, event))
+        except UsageError as e:
+            if "event" not in e.message or "unknown field" not in e.message:
+                raise
+            self._keeps_events = False
+            return self._call(method, path, body)
 
     def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
         path = f"/records/{check_name(service)}/touch"

@@ -6,6 +6,7 @@ import os
 import uuid
 from typing import Any, Protocol
 
+from gpuctl.core.events import Event
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
@@ -55,23 +56,45 @@ class Store(Protocol):
         ...
 
     def acquire(
-        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+        self,
+        service: str,
+        holder: Holder,
+        ttl_s: float,
+        promise: Promise | None = None,
+        event: Event | None = None,
     ) -> tuple[bool, Record]:
         """Take the lease unless someone else holds a live one. Returns (granted, record).
 
         ``promise``: what the start this lease is for promises (its budget, devices,
         priority, kind, resumability), written with the lease in one write, so no client
-        ever sees the lease without the figures it must count it at."""
+        ever sees the lease without the figures it must count it at. ``event``: the
+        journal's event for this write (``adapters.store.journal``), kept only if granted; it
+        rides on the write (the same request to an agent)."""
         ...
 
     def renew(self, service: str, holder_id: str, ttl_s: float) -> Record: ...
 
-    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
-        """Apply ``update`` and drop the lease, if ``holder_id`` still holds it."""
+    def release(
+        self,
+        service: str,
+        holder_id: str,
+        update: dict[str, Any] | None = None,
+        event: Event | None = None,
+    ) -> Record:
+        """Apply ``update`` and drop the lease, if ``holder_id`` still holds it (and then
+        journal ``event``)."""
         ...
 
-    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
-        """Apply ``update`` as the lease holder (StoreError otherwise)."""
+    def update(
+        self, service: str, holder_id: str, update: dict[str, Any], event: Event | None = None
+    ) -> Record:
+        """Apply ``update`` as the lease holder (StoreError otherwise), and journal
+        ``event`` with it."""
+        ...
+
+    def note(self, *events: Event) -> None:
+        """Journal events that ride on no record write (a refusal, a queue join). Never
+        raises: the journal is a witness, not a gate."""
         ...
 
     def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:

@@ -14,9 +14,11 @@ from gpuctl.adapters.store import Holder
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
+from gpuctl.core.events import Event, Kind
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
 from gpuctl.flows.ensure.context import Ctx, bystander
@@ -57,7 +59,7 @@ def launch_under_lease(
     released = False
     unlaunched = restore
 
-    def release(update: dict[str, Any] | None = None) -> None:
+    def release(update: dict[str, Any] | None = None, event: Event | None = None) -> None:
         nonlocal released
         if released:
             return
@@ -65,7 +67,7 @@ def launch_under_lease(
         if update is None and unlaunched is not None:
             update = unlaunched
         try:
-            deps.store.release(svc.name, holder.id, update)
+            deps.store.release(svc.name, holder.id, update, event=event)
         except GpuctlError as e:
             ctx.notes.append(f"could not release the lease: {e.message} (it expires by itself)")
 
@@ -161,6 +163,7 @@ def launch_under_lease(
                 # service at its budget, even before its server exists. The nonce goes
                 # into the server's environment: if we die before recording the server,
                 # the next caller finds it by the nonce.
+                story.tell(deps.store, story.admitted(svc, deps.entry, verdict, own))
                 deps.store.update(
                     svc.name,
                     holder.id,
@@ -173,13 +176,33 @@ def launch_under_lease(
                         # did not wait) to `running` once the server answers.
                         "health": svc.health,
                     },
+                    event=story.ev(
+                        Kind.LAUNCH,
+                        svc.name,
+                        deps.entry,
+                        before=own and own.phase,
+                        after=Phase.STARTING,
+                        budget_mib=story.mib(svc.memory_mib),
+                        command=svc.command,
+                    ),
                 )
                 try:
                     handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
-                    release({"attempt": attempt, "failure": {"error": msg, "log_tail": ""}})
+                    release(
+                        {"attempt": attempt, "failure": {"error": msg, "log_tail": ""}},
+                        story.ended(
+                            svc,
+                            deps.entry,
+                            Outcome.FAILED,
+                            msg,
+                            log_tail="",
+                            started_at=started_at,
+                            handle=None,
+                        ),
+                    )
                     hint = e.hint if isinstance(e, GpuctlError) and e.hint else None
                     return ctx.result(
                         Outcome.FAILED,
@@ -243,7 +266,19 @@ def launch_under_lease(
             update.update({"phase": Phase.RUNNING.value, "failure": None, "touch": True})
         elif outcome is Outcome.FAILED:
             update["failure"] = {"error": waited.reason, "log_tail": waited.log_tail}
-        release(update)
+        release(
+            update,
+            story.ended(
+                svc,
+                deps.entry,
+                outcome,
+                waited.reason,
+                log_tail=waited.log_tail,
+                started_at=started_at,
+                handle=handle.to_dict(),
+                now=deps.clock(),
+            ),
+        )
         return ctx.from_wait(
             waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()
         )

@@ -43,11 +43,13 @@ from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Holder, Store, holder_here
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
+from gpuctl.core.events import Cause, Kind
 from gpuctl.core.jobs import PREFIX, is_job, job_route, unreachable
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.plan import Plan, Victim
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
 from gpuctl.errors import GpuctlError, LauncherError
+from gpuctl.flows import story
 from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.ensure.launch import launch_under_lease
@@ -109,6 +111,9 @@ class RoomDeps:
     force: bool = False
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
+    # Who makes the room and why, in the victims' stop events (``flows.story``).
+    by: str = ""
+    why: str = ""
 
 
 @dataclass
@@ -216,7 +221,24 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                 room.hint = e.hint
                 return room
             failpoints.hit("preempt.after_victim_stop")
-            deps.store.release(t.name, t.holder.id, update)
+            cause = Cause.YIELD if t.name in yielded else Cause.PREEMPTED
+            deps.store.release(
+                t.name,
+                t.holder.id,
+                update,
+                event=story.ev(
+                    Kind.STOP,
+                    t.name,
+                    "preempt",
+                    job=is_job(t.name),
+                    cause=cause,
+                    by=deps.by or None,
+                    before=t.record.phase,
+                    after=Phase.PREEMPTED,
+                    reason=deps.why or None,
+                    idle_s=idle_seconds(t.record, now) if t.name in yielded else None,
+                ),
+            )
             taken.remove(t)
             room.stopped.append(t.name)
         return room
@@ -285,6 +307,8 @@ def preempt(
                 force=deps.force,
                 clock=deps.clock,
                 sleep=deps.sleep,
+                by=svc.name,
+                why=f"priority {svc.priority}, needed {plan.need_mib} MiB on GPU {plan.gpu}",
             ),
             plan,
             snapshot,
