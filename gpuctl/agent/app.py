@@ -114,6 +114,7 @@ class AgentApp:
         self.router.add("GET", "/metrics", self._get_metrics)
         self.router.add("GET", "/events", self._get_events)
         self.router.add("POST", "/events", self._post_events)
+        self.router.add("GET", "/usage", self._get_usage)
 
         self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate, host=settings.host)
         store = self.store_api.store
@@ -129,6 +130,9 @@ class AgentApp:
 
     async def _get_events(self, request: Request) -> Response:
         return await events_api.get_events(self.journal, request)
+
+    async def _get_usage(self, request: Request) -> Response:
+        return await events_api.get_usage(self.journal, request)
 
     async def _post_events(self, request: Request) -> Response:
         writer = self._tokens.check(request.scope, write=True)

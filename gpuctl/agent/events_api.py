@@ -4,6 +4,8 @@
 GET      /events?since=2h&service=S          {"events": [{"id": N, **event}, …]} oldest
                                              first (``since``: a span or a Unix time;
                                              default 1h; at most ``MAX_READ`` newest)
+GET      /usage?since=30d                    {"since": T, "rows": [{"day", "service",
+                                             "user", totals…}, …]} (``core.usage``)
 GET      /events?follow=1&since=…            server-sent events: one ``data:`` line per
                                              event (JSON, with its ``id:``), as written
 POST     /events                             {"events": [event, …]} → {"written": N}
@@ -83,6 +85,27 @@ async def get_events(journal: Journal | None, request: Request) -> Response:
         journal.read, since, service=service, after_id=after, limit=MAX_READ
     )
     return json_response(200, {"events": [_row(i, e) for i, e in rows]})
+
+
+async def get_usage(journal: Journal | None, request: Request) -> Response:
+    """``GET /usage?since=30d``: the journal's rows (UTC day, service, user) from
+    ``since`` (closed days from the daily rows: ``Journal.usage``)."""
+    if journal is None:
+        return json_response(503, {"error": "this agent has no state directory", "hint": ""})
+    q = request.query()
+    unknown = sorted(set(q) - {"since"})
+    if unknown:
+        raise HttpError(400, f"unknown query parameter {unknown[0]!r}", "see /openapi.json")
+    text = (q.get("since") or ["7d"])[-1]
+    if not re.fullmatch(SINCE_PATTERN, text):
+        raise HttpError(400, f"bad since: {text[:40]!r}", "since=7d, since=30d or a Unix time")
+    since = parse_since(text, time.time())
+    rows = await asyncio.to_thread(journal.usage, since)
+    out = [
+        {"day": day, "service": svc, "user": user, **t.to_dict()}
+        for (day, svc, user), t in sorted(rows.items())
+    ]
+    return json_response(200, {"since": since, "rows": out})
 
 
 async def post_events(journal: Journal | None, request: Request, seen: dict[str, str]) -> Response:

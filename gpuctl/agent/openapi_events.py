@@ -70,7 +70,51 @@ def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[st
     def err(description: str) -> dict[str, Any]:
         return {"description": description, "content": {"application/json": {"schema": error}}}
 
+    tally = {
+        "type": "object",
+        "required": ["day", "service", "user"],
+        "properties": {
+            "day": {"type": "string"},
+            "service": {"type": "string"},
+            "user": {"type": "string"},
+        },
+        "description": "A row's totals (gpuctl.core.usage.Tally), keyed by UTC day, service, user.",
+    }
     return {
+        "/usage": {
+            "get": {
+                "operationId": "getUsage",
+                "summary": "What each service held and cost, by UTC day, service and user.",
+                "parameters": [
+                    {
+                        "name": "since",
+                        "in": "query",
+                        "description": "A span back from now (7d, 30d) or a Unix time; 7d.",
+                        "schema": {"type": "string", "pattern": SINCE_PATTERN},
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The rows.",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["since", "rows"],
+                                    "properties": {
+                                        "since": {"type": "number"},
+                                        "rows": {"type": "array", "items": tally},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "400": err("A bad since."),
+                    "401": unauthorized,
+                    "503": err("The agent has no state directory."),
+                },
+            }
+        },
         "/events": {
             "get": {
                 "operationId": "getEvents",
@@ -155,5 +199,5 @@ def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[st
                     "503": err("The agent has no state directory."),
                 },
             },
-        }
+        },
     }

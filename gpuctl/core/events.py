@@ -204,7 +204,7 @@ def words(e: Event) -> str:
     what = e.service + (" (job)" if e.job else "")
     f = e.figures
     if e.kind is Kind.STOP:
-        cause = e.cause.value if e.cause else "stopped"
+        cause = e.cause.value if e.cause else ""
         if e.cause is Cause.PREEMPTED:
             text = f"{what} preempted" + (f" by {e.by}" if e.by else "")
         elif e.cause is Cause.IDLE:
@@ -213,7 +213,7 @@ def words(e: Event) -> str:
         elif e.cause is Cause.SLEEP:
             text = f"{what} put to sleep"
         else:
-            text = f"{what} stopped ({cause})"
+            text = f"{what} stopped" + (f" ({cause})" if e.cause else "")
     elif e.kind is Kind.READY:
         cold = f.get("cold_start_s")
         text = f"{what} ready" + (f" after a {_span(cold)} cold start" if cold is not None else "")

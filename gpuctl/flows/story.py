@@ -161,3 +161,43 @@ def _exit_code(reason: str) -> float | None:
 
     m = re.search(r"(?:exit(?:ed)?(?: with)?(?: code| status)?)\s+(-?\d+)", reason)
     return float(m.group(1)) if m else None
+
+
+# ---- reading (``gpuctl events``, ``gpuctl usage``)
+
+
+def host_events(
+    store: Any, since: float, *, service: str | None = None, after_id: int = 0
+) -> list[tuple[int, Event]]:
+    """A host's journal from ``since``: its agent's (``GET /events``), or the files'
+    here. Raises GpuctlError when the host cannot be read."""
+    import sqlite3
+
+    from gpuctl.errors import StoreError
+
+    if hasattr(store, "events"):
+        got: list[tuple[int, Event]] = store.events(since, service=service, after_id=after_id)
+        return got
+    from gpuctl.adapters.store.journal import journal_for
+
+    try:
+        return journal_for(store.state_dir).read(since, service=service, after_id=after_id)
+    except (sqlite3.Error, OSError) as e:
+        raise StoreError(f"cannot read the journal in {store.state_dir}: {e}") from None
+
+
+def host_usage(store: Any, since: float) -> dict[tuple[str, str, str], Any]:
+    """A host's usage rows from ``since`` (``core.usage``), keyed (day, service, user)."""
+    import sqlite3
+
+    from gpuctl.errors import StoreError
+
+    if hasattr(store, "usage"):
+        got: dict[tuple[str, str, str], Any] = store.usage(since)
+        return got
+    from gpuctl.adapters.store.journal import journal_for
+
+    try:
+        return journal_for(store.state_dir).usage(since)
+    except (sqlite3.Error, OSError) as e:
+        raise StoreError(f"cannot read the journal in {store.state_dir}: {e}") from None

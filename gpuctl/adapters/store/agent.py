@@ -21,6 +21,7 @@ from gpuctl.core.events import Event
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided, fit_update
+from gpuctl.core.usage import Tally
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
@@ -228,6 +229,44 @@ class AgentStore:
             from gpuctl.adapters.store.journal import dropped
 
             dropped(f"the agent on {self.host_name}: {e.message}")
+
+    def events(
+        self, since: float, *, service: str | None = None, after_id: int = 0
+    ) -> list[tuple[int, Event]]:
+        """The agent's journal (``GET /events``), oldest first."""
+        from urllib.parse import urlencode
+
+        from gpuctl.core.events import event_from_dict
+
+        q = {"since": f"{since:.6f}", "after": str(after_id)}
+        if service is not None:
+            q["service"] = service
+        data = self._call("GET", f"/events?{urlencode(q)}")
+        rows = data.get("events") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise self._broken("an event list without its events")
+        out: list[tuple[int, Event]] = []
+        for row in rows:
+            if isinstance(row, dict) and isinstance(row.get("id"), int):
+                body = {k: v for k, v in row.items() if k != "id"}
+                try:
+                    out.append((row["id"], event_from_dict(body, stored=True)))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise self._broken(f"a broken event: {e}") from None
+        return out
+
+    def usage(self, since: float) -> dict[tuple[str, str, str], Tally]:
+        """The agent's usage rows (``GET /usage``), keyed (UTC day, service, user)."""
+        data = self._call("GET", f"/usage?since={since:.6f}")
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise self._broken("a usage answer without its rows")
+        out: dict[tuple[str, str, str], Tally] = {}
+        for row in rows:
+            if isinstance(row, dict):
+                key = (str(row.get("day")), str(row.get("service")), str(row.get("user")))
+                out[key] = Tally.from_dict(row)
+        return out
 
     def _with_event(self, body: dict[str, Any], event: Event | None) -> dict[str, Any]:
         return {**body, "event": event.to_dict()} if event and self._keeps_events else body
