@@ -159,7 +159,8 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
         assert metrics.returncode in (0, 3), metrics.stderr
         import httpx
 
-        text = httpx.get(f"{host.agent_url}/metrics", headers=_auth()).text
+        auth = {"Authorization": f"Bearer {host.token}"}
+        text = httpx.get(f"{host.agent_url}/metrics", headers=auth).text
         assert 'gpuctl_stops_total{cause="idle"} 1' in text
         assert 'gpuctl_stops_total{cause="preempted"} 1' in text
         assert "gpuctl_starts_total 4" in text
@@ -170,13 +171,6 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
             wjob.wait(timeout=30)
         kill_servers(chat)
         kill_servers(photos)
-
-
-def _auth() -> dict[str, str]:
-    import os
-
-    token = os.environ.get("GPUCTL_DEMO_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def test_direct_host_journals_and_reads_without_an_agent(host: SimHost) -> None:

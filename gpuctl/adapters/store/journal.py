@@ -30,7 +30,6 @@ import logging
 import os
 import sqlite3
 import stat
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -105,10 +104,8 @@ def _failed(why: str) -> None:
         _written["write_failures"] = _written.get("write_failures", 0) + 1
         first = "warned" not in _written
         _written["warned"] = 1
-    if first:
+    if first:  # once per process (a command's stderr, the agent's log)
         log.warning("the journal cannot be written (%s); going on without it", why)
-        if not logging.getLogger().handlers and not log.handlers:
-            print(f"gpuctl: warning: the journal cannot be written ({why})", file=sys.stderr)
 
 
 class Journal:
