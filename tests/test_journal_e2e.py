@@ -189,3 +189,18 @@ def test_direct_host_journals_and_reads_without_an_agent(host: SimHost) -> None:
         assert mode in (0o600, 0o660)
     finally:
         kill_servers(name)
+
+
+def test_status_never_reads_the_journal(host: SimHost) -> None:
+    cfg = direct_config(host, "")
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gpuctl", "status", "--json"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gpuctl.adapters.store.journal" not in r.stderr
+    assert "sqlite3" not in r.stderr

@@ -69,7 +69,7 @@ def events(
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
         from gpuctl.adapters.store import store_for
         from gpuctl.flows.story import host_events
-        from gpuctl.render.events_view import EventsOut, HostError, event_line, event_row, to_json
+        from gpuctl.render.events_view import EventsOut, HostError, event_line, event_row
 
         start = _since(since)
         conf = open_config(config)
@@ -77,7 +77,7 @@ def events(
         for name in names:
             conf.host(name)  # an unknown name: the config's own error
         many = len(names) > 1
-        dated = time.time() - start > 86400
+        dated = time.time() - start > 86400 + 60  # a day back and more: dates too
         stores = {name: store_for(conf.host(name)) for name in names}
         rows, errors, last = [], [], dict.fromkeys(names, 0)
         try:
@@ -93,7 +93,7 @@ def events(
             rows.sort(key=lambda r: (r[0], r[1], r[2]))
             if json_out:
                 out = EventsOut(1, start, [event_row(n, i, ev) for _, n, i, ev in rows], errors)
-                print_json(to_json(out))
+                _print_json(out)
             else:
                 for _, name, _, ev in rows:
                     print(event_line(name if many else None, ev, dated=dated))
@@ -142,6 +142,17 @@ def _follow(
         raise typer.Exit(0) from None
 
 
+def _print_json(out: Any) -> None:
+    from gpuctl.core.redact import mask_url_passwords
+    from gpuctl.render.events_view import json_text, to_json
+
+    text = json_text(out)
+    if text is None:
+        print_json(to_json(out))
+    else:  # as print_json: no configured URL's password in the output
+        sys.stdout.write(mask_url_passwords(text) + "\n")
+
+
 def usage(
     host: HostsOpt = None,
     all_hosts: AllOpt = False,
@@ -172,7 +183,7 @@ def usage(
         from gpuctl.adapters.store import store_for
         from gpuctl.core.usage import Tally, group
         from gpuctl.flows.story import host_usage
-        from gpuctl.render.events_view import HostError, UsageOut, to_json, usage_lines, usage_row
+        from gpuctl.render.events_view import HostError, UsageOut, usage_lines, usage_row
 
         start = _since(since)
         conf = open_config(config)
@@ -190,7 +201,7 @@ def usage(
                 store.close()
         rows = [usage_row(k, t) for k, t in group(all_rows, by).items()]
         if json_out:
-            print_json(to_json(UsageOut(1, start, by, rows, errors)))
+            _print_json(UsageOut(1, start, by, rows, errors))
         else:
             if rows:
                 for line in usage_lines(rows, by):

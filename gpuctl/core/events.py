@@ -47,6 +47,9 @@ class Cause(enum.Enum):
     SLEEP = "sleep"
 
 
+_KINDS = {k.value: k for k in Kind}
+_CAUSES = {c.value: c for c in Cause}
+
 # Bounds on what one event may carry: a forged or runaway event never bloats the journal.
 MAX_TEXT = 500
 MAX_FIGURES = 16
@@ -151,10 +154,10 @@ def _stored(d: dict[str, Any]) -> Event:
     cause = d.get("cause")
     return Event(
         float(d["at"]),
-        Kind(d["kind"]),
+        _KINDS[d["kind"]],
         str(d["service"]),
         str(d.get("host", "")),
-        Cause(cause) if cause is not None else None,
+        _CAUSES[cause] if cause is not None else None,
         bool(d.get("job", False)),
         d.get("before"),
         d.get("after"),

@@ -14,7 +14,6 @@ keeps them (``daily`` rows) when its events are pruned.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -101,6 +100,8 @@ class Tally:
             self.stops[cause] = self.stops.get(cause, 0) + n
 
     def cold_median_s(self) -> float | None:
+        import statistics  # here: its import costs every reader of the journal 7 ms
+
         return statistics.median(self.cold_kept) if self.cold_kept else None
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from dataclasses import replace
 
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.config import Config
-from gpuctl.core.events import Kind
 from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError
@@ -83,7 +82,7 @@ def heal(
                     holder.id,
                     repair.update(clock(), entry),
                     event=story.ev(
-                        Kind.REPAIR,
+                        "repair",
                         record.service,
                         entry,
                         before=repair.was,

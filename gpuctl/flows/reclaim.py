@@ -28,13 +28,11 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store, holder_here
-from gpuctl.adapters.store.journal import journal_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
-from gpuctl.core.events import Cause, Event, Kind
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
 from gpuctl.core.model import HostIdentity, Snapshot
@@ -43,6 +41,9 @@ from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows import story
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.resume import Resumed
+
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
 
 RUN_LOCK = "_reclaim"
 RUN_LOCK_TTL_S = RECLAIM_TTL_MAX_S
@@ -204,6 +205,8 @@ def _reclaim_host(
             with contextlib.suppress(GpuctlError):
                 rh.store.release(RUN_LOCK, run.id)
             if not rh.host.agent and hasattr(rh.store, "state_dir"):  # no agent prunes here
+                from gpuctl.adapters.store.journal import journal_for
+
                 journal_for(rh.store.state_dir).maintain()
 
 
@@ -311,10 +314,10 @@ def _stop_event(svc: ServiceConfig, rec: Record, update: dict[str, Any] | None) 
     sleep = update.get("phase") == Phase.SLEEPING.value
     idle = rec.idle_for(time.time())
     return story.ev(
-        Kind.STOP,
+        "stop",
         svc.name,
         "reclaim",
-        cause=Cause.SLEEP if sleep else Cause.IDLE,
+        cause="sleep" if sleep else "idle",
         before=rec.phase,
         after=Phase.SLEEPING if sleep else Phase.STOPPED,
         reason=f"idle past its {svc.idle_timeout_s:.0f}s idle timeout",

@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 
 from gpuctl.adapters.store import Store
 from gpuctl.config import Config, ServiceConfig
-from gpuctl.core.events import Kind
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
@@ -50,7 +49,7 @@ def resume(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     if phase is Phase.PREEMPTED and result.exit_code == 0:
         story.tell(
             deps.store,
-            story.ev(Kind.RESUME, svc.name, deps.entry, before=phase, reason=result.reason),
+            story.ev("resume", svc.name, deps.entry, before=phase, reason=result.reason),
         )
     if phase is not None and phase is not Phase.PREEMPTED:
         result.notes.insert(0, f"{svc.name} was not preempted (phase {phase.value})")

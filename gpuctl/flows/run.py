@@ -43,7 +43,6 @@ from gpuctl.adapters.jobs import GatedChild, new_nonce, run_env
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
-from gpuctl.core.events import Kind
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter, queued_reason
@@ -349,7 +348,7 @@ def _start(
             holder.id,
             {"phase": Phase.RUNNING.value, "handle": handle, "touch": True, "failure": None},
             event=story.ev(
-                Kind.LAUNCH,
+                "launch",
                 spec.name,
                 "run",
                 job=True,
@@ -411,7 +410,7 @@ def _ended(deps: RunDeps, name: str) -> bool:
             None
             if preempted
             else story.ev(
-                Kind.STOP,
+                "stop",
                 name,
                 "run",
                 job=True,

@@ -19,7 +19,6 @@ from typing import Any
 from gpuctl import failpoints
 from gpuctl.adapters.store import Store, holder_here
 from gpuctl.core.decision import Verdict
-from gpuctl.core.events import Kind
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import Snapshot
 from gpuctl.core.queue import Waiter, ahead, held_back, waiter_reason
@@ -130,7 +129,7 @@ class Place:
             story.tell(
                 self.store,
                 story.ev(
-                    Kind.QUEUE,
+                    "queue",
                     s.name,
                     "run",
                     job=True,
@@ -168,7 +167,7 @@ class Place:
             story.tell(
                 self.store,
                 story.ev(
-                    Kind.QUEUE,
+                    "queue",
                     self.spec.name,
                     "run",
                     job=True,

@@ -10,7 +10,6 @@ from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
-from gpuctl.core.events import Cause, Kind
 from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_aside
@@ -142,10 +141,10 @@ def stop(deps: EnsureDeps) -> StopResult:
             holder.id,
             {"phase": Phase.STOPPED.value, "handle": None},
             event=story.ev(
-                Kind.STOP,
+                "stop",
                 svc.name,
                 "stop",
-                cause=Cause.MANUAL,
+                cause="manual",
                 before=record.phase,
                 after=Phase.STOPPED,
                 reason=result.reason,

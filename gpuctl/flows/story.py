@@ -11,10 +11,10 @@ from __future__ import annotations
 import getpass
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuctl.core.events import Cause, Event, Kind
-from gpuctl.core.redact import redact_command
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
 
 
 def _user() -> str:
@@ -25,12 +25,12 @@ def _user() -> str:
 
 
 def ev(
-    kind: Kind,
+    kind: str,
     service: str,
     entry: str,
     *,
     at: float | None = None,
-    cause: Cause | None = None,
+    cause: str | None = None,
     job: bool = False,
     before: object = None,
     after: object = None,
@@ -41,16 +41,20 @@ def ev(
     **figures: float | None,
 ) -> Event:
     """An event told by this process (``entry``: the command or part that tells it).
-    Phases and decisions may be enums (their value is kept); figures that are None
-    (not measured) are left out, never written as 0."""
+    ``kind`` and ``cause`` in their words (``core.events.Kind``, ``Cause``: imported
+    only here, so a command that tells nothing pays nothing for them). Phases and
+    decisions may be enums (their value is kept); figures that are None (not
+    measured) are left out, never written as 0."""
     from gpuctl.adapters.procinfo import host_identity
+    from gpuctl.core.events import Cause, Event, Kind
+    from gpuctl.core.redact import redact_command
 
     return Event(
         at=time.time() if at is None else at,
-        kind=kind,
+        kind=Kind(kind),
         service=service,
         host=host_identity().hostname,
-        cause=cause,
+        cause=Cause(cause) if cause is not None else None,
         job=job,
         before=_word(before),
         after=_word(after),
@@ -89,7 +93,7 @@ _OOM = ("out of memory", "outofmemoryerror", "cuda error: out of memory", "oom-k
 def admitted(svc: Any, entry: str, verdict: Any, own: Any) -> Event:
     """Admission granted to a start (under the admission lock, after a fresh look)."""
     return ev(
-        Kind.ADMIT,
+        "admit",
         svc.name,
         entry,
         before=own.phase if own else None,
@@ -103,7 +107,7 @@ def admitted(svc: Any, entry: str, verdict: Any, own: Any) -> Event:
 def refused(svc: Any, entry: str, verdict: Any) -> Event:
     """Admission refused (BUSY, PREEMPTABLE without --preempt, UNKNOWN)."""
     return ev(
-        Kind.REFUSE,
+        "refuse",
         svc.name,
         entry,
         decision=verdict.decision,
@@ -131,7 +135,7 @@ def ended(
     word = str(getattr(outcome, "value", outcome))
     if word == "ready":
         return ev(
-            Kind.READY,
+            "ready",
             svc.name,
             entry,
             before="starting",
@@ -144,7 +148,7 @@ def ended(
     code = _exit_code(reason)
     log = (handle or {}).get("log")
     return ev(
-        Kind.FAIL,
+        "fail",
         svc.name,
         entry,
         before="starting",

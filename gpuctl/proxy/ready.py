@@ -148,7 +148,6 @@ def _unverified(e: BaseException) -> str | None:
 def _tell_cold(conf: Config, svc: ServiceConfig, held: int, seconds: float) -> None:
     """Journal a cold start through the proxy (``flows.story``); never raises."""
     from gpuctl.adapters.store import store_for
-    from gpuctl.core.events import Kind
     from gpuctl.flows import story
 
     try:
@@ -156,7 +155,7 @@ def _tell_cold(conf: Config, svc: ServiceConfig, held: int, seconds: float) -> N
     except GpuctlError:
         return
     try:
-        event = story.ev(Kind.PROXY, svc.name, "proxy", requests_held=held, waited_s=seconds)
+        event = story.ev("proxy", svc.name, "proxy", requests_held=held, waited_s=seconds)
         story.tell(store, event)
     finally:
         store.close()

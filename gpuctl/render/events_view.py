@@ -180,6 +180,17 @@ def to_json(out: EventsOut | UsageOut | EventRow) -> Any:
     return msgspec.to_builtins(out)
 
 
+def json_text(out: EventsOut | UsageOut) -> str | None:
+    """The output as the CLI prints JSON (sorted keys, indented), encoded by msgspec: the
+    generic printer takes seconds over 11,000 events. None when a string holds a lone
+    surrogate (msgspec will not encode it): the caller's printer escapes those."""
+    try:
+        raw = msgspec.json.encode(out, order="sorted")
+    except UnicodeEncodeError:
+        return None
+    return msgspec.json.format(raw, indent=2).decode()
+
+
 def json_schemas() -> dict[str, dict[str, Any]]:
     """The schema files' contents, by file name (``schemas/``)."""
     out: dict[str, dict[str, Any]] = {}

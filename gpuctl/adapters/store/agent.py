@@ -17,11 +17,9 @@ from gpuctl.adapters.store.codec import (
     decode_waiter,
     decode_waiters,
 )
-from gpuctl.core.events import Event
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided, fit_update
-from gpuctl.core.usage import Tally
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
@@ -29,6 +27,9 @@ _NO_STORE = "this agent has no state directory"
 
 if TYPE_CHECKING:
     import httpx
+
+    from gpuctl.core.events import Event
+    from gpuctl.core.usage import Tally
 
 
 class AgentStore:
@@ -257,6 +258,8 @@ class AgentStore:
 
     def usage(self, since: float) -> dict[tuple[str, str, str], Tally]:
         """The agent's usage rows (``GET /usage``), keyed (UTC day, service, user)."""
+        from gpuctl.core.usage import Tally
+
         data = self._call("GET", f"/usage?since={since:.6f}")
         rows = data.get("rows") if isinstance(data, dict) else None
         if not isinstance(rows, list):

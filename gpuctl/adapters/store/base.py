@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuctl.core.events import Event
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
@@ -22,6 +21,10 @@ from gpuctl.core.record import (
     void_why,
 )
 from gpuctl.errors import UsageError
+
+if TYPE_CHECKING:
+    # Only its name: every command imports the store, few tell the journal anything.
+    from gpuctl.core.events import Event
 
 # The one rule for names, shared with the config and the agent's OpenAPI document.
 _NAME = NAME_RE

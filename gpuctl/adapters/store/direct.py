@@ -23,7 +23,7 @@ import stat
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
 from gpuctl.adapters.store.codec import (
@@ -45,7 +45,6 @@ from gpuctl.adapters.store.inflight import InflightFiles, stopping
 from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
-from gpuctl.core.events import Event, Kind
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     TERM_MAX_S,
@@ -61,6 +60,9 @@ from gpuctl.core.record import (
 )
 from gpuctl.core.record_pids import pid_is_here
 from gpuctl.errors import StoreError, UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
 
 log = logging.getLogger("gpuctl.store")
 
@@ -172,7 +174,7 @@ class DirectStore(InflightFiles, QueueFiles):
         # For the agent's log (and journald): the one reader told in the record may be a
         # status nobody reads; `gpuctl locks` lists the copy until it is removed.
         log.warning("%s: %s", path, note)
-        self.note(_witnessed(Kind.SET_ASIDE, service, now, note))
+        self.note(_witnessed("set_aside", service, now, note))
         return replace(fresh, recovered=clip(note))
 
     def _write(self, record: Record) -> None:
@@ -226,7 +228,7 @@ class DirectStore(InflightFiles, QueueFiles):
         log.warning("%s: lease of %s pid %d is void (%s); kept as %s",
                     path, lease.host, lease.pid, why, name)  # fmt: skip
         by = f"{lease.entry} pid {lease.pid} on {lease.host}"
-        self.note(_witnessed(Kind.LEASE, on_disk.service, now, f"broken: {why}", by))
+        self.note(_witnessed("lease", on_disk.service, now, f"broken: {why}", by))
 
     def voided(self) -> list[Voided]:
         """The void leases and entries (``voided``), for ``gpuctl locks`` only: it reads
@@ -511,15 +513,16 @@ def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
     return out
 
 
-def _witnessed(kind: Kind, service: str, now: float, reason: str, by: str | None = None) -> Event:
+def _witnessed(kind: str, service: str, now: float, reason: str, by: str | None = None) -> Event:
     """An event the store itself tells (a record set aside, a lease broken)."""
     import os
 
     from gpuctl.adapters import procinfo
+    from gpuctl.core.events import Event, Kind
 
     who = {"entry": "store", "pid": str(os.getpid())}
     host = procinfo.host_identity().hostname
-    return Event(now, kind, service, host, reason=clip(reason), by=by, who=who)
+    return Event(now, Kind(kind), service, host, reason=clip(reason), by=by, who=who)
 
 
 def _check_term(service: str, ttl_s: float) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
@@ -14,7 +14,6 @@ from gpuctl.adapters.store import Holder
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
-from gpuctl.core.events import Event, Kind
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record
 from gpuctl.errors import GpuctlError
@@ -26,6 +25,9 @@ from gpuctl.flows.look import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.wait import LauncherWatch, wait_ready
+
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
 
 
 def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) -> ServiceConfig:
@@ -177,7 +179,7 @@ def launch_under_lease(
                         "health": svc.health,
                     },
                     event=story.ev(
-                        Kind.LAUNCH,
+                        "launch",
                         svc.name,
                         deps.entry,
                         before=own and own.phase,

@@ -43,7 +43,6 @@ from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Holder, Store, holder_here
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.events import Cause, Kind
 from gpuctl.core.jobs import PREFIX, is_job, job_route, unreachable
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.plan import Plan, Victim
@@ -221,13 +220,13 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                 room.hint = e.hint
                 return room
             failpoints.hit("preempt.after_victim_stop")
-            cause = Cause.YIELD if t.name in yielded else Cause.PREEMPTED
+            cause = "yield" if t.name in yielded else "preempted"
             deps.store.release(
                 t.name,
                 t.holder.id,
                 update,
                 event=story.ev(
-                    Kind.STOP,
+                    "stop",
                     t.name,
                     "preempt",
                     job=is_job(t.name),

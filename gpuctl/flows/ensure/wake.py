@@ -17,7 +17,6 @@ from typing import Any
 
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision
-from gpuctl.core.events import Kind
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
@@ -107,7 +106,7 @@ def wake(
                 holder.id,
                 {"phase": Phase.RUNNING.value, "touch": True},
                 event=story.ev(
-                    Kind.WAKE,
+                    "wake",
                     svc.name,
                     deps.entry,
                     before="sleeping",
