@@ -30,7 +30,7 @@ from typing import Any
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError, Receive, Request, Response, Scope, Send, json_response
-from gpuctl.agent.openapi_events import SINCE_PATTERN
+from gpuctl.agent.openapi_events import MAX_ID, SINCE_PATTERN
 from gpuctl.core.events import Event, parse_since
 
 MAX_READ = 100_000
@@ -63,8 +63,8 @@ def _query(request: Request) -> tuple[float, str | None, bool, int]:
             raise ValueError(f"not a span of time nor a Unix time: {text[:40]!r}")
         since = parse_since(text, time.time())
         after = int(one("after") or "0")
-        if after < 0:
-            raise ValueError("after must be 0 or more")
+        if not 0 <= after <= MAX_ID:
+            raise ValueError(f"after must be from 0 to {MAX_ID}")
     except ValueError as e:
         raise HttpError(
             400, f"bad since or after: {e}", "since=2h, since=7d or a Unix time"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuctl.agent.wire import MAX_EVENTS
 from gpuctl.core.events import MAX_FIGURES, MAX_WHO, Cause, Kind
 
+MAX_ID = 2**62  # an event's id (SQLite's rowid is a signed 64-bit integer)
 SINCE_PATTERN = r"^[0-9]{1,12}(\.[0-9]{1,6})?[smhdw]?$"
 
 
@@ -20,7 +22,7 @@ def _text(most: int, description: str) -> dict[str, Any]:
 
 def event_schemas() -> dict[str, Any]:
     text = {"type": ["string", "null"], "maxLength": 500}
-    return {
+    out: dict[str, Any] = {
         "Event": {
             "type": "object",
             "additionalProperties": False,
@@ -57,13 +59,15 @@ def event_schemas() -> dict[str, Any]:
                 },
             },
         },
-        "EventRow": {
-            "allOf": [
-                _ref("Event"),
-                {"type": "object", "required": ["id"], "properties": {"id": {"type": "integer"}}},
-            ]
-        },
     }
+    event = out["Event"]
+    # A row read back: the event with its id (the agent may have added to who).
+    out["EventRow"] = {
+        "type": "object",
+        "required": ["id", *event["required"]],
+        "properties": {"id": {"type": "integer"}, **event["properties"]},
+    }
+    return out
 
 
 def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +138,7 @@ def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[st
                         "name": "after",
                         "in": "query",
                         "description": "Only events after this id (to resume a stream).",
-                        "schema": {"type": "integer", "minimum": 0},
+                        "schema": {"type": "integer", "minimum": 0, "maximum": MAX_ID},
                     },
                 ],
                 "responses": {
@@ -171,7 +175,7 @@ def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[st
                                 "properties": {
                                     "events": {
                                         "type": "array",
-                                        "maxItems": 64,
+                                        "maxItems": MAX_EVENTS,
                                         "items": _ref("Event"),
                                     }
                                 },

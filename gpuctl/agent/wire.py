@@ -328,7 +328,7 @@ def events_request(data: dict[str, Any]) -> list[Event]:
     return [event(item, f"events[{i}]") for i, item in enumerate(items)]
 
 
-MAX_EVENTS = 64
+MAX_EVENTS = 16
 
 
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:

@@ -127,10 +127,12 @@ def ended(
     started_at: float,
     handle: dict[str, Any] | None,
     now: float | None = None,
+    memory_mib: int | None = None,
 ) -> Event | None:
     """The end of a launch's wait: ``ready`` (with its cold-start time) or ``fail``
     (its exit code where the reason gives one, where its log is, and an out-of-memory
-    seen in the log's tail); None for an outcome that ends nothing (a timeout)."""
+    seen in the log's tail); None for an outcome that ends nothing (a timeout).
+    ``memory_mib``: what its processes held at the last look (None: not measured)."""
     now = time.time() if now is None else now
     word = str(getattr(outcome, "value", outcome))
     if word == "ready":
@@ -141,6 +143,7 @@ def ended(
             before="starting",
             after="running",
             cold_start_s=round(now - started_at, 3),
+            memory_mib=mib(memory_mib),
         )
     if word != "failed":
         return None

@@ -249,7 +249,8 @@ def launch_under_lease(
                 handle=handle.to_dict(),
             )
         try:
-            waited = wait_ready(ctx, LauncherWatch(ctx, launcher, handle, holder, ttl))
+            watch = LauncherWatch(ctx, launcher, handle, holder, ttl)
+            waited = wait_ready(ctx, watch)
         except KeyboardInterrupt:
             attempt = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
             release({"attempt": attempt})
@@ -279,6 +280,7 @@ def launch_under_lease(
                 started_at=started_at,
                 handle=handle.to_dict(),
                 now=deps.clock(),
+                memory_mib=watch.memory_mib,
             ),
         )
         return ctx.from_wait(
