@@ -291,3 +291,39 @@ def test_the_schema_files_are_generated_from_the_shapes() -> None:
     for name, schema in json_schemas().items():
         on_disk = json.loads((ROOT / "schemas" / name).read_text())
         assert on_disk == schema, f"schemas/{name} is stale: run scripts/journal_schemas.py"
+
+
+def test_the_read_token_reads_and_follows_the_journal_but_cannot_write(tmp_path: Path) -> None:
+    import httpx
+
+    from gpuctl.sim.host import SimHost
+
+    token_file = tmp_path / "read.token"
+    token_file.write_text("r" * 32 + "\n")
+    token_file.chmod(0o600)
+    with SimHost(gpu_memory="24GiB", root=tmp_path / "host") as h:
+        h.start_agent(args=["--read-token-file", str(token_file)])
+        write = {"Authorization": f"Bearer {h.token}"}
+        read = {"Authorization": f"Bearer {'r' * 32}"}
+        body = {"events": [{"at": time.time(), "kind": "admit", "service": "svc"}]}
+        assert httpx.post(f"{h.agent_url}/events", json=body, headers=read).status_code == 403
+        r = httpx.post(f"{h.agent_url}/events", json=body, headers=write)
+        assert r.json() == {"written": 1}, r.text
+        r = httpx.get(f"{h.agent_url}/events?since=1h", headers=read)
+        assert r.status_code == 200 and [e["service"] for e in r.json()["events"]] == ["svc"]
+        assert r.json()["events"][0]["who"] == {"peer": r.json()["events"][0]["who"]["peer"],
+                                                "role": "write"}  # fmt: skip
+        r = httpx.get(f"{h.agent_url}/usage?since=1d", headers=read)
+        assert r.status_code == 200 and "rows" in r.json()
+        # ?follow=1: server-sent events, the ones there and then the ones written after.
+        with httpx.stream(
+            "GET", f"{h.agent_url}/events?follow=1&since=1h", headers=read, timeout=30
+        ) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            lines = s.iter_lines()
+            assert next(lines) == "id: 1"
+            assert json.loads(next(lines).removeprefix("data: "))["service"] == "svc"
+            later = {"events": [{"at": time.time(), "kind": "ready", "service": "later"}]}
+            assert httpx.post(f"{h.agent_url}/events", json=later, headers=write).is_success
+            got = [ln for ln in (next(lines) for _ in range(4)) if ln.startswith("data: ")]
+            assert json.loads(got[0].removeprefix("data: "))["service"] == "later"
