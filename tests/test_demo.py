@@ -110,6 +110,11 @@ def test_demo_piped_beside_a_foreign_vllm(
     # Rich wraps the answer at the terminal's width (and may keep a space before the break).
     assert "This is a simulated reply from qwen" in " ".join(proxy_part.split())
     assert re.search(r"^the answer: This is", proxy_part, re.MULTILINE), proxy_part
+    # The demo ends with the journal of its own run: who did what, and why.
+    story = out.split("7. The GPU's story")[1].split("8. Done")[0]
+    assert re.search(r"photos preempted by vllm — priority 100", story), story
+    assert "vllm stopped: idle" in story and "photos resumed" in story
+    assert "proxy" in story  # the proxy's cold start, and who asked through it
     # The foreign process never appears as one of the demo's services' processes.
     assert str(foreign_vllm.pid) not in out
     last = [ln for ln in out.splitlines() if ln.strip()][-1]

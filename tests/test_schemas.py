@@ -84,7 +84,7 @@ def check(name: str, obj: Any) -> None:
         )
 
 
-NAMES = ["status", "ensure", "locks", "reclaim", "stop"]
+NAMES = ["status", "ensure", "locks", "reclaim", "stop", "events", "usage"]
 
 
 @pytest.mark.parametrize("name", NAMES)

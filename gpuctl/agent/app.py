@@ -32,8 +32,13 @@ from gpuctl import __version__
 from gpuctl.adapters.pipeline import on_pipes
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.procinfo import describe_pids, find_matching
+from gpuctl.adapters.store.journal import counters as journal_counters
+from gpuctl.adapters.store.journal import failures as journal_failures
+from gpuctl.adapters.store.journal import journal_for
+from gpuctl.agent import events_api
 from gpuctl.agent.auth import Tokens
 from gpuctl.agent.cache import FolderStamp, Outcome, TtlCell
+from gpuctl.agent.events_api import seen_by
 from gpuctl.agent.http import (
     ASGIApp,
     HttpError,
@@ -71,6 +76,7 @@ from gpuctl.errors import GpuctlError, ProbeError
 __all__ = ["AgentApp", "AgentSettings", "create_app"]
 
 log = logging.getLogger("gpuctl.agent")
+PRUNE_EVERY_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -97,6 +103,7 @@ class AgentApp:
         self._plain_body: tuple[object, object, Response] | None = None
         self._matches: dict[tuple[str, ...], _MatchSlot] = {}
         self._promoter: asyncio.Task[None] | None = None
+        self._pruner: asyncio.Future[None] | None = None
 
         self._healthz = json_response(200, {"ok": True, "version": __version__})
         self._openapi = json_response(200, openapi_document())
@@ -105,9 +112,13 @@ class AgentApp:
         self.router.add("GET", "/openapi.json", self._get_openapi, auth=False)
         self.router.add("GET", "/status", self._get_status)
         self.router.add("GET", "/metrics", self._get_metrics)
+        self.router.add("GET", "/events", self._get_events)
+        self.router.add("POST", "/events", self._post_events)
+        self.router.add("GET", "/usage", self._get_usage)
 
         self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate, host=settings.host)
         store = self.store_api.store
+        self.journal = journal_for(store.state_dir) if store is not None else None
         self._servers = TtlCell(
             lambda: scan_servers(store, settings.match, settings.match_max_age_s),
             settings.cache_ttl_s,
@@ -116,6 +127,24 @@ class AgentApp:
         self._records_stamp = (
             FolderStamp(store.state_dir / "records") if store is not None else None
         )
+
+    async def _get_events(self, request: Request) -> Response:
+        return await events_api.get_events(self.journal, request)
+
+    async def _get_usage(self, request: Request) -> Response:
+        return await events_api.get_usage(self.journal, request)
+
+    async def _post_events(self, request: Request) -> Response:
+        writer = self._tokens.check(request.scope, write=True)
+        seen = seen_by(request.scope, writer, self.settings.token is not None)
+        return await events_api.post_events(self.journal, request, seen)
+
+    async def _prune_loop(self) -> None:
+        """Retention (``journal.maintain``): at start, then every ``PRUNE_EVERY_S``."""
+        assert self.journal is not None
+        while True:
+            await asyncio.to_thread(self.journal.maintain, self.settings.journal_days)
+            await asyncio.sleep(PRUNE_EVERY_S)
 
     def invalidate(self) -> None:
         """The store changed: the next /status reads the GPU and the processes afresh."""
@@ -149,12 +178,15 @@ class AgentApp:
                             HealthGate(HealthReach(self.settings.health_ports)),
                         )
                     )
+                if self.journal is not None:
+                    self._pruner = asyncio.ensure_future(self._prune_loop())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self._promoter is not None:
-                    self._promoter.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self._promoter
+                for task in (self._promoter, self._pruner):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -167,12 +199,26 @@ class AgentApp:
         self.requests_total[label] = self.requests_total.get(label, 0) + 1
         method = scope["method"]
         try:
+            if (
+                path == "/events"
+                and method == "GET"
+                and b"follow=1" in scope.get("query_string", b"")
+            ):
+                self._tokens.check(scope, write=False)
+                await events_api.follow_events(self.journal, scope, receive, send)
+                return
             if store_path:
                 # The state store: path parameters, so it routes itself (store_api.py).
                 op, service = self.store_api.route(method, path)
                 writer = self._tokens.check(scope, write=self.store_api.is_write(op))
                 body = await Request(scope, receive).body()
-                status, payload = await self.store_api.handle(op, service, body, masked=not writer)
+                status, payload = await self.store_api.handle(
+                    op,
+                    service,
+                    body,
+                    masked=not writer,
+                    seen=seen_by(scope, writer, self.settings.token is not None),
+                )
                 response = json_response(status, payload)
             else:
                 if route is None:
@@ -356,6 +402,9 @@ class AgentApp:
             unreadable_records=unreadable,
             now=time.time(),
             servers=dict(found.value.owners) if found.value is not None else None,
+            journal={**journal_counters(), "write_failures": journal_failures()}
+            if self.journal is not None
+            else None,
         )
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 

@@ -44,6 +44,7 @@ def render_metrics(
     unreadable_records: int = 0,
     now: float | None = None,
     servers: Mapping[int, str] | None = None,
+    journal: Mapping[str, float] | None = None,
 ) -> str:
     """The Prometheus text exposition of one reading, the services' records and the
     agent's counters.
@@ -53,7 +54,9 @@ def render_metrics(
     state directory, or it could not be read, see ``store_up``) gives each service's
     phase, lease and idle seconds (``now`` minus its ``last_used``). ``servers``: whose
     each server process is, as ``/status`` names them (by handle, start nonce, or as a
-    child of one); without it, the handles' pids.
+    child of one); without it, the handles' pids. ``journal``: the journal's counters
+    (``adapters.journal.counters``, with ``write_failures``), for the events this
+    agent wrote.
     """
     lines: list[str] = []
 
@@ -140,7 +143,43 @@ def render_metrics(
         "HTTP requests by endpoint ('/records' for every store path, 'other' for unknown ones).",
         [(f'{{path="{_label(path)}"}}', n) for path, n in sorted(requests_total.items())],
     )
+    if journal is not None:
+        _journal_metrics(journal, metric)
     return "\n".join(lines) + "\n"
+
+
+def _journal_metrics(counts: Mapping[str, float], metric: Callable[..., None]) -> None:
+    metric(
+        "gpuctl_journal_write_failures_total",
+        "counter",
+        "Journal events this agent could not write (the starts and stops went on).",
+        [("", int(counts.get("write_failures", 0)))],
+    )
+    metric(
+        "gpuctl_starts_total",
+        "counter",
+        "Launches journaled through this agent.",
+        [("", int(counts.get("starts", 0)))],
+    )
+    stops = sorted((k.split(":", 1)[1], n) for k, n in counts.items() if k.startswith("stops:"))
+    metric(
+        "gpuctl_stops_total",
+        "counter",
+        "Stops journaled through this agent, by cause.",
+        [(f'{{cause="{_label(cause)}"}}', int(n)) for cause, n in stops],
+    )
+    metric(
+        "gpuctl_cold_start_seconds_total",
+        "counter",
+        "Cold-start seconds journaled through this agent (ready events).",
+        [("", round(float(counts.get("cold_start_seconds", 0.0)), 3))],
+    )
+    metric(
+        "gpuctl_cold_starts_total",
+        "counter",
+        "Cold starts journaled through this agent.",
+        [("", int(counts.get("cold_starts", 0)))],
+    )
 
 
 MIB = 1 << 20

@@ -9,6 +9,7 @@ import msgspec
 
 from gpuctl import __version__
 from gpuctl.agent import query
+from gpuctl.agent.openapi_events import event_schemas, events_paths
 from gpuctl.core.status_wire import STATUS_COMPONENTS
 
 __all__ = ["SERVICE_NAME_PATTERN", "openapi_document"]
@@ -183,6 +184,7 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
             **records_paths(unauthorized),
+            **events_paths(unauthorized, {"$ref": "#/components/schemas/Error"}),
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
@@ -202,6 +204,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 **status_components(),
                 **records_schemas(),
+                **event_schemas(),
             },
         },
     }

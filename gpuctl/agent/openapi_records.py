@@ -295,6 +295,11 @@ def shaped_schemas() -> dict[str, Any]:
         "anyOf": [_ref("Promise"), {"type": "null"}],
         "description": "What the start this lease is for promises (kept in the record).",
     }
+    for body in ("LeaseRequest", "HolderUpdate", "ReleaseRequest"):
+        out[body]["properties"]["event"] = {
+            **_ref("Event"),
+            "description": "The journal's event for this write (kept if it lands).",
+        }
     out["Phase"]["enum"] = [p.value for p in Phase]  # in the lifecycle's order
     out["Holder"]["description"] = "Who asks for a lease: a fresh id per call, and its process."
     out["RecordUpdate"]["description"] = "Changes to a record; every key is optional."

@@ -189,6 +189,7 @@ def serve(
     match_max_age_s: float = 900.0,
     limits: ConnectionLimits | None = None,
     health_ports: PortRanges | None = None,
+    journal_days: float = 90.0,
 ) -> None:
     """Serve the agent until SIGTERM / Ctrl-C.
 
@@ -207,6 +208,7 @@ def serve(
         match: keywords of servers to report to clients of the original /status.
         match_max_age_s: only such processes younger than this.
         limits: the bounds on connections and their timeouts (``connections.py``).
+        journal_days: how many days of events the journal keeps (``adapters.store.journal``).
         health_ports: where on this machine it fetches records' health URLs
             (``--health-ports``); None: ``DEFAULT_HEALTH_PORTS``.
 
@@ -259,6 +261,7 @@ def serve(
                 health_ports=health_ports
                 if health_ports is not None
                 else parse_ports(DEFAULT_HEALTH_PORTS),
+                journal_days=journal_days,
             )
         finally:
             probe.close()
@@ -281,6 +284,7 @@ def _run(
     match_max_age_s: float,
     limits: ConnectionLimits,
     health_ports: PortRanges,
+    journal_days: float,
 ) -> None:
     # Lazy: the server stack stays out of every other command's start-up.
     import uvicorn
@@ -300,6 +304,7 @@ def _run(
         match=match,
         match_max_age_s=match_max_age_s,
         health_ports=health_ports,
+        journal_days=journal_days,
     )
     config = uvicorn.Config(
         create_app(settings, probe),

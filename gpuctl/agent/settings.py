@@ -28,6 +28,8 @@ class AgentSettings:
         match_max_age_s: only such processes younger than this count as loading.
         health_ports: the ports of this machine on which it fetches a record's health
             URL (``core.health_reach``); ``--health-ports``.
+        journal_days: how many days of events the journal keeps (``--journal-days``);
+            older ones survive as daily totals (``adapters.store.journal``).
     """
 
     token: str | None = None
@@ -39,3 +41,4 @@ class AgentSettings:
     gpu_memory_mib: int | None = None
     host: HostIdentity = field(default_factory=host_identity)
     health_ports: PortRanges = field(default_factory=lambda: parse_ports(DEFAULT_HEALTH_PORTS))
+    journal_days: float = 90.0

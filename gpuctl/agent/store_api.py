@@ -50,6 +50,7 @@ from gpuctl.adapters.store import DirectStore
 from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder, decode_promise
 from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
+from gpuctl.core.events import Event
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.promise import Promise
@@ -183,10 +184,18 @@ class StoreApi:
         return op not in _READS
 
     async def handle(
-        self, op: str, service: str | None, body: bytes, *, masked: bool = False
+        self,
+        op: str,
+        service: str | None,
+        body: bytes,
+        *,
+        masked: bool = False,
+        seen: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """Run one routed request; returns (status, JSON body). Bad input raises HttpError.
-        ``masked``: the caller holds the read-only token (``core.record_mask``)."""
+        ``masked``: the caller holds the read-only token (``core.record_mask``);
+        ``seen``: what the agent saw of the caller (peer, token role), added to the
+        ``who`` of the event riding on the write."""
         if self.store is None:
             return 503, {
                 "error": "this agent has no state directory",
@@ -194,6 +203,8 @@ class StoreApi:
                 "code": "no_store",
             }
         args = self._validate(op, body)
+        if isinstance(args.get("event"), Event):
+            args["event"] = args["event"].seen_by(**(seen or {}))
         try:
             if op == "stop_job":
                 # A stop waits out its grace period (up to MAX_GRACE_S) in its thread: in
@@ -294,11 +305,12 @@ class StoreApi:
         assert svc is not None
         if op == "get":
             return 200, shown(store.get(svc))
+        event = args.get("event")
         if op == "update":
-            return 200, store.update(svc, args["holder"], args["update"]).to_dict()
+            return 200, store.update(svc, args["holder"], args["update"], event).to_dict()
         if op == "acquire":
             granted, rec = store.acquire(
-                svc, decode_holder(args["holder"]), args["ttl_s"], _promise_arg(args)
+                svc, decode_holder(args["holder"]), args["ttl_s"], _promise_arg(args), event
             )
             return 200, {"granted": granted, "record": rec.to_dict()}
         if op == "inflight_begin":
@@ -312,7 +324,8 @@ class StoreApi:
         if op == "renew":
             return 200, store.renew(svc, args["holder"], args["ttl_s"]).to_dict()
         if op == "release":
-            return 200, store.release(svc, args["holder"], args["update"] or None).to_dict()
+            update = args["update"] or None
+            return 200, store.release(svc, args["holder"], update, event).to_dict()
         if op == "stop_job":
             return 200, job_stop.stop_job(store, svc, args, self.host)
         assert op == "touch"

@@ -24,6 +24,7 @@ import msgspec
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
 from gpuctl.core import record_shapes as shapes
+from gpuctl.core.events import Event, event_from_dict
 from gpuctl.core.json_kind import json_kind
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.pids import PID_MAX
@@ -321,6 +322,32 @@ def promise(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
+def event(value: Any, field: str) -> Event:
+    """A journal event (``core.events``), checked and bounded."""
+    try:
+        return event_from_dict(value)
+    except ValueError as err:
+        where, _, why = str(err).partition(": ")
+        raise BadRequest(where if where.startswith("event") else field, why or str(err)) from None
+
+
+def events_request(data: dict[str, Any]) -> list[Event]:
+    """``POST /events``: events that ride on no record write (at most ``MAX_EVENTS``)."""
+    args = obj(data, "", {"events": lambda v, f: v}, required=("events",))
+    items = args["events"]
+    if not isinstance(items, list) or len(items) > MAX_EVENTS:
+        raise BadRequest("events", f"expected a list of at most {MAX_EVENTS} events")
+    return [event(item, f"events[{i}]") for i, item in enumerate(items)]
+
+
+MAX_EVENTS = 16
+
+
+def _event_of(data: dict[str, Any]) -> dict[str, Event]:
+    """The journal's event riding on a record write, checked (none when not sent)."""
+    return {"event": event(data["event"], "event")} if "event" in data else {}
+
+
 def holder(value: Any, field: str) -> dict[str, Any]:
     """A holder (``shapes.Holder``), as the dict it came in."""
     shaped(value, shapes.Holder, field)
@@ -333,7 +360,12 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     body = shaped(data, shapes.LeaseRequest)
     if body.promise is not None:
         promise(body.promise, "promise")
-    return {"holder": data["holder"], "ttl_s": body.ttl_s, "promise": body.promise}
+    return {
+        "holder": data["holder"],
+        "ttl_s": body.ttl_s,
+        "promise": body.promise,
+        **_event_of(data),
+    }
 
 
 def renew_request(data: dict[str, Any]) -> dict[str, Any]:
@@ -344,13 +376,13 @@ def renew_request(data: dict[str, Any]) -> dict[str, Any]:
 def holder_update(data: dict[str, Any]) -> dict[str, Any]:
     """``holder`` (its id) and ``update`` (a ``RecordUpdate``)."""
     body = shaped(data, shapes.HolderUpdate)
-    return {"holder": body.holder, "update": body.update}
+    return {"holder": body.holder, "update": body.update, **_event_of(data)}
 
 
 def release_request(data: dict[str, Any]) -> dict[str, Any]:
     """``holder`` (its id) and ``update`` (a ``RecordUpdate``, or None)."""
     body = shaped(data, shapes.ReleaseRequest)
-    return {"holder": body.holder, "update": body.update}
+    return {"holder": body.holder, "update": body.update, **_event_of(data)}
 
 
 # In-flight entries are files named by their holder's id (gpuctl's are uuid hex).

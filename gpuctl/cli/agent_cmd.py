@@ -128,6 +128,16 @@ def register(app: typer.Typer) -> None:
                 metavar="PORTS",
             ),
         ] = DEFAULT_HEALTH_PORTS,
+        journal_days: Annotated[
+            float,
+            typer.Option(
+                "--journal-days",
+                min=1.0,
+                help="Days of events the journal keeps (older ones survive as daily totals; "
+                "the journal also keeps under 512 MiB, dropping the oldest first).",
+                metavar="DAYS",
+            ),
+        ] = 90.0,
         sim_dir: Annotated[
             Path | None,
             typer.Option(
@@ -279,4 +289,5 @@ def register(app: typer.Typer) -> None:
                     idle_timeout_s=idle_timeout,
                 ),
                 health_ports=ports,
+                journal_days=journal_days,
             )

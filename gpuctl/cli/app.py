@@ -138,6 +138,8 @@ COMMANDS: dict[str, str] = {
     "reclaim": "reclaim_cmd",
     "resume": "resume_cmd",
     "run": "run_cmd",
+    "events": "events_cmd",
+    "usage": "events_cmd",
     "proxy": "proxy_cmd",
     "config": "config_cmd",
     "agent": "agent_cmd",

@@ -11,6 +11,7 @@ import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit
 from gpuctl.demo.chapters import help_text
+from gpuctl.errors import GpuctlError
 
 if TYPE_CHECKING:
     from gpuctl.flows.status import StatusReport
@@ -110,6 +111,24 @@ class RichNarrator:
             self.console.print(render_locks(service_ops.locks(deps)))
         finally:
             deps.close()
+
+    def events(self, config_path: str, since: float) -> None:
+        """The journal of the demo's own run, as `gpuctl events` prints it."""
+        from gpuctl.adapters.store import store_for
+        from gpuctl.config import load_config
+        from gpuctl.flows.story import host_events
+        from gpuctl.render.events_view import event_line
+
+        config = load_config(Path(config_path))
+        for name in config.hosts:
+            store = store_for(config.host(name))
+            try:
+                for _, e in host_events(store, since):
+                    self.console.print(event_line(None, e, dated=False), markup=False)
+            except GpuctlError as err:
+                self.console.print(f"the journal could not be read: {err.message}", markup=False)
+            finally:
+                store.close()
 
     def watch(
         self,

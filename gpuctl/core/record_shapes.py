@@ -272,6 +272,8 @@ class LeaseRequest(Struct, forbid_unknown_fields=True):
     holder: Holder
     ttl_s: Ttl
     promise: dict[str, Any] | None = None
+    # The journal's event riding on this write: its own check (``core.events``) reads it.
+    event: dict[str, Any] | UnsetType = UNSET
 
 
 class RenewRequest(Struct, forbid_unknown_fields=True):
@@ -286,6 +288,8 @@ class HolderUpdate(Struct, forbid_unknown_fields=True):
 
     holder: HolderId
     update: RecordUpdate
+    # The journal's event riding on this write: its own check (``core.events``) reads it.
+    event: dict[str, Any] | UnsetType = UNSET
 
 
 class ReleaseRequest(Struct, forbid_unknown_fields=True):
@@ -293,6 +297,8 @@ class ReleaseRequest(Struct, forbid_unknown_fields=True):
 
     holder: HolderId
     update: RecordUpdate | None = None
+    # The journal's event riding on this write: its own check (``core.events``) reads it.
+    event: dict[str, Any] | UnsetType = UNSET
 
 
 def apply_update(record: Record, update: RecordUpdate, now: float) -> Record:

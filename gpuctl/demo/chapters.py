@@ -15,6 +15,7 @@ CHAPTERS: tuple[tuple[str, str], ...] = (
     ("One shared truth", "`gpuctl locks`"),
     ("Priorities: the chat preempts the photo batch", "PREEMPTABLE, resume"),
     ("A chat request to a stopped server", "through `gpuctl proxy`"),
+    ("The GPU's story", "`gpuctl events`: what happened, who did it and why"),
     ("Done", "everything cleaned up"),
 )
 

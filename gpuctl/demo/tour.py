@@ -47,6 +47,7 @@ class Narrator(Protocol):
     ) -> StatusReport: ...
     def results(self, rows: list[dict[str, Any]]) -> None: ...
     def locks(self, config_path: str) -> None: ...
+    def events(self, config_path: str, since: float) -> None: ...
 
 
 def intro(agent_url: str) -> str:
@@ -70,6 +71,7 @@ def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
     """Play the demo; returns the last report. Everything it starts is stopped on return."""
     vllm_port = free_port()
     tag = demo_tag()
+    began = time.time()
     with SimHost(gpu_memory="128GiB") as host:
         server = (
             f"{sys.executable} -m gpuctl sim model-server --name {tag}-vllm --memory 80GiB "
@@ -203,6 +205,13 @@ sse_interval = "1s"
         )
         narrator.chapter(
             heading(7),
+            "Every decision above was written to the host's journal as it was made: who "
+            "started what, who was refused and why, what was preempted and by whom. "
+            "`gpuctl events` reads it back (`gpuctl usage` adds it up).",
+        )
+        narrator.events(str(cfg_path), began)
+        narrator.chapter(
+            heading(8),
             "Cleaning up: every process of the demo is stopped and its directory removed.",
         )
         time.sleep(0.2)

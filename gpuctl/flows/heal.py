@@ -25,6 +25,7 @@ from gpuctl.config import Config
 from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import story
 
 # The heal's lease: long enough for one pid look-up and one health request.
 HEAL_LEASE_S = 30.0
@@ -76,7 +77,19 @@ def heal(
             # refused), and the record is judged again as it is now.
             repair = judge(replace(fresh, lease=None))
             if repair is not None:
-                store.release(record.service, holder.id, repair.update(clock(), entry))
+                store.release(
+                    record.service,
+                    holder.id,
+                    repair.update(clock(), entry),
+                    event=story.ev(
+                        "repair",
+                        record.service,
+                        entry,
+                        before=repair.was,
+                        after="failed" if repair.failed else repair.phase,
+                        reason=repair.why,
+                    ),
+                )
                 released = True
                 done.append(repair)
         except GpuctlError:

@@ -28,6 +28,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store, holder_here
@@ -38,8 +39,12 @@ from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import ExitCode, GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.resume import Resumed
+
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
 
 RUN_LOCK = "_reclaim"
 RUN_LOCK_TTL_S = RECLAIM_TTL_MAX_S
@@ -200,6 +205,10 @@ def _reclaim_host(
         if not dry_run:
             with contextlib.suppress(GpuctlError):
                 rh.store.release(RUN_LOCK, run.id)
+            if not rh.host.agent and hasattr(rh.store, "state_dir"):  # no agent prunes here
+                from gpuctl.adapters.store.journal import journal_for
+
+                journal_for(rh.store.state_dir).maintain()
 
 
 def _facts(
@@ -294,9 +303,28 @@ def _free(
         p.done = True
     finally:
         with contextlib.suppress(GpuctlError):
-            rh.store.release(svc.name, holder.id, update)
+            rh.store.release(svc.name, holder.id, update, event=_stop_event(svc, rec, update))
         if touch_after:
             _touch(rh, svc, p)
+
+
+def _stop_event(svc: ServiceConfig, rec: Record, update: RecordUpdate | None) -> Event | None:
+    """The journal's word for a reclaim's stop (or sleep): idle for how long."""
+    if update is None:
+        return None
+    sleep = update.phase is Phase.SLEEPING
+    idle = rec.idle_for(time.time())
+    return story.ev(
+        "stop",
+        svc.name,
+        "reclaim",
+        cause="sleep" if sleep else "idle",
+        before=rec.phase,
+        after=Phase.SLEEPING if sleep else Phase.STOPPED,
+        reason=f"idle past its {svc.idle_timeout_s:.0f}s idle timeout",
+        idle_s=idle,
+        budget_mib=svc.memory_mib,
+    )
 
 
 def report_lines(report: ReclaimReport) -> Sequence[Planned]:

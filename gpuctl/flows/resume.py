@@ -23,6 +23,7 @@ from gpuctl.adapters.store import Store
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.results import EnsureResult
@@ -45,6 +46,11 @@ def resume(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = Tru
     finally:
         deps.service = svc
         deps.preempt = preempt
+    if phase is Phase.PREEMPTED and result.exit_code == 0:
+        story.tell(
+            deps.store,
+            story.ev("resume", svc.name, deps.entry, before=phase, reason=result.reason),
+        )
     if phase is not None and phase is not Phase.PREEMPTED:
         result.notes.insert(0, f"{svc.name} was not preempted (phase {phase.value})")
     return result

@@ -51,6 +51,7 @@ from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import run_preempt as rp
+from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
 from gpuctl.flows.look import decide, observe
@@ -347,6 +348,16 @@ def _start(
             spec.name,
             holder.id,
             RecordUpdate(phase=Phase.RUNNING, handle=handle, touch=True, failure=None),
+            event=story.ev(
+                "launch",
+                spec.name,
+                "run",
+                job=True,
+                after=Phase.RUNNING,
+                budget_mib=story.mib(spec.memory_mib),
+                priority=spec.priority,
+                command=" ".join(req.argv)[:500],
+            ),
         )
     except GpuctlError:
         # Unrecorded, it would hold memory nobody counts: it does not run.
@@ -396,6 +407,19 @@ def _ended(deps: RunDeps, name: str) -> bool:
         update = RecordUpdate(handle=None)
         if not preempted:
             update = RecordUpdate(handle=None, phase=Phase.STOPPED)
+        end = (
+            None
+            if preempted
+            else story.ev(
+                "stop",
+                name,
+                "run",
+                job=True,
+                before=rec.phase,
+                after=Phase.STOPPED,
+                reason="the job ended",
+            )
+        )
         with contextlib.suppress(GpuctlError):
-            deps.store.release(name, holder.id, update)
+            deps.store.release(name, holder.id, update, event=end)
     return preempted

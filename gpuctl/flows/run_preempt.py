@@ -145,6 +145,8 @@ class Preemption:
                 launcher_for=deps.launcher_for,
                 clock=deps.clock,
                 sleep=deps.sleep,
+                by=self.spec.name,
+                why=f"priority {self.spec.priority}, needed {plan.need_mib} MiB on GPU {plan.gpu}",
             ),
             plan,
             snapshot,

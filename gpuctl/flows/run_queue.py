@@ -23,6 +23,7 @@ from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import Snapshot
 from gpuctl.core.queue import Waiter, ahead, held_back, waiter_reason
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import story
 
 # A waiter renews its entry on every look (about twice a second); one that stops renewing
 # (stopped with Ctrl-Z, or killed on another machine than the GPU host, where nobody can
@@ -124,6 +125,20 @@ class Place:
         larger than ``largest_mib``, the GPU's largest device, never fit: skipped)."""
         s = self.spec
         assert s.memory_mib is not None
+        if not self.joined:
+            story.tell(
+                self.store,
+                story.ev(
+                    "queue",
+                    s.name,
+                    "run",
+                    job=True,
+                    after="queued",
+                    reason="joined the wait queue",
+                    priority=s.priority,
+                    budget_mib=s.memory_mib,
+                ),
+            )
         self.joined = True  # before the call: a join that lands and then fails is left too
         ttl_s = failpoints.seconds("run_queue.ttl", QUEUE_TTL_S)
         _, queue = self.store.queue_join(
@@ -149,6 +164,17 @@ class Place:
             self.joined = False
             with contextlib.suppress(GpuctlError):
                 self.store.queue_leave(self.id)
+            story.tell(
+                self.store,
+                story.ev(
+                    "queue",
+                    self.spec.name,
+                    "run",
+                    job=True,
+                    before="queued",
+                    reason="left the wait queue",
+                ),
+            )
 
     def admission_deps(
         self, store: Store, clock: Callable[[], float], sleep: Callable[[float], None]

@@ -16,6 +16,7 @@ from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_as
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
+from gpuctl.flows import story
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.look import hidden_words, keywords
 from gpuctl.flows.results import LocksReport, StopResult, TouchResult
@@ -136,7 +137,20 @@ def stop(deps: EnsureDeps) -> StopResult:
             if result.stopped
             else "nothing of it was running"
         )
-        deps.store.release(svc.name, holder.id, RecordUpdate(phase=Phase.STOPPED, handle=None))
+        deps.store.release(
+            svc.name,
+            holder.id,
+            RecordUpdate(phase=Phase.STOPPED, handle=None),
+            event=story.ev(
+                "stop",
+                svc.name,
+                "stop",
+                cause="manual",
+                before=record.phase,
+                after=Phase.STOPPED,
+                reason=result.reason,
+            ),
+        )
     except Unproven:
         # Nothing was signalled: the record stays as it was, for a person to judge.
         with contextlib.suppress(GpuctlError):

@@ -145,6 +145,22 @@ def _unverified(e: BaseException) -> str | None:
     return None
 
 
+def _tell_cold(conf: Config, svc: ServiceConfig, held: int, seconds: float) -> None:
+    """Journal a cold start through the proxy (``flows.story``); never raises."""
+    from gpuctl.adapters.store import store_for
+    from gpuctl.flows import story
+
+    try:
+        store = store_for(conf.host(svc.host))
+    except GpuctlError:
+        return
+    try:
+        event = story.ev("proxy", svc.name, "proxy", requests_held=held, waited_s=seconds)
+        story.tell(store, event)
+    finally:
+        store.close()
+
+
 class SingleFlight:
     """One readiness task per service; every request for it awaits the same one."""
 
@@ -160,10 +176,12 @@ class SingleFlight:
         self.tasks: dict[str, asyncio.Task[Readiness]] = {}
         self.progress: dict[str, tuple[float, Progress | None]] = {}
         self.launches = 0  # starts this proxy's ensure launched (for tests and metrics)
+        self.held: dict[str, int] = {}  # requests waiting on the readiness task under way
 
     def get(self, svc: ServiceConfig) -> asyncio.Task[Readiness]:
         """The service's task under way, or a new one."""
         task = self.tasks.get(svc.name)
+        self.held[svc.name] = self.held.get(svc.name, 0) + 1 if task is not None else 1
         if task is None:
             task = asyncio.create_task(self._run(svc), name=f"gpuctl-proxy-ready-{svc.name}")
             self.tasks[svc.name] = task
@@ -210,11 +228,16 @@ class SingleFlight:
         def progress(p: Progress) -> None:  # from the worker thread: one assignment
             self.progress[svc.name] = (self.progress.get(svc.name, (time.monotonic(),))[0], p)
 
+        started = time.monotonic()
         try:
-            return await _in_daemon_thread(
+            got = await _in_daemon_thread(
                 lambda: self.ensure(self.conf, svc.name, svc.health_timeout_s, progress),
                 name=f"gpuctl-proxy-ensure-{svc.name}",
             )
+            if got.launched:  # a cold start: the journal says how many requests it held
+                held, secs = self.held.pop(svc.name, 1), time.monotonic() - started
+                await asyncio.to_thread(_tell_cold, self.conf, svc, held, secs)
+            return got
         except Exception as e:  # a bug must not leave every waiter hanging
             log.exception("ensure of %s failed", svc.name)
             return Readiness(False, Outcome.FAILED.value, f"ensure failed: {e}", cold=True)

@@ -2,7 +2,8 @@
 generated from them.
 
 Each output (``status``, ``locks``, ``reclaim``, ``ensure``, ``stop``; schema 1) is one
-top-level Struct here; the renderers (``status_json``, ``locks``, ``reclaim_view``,
+top-level Struct here (``events`` and ``usage`` are declared beside their renderer,
+``render.events_view``); the renderers (``status_json``, ``locks``, ``reclaim_view``,
 ``results``) build the objects these describe, and tests/test_schemas.py checks real
 output against the generated files. Every key a renderer writes is required (scripts may
 rely on it; null says unknown); a Struct the output leaves open for keys of its own
@@ -25,6 +26,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
+
+from gpuctl.render.events_view import EventsOut, UsageOut
 
 # --- shared pieces ----------------------------------------------------------------------
 
@@ -744,6 +747,20 @@ OUTPUTS = (
         "How an ensure ended. Printed whatever the exit code (exit_code repeats it).",
     ),
     Output("stop", StopOutput, "gpuctl stop SERVICE --json", "What a stop did."),
+    Output(
+        "events",
+        EventsOut,
+        "gpuctl events --json",
+        "The host's journal, oldest first: one row per event, with its words as the lines "
+        "print them, and one error row per host that could not be read.",
+    ),
+    Output(
+        "usage",
+        UsageOut,
+        "gpuctl usage --json",
+        "What each service, user or UTC day held and cost over the window: GiB-hours "
+        "(null when some of the time had no budget), cold starts, idle time, preemptions.",
+    ),
 )
 
 # Objects whose other keys depend on something else (a launcher's handle): their schema
@@ -777,6 +794,9 @@ DEF_NAMES = {
     "ReclaimHost": "host",
     "Candidate": "candidate",
     "Resumed": "resumed",
+    "EventRow": "event",
+    "HostError": "hostError",
+    "UsageRow": "usageRow",
 }
 
 SCHEMAS_DIR = Path(__file__).resolve().parents[2] / "schemas"

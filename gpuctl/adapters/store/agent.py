@@ -29,6 +29,9 @@ _NO_STORE = "this agent has no state directory"
 if TYPE_CHECKING:
     import httpx
 
+    from gpuctl.core.events import Event
+    from gpuctl.core.usage import Tally
+
 
 class AgentStore:
     """The store through the host agent's ``/records`` endpoints (same semantics)."""
@@ -58,6 +61,7 @@ class AgentStore:
         self._timeout = httpx.Timeout(timeout_s)
         self._owned = client is None
         self._keeps_promises = True  # until the agent refuses the key (an older one)
+        self._keeps_events = True  # likewise, for the journal's events
         # No credentials on the client: each request carries its own (a shared client
         # also talks to health URLs, which must never see the agent's token).
         self._client = client if client is not None else http_client(timeout_s)
@@ -170,10 +174,22 @@ class AgentStore:
             raise self._broken(f"a broken set-aside list: {e}") from None
 
     def acquire(
-        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+        self,
+        service: str,
+        holder: Holder,
+        ttl_s: float,
+        promise: Promise | None = None,
+        event: Event | None = None,
     ) -> tuple[bool, Record]:
         body: dict[str, Any] = {"holder": holder.to_dict(), "ttl_s": ttl_s}
-        data = self._promising("POST", f"/records/{check_name(service)}/lease", body, promise)
+        path = f"/records/{check_name(service)}/lease"
+        try:
+            data = self._promising("POST", path, self._with_event(body, event), promise)
+        except UsageError as e:
+            if event is None or "event" not in e.message or "unknown field" not in e.message:
+                raise
+            self._keeps_events = False
+            data = self._promising("POST", path, body, promise)
         granted = data.get("granted") if isinstance(data, dict) else None
         if not isinstance(granted, bool):
             raise self._broken("a lease answer without a boolean 'granted'")
@@ -188,24 +204,92 @@ class AgentStore:
             )
         )
 
-    def release(self, service: str, holder_id: str, update: RecordUpdate | None = None) -> Record:
-        wire = update.fitted().to_wire() if update is not None else {}
-        return self._record(
-            self._call(
-                "POST",
-                f"/records/{check_name(service)}/lease/release",
-                {"holder": holder_id, "update": wire},
-            )
-        )
+    def release(
+        self,
+        service: str,
+        holder_id: str,
+        update: RecordUpdate | None = None,
+        event: Event | None = None,
+    ) -> Record:
+        body = {
+            "holder": holder_id,
+            "update": update.fitted().to_wire() if update is not None else {},
+        }
+        path = f"/records/{check_name(service)}/lease/release"
+        return self._record(self._eventful("POST", path, body, event))
 
-    def update(self, service: str, holder_id: str, update: RecordUpdate) -> Record:
-        return self._record(
-            self._call(
-                "PATCH",
-                f"/records/{check_name(service)}",
-                {"holder": holder_id, "update": update.fitted().to_wire()},
-            )
-        )
+    def update(
+        self, service: str, holder_id: str, update: RecordUpdate, event: Event | None = None
+    ) -> Record:
+        body = {"holder": holder_id, "update": update.fitted().to_wire()}
+        return self._record(self._eventful("PATCH", f"/records/{check_name(service)}", body, event))
+
+    def note(self, *events: Event) -> None:
+        """``POST /events``; never raises (the journal is a witness, not a gate)."""
+        if not events or not self._keeps_events:
+            return
+        try:
+            self._call("POST", "/events", {"events": [e.to_dict() for e in events]})
+        except GpuctlError as e:
+            from gpuctl.adapters.store.journal import dropped
+
+            dropped(f"the agent on {self.host_name}: {e.message}")
+
+    def events(
+        self, since: float, *, service: str | None = None, after_id: int = 0
+    ) -> list[tuple[int, Event]]:
+        """The agent's journal (``GET /events``), oldest first."""
+        from urllib.parse import urlencode
+
+        from gpuctl.core.events import event_from_dict
+
+        q = {"since": f"{since:.6f}", "after": str(after_id)}
+        if service is not None:
+            q["service"] = service
+        data = self._call("GET", f"/events?{urlencode(q)}")
+        rows = data.get("events") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise self._broken("an event list without its events")
+        out: list[tuple[int, Event]] = []
+        for row in rows:
+            if isinstance(row, dict) and isinstance(row.get("id"), int):
+                body = {k: v for k, v in row.items() if k != "id"}
+                try:
+                    out.append((row["id"], event_from_dict(body, stored=True)))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise self._broken(f"a broken event: {e}") from None
+        return out
+
+    def usage(self, since: float) -> dict[tuple[str, str, str], Tally]:
+        """The agent's usage rows (``GET /usage``), keyed (UTC day, service, user)."""
+        from gpuctl.core.usage import Tally
+
+        data = self._call("GET", f"/usage?since={since:.6f}")
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise self._broken("a usage answer without its rows")
+        out: dict[tuple[str, str, str], Tally] = {}
+        for row in rows:
+            if isinstance(row, dict):
+                key = (str(row.get("day")), str(row.get("service")), str(row.get("user")))
+                out[key] = Tally.from_dict(row)
+        return out
+
+    def _with_event(self, body: dict[str, Any], event: Event | None) -> dict[str, Any]:
+        return {**body, "event": event.to_dict()} if event and self._keeps_events else body
+
+    def _eventful(self, method: str, path: str, body: dict[str, Any], event: Event | None) -> Any:
+        """``body`` with the event riding on it. An agent older than the journal refuses
+        the key (400 "unknown field"): asked again without it, once per client."""
+        if event is None or not self._keeps_events:
+            return self._call(method, path, body)
+        try:
+            return self._call(method, path, self._with_event(body, event))
+        except UsageError as e:
+            if "event" not in e.message or "unknown field" not in e.message:
+                raise
+            self._keeps_events = False
+            return self._call(method, path, body)
 
     def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
         path = f"/records/{check_name(service)}/touch"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
@@ -22,6 +22,10 @@ from gpuctl.core.record import (
 )
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import UsageError
+
+if TYPE_CHECKING:
+    # Only its name: every command imports the store, few tell the journal anything.
+    from gpuctl.core.events import Event
 
 # The one rule for names, shared with the config and the agent's OpenAPI document.
 _NAME = NAME_RE
@@ -56,23 +60,45 @@ class Store(Protocol):
         ...
 
     def acquire(
-        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+        self,
+        service: str,
+        holder: Holder,
+        ttl_s: float,
+        promise: Promise | None = None,
+        event: Event | None = None,
     ) -> tuple[bool, Record]:
         """Take the lease unless someone else holds a live one. Returns (granted, record).
 
         ``promise``: what the start this lease is for promises (its budget, devices,
         priority, kind, resumability), written with the lease in one write, so no client
-        ever sees the lease without the figures it must count it at."""
+        ever sees the lease without the figures it must count it at. ``event``: the
+        journal's event for this write (``adapters.store.journal``), kept only if granted; it
+        rides on the write (the same request to an agent)."""
         ...
 
     def renew(self, service: str, holder_id: str, ttl_s: float) -> Record: ...
 
-    def release(self, service: str, holder_id: str, update: RecordUpdate | None = None) -> Record:
-        """Apply ``update`` and drop the lease, if ``holder_id`` still holds it."""
+    def release(
+        self,
+        service: str,
+        holder_id: str,
+        update: RecordUpdate | None = None,
+        event: Event | None = None,
+    ) -> Record:
+        """Apply ``update`` and drop the lease, if ``holder_id`` still holds it (and then
+        journal ``event``)."""
         ...
 
-    def update(self, service: str, holder_id: str, update: RecordUpdate) -> Record:
-        """Apply ``update`` as the lease holder (StoreError otherwise)."""
+    def update(
+        self, service: str, holder_id: str, update: RecordUpdate, event: Event | None = None
+    ) -> Record:
+        """Apply ``update`` as the lease holder (StoreError otherwise), and journal
+        ``event`` with it."""
+        ...
+
+    def note(self, *events: Event) -> None:
+        """Journal events that ride on no record write (a refusal, a queue join). Never
+        raises: the journal is a witness, not a gate."""
         ...
 
     def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:

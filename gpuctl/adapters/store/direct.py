@@ -23,7 +23,7 @@ import stat
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
 from gpuctl.adapters.store.codec import (
@@ -61,6 +61,9 @@ from gpuctl.core.record_pids import pid_is_here
 from gpuctl.core.record_shapes import RecordUpdate, apply_update
 from gpuctl.errors import StoreError, UsageError
 
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
+
 log = logging.getLogger("gpuctl.store")
 
 
@@ -71,6 +74,15 @@ class DirectStore(InflightFiles, QueueFiles):
         self.state_dir = Path(state_dir)
         self.clock = clock
         self._modes: tuple[int, int] | None = None  # (folders, files), once known
+
+    # ---- the journal (``adapters.store.journal``): a witness, never a gate
+
+    def note(self, *events: Event) -> None:
+        """Write ``events`` to the host's journal; never fails (``journal.write``)."""
+        if events:
+            from gpuctl.adapters.store.journal import journal_for
+
+            journal_for(self.state_dir).write(*events)
 
     # ---- files
 
@@ -162,6 +174,7 @@ class DirectStore(InflightFiles, QueueFiles):
         # For the agent's log (and journald): the one reader told in the record may be a
         # status nobody reads; `gpuctl locks` lists the copy until it is removed.
         log.warning("%s: %s", path, note)
+        self.note(_witnessed("set_aside", service, now, note))
         return replace(fresh, recovered=clip(note))
 
     def _write(self, record: Record) -> None:
@@ -214,6 +227,8 @@ class DirectStore(InflightFiles, QueueFiles):
             return
         log.warning("%s: lease of %s pid %d is void (%s); kept as %s",
                     path, lease.host, lease.pid, why, name)  # fmt: skip
+        by = f"{lease.entry} pid {lease.pid} on {lease.host}"
+        self.note(_witnessed("lease", on_disk.service, now, f"broken: {why}", by))
 
     def voided(self) -> list[Voided]:
         """The void leases and entries (``voided``), for ``gpuctl locks`` only: it reads
@@ -373,8 +388,14 @@ class DirectStore(InflightFiles, QueueFiles):
         return SetAside(service, file, at, st.st_size if st else 0, clip(why))
 
     def acquire(
-        self, service: str, holder: Holder, ttl_s: float, promise: Promise | None = None
+        self,
+        service: str,
+        holder: Holder,
+        ttl_s: float,
+        promise: Promise | None = None,
+        event: Event | None = None,
     ) -> tuple[bool, Record]:
+        """``event``: written to the journal when the lease is granted."""
         _check_term(service, ttl_s)
         lock = self._locked(service)
         try:
@@ -388,6 +409,8 @@ class DirectStore(InflightFiles, QueueFiles):
             if promise is not None:
                 rec = replace(rec, promise=promise)
             self._write(rec)
+            if event is not None:
+                self.note(event)
             return True, rec
         finally:
             lock.release()
@@ -422,16 +445,26 @@ class DirectStore(InflightFiles, QueueFiles):
         finally:
             lock.release()
 
-    def update(self, service: str, holder_id: str, update: RecordUpdate) -> Record:
+    def update(
+        self, service: str, holder_id: str, update: RecordUpdate, event: Event | None = None
+    ) -> Record:
         lock, rec = self._as_holder(service, holder_id)
         try:
             rec = _apply(rec, update, self.clock())
             self._write(rec)
+            if event is not None:  # under the lock: a service's events in their order
+                self.note(event)
             return rec
         finally:
             lock.release()
 
-    def release(self, service: str, holder_id: str, update: RecordUpdate | None = None) -> Record:
+    def release(
+        self,
+        service: str,
+        holder_id: str,
+        update: RecordUpdate | None = None,
+        event: Event | None = None,
+    ) -> Record:
         lock = self._locked(service)
         try:
             rec, _ = self._effective(self._read(service))
@@ -441,6 +474,8 @@ class DirectStore(InflightFiles, QueueFiles):
             if mine:
                 rec = replace(rec, lease=None)
                 self._write(rec)
+                if event is not None:
+                    self.note(event)
             return rec
         finally:
             lock.release()
@@ -474,6 +509,18 @@ def _apply(rec: Record, update: RecordUpdate, now: float) -> Record:
     except ValueError as e:  # RecordError too
         raise UsageError(f"bad record update: {e}") from None
     return out
+
+
+def _witnessed(kind: str, service: str, now: float, reason: str, by: str | None = None) -> Event:
+    """An event the store itself tells (a record set aside, a lease broken)."""
+    import os
+
+    from gpuctl.adapters import procinfo
+    from gpuctl.core.events import Event, Kind
+
+    who = {"entry": "store", "pid": str(os.getpid())}
+    host = procinfo.host_identity().hostname
+    return Event(now, Kind(kind), service, host, reason=clip(reason), by=by, who=who)
 
 
 def _check_term(service: str, ttl_s: float) -> None:

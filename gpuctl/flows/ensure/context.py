@@ -9,6 +9,7 @@ from typing import Any
 from gpuctl.adapters.store.inflight import stopping
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.errors import AgentAuthError, GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.hints import refusal_hint
 from gpuctl.flows.results import EnsureResult, Outcome
@@ -53,6 +54,8 @@ class Ctx:
 
     def from_verdict(self, verdict: Verdict, **kw: Any) -> EnsureResult:
         outcome = REFUSALS.get(verdict.decision, Outcome.FAILED)
+        if verdict.decision is not Decision.FAILED:  # a refusal (a failed start told its own)
+            story.tell(self.deps.store, story.refused(self.deps.service, self.deps.entry, verdict))
         kw.setdefault("hint", refusal_hint(self.deps, outcome, verdict))
         return self.result(outcome, verdict.reason, verdict.decision, **kw)
 

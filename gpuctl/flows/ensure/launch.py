@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
@@ -18,6 +18,7 @@ from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate, StartFailure
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
 from gpuctl.flows.ensure.context import Ctx, bystander
@@ -25,6 +26,9 @@ from gpuctl.flows.look import is_orphaned_start, look
 from gpuctl.flows.results import EnsureResult, Outcome
 from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.wait import LauncherWatch, wait_ready
+
+if TYPE_CHECKING:
+    from gpuctl.core.events import Event
 
 
 def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) -> ServiceConfig:
@@ -58,7 +62,7 @@ def launch_under_lease(
     released = False
     unlaunched = restore
 
-    def release(update: RecordUpdate | None = None) -> None:
+    def release(update: RecordUpdate | None = None, event: Event | None = None) -> None:
         nonlocal released
         if released:
             return
@@ -66,7 +70,7 @@ def launch_under_lease(
         if update is None and unlaunched is not None:
             update = unlaunched
         try:
-            deps.store.release(svc.name, holder.id, update)
+            deps.store.release(svc.name, holder.id, update, event=event)
         except GpuctlError as e:
             ctx.notes.append(f"could not release the lease: {e.message} (it expires by itself)")
 
@@ -162,6 +166,7 @@ def launch_under_lease(
                 # service at its budget, even before its server exists. The nonce goes
                 # into the server's environment: if we die before recording the server,
                 # the next caller finds it by the nonce.
+                story.tell(deps.store, story.admitted(svc, deps.entry, verdict, own))
                 deps.store.update(
                     svc.name,
                     holder.id,
@@ -174,13 +179,33 @@ def launch_under_lease(
                         # did not wait) to `running` once the server answers.
                         health=svc.health,
                     ),
+                    event=story.ev(
+                        "launch",
+                        svc.name,
+                        deps.entry,
+                        before=own and own.phase,
+                        after=Phase.STARTING,
+                        budget_mib=story.mib(svc.memory_mib),
+                        command=svc.command,
+                    ),
                 )
                 try:
                     handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
-                    release(RecordUpdate(attempt=attempt, failure=StartFailure(msg)))
+                    release(
+                        RecordUpdate(attempt=attempt, failure=StartFailure(msg)),
+                        story.ended(
+                            svc,
+                            deps.entry,
+                            Outcome.FAILED,
+                            msg,
+                            log_tail="",
+                            started_at=started_at,
+                            handle=None,
+                        ),
+                    )
                     hint = e.hint if isinstance(e, GpuctlError) and e.hint else None
                     return ctx.result(
                         Outcome.FAILED,
@@ -227,7 +252,8 @@ def launch_under_lease(
                 handle=handle.to_dict(),
             )
         try:
-            waited = wait_ready(ctx, LauncherWatch(ctx, launcher, handle, holder, ttl))
+            watch = LauncherWatch(ctx, launcher, handle, holder, ttl)
+            waited = wait_ready(ctx, watch)
         except KeyboardInterrupt:
             attempt = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
             release(RecordUpdate(attempt=attempt))
@@ -247,7 +273,20 @@ def launch_under_lease(
         elif outcome is Outcome.FAILED:
             failure = StartFailure(waited.reason, waited.log_tail)
             update = RecordUpdate(attempt=attempt, failure=failure)
-        release(update)
+        release(
+            update,
+            story.ended(
+                svc,
+                deps.entry,
+                outcome,
+                waited.reason,
+                log_tail=waited.log_tail,
+                started_at=started_at,
+                handle=handle.to_dict(),
+                now=deps.clock(),
+                memory_mib=watch.memory_mib,
+            ),
+        )
         return ctx.from_wait(
             waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()
         )

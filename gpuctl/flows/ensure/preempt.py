@@ -49,6 +49,7 @@ from gpuctl.core.plan import Plan, Victim
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError, LauncherError
+from gpuctl.flows import story
 from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.ensure.launch import launch_under_lease
@@ -110,6 +111,9 @@ class RoomDeps:
     force: bool = False
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
+    # Who makes the room and why, in the victims' stop events (``flows.story``).
+    by: str = ""
+    why: str = ""
 
 
 @dataclass
@@ -217,7 +221,24 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                 room.hint = e.hint
                 return room
             failpoints.hit("preempt.after_victim_stop")
-            deps.store.release(t.name, t.holder.id, update)
+            cause = "yield" if t.name in yielded else "preempted"
+            deps.store.release(
+                t.name,
+                t.holder.id,
+                update,
+                event=story.ev(
+                    "stop",
+                    t.name,
+                    "preempt",
+                    job=is_job(t.name),
+                    cause=cause,
+                    by=deps.by or None,
+                    before=t.record.phase,
+                    after=Phase.PREEMPTED,
+                    reason=deps.why or None,
+                    idle_s=idle_seconds(t.record, now) if t.name in yielded else None,
+                ),
+            )
             taken.remove(t)
             room.stopped.append(t.name)
         return room
@@ -286,6 +307,8 @@ def preempt(
                 force=deps.force,
                 clock=deps.clock,
                 sleep=deps.sleep,
+                by=svc.name,
+                why=f"priority {svc.priority}, needed {plan.need_mib} MiB on GPU {plan.gpu}",
             ),
             plan,
             snapshot,

@@ -20,6 +20,7 @@ from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
+from gpuctl.flows import story
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.look import keywords
 from gpuctl.flows.results import EnsureResult, Outcome
@@ -100,7 +101,20 @@ def wake(
                 return ctx.result(
                     Outcome.FAILED, f"wake failed: {e.message}", Decision.SLEEPING, hint=e.hint
                 )
-            deps.store.update(svc.name, holder.id, RecordUpdate(phase=Phase.RUNNING, touch=True))
+            deps.store.update(
+                svc.name,
+                holder.id,
+                RecordUpdate(phase=Phase.RUNNING, touch=True),
+                event=story.ev(
+                    "wake",
+                    svc.name,
+                    deps.entry,
+                    before="sleeping",
+                    after=Phase.RUNNING,
+                    reason=why,
+                    budget_mib=story.mib(svc.memory_mib),
+                ),
+            )
             ctx.notes.append(f"woke it from sleep level {svc.sleep_level or 1} ({why})")
         if not wait:
             return ctx.result(Outcome.LOADING, "woken; not waiting", Decision.SLEEPING)

@@ -1,0 +1,169 @@
+"""The journal over HTTP (``adapters.store.journal``).
+
+=======  ==================================  =========================================
+GET      /events?since=2h&service=S          {"events": [{"id": N, **event}, …]} oldest
+                                             first (``since``: a span or a Unix time;
+                                             default 1h; at most ``MAX_READ`` newest)
+GET      /usage?since=30d                    {"since": T, "rows": [{"day", "service",
+                                             "user", totals…}, …]} (``core.usage``)
+GET      /events?follow=1&since=…            server-sent events: one ``data:`` line per
+                                             event (JSON, with its ``id:``), as written
+POST     /events                             {"events": [event, …]} → {"written": N}
+                                             (events that ride on no record write: a
+                                             refusal, a queue join; write token)
+=======  ==================================  =========================================
+
+The read-only token may read. Every event written through the agent (riding on a record
+write, or posted here) gets the caller's peer address and the token's role in ``who``:
+what the agent saw, beside what the caller says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from typing import Any
+
+from gpuctl.adapters.store.journal import Journal
+from gpuctl.agent import wire
+from gpuctl.agent.http import HttpError, Receive, Request, Response, Scope, Send, json_response
+from gpuctl.agent.openapi_events import MAX_ID, SINCE_PATTERN
+from gpuctl.core.events import Event, parse_since
+
+MAX_READ = 100_000
+FOLLOW_POLL_S = 0.5
+PING_EVERY = 30
+FOLLOW_MAX_S = 3600.0  # a follower reconnects after an hour (``id:`` lets it resume)
+
+
+def seen_by(scope: Scope, writer: bool, has_token: bool = True) -> dict[str, str]:
+    """What the agent sees of a caller: its address and its token's role."""
+    client = scope.get("client")
+    peer = f"{client[0]}:{client[1]}" if client else "?"
+    role = "write" if writer and has_token else "read" if has_token else "open"
+    return {"peer": peer, "role": role}
+
+
+def _query(request: Request) -> tuple[float, str | None, bool, int]:
+    q = request.query()
+
+    def one(name: str) -> str | None:
+        got = q.get(name)
+        return got[-1] if got else None
+
+    unknown = sorted(set(q) - {"since", "service", "follow", "after"})
+    if unknown:
+        raise HttpError(400, f"unknown query parameter {unknown[0]!r}", "see /openapi.json")
+    try:
+        text = one("since") or "1h"
+        if not re.fullmatch(SINCE_PATTERN, text):
+            raise ValueError(f"not a span of time nor a Unix time: {text[:40]!r}")
+        since = parse_since(text, time.time())
+        after = int(one("after") or "0")
+        if not 0 <= after <= MAX_ID:
+            raise ValueError(f"after must be from 0 to {MAX_ID}")
+    except ValueError as e:
+        raise HttpError(
+            400, f"bad since or after: {e}", "since=2h, since=7d or a Unix time"
+        ) from None
+    follow = (one("follow") or "0") in ("1", "true", "yes")
+    return since, one("service"), follow, after
+
+
+def _row(rid: int, e: Event) -> dict[str, Any]:
+    return {"id": rid, **e.to_dict()}
+
+
+async def get_events(journal: Journal | None, request: Request) -> Response:
+    if journal is None:
+        return json_response(503, {"error": "this agent has no state directory", "hint": ""})
+    since, service, _, after = _query(request)
+    rows = await asyncio.to_thread(
+        journal.read, since, service=service, after_id=after, limit=MAX_READ
+    )
+    return json_response(200, {"events": [_row(i, e) for i, e in rows]})
+
+
+async def get_usage(journal: Journal | None, request: Request) -> Response:
+    """``GET /usage?since=30d``: the journal's rows (UTC day, service, user) from
+    ``since`` (closed days from the daily rows: ``Journal.usage``)."""
+    if journal is None:
+        return json_response(503, {"error": "this agent has no state directory", "hint": ""})
+    q = request.query()
+    unknown = sorted(set(q) - {"since"})
+    if unknown:
+        raise HttpError(400, f"unknown query parameter {unknown[0]!r}", "see /openapi.json")
+    text = (q.get("since") or ["7d"])[-1]
+    if not re.fullmatch(SINCE_PATTERN, text):
+        raise HttpError(400, f"bad since: {text[:40]!r}", "since=7d, since=30d or a Unix time")
+    since = parse_since(text, time.time())
+    rows = await asyncio.to_thread(journal.usage, since)
+    out = [
+        {"day": day, "service": svc, "user": user, **t.to_dict()}
+        for (day, svc, user), t in sorted(rows.items())
+    ]
+    return json_response(200, {"since": since, "rows": out})
+
+
+async def post_events(journal: Journal | None, request: Request, seen: dict[str, str]) -> Response:
+    if journal is None:
+        return json_response(503, {"error": "this agent has no state directory", "hint": ""})
+    body = await request.body()
+    events = wire.events_request(wire.parse_body(body))
+    ok = await asyncio.to_thread(journal.write, *(e.seen_by(**seen) for e in events))
+    return json_response(200, {"written": len(events) if ok else 0})
+
+
+async def follow_events(
+    journal: Journal | None, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """``?follow=1``: server-sent events until the client goes (or ``FOLLOW_MAX_S``)."""
+    request = Request(scope, receive)
+    since, service, _, after = _query(request)
+    if journal is None:
+        raise HttpError(503, "this agent has no state directory", "start it with --state-dir")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream"),
+                (b"cache-control", b"no-cache"),
+            ],
+        }
+    )
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                gone.set()
+                return
+
+    watcher = asyncio.create_task(watch())
+    deadline = time.monotonic() + FOLLOW_MAX_S
+    last, polls = after, 0
+    try:
+        while not gone.is_set() and time.monotonic() < deadline:
+            rows = await asyncio.to_thread(
+                journal.read, since, service=service, after_id=last, limit=MAX_READ
+            )
+            chunk = b"".join(
+                f"id: {i}\ndata: {json.dumps(_row(i, e), separators=(',', ':'))}\n\n".encode()
+                for i, e in rows
+            )
+            if rows:
+                last = max(i for i, _ in rows)
+            polls += 1
+            if chunk or polls % PING_EVERY == 0:  # a comment line keeps proxies from closing it
+                body = chunk or b": ping\n\n"
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(gone.wait(), FOLLOW_POLL_S)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        watcher.cancel()

@@ -1,0 +1,321 @@
+"""The journal (``adapters.store.journal``) on real files: a witness that never fails its
+caller, safe among many writers and against kill -9, links and corrupt files; and the
+usage arithmetic (``core.usage``) against the clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import journal as jmod
+from gpuctl.adapters.store.journal import Journal
+from gpuctl.core.events import Cause, Event, Kind, event_from_dict, words
+from gpuctl.core.usage import DAY_S, fold, group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ev(at: float, kind: Kind, service: str, **kw: object) -> Event:
+    figures = kw.pop("figures", {})
+    who = kw.pop("who", {"user": "alice", "entry": "test"})
+    return Event(at, kind, service, who=who, figures=figures, **kw)  # type: ignore[arg-type]
+
+
+def test_events_round_trip_redacted_and_bounded(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    e = ev(100.0, Kind.LAUNCH, "chat", command="vllm serve --api-key sk-secret123 m")
+    raw = event_from_dict(json.loads(json.dumps(e.to_dict())))
+    assert "sk-secret123" not in (raw.command or "")
+    assert j.write(raw)
+    [(rid, back)] = j.read(0.0)
+    assert rid == 1 and back.kind is Kind.LAUNCH and "sk-secret123" not in (back.command or "")
+    with pytest.raises(ValueError, match=r"event\.reason"):
+        event_from_dict({**e.to_dict(), "reason": "x" * 501})
+    with pytest.raises(ValueError, match="unknown field"):
+        event_from_dict({**e.to_dict(), "extra": 1})
+
+
+def test_the_journal_is_made_with_the_stores_modes(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    old = os.umask(0)
+    try:
+        assert Journal(state).write(ev(1.0, Kind.ADMIT, "a"))
+    finally:
+        os.umask(old)
+    for name in ("journal.db", "journal.db-wal", "journal.db-shm"):
+        assert (state / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_a_link_in_place_of_the_journal_is_set_aside_never_followed(tmp_path: Path) -> None:
+    state, elsewhere = tmp_path / "state", tmp_path / "victim"
+    state.mkdir()
+    elsewhere.write_text("precious")
+    (state / "journal.db").symlink_to(elsewhere)
+    (state / "journal.db-wal").symlink_to(tmp_path / "wal-target")
+    assert Journal(state).write(ev(1.0, Kind.ADMIT, "a"))
+    assert elsewhere.read_text() == "precious"
+    assert not (tmp_path / "wal-target").exists()
+    assert not (state / "journal.db").is_symlink()
+    kept = sorted(p.name for p in state.iterdir() if ".link-" in p.name)
+    assert len(kept) == 2 and all(p.startswith("journal.db") for p in kept)
+
+
+def test_a_corrupt_journal_is_set_aside_and_a_new_one_started(tmp_path: Path) -> None:
+    (tmp_path / "journal.db").write_bytes(b"this is not a database" * 500)
+    j = Journal(tmp_path)
+    assert j.write(ev(5.0, Kind.ADMIT, "a"))
+    assert [e.service for _, e in j.read(0.0)] == ["a"]
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("journal.db.corrupt-")]
+    assert len(kept) == 1 and kept[0].read_bytes().startswith(b"this is not")
+
+
+def test_a_full_disk_never_fails_a_start_or_a_stop(tmp_path: Path) -> None:
+    """SQLite's own "database or disk is full" (its page limit reached): the record
+    writes go on, the events are dropped and counted."""
+    store = DirectStore(tmp_path)
+    j = jmod.journal_for(tmp_path)
+    assert j.write(ev(1.0, Kind.ADMIT, "svc"))
+    with j._db() as db:
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count = {pages}")
+    before = jmod.failures()
+    holder = holder_here("test")
+    big = "x" * 400
+    for i in range(40):
+        granted, _ = store.acquire("svc", holder, 30.0, event=ev(i, Kind.LAUNCH, "svc", reason=big))
+        assert granted
+        store.update("svc", holder.id, {"phase": "running"}, event=ev(i, Kind.READY, "svc"))
+        rec = store.release(
+            "svc", holder.id, {"phase": "stopped"},
+            event=ev(i, Kind.STOP, "svc", cause=Cause.MANUAL, reason=big),
+        )  # fmt: skip
+        assert rec.phase.value == "stopped"
+    assert jmod.failures() > before
+    j.close()
+    jmod._journals.pop(tmp_path, None)
+
+
+def test_an_unwritable_journal_warns_once_and_the_cli_goes_on(tmp_path: Path) -> None:
+    """journal.db a folder (it cannot be opened): ensure-like writes through the store
+    succeed, and the process says so on stderr once."""
+    state = tmp_path / "state"
+    (state / "journal.db").mkdir(parents=True)
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from gpuctl.adapters.store import DirectStore, holder_here\n"
+        "from gpuctl.core.events import Event, Kind\n"
+        f"s = DirectStore(Path({str(state)!r})); h = holder_here('t')\n"
+        "for i in range(5):\n"
+        "    ok, _ = s.acquire('svc', h, 30.0, event=Event(i, Kind.LAUNCH, 'svc'))\n"
+        "    assert ok\n"
+        "    s.release('svc', h.id, {'phase': 'stopped'}, event=Event(i, Kind.STOP, 'svc'))\n"
+        "print('done')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "done"
+    assert r.stderr.count("the journal cannot be written") == 1, r.stderr
+
+
+_WRITER = """
+import os, sys, time
+from pathlib import Path
+from gpuctl.adapters.store.journal import Journal
+from gpuctl.core.events import Event, Kind
+j = Journal(Path(sys.argv[1]))
+tag, n = sys.argv[2], int(sys.argv[3])
+for i in range(n):
+    assert j.write(Event(time.time(), Kind.ADMIT, "svc", who={"entry": tag, "pid": str(i)}))
+"""
+
+
+def test_32_writers_and_the_agent_lose_and_duplicate_no_event(tmp_path: Path) -> None:
+    from gpuctl.sim.host import SimHost
+
+    per = 15
+    with SimHost(gpu_memory="24GiB", root=tmp_path / "host") as h:
+        h.start_agent()
+        state = h.state_dir
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _WRITER, str(state), f"w{k}", str(per)])
+            for k in range(32)
+        ]
+        import httpx
+
+        headers = {"Authorization": f"Bearer {h.token}"}
+        for i in range(per):
+            body = {"events": [{"at": time.time(), "kind": "admit", "service": "svc",
+                                "who": {"entry": "agent", "pid": str(i)}}]}  # fmt: skip
+            r = httpx.post(f"{h.agent_url}/events", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200 and r.json() == {"written": 1}, r.text
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+        got = Journal(state).read(0.0)
+    seen = [(e.who["entry"], e.who["pid"]) for _, e in got]
+    expected = {(f"w{k}", str(i)) for k in range(32) for i in range(per)}
+    expected |= {("agent", str(i)) for i in range(per)}
+    assert len(seen) == len(expected)
+    assert set(seen) == expected
+    assert len({rid for rid, _ in got}) == len(got)
+
+
+_HOLDER = """
+import sys, time, sqlite3
+from pathlib import Path
+from gpuctl.adapters.store.journal import Journal
+from gpuctl.core.events import Event, Kind
+j = Journal(Path(sys.argv[1]))
+assert j.write(Event(1.0, Kind.ADMIT, "before"))
+db = j._open()
+db.execute("BEGIN IMMEDIATE")
+for i in range(500):
+    db.execute("INSERT INTO events(at, service, kind, body) VALUES (?,?,?,?)",
+               (2.0, "torn", "admit", '{"at":2.0,"kind":"admit","service":"torn"}'))
+print("mid", flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill_9_mid_transaction_leaves_a_readable_journal(tmp_path: Path) -> None:
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "mid"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    p.stdout.close()
+    j = Journal(tmp_path)
+    assert [e.service for _, e in j.read(0.0)] == ["before"]
+    assert j.write(ev(3.0, Kind.ADMIT, "after"))  # the dead writer's lock went with it
+    assert [e.service for _, e in j.read(0.0)] == ["before", "after"]
+    with sqlite3.connect(tmp_path / "journal.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_usage_over_a_scripted_hour_matches_the_clock() -> None:
+    """A fake-clock hour: chat loaded 20 min (80 GiB), preempting photos (30 GiB, back
+    after); tiny (no budget) loaded 30 min. Within 2 % of the truth (here: exact)."""
+    t0 = 1_767_225_600.0 + 3600  # 01:00 UTC
+    events = [
+        ev(t0, Kind.LAUNCH, "photos", figures={"budget_mib": 30 * 1024}),
+        ev(t0 + 60, Kind.READY, "photos", figures={"cold_start_s": 60.0, "memory_mib": 28 * 1024}),
+        ev(t0 + 600, Kind.LAUNCH, "chat", figures={"budget_mib": 80 * 1024},
+           who={"user": "bob", "entry": "proxy"}),
+        ev(t0 + 600, Kind.STOP, "photos", cause=Cause.PREEMPTED, by="chat",
+           who={"user": "bob", "entry": "preempt"}),
+        ev(t0 + 700, Kind.READY, "chat", figures={"cold_start_s": 100.0}),
+        ev(t0 + 1800, Kind.STOP, "chat", cause=Cause.IDLE, figures={"idle_s": 900.0}),
+        ev(t0 + 1800, Kind.RESUME, "photos", figures={"budget_mib": 30 * 1024}),
+        ev(t0 + 1800, Kind.LAUNCH, "tiny"),
+        ev(t0 + 3000, Kind.STOP, "tiny", cause=Cause.MANUAL),
+    ]  # fmt: skip
+    rows, held = fold(events, t0, t0 + 3600)
+    by = group(rows, "service")
+    truth = {"photos": (600 + 1800) / 3600 * 30, "chat": 1200 / 3600 * 80}
+    for name, gib_h in truth.items():
+        assert abs(by[name].gib_hours - gib_h) <= 0.02 * gib_h, (name, by[name])
+    assert by["tiny"].gib_hours == 0 and by["tiny"].unknown_hours == pytest.approx(1200 / 3600)
+    assert by["photos"].preempted == 1 and by["chat"].preempting == 1
+    assert by["chat"].idle_before_stop_s == 900.0
+    assert by["chat"].cold_median_s() == 100.0
+    assert by["photos"].seen_gib_hours == pytest.approx(28 * 540 / 3600)
+    assert set(held) == {"photos"}  # still loaded at the end of the hour
+    users = group(rows, "user")
+    assert users["bob"].preempting == 1 and users["alice"].preempted == 1
+
+
+def test_usage_of_a_short_real_run_matches_the_wall_clock(tmp_path: Path) -> None:
+    store = DirectStore(tmp_path)
+    holder = holder_here("test")
+    begin = time.time()
+    store.acquire("svc", holder, 30.0, event=ev(time.time(), Kind.LAUNCH, "svc",
+                                                 figures={"budget_mib": 10240.0}))  # fmt: skip
+    time.sleep(2.0)
+    store.release("svc", holder.id, {"phase": "stopped"},
+                  event=ev(time.time(), Kind.STOP, "svc", cause=Cause.MANUAL))  # fmt: skip
+    wall = time.time() - begin
+    rows = jmod.journal_for(tmp_path).usage(begin - 60)
+    held = group(rows, "service")["svc"].held_s
+    assert abs(held - wall) <= 0.02 * wall, (held, wall)
+    assert group(rows, "service")["svc"].gib_hours == pytest.approx(10 * held / 3600)
+
+
+def test_pruned_days_survive_as_daily_rows(tmp_path: Path) -> None:
+    now = time.time()
+    today = now - now % DAY_S
+    j = Journal(tmp_path, clock=lambda: now)
+    events = []
+    for d in range(10, 0, -1):  # one 2-hour hold a day, 10 days back to yesterday
+        start = today - d * DAY_S + 3600
+        events += [
+            ev(start, Kind.LAUNCH, "chat", figures={"budget_mib": 1024.0}),
+            ev(start + 7200, Kind.STOP, "chat", cause=Cause.IDLE, figures={"idle_s": 60.0}),
+        ]
+    events.append(ev(today + 60, Kind.LAUNCH, "chat", figures={"budget_mib": 1024.0}))
+    assert j.write(*events)
+    before = group(j.usage(today - 10 * DAY_S), "service")["chat"]
+    gone = j.maintain(days=3)
+    assert gone == sum(1 for e in events if e.at < now - 3 * DAY_S)
+    after = group(j.usage(today - 10 * DAY_S), "service")["chat"]
+    assert after.gib_hours == pytest.approx(before.gib_hours)
+    assert after.stops == before.stops == {"idle": 10}
+    assert after.held_s == pytest.approx(20 * 3600 + now - today - 60)
+    assert len(j.read(0.0)) == len(events) - gone
+
+
+def test_words_say_who_and_why() -> None:
+    e = ev(0.0, Kind.STOP, "photos", cause=Cause.PREEMPTED, by="chat",
+           reason="priority 100, needed 81920 MiB on GPU 0",
+           who={"user": "alice", "entry": "proxy"})  # fmt: skip
+    assert words(e) == (
+        "photos preempted by chat — priority 100, needed 81920 MiB on GPU 0 — alice via proxy"
+    )
+
+
+def test_the_read_token_reads_and_follows_the_journal_but_cannot_write(tmp_path: Path) -> None:
+    import httpx
+
+    from gpuctl.sim.host import SimHost
+
+    token_file = tmp_path / "read.token"
+    token_file.write_text("r" * 32 + "\n")
+    token_file.chmod(0o600)
+    with SimHost(gpu_memory="24GiB", root=tmp_path / "host") as h:
+        h.start_agent(args=["--read-token-file", str(token_file)])
+        write = {"Authorization": f"Bearer {h.token}"}
+        read = {"Authorization": f"Bearer {'r' * 32}"}
+        body = {"events": [{"at": time.time(), "kind": "admit", "service": "svc"}]}
+        assert httpx.post(f"{h.agent_url}/events", json=body, headers=read).status_code == 403
+        r = httpx.post(f"{h.agent_url}/events", json=body, headers=write)
+        assert r.json() == {"written": 1}, r.text
+        r = httpx.get(f"{h.agent_url}/events?since=1h", headers=read)
+        assert r.status_code == 200 and [e["service"] for e in r.json()["events"]] == ["svc"]
+        assert r.json()["events"][0]["who"] == {"peer": r.json()["events"][0]["who"]["peer"],
+                                                "role": "write"}  # fmt: skip
+        r = httpx.get(f"{h.agent_url}/usage?since=1d", headers=read)
+        assert r.status_code == 200 and "rows" in r.json()
+        # ?follow=1: server-sent events, the ones there and then the ones written after.
+        with httpx.stream(
+            "GET", f"{h.agent_url}/events?follow=1&since=1h", headers=read, timeout=30
+        ) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            lines = s.iter_lines()
+            assert next(lines) == "id: 1"
+            assert json.loads(next(lines).removeprefix("data: "))["service"] == "svc"
+            later = {"events": [{"at": time.time(), "kind": "ready", "service": "later"}]}
+            assert httpx.post(f"{h.agent_url}/events", json=later, headers=write).is_success
+            got = [ln for ln in (next(lines) for _ in range(4)) if ln.startswith("data: ")]
+            assert json.loads(got[0].removeprefix("data: "))["service"] == "later"

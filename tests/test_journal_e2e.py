@@ -1,0 +1,206 @@
+"""The journal against the real thing: the original scenario through the CLI and a real
+agent on the simulated GPU yields the expected events, with their causes and actors;
+``gpuctl events`` and ``gpuctl usage`` read them back, through the agent and from the
+files; their JSON meets the schemas in schemas/."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from gpuctl import api
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import gpuctl_exe
+from tests.ensure_helpers import (
+    cli_env,
+    direct_config,
+    kill_servers,
+    priced_service,
+    run_ensure,
+    unique_name,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
+    monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", "120GiB")
+    api._reset_for_tests()
+    with SimHost(gpu_memory="120GiB", root=tmp_path / "simhost") as h:
+        h.start_agent()
+        yield h
+    api._reset_for_tests()
+
+
+def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [gpuctl_exe(), *args],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def events_json(cfg: Path, *args: str) -> list[dict[str, Any]]:
+    r = gpuctl(cfg, "events", "--since", "1h", "--json", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    schema = json.loads((ROOT / "schemas" / "events.schema.json").read_text())
+    Draft202012Validator(schema).validate(out)
+    events: list[dict[str, Any]] = out["events"]
+    return events
+
+
+def test_the_scenario_tells_its_story(host: SimHost) -> None:
+    chat, photos, whisper = unique_name("chat"), unique_name("photos"), unique_name("whisper")
+    pc, pp = free_port(), free_port()
+    cfg = host.write_config(
+        priced_service(chat, pc, 80, 100, 'preempt = true\nidle_timeout = "1s"')
+        + priced_service(photos, pp, 30, 50, 'resume = true\nidle_timeout = "never"')
+    )
+    wjob = None
+    try:
+        assert run_ensure(cfg, photos).returncode == 0
+        wjob = subprocess.Popen(
+            [gpuctl_exe(), "run", "--memory", "15GiB", "--priority", "60", "--name", whisper,
+             "--", sys.executable, "-m", "gpuctl", "sim", "hold", "--name", whisper,
+             "--memory", "15GiB"],
+            env=cli_env(cfg),
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.time() + 60
+        while not any(e["service"] == f"run.{whisper}" for e in events_json(cfg)):
+            assert time.time() < deadline, "whisper's launch was never journaled"
+            time.sleep(0.2)
+        r = run_ensure(cfg, chat)
+        assert r.returncode == 0, r.stdout + r.stderr
+        time.sleep(1.5)  # chat idle past its 1 s timeout
+        deadline = time.time() + 60
+        while True:
+            r = gpuctl(cfg, "reclaim")
+            assert r.returncode == 0, r.stdout + r.stderr
+            if f"resumed {photos}" in r.stdout:
+                break
+            assert time.time() < deadline, r.stdout
+            time.sleep(0.5)
+
+        events = events_json(cfg)
+        story = [
+            (e["kind"], e["service"], e.get("cause"), e.get("by"), e["who"].get("entry"))
+            for e in events
+            if e["kind"] in ("admit", "launch", "ready", "stop", "resume")
+        ]
+        expected = [
+            ("admit", photos, None, None, "ensure"),
+            ("launch", photos, None, None, "ensure"),
+            ("ready", photos, None, None, "ensure"),
+            ("launch", f"run.{whisper}", None, None, "run"),
+            ("stop", photos, "preempted", chat, "preempt"),
+            ("admit", chat, None, None, "ensure"),
+            ("launch", chat, None, None, "ensure"),
+            ("ready", chat, None, None, "ensure"),
+            ("stop", chat, "idle", None, "reclaim"),
+            ("admit", photos, None, None, "reclaim"),
+            ("launch", photos, None, None, "reclaim"),
+            ("resume", photos, None, None, "reclaim"),
+        ]
+        assert story == expected, story
+        # Through the agent: what it saw of each writer is beside what the writer says.
+        for e in events:
+            assert e["who"]["role"] == "write", e
+            assert e["who"]["peer"].startswith("127.0.0.1:"), e
+            assert e["who"]["user"], e
+        preempted = next(e for e in events if e.get("cause") == "preempted")
+        assert "priority 100" in preempted["reason"]
+        assert f"preempted by {chat}" in preempted["text"]
+        idle = next(e for e in events if e.get("cause") == "idle")
+        assert idle["figures"]["idle_s"] >= 1.0
+        ready = next(e for e in events if e["kind"] == "ready")
+        assert ready["figures"]["cold_start_s"] > 0
+
+        # The lines, newest last, in words.
+        r = gpuctl(cfg, "events", "--since", "1h", "--service", chat)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert f"{chat} stopped: idle" in lines[-1], lines
+        assert all(chat in line for line in lines)
+
+        # Usage: the preemption counted for both sides; budgets known.
+        r = gpuctl(cfg, "usage", "--since", "1d", "--json")
+        assert r.returncode == 0, r.stderr
+        usage = json.loads(r.stdout)
+        schema = json.loads((ROOT / "schemas" / "usage.schema.json").read_text())
+        Draft202012Validator(schema).validate(usage)
+        rows = {row["key"]: row for row in usage["rows"]}
+        assert rows[photos]["preempted"] == 1
+        assert rows[chat]["preempting"] == 1
+        assert rows[chat]["stops"] == {"idle": 1}
+        assert rows[chat]["gib_hours"] is not None and rows[chat]["gib_hours"] > 0
+        assert rows[f"run.{whisper}"]["jobs"] == 1
+        assert rows[chat]["cold_starts"] == 1
+
+        # The agent's counters.
+        metrics = gpuctl(cfg, "status", "--json")  # keeps the agent warm; never reads the journal
+        assert metrics.returncode in (0, 3), metrics.stderr
+        import httpx
+
+        auth = {"Authorization": f"Bearer {host.token}"}
+        text = httpx.get(f"{host.agent_url}/metrics", headers=auth).text
+        assert 'gpuctl_stops_total{cause="idle"} 1' in text
+        assert 'gpuctl_stops_total{cause="preempted"} 1' in text
+        assert "gpuctl_starts_total 4" in text
+        assert "gpuctl_journal_write_failures_total 0" in text
+    finally:
+        if wjob is not None:
+            wjob.send_signal(signal.SIGTERM)
+            wjob.wait(timeout=30)
+        kill_servers(chat)
+        kill_servers(photos)
+
+
+def test_direct_host_journals_and_reads_without_an_agent(host: SimHost) -> None:
+    """Without an agent the files are the journal: written and read here."""
+    name, port = unique_name("llm"), free_port()
+    cfg = direct_config(host, priced_service(name, port, 20, 50))
+    try:
+        r = run_ensure(cfg, name)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = gpuctl(cfg, "stop", name)
+        assert r.returncode == 0, r.stderr
+        kinds = [(e["kind"], e.get("cause")) for e in events_json(cfg, "--service", name)]
+        assert kinds == [("admit", None), ("launch", None), ("ready", None), ("stop", "manual")]
+        assert (host.state_dir / "journal.db").exists()
+        mode = (host.state_dir / "journal.db").stat().st_mode & 0o777
+        assert mode in (0o600, 0o660)
+    finally:
+        kill_servers(name)
+
+
+def test_status_never_reads_the_journal(host: SimHost) -> None:
+    cfg = direct_config(host, "")
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gpuctl", "status", "--json"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gpuctl.adapters.store.journal" not in r.stderr
+    assert "sqlite3" not in r.stderr
