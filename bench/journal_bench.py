@@ -29,6 +29,7 @@ from pathlib import Path
 
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.adapters.store.journal import Journal
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.events import Cause, Event, Kind
 from gpuctl.core.usage import DAY_S
 
@@ -46,12 +47,12 @@ def write_cost(state: Path, runs: int) -> tuple[float, float]:
     told: list[float] = []
     for i in range(runs):
         t = time.perf_counter()
-        store.update("svc", holder.id, {"touch": True})
+        store.update("svc", holder.id, RecordUpdate(touch=True))
         plain.append(time.perf_counter() - t)
         e = Event(time.time(), Kind.READY, "svc", who={"entry": "bench", "user": "u"},
                   figures={"cold_start_s": float(i)})  # fmt: skip
         t = time.perf_counter()
-        store.update("svc", holder.id, {"touch": True}, event=e)
+        store.update("svc", holder.id, RecordUpdate(touch=True), event=e)
         told.append(time.perf_counter() - t)
     store.release("svc", holder.id)
     return statistics.median(plain) * 1000, statistics.median(told) * 1000

@@ -52,6 +52,7 @@ def services(n: int) -> str:
 def running_records(state_dir: Path, n: int) -> None:
     """A running record per service, used a minute ago: reclaim judges each, keeps all."""
     from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.core.record_shapes import RecordUpdate
 
     store = DirectStore(state_dir)
     for i in range(n):
@@ -60,7 +61,9 @@ def running_records(state_dir: Path, n: int) -> None:
         store.release(
             f"svc{i}",
             h.id,
-            {"phase": "running", "touch": True, "handle": {"kind": "process", "pid": 1}},
+            RecordUpdate.from_wire(
+                {"phase": "running", "touch": True, "handle": {"kind": "process", "pid": 1}}
+            ),
         )
 
 

@@ -19,6 +19,8 @@ from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.adapters.store import journal as jmod
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.core.events import Cause, Event, Kind, event_from_dict, words
+from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.usage import DAY_S, fold, group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,9 +96,11 @@ def test_a_full_disk_never_fails_a_start_or_a_stop(tmp_path: Path) -> None:
     for i in range(40):
         granted, _ = store.acquire("svc", holder, 30.0, event=ev(i, Kind.LAUNCH, "svc", reason=big))
         assert granted
-        store.update("svc", holder.id, {"phase": "running"}, event=ev(i, Kind.READY, "svc"))
+        store.update(
+            "svc", holder.id, RecordUpdate(phase=Phase.RUNNING), event=ev(i, Kind.READY, "svc")
+        )
         rec = store.release(
-            "svc", holder.id, {"phase": "stopped"},
+            "svc", holder.id, RecordUpdate(phase=Phase.STOPPED),
             event=ev(i, Kind.STOP, "svc", cause=Cause.MANUAL, reason=big),
         )  # fmt: skip
         assert rec.phase.value == "stopped"
@@ -114,11 +118,13 @@ def test_an_unwritable_journal_warns_once_and_the_cli_goes_on(tmp_path: Path) ->
         "import sys; from pathlib import Path\n"
         "from gpuctl.adapters.store import DirectStore, holder_here\n"
         "from gpuctl.core.events import Event, Kind\n"
+        "from gpuctl.core.record import Phase\n"
+        "from gpuctl.core.record_shapes import RecordUpdate\n"
         f"s = DirectStore(Path({str(state)!r})); h = holder_here('t')\n"
         "for i in range(5):\n"
         "    ok, _ = s.acquire('svc', h, 30.0, event=Event(i, Kind.LAUNCH, 'svc'))\n"
         "    assert ok\n"
-        "    s.release('svc', h.id, {'phase': 'stopped'}, event=Event(i, Kind.STOP, 'svc'))\n"
+        "    s.release('svc', h.id, RecordUpdate(phase=Phase.STOPPED), event=Event(i, Kind.STOP, 'svc'))\n"
         "print('done')\n"
     )
     r = subprocess.run(
@@ -244,7 +250,7 @@ def test_usage_of_a_short_real_run_matches_the_wall_clock(tmp_path: Path) -> Non
     store.acquire("svc", holder, 30.0, event=ev(time.time(), Kind.LAUNCH, "svc",
                                                  figures={"budget_mib": 10240.0}))  # fmt: skip
     time.sleep(2.0)
-    store.release("svc", holder.id, {"phase": "stopped"},
+    store.release("svc", holder.id, RecordUpdate(phase=Phase.STOPPED),
                   event=ev(time.time(), Kind.STOP, "svc", cause=Cause.MANUAL))  # fmt: skip
     wall = time.time() - begin
     rows = jmod.journal_for(tmp_path).usage(begin - 60)
