@@ -182,11 +182,13 @@ class Record:
     def with_attempt(self, attempt: dict[str, Any]) -> Record:
         return replace(self, attempts=(*self.attempts, attempt)[-MAX_ATTEMPTS_KEPT:])
 
-    def failed(self, now: float, error: str, log_tail: str = "") -> Record:
+    def failed(
+        self, now: float, error: str, log_tail: str = "", first_backoff_s: float = BACKOFF_FIRST_S
+    ) -> Record:
         count = (self.failure.count + 1) if self.failure else 1
         return replace(
             self.with_phase(Phase.FAILED, now),
-            failure=Failure(now, error, log_tail, count, now + backoff_s(count)),
+            failure=Failure(now, error, log_tail, count, now + backoff_s(count, first_backoff_s)),
         )
 
     def idle_for(self, now: float) -> float | None:
@@ -279,13 +281,14 @@ def unreadable_handle(record: Record | None) -> str | None:
     return str(dropped) if dropped is not None else None
 
 
-def backoff_s(count: int) -> float:
-    """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min."""
+def backoff_s(count: int, first_s: float = BACKOFF_FIRST_S) -> float:
+    """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min.
+    ``first_s``: the first step (the store passes a test's override, else 10 s)."""
     if count <= 0:
         return 0.0
     # The exponent is capped: 2.0 ** 1024 overflows, and the count of a service that keeps
     # failing under cron grows without bound.
-    return float(min(BACKOFF_FIRST_S * 2.0 ** min(count - 1, 64), BACKOFF_MAX_S))
+    return float(min(first_s * 2.0 ** min(count - 1, 64), BACKOFF_MAX_S))
 
 
 # Each kind of lease's documented term, the longest any holder asks: one whose file says
@@ -511,8 +514,17 @@ class RecordUpdate:
 UPDATE_FIELDS: Final = tuple(f.name for f in fields(RecordUpdate))
 
 
-def apply_update(record: Record, update: RecordUpdate | Mapping[str, Any], now: float) -> Record:
+def apply_update(
+    record: Record,
+    update: RecordUpdate | Mapping[str, Any],
+    now: float,
+    *,
+    first_backoff_s: float = BACKOFF_FIRST_S,
+) -> Record:
     """Apply a holder's update to a record (the one patch language of both store paths).
+
+    ``first_backoff_s``: the back-off after a first failure (``backoff_s``); the store
+    passes 10 s unless a test shortened or lengthened it (``gpuctl.failpoints.seconds``).
 
     A wire-form update (a mapping) is read by ``RecordUpdate.from_dict`` first. The store
     checks the result against its schema before it writes it
@@ -535,7 +547,9 @@ def apply_update(record: Record, update: RecordUpdate | Mapping[str, Any], now: 
     elif isinstance(update.failure, dict):
         error, tail = update.failure.get("error", ""), update.failure.get("log_tail", "")
         # A server's log and error can echo its command line: its secrets stay out.
-        out = out.failed(now, clip(redact_lines(error)), redact_lines(tail[-LOG_TAIL_MAX:]))
+        out = out.failed(
+            now, clip(redact_lines(error)), redact_lines(tail[-LOG_TAIL_MAX:]), first_backoff_s
+        )
     if update.touch:
         out = out.touched(now)
     if not isinstance(update.start_nonce, Unset):
