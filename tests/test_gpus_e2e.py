@@ -133,12 +133,9 @@ def test_human_view_shows_each_gpu(two_gpus: SimHost) -> None:
     name = unique_name("hold")
     host.spawn(["sim", "hold", "--name", name, "--memory", "20GiB", "--gpu", "1"], name)
     cfg = host.write_config("")
-    env = {**os.environ, "GPUCTL_CONFIG": str(cfg), "COLUMNS": "120", "NO_COLOR": "1"}
     deadline = time.monotonic() + 15
-    while True:
-        r = subprocess.run(
-            [gpuctl_exe(), "status", "--wide"], env=env, capture_output=True, text=True, check=False
-        )
+    while True:  # in process, as wait_for polls
+        r = gpuctl_in_process(cfg, "status", "--wide", env={"COLUMNS": "120", "NO_COLOR": "1"})
         if "20.0 GiB / 80.0 GiB" in r.stdout or time.monotonic() > deadline:
             break
         time.sleep(0.3)
