@@ -32,6 +32,7 @@ from gpuctl.agent.server import parse_listen, resolve_listen, serve
 from gpuctl.cli.agent_cmd import read_token_file
 from gpuctl.cli.app import create_app as create_cli
 from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.status_wire import parse_status
 from gpuctl.errors import AgentUnavailable, ProbeError, UsageError
 from tests.agent_helpers import FakeProbe, free_port, reading_of, serve_in_thread
@@ -729,7 +730,9 @@ def test_recorded_servers_are_reported_whatever_their_command(tmp_path: Path) ->
         store.release(
             "chat",
             holder.id,
-            {"phase": "starting", "handle": {"kind": "process", "pid": server.pid}},
+            RecordUpdate.from_wire(
+                {"phase": "starting", "handle": {"kind": "process", "pid": server.pid}}
+            ),
         )
         app = create_app(
             AgentSettings(token=TOKEN, cache_ttl_s=0.0, state_dir=str(tmp_path)),

@@ -18,6 +18,7 @@ import httpx
 from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.agent import wire
 from gpuctl.core.record import LOG_TAIL_MAX
+from gpuctl.core.record_shapes import RecordUpdate, StartFailure
 from tests.test_agent_wire import (
     AUTH,
     SVC,
@@ -159,7 +160,11 @@ def test_a_long_log_tail_still_records_the_failure_through_the_agent(
     assert r.status_code == 200, r.text
     tail = "x" * (70 * 1024 - 4) + "LAST"
     try:
-        rec = store.update(SVC, holder["id"], {"failure": {"error": "boom", "log_tail": tail}})
+        rec = store.update(
+            SVC,
+            holder["id"],
+            RecordUpdate(failure=StartFailure("boom", tail)),
+        )
     finally:
         store.close()
     assert rec.failure is not None and rec.failure.log_tail.endswith("LAST")

@@ -190,10 +190,13 @@ def test_a_body_that_is_not_json(status: StatusCall) -> None:
 @pytest.mark.parametrize(
     ("payload", "problem"),
     [
-        ({"is_idle": True}, "missing field 'processes'"),
-        ([1, 2, 3], "expected a JSON object"),
-        ({"is_idle": "yes", "processes": []}, "field 'is_idle' should be bool, got str"),
-        ({"is_idle": False, "processes": [{"command": "x"}]}, "processes[0]: missing field 'pid'"),
+        ({"is_idle": True}, "Object missing required field `processes`"),
+        ([1, 2, 3], "Expected `object`, got `array`"),
+        ({"is_idle": "yes", "processes": []}, "is_idle: Expected `bool`, got `str`"),
+        (
+            {"is_idle": False, "processes": [{"command": "x"}]},
+            "processes[0]: Object missing required field `pid`",
+        ),
         # The seed's bug in reverse: "idle" while a process holds the GPU.
         (
             {"is_idle": True, "processes": [{"pid": 1, "command": "vllm", "memory_mib": 80000}]},

@@ -19,6 +19,7 @@ from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.model import GpuDevice, GpuProcess, ProbeReading
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from tests.agent_helpers import FakeProbe, serve_in_thread
 
 TOKEN = "metrics-token"
@@ -50,7 +51,11 @@ def families(tmp_path: Path) -> Iterator[dict[str, Any]]:
     store = DirectStore(state)
     h = holder_here("test")
     assert store.acquire("big", h, 60)[0]
-    store.release("big", h.id, {"phase": "running", "handle": {"kind": "process", "pid": 4242}})
+    store.release(
+        "big",
+        h.id,
+        RecordUpdate.from_wire({"phase": "running", "handle": {"kind": "process", "pid": 4242}}),
+    )
     store.touch("idle-one")  # a stopped service: still one sample per phase
     app = create_app(AgentSettings(token=TOKEN, state_dir=str(state)), FakeProbe(reading()))
     with serve_in_thread(app) as url:

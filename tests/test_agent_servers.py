@@ -26,6 +26,7 @@ from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.health_reach import parse_ports
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.status_wire import parse_status
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 from tests.ensure_helpers import LoopbackHealth
@@ -81,7 +82,7 @@ def starting_record(state: Path, service: str, **update: Any) -> None:
     store = DirectStore(state)
     h = holder_here("test")
     assert store.acquire(service, h, 60)[0]
-    store.release(service, h.id, {"phase": "starting", **update})
+    store.release(service, h.id, RecordUpdate.from_wire({"phase": "starting", **update}))
 
 
 # --------------------------------------------------------------------------- start nonce
@@ -145,7 +146,9 @@ def test_a_stopped_record_is_never_revived(tmp_path: Path) -> None:
     h = holder_here("test")
     store.acquire("chat", h, 60)
     with serve_in_thread(health) as server:
-        store.release("chat", h.id, {"phase": "stopped", "health": f"{server}/health"})
+        store.release(
+            "chat", h.id, RecordUpdate.from_wire({"phase": "stopped", "health": f"{server}/health"})
+        )
         with agent(tmp_path, health_ports=parse_ports(server.rpartition(":")[2])):
             time.sleep(1.5)
             assert store.get("chat").phase is Phase.STOPPED
@@ -363,7 +366,7 @@ def test_a_write_straight_to_the_files_is_seen_at_once(
         h = holder_here("cron")
         assert store.acquire("chat", h, 60)[0]
         handle = {"kind": "process", "pid": server.pid}
-        store.release("chat", h.id, {"phase": "starting", "handle": handle})
+        store.release("chat", h.id, RecordUpdate.from_wire({"phase": "starting", "handle": handle}))
         body = cached(match="nothing-matches")
         assert [s["pid"] for s in body["starting"]] == [server.pid]
         plain = cached()
@@ -371,5 +374,5 @@ def test_a_write_straight_to_the_files_is_seen_at_once(
         assert plain["is_idle"] is False
         # And a second write in the same moment (the folder's mtime may not move).
         store.acquire("chat", h, 60)
-        store.release("chat", h.id, {"phase": "stopped", "handle": None})
+        store.release("chat", h.id, RecordUpdate.from_wire({"phase": "stopped", "handle": None}))
         assert cached(match="nothing-matches")["starting"] == []

@@ -22,6 +22,7 @@ from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import SERVICE_NAME_PATTERN, openapi_document
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
 TOKEN = "agent-store-token"
@@ -211,7 +212,7 @@ def test_metrics_show_phase_lease_and_idle_seconds(agent: str, state_dir: Path) 
     store.touch("vllm")
     h = holder_here("test")
     assert store.acquire("vllm", h, 600)[0]
-    store.update("vllm", h.id, {"phase": "running"})
+    store.update("vllm", h.id, RecordUpdate.from_wire({"phase": "running"}))
     store.acquire("sglang", holder_here("test"), 600)  # never used: no idle sample
     time.sleep(0.05)
 
@@ -232,7 +233,7 @@ def test_metrics_show_phase_lease_and_idle_seconds(agent: str, state_dir: Path) 
     assert "# TYPE gpuctl_service_idle_seconds gauge" in lines
 
     # released and touched again: no lease, idle from the new touch
-    store.release("vllm", h.id, {"phase": "sleeping"})
+    store.release("vllm", h.id, RecordUpdate.from_wire({"phase": "sleeping"}))
     store.touch("vllm")
     lines = metric_lines(agent)
     assert 'gpuctl_service_phase{service="vllm",phase="sleeping"} 1' in lines

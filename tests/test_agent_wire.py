@@ -30,6 +30,7 @@ from gpuctl.agent.http import HttpError
 from gpuctl.agent.server import serve
 from gpuctl.cli.app import create_app as create_cli
 from gpuctl.core.model import GpuProcess
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import UsageError
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
@@ -215,7 +216,7 @@ def test_one_bad_record_never_takes_records_or_metrics_down(
     store = DirectStore(agent.state)
     h = holder_here("test")
     store.acquire("good", h, 60)
-    store.release("good", h.id, {"phase": "running"})
+    store.release("good", h.id, RecordUpdate.from_wire({"phase": "running"}))
     bad = {**store.get("good").to_dict(), "service": "bad", **poison}
     from gpuctl.adapters.procinfo import host_identity
 
@@ -296,9 +297,9 @@ def test_every_store_write_invalidates_the_reading(agent: Agent, write: str) -> 
         elif write == "renew":
             store.renew(SVC, h.id, 60)
         elif write == "release":
-            store.release(SVC, h.id, {"phase": "running"})
+            store.release(SVC, h.id, RecordUpdate.from_wire({"phase": "running"}))
         elif write == "update":
-            store.update(SVC, h.id, {"phase": "starting"})
+            store.update(SVC, h.id, RecordUpdate.from_wire({"phase": "starting"}))
         else:
             store.touch(SVC)
     finally:
@@ -339,7 +340,7 @@ def test_is_idle_is_false_while_a_record_says_starting(agent: Agent) -> None:
     assert status(agent)["is_idle"]
     settled(agent.state / "records")
     store.acquire(SVC, h, 60)
-    store.release(SVC, h.id, {"phase": "starting"})
+    store.release(SVC, h.id, RecordUpdate.from_wire({"phase": "starting"}))
     assert store.get(SVC).lease is None
     body = status(agent)
     assert body["is_idle"] is False and body["processes"] == []

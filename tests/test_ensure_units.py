@@ -13,6 +13,7 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.flows import service_ops
 from gpuctl.flows.admission import ADMISSION
 from gpuctl.flows.ensure.rounds import ensure
@@ -55,7 +56,11 @@ def orphan(w: World, service: str = "vllm") -> str:
     granted, _ = w.store.acquire(service, h, 600)
     assert granted
     nonce = "0123456789abcdef"
-    w.store.update(service, h.id, {"phase": "starting", "start_nonce": nonce, "handle": None})
+    w.store.update(
+        service,
+        h.id,
+        RecordUpdate.from_wire({"phase": "starting", "start_nonce": nonce, "handle": None}),
+    )
     w.store.release(service, h.id)  # as if void: no lease, record left starting
     return nonce
 

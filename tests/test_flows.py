@@ -16,6 +16,7 @@ from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.model import GpuProcess
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
 from gpuctl.flows.deps import HostDeps, LocksDeps, StatusDeps
@@ -59,7 +60,9 @@ def test_ensure_asks_for_the_recorded_servers_pids(w: World) -> None:
     holder = holder_here("test")
     w.store.acquire("photos", holder, 60)
     w.store.release(
-        "photos", holder.id, {"handle": {"kind": "process", "pid": 777}, "phase": "running"}
+        "photos",
+        holder.id,
+        RecordUpdate.from_wire({"handle": {"kind": "process", "pid": 777}, "phase": "running"}),
     )
     w.health.ready_after(1)
     ensure(w.deps())
@@ -243,7 +246,9 @@ def test_status_reads_records_first_and_asks_for_their_servers(tmp_path: Path) -
     holder = holder_here("test")
     store.acquire("vllm_a", holder, 60)
     store.release(
-        "vllm_a", holder.id, {"handle": {"kind": "process", "pid": 555}, "phase": "running"}
+        "vllm_a",
+        holder.id,
+        RecordUpdate.from_wire({"handle": {"kind": "process", "pid": 555}, "phase": "running"}),
     )
     agent = Agent(processes=[GpuProcess(555, "python -m my_server", 70 * GIB)])
     report = status(_status_deps(tmp_path, {"a": agent}, {"a": store}))
@@ -304,7 +309,11 @@ def _prio_status(
     store = DirectStore(tmp_path / "a", clock=clock)
     h = holder_here("test")
     store.acquire("batch", h, 60)
-    store.release("batch", h.id, {"handle": {"kind": "process", "pid": 555}, "phase": "running"})
+    store.release(
+        "batch",
+        h.id,
+        RecordUpdate.from_wire({"handle": {"kind": "process", "pid": 555}, "phase": "running"}),
+    )
     agent = agent or Agent(processes=[GpuProcess(555, "python batch.py", 60 * GIB)])
     deps = StatusDeps(
         config=conf,
@@ -438,7 +447,7 @@ def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> N
     store = DirectStore(tmp_path / "a")
     starter = holder_here("test")
     store.acquire("vllm_a", starter, 600)  # a start under way: its budget is promised
-    store.update("vllm_a", starter.id, {"phase": "starting"})
+    store.update("vllm_a", starter.id, RecordUpdate.from_wire({"phase": "starting"}))
     agent = Agent(processes=[GpuProcess(9, "python comfy.py", 10 * GIB, gpu=0)])
     read = agent.read
 
@@ -485,7 +494,9 @@ def test_a_bystander_reports_the_starters_failure_with_its_log(w: World) -> None
             w.store.release(
                 "vllm",
                 other.id,
-                {"failure": {"error": "CUDA out of memory", "log_tail": "Traceback\nOOM"}},
+                RecordUpdate.from_wire(
+                    {"failure": {"error": "CUDA out of memory", "log_tail": "Traceback\nOOM"}}
+                ),
             )
         return Health("refused", "no")
 
@@ -545,7 +556,11 @@ def test_the_bar_counts_an_orphaned_start_as_the_decisions_do(tmp_path: Path) ->
     store = DirectStore(tmp_path / "a", clock=clock)
     h = holder_here("killed-caller")
     store.acquire("vllm_a", h, 600)
-    store.update("vllm_a", h.id, {"phase": "starting", "start_nonce": "0123456789abcdef"})
+    store.update(
+        "vllm_a",
+        h.id,
+        RecordUpdate.from_wire({"phase": "starting", "start_nonce": "0123456789abcdef"}),
+    )
     store.release("vllm_a", h.id)  # the caller died: its lease is gone, no handle
     deps = _status_deps(tmp_path, {"a": Agent()}, {"a": store})
     deps.clock = clock
@@ -556,7 +571,7 @@ def test_the_bar_counts_an_orphaned_start_as_the_decisions_do(tmp_path: Path) ->
     # while it stopped the victims): no start to count.
     h = holder_here("killed-preemptor")
     store.acquire("vllm_a", h, 600)
-    store.update("vllm_a", h.id, {"phase": "starting", "start_nonce": None})
+    store.update("vllm_a", h.id, RecordUpdate.from_wire({"phase": "starting", "start_nonce": None}))
     store.release("vllm_a", h.id)
     (host,) = status(deps).hosts
     (m,) = host.memory

@@ -14,7 +14,8 @@ from gpuctl.core.heal import (
     last_repair,
     needs_look,
 )
-from gpuctl.core.record import Phase, Record, apply_update
+from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_shapes import apply_update
 
 HANDLE = {"kind": "process", "pid": 4242, "pid_start": 1000.0}
 

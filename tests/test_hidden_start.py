@@ -22,6 +22,7 @@ import pytest
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_aside
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import decide, observe
 from gpuctl.flows.results import Outcome
@@ -206,7 +207,9 @@ def test_the_direct_path_reports_a_server_found_by_its_nonce(tmp_path: Path) -> 
         store = DirectStore(host.state_dir)
         h = holder_here("ensure")
         assert store.acquire(name, h, 600)[0]
-        store.release(name, h.id, {"phase": "starting", "start_nonce": nonce})
+        store.release(
+            name, h.id, RecordUpdate.from_wire({"phase": "starting", "start_nonce": nonce})
+        )
         server = host.spawn(
             ["sim", "hold", "--name", "ghostload", "--memory", "30GiB"],
             "ghost",

@@ -18,6 +18,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.sim.host import SimHost
 
 
@@ -87,7 +88,7 @@ def test_a_stop_under_way_refuses_new_uses_and_touches(store: DirectStore, entry
     before = store.get("llm").last_used
     touched = store.touch("llm")
     assert touched.last_used == before  # the touch lost to the stop: it changed nothing
-    store.release("llm", stopper.id, {"phase": "stopped"})
+    store.release("llm", stopper.id, RecordUpdate.from_wire({"phase": "stopped"}))
     assert store.inflight_begin("llm", holder_here("in_use"), 30)[0]
     # A start's lease (ensure) does not refuse a use: the app waits for it to be ready.
     starter = holder_here("ensure")
@@ -216,7 +217,7 @@ def test_in_use_waits_for_a_stop_under_way(conf: Path, tmp_path: Path) -> None:
 
     def finish_stop() -> None:
         time.sleep(0.5)
-        store.release("llm", stopper.id, {"phase": "stopped"})
+        store.release("llm", stopper.id, RecordUpdate.from_wire({"phase": "stopped"}))
         released.set()
 
     threading.Thread(target=finish_stop).start()

@@ -18,6 +18,7 @@ import pytest
 
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.sim.host import free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import kill_servers, unique_name
@@ -76,7 +77,11 @@ def test_starts_past_the_kept_history_show_as_at_least(tmp_path: Path) -> None:
         t = time.time() - 3600 + i
         attempt = {"started": t, "ended": t + 1, "duration_s": 1.0}
         store.release(
-            svc, h.id, {"attempt": {**attempt, "launcher": "process", "outcome": "ready"}}
+            svc,
+            h.id,
+            RecordUpdate.from_wire(
+                {"attempt": {**attempt, "launcher": "process", "outcome": "ready"}}
+            ),
         )
     store.close()
     try:

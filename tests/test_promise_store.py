@@ -19,6 +19,7 @@ from gpuctl.agent import wire
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import UsageError
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
@@ -149,7 +150,8 @@ def test_an_agent_older_than_promises_still_grants_the_lease(
     s = AgentStore(agent, TOKEN, host_name="sim")
     try:
         with pytest.raises(UsageError):
-            s.update("vllm", "nobody-holds-this", {"phase": "bogus"})
+            bogus = RecordUpdate(phase="bogus")  # type: ignore[arg-type]  # unchecked, as sent
+            s.update("vllm", "nobody-holds-this", bogus)
     finally:
         s.close()
 

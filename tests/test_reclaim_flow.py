@@ -21,6 +21,7 @@ from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.idle import Action
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost, reclaim
 from gpuctl.render.reclaim_view import reclaim_lines, reclaim_to_json
 
@@ -90,9 +91,10 @@ def running(world: World, name: str = "llm", *, handle: bool = True, idle_s: flo
     store = world.store
     world.clock[0] -= idle_s
     store.acquire(name, h, 60)
-    update: dict[str, Any] = {"phase": Phase.RUNNING.value, "touch": True}
+    update = RecordUpdate(phase=Phase.RUNNING, touch=True)
     if handle:
-        update["handle"] = {"kind": "process", "pid": 999999, "pid_start": 1.0}
+        handle_value = {"kind": "process", "pid": 999999, "pid_start": 1.0}
+        update = RecordUpdate(phase=Phase.RUNNING, touch=True, handle=handle_value)
     store.release(name, h.id, update)
     world.clock[0] += idle_s
 
@@ -199,7 +201,7 @@ def test_reclaim_racing_ensure_never_stops_a_starting_service(world: World) -> N
     running(world, idle_s=7200)
     starter = holder_here("ensure")
     assert world.store.acquire("llm", starter, 600)[0]
-    world.store.update("llm", starter.id, {"phase": Phase.STARTING.value})
+    world.store.update("llm", starter.id, RecordUpdate.from_wire({"phase": Phase.STARTING.value}))
     report = reclaim(world.deps(SVC))
     assert world.launcher.stopped == []
     assert report.planned[0].candidate.action is Action.KEEP

@@ -35,12 +35,12 @@ from gpuctl.core.record import (
     LeaseState,
     Phase,
     Record,
-    apply_update,
     backoff_s,
     in_backoff,
     lease_state,
     starting_services,
 )
+from gpuctl.core.record_shapes import RecordUpdate, StartFailure, apply_update
 
 HOST, BOOT = "dgx", "boot-1"
 NOW = 1_000_000.0
@@ -135,33 +135,35 @@ def test_lease_state(
 
 def test_update_phase_sets_since_only_on_a_change() -> None:
     rec = Record("vllm", phase=Phase.STOPPED, since=1.0)
-    started = apply_update(rec, {"phase": "starting"}, NOW)
+    started = apply_update(rec, RecordUpdate.from_wire({"phase": "starting"}), NOW)
     assert started.phase is Phase.STARTING
     assert started.since == NOW
-    again = apply_update(started, {"phase": "starting"}, NOW + 50)
+    again = apply_update(started, RecordUpdate.from_wire({"phase": "starting"}), NOW + 50)
     assert again.since == NOW
-    assert apply_update(rec, {}, NOW) == rec
+    assert apply_update(rec, RecordUpdate.from_wire({}), NOW) == rec
 
 
 def test_update_handle_sets_and_clears() -> None:
-    rec = apply_update(Record("vllm"), {"handle": {"kind": "docker", "id": "abc"}}, NOW)
+    rec = apply_update(
+        Record("vllm"), RecordUpdate.from_wire({"handle": {"kind": "docker", "id": "abc"}}), NOW
+    )
     assert rec.handle == {"kind": "docker", "id": "abc"}
-    assert apply_update(rec, {"handle": None}, NOW).handle is None
+    assert apply_update(rec, RecordUpdate.from_wire({"handle": None}), NOW).handle is None
 
 
 def test_update_attempt_appends_and_keeps_the_last_ten() -> None:
     rec = Record("vllm")
     for i in range(MAX_ATTEMPTS_KEPT + 3):
-        rec = apply_update(rec, {"attempt": {"n": i}}, NOW + i)
+        rec = apply_update(rec, RecordUpdate.from_wire({"attempt": {"n": i}}), NOW + i)
     assert len(rec.attempts) == MAX_ATTEMPTS_KEPT
     assert rec.attempts[0] == {"n": 3}
     assert rec.attempts[-1] == {"n": MAX_ATTEMPTS_KEPT + 2}
 
 
 def test_update_touch_sets_last_used() -> None:
-    rec = apply_update(Record("vllm"), {"touch": True}, NOW)
+    rec = apply_update(Record("vllm"), RecordUpdate.from_wire({"touch": True}), NOW)
     assert rec.last_used == NOW
-    assert apply_update(rec, {"touch": False}, NOW + 9).last_used == NOW
+    assert apply_update(rec, RecordUpdate.from_wire({"touch": False}), NOW + 9).last_used == NOW
     assert rec.idle_for(NOW + 30) == 30
     assert rec.idle_for(NOW - 30) == 0  # a clock step back is not negative idleness
     assert Record("vllm").idle_for(NOW) is None
@@ -169,31 +171,37 @@ def test_update_touch_sets_last_used() -> None:
 
 def test_failure_counts_up_and_sets_its_backoff() -> None:
     rec = Record("vllm", phase=Phase.STARTING, since=NOW - 10)
-    first = apply_update(rec, {"failure": {"error": "exit 1", "log_tail": "OOM"}}, NOW)
+    first = apply_update(
+        rec, RecordUpdate.from_wire({"failure": {"error": "exit 1", "log_tail": "OOM"}}), NOW
+    )
     assert first.phase is Phase.FAILED
     assert first.since == NOW
     assert first.failure == Failure(NOW, "exit 1", "OOM", 1, NOW + 10)
     assert in_backoff(first, NOW + 9.9)
     assert not in_backoff(first, NOW + 10)
-    second = apply_update(first, {"failure": {"error": "exit 2"}}, NOW + 100)
+    second = apply_update(
+        first, RecordUpdate.from_wire({"failure": {"error": "exit 2"}}), NOW + 100
+    )
     assert second.failure is not None
     assert second.failure.count == 2
     assert second.failure.backoff_until == NOW + 100 + 20
     assert second.failure.log_tail == ""
     assert second.since == NOW  # still failed: the phase did not change
-    third = apply_update(second, {"failure": {}}, NOW + 200)
+    third = apply_update(second, RecordUpdate.from_wire({"failure": {}}), NOW + 200)
     assert third.failure is not None
     assert (third.failure.count, third.failure.backoff_until) == (3, NOW + 240)
-    cleared = apply_update(third, {"failure": None, "phase": "running"}, NOW + 300)
+    cleared = apply_update(
+        third, RecordUpdate.from_wire({"failure": None, "phase": "running"}), NOW + 300
+    )
     assert cleared.failure is None
     assert not in_backoff(cleared, NOW + 301)
-    assert apply_update(cleared, {"failure": {"error": "x"}}, NOW + 400).failure == Failure(
-        NOW + 400, "x", "", 1, NOW + 410
-    )
+    assert apply_update(
+        cleared, RecordUpdate.from_wire({"failure": {"error": "x"}}), NOW + 400
+    ).failure == Failure(NOW + 400, "x", "", 1, NOW + 410)
 
 
 def test_in_backoff_only_while_failed() -> None:
-    failed = apply_update(Record("vllm"), {"failure": {"error": "x"}}, NOW)
+    failed = apply_update(Record("vllm"), RecordUpdate.from_wire({"failure": {"error": "x"}}), NOW)
     assert in_backoff(failed, NOW + 1)
     # a failure kept while the service was started by hand and runs: no back-off
     assert not in_backoff(replace(failed, phase=Phase.RUNNING), NOW + 1)
@@ -204,26 +212,28 @@ def test_in_backoff_only_while_failed() -> None:
 @pytest.mark.parametrize(
     ("update", "fragment"),
     [
-        ({"lease": None}, "unknown update key 'lease'"),
-        ({"last_used": 5}, "unknown update key"),
+        ({"lease": None}, "unknown field `lease`"),
+        ({"last_used": 5}, "unknown field"),
         ({"phase": "exploded"}, "exploded"),
-        ({"phase": None}, "None"),
-        ({"handle": "container-1"}, "handle must be an object"),
-        ({"handle": ["a"]}, "handle must be an object"),
-        ({"attempt": None}, "attempt must be an object"),
-        ({"attempt": [1]}, "attempt must be an object"),
-        ({"failure": "boom"}, "failure must be an object"),
-        ({"failure": 1}, "failure must be an object"),
+        ({"phase": None}, "got `null` - at `$.phase`"),
+        ({"handle": "container-1"}, "Expected `object | null`, got `str` - at `$.handle`"),
+        ({"handle": ["a"]}, "Expected `object | null`, got `array` - at `$.handle`"),
+        ({"attempt": None}, "Expected `object`, got `null` - at `$.attempt`"),
+        ({"attempt": [1]}, "Expected `object`, got `array` - at `$.attempt`"),
+        ({"failure": "boom"}, "Expected `object | null`, got `str` - at `$.failure`"),
+        ({"failure": 1}, "Expected `object | null`, got `int` - at `$.failure`"),
     ],
 )
 def test_bad_updates_are_value_errors(update: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        apply_update(Record("vllm"), update, NOW)
+        RecordUpdate.from_wire(update)
 
 
 def test_an_update_does_not_change_the_record_it_is_given() -> None:
     rec = Record("vllm")
-    apply_update(rec, {"phase": "running", "touch": True, "attempt": {"n": 1}}, NOW)
+    apply_update(
+        rec, RecordUpdate.from_wire({"phase": "running", "touch": True, "attempt": {"n": 1}}), NOW
+    )
     assert rec == Record("vllm")
 
 
@@ -626,33 +636,37 @@ def test_a_use_only_ever_completes_a_start(phase: Phase, ready: bool) -> None:
 @pytest.mark.parametrize(
     ("update", "fragment"),
     [
-        ({"touch": "no"}, "touch must be true or false"),
-        ({"touch": 1}, "touch must be true or false"),
-        ({"phase": 3}, "is not one of"),
-        ({"failure": {"error": 5}}, "must be strings"),
-        ({"start_nonce": 5}, "start_nonce must be a string or null"),
-        ({"health": ["http://x"]}, "health must be a string or null"),
+        ({"touch": "no"}, "Expected `bool`, got `str` - at `$.touch`"),
+        ({"touch": 1}, "Expected `bool`, got `int` - at `$.touch`"),
+        ({"phase": 3}, "got `int` - at `$.phase`"),
+        ({"failure": {"error": 5}}, "Expected `str`, got `int` - at `$.failure.error`"),
+        ({"start_nonce": 5}, "Expected `str | null`, got `int` - at `$.start_nonce`"),
+        ({"health": ["http://x"]}, "Expected `str | null`, got `array` - at `$.health`"),
     ],
 )
 def test_updates_are_exactly_typed(update: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        apply_update(Record("vllm"), update, NOW)
+        RecordUpdate.from_wire(update)
 
 
 def test_update_sets_and_clears_the_nonce_and_the_health_url() -> None:
-    rec = apply_update(Record("vllm"), {"start_nonce": "ab12cd34", "health": "http://h:1/"}, NOW)
+    rec = apply_update(
+        Record("vllm"),
+        RecordUpdate.from_wire({"start_nonce": "ab12cd34", "health": "http://h:1/"}),
+        NOW,
+    )
     assert (rec.start_nonce, rec.health) == ("ab12cd34", "http://h:1/")
-    rec = apply_update(rec, {"start_nonce": None, "health": None}, NOW)
+    rec = apply_update(rec, RecordUpdate.from_wire({"start_nonce": None, "health": None}), NOW)
     assert (rec.start_nonce, rec.health) == (None, None)
 
 
 def test_long_failure_texts_are_clipped_not_refused() -> None:
     rec = apply_update(
         Record("vllm"),
-        {
-            "failure": {"error": "e" * 10_000, "log_tail": "x" * 50_000 + "END"},
-            "attempt": {"error": "a" * 9000},
-        },
+        RecordUpdate(
+            failure=StartFailure("e" * 10_000, "x" * 50_000 + "END"),
+            attempt={"error": "a" * 9000},
+        ),
         NOW,
     )
     assert rec.failure is not None
@@ -758,17 +772,14 @@ def test_a_lease_still_on_its_way_to_admission_promises_nothing(phase: Phase) ->
 def test_a_record_update_is_declared_once() -> None:
     """The agent's request check and its OpenAPI component take the update's fields from
     ``RecordUpdate``; its wire form reads back as the same value."""
-    from gpuctl.agent import wire
     from gpuctl.agent.openapi import openapi_document
-    from gpuctl.core.record import UPDATE_FIELDS, RecordUpdate
 
-    assert set(UPDATE_FIELDS) == wire._UPDATE_KEYS
     component = openapi_document()["components"]["schemas"]["RecordUpdate"]
-    assert set(component["properties"]) == set(UPDATE_FIELDS)
+    assert set(component["properties"]) == set(RecordUpdate.__struct_fields__)
     update = RecordUpdate(
         phase=Phase.RUNNING, handle=None, failure=None, touch=True, health="http://h:1/"
     )
-    wire_form = update.to_dict()
+    wire_form = update.to_wire()
     assert wire_form == {
         "phase": "running",
         "handle": None,
@@ -776,7 +787,7 @@ def test_a_record_update_is_declared_once() -> None:
         "touch": True,
         "health": "http://h:1/",
     }
-    assert RecordUpdate.from_dict(wire_form) == update
-    assert not RecordUpdate() and RecordUpdate().to_dict() == {}
-    with pytest.raises(ValueError, match="unknown update key 'colour'"):
-        RecordUpdate.from_dict({"colour": "red"})
+    assert RecordUpdate.from_wire(wire_form) == update
+    assert not RecordUpdate() and RecordUpdate().to_wire() == {}
+    with pytest.raises(ValueError, match="unknown field `colour`"):
+        RecordUpdate.from_wire({"colour": "red"})

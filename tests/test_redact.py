@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuctl.core.record import Record, apply_update
+from gpuctl.core.record import Record
+from gpuctl.core.record_shapes import RecordUpdate, apply_update
 from gpuctl.core.redact import MASK, is_secret_name, redact_argv, redact_command, redact_lines
 
 SECRET_OPTIONS = [
@@ -138,7 +139,7 @@ def test_stored_failures_and_attempts_are_redacted() -> None:
         },
         "attempt": {"outcome": "failed", "error": "Authorization: Bearer tok_zzzzzzzz"},
     }
-    rec = apply_update(Record(service="x"), update, 1000.0)
+    rec = apply_update(Record(service="x"), RecordUpdate.from_wire(update), 1000.0)
     text = str(rec.to_dict())
     for secret in ("sk-live-abcdef123456", "hf_secretsecret", "hf_x2", "tok_zzzzzzzz"):
         assert secret not in text

@@ -3,10 +3,11 @@
 simulated GPU, in the states a script meets (ready, started, loading with a lease held,
 busy, failed, timed out, a host down, a corrupt record set aside).
 
-Each output is checked twice: against the schema as shipped (which lets a consumer
-validate newer output that adds keys), and against a strict copy that refuses any key
-the schema does not declare, so a key added to the output without being documented
-fails here.
+The schemas are generated from the Structs of ``gpuctl.render.schemas`` (a test diffs
+the committed files against a fresh generation). Each output is checked three times:
+by its Struct, against the schema as shipped (which lets a consumer validate newer
+output that adds keys), and against a strict copy that refuses any key the schema does
+not declare, so a key added to the output without being declared fails here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
@@ -29,6 +31,7 @@ from gpuctl.core.decision import Decision
 from gpuctl.core.idle import Action
 from gpuctl.core.record import Phase
 from gpuctl.flows.results import Outcome
+from gpuctl.render import schemas
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import unique_name
@@ -64,6 +67,13 @@ def strict(schema: Any) -> Any:
 
 
 def check(name: str, obj: Any) -> None:
+    """``obj`` is a valid ``name`` output: its Struct takes it, and so do the generated
+    schema and its strict copy."""
+    struct = next(o.struct for o in schemas.OUTPUTS if o.name == name)
+    try:
+        msgspec.convert(obj, struct, strict=True)
+    except msgspec.ValidationError as e:
+        raise AssertionError(f"gpuctl.render.schemas.{struct.__name__} refuses it: {e}") from e
     schema = load(name)
     for variant in (schema, strict(schema)):
         v = Draft202012Validator(variant, format_checker=FormatChecker())
@@ -86,17 +96,100 @@ def test_schema_is_valid_draft_2020_12(name: str) -> None:
 
 
 def test_enums_match_the_code() -> None:
+    """Every value of each enum of the code, and no other (the generated schemas list
+    them sorted)."""
     status, ensure, locks = load("status"), load("ensure"), load("locks")
-    assert status["$defs"]["service"]["properties"]["decision"]["enum"] == [
+    assert status["$defs"]["service"]["properties"]["decision"]["enum"] == sorted(
         d.value for d in Decision
-    ]
-    assert ensure["properties"]["outcome"]["enum"] == [o.value for o in Outcome]
+    )
+    assert ensure["properties"]["outcome"]["enum"] == sorted(o.value for o in Outcome)
     assert sorted(ensure["properties"]["exit_code"]["enum"]) == sorted(
         {int(o.exit_code) for o in Outcome}
     )
-    assert locks["$defs"]["record"]["properties"]["phase"]["enum"] == [p.value for p in Phase]
+    assert locks["$defs"]["record"]["properties"]["phase"]["enum"] == sorted(p.value for p in Phase)
     actions = load("reclaim")["$defs"]["candidate"]["properties"]["action"]["enum"]
-    assert actions == [a.value for a in Action]
+    assert actions == sorted(a.value for a in Action)
+    resumed = load("reclaim")["$defs"]["resumed"]["properties"]["outcome"]["anyOf"][0]
+    assert resumed["enum"] == sorted(o.value for o in Outcome)
+
+
+def test_committed_schemas_are_generated_from_the_structs() -> None:
+    """schemas/*.json are written by the generator from gpuctl.render.schemas's Structs:
+    a hand edit, or a Struct changed without regenerating, fails here."""
+    from gpuctl.render import schemas
+
+    assert sorted(p.name for p in SCHEMAS.glob("*.schema.json")) == sorted(
+        f"{o.name}.schema.json" for o in schemas.OUTPUTS
+    )
+    stale = schemas.stale(SCHEMAS)
+    assert not stale, f"stale: {stale}; run `{schemas.REGENERATE}` and commit the result"
+
+
+def test_the_generator_check_names_a_stale_file(tmp_path: Path) -> None:
+    for o in schemas.OUTPUTS:
+        (tmp_path / f"{o.name}.schema.json").write_text(schemas.rendered(o))
+    assert schemas.stale(tmp_path) == []
+    (tmp_path / "stop.schema.json").write_text("{}\n")
+    assert schemas.stale(tmp_path) == ["stop.schema.json"]
+
+
+def _fails(name: str, obj: Any) -> bool:
+    try:
+        check(name, obj)
+    except AssertionError:
+        return True
+    return False
+
+
+def test_the_checks_refuse_what_the_schemas_do_not_declare() -> None:
+    """The generated schemas still fail bad output: an undeclared key (strict copy), a
+    missing key, a value outside its enum or bounds, a timestamp of another form."""
+    good = json.loads(docs_block("`gpuctl status --json`, in full:"))
+    check("status", good)
+
+    def bad(change: Any) -> Any:
+        obj = copy.deepcopy(good)
+        change(obj)
+        return obj
+
+    assert _fails("status", bad(lambda o: o.update(extra=1)))
+    assert _fails("status", bad(lambda o: o["hosts"][0].update(extra=1)))
+    assert _fails("status", bad(lambda o: o["hosts"][0].pop("devices")))
+    assert _fails("status", bad(lambda o: o["services"][0].update(decision="MAYBE")))
+    assert _fails("status", bad(lambda o: o["services"][0].update(pids=[0])))
+    assert _fails("status", bad(lambda o: o.update(taken_at="2026-11-29T10:00:00Z")))
+    assert _fails("status", bad(lambda o: o.update(schema=2)))
+    stop = {
+        "schema": 1,
+        "service": "chat",
+        "host": "sim",
+        "stopped": [],
+        "reason": "nothing ran",
+        "exit_code": 0,
+    }
+    check("stop", stop)
+    assert _fails("stop", {**stop, "exit_code": -1})
+    assert _fails("stop", {k: v for k, v in stop.items() if k != "reason"})
+    # A launcher's handle is open (its keys depend on the launcher), a voided row is not.
+    ensure = {
+        "schema": 1,
+        "service": "chat",
+        "host": "sim",
+        "outcome": "ready",
+        "exit_code": 0,
+        "reason": "ready",
+        "decision": "READY",
+        "launched": False,
+        "waited_s": 0.0,
+        "attempt": None,
+        "log_tail": "",
+        "handle": {"kind": "process", "pid": 5, "log": "/x"},
+        "notes": [],
+        "hint": None,
+    }
+    check("ensure", ensure)
+    assert _fails("ensure", {**ensure, "hint": ""})
+    assert _fails("ensure", {**ensure, "exit_code": 2})
 
 
 class Host:

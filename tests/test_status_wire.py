@@ -46,9 +46,9 @@ DEV = {"index": 0, "memory_used_mib": 1000, "memory_total_mib": 81920}
 @pytest.mark.parametrize(
     ("data", "needle"),
     [
-        (body(processes=[proc(pid=2147483648)]), "processes[0].pid' is out of range"),
-        (body(processes=[proc(pid=0)]), "out of range"),
-        (body(processes=[proc(pid=-5)]), "out of range"),
+        (body(processes=[proc(pid=2147483648)]), "processes[0].pid: Expected `int` <="),
+        (body(processes=[proc(pid=0)]), "processes[0].pid: Expected `int` >= 1"),
+        (body(processes=[proc(pid=-5)]), "processes[0].pid: Expected `int` >= 1"),
         (body(processes=[proc(memory_mib=float("inf"))]), "processes[0].memory_mib"),
         (body(processes=[proc(memory_mib=float("nan"))]), "processes[0].memory_mib"),
         (body(processes=[proc(memory_mib=-1)]), "processes[0].memory_mib"),
@@ -60,10 +60,10 @@ DEV = {"index": 0, "memory_used_mib": 1000, "memory_total_mib": 81920}
         (body(unified_memory="yes"), "unified_memory"),
         (body(devices=[{**DEV, "utilization_pct": -1}]), "devices[0].utilization_pct"),
         (body(devices=[{**DEV, "unified": 1}]), "devices[0].unified"),
-        (body(devices=[{**DEV, "index": "0"}]), "devices[0]: field 'index'"),
+        (body(devices=[{**DEV, "index": "0"}]), "devices[0].index: Expected `int`, got `str`"),
         (body(devices=[{**DEV, "memory_total_mib": 2**60}]), "devices[0].memory_total_mib"),
         (body(devices=[{**DEV, "error": 5}]), "devices[0].error"),
-        (body(devices={"0": DEV}), "field 'devices' should be list"),
+        (body(devices={"0": DEV}), "devices: Expected `array | null`, got `object`"),
         # An unreadable GPU is not idle, whatever the process list says.
         (
             body(is_idle=True, processes=[], devices=[{"index": 0, "error": "lost"}]),
@@ -71,17 +71,23 @@ DEV = {"index": 0, "memory_used_mib": 1000, "memory_total_mib": 81920}
         ),
         (body(starting=[{"pid": 5, "command": "vllm", "age_s": float("nan")}]), "age_s"),
         # Whose each server is: pids in range, names by the one name rule.
-        (body(servers=[{"pid": 0, "service": "chat"}]), "servers[0].pid' is out of range"),
-        (body(servers=[{"pid": 5, "service": "chat\n"}]), "servers[0].service' is not a"),
-        (body(servers=[{"pid": 5, "service": "../x"}]), "servers[0].service' is not a"),
-        (body(servers=[{"pid": 5}]), "servers[0]: missing field 'service'"),
-        (body(servers=[{"pid": True, "service": "chat"}]), "servers[0]: field 'pid'"),
-        (body(servers=["5"]), "servers[0] should be an object"),
-        (body(servers={"5": "chat"}), "field 'servers' should be list"),
+        (body(servers=[{"pid": 0, "service": "chat"}]), "servers[0].pid: Expected `int` >= 1"),
+        (body(servers=[{"pid": 5, "service": "chat\n"}]), "servers[0].service: not a service name"),
+        (
+            body(servers=[{"pid": 5, "service": "../x"}]),
+            "servers[0].service: Expected `str` matching regex",
+        ),
+        (body(servers=[{"pid": 5}]), "servers[0]: Object missing required field `service`"),
+        (
+            body(servers=[{"pid": True, "service": "chat"}]),
+            "servers[0].pid: Expected `int`, got `bool`",
+        ),
+        (body(servers=["5"]), "servers[0]: Expected `object`, got `str`"),
+        (body(servers={"5": "chat"}), "servers: Expected `array | null`, got `object`"),
         # The probe's notes: strings, a bounded number of them.
-        (body(notes="gpu.json wins"), "field 'notes' should be list"),
-        (body(notes=["ok", 5]), "notes[1] should be a string"),
-        (body(notes=["n"] * 65), "notes: more than 64"),
+        (body(notes="gpu.json wins"), "notes: Expected `array | null`, got `str`"),
+        (body(notes=["ok", 5]), "notes[1]: Expected `str`, got `int`"),
+        (body(notes=["n"] * 65), "notes: Expected `array` of length <= 64"),
     ],
 )
 def test_hostile_values_are_located_errors(data: dict[str, Any], needle: str) -> None:
@@ -340,10 +346,10 @@ def test_mig_instances_and_process_instance_round_trip() -> None:
 @pytest.mark.parametrize(
     ("mig", "needle"),
     [
-        ([{"id": -1}], "mig[0].id' is out of range"),
+        ([{"id": -1}], "devices[0].mig[0].id: Expected `int` >= 0"),
         ([{"id": 1, "memory_total_mib": 2**60}], "mig[0].memory_total_mib"),
-        ({"1": {}}, "field 'mig' should be list"),
-        (["x"], "mig[0] should be an object"),
+        ({"1": {}}, "devices[0].mig: Expected `array | null`, got `object`"),
+        (["x"], "devices[0].mig[0]: Expected `object`, got `str`"),
     ],
 )
 def test_bad_mig_instances_are_located_errors(mig: Any, needle: str) -> None:

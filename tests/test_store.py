@@ -28,6 +28,7 @@ from gpuctl.adapters import procinfo
 from gpuctl.adapters.store import AgentStore, DirectStore, Holder, Store, holder_here
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.core.record import Lease, Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import AgentAuthError, GpuctlError, StoreError, UsageError
 from tests.agent_helpers import FakeProbe, serve_in_thread
 
@@ -171,7 +172,11 @@ def test_acquire_renew_update_release(env: Env) -> None:
 
     handle = {"kind": "process", "pid": 77, "pid_start": 12.5}
     rec = env.store.update(
-        SVC, h1.id, {"phase": "starting", "handle": handle, "attempt": {"at": 1, "ok": None}}
+        SVC,
+        h1.id,
+        RecordUpdate.from_wire(
+            {"phase": "starting", "handle": handle, "attempt": {"at": 1, "ok": None}}
+        ),
     )
     assert rec.phase is Phase.STARTING
     assert rec.handle == handle
@@ -180,7 +185,7 @@ def test_acquire_renew_update_release(env: Env) -> None:
     assert env.direct.get(SVC) == rec
     assert env.store.records() == [rec]
 
-    released = env.store.release(SVC, h1.id, {"phase": "running"})
+    released = env.store.release(SVC, h1.id, RecordUpdate.from_wire({"phase": "running"}))
     assert released.lease is None
     assert released.phase is Phase.RUNNING
     assert released.handle == handle
@@ -189,7 +194,7 @@ def test_acquire_renew_update_release(env: Env) -> None:
     granted, rec = env.store.acquire(SVC, h2, 60)
     assert granted
     # a release by a holder that lost the lease changes nothing
-    late = env.store.release(SVC, h1.id, {"phase": "stopped"})
+    late = env.store.release(SVC, h1.id, RecordUpdate.from_wire({"phase": "stopped"}))
     assert late.lease is not None
     assert late.lease.holder == h2.id
     assert late.phase is Phase.RUNNING
@@ -199,12 +204,12 @@ def test_acquire_renew_update_release(env: Env) -> None:
 def test_non_holder_cannot_update_or_renew(env: Env) -> None:
     h1, h2 = holder(), holder()
     with pytest.raises(StoreError, match="no longer ours"):
-        env.store.update(SVC, h1.id, {"phase": "running"})
+        env.store.update(SVC, h1.id, RecordUpdate.from_wire({"phase": "running"}))
     with pytest.raises(StoreError, match="not held"):
         env.store.renew(SVC, h1.id, 60)
     env.store.acquire(SVC, h1, 60)
     with pytest.raises(StoreError, match=r"no longer ours \(held by test pid"):
-        env.store.update(SVC, h2.id, {"phase": "running"})
+        env.store.update(SVC, h2.id, RecordUpdate.from_wire({"phase": "running"}))
     with pytest.raises(StoreError, match="no longer ours"):
         env.store.renew(SVC, h2.id, 60)
     rec = env.store.get(SVC)
@@ -212,14 +217,18 @@ def test_non_holder_cannot_update_or_renew(env: Env) -> None:
     assert rec.lease is not None
     assert rec.lease.holder == h1.id
     # the lock was released after each refusal: the holder goes on
-    assert env.store.update(SVC, h1.id, {"phase": "running"}).phase is Phase.RUNNING
+    assert (
+        env.store.update(SVC, h1.id, RecordUpdate.from_wire({"phase": "running"})).phase
+        is Phase.RUNNING
+    )
 
 
 def test_bad_update_is_refused_and_changes_nothing(env: Env) -> None:
     h = holder()
     env.store.acquire(SVC, h, 60)
-    with pytest.raises(GpuctlError, match="bad record update: unknown update key 'lease'"):
-        env.store.update(SVC, h.id, {"phase": "running", "lease": None})
+    bad = RecordUpdate(phase="exploded", touch=True)  # type: ignore[arg-type]
+    with pytest.raises(GpuctlError, match=r"update\.phase"):
+        env.store.update(SVC, h.id, bad)
     rec = env.store.get(SVC)
     assert rec.phase is Phase.STOPPED
     assert rec.lease is not None
@@ -229,13 +238,15 @@ def test_failure_update_sets_backoff(env: Env) -> None:
     h = holder()
     env.store.acquire(SVC, h, 60)
     now = env.clock()
-    rec = env.store.release(SVC, h.id, {"failure": {"error": "exit 1", "log_tail": "OOM"}})
+    rec = env.store.release(
+        SVC, h.id, RecordUpdate.from_wire({"failure": {"error": "exit 1", "log_tail": "OOM"}})
+    )
     assert rec.phase is Phase.FAILED
     assert rec.failure is not None
     assert rec.failure.count == 1
     assert rec.failure.backoff_until == pytest.approx(now + 10, abs=2)
     env.store.acquire(SVC, h, 60)
-    rec = env.store.update(SVC, h.id, {"failure": {"error": "exit 1"}})
+    rec = env.store.update(SVC, h.id, RecordUpdate.from_wire({"failure": {"error": "exit 1"}}))
     assert rec.failure is not None
     assert rec.failure.count == 2
     assert rec.failure.backoff_until == pytest.approx(now + 20, abs=2)
@@ -254,10 +265,10 @@ def test_a_test_sets_the_first_backoff_through_the_failpoint(
         h = holder()
         env.store.acquire(SVC, h, 60)
         now = env.clock()
-        rec = env.store.update(SVC, h.id, {"failure": {"error": "exit 1"}})
+        rec = env.store.update(SVC, h.id, RecordUpdate.from_wire({"failure": {"error": "exit 1"}}))
         assert rec.failure is not None
         assert rec.failure.backoff_until == pytest.approx(now + 60, abs=2)
-        rec = env.store.update(SVC, h.id, {"failure": {"error": "exit 1"}})
+        rec = env.store.update(SVC, h.id, RecordUpdate.from_wire({"failure": {"error": "exit 1"}}))
         assert rec.failure is not None
         assert rec.failure.backoff_until == pytest.approx(now + 120, abs=2)
     finally:
@@ -293,7 +304,11 @@ def test_bad_service_names_are_refused(env: Env) -> None:
 def test_record_json_on_disk(env: Env) -> None:
     h = holder("ensure")
     env.store.acquire(SVC, h, 60)
-    env.store.update(SVC, h.id, {"phase": "starting", "handle": {"pid": 1}, "touch": True})
+    env.store.update(
+        SVC,
+        h.id,
+        RecordUpdate.from_wire({"phase": "starting", "handle": {"pid": 1}, "touch": True}),
+    )
     on_disk = json.loads(env.record_path().read_text())
     assert {
         "schema",
@@ -625,7 +640,9 @@ def test_readers_never_see_a_partial_write(env: Env) -> None:
             # Big writes (2,000 characters of padding, in values the wire allows) so that
             # a torn write would show.
             pad = {f"pad{k}": "x" * 1000 for k in range(2)}
-            env.store.update(SVC, h.id, {"attempt": {"n": i, **pad}, "touch": True})
+            env.store.update(
+                SVC, h.id, RecordUpdate.from_wire({"attempt": {"n": i, **pad}, "touch": True})
+            )
     finally:
         stop.set()
         reader.join(30)
@@ -746,7 +763,7 @@ def test_a_lease_taken_through_the_agent_blocks_the_files_and_back(agent_env: En
     assert rec.lease is not None
     assert rec.lease.holder == via_agent.id
     with pytest.raises(StoreError):
-        agent_env.direct.update(SVC, via_files.id, {"phase": "running"})
+        agent_env.direct.update(SVC, via_files.id, RecordUpdate.from_wire({"phase": "running"}))
     agent_env.store.release(SVC, via_agent.id)
 
     assert agent_env.direct.acquire(SVC, via_files, 60)[0]
@@ -755,8 +772,13 @@ def test_a_lease_taken_through_the_agent_blocks_the_files_and_back(agent_env: En
     assert rec.lease is not None
     assert rec.lease.holder == via_files.id
     with pytest.raises(StoreError, match="no longer ours"):
-        agent_env.store.update(SVC, via_agent.id, {"phase": "running"})
-    assert agent_env.store.update(SVC, via_files.id, {"phase": "running"}).phase is Phase.RUNNING
+        agent_env.store.update(SVC, via_agent.id, RecordUpdate.from_wire({"phase": "running"}))
+    assert (
+        agent_env.store.update(
+            SVC, via_files.id, RecordUpdate.from_wire({"phase": "running"})
+        ).phase
+        is Phase.RUNNING
+    )
 
 
 def test_processes_on_both_paths_race_one_wins(agent_env: Env, tmp_path: Path) -> None:
@@ -811,7 +833,7 @@ def test_a_bad_update_is_refused_naming_the_field(
     env.store.acquire(SVC, h, 60)
     before = env.record_path().read_bytes()
     with pytest.raises(UsageError) as info:
-        env.store.update(SVC, h.id, update)
+        env.store.update(SVC, h.id, RecordUpdate(**update))
     assert where.removeprefix("$.") in info.value.message
     assert env.record_path().read_bytes() == before
     if env.kind == "agent":
@@ -935,13 +957,15 @@ def stopped_by_a_stop(env: Env) -> None:
     starter = holder("ensure")
     env.store.acquire(SVC, starter, 60)
     env.store.update(
-        SVC, starter.id, {"phase": "starting", "handle": {"kind": "process", "pid": 1}}
+        SVC,
+        starter.id,
+        RecordUpdate.from_wire({"phase": "starting", "handle": {"kind": "process", "pid": 1}}),
     )
-    env.store.release(SVC, starter.id, {"phase": "running", "touch": True})
+    env.store.release(SVC, starter.id, RecordUpdate.from_wire({"phase": "running", "touch": True}))
     stopper = holder("stop")
     assert env.store.acquire(SVC, stopper, 60)[0]
-    env.store.update(SVC, stopper.id, {"phase": "stopping"})
-    env.store.release(SVC, stopper.id, {"phase": "stopped", "handle": None})
+    env.store.update(SVC, stopper.id, RecordUpdate.from_wire({"phase": "stopping"}))
+    env.store.release(SVC, stopper.id, RecordUpdate.from_wire({"phase": "stopped", "handle": None}))
 
 
 def test_a_touch_after_a_stop_does_not_bring_it_back(env: Env) -> None:
@@ -961,7 +985,7 @@ def test_a_touch_after_a_stop_does_not_bring_it_back(env: Env) -> None:
 def test_a_ready_touch_changes_no_phase_but_starting(env: Env, phase: str) -> None:
     h = holder()
     env.store.acquire(SVC, h, 60)
-    env.store.release(SVC, h.id, {"phase": phase})
+    env.store.release(SVC, h.id, RecordUpdate.from_wire({"phase": phase}))
     since = env.direct.get(SVC).since
     env.clock.offset += 5
     rec = env.store.touch(SVC, ready=True)
@@ -972,14 +996,18 @@ def test_a_ready_touch_completes_a_start(env: Env) -> None:
     h = holder()
     env.store.acquire(SVC, h, 60)
     env.store.release(
-        SVC, h.id, {"phase": "starting", "failure": {"error": "an earlier try", "log_tail": ""}}
+        SVC,
+        h.id,
+        RecordUpdate.from_wire(
+            {"phase": "starting", "failure": {"error": "an earlier try", "log_tail": ""}}
+        ),
     )
     env.clock.offset += 5
     rec = env.store.touch(SVC, ready=True)
     assert rec.phase is Phase.FAILED  # a failure release is failed, not starting
     h2 = holder()
     env.store.acquire(SVC, h2, 60)
-    env.store.release(SVC, h2.id, {"phase": "starting"})
+    env.store.release(SVC, h2.id, RecordUpdate.from_wire({"phase": "starting"}))
     rec = env.store.touch(SVC, ready=True)
     assert rec.phase is Phase.RUNNING
     assert rec.failure is None
@@ -996,7 +1024,8 @@ from gpuctl.adapters.store import DirectStore, holder_here
 store = DirectStore(Path(sys.argv[1]))
 h = holder_here("test")
 store.acquire("vllm", h, 60)
-store.release("vllm", h.id, {"touch": True})
+from gpuctl.core.record_shapes import RecordUpdate
+store.release("vllm", h.id, RecordUpdate(touch=True))
 store.inflight_begin("vllm", h, 30)
 """
 
@@ -1267,7 +1296,9 @@ def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive
     starter = holder("ensure")
     w.store.acquire("vllm", starter, 60)
     w.store.release(
-        "vllm", starter.id, {"phase": "running", "handle": {"kind": "process", "pid": 4242}}
+        "vllm",
+        starter.id,
+        RecordUpdate.from_wire({"phase": "running", "handle": {"kind": "process", "pid": 4242}}),
     )
     stops: list[str] = []
 

@@ -1,12 +1,15 @@
-"""The agent's ``/openapi.json``: the hand-written OpenAPI 3.1 document of every endpoint."""
+"""The agent's ``/openapi.json``: the OpenAPI 3.1 document of every endpoint. The ``/status``
+components are generated from the Structs that declare the wire (``gpuctl.core.status_wire``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from gpuctl import __version__
 from gpuctl.agent import query
-from gpuctl.core.model import STATUS_SCHEMA
+from gpuctl.core.status_wire import STATUS_COMPONENTS
 
 __all__ = ["SERVICE_NAME_PATTERN", "openapi_document"]
 from gpuctl.agent.openapi_records import (
@@ -15,12 +18,27 @@ from gpuctl.agent.openapi_records import (
     records_schemas,
 )
 
+# Keys the agent sends only on request; every other key of /status it always sends (the
+# Structs' defaults are for parsing older agents, not optional keys of this one).
+_SOMETIMES = {"Status": {"starting"}}
+
+
+def status_components() -> dict[str, Any]:
+    """The ``Status`` schema and the ones it refers to, from the wire's Structs."""
+    _, components = msgspec.json.schema_components(
+        STATUS_COMPONENTS, ref_template="#/components/schemas/{name}"
+    )
+    for name, schema in components.items():
+        props = schema.get("properties", {})
+        schema["required"] = [k for k in props if k not in _SOMETIMES.get(name, ())]
+        for prop in props.values():
+            prop.pop("default", None)
+    return components
+
 
 def openapi_document() -> dict[str, Any]:
-    """The hand-written OpenAPI 3.1 description of every endpoint (``GET /openapi.json``)."""
+    """The OpenAPI 3.1 description of every endpoint (``GET /openapi.json``)."""
     error = {"$ref": "#/components/schemas/Error"}
-    nullable_int = {"type": ["integer", "null"]}
-    nullable_str = {"type": ["string", "null"]}
 
     def err(description: str) -> dict[str, Any]:
         return {"description": description, "content": {"application/json": {"schema": error}}}
@@ -182,219 +200,7 @@ def openapi_document() -> dict[str, Any]:
                     "required": ["ok", "version"],
                     "properties": {"ok": {"const": True}, "version": {"type": "string"}},
                 },
-                "GpuProcess": {
-                    "type": "object",
-                    "required": [
-                        "pid",
-                        "command",
-                        "memory_mib",
-                        "user",
-                        "container",
-                        "gpu",
-                        "on_gpu",
-                        "sm_util_pct",
-                        "mig",
-                    ],
-                    "properties": {
-                        "pid": {"type": "integer"},
-                        "command": {
-                            **nullable_str,
-                            "description": "Full command line; null where it cannot be read.",
-                        },
-                        "memory_mib": {
-                            **nullable_int,
-                            "description": "null where the driver cannot tell.",
-                        },
-                        "user": nullable_str,
-                        "container": {
-                            **nullable_str,
-                            "description": "Container id, null for a host process.",
-                        },
-                        "gpu": {"type": "integer", "description": "The GPU's index."},
-                        "on_gpu": {
-                            "type": "boolean",
-                            "description": (
-                                "false for a server of ours that holds no GPU memory yet "
-                                "(listed for clients that classify by processes)."
-                            ),
-                        },
-                        "sm_util_pct": {
-                            **nullable_int,
-                            "description": "SM utilisation over the last second; null: unknown.",
-                        },
-                        "mig": {
-                            **nullable_int,
-                            "description": (
-                                "The MIG instance (GPU instance id) it runs in; null with "
-                                "MIG off, or where the driver does not say."
-                            ),
-                        },
-                    },
-                },
-                "MigInstance": {
-                    "type": "object",
-                    "required": ["id", "uuid", "memory_used_mib", "memory_total_mib"],
-                    "properties": {
-                        "id": {"type": "integer", "description": "The GPU instance id."},
-                        "uuid": nullable_str,
-                        "memory_used_mib": nullable_int,
-                        "memory_total_mib": nullable_int,
-                    },
-                },
-                "GpuDevice": {
-                    "type": "object",
-                    "required": [
-                        "index",
-                        "name",
-                        "uuid",
-                        "memory_used_mib",
-                        "memory_total_mib",
-                        "unified",
-                        "utilization_pct",
-                        "temperature_c",
-                        "power_w",
-                        "error",
-                        "mig",
-                    ],
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "name": nullable_str,
-                        "uuid": nullable_str,
-                        "memory_used_mib": nullable_int,
-                        "memory_total_mib": nullable_int,
-                        "unified": {
-                            "type": "boolean",
-                            "description": "The device has no memory figure of its own (GB10).",
-                        },
-                        "utilization_pct": {**nullable_int, "description": "null: unknown."},
-                        "temperature_c": {**nullable_int, "description": "null: unknown."},
-                        "power_w": {
-                            "type": ["number", "null"],
-                            "description": "null: unknown.",
-                        },
-                        "error": {
-                            **nullable_str,
-                            "description": "Why this GPU could not be read; null when it was.",
-                        },
-                        "mig": {
-                            "type": "array",
-                            "description": (
-                                "With MIG on, its instances: a service fits on one instance "
-                                "(a service's devices = [0] means any instance of GPU 0), "
-                                "and the device's own memory figures are not admitted on. "
-                                "Empty with MIG off."
-                            ),
-                            "items": {"$ref": "#/components/schemas/MigInstance"},
-                        },
-                    },
-                },
-                "StartingProcess": {
-                    "type": "object",
-                    "required": ["pid", "command", "user"],
-                    "properties": {
-                        "pid": {"type": "integer"},
-                        "command": {"type": "string"},
-                        "user": nullable_str,
-                    },
-                },
-                "HostIdentity": {
-                    "type": "object",
-                    "required": ["hostname", "boot_id"],
-                    "properties": {"hostname": {"type": "string"}, "boot_id": {"type": "string"}},
-                },
-                "Status": {
-                    "type": "object",
-                    "required": [
-                        "schema",
-                        "is_idle",
-                        "memory_used_mib",
-                        "memory_total_mib",
-                        "unified_memory",
-                        "probe",
-                        "taken_at",
-                        "gpus",
-                        "devices",
-                        "processes",
-                        "host",
-                        "state_dir",
-                        "servers",
-                        "notes",
-                    ],
-                    "properties": {
-                        "schema": {"const": STATUS_SCHEMA},
-                        "is_idle": {
-                            "type": "boolean",
-                            "description": (
-                                "True only when `processes` is empty, every GPU could be "
-                                "read, no GPU holds more than the driver's reserve "
-                                "(1024 MiB) that no process accounts for, and no record "
-                                "of the host's store holds a lease or says `starting` "
-                                "(read at each answer). So it can be false with "
-                                "`processes` empty: a start between taking its lease and "
-                                "its server existing, or memory held by processes this "
-                                "agent cannot see (MIG, another PID namespace)."
-                            ),
-                        },
-                        "memory_used_mib": nullable_int,
-                        "memory_total_mib": {
-                            **nullable_int,
-                            "description": "From the device, else the configured --gpu-memory.",
-                        },
-                        "unified_memory": {"type": "boolean"},
-                        "probe": {"type": "string", "examples": ["nvml", "nvidia-smi", "sim"]},
-                        "taken_at": {
-                            "type": "string",
-                            "format": "date-time",
-                            "description": "UTC, e.g. 2026-11-29T10:00:00Z.",
-                        },
-                        "gpus": {"type": "integer"},
-                        "devices": {
-                            "type": "array",
-                            "description": (
-                                "Per GPU: a service fits on one GPU, so admission reads these; "
-                                "the memory fields above are their sums over readable GPUs."
-                            ),
-                            "items": {"$ref": "#/components/schemas/GpuDevice"},
-                        },
-                        "processes": {
-                            "type": "array",
-                            "items": {"$ref": "#/components/schemas/GpuProcess"},
-                        },
-                        "host": {"$ref": "#/components/schemas/HostIdentity"},
-                        "state_dir": nullable_str,
-                        "starting": {
-                            "type": "array",
-                            "description": "With ?match= only: matching, not on the GPU yet.",
-                            "items": {"$ref": "#/components/schemas/StartingProcess"},
-                        },
-                        "servers": {
-                            "type": "array",
-                            "description": (
-                                "Whose each server process is: the pids the records name "
-                                "(by the launcher's handle, or a start's GPUCTL_START_NONCE "
-                                "in /proc/<pid>/environ) and the processes they forked, "
-                                "whatever their command lines say."
-                            ),
-                            "items": {
-                                "type": "object",
-                                "required": ["pid", "service"],
-                                "properties": {
-                                    "pid": {"type": "integer", "minimum": 1},
-                                    "service": {"type": "string"},
-                                },
-                            },
-                        },
-                        "notes": {
-                            "type": "array",
-                            "description": (
-                                "What the probe wants a person to know about this reading, "
-                                "e.g. a simulated GPU whose gpu.json is not the "
-                                "--gpu-memory asked for. Never part of a decision."
-                            ),
-                            "items": {"type": "string"},
-                        },
-                    },
-                },
+                **status_components(),
                 **records_schemas(),
             },
         },

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuctl.adapters.store import codec, schema
+import msgspec
+
+from gpuctl.adapters.store import codec
 from gpuctl.agent import job_stop, wire
+from gpuctl.core import record_shapes as shapes
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
+from gpuctl.core.record import DURATION_MAX, INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
 
 # The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
 # for store failures, a "hint".
@@ -255,8 +258,52 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def shaped_schemas() -> dict[str, Any]:
+    """The components of the shapes declared once in ``core.record_shapes``, generated.
+
+    A handle and an attempt are open objects: their known fields as their Struct types
+    them, and at most ``MAX_EXTRA_KEYS`` more short scalars (``shapes.ExtraValue``), as
+    ``wire.shaped`` checks them. A lease request's promise is the store's ``Promise``.
+    """
+    template = "#/components/schemas/{name}"
+    named = (
+        shapes.LeaseRequest,
+        shapes.RenewRequest,
+        shapes.HolderUpdate,
+        shapes.ReleaseRequest,
+        shapes.Handle,
+        shapes.Attempt,
+    )
+    [extra], _ = msgspec.json.schema_components([shapes.ExtraValue], ref_template=template)
+    _, out = msgspec.json.schema_components(named, ref_template=template)
+    update = out["RecordUpdate"]["properties"]
+    for name, known in shapes.FREE_OBJECTS.items():
+        shown = out.pop(known.__name__)
+        loose = update[name]
+        nullable = "anyOf" in loose
+        free = next(s for s in loose["anyOf"] if s.get("type") == "object") if nullable else loose
+        free = {
+            "type": "object",
+            "description": free["description"],
+            "properties": shown["properties"],
+            "additionalProperties": extra,
+            "propertyNames": free["propertyNames"],
+            "maxProperties": free["maxProperties"],
+        }
+        update[name] = {"anyOf": [free, {"type": "null"}]} if nullable else free
+    out["LeaseRequest"]["properties"]["promise"] = {
+        "anyOf": [_ref("Promise"), {"type": "null"}],
+        "description": "What the start this lease is for promises (kept in the record).",
+    }
+    out["Phase"]["enum"] = [p.value for p in Phase]  # in the lifecycle's order
+    out["Holder"]["description"] = "Who asks for a lease: a fresh id per call, and its process."
+    out["RecordUpdate"]["description"] = "Changes to a record; every key is optional."
+    return out
+
+
 def records_schemas() -> dict[str, Any]:
-    """The schemas of the /records endpoints (``gpuctl.core.record``, ``Holder``)."""
+    """The schemas of the /records endpoints (``gpuctl.core.record``; the request bodies
+    and what they carry are generated: ``shaped_schemas``)."""
     number = {"type": "number"}
     nullable_number = {"type": ["number", "null"]}
     epoch = {**number, "description": "Seconds since the epoch."}
@@ -282,8 +329,6 @@ def records_schemas() -> dict[str, Any]:
         "pattern": f"^{codec.QUEUE_ID.pattern}$",
         "description": "The waiter's holder id: it names the entry's file (uuid hex does).",
     }
-    time = {"type": "number", "minimum": 0, "maximum": codec.TIME_MAX}
-    nullable_time = {**time, "type": ["number", "null"]}
     pid = {"type": "integer", "minimum": 1, "maximum": PID_MAX}
 
     def text(most: int, least: int = 0) -> dict[str, Any]:
@@ -292,21 +337,8 @@ def records_schemas() -> dict[str, Any]:
     def nullable(schema: dict[str, Any]) -> dict[str, Any]:
         return {"oneOf": [schema, {"type": "null"}]}
 
-    # A handle or an attempt may carry more than gpuctl reads: scalars only (the codec).
-    scalar = {
-        "anyOf": [
-            {"type": "null"},
-            {"type": "boolean"},
-            {"type": "integer", "minimum": -(2**53), "maximum": 2**53},
-            {"type": "number", "minimum": -1e15, "maximum": 1e15},
-            text(wire.MAX_EXTRA_TEXT),
-        ]
-    }
-    extra = {
-        "additionalProperties": scalar,
-        "propertyNames": {"minLength": 1, "maxLength": 64},
-    }
     return {
+        **shaped_schemas(),
         "StoreError": {
             "type": "object",
             "required": ["error"],
@@ -315,7 +347,6 @@ def records_schemas() -> dict[str, Any]:
                 "hint": {"type": "string", "description": "What fixes it (may be empty)."},
             },
         },
-        "Phase": {"type": "string", "enum": [p.value for p in Phase]},
         "Lease": {
             "type": "object",
             "description": "The right to start (or stop) a service; only the holder launches.",
@@ -453,10 +484,10 @@ def records_schemas() -> dict[str, Any]:
                 "health_timeout_s": {
                     "type": "number",
                     "minimum": 0,
-                    "maximum": codec.DURATION_MAX,
+                    "maximum": DURATION_MAX,
                 },
                 "yield_after_s": {
-                    **nullable({"type": "number", "minimum": 0, "maximum": codec.DURATION_MAX}),
+                    **nullable({"type": "number", "minimum": 0, "maximum": DURATION_MAX}),
                     "description": "Unused this long, it yields to a preempting start; null: never.",
                 },
             },
@@ -505,108 +536,6 @@ def records_schemas() -> dict[str, Any]:
                 "set_aside": {"type": "array", "items": _ref("SetAside")},
             },
         },
-        "Holder": {
-            "type": "object",
-            "description": "Who asks for a lease: a fresh id per call, and its process.",
-            "required": ["id", "host", "boot_id", "pid", "entry"],
-            "additionalProperties": False,
-            "properties": {
-                "id": {"type": "string", "minLength": 1, "maxLength": 128},
-                "host": {"type": "string", "maxLength": 255},
-                "boot_id": {"type": "string", "maxLength": 64},
-                "pid": pid,
-                "pid_start": nullable_time,
-                "entry": {"type": "string", "maxLength": 64},
-            },
-        },
-        "RecordUpdate": {
-            "type": "object",
-            "description": "Changes to a record; every key is optional.",
-            "additionalProperties": False,
-            "properties": {
-                "phase": _ref("Phase"),
-                "handle": nullable(
-                    {
-                        "type": "object",
-                        "description": "What the launcher needs to find its server again.",
-                        "properties": {
-                            "kind": text(32, 1),
-                            "pid": nullable(pid),
-                            "pid_start": nullable_time,
-                            "container_id": nullable(text(128)),
-                            "container_name": nullable(text(255)),
-                            "terminal": nullable(text(255)),
-                            "log": nullable(text(4096)),
-                            "pid_ns": nullable(
-                                {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
-                            ),
-                            "proof": nullable(text(255)),
-                        },
-                        "maxProperties": len(wire.HANDLE_KNOWN) + schema.MAX_EXTRA_KEYS,
-                        **extra,
-                    }
-                ),
-                "attempt": {
-                    "type": "object",
-                    "description": "Appended to the attempts.",
-                    "properties": {
-                        "started": time,
-                        "ended": time,
-                        "duration_s": {
-                            "type": "number",
-                            "minimum": -codec.DURATION_MAX,
-                            "maximum": codec.DURATION_MAX,
-                        },
-                        "launcher": text(32),
-                        "outcome": text(32),
-                        "error": nullable(text(wire.MAX_TEXT)),
-                    },
-                    "maxProperties": len(wire.ATTEMPT_KNOWN) + schema.MAX_EXTRA_KEYS,
-                    **extra,
-                },
-                "failure": nullable(
-                    {
-                        "type": "object",
-                        "description": (
-                            "A failed start: phase failed, count + 1, a back-off. null clears it."
-                        ),
-                        "additionalProperties": False,
-                        "properties": {
-                            "error": text(wire.MAX_TEXT),
-                            "log_tail": text(wire.MAX_TEXT),
-                        },
-                    }
-                ),
-                "touch": {"type": "boolean", "description": "true: last_used = now."},
-                "start_nonce": {
-                    "type": ["string", "null"],
-                    "pattern": "^[0-9a-f]{8,64}$",
-                    "description": "The nonce a start puts in its server's environment.",
-                },
-                "health": {
-                    "type": ["string", "null"],
-                    "minLength": 8,
-                    "maxLength": 2048,
-                    # The store's rule (codec.URL); \x1c-\x1f and \x85 spelled out, as
-                    # Python's \s holds them and JSON Schema's (ECMA's) does not.
-                    "pattern": r"^[hH][tT][tT][pP][sS]?://[^\s\x1c-\x1f\x85/?#]+[^\s\x1c-\x1f\x85]*$",
-                    "description": "The URL that tells the server answers (http or https).",
-                },
-            },
-        },
-        "LeaseRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder", "ttl_s"],
-            "properties": {
-                "holder": _ref("Holder"),
-                "ttl_s": ttl,
-                "promise": {
-                    **nullable(_ref("Promise")),
-                    "description": "What the start this lease is for promises (kept in the record).",
-                },
-            },
-        },
         "LeaseGrant": {
             "type": "object",
             "required": ["granted", "record"],
@@ -616,27 +545,6 @@ def records_schemas() -> dict[str, Any]:
                     "description": "false: someone else holds a live lease (see record.lease).",
                 },
                 "record": _ref("Record"),
-            },
-        },
-        "RenewRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder", "ttl_s"],
-            "properties": {"holder": holder_id, "ttl_s": ttl},
-        },
-        "HolderUpdate": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder", "update"],
-            "properties": {"holder": holder_id, "update": _ref("RecordUpdate")},
-        },
-        "ReleaseRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder"],
-            "properties": {
-                "holder": holder_id,
-                "update": nullable(_ref("RecordUpdate")),
             },
         },
         "TouchRequest": {

@@ -3,8 +3,12 @@
 Every body is hostile until checked. Size and nesting are bounded *before* ``json.loads``
 runs (100,000 nested ``[`` would otherwise blow its recursion limit); ``NaN`` and
 ``Infinity`` are refused by the parser; then each endpoint's shape is checked with exact
-types (``"no"`` is not a boolean, ``1.0`` is not a pid), ranges (a pid fits the kernel's
+types (``"no"`` is not a boolean, ``1.5`` is not a pid), ranges (a pid fits the kernel's
 ``PID_MAX_LIMIT``) and finite numbers. What passes can be handed to the store as is.
+
+The record bodies (lease, renew, update, release, a holder) are decoded into the Structs
+declared once in ``core.record_shapes`` (``shaped``), and msgspec's error is said again
+the way every 400 here says it: the field, then what it should be.
 """
 
 from __future__ import annotations
@@ -13,43 +17,27 @@ import json
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from gpuctl.adapters.store.schema import MAX_EXTRA_KEYS
+import msgspec
+
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
+from gpuctl.core import record_shapes as shapes
 from gpuctl.core.json_kind import json_kind
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.pids import PID_MAX
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S, LOG_TAIL_MAX, UPDATE_FIELDS, Phase
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, MAX_EXTRA_KEYS
 
 # The HTTP reader's own limit (and a record file's, ``codec.MAX_RECORD_BYTES``): every
 # body the request schemas allow fits under it (``MAX_TEXT``, ``MAX_EXTRA_TEXT``, tested
 # against /openapi.json), so no body the schema allows gets a 413.
 MAX_BODY_BYTES = http.MAX_BODY_BYTES
 MAX_DEPTH = 16
-MAX_TTL_S = 7 * 24 * 3600.0
-# A failure's error and log tail, an attempt's error: the store keeps no more than the
-# last 16 KiB of a log tail (``core.record.LOG_TAIL_MAX``), so a client clips to it.
-MAX_TEXT = LOG_TAIL_MAX
-# A free value in a handle or an attempt (what a launcher adds): a name, a path.
-MAX_EXTRA_TEXT = 1024
-# The known fields of each (``codec.HANDLE_FIELDS`` + ``proof``; ``codec.ATTEMPT_FIELDS``).
-HANDLE_KNOWN = frozenset(
-    {
-        "kind",
-        "pid",
-        "pid_start",
-        "container_id",
-        "container_name",
-        "terminal",
-        "log",
-        "pid_ns",
-        "proof",
-    }
-)
-ATTEMPT_KNOWN = frozenset({"started", "ended", "duration_s", "launcher", "outcome", "error"})
-MAX_SHORT_TEXT = 256
+MAX_TTL_S = shapes.MAX_TTL_S
+MAX_TEXT = shapes.MAX_TEXT
+MAX_EXTRA_TEXT = shapes.MAX_EXTRA_TEXT
+MAX_SHORT_TEXT = shapes.MAX_SHORT_TEXT
 # Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
 MAX_EPOCH_S = 1e11
 
@@ -191,110 +179,134 @@ def obj(
     return out
 
 
-def free_object(known: frozenset[str]) -> Callable[[Any, str], dict[str, Any]]:
-    """A free-form object (a handle, an attempt) as /openapi.json bounds it: at most
-    ``MAX_EXTRA_KEYS`` keys beyond ``known``, each free string at most
-    ``MAX_EXTRA_TEXT`` characters (an ``error``: ``MAX_TEXT``); a ``pid`` in it must
-    still be a pid, and its times finite. The store then checks its own schema."""
+# ---- the record bodies, decoded into their Structs (``core.record_shapes``)
 
-    def check(value: Any, field: str) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise BadRequest(field, f"expected an object, got {json_kind(value)}")
-        extra = [k for k in value if k not in known]
-        if len(extra) > MAX_EXTRA_KEYS:
-            raise BadRequest(field, f"{len(extra)} unknown fields, at most {MAX_EXTRA_KEYS}")
-        for key, item in value.items():
-            most = MAX_TEXT if key == "error" else MAX_EXTRA_TEXT
-            if isinstance(item, str) and key not in known - {"error"} and len(item) > most:
-                raise BadRequest(f"{field}.{key}", f"{len(item)} characters, at most {most}")
-        return _free_fields(value, field)
-
-    return check
+S = TypeVar("S", bound=msgspec.Struct)
 
 
-def _free_fields(value: dict[str, Any], field: str) -> dict[str, Any]:
-    if "pid" in value and value["pid"] is not None:
-        pid(value["pid"], f"{field}.pid")
-    for key in ("pid_start", "started", "ended", "duration_s"):
-        if key in value and value[key] is not None:
-            number(value[key], f"{field}.{key}", low=-MAX_EPOCH_S)
-    return value
-
-
-# ---- the request bodies (openapi.py describes the same shapes)
-
-
-def holder(value: Any, field: str) -> dict[str, Any]:
-    """The store's own holder schema (``codec.HOLDER_FIELDS``): one rule on both paths."""
-    from gpuctl.adapters.store.codec import RecordError, decode_holder
-
+def shaped(data: Any, shape: type[S], field: str = "") -> S:
+    """``data`` decoded into ``shape``, exact types (``strict``); BadRequest naming the
+    field otherwise. A handle's or an attempt's known fields are typed by their own
+    Struct (``shapes.Handle``, ``shapes.Attempt``), and its extra ones are short scalars."""
     try:
-        decode_holder(value, at=f"$.{field}")
-    except RecordError as err:
-        raise BadRequest(err.where.removeprefix("$."), err.why) from None
-    assert isinstance(value, dict)
-    return value
+        out = msgspec.convert(data, shape, strict=True)
+    except msgspec.ValidationError as err:
+        raise _said_again(str(err), data, shape, field) from None
+    update = out if isinstance(out, shapes.RecordUpdate) else getattr(out, "update", None)
+    if isinstance(update, shapes.RecordUpdate):
+        where = f"{field}." if field else ("" if update is out else "update.")
+        for name, known in shapes.FREE_OBJECTS.items():
+            value = getattr(update, name)
+            if isinstance(value, dict):
+                _free(value, known, f"{where}{name}")
+    return out
 
 
-def _codec(name: str) -> Callable[[Any, str], Any]:
-    """One of the store's field checks (``codec.NONCE``, ``codec.URL``), as a wire check."""
-
-    def check(value: Any, field: str) -> Any:
-        from gpuctl.adapters.store import codec
-
+def _free(value: dict[str, Any], known: type[msgspec.Struct], field: str) -> None:
+    """A handle or an attempt as /openapi.json bounds it: its known fields typed, at most
+    ``MAX_EXTRA_KEYS`` more, each a scalar of at most ``MAX_EXTRA_TEXT`` characters."""
+    names = known.__struct_fields__
+    extra = {k: v for k, v in value.items() if k not in names}
+    if len(extra) > MAX_EXTRA_KEYS:
+        raise BadRequest(field, f"{len(extra)} unknown fields, at most {MAX_EXTRA_KEYS}")
+    shaped({k: v for k, v in value.items() if k in names}, known, field)
+    for key, item in extra.items():
         try:
-            return getattr(codec, name)(value, f"$.{field}")
-        except codec.RecordError as err:
-            raise BadRequest(err.where.removeprefix("$."), err.why) from None
-
-    return check
+            msgspec.convert(item, shapes.ExtraValue, strict=True)
+        except msgspec.ValidationError as err:
+            raise _said_again(str(err), item, shapes.ExtraValue, f"{field}.{key}") from None
 
 
-health_url = _codec("URL")
-_nonce = _codec("NONCE")
+_KIND = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+_KIND |= {"object": "an object", "array": "an array", "null": "null"}
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
-def failure(value: Any, field: str) -> dict[str, Any]:
-    return obj(
-        value,
-        field,
-        {
-            "error": lambda v, f: string(v, f, max_len=MAX_TEXT),
-            "log_tail": lambda v, f: string(v, f, max_len=MAX_TEXT),
-        },
-    )
+def _said_again(message: str, data: Any, shape: Any, field: str) -> BadRequest:
+    """msgspec's ``Expected `int` <= 4194304 - at `$.holder.pid``` as this module says
+    every 400: ``holder.pid: 2147483648 is out of range (1..4194304)``."""
+    m = _AT.match(message)
+    assert m is not None
+    msg, path = m["msg"], m["path"] or "$"
+    key_of = re.match(r"`key` in `(.*)`$", path)
+    parts = re.findall(r"\[\.\.\.\]|[^.\[]+", (key_of[1] if key_of else path)[1:])
+    if "[...]" in parts:  # a value in a handle or an attempt: find its key
+        at = parts.index("[...]")
+        inner = _value_at(data, parts[:at])
+        if isinstance(inner, dict):
+            for key, item in inner.items():
+                try:
+                    msgspec.convert(item, shapes.FreeValue, strict=True)
+                except msgspec.ValidationError as err:
+                    prefix = ".".join([field, *parts[:at], key] if field else [*parts[:at], key])
+                    return _said_again(str(err), item, shapes.FreeValue, prefix)
+        parts = parts[:at]
+    where = ".".join([field, *parts] if field else parts)
+    unknown = re.match(r"Object contains unknown field `(.*)`$", msg)
+    if unknown:
+        if parts and parts[-1] == "update" and isinstance(shape, type):
+            # The store's own words, so both store paths say the same.
+            return BadRequest(where, f"bad record update: unknown update key {unknown[1]!r}")
+        return BadRequest(f"{where}.{unknown[1]}" if where else unknown[1], "unknown field")
+    missing = re.match(r"Object missing required field `(.*)`$", msg)
+    if missing:
+        return BadRequest(f"{where}.{missing[1]}" if where else missing[1], "missing")
+    if key_of:
+        return BadRequest(where, f"a key: {_problem(msg, None, None)}")
+    value = _value_at(data, parts)
+    return BadRequest(where, _problem(msg, value, _type_at(shape, parts)))
 
 
-def record_update(value: Any, field: str) -> dict[str, Any]:
-    if isinstance(value, dict):
-        for key in value:
-            if key not in _UPDATE_KEYS:
-                # The store's own words, so both store paths say the same.
-                raise BadRequest(field, f"bad record update: unknown update key {key!r}")
-    return obj(
-        value,
-        field,
-        {
-            "phase": _phase,
-            "handle": nullable(free_object(HANDLE_KNOWN)),
-            "attempt": free_object(ATTEMPT_KNOWN),
-            "failure": nullable(failure),
-            "touch": boolean,
-            # Fields of the store's schema that this agent passes on (the store applies them).
-            "start_nonce": nullable(_nonce),
-            "health": nullable(health_url),
-        },
-    )
+def _value_at(data: Any, parts: list[str]) -> Any:
+    for part in parts:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
 
 
-_UPDATE_KEYS = frozenset(UPDATE_FIELDS)  # declared once: core.record.RecordUpdate
+def _type_at(shape: Any, parts: list[str]) -> Any:
+    """The declared type (``msgspec.inspect``) at ``parts`` under ``shape``, or None."""
+    t: Any = msgspec.inspect.type_info(shape)
+    for part in [*parts, ""]:
+        while True:
+            if isinstance(t, msgspec.inspect.Metadata):
+                t = t.type
+            elif isinstance(t, msgspec.inspect.UnionType):
+                kinds = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+                t = kinds[0] if len(kinds) == 1 else t
+                if len(kinds) != 1:
+                    break
+            else:
+                break
+        if not part:
+            return t
+        if not isinstance(t, msgspec.inspect.StructType):
+            return None
+        t = next((f.type for f in t.fields if f.encode_name == part), None)
+    return t
 
 
-def _phase(value: Any, field: str) -> str:
-    if not isinstance(value, str) or value not in {p.value for p in Phase}:
-        allowed = ", ".join(p.value for p in Phase)
-        raise BadRequest(field, f"expected one of {allowed}")
-    return value
+def _problem(msg: str, value: Any, t: Any) -> str:
+    """What the value should be, in words."""
+    got = re.match(r"Expected `(.*)`, got `(.*)`$", msg)
+    if got:
+        want = " or ".join(_KIND.get(k, k) for k in got[1].split(" | "))
+        return f"expected {want}, got {json_kind(value) if value is not None else got[2]}"
+    if msg.startswith("Invalid enum value") and isinstance(t, msgspec.inspect.EnumType):
+        return f"expected one of {', '.join(str(e.value) for e in t.cls)}"
+    inspect = msgspec.inspect
+    if isinstance(t, inspect.IntType | inspect.FloatType) and isinstance(value, int | float):
+        low = f"{t.ge}" if t.ge is not None else f"more than {t.gt}"
+        high = f"{t.le}" if t.le is not None else f"less than {t.lt}"
+        if isinstance(t, inspect.FloatType):
+            low = f"{t.ge:g}" if t.ge is not None else f"more than {t.gt:g}"
+            high = f"{t.le:g}" if t.le is not None else f"less than {t.lt:g}"
+        shown = value if isinstance(value, int) else f"{value:g}"
+        return f"{shown} is out of range ({low}..{high})"
+    if isinstance(t, inspect.StrType) and isinstance(value, str):
+        if "matching regex" in msg:
+            return f"{value[:80]!r} does not match {t.pattern}"
+        return f"length {len(value)} is out of range ({t.min_length or 0}..{t.max_length})"
+    return msg[:1].lower() + msg[1:]
 
 
 def promise(value: Any, field: str) -> dict[str, Any]:
@@ -309,40 +321,36 @@ def promise(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
+def holder(value: Any, field: str) -> dict[str, Any]:
+    """A holder (``shapes.Holder``), as the dict it came in."""
+    shaped(value, shapes.Holder, field)
+    assert isinstance(value, dict)
+    return value
+
+
 def lease_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(
-        data,
-        "",
-        {"holder": holder, "ttl_s": ttl, "promise": nullable(promise)},
-        required=("holder", "ttl_s"),
-    )
+    """``holder`` (as it came), ``ttl_s``, ``promise`` (a dict or None)."""
+    body = shaped(data, shapes.LeaseRequest)
+    if body.promise is not None:
+        promise(body.promise, "promise")
+    return {"holder": data["holder"], "ttl_s": body.ttl_s, "promise": body.promise}
 
 
 def renew_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(
-        data,
-        "",
-        {"holder": lambda v, f: string(v, f, empty=False), "ttl_s": ttl},
-        required=("holder", "ttl_s"),
-    )
+    body = shaped(data, shapes.RenewRequest)
+    return {"holder": body.holder, "ttl_s": body.ttl_s}
 
 
 def holder_update(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(
-        data,
-        "",
-        {"holder": lambda v, f: string(v, f, empty=False), "update": record_update},
-        required=("holder", "update"),
-    )
+    """``holder`` (its id) and ``update`` (a ``RecordUpdate``)."""
+    body = shaped(data, shapes.HolderUpdate)
+    return {"holder": body.holder, "update": body.update}
 
 
 def release_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(
-        data,
-        "",
-        {"holder": lambda v, f: string(v, f, empty=False), "update": nullable(record_update)},
-        required=("holder",),
-    )
+    """``holder`` (its id) and ``update`` (a ``RecordUpdate``, or None)."""
+    body = shaped(data, shapes.ReleaseRequest)
+    return {"holder": body.holder, "update": body.update}
 
 
 # In-flight entries are files named by their holder's id (gpuctl's are uuid hex).

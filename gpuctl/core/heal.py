@@ -22,8 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from msgspec.structs import replace
+
 from gpuctl.core.jobs import is_job
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate, StartFailure
 
 REPAIRED = "repaired"
 # What a process launcher's server cannot tell once it has gone: it was exec'd detached,
@@ -65,18 +68,18 @@ class Repair:
     def line(self) -> str:
         return f"{self.was.value} -> {self.phase.value}: {self.why}"
 
-    def update(self, now: float, by: str) -> dict[str, Any]:
-        """The store update (``core.record.apply_update``) that writes it, with its note."""
-        note = {"outcome": REPAIRED, "ended": now, "repaired": self.line, "by": by}
-        out: dict[str, Any] = {"attempt": note}
+    def update(self, now: float, by: str) -> RecordUpdate:
+        """The store update (``core.record_shapes.apply_update``) that writes it, with its note."""
+        note: dict[str, Any] = {"outcome": REPAIRED, "ended": now, "repaired": self.line, "by": by}
+        out = RecordUpdate(attempt=note)
         if self.failed:
-            out["failure"] = {"error": self.why, "log_tail": ""}
+            out = replace(out, failure=StartFailure(self.why))
         else:
-            out["phase"] = self.phase.value
+            out = replace(out, phase=self.phase)
         if self.phase is Phase.STOPPED or self.failed:
-            out["handle"] = None
+            out = replace(out, handle=None)
         if self.phase is Phase.RUNNING:
-            out["failure"] = None
+            out = replace(out, failure=None)
         return out
 
 

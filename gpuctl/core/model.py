@@ -1,8 +1,8 @@
 """Plain data shared by every layer, and the agent's wire format (``GET /status``).
 
-``Snapshot.to_wire`` / ``Snapshot.from_wire`` are the contract of ``GET /status``.
-``from_wire`` (in ``gpuctl.core.status_wire``) validates strictly: an agent that answers
-something else is treated as unavailable (UNKNOWN), never as an idle GPU.
+``Snapshot.to_wire`` writes the body of ``GET /status``; the Structs of
+``gpuctl.core.status_wire`` declare it, and its ``parse_status`` validates strictly: an
+agent that answers something else is treated as unavailable (UNKNOWN), never as an idle GPU.
 
 Memory is per GPU (``GpuDevice``): a service fits on one device, so summing devices
 would let two half-free GPUs look like one free one. The host-wide figures

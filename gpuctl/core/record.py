@@ -10,13 +10,12 @@ file under a per-service file lock, and decodes and validates it there
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
-from enum import Enum, StrEnum
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Final
 
 from gpuctl.core.promise import Promise
-from gpuctl.core.redact import redact_lines
 
 RECORD_SCHEMA = 1
 MAX_ATTEMPTS_KEPT = 10
@@ -26,6 +25,11 @@ BACKOFF_MAX_S = 300.0
 # A lease outlives the health timeout by this much, so a holder that waits through the
 # whole cold start never loses it; one that dies loses it at expiry at the latest.
 LEASE_MARGIN_S = 60.0
+# Bounds of the record's schema (``gpuctl.adapters.store.codec``, ``core.record_shapes``).
+TIME_MAX: Final = 4_102_444_800.0  # 2100-01-01T00:00:00Z
+DURATION_MAX: Final = 10 * 365 * 86_400.0
+# Free keys a handle or an attempt may carry beyond those gpuctl reads.
+MAX_EXTRA_KEYS: Final = 32
 
 
 class Phase(StrEnum):
@@ -413,184 +417,14 @@ def in_backoff(record: Record | None, now: float) -> bool:
     )
 
 
-class Unset(Enum):
-    """A field of a ``RecordUpdate`` that changes nothing (``None`` clears one)."""
-
-    UNSET = "unset"
-
-
-UNSET: Final = Unset.UNSET
-
-
-@dataclass(frozen=True, slots=True)
-class RecordUpdate:
-    """A holder's change to a record: the one declaration of its fields, from which the
-    agent's request check (``gpuctl.agent.wire``) and the OpenAPI component take theirs.
-
-    ``phase``; ``handle`` (what the launcher needs to find its server; ``None`` clears
-    it); ``attempt`` (appended to the attempts); ``failure`` (``{"error", "log_tail"}``
-    records a failed start with its back-off; ``None`` clears it); ``touch`` (last_used
-    = now); ``start_nonce`` (the hex nonce a start puts in its server's environment;
-    ``None`` clears it); ``health`` (the URL the agent may poll to see the server
-    answer; ``None`` clears it). On the wire it is a JSON object of the fields set.
-    """
-
-    phase: Phase | Unset = UNSET
-    handle: dict[str, Any] | Unset | None = UNSET
-    attempt: dict[str, Any] | Unset = UNSET
-    failure: dict[str, str] | Unset | None = UNSET
-    touch: bool = False
-    start_nonce: str | Unset | None = UNSET
-    health: str | Unset | None = UNSET
-
-    def __bool__(self) -> bool:
-        return bool(self.to_dict())
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form: only the fields set (``touch`` only when true)."""
-        out: dict[str, Any] = {}
-        for name in UPDATE_FIELDS:
-            value = getattr(self, name)
-            if value is UNSET or (name == "touch" and not value):
-                continue
-            out[name] = value.value if isinstance(value, Phase) else value
-        return out
-
-    @classmethod
-    def from_dict(cls, update: Mapping[str, Any]) -> RecordUpdate:
-        """The typed value of a wire update. Types are exact (``"no"`` is not a boolean).
-
-        Raises:
-            ValueError: an unknown key or a bad value, naming the key.
-        """
-        args: dict[str, Any] = {}
-        for key, raw in update.items():
-            value = raw
-            if key == "phase":
-                if not isinstance(value, str) or value not in _PHASES:
-                    raise ValueError(f"update.phase: {value!r} is not one of {', '.join(_PHASES)}")
-                value = Phase(value)
-            elif key == "handle":
-                if value is not None and not isinstance(value, dict):
-                    raise ValueError("update.handle must be an object or null")
-            elif key == "attempt":
-                if not isinstance(value, dict):
-                    raise ValueError("update.attempt must be an object")
-            elif key == "failure":
-                if value is not None and not isinstance(value, dict):
-                    raise ValueError("update.failure must be an object or null")
-                if value is not None:
-                    error, tail = value.get("error", ""), value.get("log_tail", "")
-                    if not isinstance(error, str) or not isinstance(tail, str):
-                        raise ValueError("update.failure: error and log_tail must be strings")
-                    value = {"error": error, "log_tail": tail}
-            elif key == "touch":
-                if not isinstance(value, bool):
-                    raise ValueError("update.touch must be true or false")
-            elif key in ("start_nonce", "health"):
-                if value is not None and not isinstance(value, str):
-                    raise ValueError(f"update.{key} must be a string or null")
-            else:
-                raise ValueError(f"unknown update key {key!r}")
-            args[key] = value
-        return cls(**args)
-
-    def fitted(self) -> RecordUpdate:
-        """Cut to what the store keeps (a failure's error and log tail, an attempt's
-        error, at most ``LOG_TAIL_MAX`` characters each): the agent's request schema
-        allows no more, so a 60 KiB log tail still records the failure."""
-        out = self
-        f = self.failure
-        if isinstance(f, dict):
-            fitted = {"error": f.get("error", "")[:LOG_TAIL_MAX]}
-            fitted["log_tail"] = f.get("log_tail", "")[-LOG_TAIL_MAX:]
-            out = replace(out, failure=fitted)
-        a = self.attempt
-        if isinstance(a, dict) and isinstance(a.get("error"), str):
-            out = replace(out, attempt={**a, "error": a["error"][:LOG_TAIL_MAX]})
-        return out
-
-
-UPDATE_FIELDS: Final = tuple(f.name for f in fields(RecordUpdate))
-
-
-def apply_update(
-    record: Record,
-    update: RecordUpdate | Mapping[str, Any],
-    now: float,
-    *,
-    first_backoff_s: float = BACKOFF_FIRST_S,
-) -> Record:
-    """Apply a holder's update to a record (the one patch language of both store paths).
-
-    ``first_backoff_s``: the back-off after a first failure (``backoff_s``); the store
-    passes 10 s unless a test shortened or lengthened it (``gpuctl.failpoints.seconds``).
-
-    A wire-form update (a mapping) is read by ``RecordUpdate.from_dict`` first. The store
-    checks the result against its schema before it writes it
-    (``gpuctl.adapters.store.codec``).
-
-    Raises:
-        ValueError: a wire-form update with an unknown key or a bad value, naming the key.
-    """
-    if not isinstance(update, RecordUpdate):
-        update = RecordUpdate.from_dict(update)
-    out = record
-    if not isinstance(update.phase, Unset):
-        out = out.with_phase(update.phase, now)
-    if not isinstance(update.handle, Unset):
-        out = replace(out, handle=update.handle)
-    if not isinstance(update.attempt, Unset):
-        out = out.with_attempt(_clipped(update.attempt))
-    if update.failure is None:
-        out = replace(out, failure=None)
-    elif isinstance(update.failure, dict):
-        error, tail = update.failure.get("error", ""), update.failure.get("log_tail", "")
-        # A server's log and error can echo its command line: its secrets stay out.
-        out = out.failed(
-            now, clip(redact_lines(error)), redact_lines(tail[-LOG_TAIL_MAX:]), first_backoff_s
-        )
-    if update.touch:
-        out = out.touched(now)
-    if not isinstance(update.start_nonce, Unset):
-        out = replace(out, start_nonce=update.start_nonce)
-    if not isinstance(update.health, Unset):
-        out = replace(out, health=update.health)
-    return out
-
-
-_PHASES = tuple(p.value for p in Phase)
 # What a start failure keeps: one message, and the end of the server's log. A server
 # that printed a megabyte of progress bars must not make its record unwritable.
 ERROR_MAX = 4096
 LOG_TAIL_MAX = 16384
 
 
-def fit_update(update: dict[str, Any]) -> dict[str, Any]:
-    """A record update cut to what the store keeps of it (a failure's error and log
-    tail, an attempt's error, at most ``LOG_TAIL_MAX`` characters each): the agent's
-    request schema allows no more, so a 60 KiB log tail still records the failure."""
-    out = dict(update)
-    f = out.get("failure")
-    if isinstance(f, dict):
-        f = dict(f)
-        if isinstance(f.get("error"), str):
-            f["error"] = f["error"][:LOG_TAIL_MAX]
-        if isinstance(f.get("log_tail"), str):
-            f["log_tail"] = f["log_tail"][-LOG_TAIL_MAX:]
-        out["failure"] = f
-    a = out.get("attempt")
-    if isinstance(a, dict) and isinstance(a.get("error"), str):
-        out["attempt"] = {**a, "error": a["error"][:LOG_TAIL_MAX]}
-    return out
-
-
 def clip(text: str, limit: int = ERROR_MAX) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _clipped(attempt: dict[str, Any]) -> dict[str, Any]:
-    return {k: clip(redact_lines(v)) if isinstance(v, str) else v for k, v in attempt.items()}
 
 
 def starting_services(records: Iterable[Record], exclude: str = "") -> list[str]:

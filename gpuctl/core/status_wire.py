@@ -1,27 +1,30 @@
-"""Parsing the agent's ``GET /status`` body into a ``Snapshot``, strictly.
+"""The agent's ``GET /status`` body, declared once: the Structs below are what the agent
+serves (``Snapshot.to_wire``), what a client accepts (``parse_status``) and, through
+``msgspec.json.schema_components``, the ``Status`` components of the agent's OpenAPI
+document.
 
 Every value an agent (or something pretending to be one) sends is checked: pids in
-range, sizes finite and non-negative, percentages 0-100, flags exact booleans (a
-``"no"`` is not false). A body that fails is not a reading: the caller reports the host
-UNKNOWN, never idle. Errors name the field (``processes[2].memory_mib``).
+range, sizes non-negative integers below an exbibyte, percentages 0-100, flags exact
+booleans (a ``"no"`` is not false). A body that fails is not a reading: the caller
+reports the host UNKNOWN, never idle. Errors name the place (``processes[2].memory_mib:
+...``). Keys an older agent does not send have defaults; keys a newer one adds are
+ignored.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
-from typing import Any
+from typing import Annotated
 
-from gpuctl.core.model import (
-    GpuDevice,
-    GpuProcess,
-    HostIdentity,
-    MigInstance,
-    Snapshot,
-    StartingProcess,
-)
-from gpuctl.core.names import is_valid_name
+import msgspec
+from msgspec import Meta, Struct
+
+from gpuctl.core import model
+from gpuctl.core.model import STATUS_SCHEMA, Snapshot
+from gpuctl.core.names import NAME_PATTERN, is_valid_name
 from gpuctl.core.pids import PID_MAX
+
+__all__ = ["STATUS_COMPONENTS", "Status", "parse_status"]
 
 # A MiB figure beyond an exbibyte is not memory, it is garbage (or 1e308).
 MAX_MIB = 2**40
@@ -34,205 +37,256 @@ MAX_SERVERS = 65536
 MAX_NOTES = 64
 MAX_NOTE_CHARS = 1000
 
+Pid = Annotated[int, Meta(gt=0, lt=PID_MAX)]
+Mib = Annotated[int, Meta(ge=0, le=MAX_MIB)]
+Pct = Annotated[int, Meta(ge=0, le=100)]
+GpuIndex = Annotated[int, Meta(ge=0, lt=MAX_GPUS)]
+MigId = Annotated[int, Meta(ge=0, lt=MAX_MIG)]
+
+
+class GpuProcess(Struct):
+    """A process that holds GPU memory (or, ``on_gpu`` false, a server of ours that
+    holds none yet)."""
+
+    pid: Pid
+    command: Annotated[
+        str | None,
+        Meta(
+            description="Full command line (secret-looking values redacted); null where it "
+            "cannot be read."
+        ),
+    ] = None
+    memory_mib: Annotated[Mib | None, Meta(description="null where the driver cannot tell.")] = None
+    user: str | None = None
+    container: Annotated[str | None, Meta(description="Container id, null for a host process.")] = (
+        None
+    )
+    gpu: Annotated[GpuIndex, Meta(description="The GPU's index.")] = 0
+    on_gpu: Annotated[
+        bool,
+        Meta(
+            description="false for a server of ours that holds no GPU memory yet (listed "
+            "for clients that classify by processes)."
+        ),
+    ] = True
+    sm_util_pct: Annotated[
+        Pct | None, Meta(description="SM utilisation over the last second; null: unknown.")
+    ] = None
+    mig: Annotated[
+        MigId | None,
+        Meta(
+            description="The MIG instance (GPU instance id) it runs in; null with MIG off, "
+            "or where the driver does not say."
+        ),
+    ] = None
+
+
+class MigInstance(Struct):
+    """One MIG instance of a GPU with MIG on: its memory is its own."""
+
+    id: Annotated[MigId, Meta(description="The GPU instance id.")]
+    uuid: str | None = None
+    memory_used_mib: Mib | None = None
+    memory_total_mib: Mib | None = None
+
+
+class GpuDevice(Struct):
+    """One GPU as the probe saw it; null figures are unknown, never 0."""
+
+    index: GpuIndex
+    name: str | None = None
+    uuid: str | None = None
+    memory_used_mib: Mib | None = None
+    memory_total_mib: Mib | None = None
+    unified: Annotated[
+        bool, Meta(description="The device has no memory figure of its own (GB10).")
+    ] = False
+    utilization_pct: Annotated[Pct | None, Meta(description="null: unknown.")] = None
+    temperature_c: Annotated[
+        Annotated[int, Meta(ge=-273, le=1000)] | None, Meta(description="null: unknown.")
+    ] = None
+    power_w: Annotated[
+        Annotated[float, Meta(ge=0, le=1e6)] | None, Meta(description="null: unknown.")
+    ] = None
+    error: Annotated[
+        str | None, Meta(description="Why this GPU could not be read; null when it was.")
+    ] = None
+    mig: Annotated[
+        Annotated[list[MigInstance], Meta(max_length=MAX_MIG)] | None,
+        Meta(
+            description="With MIG on, its instances: a service fits on one instance (a "
+            "service's devices = [0] means any instance of GPU 0), and the device's own "
+            "memory figures are not admitted on. Empty with MIG off."
+        ),
+    ] = None
+
+
+class StartingProcess(Struct):
+    """A host process whose command line holds a ``match`` keyword, not on the GPU yet."""
+
+    pid: Pid
+    command: str
+    user: str | None = None
+    age_s: Annotated[
+        Annotated[float, Meta(ge=-1e12, le=1e12)] | None,
+        Meta(description="Seconds since it started, on the host's own clock."),
+    ] = None
+
+
+class HostIdentity(Struct):
+    """Who the agent's machine is: a reboot changes its boot id."""
+
+    hostname: str = ""
+    boot_id: str = ""
+
+
+class Server(Struct):
+    """A server process the host's records name, and its service."""
+
+    pid: Pid
+    service: Annotated[str, Meta(pattern=NAME_PATTERN)]
+
+
+class Status(Struct):
+    """What the probe saw (``GET /status``)."""
+
+    processes: list[GpuProcess]
+    is_idle: Annotated[
+        bool,
+        Meta(
+            description="True only when `processes` is empty, every GPU could be read, no "
+            "GPU holds more than the driver's reserve (1024 MiB) that no process accounts "
+            "for, and no record of the host's store holds a lease or says `starting` (read "
+            "at each answer). So it can be false with `processes` empty: a start between "
+            "taking its lease and its server existing, or memory held by processes this "
+            "agent cannot see (MIG, another PID namespace)."
+        ),
+    ]
+    schema: Annotated[int, Meta(extra_json_schema={"const": STATUS_SCHEMA})] = STATUS_SCHEMA
+    memory_used_mib: Mib | None = None
+    memory_total_mib: Annotated[
+        Mib | None, Meta(description="From the device, else the configured --gpu-memory.")
+    ] = None
+    unified_memory: bool = False
+    probe: Annotated[str, Meta(examples=["nvml", "nvidia-smi", "sim"])] = "?"
+    taken_at: Annotated[
+        str,
+        Meta(
+            description="UTC, e.g. 2026-11-29T10:00:00Z.", extra_json_schema={"format": "date-time"}
+        ),
+    ] = ""
+    gpus: Annotated[int, Meta(ge=0, le=MAX_GPUS)] | None = None
+    devices: Annotated[
+        Annotated[list[GpuDevice], Meta(max_length=MAX_GPUS)] | None,
+        Meta(
+            description="Per GPU: a service fits on one GPU, so admission reads these; the "
+            "memory fields above are their sums over readable GPUs."
+        ),
+    ] = None
+    host: HostIdentity | None = None
+    state_dir: str | None = None
+    starting: Annotated[
+        list[StartingProcess] | None,
+        Meta(description="With ?match= only: matching, not on the GPU yet."),
+    ] = None
+    servers: Annotated[
+        Annotated[list[Server], Meta(max_length=MAX_SERVERS)] | None,
+        Meta(
+            description="Whose each server process is: the pids the records name (by the "
+            "launcher's handle, or a start's GPUCTL_START_NONCE in /proc/<pid>/environ) and "
+            "the processes they forked, whatever their command lines say."
+        ),
+    ] = None
+    notes: Annotated[
+        Annotated[list[str], Meta(max_length=MAX_NOTES)] | None,
+        Meta(
+            description="What the probe wants a person to know about this reading, e.g. a "
+            "simulated GPU whose gpu.json is not the --gpu-memory asked for. Never part of "
+            "a decision."
+        ),
+    ] = None
+
+
+# The top-level Structs of the wire; the OpenAPI document takes their components.
+STATUS_COMPONENTS = (Status,)
+
 
 def parse_status(data: object) -> Snapshot:
-    """Parse an agent's ``/status`` body. Raises ValueError naming the first bad field."""
-    if not isinstance(data, dict):
-        raise ValueError("expected a JSON object")
-    procs_raw = _req(data, "processes", list)
-    processes = tuple(_proc(p, f"processes[{i}]") for i, p in enumerate(procs_raw))
-    devices: tuple[GpuDevice, ...] = ()
-    if data.get("devices") is not None:
-        raw = _req(data, "devices", list)
-        if len(raw) > MAX_GPUS:
-            raise ValueError(f"devices: more than {MAX_GPUS} GPUs")
-        devices = tuple(_device(d, f"devices[{i}]") for i, d in enumerate(raw))
-    is_idle = _req(data, "is_idle", bool)
+    """Parse an agent's ``/status`` body. Raises ValueError naming the first bad place."""
+    try:
+        s = msgspec.convert(data, Status, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(_located(str(e))) from None
+    processes = tuple(
+        model.GpuProcess(
+            pid=p.pid,
+            command=p.command,
+            memory_mib=p.memory_mib,
+            user=p.user,
+            container=p.container,
+            gpu=p.gpu,
+            on_gpu=p.on_gpu,
+            sm_util_pct=p.sm_util_pct,
+            mig=p.mig,
+        )
+        for p in s.processes
+    )
+    devices = tuple(
+        model.GpuDevice(
+            index=d.index,
+            memory_used_mib=d.memory_used_mib,
+            memory_total_mib=d.memory_total_mib,
+            unified=d.unified,
+            name=d.name,
+            uuid=d.uuid,
+            utilization_pct=d.utilization_pct,
+            temperature_c=d.temperature_c,
+            power_w=d.power_w,
+            error=d.error,
+            mig=tuple(
+                model.MigInstance(m.id, m.memory_used_mib, m.memory_total_mib, m.uuid)
+                for m in d.mig or ()
+            ),
+        )
+        for d in s.devices or ()
+    )
     # Idle with a process listed or a GPU unread is a lie; not idle with nothing listed
     # is the agent's to say (its store promises the GPU, or memory no process accounts
     # for is held), and ``promised`` keeps that word. An older agent's "idle" beside
     # unattributed memory is accepted, and the Snapshot, counting that memory, is not idle.
-    if is_idle and not (not processes and all(d.readable for d in devices)):
+    if s.is_idle and not (not processes and all(d.readable for d in devices)):
         raise ValueError("is_idle disagrees with processes")
-    starting: tuple[StartingProcess, ...] | None = None
-    if data.get("starting") is not None:
-        starting = tuple(
-            _starting(s, f"starting[{i}]") for i, s in enumerate(_req(data, "starting", list))
-        )
-    host = None
-    if isinstance(data.get("host"), dict):
-        h = data["host"]
-        host = HostIdentity(hostname=str(h.get("hostname", "")), boot_id=str(h.get("boot_id", "")))
-    gpus = _int(data, "gpus", "gpus", 0, MAX_GPUS)
-    unified = data.get("unified_memory", False)
-    if not isinstance(unified, bool):
-        raise ValueError("unified_memory: should be true or false")
-    servers: tuple[tuple[int, str], ...] = ()
-    if data.get("servers") is not None:
-        raw_servers = _req(data, "servers", list)
-        if len(raw_servers) > MAX_SERVERS:
-            raise ValueError(f"servers: more than {MAX_SERVERS} entries")
-        servers = tuple(_server(e, f"servers[{i}]") for i, e in enumerate(raw_servers))
-    notes: tuple[str, ...] = ()
-    if data.get("notes") is not None:  # absent from agents before it
-        raw_notes = _req(data, "notes", list)
-        if len(raw_notes) > MAX_NOTES:
-            raise ValueError(f"notes: more than {MAX_NOTES} entries")
-        for i, n in enumerate(raw_notes):
-            if not isinstance(n, str):
-                raise ValueError(f"notes[{i}] should be a string, got {type(n).__name__}")
-        notes = tuple(n[:MAX_NOTE_CHARS] for n in raw_notes)
+    # The schema's pattern is searched (``$`` passes a trailing newline): the one name
+    # rule decides.
+    for i, srv in enumerate(s.servers or ()):
+        if not is_valid_name(srv.service):
+            raise ValueError(f"servers[{i}].service: not a service name: {srv.service[:40]!r}")
     snap = Snapshot(
-        memory_used_mib=_mib(data, "memory_used_mib", "memory_used_mib"),
-        memory_total_mib=_mib(data, "memory_total_mib", "memory_total_mib"),
-        unified_memory=unified,
-        probe=str(data.get("probe", "?")),
-        taken_at=str(data.get("taken_at", "")),
+        memory_used_mib=s.memory_used_mib,
+        memory_total_mib=s.memory_total_mib,
+        unified_memory=s.unified_memory,
+        probe=s.probe,
+        taken_at=s.taken_at,
         processes=processes,
-        starting=starting,
-        host=host,
-        state_dir=data.get("state_dir") if isinstance(data.get("state_dir"), str) else None,
-        gpus=len(devices) if devices else (gpus if gpus is not None else 1),
+        starting=None
+        if s.starting is None
+        else tuple(
+            model.StartingProcess(pid=x.pid, command=x.command, user=x.user, age_s=x.age_s)
+            for x in s.starting
+        ),
+        host=model.HostIdentity(s.host.hostname, s.host.boot_id) if s.host else None,
+        state_dir=s.state_dir,
+        gpus=len(devices) if devices else (s.gpus if s.gpus is not None else 1),
         devices=devices,
-        servers=servers,
-        notes=notes,
+        servers=tuple((e.pid, e.service) for e in s.servers or ()),
+        notes=tuple(n[:MAX_NOTE_CHARS] for n in s.notes or ()),
     )
-    return replace(snap, promised=True) if not is_idle and snap.is_idle else snap
+    return replace(snap, promised=True) if not s.is_idle and snap.is_idle else snap
 
 
-def _req(d: dict[str, Any], key: str, typ: type, within: str = "") -> Any:
-    """A required field of exactly ``typ``; ``within`` names the enclosing object."""
-    at = f"{within}: " if within else ""
-    if key not in d:
-        raise ValueError(f"{at}missing field {key!r}")
-    v = d[key]
-    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise ValueError(f"{at}field {key!r} should be {typ.__name__}, got {type(v).__name__}")
-    return v
-
-
-def _number(d: dict[str, Any], key: str, where: str, low: float, high: float) -> float | None:
-    """An optional finite number within [low, high]; None when absent or null."""
-    v = d.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"field {where!r} should be a number or null")
-    if not math.isfinite(v) or not low <= v <= high:
-        raise ValueError(f"field {where!r} is out of range: {v!r}")
-    return float(v)
-
-
-def _int(d: dict[str, Any], key: str, where: str, low: int, high: int) -> int | None:
-    v = _number(d, key, where, low, high)
-    return None if v is None else int(v)
-
-
-def _mib(d: dict[str, Any], key: str, where: str) -> int | None:
-    return _int(d, key, where, 0, MAX_MIB)
-
-
-def _opt_str(d: dict[str, Any], key: str) -> str | None:
-    v = d.get(key)
-    return v if isinstance(v, str) else None
-
-
-def _pid(d: dict[str, Any], where: str) -> int:
-    pid: int = _req(d, "pid", int, where)
-    if not 0 < pid < PID_MAX:
-        raise ValueError(f"field '{where}.pid' is out of range: {pid}")
-    return pid
-
-
-def _proc(p: object, where: str) -> GpuProcess:
-    if not isinstance(p, dict):
-        raise ValueError(f"{where} should be an object")
-    on_gpu = p.get("on_gpu", True)
-    if not isinstance(on_gpu, bool):
-        raise ValueError(f"field '{where}.on_gpu' should be true or false")
-    gpu = _int(p, "gpu", f"{where}.gpu", 0, MAX_GPUS - 1)
-    return GpuProcess(
-        pid=_pid(p, where),
-        command=_opt_str(p, "command"),
-        memory_mib=_mib(p, "memory_mib", f"{where}.memory_mib"),
-        user=_opt_str(p, "user"),
-        container=_opt_str(p, "container"),
-        gpu=gpu if gpu is not None else 0,
-        on_gpu=on_gpu,
-        sm_util_pct=_int(p, "sm_util_pct", f"{where}.sm_util_pct", 0, 100),
-        mig=_int(p, "mig", f"{where}.mig", 0, MAX_MIG - 1),
-    )
-
-
-def _device(d: object, where: str) -> GpuDevice:
-    if not isinstance(d, dict):
-        raise ValueError(f"{where} should be an object")
-    index: int = _req(d, "index", int, where)
-    if not 0 <= index < MAX_GPUS:
-        raise ValueError(f"field '{where}.index' is out of range: {index}")
-    unified = d.get("unified", False)
-    if not isinstance(unified, bool):
-        raise ValueError(f"field '{where}.unified' should be true or false")
-    error = d.get("error")
-    if error is not None and not isinstance(error, str):
-        raise ValueError(f"field '{where}.error' should be a string or null")
-    return GpuDevice(
-        index=index,
-        memory_used_mib=_mib(d, "memory_used_mib", f"{where}.memory_used_mib"),
-        memory_total_mib=_mib(d, "memory_total_mib", f"{where}.memory_total_mib"),
-        unified=unified,
-        name=_opt_str(d, "name"),
-        uuid=_opt_str(d, "uuid"),
-        utilization_pct=_int(d, "utilization_pct", f"{where}.utilization_pct", 0, 100),
-        temperature_c=_int(d, "temperature_c", f"{where}.temperature_c", -273, 1000),
-        power_w=_number(d, "power_w", f"{where}.power_w", 0, 1e6),
-        error=error,
-        mig=_instances(d, where),
-    )
-
-
-def _instances(d: dict[str, Any], where: str) -> tuple[MigInstance, ...]:
-    """A device's MIG instances (absent from agents before them: MIG off)."""
-    if d.get("mig") is None:
-        return ()
-    raw = _req(d, "mig", list, where)
-    if len(raw) > MAX_MIG:
-        raise ValueError(f"{where}.mig: more than {MAX_MIG} instances")
-    out = []
-    for i, m in enumerate(raw):
-        at = f"{where}.mig[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{at} should be an object")
-        ident: int = _req(m, "id", int, at)
-        if not 0 <= ident < MAX_MIG:
-            raise ValueError(f"field '{at}.id' is out of range: {ident}")
-        out.append(
-            MigInstance(
-                id=ident,
-                memory_used_mib=_mib(m, "memory_used_mib", f"{at}.memory_used_mib"),
-                memory_total_mib=_mib(m, "memory_total_mib", f"{at}.memory_total_mib"),
-                uuid=_opt_str(m, "uuid"),
-            )
-        )
-    return tuple(out)
-
-
-def _starting(s: object, where: str) -> StartingProcess:
-    if not isinstance(s, dict):
-        raise ValueError(f"{where} should be an object")
-    cmd: str = _req(s, "command", str, where)
-    return StartingProcess(
-        pid=_pid(s, where),
-        command=cmd,
-        user=_opt_str(s, "user"),
-        age_s=_number(s, "age_s", f"{where}.age_s", -1e12, 1e12),
-    )
-
-
-def _server(e: object, where: str) -> tuple[int, str]:
-    if not isinstance(e, dict):
-        raise ValueError(f"{where} should be an object")
-    service: str = _req(e, "service", str, where)
-    if not is_valid_name(service):
-        raise ValueError(f"field '{where}.service' is not a service name: {service[:40]!r}")
-    return _pid(e, where), service
+def _located(message: str) -> str:
+    """msgspec's ``Expected ... - at `$.a[0].b``` as ``a[0].b: Expected ...``."""
+    what, sep, where = message.rpartition(" - at `$")
+    if not sep:
+        return message
+    return f"{where.rstrip('`').lstrip('.')}: {what}"

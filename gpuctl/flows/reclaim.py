@@ -28,7 +28,6 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store import Store, holder_here
@@ -37,6 +36,7 @@ from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import Closers, SnapshotReader
 from gpuctl.flows.resume import Resumed
@@ -265,7 +265,7 @@ def _free(
         who = f"{lease.entry} pid {lease.pid} on {lease.host}" if lease else "someone"
         p.candidate = replace(p.candidate, action=Action.KEEP, reason=f"lease held by {who}")
         return
-    update: dict[str, Any] | None = None
+    update: RecordUpdate | None = None
     touch_after = False
     try:
         # Under the lease: the record it came with is fresh (a touch before it counts,
@@ -282,12 +282,12 @@ def _free(
         try:
             if again.action is Action.SLEEP:
                 rh.sleep_server(svc)
-                update = {"phase": Phase.SLEEPING.value}
+                update = RecordUpdate(phase=Phase.SLEEPING)
             else:
                 handle = Handle.from_dict(rec.handle) if rec.handle else Handle(kind="ollama")
                 launcher = rh.make_launcher(svc, snap)
                 launcher.stop(handle, svc.stop_timeout_s, svc.name)
-                update = {"phase": Phase.STOPPED.value, "handle": None}
+                update = RecordUpdate(phase=Phase.STOPPED, handle=None)
         except GpuctlError as e:
             p.error, p.hint = e.message, e.hint
             return

@@ -47,6 +47,7 @@ from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter, queued_reason
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import run_preempt as rp
@@ -345,7 +346,7 @@ def _start(
         deps.store.release(
             spec.name,
             holder.id,
-            {"phase": Phase.RUNNING.value, "handle": handle, "touch": True, "failure": None},
+            RecordUpdate(phase=Phase.RUNNING, handle=handle, touch=True, failure=None),
         )
     except GpuctlError:
         # Unrecorded, it would hold memory nobody counts: it does not run.
@@ -392,9 +393,9 @@ def _ended(deps: RunDeps, name: str) -> bool:
         deps.sleep(0.1)
     preempted = rec.phase is Phase.PREEMPTED
     if granted:
-        update: dict[str, Any] = {"handle": None}
+        update = RecordUpdate(handle=None)
         if not preempted:
-            update["phase"] = Phase.STOPPED.value
+            update = RecordUpdate(handle=None, phase=Phase.STOPPED)
         with contextlib.suppress(GpuctlError):
             deps.store.release(name, holder.id, update)
     return preempted

@@ -15,6 +15,7 @@ from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.ensure.preempt import RoomDeps, local_job_stopper, make_room
@@ -99,7 +100,7 @@ class Preemption:
         self.deps, self.spec, self.notes, self.command = deps, spec, notes, command
         self.attempts = 0
         self.holder: Holder | None = None
-        self._restore: dict[str, Any] | None = None
+        self._restore: RecordUpdate | None = None
 
     @property
     def holder_id(self) -> str | None:
@@ -172,9 +173,9 @@ class Preemption:
             "boot_id": deps.here.boot_id,
             "command": self.command,
         }
-        self._restore = {"phase": rec.phase.value, "handle": rec.handle}
+        self._restore = RecordUpdate(phase=rec.phase, handle=rec.handle)
         self.holder = holder
-        update = {"phase": Phase.STARTING.value, "handle": handle, "start_nonce": None}
+        update = RecordUpdate(phase=Phase.STARTING, handle=handle, start_nonce=None)
         deps.store.update(spec.name, holder.id, update)
         return True
 

@@ -14,6 +14,7 @@ from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_aside
 from gpuctl.core.record_pids import recorded_servers
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.look import hidden_words, keywords
@@ -55,7 +56,7 @@ def stop(deps: EnsureDeps) -> StopResult:
         if aside is None:
             # (Not while a set-aside record may hide a start: a phase written now would
             # end that doubt, and a rival would be let in beside a server still loading.)
-            deps.store.update(svc.name, holder.id, {"phase": Phase.STOPPING.value})
+            deps.store.update(svc.name, holder.id, RecordUpdate(phase=Phase.STOPPING))
         # Read after taking the lease, and fresh: a reading cached from before another
         # stop names pids that stop has ended (and the kernel may have handed on).
         snapshot = None
@@ -135,11 +136,11 @@ def stop(deps: EnsureDeps) -> StopResult:
             if result.stopped
             else "nothing of it was running"
         )
-        deps.store.release(svc.name, holder.id, {"phase": Phase.STOPPED.value, "handle": None})
+        deps.store.release(svc.name, holder.id, RecordUpdate(phase=Phase.STOPPED, handle=None))
     except Unproven:
         # Nothing was signalled: the record stays as it was, for a person to judge.
         with contextlib.suppress(GpuctlError):
-            deps.store.release(svc.name, holder.id, {"phase": record.phase.value})
+            deps.store.release(svc.name, holder.id, RecordUpdate(phase=record.phase))
         raise
     except BaseException:
         with contextlib.suppress(GpuctlError):

@@ -19,7 +19,8 @@ from gpuctl.adapters.store.codec import (
 )
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided, fit_update
+from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
 
 # What agents before the "code" key said.
@@ -187,21 +188,22 @@ class AgentStore:
             )
         )
 
-    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+    def release(self, service: str, holder_id: str, update: RecordUpdate | None = None) -> Record:
+        wire = update.fitted().to_wire() if update is not None else {}
         return self._record(
             self._call(
                 "POST",
                 f"/records/{check_name(service)}/lease/release",
-                {"holder": holder_id, "update": fit_update(update or {})},
+                {"holder": holder_id, "update": wire},
             )
         )
 
-    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+    def update(self, service: str, holder_id: str, update: RecordUpdate) -> Record:
         return self._record(
             self._call(
                 "PATCH",
                 f"/records/{check_name(service)}",
-                {"holder": holder_id, "update": fit_update(update)},
+                {"holder": holder_id, "update": update.fitted().to_wire()},
             )
         )
 

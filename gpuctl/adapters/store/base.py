@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
@@ -20,6 +20,7 @@ from gpuctl.core.record import (
     lease_state,
     void_why,
 )
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import UsageError
 
 # The one rule for names, shared with the config and the agent's OpenAPI document.
@@ -66,11 +67,11 @@ class Store(Protocol):
 
     def renew(self, service: str, holder_id: str, ttl_s: float) -> Record: ...
 
-    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+    def release(self, service: str, holder_id: str, update: RecordUpdate | None = None) -> Record:
         """Apply ``update`` and drop the lease, if ``holder_id`` still holds it."""
         ...
 
-    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+    def update(self, service: str, holder_id: str, update: RecordUpdate) -> Record:
         """Apply ``update`` as the lease holder (StoreError otherwise)."""
         ...
 

@@ -8,8 +8,9 @@ nested lists. The schema is declared once, below, as small field tables of the c
 ``schema``; each check returns the value or raises ``RecordError`` naming where it
 failed (``at $.lease.pid: …``).
 
-Standard library only: msgspec would do the same in C, but its import (about 18 ms)
-would land on every ``gpuctl status``, and a record is a few dozen fields.
+The holder, lease, handle and attempt tables are built from the shapes declared once in
+``core.record_shapes`` (``_fields_of``); the checks themselves stay these small stdlib
+functions, which say where a file failed in the store's own words.
 
 Bounds (generous for what gpuctl writes, tight enough that nothing can overflow):
 
@@ -29,10 +30,13 @@ import json
 import re
 from typing import Any, Final
 
+import msgspec
+
 from gpuctl.adapters.store.schema import (
     ABSENT,
     MAX_EXTRA_KEYS,
     REQUIRED,
+    Check,
     RecordError,
     array,
     integer,
@@ -43,12 +47,15 @@ from gpuctl.adapters.store.schema import (
     scalar,
     text,
 )
+from gpuctl.core import record_shapes
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX, Promise
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S, Waiter
 from gpuctl.core.record import (
+    DURATION_MAX,
     RECORD_SCHEMA,
+    TIME_MAX,
     UNREADABLE_KEY,
     Failure,
     Holder,
@@ -93,8 +100,6 @@ __all__ = [
 MAX_RECORD_BYTES: Final = 1 << 20
 # The longest mark salvage leaves in a handle (``UNREADABLE_KEY``): a list of names.
 MARK_MAX: Final = 256
-TIME_MAX: Final = 4_102_444_800.0  # 2100-01-01T00:00:00Z
-DURATION_MAX: Final = 10 * 365 * 86_400.0
 MAX_ATTEMPTS_READ: Final = 64
 TEXT_MAX: Final = 64 * 1024  # an error message, a log tail
 COUNT_MAX: Final = 2**31 - 1
@@ -115,14 +120,46 @@ _NAME_TEXT = text(255)
 _SHORT = text(64)
 _TEXT = text(TEXT_MAX)
 
-HOLDER_FIELDS: Final = {
-    "id": (text(128, min_len=1), REQUIRED),
-    "host": (_NAME_TEXT, REQUIRED),
-    "boot_id": (_SHORT, REQUIRED),
-    "pid": (PID, REQUIRED),
-    "pid_start": (nullable(TIME), None),
-    "entry": (_SHORT, REQUIRED),
-}
+
+def _check_of(t: msgspec.inspect.Type) -> Check:
+    """The stdlib check of one declared field type (``core.record_shapes``)."""
+    if isinstance(t, msgspec.inspect.Metadata):  # a description: no check of its own
+        return _check_of(t.type)
+    if isinstance(t, msgspec.inspect.UnionType):
+        # (msgspec leaves UNSET out of a field's union: it is never on the wire.)
+        inner = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+        assert len(inner) == 1, f"one type per field, and null: {t}"
+        check = _check_of(inner[0])
+        return nullable(check) if len(inner) < len(t.types) else check
+    if isinstance(t, msgspec.inspect.IntType):
+        assert t.ge is not None and t.le is not None, f"a bounded integer: {t}"
+        return integer(t.ge, t.le)
+    if isinstance(t, msgspec.inspect.FloatType):
+        assert t.ge is not None and t.le is not None, f"a bounded number: {t}"
+        return number(t.ge, t.le)
+    if isinstance(t, msgspec.inspect.StrType):
+        assert t.max_length is not None, f"a bounded string: {t}"
+        pattern = re.compile(t.pattern.strip("^$")) if t.pattern else None
+        return text(t.max_length, min_len=t.min_length or 0, pattern=pattern)
+    raise TypeError(f"no store check for {t}")
+
+
+def _fields_of(shape: type[msgspec.Struct]) -> dict[str, tuple[Check, Any]]:
+    """A field table (check, default) from a Struct: a required field is ``REQUIRED``,
+    one that defaults to ``UNSET`` stays ``ABSENT``, another takes its default."""
+    info = msgspec.inspect.type_info(shape)
+    assert isinstance(info, msgspec.inspect.StructType)
+    out: dict[str, tuple[Check, Any]] = {}
+    for f in info.fields:
+        default = REQUIRED if f.required else f.default
+        out[f.encode_name] = (
+            _check_of(f.type),
+            ABSENT if default in (msgspec.UNSET, msgspec.NODEFAULT) else default,
+        )
+    return out
+
+
+HOLDER_FIELDS: Final = _fields_of(record_shapes.Holder)
 LEASE_FIELDS: Final = {
     "holder": HOLDER_FIELDS["id"],
     **{k: v for k, v in HOLDER_FIELDS.items() if k != "id"},
@@ -136,26 +173,10 @@ FAILURE_FIELDS: Final = {
     "count": (integer(1, COUNT_MAX), 1),
     "backoff_until": (TIME, 0.0),
 }
-HANDLE_FIELDS: Final = {
-    "kind": (text(32, min_len=1), ABSENT),
-    "pid": (nullable(PID), ABSENT),
-    "pid_start": (nullable(TIME), ABSENT),
-    "container_id": (nullable(text(128)), ABSENT),
-    "container_name": (nullable(_NAME_TEXT), ABSENT),
-    "terminal": (nullable(_NAME_TEXT), ABSENT),
-    "log": (nullable(text(4096)), ABSENT),
-    "pid_ns": (nullable(integer(0, 2**64 - 1)), ABSENT),
-}
+HANDLE_FIELDS: Final = _fields_of(record_shapes.Handle)
 # An attempt is the starter's own note (``flows.ensure.launch._attempt``): its known keys are
 # typed when present, and it may carry more scalars.
-ATTEMPT_FIELDS: Final = {
-    "started": (TIME, ABSENT),
-    "ended": (TIME, ABSENT),
-    "duration_s": (DURATION, ABSENT),
-    "launcher": (text(32), ABSENT),
-    "outcome": (text(32), ABSENT),
-    "error": (nullable(text(TEXT_MAX)), ABSENT),
-}
+ATTEMPT_FIELDS: Final = _fields_of(record_shapes.Attempt)
 
 _HOLDER = obj(HOLDER_FIELDS)
 _LEASE = obj(LEASE_FIELDS)

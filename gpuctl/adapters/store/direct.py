@@ -57,10 +57,10 @@ from gpuctl.core.record import (
     Record,
     SetAside,
     Voided,
-    apply_update,
     clip,
 )
 from gpuctl.core.record_pids import pid_is_here
+from gpuctl.core.record_shapes import RecordUpdate, apply_update
 from gpuctl.errors import StoreError, UsageError
 
 log = logging.getLogger("gpuctl.store")
@@ -424,7 +424,7 @@ class DirectStore(InflightFiles, QueueFiles):
         finally:
             lock.release()
 
-    def update(self, service: str, holder_id: str, update: dict[str, Any]) -> Record:
+    def update(self, service: str, holder_id: str, update: RecordUpdate) -> Record:
         lock, rec = self._as_holder(service, holder_id)
         try:
             rec = _apply(rec, update, self.clock())
@@ -433,7 +433,7 @@ class DirectStore(InflightFiles, QueueFiles):
         finally:
             lock.release()
 
-    def release(self, service: str, holder_id: str, update: dict[str, Any] | None = None) -> Record:
+    def release(self, service: str, holder_id: str, update: RecordUpdate | None = None) -> Record:
         lock = self._locked(service)
         try:
             rec, _ = self._effective(self._read(service))
@@ -466,7 +466,7 @@ class DirectStore(InflightFiles, QueueFiles):
             lock.release()
 
 
-def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
+def _apply(rec: Record, update: RecordUpdate, now: float) -> Record:
     """A holder's update, checked: a bad one is the caller's error (400 on the agent),
     never a record no reader accepts. A holder's write also ends a recovery note: the
     record says what is true again."""
@@ -474,11 +474,11 @@ def _apply(rec: Record, update: dict[str, Any], now: float) -> Record:
         # The back-off after a failed start is 10 s; a test that must call within it on a
         # loaded machine lengthens it with the failpoint ``ensure.backoff=seconds:<s>``.
         first = failpoints.seconds("ensure.backoff", BACKOFF_FIRST_S)
-        out = replace(apply_update(rec, update, now, first_backoff_s=first), recovered=None)
+        out = replace(
+            apply_update(rec, update.checked(), now, first_backoff_s=first), recovered=None
+        )
         check_record(out)
-    except RecordError as e:
-        raise UsageError(f"bad record update: {e}") from None
-    except ValueError as e:
+    except ValueError as e:  # RecordError too
         raise UsageError(f"bad record update: {e}") from None
     return out
 

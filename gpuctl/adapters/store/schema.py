@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from gpuctl.core.json_kind import json_kind
+from gpuctl.core.record import MAX_EXTRA_KEYS
 
-MAX_EXTRA_KEYS: Final = 32
+__all__ = ["MAX_EXTRA_KEYS"]
 
 
 class RecordError(ValueError):

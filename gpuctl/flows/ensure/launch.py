@@ -16,6 +16,7 @@ from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate, StartFailure
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
@@ -47,7 +48,7 @@ def launch_under_lease(
     first: Decision,
     wait: bool,
     *,
-    restore: dict[str, Any] | None = None,
+    restore: RecordUpdate | None = None,
 ) -> EnsureResult | None:
     """``restore``: what the record was before a caller (``ensure --preempt``) marked it
     ``starting`` to promise its memory; put back on every path that launches nothing
@@ -57,7 +58,7 @@ def launch_under_lease(
     released = False
     unlaunched = restore
 
-    def release(update: dict[str, Any] | None = None) -> None:
+    def release(update: RecordUpdate | None = None) -> None:
         nonlocal released
         if released:
             return
@@ -78,7 +79,7 @@ def launch_under_lease(
             # released, the server loading), or another service may have taken the memory.
             health = deps.check_health()
             if health.ok:
-                release({"touch": True, "phase": Phase.RUNNING.value})
+                release(RecordUpdate(touch=True, phase=Phase.RUNNING))
                 return ctx.result(
                     Outcome.READY, f"{svc.name} answers its health check", Decision.READY
                 )
@@ -120,7 +121,7 @@ def launch_under_lease(
                 started_at = own.since
                 handle = adopted
                 unlaunched = None
-                deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                deps.store.update(svc.name, holder.id, RecordUpdate(handle=handle.to_dict()))
                 ctx.notes.append(
                     f"found the server of an earlier start whose caller went ({describe_handle(handle)})"
                 )
@@ -164,22 +165,22 @@ def launch_under_lease(
                 deps.store.update(
                     svc.name,
                     holder.id,
-                    {
-                        "phase": Phase.STARTING.value,
-                        "handle": None,
-                        "touch": True,
-                        "start_nonce": nonce,
+                    RecordUpdate(
+                        phase=Phase.STARTING,
+                        handle=None,
+                        touch=True,
+                        start_nonce=nonce,
                         # The agent polls it to move a start whose caller went (or
                         # did not wait) to `running` once the server answers.
-                        "health": svc.health,
-                    },
+                        health=svc.health,
+                    ),
                 )
                 try:
                     handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
-                    release({"attempt": attempt, "failure": {"error": msg, "log_tail": ""}})
+                    release(RecordUpdate(attempt=attempt, failure=StartFailure(msg)))
                     hint = e.hint if isinstance(e, GpuctlError) and e.hint else None
                     return ctx.result(
                         Outcome.FAILED,
@@ -195,12 +196,14 @@ def launch_under_lease(
                         failpoints.hit("ensure.after_spawn")
                     finally:
                         # Recorded even on Ctrl-C, so the next caller need not look for it.
-                        deps.store.update(svc.name, holder.id, {"handle": handle.to_dict()})
+                        deps.store.update(
+                            svc.name, holder.id, RecordUpdate(handle=handle.to_dict())
+                        )
                 except KeyboardInterrupt:
                     # A Ctrl-C here (or during that write) ends as one while waiting does:
                     # server recorded, attempt `interrupted`, lease given back.
                     interrupted = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
-                    release({"attempt": interrupted, "handle": handle.to_dict()})
+                    release(RecordUpdate(attempt=interrupted, handle=handle.to_dict()))
                     raise
         if waiting is not None:
             return bystander(ctx, waiting.decision, waiting.reason, waiting.hint)
@@ -214,7 +217,7 @@ def launch_under_lease(
             )
         if not wait:
             attempt = _attempt(started_at, deps.clock(), launcher.kind, "started")
-            release({"attempt": attempt})
+            release(RecordUpdate(attempt=attempt))
             return ctx.result(
                 Outcome.STARTED,
                 f"launched with {launcher.kind}; not waiting",
@@ -227,7 +230,7 @@ def launch_under_lease(
             waited = wait_ready(ctx, LauncherWatch(ctx, launcher, handle, holder, ttl))
         except KeyboardInterrupt:
             attempt = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
-            release({"attempt": attempt})
+            release(RecordUpdate(attempt=attempt))
             raise
         outcome = waited.outcome
         assert outcome is not None  # only a bystander is told to look again
@@ -238,11 +241,12 @@ def launch_under_lease(
             outcome.value,
             waited.reason if outcome is not Outcome.READY else None,
         )
-        update: dict[str, Any] = {"attempt": attempt}
+        update = RecordUpdate(attempt=attempt)
         if outcome is Outcome.READY:
-            update.update({"phase": Phase.RUNNING.value, "failure": None, "touch": True})
+            update = RecordUpdate(attempt=attempt, phase=Phase.RUNNING, failure=None, touch=True)
         elif outcome is Outcome.FAILED:
-            update["failure"] = {"error": waited.reason, "log_tail": waited.log_tail}
+            failure = StartFailure(waited.reason, waited.log_tail)
+            update = RecordUpdate(attempt=attempt, failure=failure)
         release(update)
         return ctx.from_wait(
             waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()

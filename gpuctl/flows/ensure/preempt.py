@@ -47,6 +47,7 @@ from gpuctl.core.jobs import PREFIX, is_job, job_route, unreachable
 from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.plan import Plan, Victim
 from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError, LauncherError
 from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.ensure.context import Ctx
@@ -187,11 +188,11 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                 return Room("stale")
         for t in list(taken):
             assert t.record.handle is not None
-            update: dict[str, Any] = {"phase": Phase.PREEMPTED.value, "handle": None}
+            update = RecordUpdate(phase=Phase.PREEMPTED, handle=None)
             # Marked before the stop: a preemptor killed mid-way leaves its victim
             # `preempted` (brought back once it fits), never `running` with its server
             # gone. Put back to `running` if the stop fails.
-            deps.store.update(t.name, t.holder.id, {"phase": Phase.PREEMPTED.value})
+            deps.store.update(t.name, t.holder.id, RecordUpdate(phase=Phase.PREEMPTED))
             # A preemptor killed here leaves a live server under `preempted`: whoever
             # reads it next heals it back to `running` (``gpuctl.flows.heal``).
             failpoints.hit("preempt.after_mark")
@@ -199,7 +200,7 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                 if is_job(t.name):
                     # Its handle stays, so its `gpuctl run` can say it was preempted.
                     deps.stop_job(t.name, t.record.handle, t.holder.id, snapshot)
-                    update = {"phase": Phase.PREEMPTED.value}
+                    update = RecordUpdate(phase=Phase.PREEMPTED)
                 else:
                     assert deps.launcher_for is not None
                     vs = deps.config.service(t.name)
@@ -209,7 +210,7 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                     launcher.stop(Handle.from_dict(t.record.handle), vs.stop_timeout_s, vs.name)
             except GpuctlError as e:
                 with contextlib.suppress(GpuctlError):
-                    deps.store.release(t.name, t.holder.id, {"phase": Phase.RUNNING.value})
+                    deps.store.release(t.name, t.holder.id, RecordUpdate(phase=Phase.RUNNING))
                 taken.remove(t)
                 room.outcome = "failed"
                 room.reason = f"could not stop {t.name} to make room: {e.message}"
@@ -262,7 +263,7 @@ def preempt(
     if not granted:
         return None  # someone else is starting it: look again (a bystander waits)
     own_released = False
-    restore: dict[str, Any] | None = None
+    restore: RecordUpdate | None = None
     try:
         if own.phase is not Phase.STARTING:
             # Its memory is promised before the victims give theirs back: `starting`
@@ -271,9 +272,9 @@ def preempt(
             # there at its launch (a resume once took it, and it ended BUSY).
             # No start nonce: nothing is spawned yet, so if this caller is killed the
             # record is no orphaned start (whose memory would stay promised).
-            promise = {"phase": Phase.STARTING.value, "start_nonce": None}
+            promise = RecordUpdate(phase=Phase.STARTING, start_nonce=None)
             deps.store.update(svc.name, holder.id, promise)
-            restore = {"phase": own.phase.value, "start_nonce": own.start_nonce}
+            restore = RecordUpdate(phase=own.phase, start_nonce=own.start_nonce)
         room = make_room(
             RoomDeps(
                 deps.config,

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.ensure.context import Ctx
@@ -67,12 +67,12 @@ def wake(
         # Someone else is waking (or stopping) it: wait as a bystander.
         waited = wait_ready(ctx, BystanderWatch(ctx, "another caller holds the lease"))
         return None if waited.outcome is None else ctx.from_wait(waited, Decision.SLEEPING)
-    update: dict[str, Any] | None = None
+    update: RecordUpdate | None = None
     try:
         with admission():
             health = deps.check_health()
             if health.ok:
-                update = {"phase": Phase.RUNNING.value, "touch": True}
+                update = RecordUpdate(phase=Phase.RUNNING, touch=True)
                 return ctx.result(Outcome.READY, f"{svc.name} answers its health check", "READY")
             if health.state != "sleeping":
                 return None  # stopped or gone meanwhile: decide again
@@ -100,7 +100,7 @@ def wake(
                 return ctx.result(
                     Outcome.FAILED, f"wake failed: {e.message}", Decision.SLEEPING, hint=e.hint
                 )
-            deps.store.update(svc.name, holder.id, {"phase": Phase.RUNNING.value, "touch": True})
+            deps.store.update(svc.name, holder.id, RecordUpdate(phase=Phase.RUNNING, touch=True))
             ctx.notes.append(f"woke it from sleep level {svc.sleep_level or 1} ({why})")
         if not wait:
             return ctx.result(Outcome.LOADING, "woken; not waiting", Decision.SLEEPING)
@@ -108,7 +108,7 @@ def wake(
         if waited.outcome is None:
             return None
         if waited.outcome is Outcome.READY:
-            update = {"touch": True}
+            update = RecordUpdate(touch=True)
         return ctx.from_wait(waited, Decision.SLEEPING)
     finally:
         with contextlib.suppress(GpuctlError):
