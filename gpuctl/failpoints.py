@@ -16,7 +16,9 @@ something in that window, then sends SIGCONT and the process goes on). With
 ``GPUCTL_FAILPOINTS_DIR`` set, a paused process also creates ``<dir>/<name>.<pid>``.
 
 The same variable shortens a duration that a test would otherwise wait out in a
-subprocess it cannot reach (``seconds``): ``GPUCTL_FAILPOINTS='run_queue.ttl=seconds:6'``.
+subprocess it cannot reach (``seconds``): ``GPUCTL_FAILPOINTS='run_queue.ttl=seconds:6'``
+(the run queue's TTL), ``ensure.backoff=seconds:<s>`` (the first back-off after a failed
+start, read by the process that writes the record: the agent, or the caller without one).
 
 Unset (always, outside tests), ``hit`` costs one dictionary lookup.
 """

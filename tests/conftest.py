@@ -69,6 +69,21 @@ def sim_host(tmp_path: Path) -> Iterator[SimHost]:
         yield host
 
 
+def set_marked_failpoints(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GPUCTL_FAILPOINTS`` from the test's ``@pytest.mark.failpoints(SPEC)``, for a host
+    fixture to call before it starts its agent: the agent and every gpuctl the test runs
+    inherit it (``ensure.backoff=seconds:60``: a back-off a loaded machine cannot run
+    past between two calls). No marker: nothing changes."""
+    from gpuctl import failpoints
+
+    marker = request.node.get_closest_marker("failpoints")
+    if marker is None:
+        return
+    monkeypatch.setenv(failpoints.ENV, str(marker.args[0]))
+    failpoints.reset()
+    request.addfinalizer(failpoints.reset)
+
+
 def config_file(cli_env: Path) -> Path:
     """Where gpuctl looks for its config inside ``cli_env`` (the user config dir)."""
     return cli_env / "xdg-config" / "gpuctl" / "config.toml"

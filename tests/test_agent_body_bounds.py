@@ -5,7 +5,6 @@ on loopback."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,11 +13,11 @@ from gpuctl.agent.wire import MAX_BODY_BYTES
 from gpuctl.sim.host import SimHost
 
 
-@pytest.fixture
-def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
-    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
-    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
-    with SimHost(root=tmp_path / "simhost") as h:
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimHost]:
+    """One agent for the module: every request here is refused (413, 400) before it
+    reaches the store, so no test changes what the next one finds."""
+    with SimHost(root=tmp_path_factory.mktemp("simhost")) as h:
         h.start_agent()
         yield h
 

@@ -24,6 +24,7 @@ import pytest
 from gpuctl import api
 from gpuctl.adapters.launchers.docker import LABEL_SERVICE, container_name
 from gpuctl.sim.host import SimHost
+from tests.conftest import set_marked_failpoints
 from tests.docker_helpers import (
     docker_client,
     docker_unavailable,
@@ -63,7 +64,13 @@ def client() -> Iterator[Any]:
 
 
 @pytest.fixture
-def host(client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
+def host(
+    client: Any,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[SimHost]:
+    set_marked_failpoints(request, monkeypatch)
     monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
     monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
     api._reset_for_tests()
@@ -209,6 +216,8 @@ def test_race_32_processes_and_8_api_calls_one_container(
     assert "CUDA out of memory" not in logs
 
 
+# A minute's back-off: the second call must land inside it however long the first took.
+@pytest.mark.failpoints("ensure.backoff=seconds:60")
 def test_failed_start_shows_the_log_and_backs_off(client: Any, host: SimHost, svc: str) -> None:
     port = free_port()
     # The service's name on the command line: the keywords see it while it runs.

@@ -20,6 +20,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import set_marked_failpoints
 from tests.ensure_helpers import (
     kill_servers,
     model_server_command,
@@ -48,8 +49,12 @@ def jupyter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterServer]
 
 @pytest.fixture
 def host(
-    jupyter: JupyterServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    jupyter: JupyterServer,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[SimHost]:
+    set_marked_failpoints(request, monkeypatch)
     monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
     monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
     monkeypatch.setenv(JUPYTER_TOKEN_ENV, jupyter.token)
@@ -147,6 +152,8 @@ def test_race_32_processes_and_8_api_calls_one_server(
     assert "CUDA out of memory" not in log
 
 
+# A minute's back-off: the second call must land inside it however long the first took.
+@pytest.mark.failpoints("ensure.backoff=seconds:60")
 def test_failed_start_shows_the_log_and_backs_off(
     jupyter: JupyterServer, host: SimHost, svc: str
 ) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from gpuctl.sim.gpu import SimGpu
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import kill_servers, run_ensure, unique_name
 
 GIB = 1024
@@ -51,9 +51,13 @@ def status(cfg: Path) -> dict[str, Any]:
 def wait_for(
     cfg: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 30
 ) -> dict[str, Any]:
+    # It polls in process: an interpreter spawned per look would cost the CPU the servers
+    # under test need; the other looks of these tests go through the installed gpuctl.
     deadline = time.monotonic() + timeout
     while True:
-        obj = status(cfg)
+        r = gpuctl_in_process(cfg, "status", "--json")
+        assert r.stdout, r.stderr
+        obj = json.loads(r.stdout)
         if pred(obj) or time.monotonic() > deadline:
             return obj
         time.sleep(0.3)
@@ -129,12 +133,9 @@ def test_human_view_shows_each_gpu(two_gpus: SimHost) -> None:
     name = unique_name("hold")
     host.spawn(["sim", "hold", "--name", name, "--memory", "20GiB", "--gpu", "1"], name)
     cfg = host.write_config("")
-    env = {**os.environ, "GPUCTL_CONFIG": str(cfg), "COLUMNS": "120", "NO_COLOR": "1"}
     deadline = time.monotonic() + 15
-    while True:
-        r = subprocess.run(
-            [gpuctl_exe(), "status", "--wide"], env=env, capture_output=True, text=True, check=False
-        )
+    while True:  # in process, as wait_for polls
+        r = gpuctl_in_process(cfg, "status", "--wide", env={"COLUMNS": "120", "NO_COLOR": "1"})
         if "20.0 GiB / 80.0 GiB" in r.stdout or time.monotonic() > deadline:
             break
         time.sleep(0.3)

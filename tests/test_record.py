@@ -84,6 +84,13 @@ def test_backoff_doubles_from_10s_capped_at_5min(count: int, expected: float) ->
     assert backoff_s(count) <= BACKOFF_MAX_S
 
 
+def test_a_first_step_given_doubles_the_same_and_keeps_the_cap() -> None:
+    """The store passes a test's first step (``ensure.backoff``); the rule stays the rule."""
+    assert [backoff_s(n, first_s=1.0) for n in (0, 1, 2, 3)] == [0.0, 1.0, 2.0, 4.0]
+    assert backoff_s(1, first_s=60.0) == 60.0
+    assert backoff_s(4, first_s=60.0) == BACKOFF_MAX_S
+
+
 # --------------------------------------------------------------------------- lease_state
 
 

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl, gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import agent_host, cli_env, direct_config, unique_name
 from tests.test_run import claims, hold_cmd, wait_for
 
@@ -103,7 +103,10 @@ class Jobs:
 
 
 def locks(cfg: Path) -> dict[str, Any]:
-    r = gpuctl(cfg, "locks", "--json")
+    """`gpuctl locks --json`, checked against its schema. In process: the tests poll it
+    while the queue forms, and a spawned interpreter per look would cost the CPU the
+    callers under test need."""
+    r = gpuctl_in_process(cfg, "locks", "--json")
     obj: dict[str, Any] = json.loads(r.stdout)
     schema = json.loads((ROOT / "schemas" / "locks.schema.json").read_text())
     jsonschema.validate(obj, schema)
@@ -141,7 +144,7 @@ def test_priority_then_arrival_one_at_a_time(host: SimHost) -> None:
             assert "waiting for room" in p.stderr.readline()
             wait_for(lambda s=short: s in jobs.queued(), f"{short} is queued")  # type: ignore[misc]
         assert jobs.queued() == ["high", "eq1", "eq2", "low"]
-        text = gpuctl(cfg, "locks")
+        text = gpuctl_in_process(cfg, "locks")
         assert "waiting (run --wait)" in text.stdout and jobs.name("high") in text.stdout
         host.stop(small)
         for turn, short in enumerate(("high", "eq1", "eq2", "low")):
@@ -448,7 +451,7 @@ def test_status_holds_back_a_service_for_the_queue_as_ensure_does(host: SimHost)
         assert p.stderr is not None and "waiting for room" in p.stderr.readline()
         wait_for(lambda: jobs.queued() == ["hi"], "hi is queued")
         queued = f"queued: run.{jobs.name('hi')}, priority 90, 70.0 GiB"
-        obj = json.loads(gpuctl(cfg, "status", "--json").stdout)
+        obj = json.loads(gpuctl_in_process(cfg, "status", "--json").stdout)
         rows = {s["name"]: s for s in obj["services"]}
         assert rows[low]["decision"] == "BUSY", rows[low]
         assert queued in rows[low]["reason"]

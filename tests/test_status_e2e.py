@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe, tagged
+from tests.conftest import gpuctl_exe, gpuctl_in_process, tagged
 from tests.ensure_helpers import kill_servers, unique_name
 
 
@@ -40,9 +40,14 @@ def decisions(obj: dict[str, Any]) -> dict[str, str]:
 def wait_for(
     cfg: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 30
 ) -> dict[str, Any]:
+    """The first ``status --json`` that satisfies ``pred`` (the last one at the timeout).
+    It polls in process: an interpreter spawned per look would cost the CPU the servers
+    under test need; the other looks of these tests go through the installed gpuctl."""
     deadline = time.monotonic() + timeout
     while True:
-        _, obj = status(cfg)
+        r = gpuctl_in_process(cfg, "status", "--json")
+        assert r.stdout, r.stderr
+        obj = json.loads(r.stdout)
         if pred(obj) or time.monotonic() > deadline:
             return obj
         time.sleep(0.3)

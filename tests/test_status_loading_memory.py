@@ -18,10 +18,9 @@ import pytest
 
 from gpuctl.core.units import format_mib
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
-    cli_env,
     kill_servers,
     model_server_command,
     service_toml,
@@ -36,11 +35,10 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
 
 
 def _status(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**cli_env(cfg), "COLUMNS": "220", "NO_COLOR": "1"}
-    return subprocess.run(
-        [gpuctl_exe(), "status", *args], env=env, capture_output=True, text=True, timeout=60,
-        check=False,
-    )  # fmt: skip
+    """``gpuctl status ARGS``, in process: the test polls it while the server loads, and an
+    interpreter spawned per look would cost the CPU the loading server and its waiter
+    need."""
+    return gpuctl_in_process(cfg, "status", *args, env={"COLUMNS": "220", "NO_COLOR": "1"})
 
 
 def _holding(obj: dict[str, Any], svc: str) -> list[dict[str, Any]]:

@@ -252,6 +252,30 @@ def test_failure_update_sets_backoff(env: Env) -> None:
     assert rec.failure.backoff_until == pytest.approx(now + 20, abs=2)
 
 
+def test_a_test_sets_the_first_backoff_through_the_failpoint(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ensure.backoff=seconds:S`` (test-only): the process that writes the record starts
+    the back-off at S, and it doubles from there as the 10 s does."""
+    from gpuctl import failpoints
+
+    monkeypatch.setenv(failpoints.ENV, "ensure.backoff=seconds:60")
+    failpoints.reset()
+    try:
+        h = holder()
+        env.store.acquire(SVC, h, 60)
+        now = env.clock()
+        rec = env.store.update(SVC, h.id, RecordUpdate.from_wire({"failure": {"error": "exit 1"}}))
+        assert rec.failure is not None
+        assert rec.failure.backoff_until == pytest.approx(now + 60, abs=2)
+        rec = env.store.update(SVC, h.id, RecordUpdate.from_wire({"failure": {"error": "exit 1"}}))
+        assert rec.failure is not None
+        assert rec.failure.backoff_until == pytest.approx(now + 120, abs=2)
+    finally:
+        monkeypatch.delenv(failpoints.ENV)
+        failpoints.reset()
+
+
 def test_touch_sets_last_used_and_keeps_the_lease(env: Env) -> None:
     before = env.clock()
     rec = env.store.touch(SVC)

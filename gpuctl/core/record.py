@@ -186,11 +186,13 @@ class Record:
     def with_attempt(self, attempt: dict[str, Any]) -> Record:
         return replace(self, attempts=(*self.attempts, attempt)[-MAX_ATTEMPTS_KEPT:])
 
-    def failed(self, now: float, error: str, log_tail: str = "") -> Record:
+    def failed(
+        self, now: float, error: str, log_tail: str = "", first_backoff_s: float = BACKOFF_FIRST_S
+    ) -> Record:
         count = (self.failure.count + 1) if self.failure else 1
         return replace(
             self.with_phase(Phase.FAILED, now),
-            failure=Failure(now, error, log_tail, count, now + backoff_s(count)),
+            failure=Failure(now, error, log_tail, count, now + backoff_s(count, first_backoff_s)),
         )
 
     def idle_for(self, now: float) -> float | None:
@@ -283,13 +285,14 @@ def unreadable_handle(record: Record | None) -> str | None:
     return str(dropped) if dropped is not None else None
 
 
-def backoff_s(count: int) -> float:
-    """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min."""
+def backoff_s(count: int, first_s: float = BACKOFF_FIRST_S) -> float:
+    """Back-off after ``count`` consecutive failed starts: 10 s, 20 s, 40 s … at most 5 min.
+    ``first_s``: the first step (the store passes a test's override, else 10 s)."""
     if count <= 0:
         return 0.0
     # The exponent is capped: 2.0 ** 1024 overflows, and the count of a service that keeps
     # failing under cron grows without bound.
-    return float(min(BACKOFF_FIRST_S * 2.0 ** min(count - 1, 64), BACKOFF_MAX_S))
+    return float(min(first_s * 2.0 ** min(count - 1, 64), BACKOFF_MAX_S))
 
 
 # Each kind of lease's documented term, the longest any holder asks: one whose file says

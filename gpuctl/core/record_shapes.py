@@ -24,6 +24,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.record import (
+    BACKOFF_FIRST_S,
     DURATION_MAX,
     LOG_TAIL_MAX,
     MAX_EXTRA_KEYS,
@@ -301,8 +302,13 @@ class ReleaseRequest(Struct, forbid_unknown_fields=True):
     event: dict[str, Any] | UnsetType = UNSET
 
 
-def apply_update(record: Record, update: RecordUpdate, now: float) -> Record:
+def apply_update(
+    record: Record, update: RecordUpdate, now: float, *, first_backoff_s: float = BACKOFF_FIRST_S
+) -> Record:
     """Apply a holder's update to a record (the one patch language of both store paths).
+
+    ``first_backoff_s``: the back-off after a first failure (``backoff_s``); the store
+    passes 10 s unless a test shortened or lengthened it (``gpuctl.failpoints.seconds``).
 
     The store checks the result against its schema before it writes it
     (``gpuctl.adapters.store.codec``).
@@ -319,7 +325,9 @@ def apply_update(record: Record, update: RecordUpdate, now: float) -> Record:
     elif isinstance(update.failure, StartFailure):
         error, tail = update.failure.error, update.failure.log_tail
         # A server's log and error can echo its command line: its secrets stay out.
-        out = out.failed(now, clip(redact_lines(error)), redact_lines(tail[-LOG_TAIL_MAX:]))
+        out = out.failed(
+            now, clip(redact_lines(error)), redact_lines(tail[-LOG_TAIL_MAX:]), first_backoff_s
+        )
     if update.touch:
         out = out.touched(now)
     if not isinstance(update.start_nonce, UnsetType):

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuctl import failpoints
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
 from gpuctl.adapters.store.codec import (
     RecordError,
@@ -47,6 +48,7 @@ from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
+    BACKOFF_FIRST_S,
     TERM_MAX_S,
     Holder,
     LeaseState,
@@ -504,7 +506,12 @@ def _apply(rec: Record, update: RecordUpdate, now: float) -> Record:
     never a record no reader accepts. A holder's write also ends a recovery note: the
     record says what is true again."""
     try:
-        out = replace(apply_update(rec, update.checked(), now), recovered=None)
+        # The back-off after a failed start is 10 s; a test that must call within it on a
+        # loaded machine lengthens it with the failpoint ``ensure.backoff=seconds:<s>``.
+        first = failpoints.seconds("ensure.backoff", BACKOFF_FIRST_S)
+        out = replace(
+            apply_update(rec, update.checked(), now, first_backoff_s=first), recovered=None
+        )
         check_record(out)
     except ValueError as e:  # RecordError too
         raise UsageError(f"bad record update: {e}") from None
