@@ -29,8 +29,8 @@ from pathlib import Path
 
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.adapters.store.journal import Journal
-from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.events import Cause, Event, Kind
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.usage import DAY_S
 
 SERVICES = [f"svc{i}" for i in range(12)]
