@@ -482,7 +482,15 @@ class DirectStore(InflightFiles, QueueFiles):
         finally:
             lock.release()
 
-    def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
+    def touch(
+        self,
+        service: str,
+        ready: bool = False,
+        promise: Promise | None = None,
+        *,
+        entry: str = "touch",
+    ) -> Record:
+        """``entry``: who completes a start here (the ``ready`` event's teller)."""
         lock = self._locked(service)
         try:
             on_disk = self._read(service)
@@ -492,10 +500,16 @@ class DirectStore(InflightFiles, QueueFiles):
                 # touch now would lose to it anyway. It changes nothing, and the caller
                 # sees the stop in the record it gets back.
                 return current
-            rec = on_disk.used(self.clock(), ready=ready)
+            now = self.clock()
+            rec = on_disk.used(now, ready=ready)
             if promise is not None and rec.promise is None:
                 rec = replace(rec, promise=promise)
             self._write(rec)
+            if on_disk.phase is Phase.STARTING and rec.phase is Phase.RUNNING and not current.lease:
+                # A start nobody waits on any more (``--no-wait``, a caller killed) is
+                # complete: its ``ready`` is told here, once, under the service's lock.
+                # While its launcher holds the lease, the launcher tells it instead.
+                self.note(_completed(service, entry, now, on_disk.since))
             return self._effective(rec)[0]
         finally:
             lock.release()
@@ -528,6 +542,23 @@ def _witnessed(kind: str, service: str, now: float, reason: str, by: str | None 
     who = {"entry": "store", "pid": str(os.getpid())}
     host = procinfo.host_identity().hostname
     return Event(now, Kind(kind), service, host, reason=clip(reason), by=by, who=who)
+
+
+def _completed(service: str, entry: str, now: float, since: float) -> Event:
+    """``starting`` -> ``running`` seen by a toucher: the ``ready`` of a start whose
+    launcher went, with its cold-start time (from the record's ``starting``)."""
+    import os
+
+    from gpuctl.adapters import procinfo
+    from gpuctl.core.events import Event, Kind
+
+    who = {"entry": entry, "pid": str(os.getpid())}
+    host = procinfo.host_identity().hostname
+    figures = {"cold_start_s": round(now - since, 3)} if since > 0 else {}
+    return Event(
+        now, Kind.READY, service, host, before="starting", after="running", who=who,
+        figures=figures,
+    )  # fmt: skip
 
 
 def _check_term(service: str, ttl_s: float) -> None:
