@@ -325,3 +325,65 @@ def test_the_read_token_reads_and_follows_the_journal_but_cannot_write(tmp_path:
             assert httpx.post(f"{h.agent_url}/events", json=later, headers=write).is_success
             got = [ln for ln in (next(lines) for _ in range(4)) if ln.startswith("data: ")]
             assert json.loads(got[0].removeprefix("data: "))["service"] == "later"
+
+
+def test_locks_lists_a_set_aside_journal(cli_env: Path) -> None:
+    """A corrupt journal set aside is listed by `gpuctl locks` like any other set-aside
+    file, with why."""
+    from tests.conftest import config_file, gpuctl_in_process
+
+    state = cli_env / "state"
+    state.mkdir()
+    (state / "journal.db").write_bytes(b"not a database at all" * 300)
+    j = Journal(state)
+    assert j.write(ev(time.time(), Kind.ADMIT, "a"))
+    j.close()
+    kept = sorted(p.name for p in state.iterdir() if jmod.CORRUPT_SUFFIX in p.name)
+    # The database, and whatever -wal and -shm were beside it (set aside with it).
+    firsts = [n.split(".corrupt-")[0] for n in kept]
+    assert "journal.db" in firsts and set(firsts) <= {"journal.db", "journal.db-wal",
+                                                      "journal.db-shm"}  # fmt: skip
+    listed = DirectStore(state).set_aside()
+    assert sorted(a.file for a in listed) == kept
+    assert {a.service for a in listed} == {"_journal"}
+    assert all("new one was started" in a.why for a in listed)
+    cfg = config_file(cli_env)
+    cfg.write_text(f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{cli_env / "sim"}"\n')
+    r = gpuctl_in_process(cfg, "locks", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    shown = json.loads(r.stdout)["set_aside"]
+    assert sorted(a["file"] for a in shown) == kept, shown
+    r = gpuctl_in_process(cfg, "locks")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kept unreadable journal {kept[0]}" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_reclaim_prunes_the_journal_on_a_host_without_an_agent(cli_env: Path) -> None:
+    """No agent: `gpuctl reclaim` prunes. Events past 90 days go; their totals stay as
+    daily rows; recent events stay."""
+    from tests.conftest import config_file, gpuctl_in_process
+
+    state = cli_env / "state"
+    state.mkdir()
+    now = time.time()
+    old = now - 100 * DAY_S
+    j = Journal(state)
+    assert j.write(
+        ev(old, Kind.LAUNCH, "chat", figures={"budget_mib": 1024.0}),
+        ev(old + 3600, Kind.STOP, "chat", cause=Cause.IDLE, figures={"idle_s": 60.0}),
+        ev(now - 60, Kind.ADMIT, "chat"),
+    )
+    before = group(j.usage(old - DAY_S), "service")["chat"]
+    j.close()
+    cfg = config_file(cli_env)
+    cfg.write_text(f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{cli_env / "sim"}"\n')
+    r = gpuctl_in_process(cfg, "reclaim")
+    assert r.returncode == 0, r.stdout + r.stderr
+    j = Journal(state)
+    try:
+        assert [e.kind for _, e in j.read(0.0)] == [Kind.ADMIT]
+        after = group(j.usage(old - DAY_S), "service")["chat"]
+        assert after.gib_hours == pytest.approx(before.gib_hours) and after.gib_hours > 0
+        assert after.stops == {"idle": 1}
+    finally:
+        j.close()

@@ -381,6 +381,8 @@ class DirectStore(InflightFiles, QueueFiles):
                     got: str | Record = "it is a symbolic link (never followed)"
                 elif folder_rel == "records":
                     got = _why(folder.read(name))
+                elif service == "_journal":
+                    got = "the journal could not read it as a database; a new one was started"
                 else:
                     got = "it is not a sound entry (it counted for nothing)"
         except OSError as e:
@@ -589,7 +591,10 @@ def _set_aside_names(state_dir: Path) -> list[tuple[str, str, float]]:
                 out.append((who, prefix + name, float(m["stamp"])))
         return names
 
-    scan((), _LINKED, "_state")
+    for name in scan((), _LINKED, "_state"):
+        m = _JOURNAL_KEPT.fullmatch(name)
+        if m is not None:
+            out.append(("_journal", name, float(m["stamp"])))
     scan(("records",), _KEPT, None)
     scan(("locks",), _LINKED, "_locks")
     scan(("queue",), _JUNK, "_queue")
@@ -609,6 +614,10 @@ def _why(raw: bytes) -> str | Record:
 _KEPT = re.compile(r"(?P<service>.+)\.json\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
 # A link set aside where a folder or a lock file belonged (``files.LINK_SUFFIX``).
 _LINKED = re.compile(r"(?P<service>[^/]+?)(?:\.lock)?\.link-(?P<stamp>\d{1,12})(?:-\d+)?")
+# A journal SQLite said is not a database, and its -wal and -shm, set aside together
+# (``journal.NAME`` + ``journal.CORRUPT_SUFFIX``; that module is not imported here:
+# ``status`` and ``locks`` never load sqlite3).
+_JOURNAL_KEPT = re.compile(r"journal\.db(?:-wal|-shm)?\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
 # A queue or in-flight file that is not a sound entry, set aside once.
 _JUNK = re.compile(r"(?P<service>.+)\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
 MAX_SET_ASIDE_LISTED = 100
