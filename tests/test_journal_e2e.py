@@ -99,6 +99,14 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
                 break
             assert time.time() < deadline, r.stdout
             time.sleep(0.5)
+        # The resume does not wait (`--no-wait`): the agent sees photos answer and tells
+        # its ready.
+        deadline = time.time() + 60
+        while not any(
+            e["kind"] == "ready" and e["who"]["entry"] == "agent" for e in events_json(cfg)
+        ):
+            assert time.time() < deadline, "the resumed start's ready was never journaled"
+            time.sleep(0.2)
 
         events = events_json(cfg)
         story = [
@@ -119,10 +127,16 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
             ("admit", photos, None, None, "reclaim"),
             ("launch", photos, None, None, "reclaim"),
             ("resume", photos, None, None, "reclaim"),
+            ("ready", photos, None, None, "agent"),
         ]
         assert story == expected, story
         # Through the agent: what it saw of each writer is beside what the writer says.
+        # What the agent tells itself (a start it completed) has no peer.
         for e in events:
+            assert e["who"]["user"], e
+            if e["who"]["entry"] == "agent":
+                assert "peer" not in e["who"] and "role" not in e["who"], e
+                continue
             assert e["who"]["role"] == "write", e
             assert e["who"]["peer"].startswith("127.0.0.1:"), e
             assert e["who"]["user"], e

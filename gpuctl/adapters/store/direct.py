@@ -549,12 +549,17 @@ def _witnessed(kind: str, service: str, now: float, reason: str, by: str | None 
 def _completed(service: str, entry: str, now: float, since: float) -> Event:
     """``starting`` -> ``running`` seen by a toucher: the ``ready`` of a start whose
     launcher went, with its cold-start time (from the record's ``starting``)."""
+    import getpass
     import os
 
     from gpuctl.adapters import procinfo
     from gpuctl.core.events import Event, Kind
 
-    who = {"entry": entry, "pid": str(os.getpid())}
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    who = {"entry": entry, "user": user, "pid": str(os.getpid())}
     host = procinfo.host_identity().hostname
     figures = {"cold_start_s": round(now - since, 3)} if since > 0 else {}
     return Event(
