@@ -23,6 +23,7 @@ from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost, reclaim
 from gpuctl.render.reclaim_view import reclaim_lines, reclaim_to_json
+from tests.flow_fakes import Elsewhere
 
 HERE = HostIdentity("gpu-box", "boot-1")
 
@@ -69,7 +70,9 @@ class World:
             make_launcher=lambda svc, snap: self.launcher,  # type: ignore[arg-type,return-value]
             sleep_server=lambda svc: None,
         )
-        return ReclaimDeps(config=conf, hosts=[rh], here=HERE, clock=lambda: self.clock[0])
+        return ReclaimDeps(
+            config=conf, hosts=[rh], machine=Elsewhere(HERE), clock=lambda: self.clock[0]
+        )
 
 
 @pytest.fixture

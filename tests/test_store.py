@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -1249,11 +1249,11 @@ def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive
 
     def health_then_stop() -> Health:
         if not stops:
-            stops.append(stop(w.deps(entry="stop")).reason)  # the stop, to the end
+            stops.append(stop(w.deps()).reason)  # the stop, to the end
         return Health("ready", "HTTP 200", 200)  # what the waiter saw just before
 
     deps = w.deps()
-    deps.check_health = health_then_stop
+    deps.servers = replace(deps.servers, health=health_then_stop)
     result = ensure(deps)
     assert stops == ["stopped pid 4242"]
     assert [h.pid for h in w.launcher.stopped] == [4242]

@@ -25,10 +25,8 @@ from gpuctl.adapters.launchers.environ import (
     START_NONCE_ENV,
 )
 from gpuctl.adapters.proof import MIN_NONCE_LEN, has_env, require_env
+from gpuctl.core.jobs import JOB_GRACE_S
 from gpuctl.errors import LauncherError, Unproven
-
-# How long a preempted job gets between SIGTERM and SIGKILL to save its work.
-JOB_GRACE_S = 10.0
 
 
 def new_nonce() -> str:
@@ -172,7 +170,8 @@ class GatedChild:
     exits without running CMD.
     """
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], nonce: str) -> None:
+        self.nonce = nonce
         go_r, self._go_w = os.pipe()
         self._err_r, err_w = os.pipe()  # close-on-exec: EOF means exec succeeded
         pid = os.fork()
@@ -225,3 +224,10 @@ class GatedChild:
                     continue
             self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+
+def spawn_job(argv: list[str], env: dict[str, str], job: str, preemptible: bool) -> GatedChild:
+    """CMD forked in its own session, held before it runs, with the job's marks in its
+    environment (``verify_job``: a stop signals only a pid that carries its nonce)."""
+    nonce = new_nonce()
+    return GatedChild(argv, run_env(env, job, nonce, preemptible), nonce)

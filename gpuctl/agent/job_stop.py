@@ -28,11 +28,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpuctl.adapters.jobs import JOB_GRACE_S, signal_job
+from gpuctl.adapters.jobs import signal_job
 from gpuctl.adapters.store import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
-from gpuctl.core.jobs import PREFIX, is_job
+from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, is_job
 from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase
 from gpuctl.errors import LauncherError

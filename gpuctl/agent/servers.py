@@ -144,10 +144,11 @@ def heal_here(store: DirectStore, gate: HealthGate) -> list[str]:
     """One heal pass over this host's records (the agent is on the host: pids count);
     the repairs done, as log lines."""
     from gpuctl.adapters.server_truth import truth_reader
+    from gpuctl.adapters.store import holder_here
     from gpuctl.flows.heal import heal
 
     look = truth_reader(on_host=True, may_fetch=gate.allows)
-    repairs = heal(store, _records(store), look, "agent")
+    repairs = heal(store, _records(store), look, "agent", new_holder=holder_here)
     return [f"repaired {r.service}: {r.line}" for r in repairs]
 
 

@@ -74,7 +74,9 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
+        from gpuctl.flows.deps import EnsureRequest
         from gpuctl.flows.ensure.rounds import ensure as run
+        from gpuctl.flows.ports import Tell
         from gpuctl.render.results import ensure_text, ensure_to_json
         from gpuctl.wiring.build import deps_for
 
@@ -89,13 +91,15 @@ def ensure(
                 )
             )
         line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
-        deps = deps_for(conf, service, host, progress=line.update if line else None)
-        deps.preempt, deps.force = preempt, force
-        deps.on_repair = say
-        if not json_out:
-            deps.notice = line.say if line else say
+        tell = Tell(
+            progress=line.update if line else None,
+            notice=None if json_out else (line.say if line else say),
+            on_repair=say,
+        )
+        deps = deps_for(conf, service, host, tell=tell)
+        req = EnsureRequest(timeout_s=timeout_s, wait=not no_wait, preempt=preempt, force=force)
         try:
-            result = run(deps, timeout_s=timeout_s, wait=not no_wait)
+            result = run(deps, req)
         except KeyboardInterrupt:
             from gpuctl.flows.results import EnsureResult
 
@@ -173,7 +177,7 @@ def stop(
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
-        deps = deps_for(conf, service, host, entry="stop")
+        deps = deps_for(conf, service, host)
         try:
             result = service_ops.stop(deps)
         finally:
@@ -194,7 +198,7 @@ def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
-        deps = deps_for(conf, service, host, entry="touch")
+        deps = deps_for(conf, service, host)
         try:
             result = service_ops.touch(deps)
         finally:

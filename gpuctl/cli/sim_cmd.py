@@ -286,6 +286,7 @@ def ls(
     with errors_to_exit(), _sim_errors():
         from gpuctl.flows.sim_ops import configured_sim_dir, list_claims
         from gpuctl.render.sim_view import sim_ls_text, sim_ls_to_json
+        from gpuctl.wiring.build import this_machine
 
         if sim_dir is not None:
             from_env = os.environ.get("GPUCTL_SIM_DIR") == str(sim_dir)
@@ -294,7 +295,7 @@ def ls(
             from gpuctl.cli.common import open_config
 
             sim_dir, source = configured_sim_dir(open_config(None))
-        listing = list_claims(sim_dir, gpu_memory, source)
+        listing = list_claims(sim_dir, gpu_memory, source, command_of=this_machine().command_of)
         if listing.warning:
             say(f"warning: {listing.warning}")
         if json_out:

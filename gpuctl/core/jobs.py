@@ -25,6 +25,8 @@ PREFIX = "run."
 PRIORITY_MAX = 1_000_000
 # A job's process is its own: no keyword, only its recorded pid, makes a process its.
 JOB_HEALTH_TIMEOUT_S = 365 * 24 * 3600.0
+# How long a preempted job gets between SIGTERM and SIGKILL to save its work.
+JOB_GRACE_S = 10.0
 # How long `gpuctl locks` lists a job's record after the job ended (``--finished``: always).
 FINISHED_SHOWN_S = 3600.0
 

@@ -28,7 +28,7 @@ from gpuctl.core.decision import (
 )
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.jobs import job_specs, unreachable
-from gpuctl.core.model import HostIdentity, Snapshot
+from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers
 from gpuctl.core.record import (
@@ -43,7 +43,8 @@ from gpuctl.core.record import (
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
-from gpuctl.flows.deps import ChildFinder, EnsureDeps, ServerFinder, SnapshotReader
+from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.ports import ChildFinder, Machine, ServerFinder, SnapshotReader
 from gpuctl.flows.results import MemoryUse
 
 S = TypeVar("S", ServiceConfig, PromisedSpec)
@@ -406,23 +407,29 @@ def orphaned_starts(
 
 
 def look(
-    deps: EnsureDeps, health: Health, own_holder: str | None = None, *, fresh: bool = False
+    deps: EnsureDeps,
+    health: Health,
+    own_holder: str | None = None,
+    *,
+    fresh: bool = False,
+    force: bool = False,
 ) -> tuple[Verdict, Observation]:
     """Ask the store and the agent about ``deps.service``, and decide. Never raises for an
     unreachable agent or store: the decision is then UNKNOWN. ``fresh``: never from the
-    agent's reading cache (the re-check before a launch)."""
+    agent's reading cache (the re-check before a launch). ``force``: plan victims with
+    requests in flight too (``--force``)."""
     svc = deps.service
     others = deps.config.services_on(svc.host)
-    reader = deps.fresh_reader() if fresh else deps.read_snapshot
+    reader = deps.probe.fresh() if fresh else deps.probe.read
     seen = observe(
         deps.store.listing,
         reader,
         others or [svc],
-        find_servers=deps.find_servers,
-        find_children=deps.find_children,
+        find_servers=deps.probe.find_servers,
+        find_children=deps.probe.find_children,
     )
     record = seen.records.get(svc.name)
-    alive = deps.handle_alive(record) if record is not None and record.handle else None
+    alive = deps.launchers.handle_alive(record) if record is not None and record.handle else None
     judge = partial(
         decide,
         svc,
@@ -441,11 +448,11 @@ def look(
         others,
         svc,
         counts=deps.store.inflight,
-        server_in_flight=deps.server_in_flight,
-        here=deps.here,
+        server_in_flight=deps.servers.in_flight,
+        machine=deps.machine,
         now=deps.clock(),
     )
-    return with_victims(judge(), svc, judge, facts, force=deps.force), seen
+    return with_victims(judge(), svc, judge, facts, force=force), seen
 
 
 # Who could be stopped to make room: the facts the victim planner (``gpuctl.core.plan``)
@@ -583,7 +590,7 @@ def victim_facts(
     *,
     counts: Callable[[], Mapping[str, int]],
     server_in_flight: Callable[[ServiceConfig], int | None] | None = None,
-    here: HostIdentity | None = None,
+    machine: Machine,
     now: float | None = None,
 ) -> dict[str, VictimFacts]:
     """What the planner needs of each other service that runs: its priority, whether
@@ -592,8 +599,7 @@ def victim_facts(
     flight (``counts``: the store's; and, for services of lower priority,
     ``server_in_flight``: the server's own metric). A count that cannot be read (a
     ``GpuctlError``) is unknown: such a service is no victim. A run job is one only where
-    it can be signalled (``core.jobs.unreachable``): on this machine (``here``; None: this
-    one), or on the machine the snapshot was read on (the agent's; for a host read
+    it can be signalled (``core.jobs.unreachable``): on this machine (``machine``), or on the machine the snapshot was read on (the agent's; for a host read
     without one, this machine).
 
     A server of equal or higher priority is a victim only where it yields
@@ -637,10 +643,8 @@ def victim_facts(
                 f.name, f.priority, managed=False, in_config=False, last_used=r.last_used
             )
     jobs = job_specs(seen.records.values(), exclude=svc.name)
-    if jobs and here is None:
-        from gpuctl.adapters.procinfo import host_identity
-
-        here = host_identity()
+    # Asked only where a job runs: reading this machine's identity costs a file read.
+    here = machine.here if jobs else None
     agent = seen.snapshot.host if seen.snapshot is not None else None
     for job in jobs:
         # A run job has no requests: --preemptible says whether it may be stopped, and

@@ -8,23 +8,16 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal, Protocol
 
-from gpuctl.adapters.launchers.base import Launcher
-from gpuctl.adapters.store import Holder, Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import HostIdentity, Snapshot
-from gpuctl.core.record import Phase
+from gpuctl.core.model import Snapshot
+from gpuctl.core.record import Holder, Phase
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.flows.deps import JobStopper
-from gpuctl.flows.ensure.preempt import RoomDeps, local_job_stopper, make_room
+from gpuctl.flows.ensure.preempt import RoomDeps, make_room
 from gpuctl.flows.look import Observation, victim_facts, with_victims
-
-# (a victim service, snapshot) -> its launcher, to stop it with
-VictimLauncher = Callable[[ServiceConfig, Snapshot | None], Launcher]
-# (a service) -> its server's requests in flight (vLLM's /metrics); None: none to read
-InFlightReader = Callable[[ServiceConfig], int | None]
-
+from gpuctl.flows.ports import InFlightReader, JobStopper, Machine, VictimLauncher
 
 # Preemptions one `gpuctl run --preempt` makes at most (as ensure's rounds): each frees
 # the room its plan needs, but others may take it first.
@@ -54,7 +47,7 @@ class JobRoomDeps(Protocol):
     @property
     def server_in_flight(self) -> InFlightReader | None: ...
     @property
-    def here(self) -> HostIdentity: ...
+    def machine(self) -> Machine: ...
 
 
 def with_job_victims(
@@ -76,7 +69,7 @@ def with_job_victims(
         spec,
         counts=deps.store.inflight,
         server_in_flight=deps.server_in_flight,
-        here=deps.here,
+        machine=deps.machine,
         now=deps.clock(),
     )
     return with_victims(verdict, spec, judge, facts)
@@ -140,7 +133,8 @@ class Preemption:
                 deps.store,
                 deadline,
                 look_again,
-                stop_job=deps.stop_job or local_job_stopper,
+                holder=deps.machine.holder,
+                stop_job=deps.stop_job,
                 launcher_for=deps.launcher_for,
                 clock=deps.clock,
                 sleep=deps.sleep,
@@ -159,7 +153,7 @@ class Preemption:
     def _promise(self) -> bool:
         """Mark the job's record ``starting`` with its budget, under its lease."""
         deps, spec = self.deps, self.spec
-        holder = holder_here("run")
+        holder = deps.machine.holder("run")
         granted, rec = deps.store.acquire(spec.name, holder, PROMISE_TTL_S)
         if not granted:
             return False
@@ -168,8 +162,8 @@ class Preemption:
             "memory_mib": spec.memory_mib,
             "priority": spec.priority,
             "preemptible": spec.preemptible,
-            "host": deps.here.hostname,
-            "boot_id": deps.here.boot_id,
+            "host": deps.machine.here.hostname,
+            "boot_id": deps.machine.here.boot_id,
             "command": self.command,
         }
         self._restore = {"phase": rec.phase.value, "handle": rec.handle}

@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpuctl import failpoints
-from gpuctl.adapters.store import Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.core.decision import Verdict
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.model import Snapshot
 from gpuctl.core.queue import Waiter, ahead, held_back, waiter_reason
+from gpuctl.core.record import Holder
 from gpuctl.errors import GpuctlError
+from gpuctl.flows.ports import Machine
 
 # A waiter renews its entry on every look (about twice a second); one that stops renewing
 # (stopped with Ctrl-Z, or killed on another machine than the GPU host, where nobody can
@@ -94,10 +96,10 @@ class Place:
     SIGNALS = (signal.SIGTERM, signal.SIGHUP)
     SLICE_S = 0.05
 
-    def __init__(self, store: Store, spec: JobSpec) -> None:
+    def __init__(self, store: Store, spec: JobSpec, holder: Holder) -> None:
         self.store = store
         self.spec = spec
-        self.holder = holder_here("run")
+        self.holder = holder
         self.id = self.holder.id
         self.joined = False
         self._renewed = 0.0
@@ -151,23 +153,29 @@ class Place:
                 self.store.queue_leave(self.id)
 
     def admission_deps(
-        self, store: Store, clock: Callable[[], float], sleep: Callable[[float], None]
+        self,
+        store: Store,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        machine: Machine,
     ) -> QueuedAdmission:
         """What ``flows.admission`` needs, with naps that renew the entry."""
-        return QueuedAdmission(store, clock, sleep, self)
+        return QueuedAdmission(store, clock, sleep, machine, self)
 
 
 class QueuedAdmission:
-    """The admission lock's deps (store, clock, sleep) for a queued caller."""
+    """The admission lock's deps (store, clock, sleep, machine) for a queued caller."""
 
     def __init__(
         self,
         store: Store,
         clock: Callable[[], float],
         sleep: Callable[[float], None],
+        machine: Machine,
         place: Place,
     ) -> None:
         self.store, self.clock, self._sleep, self._place = store, clock, sleep, place
+        self.machine = machine
 
     def sleep(self, seconds: float) -> None:
         self._sleep(seconds)

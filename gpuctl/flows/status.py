@@ -155,6 +155,7 @@ def _judge(
                 svc,
                 counts=counts,
                 server_in_flight=in_flight,
+                machine=deps.machine,
                 now=now,
             )
             first = with_victims(first, svc, decide_it, facts)

@@ -20,7 +20,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -58,17 +58,19 @@ def run_ensure(
     conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
 ) -> Readiness:
     """The CLI's ensure flow, blocking (call it in a worker thread)."""
+    from gpuctl.flows.deps import EnsureRequest
     from gpuctl.flows.ensure.rounds import ensure
+    from gpuctl.flows.ports import Tell
     from gpuctl.wiring.build import deps_for
 
     try:
-        deps = deps_for(conf, name, entry="proxy", progress=progress)
+        deps = deps_for(conf, name, tell=Tell(progress=progress))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
     _first_look_fresh(deps)
     try:
-        r: EnsureResult = ensure(deps, timeout_s=timeout_s, wait=True)
+        r: EnsureResult = ensure(deps, EnsureRequest(entry="proxy", timeout_s=timeout_s))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
@@ -119,7 +121,7 @@ def _first_look_fresh(deps: EnsureDeps) -> None:
     taken before (the agent keeps one for a moment; only its own store writes drop it,
     and the proxy writes nothing before a request is served: see ``ProxyApp._serve``).
     """
-    cached, fresh = deps.read_snapshot, deps.fresh_reader()
+    cached, fresh = deps.probe.read, deps.probe.fresh()
     if fresh is cached:
         return  # a local probe reads fresh anyway
     first = [True]
@@ -130,7 +132,7 @@ def _first_look_fresh(deps: EnsureDeps) -> None:
             return fresh(match, pids)
         return cached(match, pids)
 
-    deps.read_snapshot = read
+    deps.probe = replace(deps.probe, read=read)
 
 
 def _unverified(e: BaseException) -> str | None:

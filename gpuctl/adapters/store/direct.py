@@ -41,7 +41,7 @@ from gpuctl.adapters.store.files import (
     make_state_dirs,
     set_aside_name,
 )
-from gpuctl.adapters.store.inflight import InflightFiles, stopping
+from gpuctl.adapters.store.inflight import InflightFiles
 from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
@@ -57,6 +57,7 @@ from gpuctl.core.record import (
     Voided,
     apply_update,
     clip,
+    stopping,
 )
 from gpuctl.core.record_pids import pid_is_here
 from gpuctl.errors import StoreError, UsageError

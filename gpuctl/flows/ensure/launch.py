@@ -10,12 +10,11 @@ from typing import Any
 
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import Holder
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Phase, Record
+from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
@@ -76,7 +75,7 @@ def launch_under_lease(
         with admission(ctx):
             # Between our look and the lease, someone may have started it (their lease
             # released, the server loading), or another service may have taken the memory.
-            health = deps.check_health()
+            health = deps.servers.health()
             if health.ok:
                 release({"touch": True, "phase": Phase.RUNNING.value})
                 return ctx.result(
@@ -96,7 +95,7 @@ def launch_under_lease(
                 # (by its start nonce) before starting another.
                 assert own is not None
                 try:
-                    adopted = deps.make_launcher(seen.snapshot).find(svc, own.start_nonce)
+                    adopted = deps.launchers.own(seen.snapshot).find(svc, own.start_nonce)
                 except GpuctlError as e:
                     release()
                     return ctx.result(
@@ -115,7 +114,7 @@ def launch_under_lease(
                 waiting: Verdict | None = verdict
             elif adopted is not None:
                 waiting = None
-                launcher = deps.make_launcher(seen.snapshot)
+                launcher = deps.launchers.own(seen.snapshot)
                 assert own is not None
                 started_at = own.since
                 handle = adopted
@@ -152,7 +151,7 @@ def launch_under_lease(
                         Decision.BUSY,
                         hint=HELD_BACK_HINT,
                     )
-                launcher = deps.make_launcher(seen.snapshot)
+                launcher = deps.launchers.own(seen.snapshot)
                 started_at = deps.clock()
                 nonce = secrets.token_hex(8)
                 # From here a start is under way (its nonce recorded): never put back.
