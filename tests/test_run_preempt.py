@@ -633,7 +633,7 @@ def test_a_promise_is_given_back_once_the_job_no_longer_needs_room(tmp_path: Pat
     from gpuctl.core.decision import Decision, Verdict
     from gpuctl.core.jobs import JobSpec, job_spec
     from gpuctl.core.plan import Plan, Victim
-    from gpuctl.flows.run_preempt import Preemption
+    from gpuctl.flows.run.room import Preemption
 
     store = DirectStore(tmp_path / "state")
     told: list[str] = []

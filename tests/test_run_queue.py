@@ -278,7 +278,7 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
     from gpuctl.adapters.store import DirectStore, holder_here
     from gpuctl.core.record import ADMISSION_TTL_MAX_S
     from gpuctl.flows.admission import ADMISSION
-    from gpuctl.flows.run_queue import BEAT_S
+    from gpuctl.flows.run.place import BEAT_S
 
     ttl_s = 3 * BEAT_S
     cfg = host.write_config("")

@@ -11,6 +11,7 @@ preempt.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -31,6 +32,7 @@ from gpuctl.core.jobs import job_specs, unreachable
 from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers
+from gpuctl.core.queue import Waiter, held_back, waiter_reason
 from gpuctl.core.record import (
     Listing,
     Phase,
@@ -659,3 +661,45 @@ def victim_facts(
             unreachable=unreachable(seen.records[job.name].handle or {}, here, agent),
         )
     return out
+
+
+# The wait queue of ``gpuctl run --wait`` (``gpuctl.core.queue``) as a service sees it:
+# ``ensure`` and ``status`` ask the same question of an IDLE or FITS verdict.
+
+HELD_BACK_HINT = (
+    "it starts once the queue's head has its room; or give the service a higher priority"
+)
+
+
+def service_held_back(
+    waiters: Iterable[Waiter],
+    *,
+    priority: int,
+    need_mib: int | None,
+    verdict: Verdict,
+    snapshot: Snapshot | None,
+    total_override_mib: int | None,
+) -> str | None:
+    """Under the admission lock, before a service (``ensure``, ``resume``, the proxy)
+    launches on an IDLE or FITS verdict: why it must not (a live head of higher
+    priority whose room it would take; ``core.queue.held_back``), or None. ``status``
+    asks the same of an IDLE or FITS verdict, so it says BUSY where ``ensure`` would.
+    ``waiters``: the store's live queue (``Store.waiters``)."""
+    devices = snapshot.device_list() if snapshot is not None else ()
+    totals = {
+        d.index: d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
+        for d in devices
+    }
+    known = [t for t in totals.values() if t is not None]
+    # IDLE: nothing holds the GPU, its whole memory is free.
+    free = verdict.free_mib if verdict.free_mib is not None else totals.get(verdict.gpu or 0)
+    head = held_back(
+        waiters,
+        priority=priority,
+        need_mib=verdict.need_mib if verdict.need_mib is not None else need_mib,
+        free_mib=free,
+        largest_mib=max(known) if known else None,
+    )
+    if head is None:
+        return None
+    return waiter_reason(head, time.strftime("%H:%M:%S", time.localtime(head.since)))

@@ -12,7 +12,7 @@ from gpuctl.adapters.store import store_for
 from gpuctl.config import Config
 from gpuctl.errors import UsageError
 from gpuctl.flows.resume import resume_preempted, to_resume
-from gpuctl.flows.run import RunDeps
+from gpuctl.flows.run.job import RunDeps
 from gpuctl.wiring.build import (
     SharedHttp,
     deps_for,

@@ -19,9 +19,8 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
 from gpuctl.flows.ensure.context import Ctx, bystander
-from gpuctl.flows.look import is_orphaned_start, look
+from gpuctl.flows.look import HELD_BACK_HINT, is_orphaned_start, look, service_held_back
 from gpuctl.flows.results import EnsureResult, Outcome
-from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 from gpuctl.flows.wait import LauncherWatch, wait_ready
 
 

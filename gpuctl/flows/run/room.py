@@ -28,7 +28,7 @@ PROMISE_TTL_S = 120.0
 
 
 class JobRoomDeps(Protocol):
-    """What of ``gpuctl.flows.run.RunDeps`` a preemption uses."""
+    """What of ``gpuctl.flows.run.job.RunDeps`` a preemption uses."""
 
     @property
     def config(self) -> Config: ...

@@ -47,7 +47,6 @@ from gpuctl.core.queue import Waiter, queued_reason
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
-from gpuctl.flows import run_preempt as rp
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import Closers
 from gpuctl.flows.look import decide, observe
@@ -60,7 +59,8 @@ from gpuctl.flows.ports import (
     SnapshotReader,
     VictimLauncher,
 )
-from gpuctl.flows.run_queue import Place, QueuedAdmission, ahead_now
+from gpuctl.flows.run import room as rp
+from gpuctl.flows.run.place import Place, QueuedAdmission, ahead_now
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
