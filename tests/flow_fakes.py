@@ -13,7 +13,7 @@ from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.store import DirectStore
 from gpuctl.config import Config, ServiceConfig, load_config
 from gpuctl.core.decision import Health
-from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.snapshot import GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import AgentUnavailable
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.ports import Launchers, Probe, ServerChecks

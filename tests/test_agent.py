@@ -31,7 +31,7 @@ from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.agent.server import parse_listen, resolve_listen, serve
 from gpuctl.cli.agent_cmd import read_token_file
 from gpuctl.cli.app import create_app as create_cli
-from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.snapshot import GpuProcess, Snapshot
 from gpuctl.core.status_wire import parse_status
 from gpuctl.errors import AgentUnavailable, ProbeError, UsageError
 from tests.agent_helpers import FakeProbe, free_port, reading_of, serve_in_thread

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.agent.app import AgentSettings, create_app
-from gpuctl.core.model import GpuDevice, GpuProcess, ProbeReading
 from gpuctl.core.record import Phase
+from gpuctl.core.snapshot import GpuDevice, GpuProcess, ProbeReading
 from tests.agent_helpers import FakeProbe, serve_in_thread
 
 TOKEN = "metrics-token"

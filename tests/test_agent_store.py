@@ -20,8 +20,8 @@ from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import SERVICE_NAME_PATTERN, openapi_document
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.snapshot import HostIdentity
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
 TOKEN = "agent-store-token"

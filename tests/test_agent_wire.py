@@ -29,7 +29,7 @@ from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.agent.http import HttpError
 from gpuctl.agent.server import serve
 from gpuctl.cli.app import create_app as create_cli
-from gpuctl.core.model import GpuProcess
+from gpuctl.core.snapshot import GpuProcess
 from gpuctl.errors import UsageError
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 

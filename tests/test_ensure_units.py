@@ -11,8 +11,8 @@ import pytest
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
-from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
+from gpuctl.core.snapshot import GpuProcess, StartingProcess
 from gpuctl.flows import service_ops
 from gpuctl.flows.admission import ADMISSION
 from gpuctl.flows.deps import EnsureRequest
@@ -172,7 +172,7 @@ def test_status_calls_an_orphaned_start_loading_until_its_health_timeout(w: Worl
 def test_progress_memory_counts_what_the_agent_names_as_the_services() -> None:
     """The wait's memory figure: the server's pid, its keyword, and the processes the
     agent names as the service's (a vLLM's engine core, a child of the server)."""
-    from gpuctl.core.model import GpuProcess, Snapshot
+    from gpuctl.core.snapshot import GpuProcess, Snapshot
     from gpuctl.flows.wait import own_memory
 
     snap = Snapshot(

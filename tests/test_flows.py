@@ -15,8 +15,8 @@ import pytest
 from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.core.decision import Decision, Health
-from gpuctl.core.model import GpuProcess
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.snapshot import GpuProcess
 from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
 from gpuctl.flows.deps import EnsureRequest, HostDeps, LocksDeps, StatusDeps
@@ -443,7 +443,7 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
 def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> None:
     from dataclasses import replace as dc_replace
 
-    from gpuctl.core.model import GpuDevice
+    from gpuctl.core.snapshot import GpuDevice
 
     store = DirectStore(tmp_path / "a")
     starter = holder_here("test")

@@ -150,7 +150,7 @@ BANNED = [
 ALLOWED = [
     ("core", "from gpuctl.core.units import format_mib"),
     ("core", "import dataclasses"),
-    ("adapters", "from gpuctl.core.model import Snapshot"),
+    ("adapters", "from gpuctl.core.snapshot import Snapshot"),
     ("adapters", "import httpx"),
     ("flows", "from gpuctl.adapters.store.base import Store"),
     ("flows", "from gpuctl.adapters.launchers.base import Handle, Launcher"),

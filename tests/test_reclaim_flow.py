@@ -19,8 +19,8 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import DirectStore, holder_here
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.idle import Action
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
+from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost, reclaim
 from gpuctl.render.reclaim_view import reclaim_lines, reclaim_to_json
 from tests.flow_fakes import Elsewhere

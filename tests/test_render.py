@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from gpuctl.core.decision import Decision, Health, Verdict
-from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.snapshot import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import ExitCode
 from gpuctl.flows.results import (
     EnsureResult,

@@ -90,7 +90,7 @@ open(sys.argv[3], "w").write(json.dumps(seen))
 AS_MACHINE = r"""
 import sys
 from gpuctl.adapters import jobs, procinfo
-from gpuctl.core.model import HostIdentity
+from gpuctl.core.snapshot import HostIdentity
 machine = sys.argv[1]
 procinfo.host_identity = lambda: HostIdentity(machine, "boot-of-" + machine)
 def refuse(*a, **k):
@@ -587,7 +587,7 @@ def test_job_stopper_routes_by_where_cmd_runs() -> None:
     is signalled here, the agent's machine's through the agent (with the lease holder,
     pid and start time), any other refused; and without an agent only here."""
     from gpuctl.core.jobs import JOB_GRACE_S
-    from gpuctl.core.model import HostIdentity, Snapshot
+    from gpuctl.core.snapshot import HostIdentity, Snapshot
     from gpuctl.errors import LauncherError
     from gpuctl.wiring.build import job_stopper
 

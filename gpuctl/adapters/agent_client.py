@@ -27,7 +27,7 @@ import httpx
 
 from gpuctl import __version__
 from gpuctl.adapters.http_clients import async_http_client, http_client
-from gpuctl.core.model import Snapshot
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.status_wire import parse_status as snapshot_from_wire
 from gpuctl.errors import AgentAuthError, AgentUnavailable
 

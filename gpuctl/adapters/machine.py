@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.store.base import holder_here
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Holder
+from gpuctl.core.snapshot import HostIdentity
 
 
 class ThisMachine:

@@ -62,8 +62,8 @@ from gpuctl.agent.settings import AgentSettings
 from gpuctl.agent.snapshot import Scan, agent_snapshot
 from gpuctl.agent.store_api import StoreApi, read_all
 from gpuctl.core.health_reach import HealthReach
-from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
+from gpuctl.core.snapshot import Snapshot, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, ProbeError
 

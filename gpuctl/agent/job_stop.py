@@ -33,8 +33,8 @@ from gpuctl.adapters.store import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, is_job
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase
+from gpuctl.core.snapshot import HostIdentity
 from gpuctl.errors import LauncherError
 
 # The longest grace period a job stop may ask for (the request waits for it).

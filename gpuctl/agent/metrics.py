@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuctl import __version__
-from gpuctl.core.model import HostIdentity, ProbeReading, device_figures
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_pids import recorded_servers
+from gpuctl.core.snapshot import HostIdentity, ProbeReading, device_figures
 
 
 def _label(value: str) -> str:

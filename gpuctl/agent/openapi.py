@@ -6,7 +6,7 @@ from typing import Any
 
 from gpuctl import __version__
 from gpuctl.agent import query
-from gpuctl.core.model import STATUS_SCHEMA
+from gpuctl.core.snapshot import STATUS_SCHEMA
 
 __all__ = ["SERVICE_NAME_PATTERN", "openapi_document"]
 from gpuctl.agent.openapi_records import (

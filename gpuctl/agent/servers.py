@@ -34,9 +34,9 @@ from gpuctl.adapters.health import local_addresses
 from gpuctl.adapters.recorded_servers import find_servers, server_children
 from gpuctl.adapters.store import DirectStore
 from gpuctl.core.health_reach import HealthReach, IpAddress
-from gpuctl.core.model import StartingProcess
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.redact import show_url
+from gpuctl.core.snapshot import StartingProcess
 
 log = logging.getLogger("gpuctl.agent")
 

@@ -1,6 +1,6 @@
 """The agent's snapshot builder: a probe reading plus this host's identity and ``starting``.
 
-The memory rules live in ``gpuctl.core.model.snapshot_from_reading``, which the direct
+The memory rules live in ``gpuctl.core.snapshot.snapshot_from_reading``, which the direct
 path (``gpuctl.adapters.local``) uses too: one way to observe a host.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gpuctl.core.model import (
+from gpuctl.core.snapshot import (
     GpuProcess,
     HostIdentity,
     ProbeReading,

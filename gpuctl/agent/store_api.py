@@ -50,12 +50,12 @@ from gpuctl.adapters.store import DirectStore
 from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder, decode_promise
 from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import Record, apply_update
 from gpuctl.core.record_mask import masked as masked_record
 from gpuctl.core.redact import redact_lines
+from gpuctl.core.snapshot import HostIdentity
 from gpuctl.errors import GpuctlError, StoreError, UsageError
 
 log = logging.getLogger("gpuctl.agent")

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
-from gpuctl.config.model import ProbeName
+from gpuctl.config.values import ProbeName
 from gpuctl.core.conn_limits import (
     DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,

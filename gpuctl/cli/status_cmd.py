@@ -19,7 +19,7 @@ from gpuctl.cli.common import (
     print_json,
     say,
 )
-from gpuctl.config.model import ProbeName
+from gpuctl.config.values import ProbeName
 from gpuctl.errors import UsageError
 
 if TYPE_CHECKING:

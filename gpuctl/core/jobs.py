@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.snapshot import HostIdentity
 
 PREFIX = "run."
 # The priorities a service may have (the config's range), and so a job or a waiter: a

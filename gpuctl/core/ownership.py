@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from gpuctl.core.model import GpuProcess, StartingProcess
+from gpuctl.core.snapshot import GpuProcess, StartingProcess
 from gpuctl.core.units import format_mib
 
 

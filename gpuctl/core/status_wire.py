@@ -12,7 +12,9 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from gpuctl.core.model import (
+from gpuctl.core.names import is_valid_name
+from gpuctl.core.pids import PID_MAX
+from gpuctl.core.snapshot import (
     GpuDevice,
     GpuProcess,
     HostIdentity,
@@ -20,8 +22,6 @@ from gpuctl.core.model import (
     Snapshot,
     StartingProcess,
 )
-from gpuctl.core.names import is_valid_name
-from gpuctl.core.pids import PID_MAX
 
 # A MiB figure beyond an exbibyte is not memory, it is garbage (or 1e308).
 MAX_MIB = 2**40

@@ -29,7 +29,6 @@ from gpuctl.core.decision import (
 )
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.jobs import job_specs, unreachable
-from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers
 from gpuctl.core.queue import Waiter, held_back, waiter_reason
@@ -43,6 +42,7 @@ from gpuctl.core.record import (
     unreadable_handle,
 )
 from gpuctl.core.record_pids import recorded_servers
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
 from gpuctl.flows.deps import EnsureDeps

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Holder, Record
+from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.flows.results import Progress
 
 if TYPE_CHECKING:

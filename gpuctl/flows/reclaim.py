@@ -35,8 +35,8 @@ from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
+from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.deps import Closers
 from gpuctl.flows.heal import heal, health_timeouts

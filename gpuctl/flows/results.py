@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, ServiceSpec, Verdict, owner_of
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import Snapshot
 from gpuctl.core.promise import Promise
 from gpuctl.core.promised_specs import PromisedSpec
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ExitCode
 
 

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
 from gpuctl.core.jobs import is_job, job_specs
-from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.names import is_service_name
 from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.queue import Waiter
+from gpuctl.core.snapshot import GpuProcess, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps

@@ -19,8 +19,8 @@ from typing import Protocol
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, Verdict, owns
-from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Holder, Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.look import keywords, look

@@ -31,7 +31,7 @@ from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.results import EnsureResult, Outcome, Progress
 
 if TYPE_CHECKING:
-    from gpuctl.core.model import Snapshot
+    from gpuctl.core.snapshot import Snapshot
     from gpuctl.flows.deps import EnsureDeps
 
 log = logging.getLogger("gpuctl.proxy")

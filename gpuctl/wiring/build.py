@@ -25,7 +25,7 @@ from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir
 from gpuctl.core.decision import Health
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, job_route, unreachable
-from gpuctl.core.model import HostIdentity, Snapshot
+from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.errors import LauncherError, UsageError
 from gpuctl.flows.deps import EnsureDeps, HostDeps, LocalProbeOptions, LocksDeps, StatusDeps
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines

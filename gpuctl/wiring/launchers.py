@@ -11,8 +11,8 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import secret_names
 from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 from gpuctl.config import Config, HostConfig, ServiceConfig
-from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from gpuctl.adapters.server_truth import truth_reader
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir
-from gpuctl.core.model import Snapshot
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ConfigError
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
 from gpuctl.flows.resume import Resumed, resume_preempted, to_resume

@@ -13,8 +13,8 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
-from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Holder, Phase, Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle

@@ -43,9 +43,9 @@ from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import JOB_GRACE_S, is_job
-from gpuctl.core.model import Snapshot
 from gpuctl.core.plan import Plan, Victim
 from gpuctl.core.record import LEASE_MARGIN_S, Holder, Phase, Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError, LauncherError
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.ensure.launch import launch_under_lease

@@ -42,9 +42,9 @@ from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
-from gpuctl.core.model import Snapshot
 from gpuctl.core.queue import Waiter, queued_reason
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.admission import AdmissionTimeout, admission

@@ -12,8 +12,8 @@ from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Holder, Phase
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.ensure.preempt import RoomDeps, make_room
 from gpuctl.flows.look import Observation, victim_facts, with_victims

@@ -1,4 +1,5 @@
-"""Plain data shared by every layer, and the agent's wire format (``GET /status``).
+"""What a reading of a host holds (the snapshot: its GPUs, their processes, the host's
+identity), shared by every layer, and the agent's wire format (``GET /status``).
 
 ``Snapshot.to_wire`` / ``Snapshot.from_wire`` are the contract of ``GET /status``.
 ``from_wire`` (in ``gpuctl.core.status_wire``) validates strictly: an agent that answers
