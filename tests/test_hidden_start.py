@@ -22,6 +22,7 @@ import pytest
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_aside
+from gpuctl.flows.deps import EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import decide, observe
 from gpuctl.flows.results import Outcome
@@ -119,7 +120,7 @@ def test_a_salvage_that_kept_its_phase_is_judged_by_it(w: World) -> None:
 
 def test_ensure_exits_unknown_and_starts_nothing(w: World) -> None:
     break_record(w)
-    r = ensure(w.deps(), wait=False)
+    r = ensure(w.deps(), EnsureRequest(wait=False))
     assert r.outcome is Outcome.UNKNOWN and r.exit_code == 4, r.reason
     assert w.launcher.started == []
     assert "remove records/vllm.json.corrupt-" in r.hint
@@ -129,12 +130,12 @@ def test_its_health_answering_wins(w: World) -> None:
     break_record(w)
     assert status_of(w, "vllm", READY).decision is Decision.READY
     w.health.ready_after(0)
-    assert ensure(w.deps(), wait=False).outcome is Outcome.READY
+    assert ensure(w.deps(), EnsureRequest(wait=False)).outcome is Outcome.READY
 
 
 def test_it_counts_at_its_budget_for_a_rival(w: World) -> None:
     break_record(w)
-    r = ensure(w.deps("chat"), wait=False)  # 80 + 80 GiB on 128 GiB
+    r = ensure(w.deps("chat"), EnsureRequest(wait=False))  # 80 + 80 GiB on 128 GiB
     assert r.outcome is Outcome.BUSY, r.reason
     assert w.launcher.started == []
 
@@ -144,7 +145,7 @@ def test_the_doubt_ends_with_the_health_timeout(w: World) -> None:
     status_of(w, "vllm")  # sets it aside
     w.clock.t += 62
     assert status_of(w, "vllm").decision is Decision.IDLE
-    assert ensure(w.deps(), wait=False).outcome is Outcome.STARTED
+    assert ensure(w.deps(), EnsureRequest(wait=False)).outcome is Outcome.STARTED
 
 
 def test_a_lease_taken_after_the_set_aside_ends_the_doubt(w: World) -> None:

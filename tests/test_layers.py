@@ -94,7 +94,7 @@ BANNED = [
     ("flows", "import rich", "rich"),
     ("flows", "from gpuctl.adapters.procinfo import host_identity", "gpuctl.adapters.procinfo"),
     ("flows", "from gpuctl.adapters import procinfo", "gpuctl.adapters.procinfo"),
-    ("flows", "from gpuctl.adapters.jobs import stop_job", "gpuctl.adapters.jobs"),
+    ("flows", "from gpuctl.adapters.job_cmd import stop_job", "gpuctl.adapters.job_cmd"),
     ("flows", "from gpuctl.adapters.vllm import origin", "gpuctl.adapters.vllm"),
     ("flows", "from gpuctl.adapters.store import holder_here", "gpuctl.adapters.store.holder_here"),
     ("flows", "from gpuctl.adapters.store import DirectStore", "gpuctl.adapters.store.DirectStore"),

@@ -89,13 +89,13 @@ open(sys.argv[3], "w").write(json.dumps(seen))
 # signalling fails loudly, so a job on the GPU host can only be stopped by the agent.
 AS_MACHINE = r"""
 import sys
-from gpuctl.adapters import jobs, procinfo
+from gpuctl.adapters import job_cmd, procinfo
 from gpuctl.core.snapshot import HostIdentity
 machine = sys.argv[1]
 procinfo.host_identity = lambda: HostIdentity(machine, "boot-of-" + machine)
 def refuse(*a, **k):
     raise RuntimeError("a local signal to a job from " + machine)
-jobs.stop_job = jobs.signal_job = refuse
+job_cmd.stop_job = job_cmd.signal_job = refuse
 sys.argv = ["gpuctl", *sys.argv[2:]]
 from gpuctl.cli.app import main
 main()
@@ -470,7 +470,7 @@ def test_a_forged_job_record_never_gets_a_process_signalled(
 
 def test_verify_job_refuses_an_unreadable_environment(tmp_path: Path) -> None:
     """An environment the stopper cannot read is a refusal, never a signal."""
-    from gpuctl.adapters.jobs import verify_job
+    from gpuctl.adapters.job_cmd import verify_job
     from gpuctl.errors import LauncherError
 
     with pytest.raises(LauncherError, match="cannot read pid 4242's environment"):

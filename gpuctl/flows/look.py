@@ -601,8 +601,9 @@ def victim_facts(
     flight (``counts``: the store's; and, for services of lower priority,
     ``server_in_flight``: the server's own metric). A count that cannot be read (a
     ``GpuctlError``) is unknown: such a service is no victim. A run job is one only where
-    it can be signalled (``core.jobs.unreachable``): on this machine (``machine``), or on the machine the snapshot was read on (the agent's; for a host read
-    without one, this machine).
+    it can be signalled (``core.jobs.unreachable``): on this machine (``machine``), or on
+    the machine the snapshot was read on (the agent's; for a host read without one, this
+    machine).
 
     A server of equal or higher priority is a victim only where it yields
     (``core.plan.yields``): for it, ``idle_s`` is ``now`` (None: this machine's clock)

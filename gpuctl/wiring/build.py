@@ -17,8 +17,7 @@ from gpuctl.adapters import health, procinfo, vllm
 from gpuctl.adapters.launchers.ollama import check_ollama
 from gpuctl.adapters.local import local_snapshot
 from gpuctl.adapters.machine import ThisMachine
-from gpuctl.adapters.recorded_servers import find_servers, server_children
-from gpuctl.adapters.server_truth import truth_reader
+from gpuctl.adapters.recorded_servers import find_servers, server_children, truth_reader
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
@@ -385,7 +384,7 @@ def _host_store(
 # (``AgentStore.stop_job``); True when it had to be killed.
 AgentJobStop = Callable[[str, str, int, float, float], bool]
 # (the job's handle, its name without ``run.``) -> stops its CMD on this machine
-# (``adapters.jobs.stop_job``); True when it had to be killed.
+# (``adapters.job_cmd.stop_job``); True when it had to be killed.
 LocalJobStop = Callable[[dict[str, Any], str], bool]
 
 
@@ -394,7 +393,7 @@ def run_job_stopper(store: Store) -> JobStopper:
     here, else through the host's agent (the store's ``stop_job``) when it runs there."""
 
     # Here, not at the top: ``status`` imports this module and never stops a job.
-    from gpuctl.adapters.jobs import stop_job
+    from gpuctl.adapters.job_cmd import stop_job
 
     agent_stop = store.stop_job if isinstance(store, AgentStore) else None
     return job_stopper(procinfo.host_identity(), stop_job, agent_stop)

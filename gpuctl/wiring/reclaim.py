@@ -9,7 +9,7 @@ from gpuctl.adapters import vllm
 from gpuctl.adapters.launchers.base import Launcher
 from gpuctl.adapters.launchers.logfile import rotate_all
 from gpuctl.adapters.machine import ThisMachine
-from gpuctl.adapters.server_truth import truth_reader
+from gpuctl.adapters.recorded_servers import truth_reader
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir

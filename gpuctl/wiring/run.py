@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpuctl.adapters.jobs import spawn_job
+from gpuctl.adapters.job_cmd import spawn_job
 from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.store import store_for
 from gpuctl.config import Config

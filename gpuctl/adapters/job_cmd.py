@@ -1,5 +1,9 @@
-"""Stopping a ``gpuctl run`` job's CMD: it runs in its own session (its pid is its
-process group), so the whole group gets SIGTERM, a grace period, then SIGKILL.
+"""A ``gpuctl run`` job's CMD as a process: forked in its own session and held until it
+is recorded (``spawn_job``, ``GatedChild``), and stopped: its pid is its process group,
+so the whole group gets SIGTERM, a grace period, then SIGKILL.
+
+The job as the decisions see it (its record, budget, priority, who can signal it) is
+``gpuctl.core.jobs``; the use case, ``gpuctl.flows.run``.
 
 A record is writable by any holder of the write token, so a pid it names proves
 nothing: before any signal, the pid must carry the job's own marks in its environment
