@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.machine import ThisMachine
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.config import Config, ServiceConfig, load_config
 from gpuctl.core.decision import Health
 from gpuctl.core.snapshot import GpuProcess, HostIdentity, Snapshot, StartingProcess

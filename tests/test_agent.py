@@ -719,7 +719,8 @@ def test_exclude_leaves_out_the_callers_own_tree_on_the_same_host(
 def test_recorded_servers_are_reported_whatever_their_command(tmp_path: Path) -> None:
     """A record names its server's pid: the agent lists it under `starting` even when its
     command line carries none of the keywords (`services.chat` running `vllm serve`)."""
-    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.adapters.store import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
 
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -15,7 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.record import Phase
 from gpuctl.core.snapshot import GpuDevice, GpuProcess, ProbeReading

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from gpuctl.adapters import store as store_module
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import SERVICE_NAME_PATTERN, openapi_document

@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.adapters.store import AgentStore, holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.agent.http import HttpError

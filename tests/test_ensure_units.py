@@ -17,8 +17,8 @@ from gpuctl.flows import service_ops
 from gpuctl.flows.admission import ADMISSION
 from gpuctl.flows.deps import EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
+from gpuctl.flows.op_results import Outcome
 from gpuctl.flows.ports import Probe
-from gpuctl.flows.results import Outcome
 from tests.flow_fakes import GIB, Agent, World, config, world
 
 TWO_BIG = """

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from gpuctl.adapters.machine import ThisMachine
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.snapshot import GpuProcess
@@ -21,8 +22,8 @@ from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
 from gpuctl.flows.deps import EnsureRequest, HostDeps, LocksDeps, StatusDeps
 from gpuctl.flows.ensure.rounds import ensure
+from gpuctl.flows.op_results import Outcome
 from gpuctl.flows.ports import Tell
-from gpuctl.flows.results import Outcome
 from gpuctl.flows.status import status, watch
 from tests.flow_fakes import GIB, Agent, Clock, World, config, world
 

@@ -25,7 +25,7 @@ from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_asi
 from gpuctl.flows.deps import EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import decide, observe
-from gpuctl.flows.results import Outcome
+from gpuctl.flows.op_results import Outcome
 from tests.flow_fakes import World, config, world
 from tests.test_ensure_units import TWO_BIG
 
@@ -195,7 +195,7 @@ def test_the_direct_path_reports_a_server_found_by_its_nonce(tmp_path: Path) -> 
     agent (``adapters.recorded_servers.find_servers`` on both paths)."""
     import uuid
 
-    from gpuctl.adapters.store import DirectStore
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.sim.host import SimHost
     from tests.conftest import gpuctl_exe
     from tests.ensure_helpers import cli_env, direct_config, service_toml

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.idle import Action
 from gpuctl.core.record import Phase

@@ -629,7 +629,8 @@ def test_a_promise_is_given_back_once_the_job_no_longer_needs_room(tmp_path: Pat
     from types import SimpleNamespace
 
     from gpuctl.adapters.machine import ThisMachine
-    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.adapters.store import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.core.decision import Decision, Verdict
     from gpuctl.core.jobs import JobSpec, job_spec
     from gpuctl.core.plan import Plan, Victim

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -35,8 +36,6 @@ from gpuctl.errors import LauncherError, Unproven
 
 def new_nonce() -> str:
     """A job's nonce: unguessable, so no other process can carry it by chance."""
-    import secrets
-
     return secrets.token_hex(16)
 
 

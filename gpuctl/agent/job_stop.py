@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from gpuctl.adapters.job_cmd import signal_job
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, is_job

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.recorded_servers import find_servers, server_children
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.store.direct import DirectStore
+from gpuctl.agent.store_api import read_all
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.snapshot import (
     GpuProcess,
@@ -103,8 +104,6 @@ class Servers:
 
 
 def _records(store: DirectStore) -> list[Record]:
-    from gpuctl.agent.store_api import read_all
-
     records, _ = read_all(store)
     return records
 

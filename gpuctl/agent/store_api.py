@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters.procinfo import host_identity
-from gpuctl.adapters.store import DirectStore
 from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder, decode_promise
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.names import is_valid_name

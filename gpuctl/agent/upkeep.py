@@ -17,18 +17,22 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection
 
+import httpx
+
 from gpuctl.adapters.health import local_addresses
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.recorded_servers import truth_reader
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
+from gpuctl.agent.store_api import read_all
 from gpuctl.core.health_reach import HealthReach, IpAddress
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.redact import show_url
+from gpuctl.flows.heal import heal
 
 log = logging.getLogger("gpuctl.agent")
 
 
 def _records(store: DirectStore) -> list[Record]:
-    from gpuctl.agent.store_api import read_all
-
     records, _ = read_all(store)
     return records
 
@@ -81,10 +85,6 @@ def starting_with_health(store: DirectStore, gate: HealthGate) -> list[Record]:
 def heal_here(store: DirectStore, gate: HealthGate) -> list[str]:
     """One heal pass over this host's records (the agent is on the host: pids count);
     the repairs done, as log lines."""
-    from gpuctl.adapters.recorded_servers import truth_reader
-    from gpuctl.adapters.store import holder_here
-    from gpuctl.flows.heal import heal
-
     look = truth_reader(on_host=True, may_fetch=gate.allows)
     repairs = heal(store, _records(store), look, "agent", new_holder=holder_here)
     return [f"repaired {r.service}: {r.line}" for r in repairs]
@@ -101,8 +101,6 @@ async def promote_loop(
 ) -> None:
     """Every ``interval_s``: complete ``starting`` -> ``running`` for the records whose
     health URL answers 200 (runs with the app; cancelled at shutdown)."""
-    import httpx
-
     async with httpx.AsyncClient(timeout=httpx.Timeout(2.0), follow_redirects=False) as client:
         while True:
             await asyncio.sleep(interval_s)

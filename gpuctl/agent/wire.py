@@ -15,6 +15,16 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from gpuctl.adapters.store import codec
+from gpuctl.adapters.store.codec import (
+    MEMORY_MAX_MIB,
+    PRIORITY_MAX,
+    QUEUE_ID,
+    QUEUE_TTL_MAX_S,
+    RecordError,
+    decode_holder,
+    decode_promise,
+)
 from gpuctl.adapters.store.schema import MAX_EXTRA_KEYS
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
@@ -226,8 +236,6 @@ def _free_fields(value: dict[str, Any], field: str) -> dict[str, Any]:
 
 def holder(value: Any, field: str) -> dict[str, Any]:
     """The store's own holder schema (``codec.HOLDER_FIELDS``): one rule on both paths."""
-    from gpuctl.adapters.store.codec import RecordError, decode_holder
-
     try:
         decode_holder(value, at=f"$.{field}")
     except RecordError as err:
@@ -240,8 +248,6 @@ def _codec(name: str) -> Callable[[Any, str], Any]:
     """One of the store's field checks (``codec.NONCE``, ``codec.URL``), as a wire check."""
 
     def check(value: Any, field: str) -> Any:
-        from gpuctl.adapters.store import codec
-
         try:
             return getattr(codec, name)(value, f"$.{field}")
         except codec.RecordError as err:
@@ -299,8 +305,6 @@ def _phase(value: Any, field: str) -> str:
 
 def promise(value: Any, field: str) -> dict[str, Any]:
     """A start's promise, by the store's own schema (``codec.PROMISE_FIELDS``)."""
-    from gpuctl.adapters.store.codec import RecordError, decode_promise
-
     try:
         decode_promise(value, at=f"$.{field}")
     except RecordError as err:
@@ -391,8 +395,6 @@ def integer(value: Any, field: str, *, low: int, high: int) -> int:
 
 
 def queue_id(value: Any, field: str) -> str:
-    from gpuctl.adapters.store.codec import QUEUE_ID
-
     text = string(value, field)
     if not QUEUE_ID.fullmatch(text):
         raise BadRequest(field, "expected 1 to 64 ASCII letters and digits")
@@ -407,8 +409,6 @@ def _job_name(value: Any, field: str) -> str:
 
 
 def queue_join_request(data: dict[str, Any]) -> dict[str, Any]:
-    from gpuctl.adapters.store.codec import MEMORY_MAX_MIB, PRIORITY_MAX, QUEUE_TTL_MAX_S
-
     def queue_ttl(value: Any, field: str) -> float:
         seconds = number(value, field, low=0.0, high=QUEUE_TTL_MAX_S)
         if seconds <= 0:

@@ -21,6 +21,7 @@ from gpuctl.cli.common import (
     duration_parser,
     errors_to_exit,
     fail,
+    open_config,
     print_json,
     say,
     size_parser,
@@ -292,8 +293,6 @@ def ls(
             from_env = os.environ.get("GPUCTL_SIM_DIR") == str(sim_dir)
             source = "$GPUCTL_SIM_DIR" if from_env else "--sim-dir"
         else:
-            from gpuctl.cli.common import open_config
-
             sim_dir, source = configured_sim_dir(open_config(None))
         listing = list_claims(sim_dir, gpu_memory, source, command_of=this_machine().command_of)
         if listing.warning:

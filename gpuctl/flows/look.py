@@ -611,8 +611,6 @@ def victim_facts(
     metric is read only once it is idle past its ``yield_after``, and ``kind`` and
     ``yield_after_s`` come from its config."""
     if now is None:
-        import time
-
         now = time.time()
 
     # Each at its record's own figures: its priority is what its start promised.

@@ -25,7 +25,7 @@ from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps, EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
-from gpuctl.flows.results import EnsureResult
+from gpuctl.flows.op_results import EnsureResult
 
 
 def resume(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:

@@ -16,8 +16,8 @@ from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import hidden_words, keywords
+from gpuctl.flows.op_results import LocksReport, StopResult, TouchResult
 from gpuctl.flows.ports import Machine
-from gpuctl.flows.results import LocksReport, StopResult, TouchResult
 
 STOP_LEASE_WAIT_S = 10.0
 

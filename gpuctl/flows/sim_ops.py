@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuctl.errors import UsageError
-from gpuctl.flows.results import SimClaim, SimListing
+from gpuctl.flows.op_results import SimClaim, SimListing
 from gpuctl.sim.gpu import SimGpu
 
 if TYPE_CHECKING:

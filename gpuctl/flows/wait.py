@@ -24,7 +24,8 @@ from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.look import keywords, look
-from gpuctl.flows.results import Outcome, Progress
+from gpuctl.flows.op_results import Outcome
+from gpuctl.flows.results import Progress
 
 POLL_S = 0.2
 LIVENESS_EVERY_S = 1.0

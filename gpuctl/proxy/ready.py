@@ -27,8 +27,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.core.units import format_duration
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.flows.results import EnsureResult, Outcome, Progress
+from gpuctl.flows.op_results import EnsureResult, Outcome
+from gpuctl.flows.results import Progress
 
 if TYPE_CHECKING:
     from gpuctl.core.snapshot import Snapshot
@@ -182,8 +184,6 @@ class SingleFlight:
 
     def loading_text(self, name: str) -> str:
         """``loading 2m10s of ~5m40s``: how long this start has run (and is expected to)."""
-        from gpuctl.core.units import format_duration
-
         started, p = self.progress.get(name, (time.monotonic(), None))
         elapsed = time.monotonic() - started
         text = f"loading {format_duration(elapsed)}"

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters import health, procinfo, vllm
-from gpuctl.adapters.launchers.ollama import check_ollama
+from gpuctl.adapters.launchers.ollama import OllamaLauncher, check_ollama
 from gpuctl.adapters.local import local_snapshot
 from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.recorded_servers import find_servers, server_children, truth_reader
@@ -233,8 +233,6 @@ def _service_health(
     loaded, then its ``health`` URL if it has one."""
 
     if service.launcher == "ollama":
-        from gpuctl.adapters.launchers.ollama import OllamaLauncher
-
         url = service.health
 
         def ollama() -> Health:

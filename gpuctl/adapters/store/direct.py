@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
 from gpuctl.adapters.store.codec import (
     RecordError,
@@ -220,8 +221,6 @@ class DirectStore(InflightFiles, QueueFiles):
         """The void leases and entries (``voided``), for ``gpuctl locks`` only: it reads
         every record, ``_reclaim``'s and ``_admission``'s, and up to
         ``MAX_VOIDED_LISTED`` kept copies."""
-        from gpuctl.adapters import procinfo
-
         # Their readers set aside the forged entries they find; nobody may have read
         # them since they were planted.
         self.inflight()
@@ -282,8 +281,6 @@ class DirectStore(InflightFiles, QueueFiles):
         its command line says. A record that fails the schema names no pid (the next
         locked read sets it aside).
         """
-        from gpuctl.adapters import procinfo
-
         out: list[int] = []
         me = procinfo.host_identity()
         for name in self._record_names():

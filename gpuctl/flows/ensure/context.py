@@ -11,7 +11,7 @@ from gpuctl.core.record import stopping
 from gpuctl.errors import AgentAuthError, GpuctlError
 from gpuctl.flows.deps import EnsureDeps, EnsureRequest
 from gpuctl.flows.hints import refusal_hint
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, Waited, wait_ready
 
 

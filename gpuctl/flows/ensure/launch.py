@@ -20,7 +20,7 @@ from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
 from gpuctl.flows.ensure.context import Ctx, bystander
 from gpuctl.flows.look import HELD_BACK_HINT, is_orphaned_start, look, service_held_back
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import LauncherWatch, wait_ready
 
 

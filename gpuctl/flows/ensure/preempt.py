@@ -50,8 +50,8 @@ from gpuctl.errors import GpuctlError, LauncherError
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.ensure.launch import launch_under_lease
 from gpuctl.flows.look import idle_seconds, look
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.ports import JobStopper, VictimLauncher
-from gpuctl.flows.results import EnsureResult, Outcome
 
 # How often the memory is looked for after the stops (the "about 0.2 s").
 POLL_S = 0.2

@@ -27,7 +27,7 @@ from gpuctl.flows.ensure.preempt import preempt
 from gpuctl.flows.ensure.wake import wake
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import is_orphaned_start, look
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 
 MAX_ROUNDS = 3
 

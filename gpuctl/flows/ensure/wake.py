@@ -15,13 +15,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from gpuctl.core.decision import Decision
+from gpuctl.core.decision import Decision, owns
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.look import keywords
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, wait_ready
 
 
@@ -76,7 +76,6 @@ def wake(
             if health.state != "sleeping":
                 return None  # stopped or gone meanwhile: decide again
             snap = deps.probe.read(keywords([svc]), [])
-            from gpuctl.core.decision import owns
 
             held = sum(p.memory_mib or 0 for p in snap.processes if owns(svc, p.command))
             total = snap.memory_total_mib or deps.host.gpu_memory_mib
