@@ -21,7 +21,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, HealthReach, parse_ports
 from gpuctl.core.record import Phase

@@ -62,13 +62,13 @@ from gpuctl.agent.query import (
     parse_match,
     parse_pids,
 )
-from gpuctl.agent.servers import HealthGate, Servers, promote_loop, scan_servers
 from gpuctl.agent.settings import AgentSettings
-from gpuctl.agent.snapshot import Scan, agent_snapshot
+from gpuctl.agent.snapshot import Scan, Servers, agent_snapshot, scan_servers
 from gpuctl.agent.store_api import StoreApi, read_all
+from gpuctl.agent.upkeep import HealthGate, promote_loop
 from gpuctl.core.health_reach import HealthReach
-from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
+from gpuctl.core.snapshot import Snapshot, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, ProbeError
 

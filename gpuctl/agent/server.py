@@ -24,6 +24,7 @@ from typing import Any
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.core.conn_limits import ConnectionLimits
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
+from gpuctl.core.redact import redact_lines
 from gpuctl.errors import GpuctlError, UsageError
 
 _OFF_LOOPBACK_HINT = "set GPUCTL_AGENT_TOKEN or pass --token-file"
@@ -149,8 +150,6 @@ class RedactingFilter(logging.Filter):
     error or a URL with a password (``gpuctl.core.redact``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from gpuctl.core.redact import redact_lines
-
         text = record.getMessage()
         redacted = redact_lines(text)
         if redacted != text:

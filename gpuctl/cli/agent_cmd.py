@@ -14,7 +14,8 @@ from typing import Annotated
 import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
-from gpuctl.config.model import ProbeName
+from gpuctl.config.paths import default_sim_dir, default_state_dir
+from gpuctl.config.values import ProbeName
 from gpuctl.core.conn_limits import (
     DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -22,7 +23,7 @@ from gpuctl.core.conn_limits import (
     DEFAULT_MAX_TOTAL,
     ConnectionLimits,
 )
-from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, parse_ports
 from gpuctl.errors import UsageError
 
 
@@ -235,7 +236,6 @@ def register(app: typer.Typer) -> None:
         with errors_to_exit():
             # Lazy: uvicorn and the app load only when the agent really starts.
             from gpuctl.agent.server import serve
-            from gpuctl.config.paths import default_sim_dir, default_state_dir
 
             if token_file is not None:
                 token: str | None = read_token_file(token_file.expanduser())
@@ -250,7 +250,6 @@ def register(app: typer.Typer) -> None:
             keywords = tuple(
                 sorted({w.strip().lower() for w in (match or "").split(",") if w.strip()})
             )
-            from gpuctl.core.health_reach import parse_ports
 
             try:
                 ports = parse_ports(health_ports)
