@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store import journal as jmod
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.core.events import Cause, Event, Kind, event_from_dict, words
 from gpuctl.core.record import Phase
@@ -116,7 +117,8 @@ def test_an_unwritable_journal_warns_once_and_the_cli_goes_on(tmp_path: Path) ->
     (state / "journal.db").mkdir(parents=True)
     code = (
         "import sys; from pathlib import Path\n"
-        "from gpuctl.adapters.store import DirectStore, holder_here\n"
+        "from gpuctl.adapters.store import holder_here\n"
+        "from gpuctl.adapters.store.direct import DirectStore\n"
         "from gpuctl.core.events import Event, Kind\n"
         "from gpuctl.core.record import Phase\n"
         "from gpuctl.core.record_shapes import RecordUpdate\n"

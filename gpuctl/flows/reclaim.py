@@ -211,10 +211,8 @@ def _reclaim_host(
         if not dry_run:
             with contextlib.suppress(GpuctlError):
                 rh.store.release(RUN_LOCK, run.id)
-            if not rh.host.agent and hasattr(rh.store, "state_dir"):  # no agent prunes here
-                from gpuctl.adapters.store.journal import journal_for
-
-                journal_for(rh.store.state_dir).maintain()
+            if not rh.host.agent and hasattr(rh.store, "prune_journal"):  # no agent prunes here
+                rh.store.prune_journal()
 
 
 def _facts(

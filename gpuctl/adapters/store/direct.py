@@ -89,6 +89,13 @@ class DirectStore(InflightFiles, QueueFiles):
 
             journal_for(self.state_dir).write(*events)
 
+    def prune_journal(self) -> None:
+        """Retention without an agent (``reclaim`` calls it): old events fold into daily
+        rows (``Journal.maintain``); never raises."""
+        from gpuctl.adapters.store.journal import journal_for
+
+        journal_for(self.state_dir).maintain()
+
     def events(
         self, since: float, *, service: str | None = None, after_id: int = 0
     ) -> list[tuple[int, Event]]:
