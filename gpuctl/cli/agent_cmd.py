@@ -13,7 +13,14 @@ from typing import Annotated
 
 import typer
 
-from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
+from gpuctl.cli.common import (
+    ConfigOpt,
+    duration_parser,
+    errors_to_exit,
+    open_config,
+    say,
+    size_parser,
+)
 from gpuctl.config.model import ProbeName
 from gpuctl.core.conn_limits import (
     DEFAULT_HEAD_TIMEOUT_S,
@@ -230,6 +237,7 @@ def register(app: typer.Typer) -> None:
                 metavar="DURATION",
             ),
         ] = DEFAULT_IDLE_TIMEOUT_S,
+        config: ConfigOpt = None,
     ) -> None:
         """Run the GPU host agent: /status, /records, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
@@ -268,6 +276,19 @@ def register(app: typer.Typer) -> None:
                 state_dir.expanduser() if state_dir is not None else default_state_dir()
             ).absolute()
             sim = (sim_dir.expanduser() if sim_dir is not None else default_sim_dir()).absolute()
+            # The web view's services and buttons: this GPU host's config (--config, else
+            # $GPUCTL_CONFIG, else the default path; a missing default is none).
+            from gpuctl.cli.agent_ui import ConfigBackend
+
+            # The page's flows use this agent's state directory, as its /records do.
+            os.environ["GPUCTL_STATE_DIR"] = str(state)
+            backend = ConfigBackend(
+                open_config(config),
+                probe=probe.value,
+                sim_dir=sim,
+                gpu_memory_mib=gpu_memory,
+                state_dir=state,
+            )
             serve(
                 listen,
                 probe.value,
@@ -290,4 +311,5 @@ def register(app: typer.Typer) -> None:
                 ),
                 health_ports=ports,
                 journal_days=journal_days,
+                ui_backend=backend,
             )

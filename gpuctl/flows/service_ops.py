@@ -144,7 +144,7 @@ def stop(deps: EnsureDeps) -> StopResult:
             event=story.ev(
                 "stop",
                 svc.name,
-                "stop",
+                deps.entry,  # the CLI's `stop`, or the web view's `ui`
                 cause="manual",
                 before=record.phase,
                 after=Phase.STOPPED,
