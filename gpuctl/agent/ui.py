@@ -1,7 +1,7 @@
 """The live web view at ``/ui`` (docs/how-to/web-view.md).
 
 =======  ==================  ==========================================================
-GET      /ui, /ui/…          the page and its static files: no token, no data, shipped
+GET      /ui, /ui/FILE       the page and its static files: no token, no data, shipped
                             inside the wheel (``ui_static/``), under a strict CSP
 GET      /ui/state           bearer: everything the page draws, in one answer
 POST     /actions/ensure     write token: ``{"service": S}``, the CLI's flows (``UiBackend``)
@@ -86,9 +86,18 @@ def static_routes() -> dict[str, Response]:
         if kind is None or not path.is_file():
             continue
         response = make_response(200, path.read_bytes(), kind, _SECURITY_HEADERS)
-        out[f"/ui/{path.name}"] = response
-        if path.name == "index.html":
-            out["/ui"] = out["/ui/"] = response
+        out["/ui" if path.name == "index.html" else f"/ui/{path.name}"] = response
+    return out
+
+
+def static_paths() -> list[tuple[str, str]]:
+    """(path, media type) of each file ``static_routes`` serves, for the OpenAPI document."""
+    out: list[tuple[str, str]] = []
+    for path in sorted(STATIC_DIR.iterdir()):
+        kind = _TYPES.get(path.suffix)
+        if kind is not None and path.is_file():
+            name = "/ui" if path.name == "index.html" else f"/ui/{path.name}"
+            out.append((name, kind.decode().split(";")[0]))
     return out
 
 
@@ -129,11 +138,14 @@ async def act(backend: UiBackend | None, op: str, request: Request) -> Response:
     service = body["service"]
     if not isinstance(service, str) or not is_service_name(service):
         raise HttpError(400, "not a service name", "use the name the config gives it")
-    if backend is None:
-        raise HttpError(
-            503,
-            "this agent runs no flows",
-            "start it with `gpuctl agent` (it reads the config of the GPU host)",
+    if backend is None:  # an app built without one (tests, embedders): nothing to run
+        return json_response(
+            409,
+            {
+                "ok": False,
+                "message": "this agent runs no flows",
+                "hint": "start it with `gpuctl agent` (it reads the config of the GPU host)",
+            },
         )
     status, payload = await asyncio.to_thread(backend.act, op, service)
     return json_response(status, payload)

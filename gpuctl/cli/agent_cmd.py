@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -31,6 +31,9 @@ from gpuctl.core.conn_limits import (
 )
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS
 from gpuctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.config.model import Config
 
 
 def read_token_file(
@@ -64,6 +67,23 @@ def read_token_file(
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _agent_config(explicit: Path | None) -> Config:
+    """The GPU host's config for the web view. One named with --config must load; one
+    found through $GPUCTL_CONFIG or the default path that does not load is said in a
+    warning, and the agent serves without it (its page then offers stop only): a user's
+    broken config must not take the GPU host's agent down."""
+    from gpuctl.config.model import Config
+    from gpuctl.errors import ConfigError
+
+    if explicit is not None:
+        return open_config(explicit)
+    try:
+        return open_config(None)
+    except ConfigError as err:
+        say(f"gpuctl agent: warning: the web view runs without a config: {err.message}")
+        return Config(path=None)
 
 
 def register(app: typer.Typer) -> None:
@@ -283,7 +303,7 @@ def register(app: typer.Typer) -> None:
             # The page's flows use this agent's state directory, as its /records do.
             os.environ["GPUCTL_STATE_DIR"] = str(state)
             backend = ConfigBackend(
-                open_config(config),
+                _agent_config(config),
                 probe=probe.value,
                 sim_dir=sim,
                 gpu_memory_mib=gpu_memory,
