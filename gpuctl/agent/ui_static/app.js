@@ -209,7 +209,7 @@ function renderGpus(h) {
       el("td", { class: "num", "data-label": "Memory", text: mib(p.memory_mib) })));
     const table = el("table", { class: "stack procs" },
       el("caption", { class: "muted", text: procs.length ? `Processes on GPU ${d.index}` : `No process on GPU ${d.index}` }),
-      el("thead", {}, el("tr", {}, ...["PID", "User", "Service", "Command", "Memory"].map((t) => el("th", { scope: "col", text: t })))),
+      procs.length ? el("thead", {}, el("tr", {}, ...["PID", "User", "Service", "Command", "Memory"].map((t) => el("th", { scope: "col", text: t })))) : null,
       el("tbody", {}, ...rows));
     const extra = [d.utilization_pct, d.temperature_c, d.power_w];
     const figures = [
@@ -262,9 +262,13 @@ function progressCell(s) {
     el("span", { text: ` ${eta}` }));
 }
 
+function canAct() {
+  return state.actions && (state.role === "write" || state.role === "open");
+}
+
 function actionButtons(s) {
+  if (!canAct()) return null;
   const cell = el("td", { class: "actions-col", "data-label": "Actions" });
-  if (!(state.role === "write" || state.role === "open") || !state.actions) return cell;
   const box = el("div", { class: "actions" });
   const ops = state.config ? ["ensure", "stop", "resume"] : ["stop"];
   for (const op of ops) {
@@ -292,7 +296,7 @@ function renderServices() {
   });
   body.replaceChildren(...rows);
   $("services").classList.add("stack");
-  $("services").tHead.rows[0].lastElementChild.hidden = !(state.actions && (state.role === "write" || state.role === "open"));
+  $("services").tHead.rows[0].lastElementChild.hidden = !canAct();
 }
 
 function renderQueue() {
