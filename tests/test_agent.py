@@ -414,8 +414,9 @@ def test_openapi_describes_every_route(probe: FakeProbe) -> None:
     assert routed == set(app.router.routes)
     for path, route in app.router.routes.items():
         assert {m.upper() for m in doc["paths"][path]} == set(route.handlers)
-        public = doc["paths"][path]["get"].get("security") == []
-        assert public == (not route.auth)
+        for op in doc["paths"][path].values():  # every method of a path shares its auth
+            public = op.get("security") == []
+            assert public == (not route.auth)
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {
         "type": "http",
         "scheme": "bearer",

@@ -148,7 +148,7 @@ def test_every_operation_has_a_unique_operation_id() -> None:
         for method, op in item.items()
         if method in methods
     ]
-    assert len(ids) == 23
+    assert len(ids) == 31
     assert None not in ids
     assert len(ids) == len(set(ids)), sorted(ids)
 

@@ -9,11 +9,18 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
+from gpuctl.cli.common import (
+    ConfigOpt,
+    duration_parser,
+    errors_to_exit,
+    open_config,
+    say,
+    size_parser,
+)
 from gpuctl.config.paths import default_sim_dir, default_state_dir
 from gpuctl.config.values import ProbeName
 from gpuctl.core.conn_limits import (
@@ -25,6 +32,9 @@ from gpuctl.core.conn_limits import (
 )
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, parse_ports
 from gpuctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.config.values import Config
 
 
 def read_token_file(
@@ -58,6 +68,23 @@ def read_token_file(
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _agent_config(explicit: Path | None) -> Config:
+    """The GPU host's config for the web view. One named with --config must load; one
+    found through $GPUCTL_CONFIG or the default path that does not load is said in a
+    warning, and the agent serves without it (its page then offers stop only): a user's
+    broken config must not take the GPU host's agent down."""
+    from gpuctl.config.values import Config
+    from gpuctl.errors import ConfigError
+
+    if explicit is not None:
+        return open_config(explicit)
+    try:
+        return open_config(None)
+    except ConfigError as err:
+        say(f"gpuctl agent: warning: the web view runs without a config: {err.message}")
+        return Config(path=None)
 
 
 def register(app: typer.Typer) -> None:
@@ -231,6 +258,7 @@ def register(app: typer.Typer) -> None:
                 metavar="DURATION",
             ),
         ] = DEFAULT_IDLE_TIMEOUT_S,
+        config: ConfigOpt = None,
     ) -> None:
         """Run the GPU host agent: /status, /records, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
@@ -267,6 +295,19 @@ def register(app: typer.Typer) -> None:
                 state_dir.expanduser() if state_dir is not None else default_state_dir()
             ).absolute()
             sim = (sim_dir.expanduser() if sim_dir is not None else default_sim_dir()).absolute()
+            # The web view's services and buttons: this GPU host's config (--config, else
+            # $GPUCTL_CONFIG, else the default path; a missing default is none).
+            from gpuctl.cli.agent_ui import ConfigBackend
+
+            # The page's flows use this agent's state directory, as its /records do.
+            os.environ["GPUCTL_STATE_DIR"] = str(state)
+            backend = ConfigBackend(
+                _agent_config(config),
+                probe=probe.value,
+                sim_dir=sim,
+                gpu_memory_mib=gpu_memory,
+                state_dir=state,
+            )
             serve(
                 listen,
                 probe.value,
@@ -289,4 +330,5 @@ def register(app: typer.Typer) -> None:
                 ),
                 health_ports=ports,
                 journal_days=journal_days,
+                ui_backend=backend,
             )

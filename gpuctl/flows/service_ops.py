@@ -24,18 +24,21 @@ from gpuctl.flows.ports import Machine
 STOP_LEASE_WAIT_S = 10.0
 
 
-def stop(deps: EnsureDeps) -> StopResult:
+def stop(deps: EnsureDeps, entry: str = "stop") -> StopResult:
     """Stop the service's server: by its record, else by its match keywords on the host.
 
     Takes the lease first (waiting a little for a start under way), so a stop and a
     start never run at once. Only a server carrying its start's proof is signalled
     (``Launcher.stop``); anything else is reported and its record kept as it was.
 
+    ``entry`` names who stops it (the CLI's ``stop``, the web view's ``ui``), in its
+    lease and its journal event.
+
     Raises:
         Unproven: the record (or a keyword match) names a process without that proof.
     """
     svc = deps.service
-    holder = deps.machine.holder("stop")
+    holder = deps.machine.holder(entry)
     deadline = deps.clock() + STOP_LEASE_WAIT_S
     while True:
         granted, record = deps.store.acquire(
@@ -144,7 +147,7 @@ def stop(deps: EnsureDeps) -> StopResult:
             event=story.ev(
                 "stop",
                 svc.name,
-                "stop",
+                entry,
                 cause="manual",
                 before=record.phase,
                 after=Phase.STOPPED,
