@@ -64,9 +64,18 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
 
 
 def _wait(driver: Any, what: str, check: Any) -> Any:
+    """Poll ``check`` until it is truthy. The page redraws a row on every update, so an
+    element found a moment ago may be gone when it is read: that poll is tried again."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(check, what)
+    wait = WebDriverWait(
+        driver,
+        WAIT_S,
+        poll_frequency=0.1,
+        ignored_exceptions=(StaleElementReferenceException,),
+    )
+    return wait.until(check, what)
 
 
 def _sign_in(driver: Any, url: str, token: str) -> None:
