@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 
 from gpuctl import api
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
 
 

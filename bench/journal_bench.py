@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.core.events import Cause, Event, Kind
 from gpuctl.core.record_shapes import RecordUpdate

@@ -51,7 +51,8 @@ def services(n: int) -> str:
 
 def running_records(state_dir: Path, n: int) -> None:
     """A running record per service, used a minute ago: reclaim judges each, keeps all."""
-    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.adapters.store import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.core.record_shapes import RecordUpdate
 
     store = DirectStore(state_dir)

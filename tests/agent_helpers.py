@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from gpuctl.core.model import GpuProcess, ProbeReading
+from gpuctl.core.snapshot import GpuProcess, ProbeReading
 
 
 @contextmanager

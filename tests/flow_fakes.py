@@ -9,14 +9,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.machine import ThisMachine
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.config import Config, ServiceConfig, load_config
 from gpuctl.core.decision import Health
-from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.snapshot import GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import AgentUnavailable
 from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.ports import Launchers, Probe, ServerChecks
 
 GIB = 1024
+
+
+class Elsewhere(ThisMachine):
+    """This process, on a machine that says it is ``here`` (holders stay this process's
+    own, so the store judges their leases as it judges any)."""
+
+    def __init__(self, here: HostIdentity) -> None:
+        self._here = here
+
+    @property
+    def here(self) -> HostIdentity:
+        return self._here
 
 
 class Clock:
@@ -164,19 +178,19 @@ class World:
     launcher: Launcher
     store: DirectStore
 
-    def deps(self, service: str = "vllm", entry: str = "ensure") -> EnsureDeps:
+    def deps(self, service: str = "vllm") -> EnsureDeps:
         svc = self.config.service(service)
         return EnsureDeps(
             config=self.config,
             service=svc,
             host=self.config.host(svc.host),
             store=self.store,
-            read_snapshot=self.agent.read,
-            check_health=self.health,
-            make_launcher=lambda snap: self.launcher,
+            probe=Probe(self.agent.read),
+            launchers=Launchers(lambda snap: self.launcher),
+            servers=ServerChecks(self.health),
+            machine=ThisMachine(),
             clock=self.clock,
             sleep=self.clock.sleep,
-            entry=entry,
         )
 
 

@@ -31,8 +31,8 @@ from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.agent.server import parse_listen, resolve_listen, serve
 from gpuctl.cli.agent_cmd import read_token_file
 from gpuctl.cli.app import create_app as create_cli
-from gpuctl.core.model import GpuProcess, Snapshot
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import GpuProcess, Snapshot
 from gpuctl.core.status_wire import parse_status
 from gpuctl.errors import AgentUnavailable, ProbeError, UsageError
 from tests.agent_helpers import FakeProbe, free_port, reading_of, serve_in_thread
@@ -414,8 +414,9 @@ def test_openapi_describes_every_route(probe: FakeProbe) -> None:
     assert routed == set(app.router.routes)
     for path, route in app.router.routes.items():
         assert {m.upper() for m in doc["paths"][path]} == set(route.handlers)
-        public = doc["paths"][path]["get"].get("security") == []
-        assert public == (not route.auth)
+        for op in doc["paths"][path].values():  # every method of a path shares its auth
+            public = op.get("security") == []
+            assert public == (not route.auth)
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {
         "type": "http",
         "scheme": "bearer",
@@ -720,7 +721,8 @@ def test_exclude_leaves_out_the_callers_own_tree_on_the_same_host(
 def test_recorded_servers_are_reported_whatever_their_command(tmp_path: Path) -> None:
     """A record names its server's pid: the agent lists it under `starting` even when its
     command line carries none of the keywords (`services.chat` running `vllm serve`)."""
-    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.adapters.store import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
 
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -19,7 +19,7 @@ import pytest
 from gpuctl.adapters.agent_client import AgentClient, AsyncAgentClient
 from gpuctl.adapters.http_clients import http_client
 from gpuctl.agent.app import AgentSettings, create_app
-from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.snapshot import GpuProcess, Snapshot
 from gpuctl.errors import AgentAuthError, AgentUnavailable, ExitCode
 from tests.agent_helpers import (
     FakeProbe,

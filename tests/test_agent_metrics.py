@@ -15,11 +15,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentSettings, create_app
-from gpuctl.core.model import GpuDevice, GpuProcess, ProbeReading
 from gpuctl.core.record import Phase
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import GpuDevice, GpuProcess, ProbeReading
 from tests.agent_helpers import FakeProbe, serve_in_thread
 
 TOKEN = "metrics-token"

@@ -20,7 +20,7 @@ from schemathesis.generation.modes import GenerationMode
 
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.agent.openapi import openapi_document
-from gpuctl.core.model import GpuProcess
+from gpuctl.core.snapshot import GpuProcess
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
 TOKEN = "schemathesis-token"

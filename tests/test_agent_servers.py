@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.health_reach import parse_ports
 from gpuctl.core.record import Phase

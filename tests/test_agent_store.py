@@ -16,13 +16,14 @@ import httpx
 import pytest
 
 from gpuctl.adapters import store as store_module
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.agent.openapi import SERVICE_NAME_PATTERN, openapi_document
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import HostIdentity
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
 TOKEN = "agent-store-token"
@@ -147,7 +148,7 @@ def test_every_operation_has_a_unique_operation_id() -> None:
         for method, op in item.items()
         if method in methods
     ]
-    assert len(ids) == 23
+    assert len(ids) == 31
     assert None not in ids
     assert len(ids) == len(set(ids)), sorted(ids)
 

@@ -23,14 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.adapters.store import AgentStore, holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.agent.http import HttpError
 from gpuctl.agent.server import serve
 from gpuctl.cli.app import create_app as create_cli
-from gpuctl.core.model import GpuProcess
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import GpuProcess
 from gpuctl.errors import UsageError
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, classify, committed_memory
-from gpuctl.core.model import GpuProcess, Snapshot, StartingProcess
+from gpuctl.core.snapshot import GpuProcess, Snapshot, StartingProcess
 
 GiB = 1024
 
@@ -286,7 +286,7 @@ def test_a_keyword_match_names_its_command_and_may_not_be_ours() -> None:
 # --- per GPU (issue: memory is per GPU, not summed) ------------------------------------
 
 from gpuctl.core.decision import gpu_rooms  # noqa: E402
-from gpuctl.core.model import GpuDevice  # noqa: E402
+from gpuctl.core.snapshot import GpuDevice  # noqa: E402
 
 
 def gp(pid: int, cmd: str | None, gib: float | None, gpu: int, on_gpu: bool = True) -> GpuProcess:

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.core.durations import expected_start_s, histogram, progress, start_durations
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Record
+from gpuctl.core.snapshot import HostIdentity
 
 
 def attempt(duration: Any, outcome: str = "ready") -> dict[str, Any]:

@@ -201,7 +201,8 @@ def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_pa
             f"""
             import shlex, subprocess, sys, time
             from pathlib import Path
-            from gpuctl.adapters.store import DirectStore, Holder, holder_here
+            from gpuctl.adapters.store import Holder, holder_here
+            from gpuctl.adapters.store.direct import DirectStore
             store = DirectStore(Path({str(host.state_dir)!r}))
             granted, _ = store.acquire({svc!r}, holder_here("test"), 600)
             assert granted

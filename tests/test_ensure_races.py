@@ -149,7 +149,8 @@ def test_timeout_bounds_the_wait_for_the_admission_lock(
             f"""
             import time
             from pathlib import Path
-            from gpuctl.adapters.store import DirectStore, holder_here
+            from gpuctl.adapters.store import holder_here
+            from gpuctl.adapters.store.direct import DirectStore
             store = DirectStore(Path({str(host.state_dir)!r}))
             h = holder_here("test")
             granted, _ = store.acquire("_admission", h, 10)  # its longest term; renewed

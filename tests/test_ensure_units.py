@@ -11,13 +11,15 @@ import pytest
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
-from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import GpuProcess, StartingProcess
 from gpuctl.flows import service_ops
 from gpuctl.flows.admission import ADMISSION
+from gpuctl.flows.deps import EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
-from gpuctl.flows.results import Outcome
+from gpuctl.flows.op_results import Outcome
+from gpuctl.flows.ports import Probe
 from tests.flow_fakes import GIB, Agent, World, config, world
 
 TWO_BIG = """
@@ -68,14 +70,14 @@ def orphan(w: World, service: str = "vllm") -> str:
 def test_the_nonce_is_recorded_before_the_spawn_and_given_to_the_launcher(w: World) -> None:
     seen: list[str | None] = []
     w.launcher.on_start = lambda: seen.append(w.store.get("vllm").start_nonce)
-    r = ensure(w.deps(), wait=False)
+    r = ensure(w.deps(), EnsureRequest(wait=False))
     assert r.outcome is Outcome.STARTED
     assert w.launcher.nonces == seen and seen[0] is not None and len(seen[0]) == 16
 
 
 def test_an_orphaned_start_counts_at_its_budget_for_a_rival(w: World) -> None:
     orphan(w, "vllm")
-    r = ensure(w.deps("chat"), wait=False)
+    r = ensure(w.deps("chat"), EnsureRequest(wait=False))
     assert r.outcome is Outcome.BUSY, r.reason
     assert w.launcher.started == []
 
@@ -83,7 +85,7 @@ def test_an_orphaned_start_counts_at_its_budget_for_a_rival(w: World) -> None:
 def test_an_orphaned_start_stops_counting_after_its_health_timeout(w: World) -> None:
     orphan(w, "vllm")
     w.clock.t += 61
-    r = ensure(w.deps("chat"), wait=False)
+    r = ensure(w.deps("chat"), EnsureRequest(wait=False))
     assert r.outcome is Outcome.STARTED
     assert w.launcher.started == ["chat"]
 
@@ -102,7 +104,7 @@ def test_the_same_service_finds_its_orphaned_server_not_a_second(w: World) -> No
 def test_an_orphaned_start_with_no_server_is_started_again(w: World) -> None:
     nonce = orphan(w, "vllm")
     w.launcher.found = None
-    r = ensure(w.deps(), wait=False)
+    r = ensure(w.deps(), EnsureRequest(wait=False))
     assert r.outcome is Outcome.STARTED and r.launched is True
     assert w.launcher.finds == [nonce] and w.launcher.started == ["vllm"]
     assert w.store.get("vllm").start_nonce != nonce
@@ -112,7 +114,7 @@ def test_timeout_bounds_the_admission_wait_and_nothing_launches_late(w: World) -
     # Held for its whole term (10 s), longer than the caller's 5 s deadline.
     w.store.acquire(ADMISSION, holder_here("someone-else"), ADMISSION_TTL_MAX_S)
     t0 = w.clock.t
-    r = ensure(w.deps(), timeout_s=5)
+    r = ensure(w.deps(), EnsureRequest(timeout_s=5))
     assert r.outcome is Outcome.TIMEOUT and r.launched is False
     assert "admission" in r.reason
     assert w.launcher.started == []
@@ -122,14 +124,13 @@ def test_timeout_bounds_the_admission_wait_and_nothing_launches_late(w: World) -
 def test_stop_acts_on_a_fresh_reading_and_never_reports_a_dead_pid(w: World) -> None:
     stale = Agent(processes=[GpuProcess(pid=31337, command="vllm serve m", memory_mib=8 * GIB)])
     fresh = Agent()
-    deps = w.deps(entry="stop")
-    deps.read_snapshot = stale.read
-    deps.read_snapshot_fresh = fresh.read
+    deps = w.deps()
+    deps.probe = Probe(stale.read, fresh.read)
     r = service_ops.stop(deps)
     assert r.stopped == [] and fresh.asked and not stale.asked
     # Even a stale reading (no fresh one to be had) is checked against the process.
-    deps = w.deps(entry="stop")
-    deps.read_snapshot = stale.read
+    deps = w.deps()
+    deps.probe = Probe(stale.read)
     w.launcher.dead_pids.add(31337)
     r = service_ops.stop(deps)
     assert r.stopped == [] and w.launcher.stopped == []
@@ -139,8 +140,8 @@ def test_stop_signals_a_keyword_match_with_the_start_time_the_reading_saw(w: Wor
     orphan(w, "vllm")
     agent = Agent()
     agent.starting = [StartingProcess(pid=4321, command="vllm serve m", age_s=10.0)]
-    deps = w.deps(entry="stop")
-    deps.read_snapshot = agent.read
+    deps = w.deps()
+    deps.probe = Probe(agent.read)
     r = service_ops.stop(deps)
     assert r.stopped == ["pid 4321"]
     (h,) = w.launcher.stopped
@@ -149,11 +150,11 @@ def test_stop_signals_a_keyword_match_with_the_start_time_the_reading_saw(w: Wor
 
 
 def test_touch_completes_starting_only_when_the_server_answers(w: World) -> None:
-    ensure(w.deps(), wait=False)
-    service_ops.touch(w.deps(entry="touch"))
+    ensure(w.deps(), EnsureRequest(wait=False))
+    service_ops.touch(w.deps())
     assert w.store.get("vllm").phase is Phase.STARTING
     w.health.ready_after(0)
-    service_ops.touch(w.deps(entry="touch"))
+    service_ops.touch(w.deps())
     assert w.store.get("vllm").phase is Phase.RUNNING
 
 
@@ -176,7 +177,7 @@ def test_status_calls_an_orphaned_start_loading_until_its_health_timeout(w: Worl
 def test_progress_memory_counts_what_the_agent_names_as_the_services() -> None:
     """The wait's memory figure: the server's pid, its keyword, and the processes the
     agent names as the service's (a vLLM's engine core, a child of the server)."""
-    from gpuctl.core.model import GpuProcess, Snapshot
+    from gpuctl.core.snapshot import GpuProcess, Snapshot
     from gpuctl.flows.wait import own_memory
 
     snap = Snapshot(

@@ -12,16 +12,19 @@ from typing import Any
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.machine import ThisMachine
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.decision import Decision, Health
-from gpuctl.core.model import GpuProcess
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import GpuProcess
 from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
-from gpuctl.flows.deps import HostDeps, LocksDeps, StatusDeps
+from gpuctl.flows.deps import EnsureRequest, HostDeps, LocksDeps, StatusDeps
 from gpuctl.flows.ensure.rounds import ensure
-from gpuctl.flows.results import Outcome
+from gpuctl.flows.op_results import Outcome
+from gpuctl.flows.ports import Tell
 from gpuctl.flows.status import status, watch
 from tests.flow_fakes import GIB, Agent, Clock, World, config, world
 
@@ -90,7 +93,7 @@ def test_unreachable_agent_is_unknown_never_a_start(w: World) -> None:
 
 
 def test_timeout_releases_the_lease_and_says_it_may_still_load(w: World) -> None:
-    r = ensure(w.deps(), timeout_s=3.0)
+    r = ensure(w.deps(), EnsureRequest(timeout_s=3.0))
     assert (r.outcome, r.exit_code, r.launched) == (Outcome.TIMEOUT, ExitCode.TIMEOUT, True)
     assert "may still be loading" in r.reason
     assert "--timeout" in r.hint
@@ -127,7 +130,7 @@ def test_server_that_dies_while_loading_is_failed_with_its_log(w: World) -> None
 
 
 def test_no_wait_returns_started_with_the_handle(w: World) -> None:
-    r = ensure(w.deps(), wait=False)
+    r = ensure(w.deps(), EnsureRequest(wait=False))
     assert (r.outcome, r.exit_code, r.launched) == (Outcome.STARTED, ExitCode.OK, True)
     assert r.handle == {"kind": "process", "pid": 4242, "pid_start": 1.0}
     assert w.store.get("vllm").lease is None
@@ -161,7 +164,7 @@ def test_a_bystander_goes_round_and_starts_it_when_the_holder_gave_up(w: World) 
         return real()
 
     w_deps = w.deps()
-    w_deps.check_health = health
+    w_deps.servers = replace(w_deps.servers, health=health)
     r = ensure(w_deps)
     assert (r.outcome, r.launched) == (Outcome.READY, True)
     assert w.launcher.started == ["vllm"]
@@ -185,7 +188,7 @@ def test_progress_ticks_name_the_phase(w: World) -> None:
     ticks: list[str] = []
     w.health.ready_after(5)
     deps = w.deps()
-    deps.progress = lambda p: ticks.append(p.phase)
+    deps.tell = Tell(progress=lambda p: ticks.append(p.phase))
     ensure(deps)
     assert ticks and set(ticks) == {"loading (launched)"}
 
@@ -194,8 +197,8 @@ def test_progress_ticks_name_the_phase(w: World) -> None:
 
 
 def test_stop_stops_the_recorded_server_and_marks_it_stopped(w: World) -> None:
-    ensure(w.deps(), wait=False)
-    r = service_ops.stop(w.deps(entry="stop"))
+    ensure(w.deps(), EnsureRequest(wait=False))
+    r = service_ops.stop(w.deps())
     assert r.stopped == ["pid 4242"]
     assert r.exit_code == ExitCode.OK
     rec = w.store.get("vllm")
@@ -206,12 +209,12 @@ def test_stop_waits_on_the_fake_clock_for_a_start_under_way(w: World) -> None:
     other = holder_here("someone-else")
     w.store.acquire("vllm", other, 600)
     with pytest.raises(StoreError, match="being started or stopped"):
-        service_ops.stop(w.deps(entry="stop"))
+        service_ops.stop(w.deps())
     assert sum(w.clock.slept) >= service_ops.STOP_LEASE_WAIT_S  # no real time spent
 
 
 def test_touch_marks_it_used(w: World) -> None:
-    r = service_ops.touch(w.deps(entry="touch"))
+    r = service_ops.touch(w.deps())
     assert r.service == "vllm" and r.record.last_used == w.clock.t
 
 
@@ -234,6 +237,7 @@ def _status_deps(
             HostDeps(conf.host(h), f"fake {h}", stores[h].records, agents[h].read) for h in agents
         ],
         check_health=lambda url, t: Health("refused", "no"),
+        machine=ThisMachine(),
         clock=clock,
         monotonic=clock,
         sleep=clock.sleep,
@@ -319,6 +323,7 @@ def _prio_status(
         config=conf,
         hosts=[HostDeps(conf.host("a"), "fake a", store.records, agent.read, read_inflight=counts)],
         check_health=lambda url, t: Health("refused", "no"),
+        machine=ThisMachine(),
         clock=clock,
         monotonic=clock,
         sleep=clock.sleep,
@@ -428,7 +433,13 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
 
     clock = Clock()
     report = service_ops.locks(
-        LocksDeps(config=conf, hosts=list(conf.hosts.values()), store_of=store_of, clock=clock)
+        LocksDeps(
+            config=conf,
+            hosts=list(conf.hosts.values()),
+            store_of=store_of,
+            machine=ThisMachine(),
+            clock=clock,
+        )
     )
     assert [(h, r.service if r else None, e) for h, r, e in report.rows] == [
         ("a", "x", None),
@@ -442,7 +453,7 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
 def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> None:
     from dataclasses import replace as dc_replace
 
-    from gpuctl.core.model import GpuDevice
+    from gpuctl.core.snapshot import GpuDevice
 
     store = DirectStore(tmp_path / "a")
     starter = holder_here("test")
@@ -501,7 +512,7 @@ def test_a_bystander_reports_the_starters_failure_with_its_log(w: World) -> None
         return Health("refused", "no")
 
     deps = w.deps()
-    deps.check_health = health
+    deps.servers = replace(deps.servers, health=health)
     r = ensure(deps)
     assert (r.outcome, r.exit_code, r.launched) == (Outcome.FAILED, ExitCode.FAILED, False)
     assert "CUDA out of memory" in r.reason and r.log_tail.endswith("OOM")
@@ -522,7 +533,7 @@ def test_a_bystander_whose_starter_backed_off_for_a_bigger_job_is_busy(w: World)
         return Health("refused", "no")
 
     deps = w.deps()
-    deps.check_health = health
+    deps.servers = replace(deps.servers, health=health)
     r = ensure(deps)
     assert (r.outcome, r.exit_code, r.decision) == (Outcome.BUSY, ExitCode.BUSY, "BUSY")
     assert "train.py" in r.reason
@@ -536,7 +547,11 @@ def test_locks_lists_set_aside_records_and_still_succeeds(tmp_path: Path) -> Non
     store.touch("x")
     (tmp_path / "a" / "records" / "x.json").write_text('{"schema": 1, "service": ')  # torn
     deps = LocksDeps(
-        config=conf, hosts=list(conf.hosts.values()), store_of=lambda h: store, clock=Clock()
+        config=conf,
+        hosts=list(conf.hosts.values()),
+        store_of=lambda h: store,
+        machine=ThisMachine(),
+        clock=Clock(),
     )
     report = service_ops.locks(deps)
     assert report.exit_code == ExitCode.OK and report.ok
@@ -592,15 +607,16 @@ def test_a_reader_bug_is_that_hosts_unknown_with_a_hint(tmp_path: Path) -> None:
 
 
 def test_resume_hands_the_callers_deps_back_as_they_were(w: World) -> None:
-    """A resume never preempts, but only for itself: the deps it was handed keep their
-    own ``preempt`` and service afterwards, so a later ensure with them still may."""
+    """A resume never preempts, but only for itself: the request and deps it was handed
+    keep their own ``preempt`` and service afterwards, so a later ensure with them still
+    may."""
     from gpuctl.flows.resume import resume
 
     w.health.ready_after(0)
     deps = w.deps()
-    deps.preempt = True
+    req = EnsureRequest(entry="resume", preempt=True)
     svc = deps.service
-    r = resume(deps)
+    r = resume(deps, req)
     assert r.outcome is Outcome.READY
-    assert deps.preempt is True
+    assert req.preempt is True
     assert deps.service is svc

@@ -21,10 +21,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, HealthReach, parse_ports
 from gpuctl.core.record import Phase
+from gpuctl.core.record_shapes import RecordUpdate
 from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 from tests.ensure_helpers import LoopbackHealth
 
@@ -87,7 +89,7 @@ def write_record(state: Path, service: str, **update: Any) -> None:
     store = DirectStore(state)
     h = holder_here("test")
     assert store.acquire(service, h, 60)[0]
-    store.release(service, h.id, update)
+    store.release(service, h.id, RecordUpdate.from_wire(update))
 
 
 def settle(store: DirectStore, service: str, timeout_s: float = 15.0) -> Phase:

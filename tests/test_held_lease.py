@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.promise import Promise
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe

@@ -23,9 +23,10 @@ from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision, Health
 from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_aside
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.flows.deps import EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import decide, observe
-from gpuctl.flows.results import Outcome
+from gpuctl.flows.op_results import Outcome
 from tests.flow_fakes import World, config, world
 from tests.test_ensure_units import TWO_BIG
 
@@ -120,7 +121,7 @@ def test_a_salvage_that_kept_its_phase_is_judged_by_it(w: World) -> None:
 
 def test_ensure_exits_unknown_and_starts_nothing(w: World) -> None:
     break_record(w)
-    r = ensure(w.deps(), wait=False)
+    r = ensure(w.deps(), EnsureRequest(wait=False))
     assert r.outcome is Outcome.UNKNOWN and r.exit_code == 4, r.reason
     assert w.launcher.started == []
     assert "remove records/vllm.json.corrupt-" in r.hint
@@ -130,12 +131,12 @@ def test_its_health_answering_wins(w: World) -> None:
     break_record(w)
     assert status_of(w, "vllm", READY).decision is Decision.READY
     w.health.ready_after(0)
-    assert ensure(w.deps(), wait=False).outcome is Outcome.READY
+    assert ensure(w.deps(), EnsureRequest(wait=False)).outcome is Outcome.READY
 
 
 def test_it_counts_at_its_budget_for_a_rival(w: World) -> None:
     break_record(w)
-    r = ensure(w.deps("chat"), wait=False)  # 80 + 80 GiB on 128 GiB
+    r = ensure(w.deps("chat"), EnsureRequest(wait=False))  # 80 + 80 GiB on 128 GiB
     assert r.outcome is Outcome.BUSY, r.reason
     assert w.launcher.started == []
 
@@ -145,7 +146,7 @@ def test_the_doubt_ends_with_the_health_timeout(w: World) -> None:
     status_of(w, "vllm")  # sets it aside
     w.clock.t += 62
     assert status_of(w, "vllm").decision is Decision.IDLE
-    assert ensure(w.deps(), wait=False).outcome is Outcome.STARTED
+    assert ensure(w.deps(), EnsureRequest(wait=False)).outcome is Outcome.STARTED
 
 
 def test_a_lease_taken_after_the_set_aside_ends_the_doubt(w: World) -> None:
@@ -195,7 +196,7 @@ def test_the_direct_path_reports_a_server_found_by_its_nonce(tmp_path: Path) -> 
     agent (``adapters.recorded_servers.find_servers`` on both paths)."""
     import uuid
 
-    from gpuctl.adapters.store import DirectStore
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.sim.host import SimHost
     from tests.conftest import gpuctl_exe
     from tests.ensure_helpers import cli_env, direct_config, service_toml

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from gpuctl import api
-from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.adapters.store import AgentStore, holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.sim.host import SimHost
 
@@ -51,7 +52,8 @@ def test_a_holder_killed_with_kill_9_leaves_nothing_behind(store: DirectStore) -
     script = textwrap.dedent(
         f"""
         import os, signal
-        from gpuctl.adapters.store import DirectStore, holder_here
+        from gpuctl.adapters.store import holder_here
+        from gpuctl.adapters.store.direct import DirectStore
         s = DirectStore({str(store.state_dir)!r})
         s.inflight_begin("llm", holder_here("in_use"), 30)
         print("in", flush=True)

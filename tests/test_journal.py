@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store import journal as jmod
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.core.events import Cause, Event, Kind, event_from_dict, words
 from gpuctl.core.record import Phase
@@ -118,7 +119,8 @@ def test_an_unwritable_journal_warns_once_and_the_cli_goes_on(tmp_path: Path) ->
     (state / "journal.db").mkdir(parents=True)
     code = (
         "import sys; from pathlib import Path\n"
-        "from gpuctl.adapters.store import DirectStore, holder_here\n"
+        "from gpuctl.adapters.store import holder_here\n"
+        "from gpuctl.adapters.store.direct import DirectStore\n"
         "from gpuctl.core.events import Event, Kind\n"
         "from gpuctl.core.record import Phase\n"
         "from gpuctl.core.record_shapes import RecordUpdate\n"
@@ -248,15 +250,20 @@ def test_usage_over_a_scripted_hour_matches_the_clock() -> None:
 
 
 def test_usage_of_a_short_real_run_matches_the_wall_clock(tmp_path: Path) -> None:
+    """The held time ``usage`` adds up from the launch and stop events matches the time
+    the service was held, measured on the monotonic clock at the same two moments (the
+    store's own cost, the journal's first open included, is outside that span)."""
     store = DirectStore(tmp_path)
     holder = holder_here("test")
     begin = time.time()
-    store.acquire("svc", holder, 30.0, event=ev(time.time(), Kind.LAUNCH, "svc",
+    launched, launched_mono = time.time(), time.monotonic()
+    store.acquire("svc", holder, 30.0, event=ev(launched, Kind.LAUNCH, "svc",
                                                  figures={"budget_mib": 10240.0}))  # fmt: skip
     time.sleep(2.0)
+    stopped, stopped_mono = time.time(), time.monotonic()
     store.release("svc", holder.id, RecordUpdate(phase=Phase.STOPPED),
-                  event=ev(time.time(), Kind.STOP, "svc", cause=Cause.MANUAL))  # fmt: skip
-    wall = time.time() - begin
+                  event=ev(stopped, Kind.STOP, "svc", cause=Cause.MANUAL))  # fmt: skip
+    wall = stopped_mono - launched_mono
     rows = jmod.journal_for(tmp_path).usage(begin - 60)
     held = group(rows, "service")["svc"].held_s
     assert abs(held - wall) <= 0.02 * wall, (held, wall)

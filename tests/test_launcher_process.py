@@ -201,7 +201,7 @@ INHERITED_SECRETS = {
 def config_with_secrets() -> Any:
     """Two hosts and a proxy, each naming secrets in the environment."""
     from gpuctl.config import Config
-    from gpuctl.config.model import ProxyConfig
+    from gpuctl.config.values import ProxyConfig
 
     here = HostConfig(name="here", token_env="DGX_TOKEN")
     other = HostConfig(

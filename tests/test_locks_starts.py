@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.sim.host import free_port

@@ -23,7 +23,8 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from gpuctl.adapters import procinfo
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Lease
 from gpuctl.sim.host import SimHost

@@ -10,8 +10,8 @@ from gpuctl.core.accounting import GpuRoom
 from gpuctl.core.decision import Decision, Health, classify
 from gpuctl.core.idle import short_duration
 from gpuctl.core.jobs import job_route, unreachable
-from gpuctl.core.model import GpuProcess, HostIdentity, Snapshot
 from gpuctl.core.plan import VictimFacts, held_back, plan_victims, why_not
+from gpuctl.core.snapshot import GpuProcess, HostIdentity, Snapshot
 
 GiB = 1024
 

@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from gpuctl.adapters import procinfo
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.codec import SEQ_MAX, salvage
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import Lease, unreadable_handle
 from gpuctl.errors import UsageError
 from gpuctl.sim.host import SimHost

@@ -163,7 +163,7 @@ def test_agent_and_direct_path_build_the_same_snapshot(
 
     from gpuctl.adapters.local import build_snapshot
     from gpuctl.agent.app import AgentSettings, create_app
-    from gpuctl.core.model import GpuProcess
+    from gpuctl.core.snapshot import GpuProcess
     from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 
     procs = (

@@ -851,7 +851,7 @@ class _Spec:
 
 def _decide(reading: Any, spec: _Spec) -> Any:
     from gpuctl.core.decision import Health, classify
-    from gpuctl.core.model import snapshot_from_reading
+    from gpuctl.core.snapshot import snapshot_from_reading
 
     snap = snapshot_from_reading(reading, taken_at="t")
     return classify(spec, Health("refused"), snap, others=[])
@@ -915,7 +915,7 @@ def test_memory_used_with_no_process_listed_is_held_not_idle(
     """MIG's hidden processes, or a container without --pid=host: 40 of 80 GiB used and
     no process listed gave IDLE and is_idle true. Beyond the driver's reserve it is
     held: 20 GiB is FITS beside it (and says so), 60 GiB is BUSY, nothing is IDLE."""
-    from gpuctl.core.model import snapshot_from_reading
+    from gpuctl.core.snapshot import snapshot_from_reading
 
     FakeDriver(monkeypatch, Device(memory=(40 * GIB, 80 * GIB)))
     reading = NvmlProbe().read()
@@ -997,7 +997,7 @@ def test_mig_devices_0_means_any_instance_of_gpu_0(monkeypatch: pytest.MonkeyPat
 def test_mig_hidden_memory_in_an_instance_is_not_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     """MIG's hidden processes: an instance 30 GiB used with no process listed, the
     parent's own figure small. Not idle, and that instance is held."""
-    from gpuctl.core.model import snapshot_from_reading
+    from gpuctl.core.snapshot import snapshot_from_reading
 
     gi1 = Device(memory=(30 * GIB, 40 * GIB), gi=1)
     gi2 = Device(memory=(17 * MIB, 40 * GIB), gi=2)

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.agent import AgentStore
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.promise import Promise

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import (

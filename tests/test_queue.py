@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.adapters.store import AgentStore, holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.core.queue import (
     PRIORITY_MAX,
@@ -155,7 +156,8 @@ def test_a_waiter_killed_with_kill_9_leaves_nothing_behind(
     script = textwrap.dedent(
         f"""
         import os, signal
-        from gpuctl.adapters.store import DirectStore, holder_here
+        from gpuctl.adapters.store import holder_here
+        from gpuctl.adapters.store.direct import DirectStore
         s = DirectStore({str(state)!r})
         s.queue_join(holder_here("run"), 300, name="run.dead", priority=99, memory_mib=1)
         print("in", flush=True)

@@ -206,7 +206,7 @@ def test_a_server_never_inherits_a_jobs_run_marks(
 def test_a_job_stop_refuses_a_server_that_carries_the_marks(tmp_path: Path) -> None:
     """A server started by an older gpuctl from inside the job inherited the job's marks
     and leads its own session: its start nonce tells it from the job's CMD."""
-    from gpuctl.adapters.jobs import verify_job
+    from gpuctl.adapters.job_cmd import verify_job
     from gpuctl.errors import LauncherError
 
     d = tmp_path / "4242"

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl
 from tests.ensure_helpers import (

@@ -16,14 +16,16 @@ from typing import Any
 import pytest
 
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.idle import Action
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import Phase
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost, reclaim
 from gpuctl.render.reclaim_view import reclaim_lines, reclaim_to_json
+from tests.flow_fakes import Elsewhere
 
 HERE = HostIdentity("gpu-box", "boot-1")
 
@@ -70,7 +72,9 @@ class World:
             make_launcher=lambda svc, snap: self.launcher,  # type: ignore[arg-type,return-value]
             sleep_server=lambda svc: None,
         )
-        return ReclaimDeps(config=conf, hosts=[rh], here=HERE, clock=lambda: self.clock[0])
+        return ReclaimDeps(
+            config=conf, hosts=[rh], machine=Elsewhere(HERE), clock=lambda: self.clock[0]
+        )
 
 
 @pytest.fixture

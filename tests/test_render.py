@@ -14,19 +14,17 @@ import pytest
 from rich.console import Console
 
 from gpuctl.core.decision import Decision, Health, Verdict
-from gpuctl.core.model import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
+from gpuctl.core.snapshot import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import ExitCode
-from gpuctl.flows.results import (
+from gpuctl.flows.op_results import (
     EnsureResult,
-    HostReport,
     LocksReport,
-    MemoryUse,
     Outcome,
     SimClaim,
     SimListing,
-    StatusReport,
     StopResult,
 )
+from gpuctl.flows.results import HostReport, MemoryUse, StatusReport
 from gpuctl.flows.status import filtered
 from gpuctl.render.locks import locks_to_json
 from gpuctl.render.results import ensure_text, ensure_to_json, stop_to_json

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.config import parse_config
 from gpuctl.core.names import is_service_name, is_valid_name
 from gpuctl.errors import ConfigError

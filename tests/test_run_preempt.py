@@ -89,13 +89,13 @@ open(sys.argv[3], "w").write(json.dumps(seen))
 # signalling fails loudly, so a job on the GPU host can only be stopped by the agent.
 AS_MACHINE = r"""
 import sys
-from gpuctl.adapters import jobs, procinfo
-from gpuctl.core.model import HostIdentity
+from gpuctl.adapters import job_cmd, procinfo
+from gpuctl.core.snapshot import HostIdentity
 machine = sys.argv[1]
 procinfo.host_identity = lambda: HostIdentity(machine, "boot-of-" + machine)
 def refuse(*a, **k):
     raise RuntimeError("a local signal to a job from " + machine)
-jobs.stop_job = jobs.signal_job = refuse
+job_cmd.stop_job = job_cmd.signal_job = refuse
 sys.argv = ["gpuctl", *sys.argv[2:]]
 from gpuctl.cli.app import main
 main()
@@ -470,7 +470,7 @@ def test_a_forged_job_record_never_gets_a_process_signalled(
 
 def test_verify_job_refuses_an_unreadable_environment(tmp_path: Path) -> None:
     """An environment the stopper cannot read is a refusal, never a signal."""
-    from gpuctl.adapters.jobs import verify_job
+    from gpuctl.adapters.job_cmd import verify_job
     from gpuctl.errors import LauncherError
 
     with pytest.raises(LauncherError, match="cannot read pid 4242's environment"):
@@ -582,17 +582,22 @@ def test_the_room_a_run_preempt_makes_is_kept_for_it(
         end(host, preempting)
 
 
-def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_stopper_routes_by_where_cmd_runs() -> None:
     """The stopper's one rule (core.jobs.job_route), as the planner's: this machine's job
     is signalled here, the agent's machine's through the agent (with the lease holder,
     pid and start time), any other refused; and without an agent only here."""
-    from gpuctl.core.model import HostIdentity, Snapshot
+    from gpuctl.core.jobs import JOB_GRACE_S
+    from gpuctl.core.snapshot import HostIdentity, Snapshot
     from gpuctl.errors import LauncherError
-    from gpuctl.flows.ensure import preempt
+    from gpuctl.wiring.build import job_stopper
 
     here, dgx = HostIdentity("laptop", "b1"), HostIdentity("dgx", "b2")
     local: list[dict[str, Any]] = []
-    monkeypatch.setattr(preempt, "stop_job", lambda h, job: local.append(h) or False)
+
+    def stop_here(h: dict[str, Any], job: str) -> bool:
+        local.append(h)
+        return False
+
     asked: list[tuple[object, ...]] = []
 
     def agent_stop(*args: object) -> bool:
@@ -600,7 +605,7 @@ def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -
         return True
 
     snap = Snapshot(None, None, False, "sim", "2026-11-30T00:00:00.000Z", host=dgx)
-    stop = preempt.job_stopper(here, agent_stop)
+    stop = job_stopper(here, stop_here, agent_stop)
 
     def handle(host: str, boot: str) -> dict[str, Any]:
         return {"kind": "run", "pid": 4242, "pid_start": 17.5, "host": host, "boot_id": boot}
@@ -608,11 +613,11 @@ def test_job_stopper_routes_by_where_cmd_runs(monkeypatch: pytest.MonkeyPatch) -
     assert stop("run.a", handle("laptop", "b1"), "h1", snap) is False
     assert local == [handle("laptop", "b1")] and asked == []
     assert stop("run.b", handle("dgx", "b2"), "h2", snap) is True
-    assert asked == [("run.b", "h2", 4242, 17.5, preempt.JOB_GRACE_S)]
+    assert asked == [("run.b", "h2", 4242, 17.5, JOB_GRACE_S)]
     with pytest.raises(LauncherError, match="a run job on ws"):
         stop("run.c", handle("ws", "b3"), "h3", snap)
     with pytest.raises(LauncherError, match="no agent"):
-        preempt.job_stopper(here, None)("run.d", handle("dgx", "b2"), "h4", snap)
+        job_stopper(here, stop_here, None)("run.d", handle("dgx", "b2"), "h4", snap)
     assert len(local) == 1 and len(asked) == 1
 
 
@@ -623,12 +628,13 @@ def test_a_promise_is_given_back_once_the_job_no_longer_needs_room(tmp_path: Pat
     that then waits holds no memory it does not use."""
     from types import SimpleNamespace
 
-    from gpuctl.adapters.procinfo import host_identity
-    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.adapters.machine import ThisMachine
+    from gpuctl.adapters.store import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.core.decision import Decision, Verdict
     from gpuctl.core.jobs import JobSpec, job_spec
     from gpuctl.core.plan import Plan, Victim
-    from gpuctl.flows.run_preempt import Preemption
+    from gpuctl.flows.run.room import Preemption
 
     store = DirectStore(tmp_path / "state")
     told: list[str] = []
@@ -641,7 +647,7 @@ def test_a_promise_is_given_back_once_the_job_no_longer_needs_room(tmp_path: Pat
         sleep=time.sleep,
         tell=told.append,
         server_in_flight=None,
-        here=host_identity(),
+        machine=ThisMachine(),
     )
     spec = JobSpec("run.big", 80 * GIB, 100)
     pre = Preemption(deps, spec, [], "python")  # type: ignore[arg-type]

@@ -278,10 +278,11 @@ def test_the_head_keeps_its_place_while_another_start_holds_the_admission_lock(
     first when the lock is free, and runs first. The entries live 6 s here, not
     QUEUE_TTL_S (15 s), through the test-only ``run_queue.ttl`` failpoint: three beats
     (BEAT_S) still fit in one life."""
-    from gpuctl.adapters.store import DirectStore, holder_here
+    from gpuctl.adapters.store import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.core.record import ADMISSION_TTL_MAX_S
     from gpuctl.flows.admission import ADMISSION
-    from gpuctl.flows.run_queue import BEAT_S
+    from gpuctl.flows.run.place import BEAT_S
 
     ttl_s = 3 * BEAT_S
     cfg = host.write_config("")

@@ -30,7 +30,7 @@ from jsonschema import Draft202012Validator, FormatChecker
 from gpuctl.core.decision import Decision
 from gpuctl.core.idle import Action
 from gpuctl.core.record import Phase
-from gpuctl.flows.results import Outcome
+from gpuctl.flows.op_results import Outcome
 from gpuctl.render import schemas
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe

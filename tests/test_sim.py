@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from gpuctl.adapters.probes.sim import SimProbe
-from gpuctl.core.model import GpuProcess
+from gpuctl.core.snapshot import GpuProcess
 from gpuctl.sim.gpu import DEFAULT_TOTAL_MIB, SimError, SimGpu, SimOutOfMemory
 from tests.conftest import tagged
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gpuctl.core.model import (
+from gpuctl.core.snapshot import (
     DRIVER_RESERVE_MIB,
     GpuDevice,
     GpuProcess,
@@ -314,7 +314,7 @@ def test_builder_fills_each_gpu_by_its_own_rule() -> None:
 
 
 def test_mig_instances_and_process_instance_round_trip() -> None:
-    from gpuctl.core.model import MigInstance
+    from gpuctl.core.snapshot import MigInstance
 
     snap = Snapshot(
         11468,

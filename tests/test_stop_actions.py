@@ -7,7 +7,7 @@ import pytest
 from gpuctl.adapters.vllm import metrics_url, origin, parse_in_flight
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, classify
-from gpuctl.core.model import GpuProcess, Snapshot
+from gpuctl.core.snapshot import GpuProcess, Snapshot
 from gpuctl.flows.ensure.wake import wake_fits
 
 GIB = 1024

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from gpuctl.adapters import procinfo
-from gpuctl.adapters.store import AgentStore, DirectStore, Holder, Store, holder_here
+from gpuctl.adapters.store import AgentStore, Holder, Store, holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
 from gpuctl.core.record import Lease, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
@@ -40,7 +41,8 @@ KINDS = ["direct", "agent"]
 CHILD = """
 import sys, time
 from pathlib import Path
-from gpuctl.adapters.store import AgentStore, DirectStore, holder_here
+from gpuctl.adapters.store import AgentStore, holder_here
+from gpuctl.adapters.store.direct import DirectStore
 
 kind, where, then, go_file, token = sys.argv[1:6]
 go = Path(go_file) if go_file else None
@@ -1020,7 +1022,8 @@ MODES = """
 import os, sys
 from pathlib import Path
 os.umask(0)
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 store = DirectStore(Path(sys.argv[1]))
 h = holder_here("test")
 store.acquire("vllm", h, 60)
@@ -1122,7 +1125,8 @@ def test_a_held_lock_is_a_store_error_naming_the_file(
 DROP_TO_NOBODY_AND_ACQUIRE = """
 import os, sys
 from pathlib import Path
-from gpuctl.adapters.store import DirectStore, holder_here
+from gpuctl.adapters.store import holder_here
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.errors import StoreError
 h = holder_here("t")
 store = DirectStore(Path(sys.argv[1]))
@@ -1288,7 +1292,7 @@ def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive
     every time."""
     from gpuctl.core.decision import Health
     from gpuctl.flows.ensure.rounds import ensure
-    from gpuctl.flows.results import Outcome
+    from gpuctl.flows.op_results import Outcome
     from gpuctl.flows.service_ops import stop
     from tests.flow_fakes import world
 
@@ -1304,11 +1308,11 @@ def test_an_ensure_that_saw_it_answer_then_paused_while_stop_ran_does_not_revive
 
     def health_then_stop() -> Health:
         if not stops:
-            stops.append(stop(w.deps(entry="stop")).reason)  # the stop, to the end
+            stops.append(stop(w.deps()).reason)  # the stop, to the end
         return Health("ready", "HTTP 200", 200)  # what the waiter saw just before
 
     deps = w.deps()
-    deps.check_health = health_then_stop
+    deps.servers = replace(deps.servers, health=health_then_stop)
     result = ensure(deps)
     assert stops == ["stopped pid 4242"]
     assert [h.pid for h in w.launcher.stopped] == [4242]

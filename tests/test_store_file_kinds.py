@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import cli_env, service_toml

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpuctl.adapters.machine import ThisMachine
 from gpuctl.core.plan import why_not
 from gpuctl.core.record import Phase, Record
 from gpuctl.flows.look import Observation, victim_facts
@@ -39,13 +40,18 @@ def test_a_service_another_caller_is_preempting_is_named_as_under_way(tmp_path: 
     chat, low = conf.services["chat"], conf.services["low"]
     for handle in ({"kind": "process", "pid": 4242}, None):
         obs = Observation(records={"low": Record("low", Phase.PREEMPTED, handle=handle)})
-        facts = victim_facts(obs, [chat, low], chat, counts=dict)
+        facts = victim_facts(obs, [chat, low], chat, counts=dict, machine=ThisMachine())
         assert why_not(facts.get("low"), 100) == "a start or stop of it is under way"
     # A running one is still a victim; a stopped one is no candidate at all.
     run = Observation(records={"low": Record("low", Phase.RUNNING, handle={"pid": 4242})})
-    assert why_not(victim_facts(run, [chat, low], chat, counts=dict)["low"], 100) is None
+    assert (
+        why_not(
+            victim_facts(run, [chat, low], chat, counts=dict, machine=ThisMachine())["low"], 100
+        )
+        is None
+    )
     gone = Observation(records={"low": Record("low", Phase.STOPPED)})
-    assert "low" not in victim_facts(gone, [chat, low], chat, counts=dict)
+    assert "low" not in victim_facts(gone, [chat, low], chat, counts=dict, machine=ThisMachine())
 
 
 def test_a_server_whose_requests_cannot_be_read_never_yields(tmp_path: Path) -> None:
@@ -60,7 +66,13 @@ def test_a_server_whose_requests_cannot_be_read_never_yields(tmp_path: Path) -> 
     obs = Observation(records={"chat": idle})
     for metric, yielded in ((0, True), (None, False)):
         facts = victim_facts(
-            obs, [chat, low], low, counts=dict, server_in_flight=lambda s, m=metric: m, now=1000.0
+            obs,
+            [chat, low],
+            low,
+            counts=dict,
+            server_in_flight=lambda s, m=metric: m,
+            machine=ThisMachine(),
+            now=1000.0,
         )
         assert yields(facts["chat"]) is yielded, (metric, facts["chat"])
 
@@ -77,7 +89,7 @@ def test_whether_a_server_yields_is_its_records_word(tmp_path: Path) -> None:
     idle = Record("chat", Phase.RUNNING, 1.0, 1.0, handle={"pid": 4242}, promise=said)
     facts = victim_facts(
         Observation(records={"chat": idle}), [chat, low], low, counts=dict,
-        server_in_flight=lambda s: 0, now=1000.0,
+        server_in_flight=lambda s: 0, machine=ThisMachine(), now=1000.0,
     )  # fmt: skip
     assert not yields(facts["chat"]) and facts["chat"].yield_after_s is None
 

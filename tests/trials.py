@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuctl.config.model import DEFAULT_YIELD_AFTER_S
+from gpuctl.config.values import DEFAULT_YIELD_AFTER_S
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import gpuctl_exe
 from tests.ensure_helpers import model_server_command, server_pids, service_toml

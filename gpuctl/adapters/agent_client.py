@@ -27,7 +27,9 @@ import httpx
 
 from gpuctl import __version__
 from gpuctl.adapters.http_clients import async_http_client, http_client
-from gpuctl.core.model import Snapshot
+from gpuctl.adapters.pipeline import own_pipeline
+from gpuctl.adapters.procinfo import host_identity, own_lineage
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.status_wire import parse_status as snapshot_from_wire
 from gpuctl.errors import AgentAuthError, AgentUnavailable
 
@@ -245,10 +247,6 @@ class _Base:
         # and our pipeline (`| cat | tee X.log`): the agent leaves them out of `starting`
         # when it runs on this same machine. Not the `pipes=` of our stdio: a background
         # job writing into the same pipe is a server, not our pipeline.
-
-        from gpuctl.adapters.pipeline import own_pipeline
-        from gpuctl.adapters.procinfo import host_identity, own_lineage
-
         params = {
             "match": ",".join(words),
             "exclude": ",".join(str(p) for p in dict.fromkeys([*own_lineage(), *own_pipeline()])),

@@ -9,8 +9,11 @@ the weights and listens only once the model is loaded. Whether that means
 
 from __future__ import annotations
 
+import ipaddress
+
 import httpx
 
+from gpuctl.adapters import vllm
 from gpuctl.core.decision import NO_HEALTH, Health
 from gpuctl.core.health_reach import IpAddress
 from gpuctl.core.redact import mask_url_passwords, show_url
@@ -61,7 +64,6 @@ def check_sleeping(
     """
     if not health.ok:
         return health
-    from gpuctl.adapters import vllm
 
     if vllm.is_sleeping(vllm.origin(url), client, timeout_s):
         return Health("sleeping", f"vLLM sleep mode at {vllm.origin(url)}", 200)
@@ -82,8 +84,6 @@ async def check_async(url: str | None, client: httpx.AsyncClient, timeout_s: flo
 def local_addresses() -> frozenset[IpAddress]:
     """This machine's interface addresses (``ip -brief addr``), read afresh each call (an
     interface can come up while the agent runs); empty when they cannot be read."""
-    import ipaddress
-
     import psutil
 
     out: set[IpAddress] = set()

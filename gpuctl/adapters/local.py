@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.pipeline import own_pipeline
-from gpuctl.core.model import ProbeReading, Snapshot, snapshot_from_reading
+from gpuctl.core.snapshot import ProbeReading, Snapshot, snapshot_from_reading
 from gpuctl.core.timestamps import iso_utc
 
 

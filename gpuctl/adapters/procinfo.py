@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
-from gpuctl.core.model import HostIdentity, StartingProcess
 from gpuctl.core.redact import redact_argv
+from gpuctl.core.snapshot import HostIdentity, StartingProcess
 
 # /docker/<64hex>, docker-<64hex>.scope, cri-containerd-<64hex>.scope, libpod-<64hex>.scope
 _CGROUP_ID = re.compile(r"(?:docker|cri-containerd|libpod|containerd)[-/]([0-9a-f]{64})")

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from gpuctl.core.redact import redact_text, show_url
 from gpuctl.errors import LauncherError
 
 # vllm:num_requests_running{model_name="m"} 2.0  (one line per model / engine)
@@ -88,8 +89,6 @@ def in_flight(url: str, client: httpx.Client, timeout_s: float = 2.0) -> int | N
             (an error, not "nothing in flight": reclaim never stops a server it cannot
             read).
     """
-    from gpuctl.core.redact import redact_text, show_url
-
     shown = show_url(url)
     try:
         r = client.get(url, timeout=timeout_s)

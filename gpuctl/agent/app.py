@@ -12,6 +12,9 @@ Endpoints::
                                     bypass the reading cache; query.py)
     GET /metrics          bearer    Prometheus text (metrics.py)
     … /records…           bearer    the state store (store_api.py)
+    GET /ui, /ui/…        no auth   the live web view: static files, no data (ui.py)
+    GET /ui/state         bearer    everything the page draws
+    POST /actions/{op}    write     ensure, stop, resume through the CLI's flows (ui.py)
 
 Many pollers, one scan: the probe reading is cached for ``cache_ttl_s`` and refreshed by
 one scan at a time (requests that arrive during a scan wait for it, cache.py). Probes
@@ -27,6 +30,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from gpuctl import __version__
 from gpuctl.adapters.pipeline import on_pipes
@@ -35,12 +39,13 @@ from gpuctl.adapters.procinfo import describe_pids, find_matching
 from gpuctl.adapters.store.journal import counters as journal_counters
 from gpuctl.adapters.store.journal import failures as journal_failures
 from gpuctl.adapters.store.journal import journal_for
-from gpuctl.agent import events_api
+from gpuctl.agent import events_api, ui
 from gpuctl.agent.auth import Tokens
 from gpuctl.agent.cache import FolderStamp, Outcome, TtlCell
 from gpuctl.agent.events_api import seen_by
 from gpuctl.agent.http import (
     ASGIApp,
+    Handler,
     HttpError,
     Receive,
     Request,
@@ -62,13 +67,13 @@ from gpuctl.agent.query import (
     parse_match,
     parse_pids,
 )
-from gpuctl.agent.servers import HealthGate, Servers, promote_loop, scan_servers
 from gpuctl.agent.settings import AgentSettings
-from gpuctl.agent.snapshot import Scan, agent_snapshot
+from gpuctl.agent.snapshot import Scan, Servers, agent_snapshot, scan_servers
 from gpuctl.agent.store_api import StoreApi, read_all
+from gpuctl.agent.upkeep import HealthGate, promote_loop
 from gpuctl.core.health_reach import HealthReach
-from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
+from gpuctl.core.snapshot import Snapshot, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, ProbeError
 
@@ -92,9 +97,19 @@ class _MatchSlot:
 class AgentApp:
     """The ASGI callable. Build it with ``create_app``."""
 
-    def __init__(self, settings: AgentSettings, probe: Probe) -> None:
+    def __init__(
+        self, settings: AgentSettings, probe: Probe, ui_backend: ui.UiBackend | None = None
+    ) -> None:
         self.settings = settings
         self.probe = probe
+        self.ui_backend = ui_backend
+        self.history = ui.MemoryHistory()
+        self._ui_status: TtlCell[dict[str, Any] | None] | None = (
+            TtlCell(ui_backend.status, max(settings.cache_ttl_s, 0.5))
+            if ui_backend is not None
+            else None
+        )
+        self._sampler: asyncio.Future[None] | None = None
         self._tokens = Tokens(settings.token, settings.read_token)
         self.router = Router()
         self.requests_total: dict[str, int] = {}
@@ -115,6 +130,11 @@ class AgentApp:
         self.router.add("GET", "/events", self._get_events)
         self.router.add("POST", "/events", self._post_events)
         self.router.add("GET", "/usage", self._get_usage)
+        for path, response in ui.static_routes().items():
+            self.router.add("GET", path, self._static(response), auth=False)
+        self.router.add("GET", "/ui/state", self._get_ui_state)
+        for op in ui.ACTIONS:
+            self.router.add("POST", f"/actions/{op}", self._action(op))
 
         self.store_api = StoreApi(settings.state_dir, on_write=self.invalidate, host=settings.host)
         store = self.store_api.store
@@ -138,6 +158,79 @@ class AgentApp:
         writer = self._tokens.check(request.scope, write=True)
         seen = seen_by(request.scope, writer, self.settings.token is not None)
         return await events_api.post_events(self.journal, request, seen)
+
+    @staticmethod
+    def _static(response: Response) -> Handler:
+        async def get(request: Request) -> Response:
+            return response
+
+        return get
+
+    def _action(self, op: str) -> Handler:
+        async def post(request: Request) -> Response:
+            return await ui.act(self.ui_backend, op, request)
+
+        return post
+
+    async def _sample_loop(self) -> None:
+        """The sparkline's hour: GPU memory every ``ui.HISTORY_EVERY_S``."""
+        while True:
+            outcome = await self._scan.get()
+            if outcome.value is not None:
+                devices = outcome.value.reading.device_list()
+                self.history.add(time.time(), [d.memory_used_mib for d in devices])
+            await asyncio.sleep(ui.HISTORY_EVERY_S)
+
+    async def _get_ui_state(self, request: Request) -> Response:
+        """Everything the page draws: the config's view (or, without one, the agent's own
+        snapshot), the records' phases and times, the wait queue, the memory history."""
+        writer = self._tokens.check(request.scope, write=False)
+        role = seen_by(request.scope, writer, self.settings.token is not None)["role"]
+        status: dict[str, Any] | None = None
+        if self._ui_status is not None:
+            got = await self._ui_status.get()
+            if got.error is not None:
+                raise HttpError(
+                    503, f"reading the status failed: {got.error}", "see the agent's log"
+                )
+            status = got.value
+        snapshot: dict[str, Any] | None = None
+        if status is None:
+            scan = await self._current_scan()
+            servers = await self._current_servers(False)
+            assert scan.value is not None and servers.value is not None
+            snapshot = self.snapshot(scan.value, None, servers.value).to_wire()
+        records: list[dict[str, Any]] = []
+        queue: list[dict[str, Any]] = []
+        store = self.store_api.store
+        if store is not None:
+            recs, _ = await asyncio.to_thread(read_all, store)
+            records = [ui.record_row(r) for r in recs]
+            waiters = await asyncio.to_thread(store.waiters)
+            queue = [
+                {
+                    "name": w.name,
+                    "priority": w.priority,
+                    "memory_mib": w.memory_mib,
+                    "seq": w.seq,
+                    "since": w.since,
+                }
+                for w in waiters
+            ]
+        return json_response(
+            200,
+            {
+                "role": role,
+                "config": self.ui_backend is not None and self.ui_backend.has_config,
+                "actions": self.ui_backend is not None,
+                "now": time.time(),
+                "status": status,
+                "snapshot": snapshot,
+                "records": records,
+                "queue": queue,
+                "history": self.history.to_wire(),
+            },
+        )
 
     async def _prune_loop(self) -> None:
         """Retention (``journal.maintain``): at start, then every ``PRUNE_EVERY_S``."""
@@ -180,9 +273,10 @@ class AgentApp:
                     )
                 if self.journal is not None:
                     self._pruner = asyncio.ensure_future(self._prune_loop())
+                self._sampler = asyncio.ensure_future(self._sample_loop())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                for task in (self._promoter, self._pruner):
+                for task in (self._promoter, self._pruner, self._sampler):
                     if task is not None:
                         task.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
@@ -409,14 +503,18 @@ class AgentApp:
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 
 
-def create_app(settings: AgentSettings, probe: Probe) -> ASGIApp:
+def create_app(
+    settings: AgentSettings, probe: Probe, ui_backend: ui.UiBackend | None = None
+) -> ASGIApp:
     """Build the agent's ASGI application around ``probe``.
 
     Args:
         settings: token, cache TTL and what /status reports about this host.
         probe: the GPU probe; its ``read`` may block (it runs in a worker thread).
+        ui_backend: the config's view and the flows behind the page's buttons
+            (``gpuctl agent`` builds it); None: the page watches, and actions are 503.
 
     Returns:
         The ASGI callable (an ``AgentApp``).
     """
-    return AgentApp(settings, probe)
+    return AgentApp(settings, probe, ui_backend)

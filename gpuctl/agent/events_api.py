@@ -37,6 +37,7 @@ MAX_READ = 100_000
 FOLLOW_POLL_S = 0.5
 PING_EVERY = 30
 FOLLOW_MAX_S = 3600.0  # a follower reconnects after an hour (``id:`` lets it resume)
+TAIL_WINDOW_S = 3600.0
 
 
 def seen_by(scope: Scope, writer: bool, has_token: bool = True) -> dict[str, str]:
@@ -117,6 +118,51 @@ async def post_events(journal: Journal | None, request: Request, seen: dict[str,
     return json_response(200, {"written": len(events) if ok else 0})
 
 
+class _Tail:
+    """One journal poll every ``FOLLOW_POLL_S`` for every follower of one journal: each
+    follower reads its own catch-up, then takes the new rows from here. Fifty open web
+    views polling the journal each in a worker thread cost ``/status`` its p99."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.subscribers: set[asyncio.Queue[list[tuple[int, Event]]]] = set()
+        self.task: asyncio.Future[None] | None = None
+
+    def subscribe(self) -> asyncio.Queue[list[tuple[int, Event]]]:
+        queue: asyncio.Queue[list[tuple[int, Event]]] = asyncio.Queue()
+        self.subscribers.add(queue)
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        return queue
+
+    async def _run(self) -> None:
+        # Bounded by time too (the journal is indexed on it): an event is written as it
+        # happens, so one stamped an hour before it reaches the journal is not waited for.
+        newest = await asyncio.to_thread(self.journal.read, time.time() - TAIL_WINDOW_S, limit=1)
+        last = newest[-1][0] if newest else 0
+        while self.subscribers:
+            rows = await asyncio.to_thread(
+                self.journal.read, time.time() - TAIL_WINDOW_S, after_id=last, limit=MAX_READ
+            )
+            if rows:
+                last = max(i for i, _ in rows)
+                for queue in self.subscribers:
+                    queue.put_nowait(rows)
+            await asyncio.sleep(FOLLOW_POLL_S)
+
+
+# One tail per journal and event loop (an agent's; tests run several in one process).
+_TAILS: dict[tuple[str, int], _Tail] = {}
+
+
+def _tail(journal: Journal) -> _Tail:
+    key = (str(journal.state_dir), id(asyncio.get_running_loop()))
+    tail = _TAILS.get(key)
+    if tail is None:
+        tail = _TAILS[key] = _Tail(journal)
+    return tail
+
+
 async def follow_events(
     journal: Journal | None, scope: Scope, receive: Receive, send: Send
 ) -> None:
@@ -144,26 +190,43 @@ async def follow_events(
                 gone.set()
                 return
 
+    def frames(rows: list[tuple[int, Event]]) -> bytes:
+        return b"".join(
+            f"id: {i}\ndata: {json.dumps(_row(i, e), separators=(',', ':'))}\n\n".encode()
+            for i, e in rows
+        )
+
     watcher = asyncio.create_task(watch())
+    tail = _tail(journal)
+    # Subscribed before the catch-up: a row written in between comes twice, never not
+    # at all (the ids sort the repeat out).
+    queue = tail.subscribe()
     deadline = time.monotonic() + FOLLOW_MAX_S
-    last, polls = after, 0
+    polls = 0
     try:
+        rows = await asyncio.to_thread(
+            journal.read, since, service=service, after_id=after, limit=MAX_READ
+        )
+        last = max((i for i, _ in rows), default=after)
+        if rows:
+            await send({"type": "http.response.body", "body": frames(rows), "more_body": True})
         while not gone.is_set() and time.monotonic() < deadline:
-            rows = await asyncio.to_thread(
-                journal.read, since, service=service, after_id=last, limit=MAX_READ
-            )
-            chunk = b"".join(
-                f"id: {i}\ndata: {json.dumps(_row(i, e), separators=(',', ':'))}\n\n".encode()
-                for i, e in rows
-            )
-            if rows:
-                last = max(i for i, _ in rows)
+            batch: list[tuple[int, Event]] = []
+            with contextlib.suppress(TimeoutError):
+                batch = await asyncio.wait_for(queue.get(), FOLLOW_POLL_S)
+            fresh = [
+                (i, e)
+                for i, e in batch
+                if i > last and e.at >= since and (service is None or e.service == service)
+            ]
+            if fresh:
+                last = max(i for i, _ in fresh)
             polls += 1
+            chunk = frames(fresh)
             if chunk or polls % PING_EVERY == 0:  # a comment line keeps proxies from closing it
                 body = chunk or b": ping\n\n"
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(gone.wait(), FOLLOW_POLL_S)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
+        tail.subscribers.discard(queue)
         watcher.cancel()

@@ -12,7 +12,7 @@ when every one of these holds, else it refuses and signals nothing:
 - the caller holds the record's lease (409): a preemption takes it first, so two callers
   never stop one job, and a caller that only holds the token cannot stop a job it has
   not judged under the lease;
-- the pid is really that job's CMD (403, ``jobs.verify_job``): its environment carries
+- the pid is really that job's CMD (403, ``adapters.job_cmd.verify_job``): its environment carries
   the record's ``run_nonce``, the job's name and the --preemptible mark ``gpuctl run``
   put there, and it leads its own session. The token can write any record, so without
   this a forged ``run.evil`` naming any pid would have it (and its group) signalled; an
@@ -28,13 +28,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpuctl.adapters.jobs import JOB_GRACE_S, signal_job
-from gpuctl.adapters.store import DirectStore
+from gpuctl.adapters.job_cmd import signal_job
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
-from gpuctl.core.jobs import PREFIX, is_job
-from gpuctl.core.model import HostIdentity
+from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, is_job
 from gpuctl.core.record import Phase
+from gpuctl.core.snapshot import HostIdentity
 from gpuctl.errors import LauncherError
 
 # The longest grace period a job stop may ask for (the request waits for it).

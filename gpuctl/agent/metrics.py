@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuctl import __version__
-from gpuctl.core.model import HostIdentity, ProbeReading, device_figures
+from gpuctl.core.durations import histogram, start_durations
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_pids import recorded_servers
+from gpuctl.core.snapshot import HostIdentity, ProbeReading, device_figures
 
 
 def _label(value: str) -> str:
@@ -261,8 +262,6 @@ def _gpu_metrics(
 
 def _start_durations(records: Sequence[Record], lines: list[str]) -> None:
     """``gpuctl_start_duration_seconds``: each service's recent successful starts."""
-    from gpuctl.core.durations import histogram, start_durations
-
     name = "gpuctl_start_duration_seconds"
     lines.append(
         f"# HELP {name} How long a service's recent successful starts took (the last few "

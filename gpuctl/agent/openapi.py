@@ -18,6 +18,7 @@ from gpuctl.agent.openapi_records import (
     records_paths,
     records_schemas,
 )
+from gpuctl.agent.openapi_ui import ui_paths
 
 # Keys the agent sends only on request; every other key of /status it always sends (the
 # Structs' defaults are for parsing older agents, not optional keys of this one).
@@ -185,6 +186,7 @@ def openapi_document() -> dict[str, Any]:
             },
             **records_paths(unauthorized),
             **events_paths(unauthorized, {"$ref": "#/components/schemas/Error"}),
+            **ui_paths(unauthorized, {"$ref": "#/components/schemas/Error"}),
         },
         "components": {
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},

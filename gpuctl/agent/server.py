@@ -24,6 +24,7 @@ from typing import Any
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.core.conn_limits import ConnectionLimits
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
+from gpuctl.core.redact import redact_lines
 from gpuctl.errors import GpuctlError, UsageError
 
 _OFF_LOOPBACK_HINT = "set GPUCTL_AGENT_TOKEN or pass --token-file"
@@ -149,8 +150,6 @@ class RedactingFilter(logging.Filter):
     error or a URL with a password (``gpuctl.core.redact``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from gpuctl.core.redact import redact_lines
-
         text = record.getMessage()
         redacted = redact_lines(text)
         if redacted != text:
@@ -190,6 +189,7 @@ def serve(
     limits: ConnectionLimits | None = None,
     health_ports: PortRanges | None = None,
     journal_days: float = 90.0,
+    ui_backend: Any = None,
 ) -> None:
     """Serve the agent until SIGTERM / Ctrl-C.
 
@@ -211,6 +211,8 @@ def serve(
         journal_days: how many days of events the journal keeps (``adapters.store.journal``).
         health_ports: where on this machine it fetches records' health URLs
             (``--health-ports``); None: ``DEFAULT_HEALTH_PORTS``.
+        ui_backend: the web view's config view and flows (``gpuctl.agent.ui.UiBackend``);
+            None: the page watches and its actions answer 503.
 
     Raises:
         UsageError: a bad or busy listen address, or no token off loopback.
@@ -262,6 +264,7 @@ def serve(
                 if health_ports is not None
                 else parse_ports(DEFAULT_HEALTH_PORTS),
                 journal_days=journal_days,
+                ui_backend=ui_backend,
             )
         finally:
             probe.close()
@@ -285,6 +288,7 @@ def _run(
     limits: ConnectionLimits,
     health_ports: PortRanges,
     journal_days: float,
+    ui_backend: Any,
 ) -> None:
     # Lazy: the server stack stays out of every other command's start-up.
     import uvicorn
@@ -307,7 +311,7 @@ def _run(
         journal_days=journal_days,
     )
     config = uvicorn.Config(
-        create_app(settings, probe),
+        create_app(settings, probe, ui_backend),
         # httptools is a dependency; the guard hooks its protocol (connections.py).
         http=guarded_protocol(
             HttpToolsProtocol,

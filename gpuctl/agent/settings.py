@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from gpuctl.adapters.procinfo import host_identity
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
-from gpuctl.core.model import HostIdentity
+from gpuctl.core.snapshot import HostIdentity
 
 
 @dataclass(frozen=True, slots=True)

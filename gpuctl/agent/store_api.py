@@ -46,18 +46,18 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.adapters.procinfo import host_identity
-from gpuctl.adapters.store import DirectStore
 from gpuctl.adapters.store.codec import RecordError, check_record, decode_holder, decode_promise
+from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent import job_stop, wire
 from gpuctl.agent.http import HttpError
 from gpuctl.core.events import Event
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.names import is_valid_name
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import Record
 from gpuctl.core.record_mask import masked as masked_record
 from gpuctl.core.record_shapes import RecordUpdate, apply_update
 from gpuctl.core.redact import redact_lines
+from gpuctl.core.snapshot import HostIdentity
 from gpuctl.errors import GpuctlError, StoreError, UsageError
 
 log = logging.getLogger("gpuctl.agent")

@@ -21,6 +21,14 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from gpuctl.adapters.store.codec import (
+    MEMORY_MAX_MIB,
+    PRIORITY_MAX,
+    QUEUE_ID,
+    QUEUE_TTL_MAX_S,
+    RecordError,
+    decode_promise,
+)
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
 from gpuctl.core import record_shapes as shapes
@@ -312,8 +320,6 @@ def _problem(msg: str, value: Any, t: Any) -> str:
 
 def promise(value: Any, field: str) -> dict[str, Any]:
     """A start's promise, by the store's own schema (``codec.PROMISE_FIELDS``)."""
-    from gpuctl.adapters.store.codec import RecordError, decode_promise
-
     try:
         decode_promise(value, at=f"$.{field}")
     except RecordError as err:
@@ -431,8 +437,6 @@ def integer(value: Any, field: str, *, low: int, high: int) -> int:
 
 
 def queue_id(value: Any, field: str) -> str:
-    from gpuctl.adapters.store.codec import QUEUE_ID
-
     text = string(value, field)
     if not QUEUE_ID.fullmatch(text):
         raise BadRequest(field, "expected 1 to 64 ASCII letters and digits")
@@ -447,8 +451,6 @@ def _job_name(value: Any, field: str) -> str:
 
 
 def queue_join_request(data: dict[str, Any]) -> dict[str, Any]:
-    from gpuctl.adapters.store.codec import MEMORY_MAX_MIB, PRIORITY_MAX, QUEUE_TTL_MAX_S
-
     def queue_ttl(value: Any, field: str) -> float:
         seconds = number(value, field, low=0.0, high=QUEUE_TTL_MAX_S)
         if seconds <= 0:

@@ -9,12 +9,20 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpuctl.cli.common import duration_parser, errors_to_exit, say, size_parser
-from gpuctl.config.model import ProbeName
+from gpuctl.cli.common import (
+    ConfigOpt,
+    duration_parser,
+    errors_to_exit,
+    open_config,
+    say,
+    size_parser,
+)
+from gpuctl.config.paths import default_sim_dir, default_state_dir
+from gpuctl.config.values import ProbeName
 from gpuctl.core.conn_limits import (
     DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -22,8 +30,11 @@ from gpuctl.core.conn_limits import (
     DEFAULT_MAX_TOTAL,
     ConnectionLimits,
 )
-from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS
+from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, parse_ports
 from gpuctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.config.values import Config
 
 
 def read_token_file(
@@ -57,6 +68,23 @@ def read_token_file(
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _agent_config(explicit: Path | None) -> Config:
+    """The GPU host's config for the web view. One named with --config must load; one
+    found through $GPUCTL_CONFIG or the default path that does not load is said in a
+    warning, and the agent serves without it (its page then offers stop only): a user's
+    broken config must not take the GPU host's agent down."""
+    from gpuctl.config.values import Config
+    from gpuctl.errors import ConfigError
+
+    if explicit is not None:
+        return open_config(explicit)
+    try:
+        return open_config(None)
+    except ConfigError as err:
+        say(f"gpuctl agent: warning: the web view runs without a config: {err.message}")
+        return Config(path=None)
 
 
 def register(app: typer.Typer) -> None:
@@ -230,12 +258,12 @@ def register(app: typer.Typer) -> None:
                 metavar="DURATION",
             ),
         ] = DEFAULT_IDLE_TIMEOUT_S,
+        config: ConfigOpt = None,
     ) -> None:
         """Run the GPU host agent: /status, /records, /metrics and /openapi.json over HTTP."""
         with errors_to_exit():
             # Lazy: uvicorn and the app load only when the agent really starts.
             from gpuctl.agent.server import serve
-            from gpuctl.config.paths import default_sim_dir, default_state_dir
 
             if token_file is not None:
                 token: str | None = read_token_file(token_file.expanduser())
@@ -250,7 +278,6 @@ def register(app: typer.Typer) -> None:
             keywords = tuple(
                 sorted({w.strip().lower() for w in (match or "").split(",") if w.strip()})
             )
-            from gpuctl.core.health_reach import parse_ports
 
             try:
                 ports = parse_ports(health_ports)
@@ -268,6 +295,19 @@ def register(app: typer.Typer) -> None:
                 state_dir.expanduser() if state_dir is not None else default_state_dir()
             ).absolute()
             sim = (sim_dir.expanduser() if sim_dir is not None else default_sim_dir()).absolute()
+            # The web view's services and buttons: this GPU host's config (--config, else
+            # $GPUCTL_CONFIG, else the default path; a missing default is none).
+            from gpuctl.cli.agent_ui import ConfigBackend
+
+            # The page's flows use this agent's state directory, as its /records do.
+            os.environ["GPUCTL_STATE_DIR"] = str(state)
+            backend = ConfigBackend(
+                _agent_config(config),
+                probe=probe.value,
+                sim_dir=sim,
+                gpu_memory_mib=gpu_memory,
+                state_dir=state,
+            )
             serve(
                 listen,
                 probe.value,
@@ -290,4 +330,5 @@ def register(app: typer.Typer) -> None:
                 ),
                 health_ports=ports,
                 journal_days=journal_days,
+                ui_backend=backend,
             )

@@ -9,6 +9,7 @@ completion and anything unrecognised get every command.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from enum import StrEnum
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.completion import completion_init  # type: ignore[attr-defined]
 
 from gpuctl import __version__
 
@@ -63,8 +65,6 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
         # add_completion=False also skips registering Typer's completion protocol
         # (complete_bash, complete_zsh, ...), which our scripts speak. typer.completion is
         # a public module, but it imports completion_init rather than exporting it.
-        from typer.completion import completion_init  # type: ignore[attr-defined]
-
         completion_init()
     app = typer.Typer(
         name="gpuctl",
@@ -119,8 +119,6 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
         from gpuctl.cli.common import set_root_config
 
         set_root_config(config)
-
-    import importlib
 
     wanted = _command_modules(argv or [])
     for module in wanted:

@@ -5,6 +5,7 @@ Kept light: this module is imported at CLI start, so it pulls in nothing heavy.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -202,8 +203,6 @@ def errors_to_exit() -> Iterator[None]:
 
 def print_json(obj: Any) -> None:
     """One JSON object on stdout, sorted keys (STYLE rule 3)."""
-    import json
-
     from gpuctl.core.redact import mask_url_passwords
     from gpuctl.core.safe_text import json_safe
 

@@ -16,7 +16,7 @@ from gpuctl.cli.common import (
     print_json,
     say,
 )
-from gpuctl.errors import ExitCode
+from gpuctl.errors import ExitCode, GpuctlError
 
 config_app = typer.Typer(help="Find, check and show the configuration.", no_args_is_help=True)
 
@@ -89,7 +89,6 @@ def _local_state_dir_warning(conf: Any) -> str | None:
     two stores would mean two truths."""
     from gpuctl.adapters import procinfo
     from gpuctl.config.paths import default_state_dir
-    from gpuctl.errors import GpuctlError
 
     here = procinfo.host_identity()
     mine = str(default_state_dir())

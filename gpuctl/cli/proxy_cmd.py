@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from gpuctl.cli.common import ConfigOpt, complete_host, errors_to_exit, open_config
+from gpuctl.errors import UsageError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -61,8 +62,6 @@ def proxy(
     model, 429 past max_concurrent, 502 when the server fails.
     """
     with errors_to_exit():
-        from gpuctl.errors import UsageError
-
         if log_level.lower() not in LOG_LEVELS:
             raise UsageError(
                 f"--log-level: expected debug, info, warning or error, got {log_level!r}"

@@ -48,6 +48,8 @@ def reclaim(
     with errors_to_exit():
         if host and all_hosts:
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
+        from gpuctl.core.safe_text import visible
+        from gpuctl.flows.heal import repair_lines
         from gpuctl.flows.reclaim import reclaim as run
         from gpuctl.render.reclaim_view import (
             host_errors,
@@ -63,9 +65,6 @@ def reclaim(
             report = run(deps, dry_run=dry_run)
         finally:
             deps.close()
-        from gpuctl.core.safe_text import visible
-        from gpuctl.flows.heal import repair_lines
-
         # What was healed goes to stderr, with --json too: a repair is news, not a result.
         for host_name, r in report.repaired:
             for line in repair_lines(host_name, [r]):

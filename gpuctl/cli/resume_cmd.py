@@ -41,15 +41,17 @@ def resume(
     Exit 0 started or ready · 1 failed · 3 BUSY (does not fit yet) · 4 UNKNOWN · 5 not ready in time.
     """
     with errors_to_exit():
+        from gpuctl.flows.deps import EnsureRequest
+        from gpuctl.flows.ports import Tell
         from gpuctl.flows.resume import resume as run
         from gpuctl.render.results import ensure_text, ensure_to_json
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
-        deps = deps_for(conf, service, host, entry="resume")
-        deps.on_repair = say  # a record healed on the way (gpuctl.flows.heal), on stderr
+        # A record healed on the way (gpuctl.flows.heal) is said on stderr.
+        deps = deps_for(conf, service, host, tell=Tell(on_repair=say))
         try:
-            result = run(deps, wait=not no_wait)
+            result = run(deps, EnsureRequest(entry="resume", wait=not no_wait))
         finally:
             deps.close()
         if json_out:

@@ -108,8 +108,8 @@ def run(
     Exit: CMD's own · 3 BUSY or PREEMPTABLE without --preempt (before CMD starts) · 4 UNKNOWN · 5 timeout · 126/127 CMD cannot be started.
     """
     with errors_to_exit():
-        from gpuctl.flows.run import RunRequest
-        from gpuctl.flows.run import run as run_job
+        from gpuctl.flows.run.job import RunRequest
+        from gpuctl.flows.run.job import run as run_job
         from gpuctl.wiring.run import run_deps
 
         if not cmd:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -22,9 +22,6 @@ from gpuctl.cli.common import (
     say,
 )
 from gpuctl.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gpuctl.flows.results import Progress
 
 
 def register(app: typer.Typer) -> None:
@@ -74,7 +71,11 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
+        from gpuctl.flows.deps import EnsureRequest
         from gpuctl.flows.ensure.rounds import ensure as run
+        from gpuctl.flows.op_results import EnsureResult
+        from gpuctl.flows.ports import Tell
+        from gpuctl.render.progress_line import ProgressLine
         from gpuctl.render.results import ensure_text, ensure_to_json
         from gpuctl.wiring.build import deps_for
 
@@ -88,17 +89,17 @@ def ensure(
                     hint=f"set services.{service}.health (e.g. http://HOST:8000/health)",
                 )
             )
-        line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
-        deps = deps_for(conf, service, host, progress=line.update if line else None)
-        deps.preempt, deps.force = preempt, force
-        deps.on_repair = say
-        if not json_out:
-            deps.notice = line.say if line else say
+        line = ProgressLine(service) if not json_out and sys.stderr.isatty() else None
+        tell = Tell(
+            progress=line.update if line else None,
+            notice=None if json_out else (line.say if line else say),
+            on_repair=say,
+        )
+        deps = deps_for(conf, service, host, tell=tell)
+        req = EnsureRequest(timeout_s=timeout_s, wait=not no_wait, preempt=preempt, force=force)
         try:
-            result = run(deps, timeout_s=timeout_s, wait=not no_wait)
+            result = run(deps, req)
         except KeyboardInterrupt:
-            from gpuctl.flows.results import EnsureResult
-
             if line:
                 line.stop()
             say(f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)")
@@ -118,51 +119,6 @@ def ensure(
         raise typer.Exit(result.exit_code)
 
 
-class _StatusLine:
-    """A Rich status line on stderr while waiting: phase, elapsed, GPU memory, newest log line."""
-
-    def __init__(self, service: str) -> None:
-        from gpuctl.render.safe import console
-
-        self.service = service
-        # Markup on: the line's styles are ours; the note and log line go in escaped.
-        self.console = console(stderr=True, markup=True)
-        self.status = self.console.status(f"{service}: checking…")
-        self.status.start()
-
-    def update(self, p: Progress) -> None:
-        from rich.markup import escape
-
-        from gpuctl.core.durations import progress
-        from gpuctl.core.units import format_duration, format_mib
-
-        fraction, eta = progress(p.elapsed_s, p.expected_s)
-        if fraction is None:  # the first start: the spinner alone
-            parts = [f"[bold]{self.service}[/]: {p.phase}", format_duration(p.elapsed_s)]
-        else:
-            filled = int(fraction * 20)
-            bar = "[green]" + "━" * filled + "[/][dim]" + "━" * (20 - filled) + "[/]"
-            parts = [f"[bold]{self.service}[/]: {p.phase}", bar, eta]
-        if p.memory_mib is not None:
-            parts.append(f"GPU {format_mib(p.memory_mib)}")
-        if p.note:
-            parts.append(f"[yellow]{escape(p.note)}[/]")
-        if p.log_line:
-            parts.append(f"[dim]{escape(p.log_line[-80:])}[/]")
-        self.status.update(" · ".join(parts))
-
-    def say(self, message: str) -> None:
-        """A message above the line (printed as ``say`` would; the line stays below)."""
-        from gpuctl.core.redact import mask_url_passwords
-        from gpuctl.core.safe_text import visible
-
-        text = visible(mask_url_passwords(message), keep_newlines=True)
-        self.console.print(text, markup=False, highlight=False)
-
-    def stop(self) -> None:
-        self.status.stop()
-
-
 def stop(
     service: ServiceArg, host: HostOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None
 ) -> None:
@@ -173,7 +129,7 @@ def stop(
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
-        deps = deps_for(conf, service, host, entry="stop")
+        deps = deps_for(conf, service, host)
         try:
             result = service_ops.stop(deps)
         finally:
@@ -194,7 +150,7 @@ def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
-        deps = deps_for(conf, service, host, entry="touch")
+        deps = deps_for(conf, service, host)
         try:
             result = service_ops.touch(deps)
         finally:
@@ -227,8 +183,10 @@ def locks(
 ) -> None:
     """Records and leases: phase, holder, since, last used, idle for, lease expires, last failure; and the wait queue (run --wait) in the order it is served."""
     with errors_to_exit():
+        from gpuctl.core.safe_text import visible
         from gpuctl.flows import service_ops
-        from gpuctl.render.locks import locks_to_json
+        from gpuctl.render.locks import locks_errors, locks_to_json, render_locks
+        from gpuctl.render.safe import console
         from gpuctl.wiring.build import locks_deps
 
         conf = open_config(config)
@@ -237,16 +195,11 @@ def locks(
             report = service_ops.locks(deps, finished=finished)
         finally:
             deps.close()
-        from gpuctl.core.safe_text import visible
-
         for _host, line in report.repaired:  # news, on stderr (with --json too)
             say(visible(line))
         if json_out:
             print_json(locks_to_json(report))
         else:
-            from gpuctl.render.locks import locks_errors, render_locks
-            from gpuctl.render.safe import console
-
             if (
                 any(rec is not None for _, rec, _ in report.rows)
                 or report.set_aside

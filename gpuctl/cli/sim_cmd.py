@@ -21,6 +21,7 @@ from gpuctl.cli.common import (
     duration_parser,
     errors_to_exit,
     fail,
+    open_config,
     print_json,
     say,
     size_parser,
@@ -286,15 +287,14 @@ def ls(
     with errors_to_exit(), _sim_errors():
         from gpuctl.flows.sim_ops import configured_sim_dir, list_claims
         from gpuctl.render.sim_view import sim_ls_text, sim_ls_to_json
+        from gpuctl.wiring.build import this_machine
 
         if sim_dir is not None:
             from_env = os.environ.get("GPUCTL_SIM_DIR") == str(sim_dir)
             source = "$GPUCTL_SIM_DIR" if from_env else "--sim-dir"
         else:
-            from gpuctl.cli.common import open_config
-
             sim_dir, source = configured_sim_dir(open_config(None))
-        listing = list_claims(sim_dir, gpu_memory, source)
+        listing = list_claims(sim_dir, gpu_memory, source, command_of=this_machine().command_of)
         if listing.warning:
             say(f"warning: {listing.warning}")
         if json_out:

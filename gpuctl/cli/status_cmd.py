@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -19,8 +20,8 @@ from gpuctl.cli.common import (
     print_json,
     say,
 )
-from gpuctl.config.model import ProbeName
-from gpuctl.errors import UsageError
+from gpuctl.config.values import ProbeName
+from gpuctl.errors import ProbeError, UsageError
 
 if TYPE_CHECKING:
     from gpuctl.config import Config
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 
 def _named_on_the_command_line(sim_dir: Path) -> bool:
     """``--sim-dir`` itself, not ``$GPUCTL_SIM_DIR`` (the option's fallback)."""
-    import os
-
     return os.environ.get("GPUCTL_SIM_DIR") != str(sim_dir)
 
 
@@ -114,8 +113,6 @@ def status(
             # The default folder (or $GPUCTL_SIM_DIR) may not exist yet: an idle simulated
             # GPU. A folder named here that is not there is a typo: saying "idle" would be
             # saying free without knowing.
-            from gpuctl.errors import ProbeError
-
             fail(
                 ProbeError(
                     f"--sim-dir {sim_dir}: no such directory",

@@ -6,16 +6,20 @@ Everything is validated when the file is loaded, and every error names its locat
 file: a host names an environment variable or a file, read when a token is needed.
 The key names are a contract; a rename needs a deprecation path.
 
-Modules: ``model`` (the dataclasses, the one list of probe names), ``table`` (typed,
-located getters for one TOML table), ``parse`` (TOML tables to the model), ``load``
-(finding and reading the file), ``secrets`` (tokens), ``paths`` (where config and state
-live; the one reader of ``GPUCTL_CONFIG``), ``starter`` (``gpuctl config init``).
+Modules: ``values`` (the dataclasses a config loads into: ``Config``, ``HostConfig``,
+``ServiceConfig``…; the one list of probe names), ``table`` (typed, located getters for
+one TOML table), ``parse`` (TOML tables to those values), ``load`` (finding and reading
+the file), ``secrets`` (tokens), ``paths`` (where config and state live; the one reader
+of ``GPUCTL_CONFIG``), ``starter`` (``gpuctl config init``).
 """
 
 from __future__ import annotations
 
 from gpuctl.config.load import load_config
-from gpuctl.config.model import (
+from gpuctl.config.parse import parse_config
+from gpuctl.config.paths import config_path
+from gpuctl.config.secrets import token_file_warning
+from gpuctl.config.values import (
     LAUNCHERS,
     PROBES,
     Config,
@@ -24,9 +28,6 @@ from gpuctl.config.model import (
     ProbeName,
     ServiceConfig,
 )
-from gpuctl.config.parse import parse_config
-from gpuctl.config.paths import config_path
-from gpuctl.config.secrets import token_file_warning
 
 __all__ = [
     "LAUNCHERS",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from gpuctl.config.model import Config
 from gpuctl.config.parse import parse_config
 from gpuctl.config.paths import config_path
 from gpuctl.config.secrets import token_file_warning
+from gpuctl.config.values import Config
 from gpuctl.errors import ConfigError
 
 

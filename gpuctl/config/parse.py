@@ -1,4 +1,5 @@
-"""Validate parsed TOML into the config model, naming the location of every error.
+"""Validate parsed TOML into the config's values (``gpuctl.config.values``), naming the
+location of every error.
 
 Each table declares its keys (``Table`` refuses unknown ones before anything else is
 looked at): a typo (``[host.dgx]``, ``hots = "dgx"``) is reported as the typo, with a
@@ -15,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.config.docker_fields import container_ref, ipc_mode, ports, shm_size, volumes
-from gpuctl.config.model import (
+from gpuctl.config.priority_fields import yield_after
+from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
+from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
+from gpuctl.config.values import (
     DEFAULT_AGENT_TIMEOUT_S,
     DEFAULT_HEALTH_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -33,9 +37,6 @@ from gpuctl.config.model import (
     ServiceConfig,
     known_hint,
 )
-from gpuctl.config.priority_fields import yield_after
-from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
-from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
 from gpuctl.core.jobs import PREFIX as JOB_PREFIX
 from gpuctl.core.jobs import PRIORITY_MAX, is_job
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name

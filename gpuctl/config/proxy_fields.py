@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gpuctl.config.model import (
+from gpuctl.config.table import ENV_NAME, Table, show
+from gpuctl.config.values import (
     DEFAULT_PROXY_LISTEN,
     DEFAULT_PROXY_MAX_BODY_MIB,
     DEFAULT_PROXY_RETRY_AFTER_S,
@@ -15,7 +16,6 @@ from gpuctl.config.model import (
     ProxyConfig,
     ServiceConfig,
 )
-from gpuctl.config.table import ENV_NAME, Table, show
 from gpuctl.core.conn_limits import (
     DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,

@@ -13,6 +13,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from gpuctl.config.parse import HTTP
 from gpuctl.config.secrets import write_secret_file
@@ -93,7 +94,6 @@ def starter_text(host: str, *, gpu_here: bool, agent: str, token_file: Path) -> 
         body = _LOCAL_HOST.format(name=host)
     else:
         rel = token_file.name
-        from urllib.parse import urlsplit
 
         try:
             url = urlsplit(agent)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import DRIVER_RESERVE_MIB, GpuDevice, GpuProcess, Snapshot
 from gpuctl.core.ownership import ServiceSpec, describe_process, loading_match, owner_of
+from gpuctl.core.snapshot import DRIVER_RESERVE_MIB, GpuDevice, GpuProcess, Snapshot
 from gpuctl.core.units import format_mib
 
 

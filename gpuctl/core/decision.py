@@ -52,7 +52,6 @@ from gpuctl.core.accounting import (
     holders_of,
     on_gpu_text,
 )
-from gpuctl.core.model import DRIVER_RESERVE_MIB, GpuProcess, Snapshot, StartingProcess
 from gpuctl.core.ownership import (
     ServiceSpec,
     describe_process,
@@ -63,6 +62,7 @@ from gpuctl.core.ownership import (
 )
 from gpuctl.core.plan import Plan, VictimFacts, held_back, plan_victims
 from gpuctl.core.record import Record, in_backoff
+from gpuctl.core.snapshot import DRIVER_RESERVE_MIB, GpuProcess, Snapshot, StartingProcess
 from gpuctl.core.units import format_duration, format_mib
 
 # The accounting and ownership helpers are part of the decision's public face: flows,

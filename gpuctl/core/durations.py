@@ -13,6 +13,7 @@ import math
 import statistics
 
 from gpuctl.core.record import Record
+from gpuctl.core.units import format_duration
 
 # Buckets of gpuctl_start_duration_seconds: from a small model's seconds to a cold vLLM
 # start on a DGX Spark (5-6 minutes, up to ten for the largest).
@@ -50,8 +51,6 @@ def progress(elapsed_s: float, expected_s: float | None) -> tuple[float | None, 
     ``3m12s of ~5m40s · 56%``; past the expected time the fraction stays below 1 and
     the words say so (``6m05s, ~5m40s expected``). Without an expectation: (None, '').
     """
-    from gpuctl.core.units import format_duration
-
     if expected_s is None or expected_s <= 0:
         return None, ""
     fraction = elapsed_s / expected_s

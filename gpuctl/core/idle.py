@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gpuctl.core.record import Phase
+from gpuctl.core.units import format_duration
 
 
 class Action(StrEnum):
@@ -79,8 +80,6 @@ def short_duration(seconds: float) -> str:
     The shared formatter's form, with the seconds kept under 10 minutes (``idle 1m > 1m``
     read as a contradiction) and dropped where they are zero or too small to matter.
     """
-    from gpuctl.core.units import format_duration
-
     s = max(0, int(seconds))
     if s < 600:
         text = format_duration(s)

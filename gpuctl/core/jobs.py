@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import Phase, Record
+from gpuctl.core.snapshot import HostIdentity
 
 PREFIX = "run."
 # The priorities a service may have (the config's range), and so a job or a waiter: a
@@ -25,6 +25,8 @@ PREFIX = "run."
 PRIORITY_MAX = 1_000_000
 # A job's process is its own: no keyword, only its recorded pid, makes a process its.
 JOB_HEALTH_TIMEOUT_S = 365 * 24 * 3600.0
+# How long a preempted job gets between SIGTERM and SIGKILL to save its work.
+JOB_GRACE_S = 10.0
 # How long `gpuctl locks` lists a job's record after the job ended (``--finished``: always).
 FINISHED_SHOWN_S = 3600.0
 

@@ -9,7 +9,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from gpuctl.core.model import GpuProcess, StartingProcess
+from gpuctl.core.redact import redact_command
+from gpuctl.core.snapshot import GpuProcess, StartingProcess
 from gpuctl.core.units import format_mib
 
 
@@ -154,8 +155,6 @@ def describe_process(p: GpuProcess, width: int = 72) -> str:
 
 def short_command(command: str | None, width: int = 72) -> str:
     """The program by its base name and its arguments, secrets redacted, cut to ``width``."""
-    from gpuctl.core.redact import redact_command
-
     if command is None:
         return "<command not visible>"
     words = redact_command(command).split()

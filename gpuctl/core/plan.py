@@ -32,6 +32,7 @@ Among the sets of victims that free enough on one GPU, the plan takes:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -279,6 +280,4 @@ def _cost(victims: Sequence[Victim]) -> tuple[object, ...]:
 
 
 def _n_subsets(n: int, k: int) -> int:
-    import math
-
     return math.comb(n, k)

@@ -408,6 +408,17 @@ def lease_state(
     return LeaseState.LIVE
 
 
+# A lease taken by these entry points is a stop under way: no new use may begin. A
+# preemptor's lease on its victim is one: it has checked that nothing is in flight, and
+# a use begun after that check would be cut by the stop that follows.
+STOP_ENTRIES = frozenset({"stop", "reclaim", "preempt"})
+
+
+def stopping(record: Record) -> bool:
+    """Whether the record's (effective) lease is a stop under way."""
+    return record.lease is not None and record.lease.entry in STOP_ENTRIES
+
+
 def in_backoff(record: Record | None, now: float) -> bool:
     return bool(
         record

@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import re
 from urllib.parse import unquote as _unquote
+from urllib.parse import urlsplit, urlunsplit
 
 MASK = "***"
 
@@ -133,8 +134,6 @@ _VALUE = re.compile(r"[^\s&;,'\"]+")
 def show_url(url: str) -> str:
     """A configured URL as gpuctl prints it: ``http://u:PW@h/m`` → ``http://u:***@h/m``
     (a user alone, ``http://TOKEN@h``, may be the secret: ``http://***@h``)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     try:
         parts = urlsplit(url)
     except ValueError:

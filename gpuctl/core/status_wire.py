@@ -19,10 +19,10 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-from gpuctl.core import model
-from gpuctl.core.model import STATUS_SCHEMA, Snapshot
+from gpuctl.core import snapshot as model
 from gpuctl.core.names import NAME_PATTERN, is_valid_name
 from gpuctl.core.pids import PID_MAX
+from gpuctl.core.snapshot import STATUS_SCHEMA, Snapshot
 
 __all__ = ["STATUS_COMPONENTS", "Status", "parse_status"]
 

@@ -18,9 +18,12 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+
+import httpx
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
@@ -228,9 +231,6 @@ def _proxy_chapter(
     load_time_s: float,
 ) -> None:
     """A chat request through ``gpuctl proxy`` to the stopped server, watched as it comes up."""
-    import threading
-
-    import httpx
 
     host.stop(comfyui)
     proxy_port = free_port()

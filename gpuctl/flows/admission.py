@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from gpuctl.adapters.store import Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.core.record import ADMISSION_TTL_MAX_S
 from gpuctl.errors import GpuctlError
+from gpuctl.flows.ports import Machine
 
 ADMISSION = "_admission"
 # A few seconds, not renewed: the lock covers a re-check and the recorded spawn, and a
@@ -36,6 +37,8 @@ class _Deps(Protocol):
     def clock(self) -> Callable[[], float]: ...
     @property
     def sleep(self) -> Callable[[float], None]: ...
+    @property
+    def machine(self) -> Machine: ...
 
 
 class AdmissionCtx(Protocol):
@@ -61,7 +64,7 @@ def admission(ctx: AdmissionCtx) -> Iterator[None]:
     mistaken for a stuck one.
     """
     deps = ctx.deps
-    holder = holder_here("admission")
+    holder = deps.machine.holder("admission")
     while True:
         granted, rec = deps.store.acquire(ADMISSION, holder, ADMISSION_TTL_S)
         if granted:

@@ -1,44 +1,39 @@
-"""What the flows work with: every adapter, the clock and the sleep come in as arguments.
+"""What each use case works with: the ports it acts through (``gpuctl.flows.ports``),
+and for one service's use cases a frozen request saying what the caller asks.
 
-``gpuctl.wiring.build`` builds the real ones; a test hands in fakes, or real adapters
-against a loopback agent. No flow reaches for an adapter, ``time.time`` or
-``time.sleep`` by itself.
+``gpuctl.wiring`` builds the real ports; a test hands in fakes, or real adapters against a
+loopback agent. No flow reaches for an adapter, ``time.time`` or ``time.sleep`` by itself.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from gpuctl.adapters.procinfo import host_identity
-from gpuctl.adapters.store import Store
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Listing, Record
-from gpuctl.flows.results import Progress
+from gpuctl.flows.ports import (
+    ChildFinder,
+    InFlightReader,
+    Launchers,
+    Machine,
+    Probe,
+    ServerChecks,
+    ServerFinder,
+    SnapshotReader,
+    Tell,
+)
 
 if TYPE_CHECKING:
     # Annotations only: ``status`` never builds a launcher, nor imports their base.
-    from gpuctl.adapters.launchers.base import Handle, Launcher
+    from gpuctl.adapters.launchers.base import Handle
     from gpuctl.core.heal import ServerTruth
-
-# (match keywords, recorded server pids) -> the host's snapshot
-SnapshotReader = Callable[[Sequence[str], Sequence[int]], Snapshot]
-# (a run job's record name, its handle, the holder id of our lease on it, the snapshot)
-# -> stops the job's CMD, from here or through the agent (``flows.preempt.job_stopper``);
-# True when it had to be killed.
-JobStopper = Callable[[str, dict[str, Any], str, Snapshot | None], bool]
-# records -> {pid: service} of their servers found on this machine (the direct path:
-# ``adapters.recorded_servers.find_servers``, as the agent finds them on its host)
-ServerFinder = Callable[[Iterable[Record]], dict[int, str]]
-# (records, {pid: service} of their servers) -> {pid: service} of the processes those
-# servers forked (``adapters.recorded_servers.server_children``)
-ChildFinder = Callable[[Iterable[Record], Mapping[int, str]], dict[int, str]]
 
 
 @dataclass
@@ -53,64 +48,37 @@ class Closers:
             self.closers.pop()()
 
 
+@dataclass(frozen=True, slots=True)
+class EnsureRequest:
+    """What the caller of ``ensure`` (or ``resume``) asks: a value, never changed by a flow."""
+
+    # Who asks (the lease's ``entry``: ensure, api, proxy, resume, reclaim, run…).
+    entry: str = "ensure"
+    # How long to wait for ready (None: the service's ``health_timeout``).
+    timeout_s: float | None = None
+    # Wait for the server to answer; False: return once its start is recorded.
+    wait: bool = True
+    # Carry out a PREEMPTABLE plan (``--preempt``; the service's ``preempt = true`` too).
+    preempt: bool = False
+    # Plan victims with requests in flight too (``--force``).
+    force: bool = False
+
+
 @dataclass
 class EnsureDeps(Closers):
-    """The adapters ``ensure``, ``stop`` and ``touch`` work with, for one service."""
+    """The ports ``ensure``, ``stop``, ``touch`` and ``resume`` act through, for one service."""
 
     config: Config = field(kw_only=True)
     service: ServiceConfig = field(kw_only=True)
     host: HostConfig = field(kw_only=True)
     store: Store = field(kw_only=True)
-    read_snapshot: SnapshotReader = field(kw_only=True)
-    # The same, never from a cache: the re-check under the admission lock and a stop act
-    # on it (None: ``read_snapshot`` reads fresh already, as the local probe does).
-    read_snapshot_fresh: SnapshotReader | None = field(kw_only=True, default=None)
-    check_health: Callable[[], Health] = field(kw_only=True)
-    make_launcher: Callable[[Snapshot | None], Launcher] = field(kw_only=True)
-    handle_alive: Callable[[Record], bool | None] = field(kw_only=True, default=lambda r: None)
+    probe: Probe = field(kw_only=True)
+    launchers: Launchers = field(kw_only=True)
+    servers: ServerChecks = field(kw_only=True)
+    machine: Machine = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
-    progress: Callable[[Progress], None] | None = field(kw_only=True, default=None)
-    # A line for the person waiting, at once (the CLI prints it on stderr): why a wait
-    # may be for nothing, rather than only after the timeout.
-    notice: Callable[[str], None] | None = field(kw_only=True, default=None)
-    entry: str = field(kw_only=True, default="ensure")
-    # record -> what its server is seen doing (``gpuctl.adapters.server_truth``): ensure
-    # first heals the phases of the host's records that lie about their servers
-    # (``gpuctl.flows.heal``). None: it heals nothing.
-    heal_look: Callable[[Record], ServerTruth] | None = field(kw_only=True, default=None)
-    # Where each repair is said at once (the CLI's stderr, with --json too: a repair of
-    # another service's record is news whatever the output). None: only the notes.
-    on_repair: Callable[[str], None] | None = field(kw_only=True, default=None)
-    # (base URL, sleep level) -> wakes a vLLM from sleep mode (``adapters.vllm.wake``)
-    wake_server: Callable[[str, int], None] | None = field(kw_only=True, default=None)
-    # Preemption: carry out a PREEMPTABLE plan (``--preempt``; the service's
-    # ``preempt = true`` too), and plan victims with requests in flight (``--force``).
-    preempt: bool = field(kw_only=True, default=False)
-    force: bool = field(kw_only=True, default=False)
-    # (another service, snapshot) -> its launcher, to stop a victim with
-    launcher_for: Callable[[ServiceConfig, Snapshot | None], Launcher] | None = field(
-        kw_only=True, default=None
-    )
-    # (another service) -> its server's requests in flight (vLLM's /metrics); None: no
-    # such metric; raises GpuctlError when it cannot be read
-    server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
-        kw_only=True, default=None
-    )
-    # Without an agent: the records' servers (and their children) found on this machine,
-    # as the agent finds them on its host and names them in its snapshot.
-    find_servers: ServerFinder | None = field(kw_only=True, default=None)
-    find_children: ChildFinder | None = field(kw_only=True, default=None)
-    # How a preempted run job is stopped (None: only one whose CMD runs on this machine).
-    stop_job: JobStopper | None = field(kw_only=True, default=None)
-    # This machine (a run job is signalled here only when its record names it).
-    here: HostIdentity = field(kw_only=True, default_factory=host_identity)
-
-    def fresh_reader(self) -> SnapshotReader:
-        return self.read_snapshot_fresh or self.read_snapshot
-
-
-ServiceDeps = EnsureDeps
+    tell: Tell = field(kw_only=True, default_factory=Tell)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +115,9 @@ class StatusDeps(Closers):
 
     config: Config = field(kw_only=True)
     hosts: list[HostDeps] = field(kw_only=True)
+    # This machine: a run job is a victim only where it can be signalled from here or by
+    # the host's agent.
+    machine: Machine = field(kw_only=True)
     # (health URL, timeout) -> its answer; never raises
     check_health: Callable[[str, float], Health] = field(kw_only=True)
     # (Ollama URL, model, timeout) -> the model's health from /api/ps; never raises
@@ -156,10 +127,8 @@ class StatusDeps(Closers):
         kw_only=True, default=None
     )
     health_timeout_s: float = field(kw_only=True, default=2.0)
-    # (a running service) -> its server's requests in flight, as ``EnsureDeps`` has it
-    server_in_flight: Callable[[ServiceConfig], int | None] | None = field(
-        kw_only=True, default=None
-    )
+    # (a running service) -> its server's requests in flight, as ``ServerChecks`` has it
+    server_in_flight: InFlightReader | None = field(kw_only=True, default=None)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     monotonic: Callable[[], float] = field(kw_only=True, default=time.monotonic)
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
@@ -172,8 +141,9 @@ class LocksDeps(Closers):
     config: Config = field(kw_only=True)
     hosts: list[HostConfig] = field(kw_only=True)
     store_of: Callable[[HostConfig], Store] = field(kw_only=True)
+    machine: Machine = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
-    # host -> how its records' servers are seen (``gpuctl.adapters.server_truth``):
+    # host -> how its records' servers are seen (``gpuctl.wiring`` builds it):
     # ``locks`` heals the phases that lie before it lists them. None: it only lists.
     look_of: Callable[[HostConfig], Callable[[Record], ServerTruth]] | None = field(
         kw_only=True, default=None

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from gpuctl.adapters.store import Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
 from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
-from gpuctl.core.record import Record
+from gpuctl.core.record import Holder, Record
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
 
@@ -37,6 +37,7 @@ def heal(
     look: Callable[[Record], ServerTruth],
     entry: str,
     *,
+    new_holder: Callable[[str], Holder],
     clock: Callable[[], float] = time.time,
     abandoned_after: Callable[[str], float] | None = None,
 ) -> list[Repair]:
@@ -64,7 +65,7 @@ def heal(
         # its holder is mid-way (a preemptor between marking and signalling its victim).
         if record.lease is not None or judge(record) is None:
             continue
-        holder = holder_here(entry)
+        holder = new_holder(entry)
         try:
             granted, fresh = store.acquire(record.service, holder, HEAL_LEASE_S)
         except GpuctlError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from gpuctl.core.decision import Verdict, owner_of
 from gpuctl.core.jobs import is_job
 from gpuctl.flows.deps import EnsureDeps
-from gpuctl.flows.results import Outcome
+from gpuctl.flows.op_results import Outcome
 
 
 def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = None) -> str:

@@ -11,6 +11,7 @@ preempt.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -28,9 +29,9 @@ from gpuctl.core.decision import (
 )
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.jobs import job_specs, unreachable
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers
+from gpuctl.core.queue import Waiter, held_back, waiter_reason
 from gpuctl.core.record import (
     Listing,
     Phase,
@@ -41,9 +42,11 @@ from gpuctl.core.record import (
     unreadable_handle,
 )
 from gpuctl.core.record_pids import recorded_servers
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
-from gpuctl.flows.deps import ChildFinder, EnsureDeps, ServerFinder, SnapshotReader
+from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.ports import ChildFinder, Machine, ServerFinder, SnapshotReader
 from gpuctl.flows.results import MemoryUse
 
 S = TypeVar("S", ServiceConfig, PromisedSpec)
@@ -406,23 +409,29 @@ def orphaned_starts(
 
 
 def look(
-    deps: EnsureDeps, health: Health, own_holder: str | None = None, *, fresh: bool = False
+    deps: EnsureDeps,
+    health: Health,
+    own_holder: str | None = None,
+    *,
+    fresh: bool = False,
+    force: bool = False,
 ) -> tuple[Verdict, Observation]:
     """Ask the store and the agent about ``deps.service``, and decide. Never raises for an
     unreachable agent or store: the decision is then UNKNOWN. ``fresh``: never from the
-    agent's reading cache (the re-check before a launch)."""
+    agent's reading cache (the re-check before a launch). ``force``: plan victims with
+    requests in flight too (``--force``)."""
     svc = deps.service
     others = deps.config.services_on(svc.host)
-    reader = deps.fresh_reader() if fresh else deps.read_snapshot
+    reader = deps.probe.fresh() if fresh else deps.probe.read
     seen = observe(
         deps.store.listing,
         reader,
         others or [svc],
-        find_servers=deps.find_servers,
-        find_children=deps.find_children,
+        find_servers=deps.probe.find_servers,
+        find_children=deps.probe.find_children,
     )
     record = seen.records.get(svc.name)
-    alive = deps.handle_alive(record) if record is not None and record.handle else None
+    alive = deps.launchers.handle_alive(record) if record is not None and record.handle else None
     judge = partial(
         decide,
         svc,
@@ -441,11 +450,11 @@ def look(
         others,
         svc,
         counts=deps.store.inflight,
-        server_in_flight=deps.server_in_flight,
-        here=deps.here,
+        server_in_flight=deps.servers.in_flight,
+        machine=deps.machine,
         now=deps.clock(),
     )
-    return with_victims(judge(), svc, judge, facts, force=deps.force), seen
+    return with_victims(judge(), svc, judge, facts, force=force), seen
 
 
 # Who could be stopped to make room: the facts the victim planner (``gpuctl.core.plan``)
@@ -583,7 +592,7 @@ def victim_facts(
     *,
     counts: Callable[[], Mapping[str, int]],
     server_in_flight: Callable[[ServiceConfig], int | None] | None = None,
-    here: HostIdentity | None = None,
+    machine: Machine,
     now: float | None = None,
 ) -> dict[str, VictimFacts]:
     """What the planner needs of each other service that runs: its priority, whether
@@ -592,9 +601,9 @@ def victim_facts(
     flight (``counts``: the store's; and, for services of lower priority,
     ``server_in_flight``: the server's own metric). A count that cannot be read (a
     ``GpuctlError``) is unknown: such a service is no victim. A run job is one only where
-    it can be signalled (``core.jobs.unreachable``): on this machine (``here``; None: this
-    one), or on the machine the snapshot was read on (the agent's; for a host read
-    without one, this machine).
+    it can be signalled (``core.jobs.unreachable``): on this machine (``machine``), or on
+    the machine the snapshot was read on (the agent's; for a host read without one, this
+    machine).
 
     A server of equal or higher priority is a victim only where it yields
     (``core.plan.yields``): for it, ``idle_s`` is ``now`` (None: this machine's clock)
@@ -602,8 +611,6 @@ def victim_facts(
     metric is read only once it is idle past its ``yield_after``, and ``kind`` and
     ``yield_after_s`` come from its config."""
     if now is None:
-        import time
-
         now = time.time()
 
     # Each at its record's own figures: its priority is what its start promised.
@@ -637,10 +644,8 @@ def victim_facts(
                 f.name, f.priority, managed=False, in_config=False, last_used=r.last_used
             )
     jobs = job_specs(seen.records.values(), exclude=svc.name)
-    if jobs and here is None:
-        from gpuctl.adapters.procinfo import host_identity
-
-        here = host_identity()
+    # Asked only where a job runs: reading this machine's identity costs a file read.
+    here = machine.here if jobs else None
     agent = seen.snapshot.host if seen.snapshot is not None else None
     for job in jobs:
         # A run job has no requests: --preemptible says whether it may be stopped, and
@@ -655,3 +660,45 @@ def victim_facts(
             unreachable=unreachable(seen.records[job.name].handle or {}, here, agent),
         )
     return out
+
+
+# The wait queue of ``gpuctl run --wait`` (``gpuctl.core.queue``) as a service sees it:
+# ``ensure`` and ``status`` ask the same question of an IDLE or FITS verdict.
+
+HELD_BACK_HINT = (
+    "it starts once the queue's head has its room; or give the service a higher priority"
+)
+
+
+def service_held_back(
+    waiters: Iterable[Waiter],
+    *,
+    priority: int,
+    need_mib: int | None,
+    verdict: Verdict,
+    snapshot: Snapshot | None,
+    total_override_mib: int | None,
+) -> str | None:
+    """Under the admission lock, before a service (``ensure``, ``resume``, the proxy)
+    launches on an IDLE or FITS verdict: why it must not (a live head of higher
+    priority whose room it would take; ``core.queue.held_back``), or None. ``status``
+    asks the same of an IDLE or FITS verdict, so it says BUSY where ``ensure`` would.
+    ``waiters``: the store's live queue (``Store.waiters``)."""
+    devices = snapshot.device_list() if snapshot is not None else ()
+    totals = {
+        d.index: d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
+        for d in devices
+    }
+    known = [t for t in totals.values() if t is not None]
+    # IDLE: nothing holds the GPU, its whole memory is free.
+    free = verdict.free_mib if verdict.free_mib is not None else totals.get(verdict.gpu or 0)
+    head = held_back(
+        waiters,
+        priority=priority,
+        need_mib=verdict.need_mib if verdict.need_mib is not None else need_mib,
+        free_mib=free,
+        largest_mib=max(known) if known else None,
+    )
+    if head is None:
+        return None
+    return waiter_reason(head, time.strftime("%H:%M:%S", time.localtime(head.since)))

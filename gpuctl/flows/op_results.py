@@ -1,9 +1,9 @@
 """How ``ensure`` ends (``Outcome``), and the results of ``ensure``, ``stop``, ``touch``,
 ``locks`` and ``sim ls``: plain objects, rendered by ``gpuctl.render``.
 
-Apart from ``gpuctl.flows.results`` so that ``gpuctl status``, which needs none of them,
-does not build their classes at every start (about 0.6 ms a dataclass). Import them from
-``gpuctl.flows.results`` as before: it hands them out from here on first use.
+Apart from ``gpuctl.flows.results`` (what ``status`` returns, and a wait's ``Progress``) so
+that ``gpuctl status``, which needs none of them, does not build their classes at every
+start (about 0.6 ms a dataclass).
 """
 
 from __future__ import annotations

@@ -31,16 +31,18 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
-from gpuctl.adapters.store import Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows import story
-from gpuctl.flows.deps import Closers, SnapshotReader
+from gpuctl.flows.deps import Closers
+from gpuctl.flows.heal import heal, health_timeouts
+from gpuctl.flows.ports import Machine, SnapshotReader
 from gpuctl.flows.resume import Resumed
 
 if TYPE_CHECKING:
@@ -64,7 +66,7 @@ class ReclaimHost:
     make_launcher: Callable[[ServiceConfig, Snapshot | None], Launcher]
     # (service) -> puts a vLLM to sleep at its sleep_level; raises GpuctlError
     sleep_server: Callable[[ServiceConfig], None]
-    # record -> what its server is seen doing (``gpuctl.adapters.server_truth``), for the
+    # record -> what its server is seen doing (``gpuctl.wiring`` builds it), for the
     # heal pass; None: no heal.
     look: Callable[[Record], ServerTruth] | None = None
 
@@ -73,7 +75,7 @@ class ReclaimHost:
 class ReclaimDeps(Closers):
     config: Config = field(kw_only=True)
     hosts: list[ReclaimHost] = field(kw_only=True)
-    here: HostIdentity = field(kw_only=True)
+    machine: Machine = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     # Rotates the launchers' logs on this machine by size; returns the ones rotated.
     rotate_logs: Callable[[], list[str]] | None = field(kw_only=True, default=None)
@@ -154,7 +156,7 @@ def _reclaim_host(
     dry_run: bool,
 ) -> None:
     planned = report.planned
-    run = holder_here("reclaim")
+    run = deps.machine.holder("reclaim")
     if not dry_run:
         granted, rec = rh.store.acquire(RUN_LOCK, run, RUN_LOCK_TTL_S)
         if not granted:
@@ -169,11 +171,15 @@ def _reclaim_host(
         services = deps.config.services_on(rh.host.name)
         listed = rh.store.records()
         if rh.look is not None and not dry_run:
-            from gpuctl.flows.heal import heal, health_timeouts
-
             timeouts = health_timeouts(deps.config)
             repairs = heal(
-                rh.store, listed, rh.look, "reclaim", clock=deps.clock, abandoned_after=timeouts
+                rh.store,
+                listed,
+                rh.look,
+                "reclaim",
+                new_holder=deps.machine.holder,
+                clock=deps.clock,
+                abandoned_after=timeouts,
             )
             report.repaired += [(rh.host.name, r) for r in repairs]
             if repairs:
@@ -188,7 +194,7 @@ def _reclaim_host(
         if any(judge(f, now).action.frees for f in facts):
             snapshot = rh.read_snapshot([], [])
             facts = [
-                _where(f, s, rh.host, snapshot, deps.here)
+                _where(f, s, rh.host, snapshot, deps.machine.here)
                 for f, s in zip(facts, services, strict=True)
             ]
         for svc, f in zip(services, facts, strict=True):
@@ -205,10 +211,8 @@ def _reclaim_host(
         if not dry_run:
             with contextlib.suppress(GpuctlError):
                 rh.store.release(RUN_LOCK, run.id)
-            if not rh.host.agent and hasattr(rh.store, "state_dir"):  # no agent prunes here
-                from gpuctl.adapters.store.journal import journal_for
-
-                journal_for(rh.store.state_dir).maintain()
+            if not rh.host.agent and hasattr(rh.store, "prune_journal"):  # no agent prunes here
+                rh.store.prune_journal()
 
 
 def _facts(
@@ -266,7 +270,7 @@ def _free(
     deps: ReclaimDeps, rh: ReclaimHost, svc: ServiceConfig, p: Planned, snap: Snapshot | None
 ) -> None:
     """Stop (sleep, unload) one service under its lease, after judging it again there."""
-    holder = holder_here("reclaim")
+    holder = deps.machine.holder("reclaim")
     ttl = svc.stop_timeout_s + STOP_LEASE_MARGIN_S
     granted, rec = rh.store.acquire(svc.name, holder, ttl)
     if not granted:
@@ -282,7 +286,7 @@ def _free(
         now = deps.clock()
         f = _facts(svc, replace(rec, lease=None), rh.store.inflight(), now, rh)
         if snap is not None:
-            f = _where(f, svc, rh.host, snap, deps.here)
+            f = _where(f, svc, rh.host, snap, deps.machine.here)
         again = judge(f, now)
         if again.action is not p.candidate.action:
             p.candidate = again

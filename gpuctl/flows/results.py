@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, ServiceSpec, Verdict, owner_of
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import Snapshot
 from gpuctl.core.promise import Promise
 from gpuctl.core.promised_specs import PromisedSpec
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ExitCode
 
 
@@ -135,47 +134,8 @@ class StatusReport:
 
 
 __all__ = [
-    "EnsureResult",
     "HostReport",
-    "LocksReport",
     "MemoryUse",
-    "Outcome",
     "Progress",
-    "SimClaim",
-    "SimListing",
     "StatusReport",
-    "StopResult",
-    "TouchResult",
 ]
-
-# Moved to ``op_results`` (status needs none of them); still importable from here.
-_ELSEWHERE = frozenset(
-    (
-        "EnsureResult",
-        "LocksReport",
-        "Outcome",
-        "SimClaim",
-        "SimListing",
-        "StopResult",
-        "TouchResult",
-    )
-)
-
-if TYPE_CHECKING:
-    from gpuctl.flows.op_results import (
-        EnsureResult,
-        LocksReport,
-        Outcome,
-        SimClaim,
-        SimListing,
-        StopResult,
-        TouchResult,
-    )
-
-
-def __getattr__(name: str) -> object:
-    if name in _ELSEWHERE:
-        from gpuctl.flows import op_results
-
-        return getattr(op_results, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

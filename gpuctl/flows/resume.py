@@ -19,37 +19,32 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from gpuctl.adapters.store import Store
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
-from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.deps import EnsureDeps, EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
-from gpuctl.flows.results import EnsureResult
+from gpuctl.flows.op_results import EnsureResult
 
 
-def resume(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
-    """Start ``deps.service`` if it fits now, never stopping anything for it."""
+def resume(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:
+    """Start ``deps.service`` if it fits now, never stopping anything for it, whatever
+    ``req`` or the service's ``preempt = true`` say (neither is changed)."""
 
+    req = req or EnsureRequest(entry="resume")
     svc = deps.service
     try:
         phase = deps.store.get(svc.name).phase
     except GpuctlError:
         phase = None
-    # Never preempting is this call's rule, not the caller's: both are put back.
-    preempt = deps.preempt
-    deps.service = replace(svc, preempt=False)
-    deps.preempt = False
-    try:
-        result = ensure(deps, timeout_s=timeout_s, wait=wait)
-    finally:
-        deps.service = svc
-        deps.preempt = preempt
+    never = replace(deps, service=replace(svc, preempt=False))
+    result = ensure(never, replace(req, preempt=False))
     if phase is Phase.PREEMPTED and result.exit_code == 0:
         story.tell(
             deps.store,
-            story.ev("resume", svc.name, deps.entry, before=phase, reason=result.reason),
+            story.ev("resume", svc.name, req.entry, before=phase, reason=result.reason),
         )
     if phase is not None and phase is not Phase.PREEMPTED:
         result.notes.insert(0, f"{svc.name} was not preempted (phase {phase.value})")
@@ -90,15 +85,18 @@ def to_resume(config: Config, host: str, store: Store) -> list[ServiceConfig]:
 
 
 def resume_preempted(
-    services: Sequence[ServiceConfig], make_deps: Callable[[ServiceConfig], EnsureDeps]
+    services: Sequence[ServiceConfig],
+    make_deps: Callable[[ServiceConfig], EnsureDeps],
+    entry: str,
 ) -> list[Resumed]:
     """Resume each of ``services`` in order, without waiting for them to be ready. A
-    refusal (BUSY: it does not fit yet) leaves it preempted for the next time."""
+    refusal (BUSY: it does not fit yet) leaves it preempted for the next time.
+    ``entry``: who resumes them (``reclaim``, ``run``)."""
     out = []
     for svc in services:
         deps = make_deps(svc)
         try:
-            out.append(Resumed(svc.name, resume(deps, wait=False)))
+            out.append(Resumed(svc.name, resume(deps, EnsureRequest(entry=entry, wait=False))))
         except GpuctlError as e:
             out.append(Resumed(svc.name, error=e.message))
         finally:

@@ -6,9 +6,7 @@ import contextlib
 from dataclasses import replace
 from datetime import datetime
 
-from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.queue import Waiter
@@ -18,24 +16,29 @@ from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError, StoreError, Undecided, Unproven
 from gpuctl.flows import story
 from gpuctl.flows.deps import EnsureDeps, LocksDeps, describe_handle
+from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import hidden_words, keywords
-from gpuctl.flows.results import LocksReport, StopResult, TouchResult
+from gpuctl.flows.op_results import LocksReport, StopResult, TouchResult
+from gpuctl.flows.ports import Machine
 
 STOP_LEASE_WAIT_S = 10.0
 
 
-def stop(deps: EnsureDeps) -> StopResult:
+def stop(deps: EnsureDeps, entry: str = "stop") -> StopResult:
     """Stop the service's server: by its record, else by its match keywords on the host.
 
     Takes the lease first (waiting a little for a start under way), so a stop and a
     start never run at once. Only a server carrying its start's proof is signalled
     (``Launcher.stop``); anything else is reported and its record kept as it was.
 
+    ``entry`` names who stops it (the CLI's ``stop``, the web view's ``ui``), in its
+    lease and its journal event.
+
     Raises:
         Unproven: the record (or a keyword match) names a process without that proof.
     """
     svc = deps.service
-    holder = holder_here("stop")
+    holder = deps.machine.holder(entry)
     deadline = deps.clock() + STOP_LEASE_WAIT_S
     while True:
         granted, record = deps.store.acquire(
@@ -63,8 +66,8 @@ def stop(deps: EnsureDeps) -> StopResult:
         snapshot = None
         with contextlib.suppress(GpuctlError):
             pid = (record.handle or {}).get("pid")
-            snapshot = deps.fresh_reader()(keywords([svc]), [pid] if isinstance(pid, int) else [])
-        launcher = deps.make_launcher(snapshot)
+            snapshot = deps.probe.fresh()(keywords([svc]), [pid] if isinstance(pid, int) else [])
+        launcher = deps.launchers.own(snapshot)
         if record.handle:
             handle = Handle.from_dict(record.handle)
             if launcher.alive(handle) is not False:
@@ -109,7 +112,7 @@ def stop(deps: EnsureDeps) -> StopResult:
                 started = taken - age if taken is not None and age is not None else None
                 handle = Handle(kind=launcher.kind, pid=pid, pid_start=started)
                 local = launcher.kind == "process"
-                if started is None and local and not _started_before(pid, taken):
+                if started is None and local and not _started_before(deps.machine, pid, taken):
                     continue
                 if launcher.alive(handle) is False:
                     continue  # gone since the reading: not ours to report
@@ -144,7 +147,7 @@ def stop(deps: EnsureDeps) -> StopResult:
             event=story.ev(
                 "stop",
                 svc.name,
-                "stop",
+                entry,
                 cause="manual",
                 before=record.phase,
                 after=Phase.STOPPED,
@@ -192,20 +195,20 @@ def _epoch(iso: str) -> float | None:
         return None
 
 
-def _started_before(pid: int, taken: float | None) -> bool:
+def _started_before(machine: Machine, pid: int, taken: float | None) -> bool:
     """Whether ``pid``, a process on this machine, started before the reading that
     listed it (True where that cannot be told)."""
     if taken is None:
         return True
 
-    started = procinfo.start_time(pid)
+    started = machine.start_time(pid)
     return started is None or started <= taken + 0.5
 
 
 def touch(deps: EnsureDeps) -> TouchResult:
     """Mark the service used now. A server that answers its health check completes a
     ``starting`` record (left by ``--no-wait`` or a killed launcher) to ``running``."""
-    ready = deps.check_health().ok
+    ready = deps.servers.health().ok
     svc = deps.service
     return TouchResult(svc.name, deps.store.touch(svc.name, ready=ready, promise=svc.promise()))
 
@@ -234,14 +237,13 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
                 # A record that lies about its server (a killed preemptor's leftovers, a
                 # server gone on its own) is healed before it is shown, so `locks` never
                 # lists as starting a start nobody is making.
-                from gpuctl.flows.heal import heal, health_timeouts, repair_lines
-
                 timeouts = health_timeouts(deps.config)
                 repairs = heal(
                     store,
                     listed,
                     deps.look_of(h),
                     "locks",
+                    new_holder=deps.machine.holder,
                     clock=deps.clock,
                     abandoned_after=timeouts,
                 )

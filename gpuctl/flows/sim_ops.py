@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuctl.adapters.procinfo import command_of
 from gpuctl.errors import UsageError
-from gpuctl.flows.results import SimClaim, SimListing
+from gpuctl.flows.op_results import SimClaim, SimListing
 from gpuctl.sim.gpu import SimGpu
 
 if TYPE_CHECKING:
@@ -37,7 +37,15 @@ def configured_sim_dir(conf: Config) -> tuple[Path | None, str]:
     return sims[0].sim_dir, f"hosts.{sims[0].name}.sim_dir"
 
 
-def list_claims(sim_dir: Path | None, total_mib: int | None, source: str = "") -> SimListing:
+def list_claims(
+    sim_dir: Path | None,
+    total_mib: int | None,
+    source: str = "",
+    *,
+    command_of: Callable[[int], str | None],
+) -> SimListing:
+    """The simulated GPU's claims, each with its process's command line (``command_of``:
+    ``Machine.command_of``)."""
 
     sim = SimGpu(sim_dir, total_mib, define=False)  # a listing never changes the GPUs
     claims = tuple(

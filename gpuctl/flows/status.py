@@ -21,24 +21,25 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
 from gpuctl.core.jobs import is_job, job_specs
-from gpuctl.core.model import GpuProcess, StartingProcess
 from gpuctl.core.names import is_service_name
 from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.queue import Waiter
+from gpuctl.core.snapshot import GpuProcess, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
 from gpuctl.flows.look import (
+    HELD_BACK_HINT,
     Observation,
     decide,
     memory_use,
     observe,
+    service_held_back,
     victim_facts,
     with_victims,
     yielding,
 )
 from gpuctl.flows.results import HostReport, OtherService, StatusReport
-from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -155,6 +156,7 @@ def _judge(
                 svc,
                 counts=counts,
                 server_in_flight=in_flight,
+                machine=deps.machine,
                 now=now,
             )
             first = with_victims(first, svc, decide_it, facts)
@@ -172,7 +174,7 @@ def _queue_check(
     waiters: Callable[[], Sequence[Waiter]] | None,
 ) -> Verdict:
     """An IDLE or FITS service that ``ensure`` would hold back for the head of the
-    ``gpuctl run --wait`` queue (``run_queue.service_held_back``) is BUSY, with the
+    ``gpuctl run --wait`` queue (``look.service_held_back``) is BUSY, with the
     reason and hint ``ensure`` gives; a queue that cannot be read leaves it UNKNOWN."""
     if waiters is None or verdict.decision not in (Decision.IDLE, Decision.FITS):
         return verdict

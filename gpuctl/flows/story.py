@@ -8,8 +8,10 @@ causes it, or ``story.tell(store, ...)``. The journal is a witness: nothing here
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +47,6 @@ def ev(
     only here, so a command that tells nothing pays nothing for them). Phases and
     decisions may be enums (their value is kept); figures that are None (not
     measured) are left out, never written as 0."""
-    from gpuctl.adapters.procinfo import host_identity
     from gpuctl.core.events import Cause, Event, Kind
     from gpuctl.core.redact import redact_command
 
@@ -53,7 +54,7 @@ def ev(
         at=time.time() if at is None else at,
         kind=Kind(kind),
         service=service,
-        host=host_identity().hostname,
+        host=socket.gethostname(),
         cause=Cause(cause) if cause is not None else None,
         job=job,
         before=_word(before),
@@ -75,12 +76,10 @@ def _word(value: object) -> str | None:
 
 def tell(store: Any, *events: Event) -> None:
     """Journal events that ride on no record write; never raises."""
-    try:
+    # ``Store.note`` never raises (each store counts and warns of what it drops); this
+    # guard keeps a store that breaks that promise from failing the flow.
+    with contextlib.suppress(Exception):  # a witness, not a gate
         store.note(*events)
-    except Exception:  # a witness, not a gate
-        from gpuctl.adapters.store.journal import dropped
-
-        dropped("the store would not take the event")
 
 
 def mib(value: int | None) -> float | None:
@@ -178,33 +177,11 @@ def host_events(
 ) -> list[tuple[int, Event]]:
     """A host's journal from ``since``: its agent's (``GET /events``), or the files'
     here. Raises GpuctlError when the host cannot be read."""
-    import sqlite3
-
-    from gpuctl.errors import StoreError
-
-    if hasattr(store, "events"):
-        got: list[tuple[int, Event]] = store.events(since, service=service, after_id=after_id)
-        return got
-    from gpuctl.adapters.store.journal import journal_for
-
-    try:
-        return journal_for(store.state_dir).read(since, service=service, after_id=after_id)
-    except (sqlite3.Error, OSError) as e:
-        raise StoreError(f"cannot read the journal in {store.state_dir}: {e}") from None
+    got: list[tuple[int, Event]] = store.events(since, service=service, after_id=after_id)
+    return got
 
 
 def host_usage(store: Any, since: float) -> dict[tuple[str, str, str], Any]:
     """A host's usage rows from ``since`` (``core.usage``), keyed (day, service, user)."""
-    import sqlite3
-
-    from gpuctl.errors import StoreError
-
-    if hasattr(store, "usage"):
-        got: dict[tuple[str, str, str], Any] = store.usage(since)
-        return got
-    from gpuctl.adapters.store.journal import journal_for
-
-    try:
-        return journal_for(store.state_dir).usage(since)
-    except (sqlite3.Error, OSError) as e:
-        raise StoreError(f"cannot read the journal in {store.state_dir}: {e}") from None
+    got: dict[tuple[str, str, str], Any] = store.usage(since)
+    return got

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
-from gpuctl.adapters.store import Holder
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, Verdict, owns
-from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Record
+from gpuctl.core.record import Holder, Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureDeps
 from gpuctl.flows.look import keywords, look
-from gpuctl.flows.results import Outcome, Progress
+from gpuctl.flows.op_results import Outcome
+from gpuctl.flows.results import Progress
 
 POLL_S = 0.2
 LIVENESS_EVERY_S = 1.0
@@ -93,7 +93,7 @@ def wait_ready(ctx: Clock, watch: Watch) -> Waited:
     next_look = 0.0
     dead = 0
     while True:
-        health = deps.check_health()
+        health = deps.servers.health()
         if health.ok:
             return Waited(Outcome.READY, watch.ready_reason(ctx.elapsed()))
         # vLLM answers 503 only once its engine is dead; a few in a row end the wait.
@@ -112,8 +112,8 @@ def wait_ready(ctx: Clock, watch: Watch) -> Waited:
             end = watch.look(now)
             if end is not None:
                 return end
-        if deps.progress is not None:
-            deps.progress(
+        if deps.tell.progress is not None:
+            deps.tell.progress(
                 Progress(
                     watch.phase,
                     ctx.elapsed(),
@@ -164,12 +164,12 @@ class LauncherWatch:
         if alive is False:
             # It may have come up between the loop's health check and this look (Ollama's
             # loader exits as soon as its model is in): only a last refusal is a failure.
-            if deps.check_health().ok:
+            if deps.servers.health().ok:
                 return Waited(Outcome.READY, self.ready_reason(self.ctx.elapsed()))
             return Waited(Outcome.FAILED, f"{svc.name}'s server exited while loading", self.tail())
         pid = self.handle.pid
         try:
-            snap = deps.read_snapshot(keywords([svc]), [pid] if pid else [])
+            snap = deps.probe.read(keywords([svc]), [pid] if pid else [])
             self.memory_mib = own_memory(snap, svc, pid)
             self.note = ""
         except GpuctlError as e:

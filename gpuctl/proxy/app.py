@@ -83,6 +83,7 @@ from gpuctl.proxy.upstream import (
     UpstreamError,
     UpstreamTimeout,
     is_idempotent,
+    make_client,
 )
 from gpuctl.proxy.use import ServiceUse
 
@@ -194,8 +195,6 @@ class ProxyApp:
     def client(self) -> httpx.AsyncClient:
         """httpx, for the cold paths; requests go through ``self.upstream``."""
         if self._client is None:
-            from gpuctl.proxy.upstream import make_client
-
             self._client = make_client(
                 UPSTREAM_READ_TIMEOUT_S, UPSTREAM_CONNECT_TIMEOUT_S, https=self.routes.https()
             )

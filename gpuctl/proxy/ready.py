@@ -20,18 +20,20 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
 
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.core.units import format_duration
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.flows.results import EnsureResult, Outcome, Progress
+from gpuctl.flows.op_results import EnsureResult, Outcome
+from gpuctl.flows.results import Progress
 
 if TYPE_CHECKING:
-    from gpuctl.core.model import Snapshot
+    from gpuctl.core.snapshot import Snapshot
     from gpuctl.flows.deps import EnsureDeps
 
 log = logging.getLogger("gpuctl.proxy")
@@ -58,17 +60,19 @@ def run_ensure(
     conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
 ) -> Readiness:
     """The CLI's ensure flow, blocking (call it in a worker thread)."""
+    from gpuctl.flows.deps import EnsureRequest
     from gpuctl.flows.ensure.rounds import ensure
+    from gpuctl.flows.ports import Tell
     from gpuctl.wiring.build import deps_for
 
     try:
-        deps = deps_for(conf, name, entry="proxy", progress=progress)
+        deps = deps_for(conf, name, tell=Tell(progress=progress))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
     _first_look_fresh(deps)
     try:
-        r: EnsureResult = ensure(deps, timeout_s=timeout_s, wait=True)
+        r: EnsureResult = ensure(deps, EnsureRequest(entry="proxy", timeout_s=timeout_s))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
@@ -119,7 +123,7 @@ def _first_look_fresh(deps: EnsureDeps) -> None:
     taken before (the agent keeps one for a moment; only its own store writes drop it,
     and the proxy writes nothing before a request is served: see ``ProxyApp._serve``).
     """
-    cached, fresh = deps.read_snapshot, deps.fresh_reader()
+    cached, fresh = deps.probe.read, deps.probe.fresh()
     if fresh is cached:
         return  # a local probe reads fresh anyway
     first = [True]
@@ -130,7 +134,7 @@ def _first_look_fresh(deps: EnsureDeps) -> None:
             return fresh(match, pids)
         return cached(match, pids)
 
-    deps.read_snapshot = read
+    deps.probe = replace(deps.probe, read=read)
 
 
 def _unverified(e: BaseException) -> str | None:
@@ -198,8 +202,6 @@ class SingleFlight:
 
     def loading_text(self, name: str) -> str:
         """``loading 2m10s of ~5m40s``: how long this start has run (and is expected to)."""
-        from gpuctl.core.units import format_duration
-
         started, p = self.progress.get(name, (time.monotonic(), None))
         elapsed = time.monotonic() - started
         text = f"loading {format_duration(elapsed)}"

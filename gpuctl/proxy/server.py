@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 from gpuctl.config import Config
+from gpuctl.core.units import plural
 from gpuctl.errors import GpuctlError, UsageError
 
 
@@ -154,7 +155,6 @@ def serve(
         )
         # After uvicorn.Config, which sets up uvicorn's loggers.
         logging.getLogger("uvicorn.error").addFilter(_said_already)
-        from gpuctl.core.units import plural
 
         models = plural(len(routes.by_model), "model")
         auth = plural(len(keys), "client key") if keys else "no keys: loopback only"

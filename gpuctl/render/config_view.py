@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from gpuctl.config import Config, HostConfig, ServiceConfig
-from gpuctl.core.redact import MASK, is_secret_name
+from gpuctl.core.redact import MASK, is_secret_name, redact_command, show_url
 
 
 def size_text(mib: int | None) -> str | None:
@@ -39,16 +39,12 @@ def duration_text(seconds: float | None) -> str:
 
 def _url(url: str | None) -> str | None:
     """A configured URL as shown: its password as ``***`` (``core.redact.show_url``)."""
-    from gpuctl.core.redact import show_url
-
     return show_url(url) if url else url
 
 
 def _command(command: str | None) -> str | None:
     """A command line (or an ``env`` value) as shown: secret values as ``***``, URL
     passwords too (``core.redact.redact_command``)."""
-    from gpuctl.core.redact import redact_command
-
     return redact_command(command) if command else command
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.core.heal import is_repair, last_repair
@@ -15,7 +16,7 @@ from gpuctl.core.units import format_duration, format_mib
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from gpuctl.flows.results import LocksReport
+    from gpuctl.flows.op_results import LocksReport
 
 
 def _iso(t: float | None) -> str | None:
@@ -227,7 +228,6 @@ def _queue_table(report: LocksReport) -> RenderableType:
     """The wait queue, in the order it will be served (``gpuctl.core.queue``)."""
     from rich.table import Table
 
-    from gpuctl.core.units import format_mib
     from gpuctl.render.safe import plain
 
     t = Table(header_style="bold", box=None, pad_edge=False, title="waiting (run --wait)")
@@ -287,7 +287,6 @@ def _clock(t: float | None) -> str:
     """A time of day on the viewer's clock (the JSON has the full UTC timestamp)."""
     if not t:
         return "-"
-    from datetime import datetime
 
     when = datetime.fromtimestamp(t)
     fmt = "%H:%M:%S" if when.date() == datetime.now().date() else "%m-%d %H:%M"

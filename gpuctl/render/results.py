@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuctl.flows.results import EnsureResult, Outcome, StopResult, TouchResult
+from gpuctl.flows.op_results import EnsureResult, Outcome, StopResult, TouchResult
 
 SCHEMA = 1
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.core.units import format_mib
-from gpuctl.flows.results import SimListing
+from gpuctl.flows.op_results import SimListing
 
 
 def sim_ls_to_json(listing: SimListing) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.core.decision import Decision
-from gpuctl.core.model import GpuProcess
+from gpuctl.core.snapshot import GpuProcess
 from gpuctl.core.timestamps import normalise_iso
 from gpuctl.flows.results import HostReport, OtherService, StatusReport
 from gpuctl.render.others import other_reason

@@ -11,34 +11,34 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters import health, procinfo, vllm
-from gpuctl.adapters.launchers.ollama import check_ollama
+from gpuctl.adapters.launchers.ollama import OllamaLauncher, check_ollama
 from gpuctl.adapters.local import local_snapshot
-from gpuctl.adapters.recorded_servers import find_servers, server_children
-from gpuctl.adapters.server_truth import truth_reader
+from gpuctl.adapters.machine import ThisMachine
+from gpuctl.adapters.recorded_servers import find_servers, server_children, truth_reader
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir
 from gpuctl.core.decision import Health
-from gpuctl.core.model import Snapshot
-from gpuctl.errors import UsageError
-from gpuctl.flows.deps import (
+from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, job_route, unreachable
+from gpuctl.core.snapshot import HostIdentity, Snapshot
+from gpuctl.errors import LauncherError, UsageError
+from gpuctl.flows.deps import EnsureDeps, HostDeps, LocalProbeOptions, LocksDeps, StatusDeps
+from gpuctl.flows.heal import heal, health_timeouts, repair_lines
+from gpuctl.flows.ports import (
     ChildFinder,
-    EnsureDeps,
-    HostDeps,
     JobStopper,
-    LocalProbeOptions,
-    LocksDeps,
+    Launchers,
+    Machine,
+    Probe,
+    ServerChecks,
     ServerFinder,
     SnapshotReader,
-    StatusDeps,
+    Tell,
 )
-from gpuctl.flows.ensure.preempt import job_stopper
-from gpuctl.flows.heal import heal, health_timeouts, repair_lines
-from gpuctl.flows.results import Progress
 from gpuctl.flows.status import StatusReport, status
 from gpuctl.wiring.launchers import handle_checker, launcher_for
 
@@ -152,9 +152,13 @@ def deps_for(
     service_name: str,
     host_name: str | None = None,
     *,
-    entry: str = "ensure",
-    progress: Callable[[Progress], None] | None = None,
+    tell: Tell | None = None,
 ) -> EnsureDeps:
+    """The real ports for one service's use cases (``ensure``, ``stop``, ``touch``,
+    ``resume``); ``tell``: where the person waiting hears of it.
+
+    Raises ``UsageError`` for an unknown service, or a host that is not the service's.
+    """
     service = config.service(service_name)
     if host_name is not None and host_name != service.host:
         config.host(host_name)  # an unknown host is a usage error before anything else
@@ -194,23 +198,29 @@ def deps_for(
         config=config,
         service=service,
         host=host,
-        launcher_for=launcher_of,
-        stop_job=run_job_stopper(store),
-        server_in_flight=server_in_flight,
-        find_servers=server_finder(host),
-        find_children=child_finder(host),
         store=store,
-        read_snapshot=snapshot_reader(host, closers, http),
-        read_snapshot_fresh=snapshot_reader(host, closers, http, fresh=True),
-        check_health=_service_health(service, host, http, lambda: make_launcher(None)),
-        make_launcher=make_launcher,
-        handle_alive=handle_checker(service, host, lambda: make_launcher(None)),
-        wake_server=lambda base, level: _wake(base, level, http),
-        progress=progress,
-        entry=entry,
-        # Pids are looked up only on a host without an agent (its store is on this
-        # machine); with one, its agent heals on the host and only health speaks here.
-        heal_look=truth_reader(on_host=not host.agent, client=http),
+        probe=Probe(
+            snapshot_reader(host, closers, http),
+            snapshot_reader(host, closers, http, fresh=True),
+            find_servers=server_finder(host),
+            find_children=child_finder(host),
+        ),
+        launchers=Launchers(
+            make_launcher,
+            launcher_of,
+            handle_alive=handle_checker(service, host, lambda: make_launcher(None)),
+            stop_job=run_job_stopper(store),
+        ),
+        servers=ServerChecks(
+            _service_health(service, host, http, lambda: make_launcher(None)),
+            in_flight=server_in_flight,
+            wake=lambda url, level: _wake(url, level, http),
+            # Pids are looked up only on a host without an agent (its store is on this
+            # machine); with one, its agent heals on the host and only health speaks here.
+            truth=truth_reader(on_host=not host.agent, client=http),
+        ),
+        machine=ThisMachine(),
+        tell=tell or Tell(),
     )
 
 
@@ -223,8 +233,6 @@ def _service_health(
     loaded, then its ``health`` URL if it has one."""
 
     if service.launcher == "ollama":
-        from gpuctl.adapters.launchers.ollama import OllamaLauncher
-
         url = service.health
 
         def ollama() -> Health:
@@ -303,6 +311,7 @@ def status_deps(
         closers,
         config=config,
         hosts=hosts,
+        machine=ThisMachine(),
         server_in_flight=lambda svc: _server_in_flight(svc, http),
         check_health=lambda url, timeout_s: _check_health(url, timeout_s, http),
         check_ollama=lambda url, model, timeout_s: _check_ollama(url, model, timeout_s, http),
@@ -329,7 +338,14 @@ def _host_deps(
 
         look = truth_reader(on_host=True, client=http)
         timeouts = health_timeouts(config) if config is not None else None
-        repairs = heal(store(), out.records, look, "status", abandoned_after=timeouts)
+        repairs = heal(
+            store(),
+            out.records,
+            look,
+            "status",
+            new_holder=ThisMachine().holder,
+            abandoned_after=timeouts,
+        )
         for line in repair_lines(h.name, repairs):
             notice(line)
         return store().listing() if repairs else out
@@ -362,12 +378,54 @@ def _host_store(
     return store
 
 
+# (job's record name, lease holder id, pid, pid start time, grace) -> the agent stops it
+# (``AgentStore.stop_job``); True when it had to be killed.
+AgentJobStop = Callable[[str, str, int, float, float], bool]
+# (the job's handle, its name without ``run.``) -> stops its CMD on this machine
+# (``adapters.job_cmd.stop_job``); True when it had to be killed.
+LocalJobStop = Callable[[dict[str, Any], str], bool]
+
+
 def run_job_stopper(store: Store) -> JobStopper:
     """How a preempted ``gpuctl run`` job is stopped: from this machine when its CMD runs
     here, else through the host's agent (the store's ``stop_job``) when it runs there."""
 
+    # Here, not at the top: ``status`` imports this module and never stops a job.
+    from gpuctl.adapters.job_cmd import stop_job
+
     agent_stop = store.stop_job if isinstance(store, AgentStore) else None
-    return job_stopper(procinfo.host_identity(), agent_stop)
+    return job_stopper(procinfo.host_identity(), stop_job, agent_stop)
+
+
+def job_stopper(
+    here: HostIdentity, stop_here: LocalJobStop, agent_stop: AgentJobStop | None
+) -> JobStopper:
+    """Stop a run job where its CMD runs: from this machine (``stop_here``), or through the
+    host's agent when CMD runs on the agent's machine (``agent_stop``; None: the host has
+    no agent). The route is ``core.jobs.job_route``, the planner's own rule: a job neither
+    can signal was never planned as a victim, and is refused here too."""
+
+    def stop(name: str, handle: dict[str, Any], holder_id: str, snap: Snapshot | None) -> bool:
+        agent = snap.host if snap is not None and agent_stop is not None else None
+        route = job_route(handle, here, agent)
+        if route == "here":
+            return stop_here(handle, name.removeprefix(PREFIX))
+        pid, start = handle.get("pid"), handle.get("pid_start")
+        if route == "agent" and agent_stop is not None:
+            if not isinstance(pid, int) or not isinstance(start, int | float):
+                raise LauncherError(f"the record of {name} names no pid and start time")
+            return agent_stop(name, holder_id, pid, float(start), JOB_GRACE_S)
+        raise LauncherError(
+            f"cannot stop {name}: {unreachable(handle, here, agent)}",
+            hint="run the preempting command where the job runs",
+        )
+
+    return stop
+
+
+def this_machine() -> Machine:
+    """This machine and process, as the flows' ``Machine`` port."""
+    return ThisMachine()
 
 
 def victim_launchers(
@@ -408,9 +466,9 @@ def _check_sleeping(url: str, h: Health, timeout_s: float, http: SharedHttp) -> 
     return health.check_sleeping(url, h, http(), timeout_s)
 
 
-def _wake(base: str, level: int, http: SharedHttp) -> None:
+def _wake(health_url: str, level: int, http: SharedHttp) -> None:
 
-    vllm.wake(base, level, http())
+    vllm.wake(vllm.origin(health_url), level, http())
 
 
 def _check_ollama(url: str, model: str, timeout_s: float, http: SharedHttp) -> Health:
@@ -452,7 +510,14 @@ def locks_deps(config: Config, host_names: Sequence[str] | None = None) -> Locks
         # As ensure: pids only where the store is on this machine (no agent).
         return truth_reader(on_host=not h.agent, client=http)
 
-    return LocksDeps(closers, config=config, hosts=hosts, store_of=store_of, look_of=look_of)
+    return LocksDeps(
+        closers,
+        config=config,
+        hosts=hosts,
+        store_of=store_of,
+        machine=ThisMachine(),
+        look_of=look_of,
+    )
 
 
 def gather_status(

@@ -7,12 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import secret_names
 from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 from gpuctl.config import Config, HostConfig, ServiceConfig
-from gpuctl.core.model import Snapshot
+from gpuctl.config.paths import default_state_dir
 from gpuctl.core.record import Record
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
 
 if TYPE_CHECKING:
@@ -35,9 +37,7 @@ def launcher_for(
             hint=f"set services.{service.name}.launcher to docker, jupyter or process",
         )
     if kind == "process":
-        from gpuctl.adapters import procinfo
         from gpuctl.adapters.launchers.process import ProcessLauncher
-        from gpuctl.config.paths import default_state_dir
 
         here = procinfo.host_identity()
         if host.agent:
@@ -62,7 +62,6 @@ def launcher_for(
         return DockerLauncher(host.docker, secrets=secrets)
     if kind == "ollama":
         from gpuctl.adapters.launchers.ollama import OllamaLauncher
-        from gpuctl.config.paths import default_state_dir
 
         assert host.ollama is not None and service.model is not None  # checked at load
         # The loader runs on this machine (it is an HTTP client), so its log is here.
@@ -88,8 +87,6 @@ def handle_checker(
 
         handle = Handle.from_dict(record.handle)
         if handle.kind == "process" and handle.pid and not host.agent:
-            from gpuctl.adapters import procinfo
-
             return procinfo.is_same_process(handle.pid, handle.pid_start)
         if handle.kind == "docker" and service.launcher == "docker":
             try:

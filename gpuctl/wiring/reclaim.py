@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gpuctl.adapters import procinfo, vllm
+from gpuctl.adapters import vllm
 from gpuctl.adapters.launchers.base import Launcher
 from gpuctl.adapters.launchers.logfile import rotate_all
-from gpuctl.adapters.server_truth import truth_reader
+from gpuctl.adapters.machine import ThisMachine
+from gpuctl.adapters.recorded_servers import truth_reader
 from gpuctl.adapters.store import Store, store_for
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir
-from gpuctl.core.model import Snapshot
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ConfigError
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
 from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
@@ -30,7 +31,7 @@ def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> Rec
         closers,
         config=config,
         hosts=[_host(config, h, closers, http) for h in hosts],
-        here=procinfo.host_identity(),
+        machine=ThisMachine(),
         rotate_logs=_rotate_logs,
         resume=lambda host, store, dry_run: _resume(config, host, store, dry_run),
     )
@@ -41,7 +42,7 @@ def _resume(config: Config, host: HostConfig, store: Store, dry_run: bool) -> li
     due = to_resume(config, host.name, store)
     if dry_run:
         return [Resumed(s.name, would=True) for s in due]
-    return resume_preempted(due, lambda s: deps_for(config, s.name, entry="reclaim"))
+    return resume_preempted(due, lambda s: deps_for(config, s.name), "reclaim")
 
 
 def _rotate_logs() -> list[str]:

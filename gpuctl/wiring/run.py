@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpuctl.adapters import procinfo
+from gpuctl.adapters.job_cmd import spawn_job
+from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.store import store_for
 from gpuctl.config import Config
 from gpuctl.errors import UsageError
 from gpuctl.flows.resume import resume_preempted, to_resume
-from gpuctl.flows.run import RunDeps
+from gpuctl.flows.run.job import RunDeps
 from gpuctl.wiring.build import (
     SharedHttp,
     deps_for,
@@ -48,7 +49,7 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
     def resume() -> list[str]:
 
         due = to_resume(config, host.name, store)
-        done = resume_preempted(due, lambda s: deps_for(config, s.name, entry="run"))
+        done = resume_preempted(due, lambda s: deps_for(config, s.name), "run")
         return [r.service for r in done if r.started]
 
     return RunDeps(
@@ -57,7 +58,8 @@ def run_deps(config: Config, host_name: str | None, tell: Callable[[str], None])
         host=host,
         store=store,
         read_snapshot=snapshot_reader(host, closers, http, fresh=True),
-        here=procinfo.host_identity(),
+        machine=ThisMachine(),
+        spawn=spawn_job,
         resume=resume,
         tell=tell,
         launcher_for=victim_launchers(config, host, closers),

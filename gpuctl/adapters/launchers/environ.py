@@ -31,7 +31,7 @@ have a stop of ``svca`` kill ``svcb``'s server."""
 RUN_JOB_ENV = "GPUCTL_RUN_JOB"
 RUN_NONCE_ENV = "GPUCTL_RUN_NONCE"
 RUN_PREEMPTIBLE_ENV = "GPUCTL_RUN_PREEMPTIBLE"
-"""The marks ``gpuctl run`` puts into its CMD's environment (``adapters.jobs.run_env``).
+"""The marks ``gpuctl run`` puts into its CMD's environment (``adapters.job_cmd.run_env``).
 They belong to CMD alone: a stop of the job signals whatever carries them, so a server
 launched from inside the job must never inherit them."""
 RUN_MARK_PREFIX = "GPUCTL_RUN_"

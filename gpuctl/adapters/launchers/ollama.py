@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import UNPROVEN_HINT
 from gpuctl.adapters.launchers.logfile import open_log, tail_file
@@ -232,7 +233,6 @@ class OllamaLauncher:
         except OSError as e:
             raise StartFailed(f"cannot start the Ollama loader: {e.strerror or e}") from None
         self._loader = proc
-        from gpuctl.adapters import procinfo
 
         return Handle(
             kind=KIND,
@@ -329,7 +329,6 @@ class OllamaLauncher:
             return self._loader.poll() is None
         if not handle.pid or handle.pid_start is None:
             return False
-        from gpuctl.adapters import procinfo
 
         if not procinfo.is_same_process(handle.pid, handle.pid_start):
             return False

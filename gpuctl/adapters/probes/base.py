@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpuctl.core.model import ProbeReading
+from gpuctl.core.snapshot import ProbeReading
 
 
 class Probe(Protocol):

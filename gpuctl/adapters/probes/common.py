@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import Any
 
 from gpuctl.adapters import procinfo
-from gpuctl.core.model import GpuDevice, GpuProcess
 from gpuctl.core.pids import PID_MAX
+from gpuctl.core.snapshot import GpuDevice, GpuProcess
 
 MIB = 2**20
 # No GPU holds 16 TiB (the largest today, under 300 GiB): a figure beyond it is

@@ -10,8 +10,8 @@ from pathlib import Path
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
 from gpuctl.adapters.probes.nvml import NvmlMismatch, NvmlProbe
-from gpuctl.config.model import PROBES
-from gpuctl.core.model import ProbeReading
+from gpuctl.config.values import PROBES
+from gpuctl.core.snapshot import ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError, UsageError
 
 PROBE_NAMES = PROBES  # the one list lives with the config, which names a probe per host

@@ -29,7 +29,7 @@ from gpuctl.adapters.probes.common import (
     unified_device,
     valid_pid,
 )
-from gpuctl.core.model import GpuDevice, ProbeReading
+from gpuctl.core.snapshot import GpuDevice, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
 GPU_COLUMNS = ("index", "uuid", "memory.total", "memory.used")

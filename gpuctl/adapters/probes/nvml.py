@@ -57,7 +57,7 @@ from gpuctl.adapters.probes.nvml_procs import (
     choose_process_call,
     running_processes,
 )
-from gpuctl.core.model import GpuDevice, MigInstance, ProbeReading
+from gpuctl.core.snapshot import GpuDevice, MigInstance, ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError
 
 # NVML keeps one process list per kind; MPS exists only on newer drivers and bindings.

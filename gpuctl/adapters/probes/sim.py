@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from gpuctl.adapters import procinfo
-from gpuctl.core.model import GpuDevice, GpuProcess, ProbeReading
+from gpuctl.core.snapshot import GpuDevice, GpuProcess, ProbeReading
 from gpuctl.errors import ConfigError, ProbeError
 from gpuctl.sim.gpu import ClaimInfo, SimError, SimGpu
 

@@ -3,7 +3,9 @@ under that service's file lock and written atomically.
 
 One interface (``Store``, in ``base``), two implementations:
 
-- ``DirectStore`` (``direct``): the files themselves, on the GPU host (``GPUCTL_STATE_DIR``).
+- ``DirectStore`` (``direct``): the files themselves, on the GPU host
+  (``GPUCTL_STATE_DIR``). Imported from ``direct`` itself, only where the files are used:
+  a client of an agent never loads it.
 - ``AgentStore`` (``agent``): the same operations through the host agent's ``/records``
   endpoints, for callers elsewhere (and cron on the host, when an agent runs there). The
   agent serves them with a ``DirectStore``, so both paths work on the same files under
@@ -25,26 +27,13 @@ AGENT_STORE_TIMEOUT_S = LOCK_TIMEOUT_S + 5.0
 if TYPE_CHECKING:
     import httpx
 
-    from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.config import HostConfig
-
-
-def __getattr__(name: str) -> object:
-    # DirectStore on first use: a client of an agent (``gpuctl status`` on a laptop) never
-    # opens the files, and the direct store's imports (logging, tempfile, the in-flight
-    # and queue files) cost it several milliseconds of every run's start.
-    if name == "DirectStore":
-        from gpuctl.adapters.store.direct import DirectStore
-
-        return DirectStore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "LOCK_TIMEOUT_S",
     "_NAME",
     "AgentStore",
-    "DirectStore",
     "Holder",
     "Store",
     "check_name",

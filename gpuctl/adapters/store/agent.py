@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters.store.base import check_name
 from gpuctl.adapters.store.codec import (
+    RecordError,
     decode_record,
     decode_set_aside,
     decode_voided,
@@ -21,7 +22,14 @@ from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided
 from gpuctl.core.record_shapes import RecordUpdate
-from gpuctl.errors import GpuctlError, NoStore, StoreError, UsageError
+from gpuctl.errors import (
+    AgentUnavailable,
+    GpuctlError,
+    LauncherError,
+    NoStore,
+    StoreError,
+    UsageError,
+)
 
 # What agents before the "code" key said.
 _NO_STORE = "this agent has no state directory"
@@ -107,8 +115,6 @@ class AgentStore:
         if r.status_code in refused:
             data = _json_or_none(r)
             if isinstance(data, dict) and isinstance(data.get("error"), str):
-                from gpuctl.errors import LauncherError
-
                 hint = data.get("hint")
                 raise LauncherError(
                     f"the agent on {self.host_name} refused: {data['error']}",
@@ -157,8 +163,6 @@ class AgentStore:
         return Listing([self._record(r) for r in records], self._set_aside(data))
 
     def _broken(self, what: str) -> GpuctlError:
-        from gpuctl.errors import AgentUnavailable
-
         return AgentUnavailable(f"the agent at {self.base_url} sent {what}")
 
     def set_aside(self) -> list[SetAside]:
@@ -363,8 +367,6 @@ class AgentStore:
         return killed
 
     def voided(self) -> list[Voided]:
-        from gpuctl.adapters.store.codec import RecordError
-
         data = self._call("GET", "/records/_voided")
         try:
             return decode_voided(data.get("voided") if isinstance(data, dict) else None)
@@ -372,8 +374,6 @@ class AgentStore:
             raise self._broken(f"a broken list of voided leases ({e})") from None
 
     def inflight(self) -> dict[str, int]:
-        from gpuctl.errors import AgentUnavailable
-
         data = self._call("GET", "/records/_inflight")
         counts = data.get("inflight") if isinstance(data, dict) else None
         if not isinstance(counts, dict) or not all(

@@ -6,6 +6,7 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Protocol
 
+from gpuctl.adapters import procinfo
 from gpuctl.core.names import NAME_RE
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
@@ -161,8 +162,6 @@ def judged_here(lease: Lease, now: float, longest: float | None) -> tuple[LeaseS
     holder alive only if it runs here (``core.record.lease_state``), and why it is
     void if it is forged (``core.record.void_why``; None otherwise). ``longest``: its
     kind's documented term."""
-    from gpuctl.adapters import procinfo
-
     here = procinfo.host_identity()
     alive = None
     if lease.host == here.hostname and lease.boot_id == here.boot_id:
@@ -174,8 +173,6 @@ def judged_here(lease: Lease, now: float, longest: float | None) -> tuple[LeaseS
 
 def holder_here(entry: str) -> Holder:
     """A fresh holder for this process on this host (a new id per call)."""
-    from gpuctl.adapters import procinfo
-
     ident = procinfo.host_identity()
     pid = os.getpid()
     return Holder(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuctl import failpoints
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
 from gpuctl.adapters.store.codec import (
     RecordError,
@@ -42,7 +43,7 @@ from gpuctl.adapters.store.files import (
     make_state_dirs,
     set_aside_name,
 )
-from gpuctl.adapters.store.inflight import InflightFiles, stopping
+from gpuctl.adapters.store.inflight import InflightFiles
 from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
@@ -58,6 +59,7 @@ from gpuctl.core.record import (
     SetAside,
     Voided,
     clip,
+    stopping,
 )
 from gpuctl.core.record_pids import pid_is_here
 from gpuctl.core.record_shapes import RecordUpdate, apply_update
@@ -65,6 +67,7 @@ from gpuctl.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
     from gpuctl.core.events import Event
+    from gpuctl.core.usage import Tally
 
 log = logging.getLogger("gpuctl.store")
 
@@ -85,6 +88,38 @@ class DirectStore(InflightFiles, QueueFiles):
             from gpuctl.adapters.store.journal import journal_for
 
             journal_for(self.state_dir).write(*events)
+
+    def prune_journal(self) -> None:
+        """Retention without an agent (``reclaim`` calls it): old events fold into daily
+        rows (``Journal.maintain``); never raises."""
+        from gpuctl.adapters.store.journal import journal_for
+
+        journal_for(self.state_dir).maintain()
+
+    def events(
+        self, since: float, *, service: str | None = None, after_id: int = 0
+    ) -> list[tuple[int, Event]]:
+        """This host's journal from ``since``, oldest first (StoreError when unreadable)."""
+        import sqlite3
+
+        from gpuctl.adapters.store.journal import journal_for
+
+        try:
+            return journal_for(self.state_dir).read(since, service=service, after_id=after_id)
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot read the journal in {self.state_dir}: {e}") from None
+
+    def usage(self, since: float) -> dict[tuple[str, str, str], Tally]:
+        """This host's usage rows from ``since`` (``core.usage``), keyed (day, service,
+        user) (StoreError when unreadable)."""
+        import sqlite3
+
+        from gpuctl.adapters.store.journal import journal_for
+
+        try:
+            return journal_for(self.state_dir).usage(since)
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot read the journal in {self.state_dir}: {e}") from None
 
     # ---- files
 
@@ -236,8 +271,6 @@ class DirectStore(InflightFiles, QueueFiles):
         """The void leases and entries (``voided``), for ``gpuctl locks`` only: it reads
         every record, ``_reclaim``'s and ``_admission``'s, and up to
         ``MAX_VOIDED_LISTED`` kept copies."""
-        from gpuctl.adapters import procinfo
-
         # Their readers set aside the forged entries they find; nobody may have read
         # them since they were planted.
         self.inflight()
@@ -298,8 +331,6 @@ class DirectStore(InflightFiles, QueueFiles):
         its command line says. A record that fails the schema names no pid (the next
         locked read sets it aside).
         """
-        from gpuctl.adapters import procinfo
-
         out: list[int] = []
         me = procinfo.host_identity()
         for name in self._record_names():

@@ -37,6 +37,7 @@ from gpuctl.core.record import (
     Lease,
     LeaseState,
     Record,
+    stopping,
 )
 from gpuctl.errors import StoreError, UsageError
 
@@ -61,16 +62,7 @@ if TYPE_CHECKING:
         def _entries(self, service: str, create: bool = False) -> Folder: ...
 
 
-# A lease taken by these entry points is a stop under way: no new use may begin. A
-# preemptor's lease on its victim is one: it has checked that nothing is in flight, and
-# a use begun after that check would be cut by the stop that follows.
-STOP_ENTRIES = frozenset({"stop", "reclaim", "preempt"})
 _MAX_ENTRY_BYTES = 4096
-
-
-def stopping(record: Record) -> bool:
-    """Whether the record's (effective) lease is a stop under way."""
-    return record.lease is not None and record.lease.entry in STOP_ENTRIES
 
 
 class InflightFiles:

@@ -35,7 +35,6 @@ from gpuctl.adapters.store.codec import (
     parse_record,
 )
 from gpuctl.adapters.store.files import LINK_SUFFIX, Folder
-from gpuctl.core.model import HostIdentity
 from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
     TERM_MAX_S,
@@ -44,6 +43,7 @@ from gpuctl.core.record import (
     Voided,
     void_why,
 )
+from gpuctl.core.snapshot import HostIdentity
 
 # A lease or entry found forged (``core.record.void_why``): ``<name>.void-<time>``.
 VOID_SUFFIX: Final = ".void-"

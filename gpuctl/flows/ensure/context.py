@@ -6,21 +6,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuctl.adapters.store.inflight import stopping
 from gpuctl.core.decision import Decision, Verdict
+from gpuctl.core.record import stopping
 from gpuctl.errors import AgentAuthError, GpuctlError
 from gpuctl.flows import story
-from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.deps import EnsureDeps, EnsureRequest
 from gpuctl.flows.hints import refusal_hint
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, Waited, wait_ready
 
 
 class Ctx:
-    """One ``ensure`` call: its deadline, its notes, and how it words a result."""
+    """One ``ensure`` call: what it was asked, its deadline, its notes, and how it words a
+    result."""
 
-    def __init__(self, deps: EnsureDeps, timeout_s: float) -> None:
-        self.deps = deps
+    def __init__(self, deps: EnsureDeps, req: EnsureRequest) -> None:
+        self.deps, self.req = deps, req
+        timeout_s = req.timeout_s if req.timeout_s is not None else deps.service.health_timeout_s
         self.t0 = deps.clock()
         self.deadline = self.t0 + timeout_s
         self.notes: list[str] = []
@@ -55,7 +57,7 @@ class Ctx:
     def from_verdict(self, verdict: Verdict, **kw: Any) -> EnsureResult:
         outcome = REFUSALS.get(verdict.decision, Outcome.FAILED)
         if verdict.decision is not Decision.FAILED:  # a refusal (a failed start told its own)
-            story.tell(self.deps.store, story.refused(self.deps.service, self.deps.entry, verdict))
+            story.tell(self.deps.store, story.refused(self.deps.service, self.req.entry, verdict))
         kw.setdefault("hint", refusal_hint(self.deps, outcome, verdict))
         return self.result(outcome, verdict.reason, verdict.decision, **kw)
 

@@ -10,21 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.store import Holder
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
-from gpuctl.core.model import Snapshot
-from gpuctl.core.record import Phase, Record
+from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate, StartFailure
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
 from gpuctl.flows.ensure.context import Ctx, bystander
-from gpuctl.flows.look import is_orphaned_start, look
-from gpuctl.flows.results import EnsureResult, Outcome
-from gpuctl.flows.run_queue import HELD_BACK_HINT, service_held_back
+from gpuctl.flows.look import HELD_BACK_HINT, is_orphaned_start, look, service_held_back
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import LauncherWatch, wait_ready
 
 if TYPE_CHECKING:
@@ -81,7 +79,7 @@ def launch_under_lease(
         with admission(ctx):
             # Between our look and the lease, someone may have started it (their lease
             # released, the server loading), or another service may have taken the memory.
-            health = deps.check_health()
+            health = deps.servers.health()
             if health.ok:
                 release(RecordUpdate(touch=True, phase=Phase.RUNNING))
                 return ctx.result(
@@ -101,7 +99,7 @@ def launch_under_lease(
                 # (by its start nonce) before starting another.
                 assert own is not None
                 try:
-                    adopted = deps.make_launcher(seen.snapshot).find(svc, own.start_nonce)
+                    adopted = deps.launchers.own(seen.snapshot).find(svc, own.start_nonce)
                 except GpuctlError as e:
                     release()
                     return ctx.result(
@@ -120,7 +118,7 @@ def launch_under_lease(
                 waiting: Verdict | None = verdict
             elif adopted is not None:
                 waiting = None
-                launcher = deps.make_launcher(seen.snapshot)
+                launcher = deps.launchers.own(seen.snapshot)
                 assert own is not None
                 started_at = own.since
                 handle = adopted
@@ -157,7 +155,7 @@ def launch_under_lease(
                         Decision.BUSY,
                         hint=HELD_BACK_HINT,
                     )
-                launcher = deps.make_launcher(seen.snapshot)
+                launcher = deps.launchers.own(seen.snapshot)
                 started_at = deps.clock()
                 nonce = secrets.token_hex(8)
                 # From here a start is under way (its nonce recorded): never put back.
@@ -166,7 +164,7 @@ def launch_under_lease(
                 # service at its budget, even before its server exists. The nonce goes
                 # into the server's environment: if we die before recording the server,
                 # the next caller finds it by the nonce.
-                story.tell(deps.store, story.admitted(svc, deps.entry, verdict, own))
+                story.tell(deps.store, story.admitted(svc, ctx.req.entry, verdict, own))
                 deps.store.update(
                     svc.name,
                     holder.id,
@@ -182,7 +180,7 @@ def launch_under_lease(
                     event=story.ev(
                         "launch",
                         svc.name,
-                        deps.entry,
+                        ctx.req.entry,
                         before=own and own.phase,
                         after=Phase.STARTING,
                         budget_mib=story.mib(svc.memory_mib),
@@ -198,7 +196,7 @@ def launch_under_lease(
                         RecordUpdate(attempt=attempt, failure=StartFailure(msg)),
                         story.ended(
                             svc,
-                            deps.entry,
+                            ctx.req.entry,
                             Outcome.FAILED,
                             msg,
                             log_tail="",
@@ -277,7 +275,7 @@ def launch_under_lease(
             update,
             story.ended(
                 svc,
-                deps.entry,
+                ctx.req.entry,
                 outcome,
                 waited.reason,
                 log_tail=waited.log_tail,

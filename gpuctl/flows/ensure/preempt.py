@@ -35,65 +35,29 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from gpuctl import failpoints
-from gpuctl.adapters.jobs import JOB_GRACE_S, stop_job
-from gpuctl.adapters.launchers.base import Handle, Launcher
-from gpuctl.adapters.store import Holder, Store, holder_here
-from gpuctl.config import Config, ServiceConfig
+from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.store.base import Store
+from gpuctl.config import Config
 from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.jobs import PREFIX, is_job, job_route, unreachable
-from gpuctl.core.model import HostIdentity, Snapshot
+from gpuctl.core.jobs import JOB_GRACE_S, is_job
 from gpuctl.core.plan import Plan, Victim
-from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record
+from gpuctl.core.record import LEASE_MARGIN_S, Holder, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError, LauncherError
 from gpuctl.flows import story
-from gpuctl.flows.deps import JobStopper
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.ensure.launch import launch_under_lease
 from gpuctl.flows.look import idle_seconds, look
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
+from gpuctl.flows.ports import JobStopper, VictimLauncher
 
 # How often the memory is looked for after the stops (the issue's "about 0.2 s").
 POLL_S = 0.2
 STOP_LEASE_MARGIN_S = 60.0
-
-# (job's record name, lease holder id, pid, pid start time, grace) -> the agent stops it
-# (``AgentStore.stop_job``); True when it had to be killed.
-AgentJobStop = Callable[[str, str, int, float, float], bool]
-
-
-def job_stopper(here: HostIdentity, agent_stop: AgentJobStop | None) -> JobStopper:
-    """Stop a run job where its CMD runs: from this machine, or through the host's agent
-    when CMD runs on the agent's machine (``agent_stop``; None: the host has no agent).
-    The route is ``core.jobs.job_route``, the planner's own rule: a job neither can
-    signal was never planned as a victim, and is refused here too."""
-
-    def stop(name: str, handle: dict[str, Any], holder_id: str, snap: Snapshot | None) -> bool:
-        agent = snap.host if snap is not None and agent_stop is not None else None
-        route = job_route(handle, here, agent)
-        if route == "here":
-            return stop_job(handle, name.removeprefix(PREFIX))
-        pid, start = handle.get("pid"), handle.get("pid_start")
-        if route == "agent" and agent_stop is not None:
-            if not isinstance(pid, int) or not isinstance(start, int | float):
-                raise LauncherError(f"the record of {name} names no pid and start time")
-            return agent_stop(name, holder_id, pid, float(start), JOB_GRACE_S)
-        raise LauncherError(
-            f"cannot stop {name}: {unreachable(handle, here, agent)}",
-            hint="run the preempting command where the job runs",
-        )
-
-    return stop
-
-
-def local_job_stopper(
-    name: str, handle: dict[str, Any], holder: str, snap: Snapshot | None
-) -> bool:
-    """Only this machine's jobs (deps built without the wiring)."""
-    return stop_job(handle, name.removeprefix(PREFIX))
 
 
 @dataclass
@@ -105,9 +69,12 @@ class RoomDeps:
     deadline: float
     # A fresh look at the one asking: IDLE or FITS once the room is there.
     look_again: Callable[[], Verdict]
-    stop_job: JobStopper = local_job_stopper
+    # (entry) -> a fresh lease holder for this process (``Machine.holder``)
+    holder: Callable[[str], Holder]
+    # How a run job victim is stopped (None: none can be)
+    stop_job: JobStopper | None = None
     # (a victim service, snapshot) -> its launcher, to stop it with
-    launcher_for: Callable[[ServiceConfig, Snapshot | None], Launcher] | None = None
+    launcher_for: VictimLauncher | None = None
     force: bool = False
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
@@ -166,7 +133,7 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
     try:
         for name in (v.name for v in victims):
             grace = JOB_GRACE_S if is_job(name) else deps.config.service(name).stop_timeout_s
-            h = holder_here("preempt")
+            h = deps.holder("preempt")
             ok, rec = deps.store.acquire(name, h, grace + STOP_LEASE_MARGIN_S)
             if not ok:
                 return Room("stale")
@@ -203,6 +170,8 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
             try:
                 if is_job(t.name):
                     # Its handle stays, so its `gpuctl run` can say it was preempted.
+                    if deps.stop_job is None:
+                        raise LauncherError(f"cannot stop {t.name}: no way to stop run jobs")
                     deps.stop_job(t.name, t.record.handle, t.holder.id, snapshot)
                     update = RecordUpdate(phase=Phase.PREEMPTED)
                 else:
@@ -278,7 +247,7 @@ def preempt(
     deps, svc = ctx.deps, ctx.deps.service
     plan = verdict.plan
     assert plan is not None
-    holder = holder_here(deps.entry)
+    holder = deps.machine.holder(ctx.req.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
     granted, own = deps.store.acquire(svc.name, holder, ttl, svc.promise())
     if not granted:
@@ -301,10 +270,17 @@ def preempt(
                 deps.config,
                 deps.store,
                 ctx.deadline,
-                lambda: look(deps, deps.check_health(), own_holder=holder.id, fresh=True)[0],
-                stop_job=deps.stop_job or local_job_stopper,
-                launcher_for=deps.launcher_for,
-                force=deps.force,
+                lambda: look(
+                    deps,
+                    deps.servers.health(),
+                    own_holder=holder.id,
+                    fresh=True,
+                    force=ctx.req.force,
+                )[0],
+                holder=deps.machine.holder,
+                stop_job=deps.launchers.stop_job,
+                launcher_for=deps.launchers.other,
+                force=ctx.req.force,
                 clock=deps.clock,
                 sleep=deps.sleep,
                 by=svc.name,

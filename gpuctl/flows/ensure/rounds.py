@@ -8,39 +8,40 @@ The steps (a service is started only after a fresh look under the admission leas
 4. LOADING: wait, never launch; BUSY: exit 3, naming who holds the GPU;
    UNKNOWN: exit 4, never start blind; FAILED: exit 1 with the failure.
 
-Everything it touches comes in through ``EnsureDeps``, so a test can hand it a real
+What the caller asks comes in as an ``EnsureRequest``; everything it touches, through
+``EnsureDeps``'s ports, so a test can hand it a real
 agent, a real store and a real launcher, or fakes for pure units. The waits are
 ``gpuctl.flows.wait``; the result is ``gpuctl.flows.results.EnsureResult``.
 """
 
 from __future__ import annotations
 
-from gpuctl.adapters.store import holder_here
-from gpuctl.adapters.store.inflight import stopping
 from gpuctl.core.decision import Decision
-from gpuctl.core.record import LEASE_MARGIN_S
+from gpuctl.core.record import LEASE_MARGIN_S, stopping
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.admission import admission
-from gpuctl.flows.deps import EnsureDeps
+from gpuctl.flows.deps import EnsureDeps, EnsureRequest
 from gpuctl.flows.ensure.context import REFUSALS, STOPPING, Ctx, bystander, touch
 from gpuctl.flows.ensure.launch import expected_left_s, launch_under_lease
 from gpuctl.flows.ensure.preempt import preempt
 from gpuctl.flows.ensure.wake import wake
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import is_orphaned_start, look
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 
 MAX_ROUNDS = 3
 
 
-def ensure(deps: EnsureDeps, *, timeout_s: float | None = None, wait: bool = True) -> EnsureResult:
-    """Make ``deps.service`` ready. Returns a result; raises only for misuse.
+def ensure(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:
+    """Make ``deps.service`` ready, as ``req`` asks (default: wait up to its health
+    timeout, preempt nothing). Returns a result; raises only for misuse.
 
     Ctrl-C (KeyboardInterrupt) stops waiting and never kills the server: the lease is
     released, the record keeps the server's handle, and the next caller waits for it.
     """
-    svc = deps.service
-    ctx = Ctx(deps, timeout_s if timeout_s is not None else svc.health_timeout_s)
+    req = req or EnsureRequest()
+    ctx = Ctx(deps, req)
+    wait = req.wait
     _heal(ctx)
     for _ in range(MAX_ROUNDS):
         try:
@@ -66,7 +67,7 @@ def _heal(ctx: Ctx) -> None:
     record over a dead server no longer holds its room. Each repair is said at once
     (stderr) and kept in the result's notes."""
     deps = ctx.deps
-    if deps.heal_look is None:
+    if deps.servers.truth is None:
         return
 
     try:
@@ -76,21 +77,22 @@ def _heal(ctx: Ctx) -> None:
     repairs = heal(
         deps.store,
         records,
-        deps.heal_look,
-        deps.entry,
+        deps.servers.truth,
+        ctx.req.entry,
+        new_holder=deps.machine.holder,
         clock=deps.clock,
         abandoned_after=health_timeouts(deps.config),
     )
     for line in repair_lines(deps.host.name, repairs):
         ctx.notes.append(line)
-        if deps.on_repair is not None:
-            deps.on_repair(line)
+        if deps.tell.on_repair is not None:
+            deps.tell.on_repair(line)
 
 
 def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
     """One look and what follows from it; None means "look again"."""
     deps, svc = ctx.deps, ctx.deps.service
-    health = deps.check_health()
+    health = deps.servers.health()
     if health.ok:
         if touch(ctx, ready=True) is STOPPING:
             # It answers, but a stop (gpuctl stop, reclaim) holds its lease and will end
@@ -98,34 +100,34 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
             return _after_stop(ctx, wait)
         return ctx.result(Outcome.READY, f"{svc.name} answers its health check", Decision.READY)
 
-    verdict, seen = look(deps, health)
+    verdict, seen = look(deps, health, force=ctx.req.force)
     first = verdict.decision
     ctx.expected_s = expected_left_s(seen.records.get(svc.name), deps.clock())
     if first is Decision.FAILED:
         record = seen.records.get(svc.name)
         f = record.failure if record else None
         return ctx.from_verdict(verdict, log_tail=f.log_tail if f else "")
-    if first is Decision.PREEMPTABLE and (deps.preempt or svc.preempt) and verdict.plan:
+    if first is Decision.PREEMPTABLE and (ctx.req.preempt or svc.preempt) and verdict.plan:
         return preempt(ctx, verdict, seen.snapshot, wait)
     if first in REFUSALS:
         return ctx.from_verdict(verdict)
-    if first is Decision.SLEEPING and deps.wake_server is not None:
-        return wake(ctx, wait, lambda: admission(ctx), deps.wake_server)
+    if first is Decision.SLEEPING and deps.servers.wake is not None:
+        return wake(ctx, wait, lambda: admission(ctx), deps.servers.wake)
     orphan = first is Decision.LOADING and is_orphaned_start(seen.records.get(svc.name))
     if first in (Decision.LOADING, Decision.SLEEPING) and not orphan:
         ctx.notes.append(f"found it {first.value}: {verdict.reason}")
         touch(ctx)
         if not wait:
             return ctx.result(Outcome.LOADING, verdict.reason, first, hint=verdict.hint)
-        if verdict.hint and deps.notice is not None:
+        if verdict.hint and deps.tell.notice is not None:
             # Only a keyword ties what it waits for to the service: it may be somebody
             # else's process, and the wait would run to the timeout for nothing.
-            deps.notice(f"{svc.name}: waiting for {verdict.reason}; {verdict.hint}")
+            deps.tell.notice(f"{svc.name}: waiting for {verdict.reason}; {verdict.hint}")
         return bystander(ctx, first, verdict.reason, verdict.hint)
     # IDLE or FITS: take the lease; whoever holds it is the only one who launches. A
     # start whose caller went before recording its server (LOADING: the agent names
     # that server by its start nonce) is adopted under the lease: its handle recorded.
-    holder = holder_here(deps.entry)
+    holder = deps.machine.holder(ctx.req.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
     granted, _ = deps.store.acquire(svc.name, holder, ttl, svc.promise())
     if not granted:

@@ -14,8 +14,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from gpuctl.adapters.store import holder_here
-from gpuctl.core.decision import Decision
+from gpuctl.core.decision import Decision, owns
 from gpuctl.core.record import LEASE_MARGIN_S, Phase
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.units import format_mib
@@ -23,7 +22,7 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
 from gpuctl.flows.ensure.context import Ctx
 from gpuctl.flows.look import keywords
-from gpuctl.flows.results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, wait_ready
 
 
@@ -58,10 +57,10 @@ def wake(
         ctx: the ``ensure`` call.
         wait: wait for health after the wake.
         admission: the host-wide admission lock.
-        post_wake: ``(base URL, sleep level)`` → wakes the server (``adapters.vllm.wake``).
+        post_wake: ``(health URL, sleep level)`` → wakes the server (``ServerChecks.wake``).
     """
     deps, svc = ctx.deps, ctx.deps.service
-    holder = holder_here(deps.entry)
+    holder = deps.machine.holder(ctx.req.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
     granted, _ = deps.store.acquire(svc.name, holder, ttl, svc.promise())
     if not granted:
@@ -71,14 +70,13 @@ def wake(
     update: RecordUpdate | None = None
     try:
         with admission():
-            health = deps.check_health()
+            health = deps.servers.health()
             if health.ok:
                 update = RecordUpdate(phase=Phase.RUNNING, touch=True)
                 return ctx.result(Outcome.READY, f"{svc.name} answers its health check", "READY")
             if health.state != "sleeping":
                 return None  # stopped or gone meanwhile: decide again
-            snap = deps.read_snapshot(keywords([svc]), [])
-            from gpuctl.core.decision import owns
+            snap = deps.probe.read(keywords([svc]), [])
 
             held = sum(p.memory_mib or 0 for p in snap.processes if owns(svc, p.command))
             total = snap.memory_total_mib or deps.host.gpu_memory_mib
@@ -93,10 +91,8 @@ def wake(
                     Outcome.BUSY, f"{why}; held by {holders or 'nothing we can name'}", "BUSY"
                 )
             assert svc.health is not None  # a SLEEPING decision came from its health URL
-            from gpuctl.adapters.vllm import origin
-
             try:
-                post_wake(origin(svc.health), svc.sleep_level or 1)
+                post_wake(svc.health, svc.sleep_level or 1)
             except GpuctlError as e:
                 return ctx.result(
                     Outcome.FAILED, f"wake failed: {e.message}", Decision.SLEEPING, hint=e.hint
@@ -108,7 +104,7 @@ def wake(
                 event=story.ev(
                     "wake",
                     svc.name,
-                    deps.entry,
+                    ctx.req.entry,
                     before="sleeping",
                     after=Phase.RUNNING,
                     reason=why,

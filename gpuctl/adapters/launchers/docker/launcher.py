@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gpuctl import failpoints
+from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.docker.errors import start_failed, translated
 from gpuctl.adapters.launchers.docker.pids import server_pid
@@ -322,8 +323,6 @@ class DockerLauncher:
         pid = server_pid(ct, int(state.get("Pid") or 0), local=self.is_local)
         started: float | None = None
         if pid and self.is_local:
-            from gpuctl.adapters import procinfo
-
             started = procinfo.start_time(pid)
         return Handle(
             kind=self.kind,

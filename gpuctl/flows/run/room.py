@@ -8,24 +8,17 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal, Protocol
 
-from gpuctl.adapters.launchers.base import Launcher
-from gpuctl.adapters.store import Holder, Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import HostIdentity, Snapshot
-from gpuctl.core.record import Phase
+from gpuctl.core.record import Holder, Phase
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ExitCode, GpuctlError
-from gpuctl.flows.deps import JobStopper
-from gpuctl.flows.ensure.preempt import RoomDeps, local_job_stopper, make_room
+from gpuctl.flows.ensure.preempt import RoomDeps, make_room
 from gpuctl.flows.look import Observation, victim_facts, with_victims
-
-# (a victim service, snapshot) -> its launcher, to stop it with
-VictimLauncher = Callable[[ServiceConfig, Snapshot | None], Launcher]
-# (a service) -> its server's requests in flight (vLLM's /metrics); None: none to read
-InFlightReader = Callable[[ServiceConfig], int | None]
-
+from gpuctl.flows.ports import InFlightReader, JobStopper, Machine, VictimLauncher
 
 # Preemptions one `gpuctl run --preempt` makes at most (as ensure's rounds): each frees
 # the room its plan needs, but others may take it first.
@@ -36,7 +29,7 @@ PROMISE_TTL_S = 120.0
 
 
 class JobRoomDeps(Protocol):
-    """What of ``gpuctl.flows.run.RunDeps`` a preemption uses."""
+    """What of ``gpuctl.flows.run.job.RunDeps`` a preemption uses."""
 
     @property
     def config(self) -> Config: ...
@@ -55,7 +48,7 @@ class JobRoomDeps(Protocol):
     @property
     def server_in_flight(self) -> InFlightReader | None: ...
     @property
-    def here(self) -> HostIdentity: ...
+    def machine(self) -> Machine: ...
 
 
 def with_job_victims(
@@ -77,7 +70,7 @@ def with_job_victims(
         spec,
         counts=deps.store.inflight,
         server_in_flight=deps.server_in_flight,
-        here=deps.here,
+        machine=deps.machine,
         now=deps.clock(),
     )
     return with_victims(verdict, spec, judge, facts)
@@ -141,7 +134,8 @@ class Preemption:
                 deps.store,
                 deadline,
                 look_again,
-                stop_job=deps.stop_job or local_job_stopper,
+                holder=deps.machine.holder,
+                stop_job=deps.stop_job,
                 launcher_for=deps.launcher_for,
                 clock=deps.clock,
                 sleep=deps.sleep,
@@ -162,7 +156,7 @@ class Preemption:
     def _promise(self) -> bool:
         """Mark the job's record ``starting`` with its budget, under its lease."""
         deps, spec = self.deps, self.spec
-        holder = holder_here("run")
+        holder = deps.machine.holder("run")
         granted, rec = deps.store.acquire(spec.name, holder, PROMISE_TTL_S)
         if not granted:
             return False
@@ -171,8 +165,8 @@ class Preemption:
             "memory_mib": spec.memory_mib,
             "priority": spec.priority,
             "preemptible": spec.preemptible,
-            "host": deps.here.hostname,
-            "boot_id": deps.here.boot_id,
+            "host": deps.machine.here.hostname,
+            "boot_id": deps.machine.here.boot_id,
             "command": self.command,
         }
         self._restore = RecordUpdate(phase=rec.phase, handle=rec.handle)

@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from gpuctl.config.secrets import read_secret
+from gpuctl.config.secrets import read_key_list, read_secret
 from gpuctl.core.conn_limits import ConnectionLimits
 from gpuctl.core.promise import Promise
 from gpuctl.errors import ConfigError, UsageError
@@ -261,8 +261,6 @@ class ProxyConfig:
             ConfigError: the variable is unset or empty, or the file cannot be read or
                 holds no key.
         """
-        from gpuctl.config.secrets import read_key_list
-
         return read_key_list(self.api_keys_env, self.api_keys_file)
 
 

@@ -1,7 +1,7 @@
 """``gpuctl run --wait``: the caller's place in the host's wait queue, and its naps.
 
 The queue itself is in the store (``gpuctl.adapters.store.queue``), its order in
-``gpuctl.core.queue``; ``gpuctl.flows.run`` joins it when a job does not fit, renews its
+``gpuctl.core.queue``; ``gpuctl.flows.run.job`` joins it when a job does not fit, renews its
 entry on every look (``Place.refresh``), and leaves it once admitted and in a
 ``finally`` (a timeout, Ctrl-C, SIGTERM, an error). A waiter larger than the GPU's
 largest device (a forgery, or a leftover) is skipped, never waited on.
@@ -13,17 +13,17 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from gpuctl import failpoints
-from gpuctl.adapters.store import Store, holder_here
-from gpuctl.core.decision import Verdict
+from gpuctl.adapters.store.base import Store
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.model import Snapshot
-from gpuctl.core.queue import Waiter, ahead, held_back, waiter_reason
+from gpuctl.core.queue import Waiter, ahead
+from gpuctl.core.record import Holder
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
+from gpuctl.flows.ports import Machine
 
 # A waiter renews its entry on every look (about twice a second); one that stops renewing
 # (stopped with Ctrl-Z, or killed on another machine than the GPU host, where nobody can
@@ -44,45 +44,6 @@ def ahead_now(
     return ahead(store.waiters(), priority=spec.priority, me=me, largest_mib=largest_mib)
 
 
-HELD_BACK_HINT = (
-    "it starts once the queue's head has its room; or give the service a higher priority"
-)
-
-
-def service_held_back(
-    waiters: Iterable[Waiter],
-    *,
-    priority: int,
-    need_mib: int | None,
-    verdict: Verdict,
-    snapshot: Snapshot | None,
-    total_override_mib: int | None,
-) -> str | None:
-    """Under the admission lock, before a service (``ensure``, ``resume``, the proxy)
-    launches on an IDLE or FITS verdict: why it must not (a live head of higher
-    priority whose room it would take; ``core.queue.held_back``), or None. ``status``
-    asks the same of an IDLE or FITS verdict, so it says BUSY where ``ensure`` would.
-    ``waiters``: the store's live queue (``Store.waiters``)."""
-    devices = snapshot.device_list() if snapshot is not None else ()
-    totals = {
-        d.index: d.memory_total_mib if d.memory_total_mib is not None else total_override_mib
-        for d in devices
-    }
-    known = [t for t in totals.values() if t is not None]
-    # IDLE: nothing holds the GPU, its whole memory is free.
-    free = verdict.free_mib if verdict.free_mib is not None else totals.get(verdict.gpu or 0)
-    head = held_back(
-        waiters,
-        priority=priority,
-        need_mib=verdict.need_mib if verdict.need_mib is not None else need_mib,
-        free_mib=free,
-        largest_mib=max(known) if known else None,
-    )
-    if head is None:
-        return None
-    return waiter_reason(head, time.strftime("%H:%M:%S", time.localtime(head.since)))
-
-
 class Place:
     """This caller's entry in the host's wait queue, and the signals that end its wait.
 
@@ -95,10 +56,10 @@ class Place:
     SIGNALS = (signal.SIGTERM, signal.SIGHUP)
     SLICE_S = 0.05
 
-    def __init__(self, store: Store, spec: JobSpec) -> None:
+    def __init__(self, store: Store, spec: JobSpec, holder: Holder) -> None:
         self.store = store
         self.spec = spec
-        self.holder = holder_here("run")
+        self.holder = holder
         self.id = self.holder.id
         self.joined = False
         self._renewed = 0.0
@@ -177,23 +138,29 @@ class Place:
             )
 
     def admission_deps(
-        self, store: Store, clock: Callable[[], float], sleep: Callable[[float], None]
+        self,
+        store: Store,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        machine: Machine,
     ) -> QueuedAdmission:
         """What ``flows.admission`` needs, with naps that renew the entry."""
-        return QueuedAdmission(store, clock, sleep, self)
+        return QueuedAdmission(store, clock, sleep, machine, self)
 
 
 class QueuedAdmission:
-    """The admission lock's deps (store, clock, sleep) for a queued caller."""
+    """The admission lock's deps (store, clock, sleep, machine) for a queued caller."""
 
     def __init__(
         self,
         store: Store,
         clock: Callable[[], float],
         sleep: Callable[[float], None],
+        machine: Machine,
         place: Place,
     ) -> None:
         self.store, self.clock, self._sleep, self._place = store, clock, sleep, place
+        self.machine = machine
 
     def sleep(self, seconds: float) -> None:
         self._sleep(seconds)

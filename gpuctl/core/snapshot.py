@@ -1,4 +1,5 @@
-"""Plain data shared by every layer, and the agent's wire format (``GET /status``).
+"""What a reading of a host holds (the snapshot: its GPUs, their processes, the host's
+identity), shared by every layer, and the agent's wire format (``GET /status``).
 
 ``Snapshot.to_wire`` writes the body of ``GET /status``; the Structs of
 ``gpuctl.core.status_wire`` declare it, and its ``parse_status`` validates strictly: an

@@ -38,24 +38,31 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from gpuctl.adapters import procinfo
-from gpuctl.adapters.jobs import GatedChild, new_nonce, run_env
-from gpuctl.adapters.store import Store, holder_here
+from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
 from gpuctl.core.jobs import PREFIX, JobSpec, job_spec
-from gpuctl.core.model import HostIdentity, Snapshot
 from gpuctl.core.queue import Waiter, queued_reason
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.units import format_mib
 from gpuctl.errors import GpuctlError
-from gpuctl.flows import run_preempt as rp
 from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
-from gpuctl.flows.deps import Closers, JobStopper, SnapshotReader
+from gpuctl.flows.deps import Closers
 from gpuctl.flows.look import decide, observe
-from gpuctl.flows.run_queue import Place, QueuedAdmission, ahead_now
+from gpuctl.flows.ports import (
+    InFlightReader,
+    JobChild,
+    JobSpawner,
+    JobStopper,
+    Machine,
+    SnapshotReader,
+    VictimLauncher,
+)
+from gpuctl.flows.run import room as rp
+from gpuctl.flows.run.place import Place, QueuedAdmission, ahead_now
 
 # Signals passed on to CMD (SIGKILL and SIGSTOP cannot be caught).
 FORWARDED = (
@@ -90,7 +97,9 @@ class RunDeps(Closers):
     host: HostConfig = field(kw_only=True)
     store: Store = field(kw_only=True)
     read_snapshot: SnapshotReader = field(kw_only=True)  # fresh, never a cached reading
-    here: HostIdentity = field(kw_only=True)
+    machine: Machine = field(kw_only=True)
+    # Forks CMD held before it runs, with the job's marks in its environment.
+    spawn: JobSpawner = field(kw_only=True)
     clock: Callable[[], float] = field(kw_only=True, default=time.time)
     sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
     # Brings back preempted `resume = true` services that fit (after CMD ends).
@@ -98,8 +107,8 @@ class RunDeps(Closers):
     # Told before CMD starts: what was decided (for a line on stderr).
     tell: Callable[[str], None] = field(kw_only=True, default=lambda _line: None)
     # Preemption (``--preempt``): how victims are stopped and their requests read.
-    launcher_for: rp.VictimLauncher | None = field(kw_only=True, default=None)
-    server_in_flight: rp.InFlightReader | None = field(kw_only=True, default=None)
+    launcher_for: VictimLauncher | None = field(kw_only=True, default=None)
+    server_in_flight: InFlightReader | None = field(kw_only=True, default=None)
     stop_job: JobStopper | None = field(kw_only=True, default=None)
 
 
@@ -125,20 +134,28 @@ class _Ctx:
 
     def __init__(self, deps: RunDeps, deadline: float, place: Place | None = None) -> None:
         self.deps: RunDeps | QueuedAdmission = (
-            deps if place is None else place.admission_deps(deps.store, deps.clock, deps.sleep)
+            deps
+            if place is None
+            else place.admission_deps(deps.store, deps.clock, deps.sleep, deps.machine)
         )
         self.deadline = deadline
 
 
-def job_name(argv: Sequence[str], wanted: str | None, records: Sequence[Record]) -> str:
+def job_name(
+    argv: Sequence[str],
+    wanted: str | None,
+    records: Sequence[Record],
+    alive: Callable[[int, float | None], bool],
+) -> str:
     """The job's name: ``--name``, else CMD's program name, made a valid name, with a
-    suffix (``-2``, ``-3``…) when another live job already has it."""
+    suffix (``-2``, ``-3``…) when another live job already has it (``alive``: whether a
+    pid still runs the process that started then, ``Machine.is_same_process``)."""
     base = wanted or os.path.basename(argv[0]) or "job"
     base = re.sub(r"[^A-Za-z0-9_.-]", "_", base).lstrip(".-")[:80] or "job"
     live = set()
     for r in records:
         j = job_spec(r)
-        if j is not None and j.pid is not None and procinfo.is_same_process(j.pid, j.pid_start):
+        if j is not None and j.pid is not None and alive(j.pid, j.pid_start):
             live.add(j.job)
     name, n = base, 1
     while name in live:
@@ -154,14 +171,15 @@ def run(deps: RunDeps, req: RunRequest) -> RunResult:
         records = deps.store.records()
     except GpuctlError as e:
         # The records cannot be read, so no suffix is known: CMD's program name stands.
-        return RunResult(job_name(req.argv, req.name, ()), EXIT_UNKNOWN, e.message, hint=e.hint)
-    name = job_name(req.argv, req.name, records)
+        name = job_name(req.argv, req.name, (), deps.machine.is_same_process)
+        return RunResult(name, EXIT_UNKNOWN, e.message, hint=e.hint)
+    name = job_name(req.argv, req.name, records, deps.machine.is_same_process)
     notes: list[str] = []
     spec = JobSpec(PREFIX + name, req.memory_mib, req.priority, preemptible=req.preemptible)
     told = False
     command = os.path.basename(req.argv[0])[:200]
     pre = rp.Preemption(deps, spec, notes, command) if req.preempt else None
-    place = Place(deps.store, spec) if req.wait else None
+    place = Place(deps.store, spec, deps.machine.holder("run")) if req.wait else None
     largest: int | None = None  # the GPU's largest device, once looked at (None: unknown)
     try:
         while True:
@@ -314,32 +332,30 @@ def _start(
     name: str,
     *,
     pre: rp.Preemption | None = None,
-) -> GatedChild | RunResult:
+) -> JobChild | RunResult:
     """Spawn CMD and record it (under the admission lock, by the caller)."""
-    # Its marks (jobs.verify_job): a stop signals only a pid that carries this nonce.
-    nonce = new_nonce()
-    env = run_env(dict(os.environ), name, nonce, spec.preemptible)
+    env = dict(os.environ)
     if verdict.gpu is not None and "CUDA_VISIBLE_DEVICES" not in env:
         env["CUDA_VISIBLE_DEVICES"] = str(verdict.gpu)
     if os.sep not in req.argv[0] and shutil.which(req.argv[0], path=env.get("PATH")) is None:
         return RunResult(name, EXIT_NOT_FOUND, f"{req.argv[0]}: command not found")
     # Its own session: a kill -9 of gpuctl run leaves CMD running (and recorded), and a
     # preemption signals its whole process group. It execs only once recorded.
-    proc = GatedChild(list(req.argv), env)
+    proc = deps.spawn(list(req.argv), env, name, spec.preemptible)
     handle: dict[str, Any] = {
         "kind": "run",
         "pid": proc.pid,
-        "pid_start": procinfo.start_time(proc.pid),
+        "pid_start": deps.machine.start_time(proc.pid),
         "memory_mib": spec.memory_mib,
         "priority": spec.priority,
         "preemptible": spec.preemptible,
-        "run_nonce": nonce,
-        "host": deps.here.hostname,
-        "boot_id": deps.here.boot_id,
+        "run_nonce": proc.nonce,
+        "host": deps.machine.here.hostname,
+        "boot_id": deps.machine.here.boot_id,
         "command": os.path.basename(req.argv[0])[:200],
     }
     # A --preempt job takes the lease of its promise again (a holder may).
-    holder = pre.holder if pre is not None and pre.holder else holder_here("run")
+    holder = pre.holder if pre is not None and pre.holder else deps.machine.holder("run")
     try:
         granted, _ = deps.store.acquire(spec.name, holder, RECORD_TTL_S)
         if not granted:
@@ -372,7 +388,7 @@ def _start(
     return proc
 
 
-def _wait(proc: GatedChild) -> int:
+def _wait(proc: JobChild) -> int:
     """Wait for CMD, passing on the signals we get; its exit code (128+N for signal N)."""
 
     def forward(signum: int, _frame: object) -> None:
@@ -390,7 +406,7 @@ def _wait(proc: GatedChild) -> int:
 
 def _ended(deps: RunDeps, name: str) -> bool:
     """Write that CMD ended; True when it had been preempted (the record says so)."""
-    holder = holder_here("run")
+    holder = deps.machine.holder("run")
     give_up = deps.clock() + 30.0
     while True:
         # A preemption holds the job's lease while it stops CMD: wait for it to write

@@ -1,5 +1,9 @@
-"""Stopping a ``gpuctl run`` job's CMD: it runs in its own session (its pid is its
-process group), so the whole group gets SIGTERM, a grace period, then SIGKILL.
+"""A ``gpuctl run`` job's CMD as a process: forked in its own session and held until it
+is recorded (``spawn_job``, ``GatedChild``), and stopped: its pid is its process group,
+so the whole group gets SIGTERM, a grace period, then SIGKILL.
+
+The job as the decisions see it (its record, budget, priority, who can signal it) is
+``gpuctl.core.jobs``; the use case, ``gpuctl.flows.run``.
 
 A record is writable by any holder of the write token, so a pid it names proves
 nothing: before any signal, the pid must carry the job's own marks in its environment
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -25,16 +30,12 @@ from gpuctl.adapters.launchers.environ import (
     START_NONCE_ENV,
 )
 from gpuctl.adapters.proof import MIN_NONCE_LEN, has_env, require_env
+from gpuctl.core.jobs import JOB_GRACE_S
 from gpuctl.errors import LauncherError, Unproven
-
-# How long a preempted job gets between SIGTERM and SIGKILL to save its work.
-JOB_GRACE_S = 10.0
 
 
 def new_nonce() -> str:
     """A job's nonce: unguessable, so no other process can carry it by chance."""
-    import secrets
-
     return secrets.token_hex(16)
 
 
@@ -172,7 +173,8 @@ class GatedChild:
     exits without running CMD.
     """
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], nonce: str) -> None:
+        self.nonce = nonce
         go_r, self._go_w = os.pipe()
         self._err_r, err_w = os.pipe()  # close-on-exec: EOF means exec succeeded
         pid = os.fork()
@@ -225,3 +227,10 @@ class GatedChild:
                     continue
             self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+
+def spawn_job(argv: list[str], env: dict[str, str], job: str, preemptible: bool) -> GatedChild:
+    """CMD forked in its own session, held before it runs, with the job's marks in its
+    environment (``verify_job``: a stop signals only a pid that carries its nonce)."""
+    nonce = new_nonce()
+    return GatedChild(argv, run_env(env, job, nonce, preemptible), nonce)
