@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from gpuctl.core.events import Cause, Event, Kind, event_from_dict, words
 from gpuctl.core.record import Phase
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.usage import DAY_S, fold, group
+from tests.conftest import config_env, gpuctl_exe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,6 +141,7 @@ def test_an_unwritable_journal_warns_once_and_the_cli_goes_on(tmp_path: Path) ->
 
 _WRITER = """
 import os, sys, time
+from collections.abc import Iterator
 from pathlib import Path
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.core.events import Event, Kind
@@ -181,6 +184,7 @@ def test_32_writers_and_the_agent_lose_and_duplicate_no_event(tmp_path: Path) ->
 
 _HOLDER = """
 import sys, time, sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.core.events import Event, Kind
@@ -332,3 +336,207 @@ def test_the_read_token_reads_and_follows_the_journal_but_cannot_write(tmp_path:
             assert httpx.post(f"{h.agent_url}/events", json=later, headers=write).is_success
             got = [ln for ln in (next(lines) for _ in range(4)) if ln.startswith("data: ")]
             assert json.loads(got[0].removeprefix("data: "))["service"] == "later"
+
+
+def test_locks_lists_a_set_aside_journal(cli_env: Path) -> None:
+    """A corrupt journal set aside is listed by `gpuctl locks` like any other set-aside
+    file, with why."""
+    from tests.conftest import config_file, gpuctl_in_process
+
+    state = cli_env / "state"
+    state.mkdir()
+    (state / "journal.db").write_bytes(b"not a database at all" * 300)
+    j = Journal(state)
+    assert j.write(ev(time.time(), Kind.ADMIT, "a"))
+    j.close()
+    kept = sorted(p.name for p in state.iterdir() if jmod.CORRUPT_SUFFIX in p.name)
+    # The database, and whatever -wal and -shm were beside it (set aside with it).
+    firsts = [n.split(".corrupt-")[0] for n in kept]
+    assert "journal.db" in firsts and set(firsts) <= {"journal.db", "journal.db-wal",
+                                                      "journal.db-shm"}  # fmt: skip
+    listed = DirectStore(state).set_aside()
+    assert sorted(a.file for a in listed) == kept
+    assert {a.service for a in listed} == {"_journal"}
+    assert all("new one was started" in a.why for a in listed)
+    cfg = config_file(cli_env)
+    cfg.write_text(f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{cli_env / "sim"}"\n')
+    r = gpuctl_in_process(cfg, "locks", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    shown = json.loads(r.stdout)["set_aside"]
+    assert sorted(a["file"] for a in shown) == kept, shown
+    r = gpuctl_in_process(cfg, "locks")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kept unreadable journal {kept[0]}" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_reclaim_prunes_the_journal_on_a_host_without_an_agent(cli_env: Path) -> None:
+    """No agent: `gpuctl reclaim` prunes. Events past 90 days go; their totals stay as
+    daily rows; recent events stay."""
+    from tests.conftest import config_file, gpuctl_in_process
+
+    state = cli_env / "state"
+    state.mkdir()
+    now = time.time()
+    old = now - 100 * DAY_S
+    j = Journal(state)
+    assert j.write(
+        ev(old, Kind.LAUNCH, "chat", figures={"budget_mib": 1024.0}),
+        ev(old + 3600, Kind.STOP, "chat", cause=Cause.IDLE, figures={"idle_s": 60.0}),
+        ev(now - 60, Kind.ADMIT, "chat"),
+    )
+    before = group(j.usage(old - DAY_S), "service")["chat"]
+    j.close()
+    cfg = config_file(cli_env)
+    cfg.write_text(f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{cli_env / "sim"}"\n')
+    r = gpuctl_in_process(cfg, "reclaim")
+    assert r.returncode == 0, r.stdout + r.stderr
+    j = Journal(state)
+    try:
+        assert [e.kind for _, e in j.read(0.0)] == [Kind.ADMIT]
+        after = group(j.usage(old - DAY_S), "service")["chat"]
+        assert after.gib_hours == pytest.approx(before.gib_hours) and after.gib_hours > 0
+        assert after.stops == {"idle": 1}
+    finally:
+        j.close()
+
+
+def mount_tmpfs(where: Path, size: str = "24m") -> None:
+    """A real tmpfs of ``size`` at ``where`` (skips the test where mounting is refused)."""
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.strip()}")
+
+
+def umount(where: Path) -> None:
+    subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real tmpfs of 24 MiB mounted at ``tmp_path/disk``, unmounted after."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    mount_tmpfs(where)
+    try:
+        yield where
+    finally:
+        umount(where)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A file that takes all of ``disk``'s free space but ``leave`` bytes."""
+    st = os.statvfs(disk)
+    filler = disk / "filler"
+    with filler.open("ab") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+    return filler
+
+
+def test_sqlite_run_to_the_end_of_a_real_disk_fails_only_its_write(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the reserve, the journal is written until SQLite itself gets ENOSPC on a
+    real tmpfs: the write returns False (never raises), is counted and warned of once;
+    what was written stays readable; with room again it writes."""
+    monkeypatch.setattr(jmod, "RESERVE_BYTES", 0)
+    monkeypatch.setattr(jmod, "_written", {})
+    state = small_disk / "state"
+    state.mkdir()
+    j = Journal(state)
+    assert j.write(ev(1.0, Kind.ADMIT, "before"))
+    filler = fill(small_disk, 256 * 1024)
+    written = 0
+    with caplog.at_level("WARNING", logger="gpuctl.journal"):
+        while j.write(*(ev(2.0, Kind.LAUNCH, "svc", reason="x" * 400) for _ in range(20))):
+            written += 20
+            assert written < 100_000, "the disk never filled"
+    assert jmod.failures() == 1
+    assert "database or disk is full" in caplog.text  # SQLite's own ENOSPC
+    assert caplog.text.count("cannot be written") == 1  # warned once
+    assert len(j.read(0.0)) == 1 + written  # the failed batch left nothing half-written
+    filler.unlink()
+    assert j.write(ev(4.0, Kind.ADMIT, "after"))
+    assert [e.service for _, e in j.read(0.0)][-1] == "after"
+    with sqlite3.connect(state / "journal.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    j.close()
+
+
+@pytest.mark.slow  # four ensure/stop cycles through a real agent: some 15 s
+def test_a_full_disk_under_the_agent_leaves_starts_and_stops_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's state folder on a real tmpfs, filled but the journal's reserve: every
+    `gpuctl ensure` and `gpuctl stop` still works, the journal drops their events, the
+    agent warns once and `/metrics` counts each dropped write; room again, it writes."""
+    import httpx
+
+    from gpuctl.sim.host import SimHost, free_port
+    from tests.ensure_helpers import kill_servers, priced_service, run_ensure, unique_name
+
+    root = tmp_path / "host"
+    state = root / "state"
+    state.mkdir(parents=True)
+    mount_tmpfs(state)
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(state))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(root / "sim"))
+    monkeypatch.setenv("GPUCTL_SIM_GPU_MEMORY", "24GiB")
+    name, port = unique_name("full"), free_port()
+    try:
+        with SimHost(gpu_memory="24GiB", root=root) as h:
+            h.start_agent()
+            log = f'log = "{tmp_path / "server.log"}"'  # the server's log is elsewhere
+            cfg = h.write_config(priced_service(name, port, 4, 50, log))
+            auth = {"Authorization": f"Bearer {h.token}"}
+
+            def cycle() -> None:
+                r = run_ensure(cfg, name)
+                assert r.returncode == 0, r.stdout + r.stderr
+                assert json.loads(r.stdout)["outcome"] == "ready"
+                r = subprocess.run(
+                    [gpuctl_exe(), "stop", name], env=config_env(cfg), capture_output=True,
+                    text=True, timeout=120, check=False,
+                )  # fmt: skip
+                assert r.returncode == 0, r.stdout + r.stderr
+                assert (
+                    json.loads((state / "records" / f"{name}.json").read_text())["phase"]
+                    == "stopped"
+                )
+
+            def kinds() -> list[str]:
+                j = Journal(state)
+                try:
+                    return [e.kind.value for _, e in j.read(0.0) if e.service == name]
+                finally:
+                    j.close()
+
+            def dropped() -> int:
+                text = httpx.get(f"{h.agent_url}/metrics", headers=auth).text
+                line = next(
+                    ln for ln in text.splitlines()
+                    if ln.startswith("gpuctl_journal_write_failures_total ")
+                )  # fmt: skip
+                return int(float(line.split()[1]))
+
+            cycle()
+            told = ["admit", "launch", "ready", "stop"]
+            assert kinds() == told and dropped() == 0
+            filler = fill(state, jmod.RESERVE_BYTES // 2)
+            for _ in range(3):
+                cycle()
+            assert kinds() == told  # none of the three cycles' events was written
+            assert dropped() == 3 * len(told)
+            agent_log = (root / "agent.log").read_text()
+            assert agent_log.count("the journal cannot be written") == 1, agent_log[-2000:]
+            filler.unlink()
+            cycle()
+            assert kinds() == told * 2
+            assert dropped() == 3 * len(told)
+    finally:
+        kill_servers(name)
+        umount(state)

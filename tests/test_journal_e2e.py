@@ -26,6 +26,7 @@ from tests.ensure_helpers import (
     kill_servers,
     priced_service,
     run_ensure,
+    spawn_ensure,
     unique_name,
 )
 
@@ -98,6 +99,14 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
                 break
             assert time.time() < deadline, r.stdout
             time.sleep(0.5)
+        # The resume does not wait (`--no-wait`): the agent sees photos answer and tells
+        # its ready.
+        deadline = time.time() + 60
+        while not any(
+            e["kind"] == "ready" and e["who"]["entry"] == "agent" for e in events_json(cfg)
+        ):
+            assert time.time() < deadline, "the resumed start's ready was never journaled"
+            time.sleep(0.2)
 
         events = events_json(cfg)
         story = [
@@ -118,10 +127,16 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
             ("admit", photos, None, None, "reclaim"),
             ("launch", photos, None, None, "reclaim"),
             ("resume", photos, None, None, "reclaim"),
+            ("ready", photos, None, None, "agent"),
         ]
         assert story == expected, story
         # Through the agent: what it saw of each writer is beside what the writer says.
+        # What the agent tells itself (a start it completed) has no peer.
         for e in events:
+            assert e["who"]["user"], e
+            if e["who"]["entry"] == "agent":
+                assert "peer" not in e["who"] and "role" not in e["who"], e
+                continue
             assert e["who"]["role"] == "write", e
             assert e["who"]["peer"].startswith("127.0.0.1:"), e
             assert e["who"]["user"], e
@@ -204,3 +219,100 @@ def test_status_never_reads_the_journal(host: SimHost) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     assert "gpuctl.adapters.store.journal" not in r.stderr
     assert "sqlite3" not in r.stderr
+
+
+def _journaled(host: SimHost, *services: str) -> list[tuple[int, dict[str, Any]]]:
+    """The journal's events of ``services`` (ids and their JSON form), read from the files."""
+    from gpuctl.adapters.store.journal import Journal
+
+    j = Journal(host.state_dir)
+    try:
+        return [(rid, e.to_dict()) for rid, e in j.read(0.0) if e.service in services]
+    finally:
+        j.close()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("heavy")  # 32 callers: never beside another heavy test
+def test_32_racing_ensures_through_the_agent_lose_and_duplicate_no_event(host: SimHost) -> None:
+    """32 real `gpuctl ensure` at once through the agent: 16 for a service that fits (one
+    of them launches it) and 16 for one that never fits beside a 20 GiB process outside
+    gpuctl (each is refused). The journal holds exactly one admit, one launch and one
+    ready for the first, by the caller that launched it, and one refusal per caller of
+    the second: none lost, none twice."""
+    fits, too_big = unique_name("fits"), unique_name("big")
+    pf, pb = free_port(), free_port()
+    cfg = host.write_config(
+        priced_service(fits, pf, 20, 50).replace("--load-time 1s", "--load-time 4s")
+        + priced_service(too_big, pb, 110, 50)
+    )
+    squatter = unique_name("squat")
+    hold = subprocess.Popen(
+        [sys.executable, "-m", "gpuctl", "sim", "hold", "--name", squatter, "--memory", "20GiB"],
+        env=cli_env(cfg),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while squatter not in gpuctl(cfg, "status", "--json").stdout:
+            assert time.time() < deadline, "the 20 GiB process never showed"
+            time.sleep(0.2)
+        procs = [spawn_ensure(cfg, fits if i % 2 else too_big) for i in range(32)]
+        outs = [(p.args, p.wait(timeout=180), *p.communicate()) for p in procs]
+        fit_outs = [o for o in outs if fits in o[0]]
+        big_outs = [o for o in outs if too_big in o[0]]
+        assert [rc for _, rc, _, _ in fit_outs] == [0] * 16, [e[-300:] for *_, e in fit_outs]
+        assert [rc for _, rc, _, _ in big_outs] == [3] * 16, [e[-300:] for *_, e in big_outs]
+        launched = [json.loads(out)["launched"] for _, _, out, _ in fit_outs]
+        assert launched.count(True) == 1
+        launcher = procs[outs.index(fit_outs[launched.index(True)])].pid
+
+        got = _journaled(host, fits, too_big)
+        assert len({rid for rid, _ in got}) == len(got)
+        mine = [e for _, e in got if e["service"] == fits]
+        assert [e["kind"] for e in mine] == ["admit", "launch", "ready"], mine
+        assert {e["who"]["pid"] for e in mine} == {str(launcher)}
+        assert all(e["who"]["entry"] == "ensure" for e in mine)
+        refused = [e for _, e in got if e["service"] == too_big]
+        assert [e["kind"] for e in refused] == ["refuse"] * 16, refused
+        # One refusal per caller: 16 pids, each once.
+        assert len({e["who"]["pid"] for e in refused}) == 16
+        import httpx
+
+        auth = {"Authorization": f"Bearer {host.token}"}
+        text = httpx.get(f"{host.agent_url}/metrics", headers=auth).text
+        assert "gpuctl_starts_total 1" in text
+        assert "gpuctl_journal_write_failures_total 0" in text
+    finally:
+        hold.terminate()
+        hold.communicate(timeout=30)
+        kill_servers(fits)
+        kill_servers(too_big)
+
+
+def test_a_no_wait_start_the_agent_completes_tells_its_ready(host: SimHost) -> None:
+    """`ensure --no-wait` lets go of its lease while the server loads; the agent sees it
+    answer and marks it running: that is its `ready`, with its cold-start time, once."""
+    name, port = unique_name("nowait"), free_port()
+    cfg = host.write_config(priced_service(name, port, 20, 50))
+    try:
+        r = run_ensure(cfg, name, "--no-wait")
+        assert r.returncode == 0 and json.loads(r.stdout)["outcome"] == "started", r.stderr
+        deadline = time.time() + 60
+        while not any(e["kind"] == "ready" for _, e in _journaled(host, name)):
+            assert time.time() < deadline, _journaled(host, name)
+            time.sleep(0.2)
+        r = run_ensure(cfg, name)  # it answers: nothing more to tell
+        assert r.returncode == 0, r.stderr
+        kinds = [(e["kind"], e["who"]["entry"]) for _, e in _journaled(host, name)]
+        assert kinds == [("admit", "ensure"), ("launch", "ensure"), ("ready", "agent")], kinds
+        ready = next(e for _, e in _journaled(host, name) if e["kind"] == "ready")
+        assert ready["before"] == "starting" and ready["after"] == "running"
+        assert ready["figures"]["cold_start_s"] > 0
+        r = gpuctl(cfg, "usage", "--since", "1d", "--json")
+        assert r.returncode == 0, r.stderr
+        rows = {row["key"]: row for row in json.loads(r.stdout)["rows"]}
+        assert rows[name]["cold_starts"] == 1
+    finally:
+        kill_servers(name)

@@ -540,3 +540,73 @@ def test_preemption_by_policy_and_never_under_a_stream(host: SimHost) -> None:
     assert sim_claims(host, batch) == [] and len(sim_claims(host, pre)) == 1
     rec = json.loads((host.state_dir / "records" / f"{batch}.json").read_text())
     assert rec["phase"] == "preempted"
+
+
+def _served(host: SimHost, name: str) -> list[dict[str, float]]:
+    """The figures of the journal's `proxy` events that count ``name``'s served requests."""
+    from gpuctl.adapters.store.journal import Journal
+
+    j = Journal(host.state_dir)
+    try:
+        return [
+            e.figures
+            for _, e in j.read(0.0, service=name)
+            if e.kind.value == "proxy" and "requests_served" in e.figures
+        ]
+    finally:
+        j.close()
+
+
+def _served_total(host: SimHost, name: str) -> float:
+    return sum(f["requests_served"] for f in _served(host, name))
+
+
+@pytest.mark.parametrize("every", ["0.5", "600"])
+def test_every_served_request_is_counted_in_batches_for_usage(host: SimHost, every: str) -> None:
+    """Every request the proxy answered for a service, not only those held through its
+    cold start, reaches the journal, batched (one event per service and period, never
+    per request); the last batch when the proxy stops (a 600 s period: only that one).
+    `gpuctl usage` adds them up: none lost, none twice. A refusal the proxy makes itself
+    (404: no such model) belongs to no service."""
+    name, port = unique_name("px"), free_port()
+    cfg = host.write_config(svc(name, port, load="1s"))
+    proxy = Proxy(host, cfg, env={"GPUCTL_FAILPOINTS": f"proxy.served_every=seconds:{every}"})
+    body = {"model": name, "messages": MSG, "max_tokens": 2}
+    try:
+        for _ in range(5):  # the first waits through the cold start
+            r = httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        r = httpx.post(proxy.v1 + "/chat/completions", json={**body, "model": "nope"})
+        assert r.status_code == 404
+        if every != "600":
+            wait_until("the first batch", lambda: _served_total(host, name) == 5)
+        for _ in range(3):
+            r = httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        proxy.stop()  # the last batch is told before it exits
+    batches = _served(host, name)
+    assert _served_total(host, name) == 8, batches
+    assert all(f["period_s"] > 0 for f in batches)
+    if every == "600":
+        assert len(batches) == 1, batches  # told once, as the proxy stopped
+    r = subprocess.run(
+        [gpuctl_exe(), "usage", "--since", "1d", "--json"],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {row["key"]: row for row in json.loads(r.stdout)["rows"]}
+    assert rows[name]["proxy_requests"] == 8
+    r = subprocess.run(
+        [gpuctl_exe(), "events", "--since", "1h", "--service", name],
+        env=cli_env(cfg),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "request(s) through the proxy in" in r.stdout, r.stdout
+    assert "cold start through the proxy, 1 request(s) held" in r.stdout, r.stdout

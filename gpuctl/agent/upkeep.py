@@ -93,7 +93,7 @@ def heal_here(store: DirectStore, gate: HealthGate) -> list[str]:
 def promote(store: DirectStore, service: str) -> bool:
     """``starting`` -> ``running`` (the store's touch with ``ready``; it never revives a
     stopped record). True when the record is running afterwards."""
-    return store.touch(service, ready=True).phase is Phase.RUNNING
+    return store.touch(service, ready=True, entry="agent").phase is Phase.RUNNING
 
 
 async def promote_loop(

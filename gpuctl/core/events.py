@@ -229,6 +229,11 @@ def words(e: Event) -> str:
         text = f"{what} launched"
         if "budget_mib" in f:
             text += f" ({_gib(f['budget_mib'])} budget)"
+    elif e.kind is Kind.PROXY and "requests_served" in f:
+        period = f.get("period_s")
+        text = f"{what} served {int(f['requests_served'])} request(s) through the proxy" + (
+            f" in {_span(period)}" if period is not None else ""
+        )
     elif e.kind is Kind.PROXY:
         held = f.get("requests_held")
         text = f"{what} cold start through the proxy" + (

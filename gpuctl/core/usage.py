@@ -178,7 +178,7 @@ def fold(
             row.cold_total_s += f["cold_start_s"]
             row.cold_kept = [*row.cold_kept, f["cold_start_s"]][-MAX_COLD_KEPT:]
         if e.kind is Kind.PROXY and counted:
-            point(e).proxy_requests += int(f.get("requests_held", 0))
+            point(e).proxy_requests += int(f.get("requests_served", 0))
         if e.kind is Kind.STOP and counted:
             row = point(e)
             cause = e.cause.value if e.cause else "other"

@@ -75,6 +75,7 @@ from gpuctl.proxy.routes import (
     wants_stream,
     why_no_model,
 )
+from gpuctl.proxy.served import ServedBatches
 from gpuctl.proxy.upstream import (
     CLIENT_ENV,
     ConnectFailed,
@@ -158,6 +159,9 @@ class ProxyApp:
         self.routes = routes
         self.settings = settings
         self.metrics = ProxyMetrics()
+        # Requests served, told to the journal from the metrics' counts (proxy.served).
+        self.served = ServedBatches(conf, self.metrics.requests)
+        self._served_task: asyncio.Task[None] | None = None
         self._keys = tuple(k.encode() for k in settings.api_keys)
         self._ensure = ensure
         self._client: httpx.AsyncClient | None = None  # health checks, model cards
@@ -209,6 +213,15 @@ class ProxyApp:
     async def aclose(self) -> None:
         for st in self._states.values():
             await st.let_go(closing=True)
+        if self._served_task is not None:
+            self._served_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._served_task
+            self._served_task = None
+        try:  # what was served since the last batch: told before the process goes
+            await self.served.flush()
+        except Exception as err:  # a witness: stopping goes on
+            log.warning("telling served requests failed: %s: %s", type(err).__name__, err)
         await self.upstream.aclose()
         if self._client is not None:
             await self._client.aclose()
@@ -246,6 +259,9 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                self._served_task = asyncio.create_task(
+                    self.served.loop(), name="gpuctl-proxy-served"
+                )
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()

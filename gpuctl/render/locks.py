@@ -202,8 +202,9 @@ def render_locks(report: LocksReport) -> RenderableType:
     noted = " ".join(n.plain for n in notes)
     for host, a in report.set_aside:
         if visible(a.file) not in noted:  # older copies (the newest is noted on its row)
+            what = "journal" if a.service == "_journal" else "record"
             notes.append(
-                plain(f"{host}/{a.service}: kept unreadable record {a.file}", style="yellow")
+                plain(f"{host}/{a.service}: kept unreadable {what} {a.file}", style="yellow")
             )
     if report.hidden_jobs:
         n = report.hidden_jobs

@@ -412,6 +412,8 @@ class DirectStore(InflightFiles, QueueFiles):
                     got: str | Record = "it is a symbolic link (never followed)"
                 elif folder_rel == "records":
                     got = _why(folder.read(name))
+                elif service == "_journal":
+                    got = "the journal could not read it as a database; a new one was started"
                 else:
                     got = "it is not a sound entry (it counted for nothing)"
         except OSError as e:
@@ -513,7 +515,15 @@ class DirectStore(InflightFiles, QueueFiles):
         finally:
             lock.release()
 
-    def touch(self, service: str, ready: bool = False, promise: Promise | None = None) -> Record:
+    def touch(
+        self,
+        service: str,
+        ready: bool = False,
+        promise: Promise | None = None,
+        *,
+        entry: str = "touch",
+    ) -> Record:
+        """``entry``: who completes a start here (the ``ready`` event's teller)."""
         lock = self._locked(service)
         try:
             on_disk = self._read(service)
@@ -523,10 +533,16 @@ class DirectStore(InflightFiles, QueueFiles):
                 # touch now would lose to it anyway. It changes nothing, and the caller
                 # sees the stop in the record it gets back.
                 return current
-            rec = on_disk.used(self.clock(), ready=ready)
+            now = self.clock()
+            rec = on_disk.used(now, ready=ready)
             if promise is not None and rec.promise is None:
                 rec = replace(rec, promise=promise)
             self._write(rec)
+            if on_disk.phase is Phase.STARTING and rec.phase is Phase.RUNNING and not current.lease:
+                # A start nobody waits on any more (``--no-wait``, a caller killed) is
+                # complete: its ``ready`` is told here, once, under the service's lock.
+                # While its launcher holds the lease, the launcher tells it instead.
+                self.note(_completed(service, entry, now, on_disk.since))
             return self._effective(rec)[0]
         finally:
             lock.release()
@@ -561,6 +577,28 @@ def _witnessed(kind: str, service: str, now: float, reason: str, by: str | None 
     return Event(now, Kind(kind), service, host, reason=clip(reason), by=by, who=who)
 
 
+def _completed(service: str, entry: str, now: float, since: float) -> Event:
+    """``starting`` -> ``running`` seen by a toucher: the ``ready`` of a start whose
+    launcher went, with its cold-start time (from the record's ``starting``)."""
+    import getpass
+    import os
+
+    from gpuctl.adapters import procinfo
+    from gpuctl.core.events import Event, Kind
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    who = {"entry": entry, "user": user, "pid": str(os.getpid())}
+    host = procinfo.host_identity().hostname
+    figures = {"cold_start_s": round(now - since, 3)} if since > 0 else {}
+    return Event(
+        now, Kind.READY, service, host, before="starting", after="running", who=who,
+        figures=figures,
+    )  # fmt: skip
+
+
 def _check_term(service: str, ttl_s: float) -> None:
     """Refuse a lease longer than its kind's documented term (400 on the wire)."""
     longest = TERM_MAX_S.get(service)
@@ -589,7 +627,10 @@ def _set_aside_names(state_dir: Path) -> list[tuple[str, str, float]]:
                 out.append((who, prefix + name, float(m["stamp"])))
         return names
 
-    scan((), _LINKED, "_state")
+    for name in scan((), _LINKED, "_state"):
+        m = _JOURNAL_KEPT.fullmatch(name)
+        if m is not None:
+            out.append(("_journal", name, float(m["stamp"])))
     scan(("records",), _KEPT, None)
     scan(("locks",), _LINKED, "_locks")
     scan(("queue",), _JUNK, "_queue")
@@ -609,6 +650,10 @@ def _why(raw: bytes) -> str | Record:
 _KEPT = re.compile(r"(?P<service>.+)\.json\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
 # A link set aside where a folder or a lock file belonged (``files.LINK_SUFFIX``).
 _LINKED = re.compile(r"(?P<service>[^/]+?)(?:\.lock)?\.link-(?P<stamp>\d{1,12})(?:-\d+)?")
+# A journal SQLite said is not a database, and its -wal and -shm, set aside together
+# (``journal.NAME`` + ``journal.CORRUPT_SUFFIX``; that module is not imported here:
+# ``status`` and ``locks`` never load sqlite3).
+_JOURNAL_KEPT = re.compile(r"journal\.db(?:-wal|-shm)?\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
 # A queue or in-flight file that is not a sound entry, set aside once.
 _JUNK = re.compile(r"(?P<service>.+)\.corrupt-(?P<stamp>\d{1,12})(?:-\d+)?")
 MAX_SET_ASIDE_LISTED = 100

@@ -5,9 +5,9 @@ library) under the state folder.
 Many writers write at once (32 racing ``ensure`` callers, the agent, cron, the proxy):
 SQLite serialises them, each waiting at most ``BUSY_S`` for the others.
 
-A witness, not a gate: a journal that cannot be written (disk full, locked past
-``BUSY_S``, corrupt, a link in its place) never fails the start or stop it would have
-told of. The write is dropped, the process warns once, and ``failures()`` counts it
+A witness, not a gate: a journal that cannot be written (disk full or nearly,
+``RESERVE_BYTES``; locked past ``BUSY_S``, corrupt, a link in its place) never fails the
+start or stop it would have told of. The write is dropped, the process warns once, and ``failures()`` counts it
 (the agent's ``/metrics``: ``gpuctl_journal_write_failures_total``).
 
 The files are made with the store's modes before SQLite opens them (``files``), and a
@@ -47,6 +47,11 @@ _FILES: Final = (NAME, NAME + "-wal", NAME + "-shm")
 CORRUPT_SUFFIX: Final = ".corrupt-"
 BUSY_S: Final = 1.0
 DEFAULT_DAYS: Final = 90
+# The journal never takes the last of the state folder's disk: below this much free
+# space it stops writing (a failed write, counted and warned of), so the records, which
+# every start and stop must write, keep room: SQLite itself, let run to the end of a
+# disk, takes its last pages, and the next record write then fails.
+RESERVE_BYTES: Final = 16 * 1024 * 1024
 # The size bound: past it the oldest events go first (1,000,000 events take about
 # 300 MiB; a busy host writes some 11,000 a day).
 MAX_BYTES: Final = 512 * 1024 * 1024
@@ -224,6 +229,13 @@ class Journal:
         of once, and the caller goes on."""
         if not events:
             return True
+        free = self._free_bytes()
+        if free is not None and free < RESERVE_BYTES:
+            _failed(
+                f"{free // 1024} KiB free on the disk of {self.state_dir}; the journal leaves "
+                f"the last {RESERVE_BYTES // (1024 * 1024)} MiB to the records"
+            )
+            return False
         rows = [
             (e.at, e.service, e.kind.value, json.dumps(e.to_dict(), separators=(",", ":")))
             for e in events
@@ -258,6 +270,15 @@ class Journal:
                 _failed(f"{type(e).__name__}: {e}")
             return False
         return False
+
+    def _free_bytes(self) -> int | None:
+        """Free space on the state folder's disk for an unprivileged writer (None: the
+        system would not say; the write is tried)."""
+        try:
+            st = os.statvfs(self.state_dir)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     # ---- reading
 
@@ -446,4 +467,12 @@ def journal_for(state_dir: Path) -> Journal:
         return j
 
 
-__all__ = ["DAY_S", "DEFAULT_DAYS", "MAX_BYTES", "Journal", "failures", "journal_for"]
+__all__ = [
+    "DAY_S",
+    "DEFAULT_DAYS",
+    "MAX_BYTES",
+    "RESERVE_BYTES",
+    "Journal",
+    "failures",
+    "journal_for",
+]
