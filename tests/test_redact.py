@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gpuctl.core.record import Record
@@ -104,6 +104,10 @@ def test_a_secret_never_survives(
         "url": [f"https://user:{secret.replace('/', '%2F')}@example.invalid/x"],
     }[form]
     argv = [*before, *middle, *after]
+    # A value that is also part of the words around it ("Authorizatio" inside the header
+    # name) would be found in what must stay: the property is about the value alone.
+    scaffold = " ".join([*before, *after, option, var, "-H Authorization: Bearer log: next line"])
+    assume(secret not in scaffold + " https://user:@example.invalid/x")
     assert secret not in " ".join(redact_argv(argv))
     assert secret not in redact_command(" ".join(argv))
     assert secret not in redact_lines("log: " + " ".join(argv) + "\nnext line")
