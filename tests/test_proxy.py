@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.adapters.store import DirectStore
 from gpuctl.sim.host import SimHost, free_port
@@ -140,7 +141,33 @@ def test_cold_start_under_load_32_requests_one_launch_all_answered(host: SimHost
     assert len(answers) == 32 and all("simulated reply" in a for a in answers)
     assert launches_in_log(server_log(host, name)) == 1
     assert len(sim_claims(host, name)) == 1
-    assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 32
+    # One start, however many requests it held: those show in the queue-wait histogram.
+    assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 1
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+    }
+    waits = families["gpuctl_proxy_queue_wait_seconds"].samples
+    held = [s for s in waits if s.name.endswith("_count") and s.labels["service"] == name]
+    assert [s.value for s in held] == [32]
+
+
+def test_requests_that_match_no_service_show_in_the_metrics(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port)))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MSG)  # type: ignore[arg-type]
+    assert httpx.get(proxy.url + "/services/no-such-service/health").status_code == 404
+    assert httpx.get(proxy.url + "/v2/nowhere").status_code == 404
+    text = httpx.get(proxy.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    unrouted = [
+        s.value
+        for s in families["gpuctl_proxy_requests"].samples
+        if s.labels == {"service": "", "code": "404"}
+    ]
+    assert unrouted == [3]
+    assert sim_claims(host, name) == []  # nothing was started for them
 
 
 def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: SimHost) -> None:

@@ -66,6 +66,7 @@ from gpuctl.agent.servers import HealthGate, Servers, promote_loop, scan_servers
 from gpuctl.agent.settings import AgentSettings
 from gpuctl.agent.snapshot import Scan, agent_snapshot
 from gpuctl.agent.store_api import StoreApi, read_all
+from gpuctl.core.durations import StartTally
 from gpuctl.core.health_reach import HealthReach
 from gpuctl.core.model import Snapshot, StartingProcess
 from gpuctl.core.record import Record
@@ -99,6 +100,9 @@ class AgentApp:
         self.router = Router()
         self.requests_total: dict[str, int] = {}
         self.probe_errors_total = 0
+        # Every successful start seen in the records, for the start histogram: kept for
+        # the agent's life, so its counts never go down (records keep only the last few).
+        self.starts = StartTally()
         self._scan = TtlCell(self._read_probe, settings.cache_ttl_s)
         self._plain_body: tuple[object, object, Response] | None = None
         self._matches: dict[tuple[str, ...], _MatchSlot] = {}
@@ -386,6 +390,7 @@ class AgentApp:
                 records, bad = await asyncio.to_thread(read_all, store)
                 unreadable = len(bad)
                 store_up = True
+                self.starts.fold(records)
             except GpuctlError as err:
                 log.warning("reading the records for /metrics failed: %s", err)
                 store_up = False
@@ -405,6 +410,7 @@ class AgentApp:
             journal={**journal_counters(), "write_failures": journal_failures()}
             if self.journal is not None
             else None,
+            starts=self.starts,
         )
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 

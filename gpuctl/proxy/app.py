@@ -200,7 +200,9 @@ class ProxyApp:
     @property
     def flight(self) -> SingleFlight:
         if self._flight is None:
-            self._flight = SingleFlight(self.conf, self.client, self._ensure)
+            self._flight = SingleFlight(
+                self.conf, self.client, self._ensure, cold_starts=self.metrics.cold_starts
+            )
         return self._flight
 
     @property
@@ -320,8 +322,9 @@ class ProxyApp:
             # What happened, which is not always the status line that went: an answer
             # cut short, or an error event ending a stream that had said 200.
             status = info.get("status") or reply.status
-            if svc is not None:
-                self.metrics.requests[(svc, status)] += 1
+            # Under service="" what no service answered: the proxy's own endpoints, and
+            # refusals before a route (no such model or service, a bad key, a bad path).
+            self.metrics.requests[(svc or "", status)] += 1
             if self.settings.access_log:
                 client = scope.get("client") or ("-", 0)
                 access.info(
@@ -588,8 +591,6 @@ class ProxyApp:
         waited = time.monotonic() - t0
         info["waited"] = info.get("waited", 0.0) + waited
         self.metrics.waited(svc.name, waited)
-        if result.cold:
-            self.metrics.cold_starts[svc.name] += 1
         if result.ok:
             st.ready = True
             return

@@ -169,8 +169,12 @@ class SingleFlight:
         conf: Config,
         client: httpx.AsyncClient,
         ensure: Callable[[Config, str, float, Callable[[Progress], None]], Readiness] = run_ensure,
+        cold_starts: dict[str, int] | None = None,
     ) -> None:
         self.conf = conf
+        # service -> cold starts: one per readiness task that went through the ensure
+        # flow, however many requests it held (the proxy's metrics)
+        self.cold_starts: dict[str, int] = {} if cold_starts is None else cold_starts
         self.client = client
         self.ensure = ensure
         self.tasks: dict[str, asyncio.Task[Readiness]] = {}
@@ -193,8 +197,12 @@ class SingleFlight:
         if self.tasks.get(name) is task:
             del self.tasks[name]
         self.progress.pop(name, None)
-        if not task.cancelled() and task.exception() is None and task.result().launched:
+        if task.cancelled() or task.exception() is not None:
+            return
+        if task.result().launched:
             self.launches += 1
+        if task.result().cold:
+            self.cold_starts[name] = self.cold_starts.get(name, 0) + 1
 
     def loading_text(self, name: str) -> str:
         """``loading 2m10s of ~5m40s``: how long this start has run (and is expected to)."""
