@@ -1,8 +1,8 @@
 """``/metrics`` as a dashboard reads it: parsed by prometheus_client from the real agent.
 
-Base units (bytes), GPUs labelled ``gpu``/``uuid``/``model`` as DCGM and
-nvidia_gpu_exporter label theirs, per-process memory with its service and bounded
-labels, and ``gpuctl_service_phase`` as a state set covering every service with a record.
+Base units (bytes), GPUs labelled ``gpu``/``uuid``/``model``, free memory, temperature
+and power where known, memory per service with bounded labels, a start histogram that
+never goes down, and ``gpuctl_service_phase`` as a state set covering every service with a record.
 """
 
 from __future__ import annotations

@@ -199,8 +199,9 @@ def _gpu_metrics(
     metric: Callable[[str, str, str, list[tuple[str, float]]], None],
     servers: Mapping[int, str] | None = None,
 ) -> None:
-    """Per-GPU memory in bytes, labelled as DCGM and nvidia_gpu_exporter label theirs
-    (``gpu``, ``uuid``, ``model``), and per-process memory with its service.
+    """Per-GPU memory in bytes, temperature and power, labelled ``gpu``, ``uuid``,
+    ``model`` (gpuctl's own labels; docs/reference/metrics.md maps them to DCGM's and
+    nvidia_gpu_exporter's), and the memory each service's processes hold.
 
     A GPU that could not be read has ``gpuctl_gpu_up 0`` and no memory samples: a missing
     sample is "unknown", a zero would be "free".
