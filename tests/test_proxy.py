@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -26,6 +27,8 @@ from tests.ensure_helpers import (
     cli_env,
     launches_in_log,
     model_server_command,
+    read_record,
+    run_ensure,
     service_toml,
     sim_claims,
     unique_name,
@@ -190,6 +193,26 @@ def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: 
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model=b, messages=MSG)  # type: ignore[arg-type]
     assert caught.value.status_code == 503
+
+
+def test_retry_after_of_a_start_under_way_comes_from_its_eta(host: SimHost) -> None:
+    """Held past queue_timeout while its service loads: Retry-After is what is left of
+    the start by its ETA (a 4 s load held 1 s: about 3), not the proxy's 30 s."""
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, load="4s", extra='queue_timeout = "1s"'))
+    run_ensure(conf, name)  # a start on record: its ETA
+    subprocess.run(
+        [gpuctl_exe(), "stop", name], env=cli_env(conf), capture_output=True, timeout=60, check=True
+    )
+    proxy = Proxy(host, conf)
+    r = httpx.post(proxy.v1 + "/chat/completions", json={"model": name, "messages": MSG})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+    expected = float(read_record(host, name)["attempts"][0]["duration_s"])
+    assert 1 <= int(r.headers["retry-after"]) <= math.ceil(expected), r.headers
+    # The openai client honours it: its retries meet the server once it is up.
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=3)
+    reply = client.chat.completions.create(model=name, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
 
 
 def _last_used(conf: Path, name: str) -> float | None:

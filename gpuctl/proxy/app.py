@@ -620,7 +620,7 @@ class ProxyApp:
                     f"it may still be loading: {self.flight.loading_text(svc.name)}",
                     "service_unavailable",
                     "model_loading",
-                    retry_s=self.settings.retry_after_s,
+                    retry_s=self.flight.retry_after_s(svc.name, self.settings.retry_after_s),
                 )
             step = remaining
             if keepalive:

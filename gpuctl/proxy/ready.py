@@ -215,6 +215,19 @@ class SingleFlight:
             text += f" of ~{format_duration(p.expected_s)}"
         return text
 
+    def retry_after_s(self, name: str, fallback_s: float) -> float:
+        """When a client refused for a start under way should come back: what is left of
+        the start by its ETA (the median of its recent starts), at least 1 s; one past
+        its ETA, a tenth of it; without an ETA (a first start, none under way),
+        ``fallback_s`` (the proxy's ``retry_after``)."""
+        started, p = self.progress.get(name, (0.0, None))
+        if p is None or not p.expected_s:
+            return fallback_s
+        left = p.expected_s - (time.monotonic() - started)
+        if left <= 0:
+            return min(fallback_s, max(1.0, p.expected_s / 10))
+        return min(fallback_s, max(1.0, left))
+
     async def _run(self, svc: ServiceConfig) -> Readiness:
         if svc.health_means_ready:
             assert svc.health is not None
