@@ -833,6 +833,14 @@ def test_queue_timeout_is_503_model_loading_and_a_start_that_fails_is_502(
         with pytest.raises(openai.APIError) as caught:
             list(client.chat.completions.create(model=slow, messages=MSG, stream=True))  # type: ignore[arg-type]
         assert "queue_timeout" in str(caught.value)
+        if not isinstance(caught.value, openai.APIStatusError):
+            # The stream's error event: no status line to carry the 503 and its
+            # Retry-After, so the event carries both, and the message says so in words.
+            body = caught.value.body
+            assert isinstance(body, dict), body
+            assert body["status"] == 503 and body["retry_after"] >= 1, body
+            assert caught.value.code == "model_loading"
+            assert "this may be retried: send the request again in" in caught.value.message
         # Both held requests are logged 503, the stream too (its 200 went first, or
         # not at all).
         wait_until(

@@ -768,7 +768,9 @@ class ProxyApp:
             # what happened instead.
             info["status"], info["error"] = r.status, r.code
             if reply.sse or reply.relayed_sse:  # a stream: it ends with an error event
-                await end_with_error(send, r.message, r.kind, r.code)
+                await end_with_error(
+                    send, r.message, r.kind, r.code, status=r.status, retry_s=r.retry_s
+                )
             # else the answer is under way; nothing sound can be added (uvicorn cuts it)
             return
         headers = [_JSON]
