@@ -387,10 +387,9 @@ class AgentApp:
         if store is not None:
             # A worker thread: reading a record that needs recovery takes its file lock.
             try:
-                records, bad = await asyncio.to_thread(read_all, store)
-                unreadable = len(bad)
-                store_up = True
-                self.starts.fold(records)
+                read, bad = await asyncio.to_thread(read_all, store)
+                records, unreadable, store_up = read, len(bad), True
+                self.starts.fold(read)
             except GpuctlError as err:
                 log.warning("reading the records for /metrics failed: %s", err)
                 store_up = False

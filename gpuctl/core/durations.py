@@ -77,8 +77,12 @@ def start_attempts(record: Record | None) -> list[tuple[float | None, float]]:
             and math.isfinite(d)
             and d >= 0
         ):
-            known = isinstance(ended, int | float) and not isinstance(ended, bool)
-            out.append((float(ended) if known else None, float(d)))
+            at = (
+                float(ended)
+                if isinstance(ended, int | float) and not isinstance(ended, bool)
+                else None
+            )
+            out.append((at, float(d)))
     return out
 
 

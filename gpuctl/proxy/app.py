@@ -516,7 +516,7 @@ class ProxyApp:
         try:
             attempts = 2  # a refused connection once: the server went, start it again
             while True:
-                if not st.ready:
+                if not st.ready and not await st.again():
                     await self._wait_ready(call, st)
                 # Use (the store's in-flight count, last_used) begins only now that the
                 # server is there to serve it: a request refused on the way (busy,

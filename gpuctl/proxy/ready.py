@@ -8,7 +8,9 @@ serialises starts: only the lease holder launches, the others wait for its serve
 
 A service is trusted as ready only while the proxy has requests in flight on it (the
 store's in-flight count keeps reclaim off it meanwhile). When its last request ends it
-is checked again on the next one, since reclaim or ``gpuctl stop`` may act in between.
+is checked again on the next one, since reclaim or ``gpuctl stop`` may act in between:
+by the record its count's write returns when that says nothing came between
+(``use.ServiceUse.again``), else here.
 """
 
 from __future__ import annotations
