@@ -66,6 +66,7 @@ from gpuctl.proxy.routes import (
     Upstream,
     form_field,
     header_of,
+    loads_a_model,
     model_from_json,
     multipart_boundary,
     read_body,
@@ -404,7 +405,13 @@ class ProxyApp:
             info["service"] = name
             body = await read_body(scope, receive, self.settings.max_body_bytes)
             stream = wants_stream(scope, body)
-            await self._serve(_Call(scope, receive, send, reply, info, up, rest, body, stream))
+            call = _Call(scope, receive, send, reply, info, up, rest, body, stream)
+            if not loads_a_model(up.service, method, rest):
+                # Ollama's model list and the like: Ollama answers them whatever it has
+                # loaded, so nothing is started (or counted as a use) for them.
+                await self._pass(call)
+                return
+            await self._serve(call)
             return
         if path in MODEL_IN_BODY:
             if method != "POST":
@@ -546,6 +553,19 @@ class ProxyApp:
             # loop for 11-31 ms, every few seconds under load: a tail for every
             # request in flight. Put back, the call is freed when its request ends.
             call.send, call.reply.raw_send = send, raw_send
+
+    async def _pass(self, call: _Call) -> None:
+        """Forward a request that needs nothing started (``routes.loads_a_model``)."""
+        try:
+            await self._forward(call)
+        except ConnectFailed as e:
+            svc = call.up.service
+            raise Refusal(
+                502,
+                f"{svc.name}'s server at {call.up.origin} refused the connection: {e}",
+                "upstream_error",
+                "upstream_refused",
+            ) from None
 
     def _ending(self, call: _Call, st: ServiceUse, send: Send) -> Send:
         async def send_ending(message: Message) -> None:
