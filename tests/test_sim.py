@@ -882,6 +882,21 @@ def test_model_server_answers_what_openai_clients_meet_first(procs: Procs, sim_d
         floats = client.embeddings.create(model="simvllm-c", input="a", encoding_format="float")
         assert floats.data[0].embedding == pytest.approx(vecs[0], abs=1e-5)
 
+        # finish_reason is "length" only when max_tokens cut the answer: its reply
+        # sentence (14 tokens), said again as often as max_tokens asks.
+        msg = [{"role": "user", "content": "hi"}]
+        finishes = [
+            client.chat.completions.create(
+                model="simvllm-c",
+                messages=msg,  # type: ignore[arg-type]
+                **({} if n is None else {"max_tokens": n}),  # type: ignore[arg-type]
+            )
+            .choices[0]
+            .finish_reason
+            for n in (None, 14, 28, 3, 13)
+        ]
+        assert finishes == ["stop", "stop", "stop", "length", "length"]
+
         card = client.models.retrieve("simvllm-c")
         assert card.id == "simvllm-c" and card.owned_by == "vllm"
         with pytest.raises(openai.NotFoundError):

@@ -260,7 +260,7 @@ class Handler(BaseHTTPRequestHandler):
         # max_tokens makes a reply exactly that long: the way to make a request last.
         n = max_tokens if max_tokens is not None else len(base)
         tokens = [base[i % len(base)] for i in range(n)]
-        finish = "length" if max_tokens is not None else "stop"
+        finish = openai_shapes.finish_reason(n, len(base))
         prompt_tokens = sum(
             len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)
         )
@@ -361,7 +361,7 @@ class Handler(BaseHTTPRequestHandler):
                 "model": e.model_id,
                 "choices": [
                     {"index": 0, "text": "".join(tokens), "logprobs": None,
-                     "finish_reason": "length"}
+                     "finish_reason": openai_shapes.finish_reason(len(tokens), len(base))}
                 ],
                 "usage": {
                     "prompt_tokens": prompt_tokens,

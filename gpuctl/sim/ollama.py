@@ -125,7 +125,7 @@ class _Handler(OpenAIEndpoints):
                 "created_at": iso_time(time.time()),
                 "response": text,
                 "done": True,
-                "done_reason": "length" if len(tokens) != len(REPLY.split(" ")) else "stop",
+                "done_reason": openai_shapes.finish_reason(len(tokens), len(REPLY.split(" "))),
                 "context": [1, 2, 3],
                 **self._final_stats(t0, load_s, len(prompt.split()), len(tokens)),
             }
@@ -168,7 +168,7 @@ class _Handler(OpenAIEndpoints):
                 "created_at": iso_time(time.time()),
                 "message": {"role": "assistant", "content": text},
                 "done": True,
-                "done_reason": "length" if len(tokens) != len(REPLY.split(" ")) else "stop",
+                "done_reason": openai_shapes.finish_reason(len(tokens), len(REPLY.split(" "))),
                 **self._final_stats(t0, load_s, prompt, len(tokens)),
             }
 

@@ -18,6 +18,13 @@ DIMS = 16
 TRANSCRIPT = "This is a simulated transcription of {name}, {size} bytes of audio."
 
 
+def finish_reason(n_tokens: int, sentence_tokens: int) -> str:
+    """Why an answer of ``n_tokens`` ended. A simulated answer is its reply sentence,
+    said again as often as ``max_tokens`` asks (the way to make a request last): it ends
+    with ``stop`` at a sentence's end, and ``length`` only when ``max_tokens`` cut one."""
+    return "stop" if n_tokens and n_tokens % sentence_tokens == 0 else "length"
+
+
 def embedding(text: str, dims: int = DIMS) -> list[float]:
     """A unit vector of ``dims`` floats derived from ``text``."""
     raw = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
