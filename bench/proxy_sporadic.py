@@ -21,6 +21,7 @@ A measurement, not a test: it exits 1 only when a server fails or a response is 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -102,6 +103,13 @@ def main() -> int:
                     proxied.append(timed(p, proxy_url))
                 burst = [timed(p, proxy_url) for _ in range(args.burst)]
                 burst_direct = [timed(d, direct_url) for _ in range(args.burst)]
+            # The proxy's own time for each request, from its access log (its first is
+            # the cold start): the client's noise left out.
+            time.sleep(0.5)
+            log = (host.base / "proxy.log").read_text(errors="replace")
+            own = [
+                float(m) for m in re.findall(r'"POST /v1/chat/completions" 200 .* (\S+)ms ', log)
+            ]
         finally:
             host.stop(proxy)
             subprocess.run(
@@ -123,6 +131,9 @@ def main() -> int:
     added = statistics.median(proxied) - statistics.median(direct)
     added_b2b = statistics.median(burst) - statistics.median(burst_direct)
     print(f"added by the proxy: sporadic {added:.2f} ms, back to back {added_b2b:.2f} ms")
+    if len(own) == 1 + args.rounds + args.burst:
+        print(line("proxy's own time, sporadic", own[1 : 1 + args.rounds]))
+        print(line("proxy's own time, b2b", own[1 + args.rounds :]))
     return 0
 
 
