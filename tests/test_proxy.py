@@ -461,14 +461,23 @@ def test_refusals_in_openai_shape_and_passthrough(host: SimHost) -> None:
     t.join(60)
 
     # whisper's multipart upload: `model` is a form field; routed to the service (whose
-    # sim has no audio endpoint: its own 404 comes back, not the proxy's).
+    # sim serves only `name`: its own 404 comes back, vLLM's error object, not the
+    # proxy's); under its own name, the sim's transcription.
     r = httpx.post(
         proxy.v1 + "/audio/transcriptions",
         data={"model": f"{name}-alias"},
         files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")},
         timeout=60,
     )
-    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    assert r.status_code == 404 and r.json()["object"] == "error", r.text
+    assert f"`{name}-alias` does not exist" in r.json()["message"]
+    r = httpx.post(
+        proxy.v1 + "/audio/transcriptions",
+        data={"model": name},
+        files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")},
+        timeout=60,
+    )
+    assert r.status_code == 200 and "simulated transcription of a.wav" in r.json()["text"]
     r = httpx.post(
         proxy.v1 + "/audio/transcriptions",
         data={"model": "whisper-nope"},
