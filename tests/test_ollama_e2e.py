@@ -150,7 +150,7 @@ def test_through_the_proxy_a_list_loads_nothing_and_status_counts_all_ollama_hol
             except httpx.TransportError:
                 return False
 
-        wait_until("the proxy to listen", up)
+        wait_until("the proxy to listen", up, 60)
         client = ollama.Client(host=f"{url}/services/qwen")
         names = {m.model for m in client.list().models}
         assert names == {"qwen3:32b", "small:1b"}
