@@ -355,5 +355,15 @@ def test_pull_show_and_embed_with_the_ollama_client(
     assert emb.embeddings[0] != emb.embeddings[1]
     assert [m.model for m in client.ps().models] == ["nomic-embed-text:latest"]
 
+    # done_reason is "length" only when num_predict cut the answer: its reply sentence
+    # (12 tokens), said again as often as num_predict asks.
+    reasons = [
+        client.generate(
+            model="nomic-embed-text", prompt="hi", options={"num_predict": n}
+        ).done_reason
+        for n in (12, 24, 5)
+    ]
+    assert reasons == ["stop", "stop", "length"]
+
     r = httpx.get(srv.url + "/api/nope", timeout=5)
     assert r.status_code == 404 and r.headers["connection"] == "close"
