@@ -273,6 +273,14 @@ class in_use:  # lower case: used like contextlib's context managers
         if not self._use.exit_fast():
             await asyncio.to_thread(self._use.exit)
 
+    @property
+    def record(self) -> Any:
+        """The service's record (a ``gpuctl.core.record.Record``) as the store returned
+        it when this process's use last began or ended; None before the first, or when
+        the store could not be reached. A caller that saw the server ready compares two
+        of them: the same phase ``since`` means no stop, sleep or start came between."""
+        return self._use.record
+
 
 INFLIGHT_TTL_S = INFLIGHT_TTL_MAX_S
 INFLIGHT_RENEW_S = 5.0
@@ -289,6 +297,7 @@ class _Use:
         self.store: Any = None
         self.holder: Any = None
         self.stop_renewing: threading.Event | None = None
+        self.record: Any = None  # as the store returned it at the last begin or end
 
     def enter_fast(self) -> bool:
         """Count one more use when one is already open (no I/O); False otherwise."""
@@ -330,14 +339,18 @@ class _Use:
             self.holder = holder_here("in_use")
             deadline = time.monotonic() + INFLIGHT_WAIT_S
             while True:
-                granted, _ = self.store.inflight_begin(self.svc.name, self.holder, INFLIGHT_TTL_S)
+                granted, record = self.store.inflight_begin(
+                    self.svc.name, self.holder, INFLIGHT_TTL_S
+                )
                 if granted:
+                    self.record = record
                     break
                 if time.monotonic() >= deadline:
                     raise GpuctlError(f"{self.svc.name} has been stopping for too long")
                 time.sleep(0.25)  # a stop is under way: the use begins after it
         except GpuctlError as e:
             self.holder = None
+            self.record = None
             _log.warning("gpuctl: %s is not counted as in use: %s", self.svc.name, e.message)
             return
         stop = self.stop_renewing = threading.Event()
@@ -361,8 +374,9 @@ class _Use:
             return
         holder, self.holder = self.holder, None
         try:
-            self.store.inflight_end(self.svc.name, holder.id)
+            self.record = self.store.inflight_end(self.svc.name, holder.id)
         except GpuctlError as e:
+            self.record = None
             # The entry expires (or is voided with this process) by itself.
             _log.warning("gpuctl: cannot end the use of %s: %s", self.svc.name, e.message)
 

@@ -377,12 +377,11 @@ def test_metrics_text() -> None:
     assert "gpuctl_gpu_processes 3" in lines
     assert "gpuctl_probe_errors_total 0" in lines
     assert "gpuctl_probe_up 1" in lines
-    # Per process: gpu, pid and service labels; never the command line (unbounded, and
-    # it may carry secrets).
-    assert f'gpuctl_process_memory_bytes{{gpu="0",pid="4242",service=""}} {8200 * 2**20}' in lines
-    assert f'gpuctl_process_memory_bytes{{gpu="0",pid="4343",service=""}} {34 * 2**20}' in lines
-    assert f'gpuctl_process_memory_bytes{{gpu="1",pid="77",service=""}} {512 * 2**20}' in lines
-    assert "command=" not in r.text
+    # Per service and GPU (summed), gpu and service labels only: never a pid (a series
+    # per start) nor the command line (unbounded, and it may carry secrets).
+    assert f'gpuctl_process_memory_bytes{{gpu="0",service=""}} {(8200 + 34) * 2**20}' in lines
+    assert f'gpuctl_process_memory_bytes{{gpu="1",service=""}} {512 * 2**20}' in lines
+    assert "command=" not in r.text and "pid=" not in r.text
     assert 'gpuctl_agent_requests_total{path="/status"} 1' in lines
     assert 'gpuctl_agent_requests_total{path="/metrics"} 1' in lines
     assert 'gpuctl_agent_requests_total{path="other"} 1' in lines

@@ -1,8 +1,8 @@
 """``/metrics`` as a dashboard reads it: parsed by prometheus_client from the real agent.
 
-Base units (bytes), GPUs labelled ``gpu``/``uuid``/``model`` as DCGM and
-nvidia_gpu_exporter label theirs, per-process memory with its service and bounded
-labels, and ``gpuctl_service_phase`` as a state set covering every service with a record.
+Base units (bytes), GPUs labelled ``gpu``/``uuid``/``model``, free memory, temperature
+and power where known, memory per service with bounded labels, a start histogram that
+never goes down, and ``gpuctl_service_phase`` as a state set covering every service with a record.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ MIB = 2**20
 UUID0 = "GPU-11111111-2222-3333-4444-555555555555"
 UUID1 = "GPU-66666666-7777-8888-9999-000000000000"
 SERVER = GpuProcess(pid=4242, command="vllm serve big --api-key sk-zzz", memory_mib=70_000, gpu=0)
+# Another process no record names, on the same GPU: it sums with FOREIGN.
+FOREIGN2 = GpuProcess(pid=5252, command="python eval.py", memory_mib=1_000, gpu=1)
 FOREIGN = GpuProcess(pid=5151, command="python train.py", memory_mib=9_000, gpu=1)
 LOADING = GpuProcess(pid=6161, command="vllm serve small", memory_mib=0, gpu=0, on_gpu=False)
 
@@ -35,12 +37,19 @@ LOADING = GpuProcess(pid=6161, command="vllm serve small", memory_mib=0, gpu=0, 
 def reading() -> ProbeReading:
     return ProbeReading.of_devices(
         "fake",
-        [SERVER, FOREIGN, LOADING],
+        [SERVER, FOREIGN, FOREIGN2, LOADING],
         [
             GpuDevice(
-                0, 70_500, 81_559, name="NVIDIA H100 80GB HBM3", uuid=UUID0, utilization_pct=87
+                0,
+                70_500,
+                81_559,
+                name="NVIDIA H100 80GB HBM3",
+                uuid=UUID0,
+                utilization_pct=87,
+                temperature_c=61,
+                power_w=312.5,
             ),
-            GpuDevice(1, 9_000, 81_559, name="NVIDIA H100 80GB HBM3", uuid=UUID1),
+            GpuDevice(1, 10_000, 81_559, name="NVIDIA H100 80GB HBM3", uuid=UUID1),
             GpuDevice(2, error="GPU is lost"),
         ],
     )
@@ -74,7 +83,7 @@ def test_gpu_memory_in_bytes_per_labelled_gpu(families: dict[str, Any]) -> None:
     used = samples(families, "gpuctl_gpu_memory_used_bytes")
     assert used == [
         ({"gpu": "0", "uuid": UUID0, "model": model}, 70_500 * MIB),
-        ({"gpu": "1", "uuid": UUID1, "model": model}, 9_000 * MIB),
+        ({"gpu": "1", "uuid": UUID1, "model": model}, 10_000 * MIB),
     ]
     total = samples(families, "gpuctl_gpu_memory_total_bytes")
     assert [v for _, v in total] == [81_559 * MIB, 81_559 * MIB]
@@ -88,15 +97,33 @@ def test_gpu_memory_in_bytes_per_labelled_gpu(families: dict[str, Any]) -> None:
         assert not name.endswith("_mib"), name  # renamed outright, no aliases
 
 
-def test_process_memory_carries_its_service_and_bounded_labels(families: dict[str, Any]) -> None:
+def test_free_memory_temperature_and_power_where_known(families: dict[str, Any]) -> None:
+    """What a GPU dashboard expects besides used and total; a figure the probe did not
+    give (GPU 1's temperature and power, the lost GPU's everything) has no sample."""
+    model = "NVIDIA H100 80GB HBM3"
+    assert samples(families, "gpuctl_gpu_memory_free_bytes") == [
+        ({"gpu": "0", "uuid": UUID0, "model": model}, (81_559 - 70_500) * MIB),
+        ({"gpu": "1", "uuid": UUID1, "model": model}, (81_559 - 10_000) * MIB),
+    ]
+    assert samples(families, "gpuctl_gpu_temperature_celsius") == [
+        ({"gpu": "0", "uuid": UUID0, "model": model}, 61)
+    ]
+    assert samples(families, "gpuctl_gpu_power_watts") == [
+        ({"gpu": "0", "uuid": UUID0, "model": model}, 312.5)
+    ]
+
+
+def test_process_memory_is_per_service_with_bounded_labels(families: dict[str, Any]) -> None:
+    """Summed per service and GPU: a pid label would open a series with every start
+    (per-process detail is /status's)."""
     procs = samples(families, "gpuctl_process_memory_bytes")
     assert procs == [
-        ({"gpu": "0", "pid": "4242", "service": "big"}, 70_000 * MIB),
-        ({"gpu": "1", "pid": "5151", "service": ""}, 9_000 * MIB),
+        ({"gpu": "0", "service": "big"}, 70_000 * MIB),
+        ({"gpu": "1", "service": ""}, 10_000 * MIB),
     ]  # the loading server (on_gpu false) holds nothing
     for labels, _ in procs:
-        assert set(labels) == {"gpu", "pid", "service"}  # no command line
-    assert samples(families, "gpuctl_gpu_processes") == [({}, 2)]
+        assert set(labels) == {"gpu", "service"}  # no pid, no command line
+    assert samples(families, "gpuctl_gpu_processes") == [({}, 3)]
 
 
 def test_service_phase_is_a_state_set(families: dict[str, Any]) -> None:
@@ -124,3 +151,40 @@ def test_store_requests_share_one_label(tmp_path: Path) -> None:
     counts = {s.labels["path"]: s.value for s in families["gpuctl_agent_requests"].samples}
     assert counts["/records"] == 3
     assert counts["other"] == 1
+
+
+def test_start_histogram_never_goes_down(tmp_path: Path) -> None:
+    """Over more starts than a record keeps, ``_count`` and ``_sum`` only grow, and the
+    buckets stay a valid histogram (cumulative, ``+Inf`` equal to the count)."""
+    state = tmp_path / "state"
+    store = DirectStore(state)
+    h = holder_here("test")
+    app = create_app(AgentSettings(token=TOKEN, state_dir=str(state)), FakeProbe(reading()))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    seen: list[tuple[float, float]] = []
+    durations = [float(3 + 7 * i) for i in range(14)]  # 3 s .. 94 s: several buckets
+    with serve_in_thread(app) as url:
+        for i, d in enumerate(durations):
+            assert store.acquire("big", h, 60)[0]
+            attempt = {
+                "started": 1000.0 + 100 * i,
+                "ended": 1000.0 + 100 * i + d,
+                "duration_s": d,
+                "launcher": "process",
+                "outcome": "ready",
+            }
+            store.release("big", h.id, RecordUpdate.from_wire({"attempt": attempt}))
+            text = httpx.get(f"{url}/metrics", headers=auth).text
+            family = {f.name: f for f in text_string_to_metric_families(text)}[
+                "gpuctl_start_duration_seconds"
+            ]
+            assert family.type == "histogram"
+            mine = [s for s in family.samples if s.labels["service"] == "big"]
+            count = next(s.value for s in mine if s.name.endswith("_count"))
+            total = next(s.value for s in mine if s.name.endswith("_sum"))
+            buckets = [s.value for s in mine if s.name.endswith("_bucket")]
+            assert buckets == sorted(buckets)
+            assert buckets[-1] == count
+            seen.append((count, total))
+    assert [c for c, _ in seen] == list(range(1, len(durations) + 1))
+    assert [t for _, t in seen] == [sum(durations[: i + 1]) for i in range(len(durations))]

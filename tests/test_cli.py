@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from typer.testing import CliRunner
 
@@ -600,3 +601,29 @@ def test_config_show_masks_env_secrets_command_keys_and_url_tokens(cli_env: Path
             assert secret not in r.output, (args, r.output)
         assert "--api-key ***" in r.output and "token=***" in r.output
         assert "/usr/local/cuda" in r.output
+
+
+def test_stop_json_prints_its_object_when_the_agent_is_down(
+    cli_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 4 with stop's JSON object on stdout, as every other command prints its own;
+    the error line stays on stderr."""
+    monkeypatch.setenv("DGX_TOKEN", "t")
+    config_file(cli_env).write_text(
+        '[hosts.dgx]\nagent = "http://127.0.0.1:9"\ntoken_env = "DGX_TOKEN"\n'
+        '[services.vllm]\nhealth = "http://127.0.0.1:9/health"\nmemory = "80GiB"\n'
+    )
+    r = runner.invoke(app, ["stop", "vllm", "--json"])
+    assert r.exit_code == 4, r.output
+    out = json.loads(r.stdout)
+    schema = json.loads((ROOT / "schemas" / "stop.schema.json").read_text())
+    jsonschema.validate(out, schema)
+    assert out["exit_code"] == 4 and out["stopped"] == [] and out["host"] == "dgx"
+    assert "connection refused" in out["reason"] and "gpuctl agent" in out["reason"]
+    assert r.stderr.startswith("gpuctl: error: connection refused")
+
+
+def test_resume_says_what_it_does_on_a_service_never_preempted() -> None:
+    r = runner.invoke(create_app(), ["resume", "--help"], terminal_width=200)
+    text = " ".join(r.output.split())
+    assert "not preempted, resume is `ensure` that never preempts" in text, text

@@ -106,3 +106,66 @@ def test_ensure_ready_loads_a_model_whose_daemon_answers_its_health_check(
         assert claims_mib(sim_dir) == {"ollama qwen3:32b": 20 * GIB}
     finally:
         srv.kill()
+
+
+def test_through_the_proxy_a_list_loads_nothing_and_status_counts_all_ollama_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The official ollama client on ``/services/qwen/``: ``list()`` loads no model; a
+    chat loads the service's; a model the client asked for besides counts in the
+    service's memory too, as Ollama reports it (2 + 1 GiB, not 2)."""
+    import os
+    import subprocess
+
+    import httpx
+    import ollama
+
+    from tests.conftest import config_env, gpuctl_exe
+    from tests.ollama_helpers import free_port, wait_until
+
+    sim_dir = tmp_path / "sim"
+    srv = SimOllama(
+        sim_dir, tmp_path, "-m", "qwen3:32b=2GiB", "-m", "small:1b=1GiB", "--load-time", "0.2s"
+    )
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[hosts.box]\nprobe = "sim"\nsim_dir = "{sim_dir}"\nollama = "{srv.url}"\n\n'
+        '[services.qwen]\nhost = "box"\nlauncher = "ollama"\nmodel = "qwen3:32b"\n'
+        'memory = "2GiB"\nidle_timeout = "30m"\nhealth_timeout = "60s"\n'
+    )
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    port = free_port()
+    with open(tmp_path / "proxy.log", "wb") as log:
+        proxy = subprocess.Popen(
+            [gpuctl_exe(), "proxy", "--listen", f"127.0.0.1:{port}"],
+            env={**os.environ, **config_env(config)}, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/healthz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("the proxy to listen", up, 60)
+        client = ollama.Client(host=f"{url}/services/qwen")
+        names = {m.model for m in client.list().models}
+        assert names == {"qwen3:32b", "small:1b"}
+        assert srv.ps() == {} and claims_mib(sim_dir) == {}  # nothing loaded for a list
+        assert client.ps().models == []
+
+        reply = client.chat(model="qwen3:32b", messages=[{"role": "user", "content": "hi"}])
+        assert reply.message.content
+        client.generate(model="small:1b", prompt="hi")  # any model Ollama has
+        assert set(srv.ps()) == {"qwen3:32b", "small:1b"}
+
+        st = json.loads(gpuctl(config, "status", "--json").stdout)
+        (svc,) = st["services"]
+        assert svc["memory_mib"] == 3 * GIB, svc
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+        srv.kill()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
@@ -25,6 +27,8 @@ from tests.ensure_helpers import (
     cli_env,
     launches_in_log,
     model_server_command,
+    read_record,
+    run_ensure,
     service_toml,
     sim_claims,
     unique_name,
@@ -140,7 +144,33 @@ def test_cold_start_under_load_32_requests_one_launch_all_answered(host: SimHost
     assert len(answers) == 32 and all("simulated reply" in a for a in answers)
     assert launches_in_log(server_log(host, name)) == 1
     assert len(sim_claims(host, name)) == 1
-    assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 32
+    # One start, however many requests it held: those show in the queue-wait histogram.
+    assert proxy.metric("gpuctl_proxy_cold_starts_total", name) == 1
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(proxy.url + "/metrics").text)
+    }
+    waits = families["gpuctl_proxy_queue_wait_seconds"].samples
+    held = [s for s in waits if s.name.endswith("_count") and s.labels["service"] == name]
+    assert [s.value for s in held] == [32]
+
+
+def test_requests_that_match_no_service_show_in_the_metrics(host: SimHost) -> None:
+    name, port = unique_name("px"), free_port()
+    proxy = Proxy(host, host.write_config(svc(name, port)))
+    client = openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MSG)  # type: ignore[arg-type]
+    assert httpx.get(proxy.url + "/services/no-such-service/health").status_code == 404
+    assert httpx.get(proxy.url + "/v2/nowhere").status_code == 404
+    text = httpx.get(proxy.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    unrouted = [
+        s.value
+        for s in families["gpuctl_proxy_requests"].samples
+        if s.labels == {"service": "", "code": "404"}
+    ]
+    assert unrouted == [3]
+    assert sim_claims(host, name) == []  # nothing was started for them
 
 
 def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: SimHost) -> None:
@@ -163,6 +193,26 @@ def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: 
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model=b, messages=MSG)  # type: ignore[arg-type]
     assert caught.value.status_code == 503
+
+
+def test_retry_after_of_a_start_under_way_comes_from_its_eta(host: SimHost) -> None:
+    """Held past queue_timeout while its service loads: Retry-After is what is left of
+    the start by its ETA (a 4 s load held 1 s: about 3), not the proxy's 30 s."""
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, load="4s", extra='queue_timeout = "1s"'))
+    run_ensure(conf, name)  # a start on record: its ETA
+    subprocess.run(
+        [gpuctl_exe(), "stop", name], env=cli_env(conf), capture_output=True, timeout=60, check=True
+    )
+    proxy = Proxy(host, conf)
+    r = httpx.post(proxy.v1 + "/chat/completions", json={"model": name, "messages": MSG})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+    expected = float(read_record(host, name)["attempts"][0]["duration_s"])
+    assert 1 <= int(r.headers["retry-after"]) <= math.ceil(expected), r.headers
+    # The openai client honours it: its retries meet the server once it is up.
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=3)
+    reply = client.chat.completions.create(model=name, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
 
 
 def _last_used(conf: Path, name: str) -> float | None:
@@ -411,14 +461,23 @@ def test_refusals_in_openai_shape_and_passthrough(host: SimHost) -> None:
     t.join(60)
 
     # whisper's multipart upload: `model` is a form field; routed to the service (whose
-    # sim has no audio endpoint: its own 404 comes back, not the proxy's).
+    # sim serves only `name`: its own 404 comes back, vLLM's error object, not the
+    # proxy's); under its own name, the sim's transcription.
     r = httpx.post(
         proxy.v1 + "/audio/transcriptions",
         data={"model": f"{name}-alias"},
         files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")},
         timeout=60,
     )
-    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    assert r.status_code == 404 and r.json()["object"] == "error", r.text
+    assert f"`{name}-alias` does not exist" in r.json()["message"]
+    r = httpx.post(
+        proxy.v1 + "/audio/transcriptions",
+        data={"model": name},
+        files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")},
+        timeout=60,
+    )
+    assert r.status_code == 200 and "simulated transcription of a.wav" in r.json()["text"]
     r = httpx.post(
         proxy.v1 + "/audio/transcriptions",
         data={"model": "whisper-nope"},

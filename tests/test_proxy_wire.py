@@ -721,12 +721,14 @@ def test_a_bug_answers_500_in_openai_shape_with_one_log_line(
 
 
 class CountingUse:
-    """Stands in for ``gpuctl.api.in_use`` (a pure unit): counts the store's writes."""
+    """Stands in for ``gpuctl.api.in_use`` (a pure unit): counts the store's writes, and
+    returns ``record`` as the store would at each."""
 
     def __init__(self) -> None:
         self.begins = 0
         self.ends = 0
         self.ended = asyncio.Event()
+        self.record: Any = None
 
     async def __aenter__(self) -> None:
         self.begins += 1
@@ -734,6 +736,45 @@ class CountingUse:
     async def __aexit__(self, *exc: object) -> None:
         self.ends += 1
         self.ended.set()
+
+
+def test_a_service_let_go_ready_is_trusted_again_by_its_record_alone() -> None:
+    """A sporadic request (one after the count came off) costs the count's write, not a
+    health check, when the record the write returns is still running since the moment
+    the service was let go; any stop, sleep or start between moves that moment."""
+    from gpuctl.core.record import Phase, Record
+    from gpuctl.proxy import use as use_mod
+
+    running = Record(service="s", phase=Phase.RUNNING, since=100.0)
+
+    async def scenario() -> None:
+        fake = CountingUse()
+        st = use_mod.ServiceUse(fake)  # type: ignore[arg-type]
+        assert not await st.again()  # never ready: checked as a first request
+        st.in_flight += 1
+        await st.hold()
+        st.ready = True
+        fake.record = running
+        st.in_flight = 0
+        await st.let_go()  # its count off: reclaim may act from now on
+        assert (st.held, st.ready) == (False, False)
+
+        assert await st.again()  # still running since 100: ready, counted
+        assert (st.held, st.ready, fake.begins) == (True, True, 2)
+
+        await st.let_go()
+        fake.record = Record(service="s", phase=Phase.RUNNING, since=250.0)  # restarted
+        assert not await st.again()
+        assert not st.ready and st.held  # checked as on a first request; still counted
+
+        st.ready = True
+        fake.record = running
+        await st.let_go()
+        fake.record = Record(service="s", phase=Phase.SLEEPING, since=300.0)
+        assert not await st.again() and not st.ready
+        assert not await st.again()  # kept once: the next one is checked too
+
+    asyncio.run(scenario())
 
 
 def test_the_count_moves_on_transitions_at_most_once_per_linger_never_per_request(
@@ -833,6 +874,14 @@ def test_queue_timeout_is_503_model_loading_and_a_start_that_fails_is_502(
         with pytest.raises(openai.APIError) as caught:
             list(client.chat.completions.create(model=slow, messages=MSG, stream=True))  # type: ignore[arg-type]
         assert "queue_timeout" in str(caught.value)
+        if not isinstance(caught.value, openai.APIStatusError):
+            # The stream's error event: no status line to carry the 503 and its
+            # Retry-After, so the event carries both, and the message says so in words.
+            body = caught.value.body
+            assert isinstance(body, dict), body
+            assert body["status"] == 503 and body["retry_after"] >= 1, body
+            assert caught.value.code == "model_loading"
+            assert "this may be retried: send the request again in" in caught.value.message
         # Both held requests are logged 503, the stream too (its 200 went first, or
         # not at all).
         wait_until(

@@ -858,3 +858,66 @@ def test_batch_gives_its_memory_back_when_its_last_item_is_done(
     assert again.wait(timeout=30) == 0, procs.logs_of(again)
     assert len((items / ".done.log").read_text().splitlines()) == 3
     assert on_gpu(sim_dir) == {}
+
+
+def test_model_server_answers_what_openai_clients_meet_first(procs: Procs, sim_dir: Path) -> None:
+    """Beside chat: legacy completions, embeddings (floats, and the base64 the openai
+    client asks for), a model's own card, a whisper-like transcription; 404s as vLLM's."""
+    import openai
+
+    port = free_port()
+    model_server(procs, sim_dir, "simvllm-c", "1GiB", "0s", port)
+    base = f"http://127.0.0.1:{port}"
+    wait_until("the server", lambda: _answers(base))
+    with openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as client:
+        done = client.completions.create(model="simvllm-c", prompt="once upon", max_tokens=3)
+        assert done.choices[0].text == "This is a" and done.choices[0].finish_reason == "length"
+        assert done.usage is not None and done.usage.completion_tokens == 3
+
+        emb = client.embeddings.create(model="simvllm-c", input=["a", "b", "a"])
+        vecs = [d.embedding for d in emb.data]
+        assert len(vecs) == 3 and all(len(v) == 16 for v in vecs)
+        assert vecs[0] == pytest.approx(vecs[2]) and vecs[0] != pytest.approx(vecs[1])
+        assert sum(x * x for x in vecs[0]) == pytest.approx(1.0, abs=1e-3)
+        floats = client.embeddings.create(model="simvllm-c", input="a", encoding_format="float")
+        assert floats.data[0].embedding == pytest.approx(vecs[0], abs=1e-5)
+
+        # finish_reason is "length" only when max_tokens cut the answer: its reply
+        # sentence (14 tokens), said again as often as max_tokens asks.
+        msg = [{"role": "user", "content": "hi"}]
+        finishes = [
+            client.chat.completions.create(
+                model="simvllm-c",
+                messages=msg,  # type: ignore[arg-type]
+                **({} if n is None else {"max_tokens": n}),  # type: ignore[arg-type]
+            )
+            .choices[0]
+            .finish_reason
+            for n in (None, 14, 28, 3, 13)
+        ]
+        assert finishes == ["stop", "stop", "stop", "length", "length"]
+
+        card = client.models.retrieve("simvllm-c")
+        assert card.id == "simvllm-c" and card.owned_by == "vllm"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("other")
+        with pytest.raises(openai.NotFoundError):
+            client.embeddings.create(model="other", input="a")
+
+        text = client.audio.transcriptions.create(
+            model="simvllm-c", file=("talk.wav", b"RIFF" + b"\0" * 96)
+        )
+        assert text.text == "This is a simulated transcription of talk.wav, 100 bytes of audio."
+        plain = client.audio.transcriptions.create(
+            model="simvllm-c", file=("talk.wav", b"x"), response_format="text"
+        )
+        assert "simulated transcription" in str(plain)
+    r = httpx.get(base + "/nope", timeout=5)
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+
+
+def _answers(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -329,3 +329,41 @@ def test_port_taken_and_bad_options(
     assert bad.returncode == 2
     assert "NAME=SIZE" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_pull_show_and_embed_with_the_ollama_client(
+    start: type[SimOllama], clients: list[ollama.Client | openai.OpenAI], sim_dir: Path
+) -> None:
+    """What a client meets first besides chat: a pull of a model the library has (at
+    once; another is not in the registry), its details (nothing loaded), embeddings
+    (the model loads, as Ollama's do); a 404 says the connection closes."""
+    srv = start("-m", "nomic-embed-text=1GiB", "--load-time", "0s")
+    client = ollama_client(clients, srv.url)
+    steps = list(client.pull("nomic-embed-text", stream=True))
+    assert steps[0].status == "pulling manifest" and steps[-1].status == "success"
+    assert client.pull("nomic-embed-text").status == "success"
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.pull("nope:1b")
+    assert missing.value.status_code == 404
+
+    shown = client.show("nomic-embed-text")
+    assert shown.details is not None and shown.details.family == "nomic-embed-text"
+    assert client.ps().models == [] and claims_mib(sim_dir) == {}
+
+    emb = client.embed(model="nomic-embed-text", input=["a", "b"])
+    assert len(emb.embeddings) == 2 and all(len(v) == 16 for v in emb.embeddings)
+    assert emb.embeddings[0] != emb.embeddings[1]
+    assert [m.model for m in client.ps().models] == ["nomic-embed-text:latest"]
+
+    # done_reason is "length" only when num_predict cut the answer: its reply sentence
+    # (12 tokens), said again as often as num_predict asks.
+    reasons = [
+        client.generate(
+            model="nomic-embed-text", prompt="hi", options={"num_predict": n}
+        ).done_reason
+        for n in (12, 24, 5)
+    ]
+    assert reasons == ["stop", "stop", "length"]
+
+    r = httpx.get(srv.url + "/api/nope", timeout=5)
+    assert r.status_code == 404 and r.headers["connection"] == "close"

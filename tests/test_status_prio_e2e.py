@@ -300,11 +300,11 @@ def test_a_server_found_by_its_nonce_is_its_service_with_its_memory(host: SimHos
         assert shells and all(p["service"] == a and p["on_gpu"] is False for p in shells)
         text = status_text(cfg)
         assert f"{child} root 40.0 GiB 0% {a} python" in text, text
-        # The agent's /metrics labels the child's memory with its service as well.
+        # The agent's /metrics counts the child's memory under its service as well.
         metrics = httpx.get(
             f"{host.agent_url}/metrics", headers={"Authorization": f"Bearer {host.token}"}
         ).text
-        sample = f'gpuctl_process_memory_bytes{{gpu="0",pid="{child}",service="{a}"}} '
-        assert sample in metrics, metrics
+        sample = f'gpuctl_process_memory_bytes{{gpu="0",service="{a}"}} {40 * 2**30}'
+        assert sample in metrics.splitlines(), metrics
     finally:
         kill_servers(server)

@@ -71,6 +71,7 @@ from gpuctl.agent.settings import AgentSettings
 from gpuctl.agent.snapshot import Scan, Servers, agent_snapshot, scan_servers
 from gpuctl.agent.store_api import StoreApi, read_all
 from gpuctl.agent.upkeep import HealthGate, promote_loop
+from gpuctl.core.durations import StartTally
 from gpuctl.core.health_reach import HealthReach
 from gpuctl.core.record import Record
 from gpuctl.core.snapshot import Snapshot, StartingProcess
@@ -114,6 +115,9 @@ class AgentApp:
         self.router = Router()
         self.requests_total: dict[str, int] = {}
         self.probe_errors_total = 0
+        # Every successful start seen in the records, for the start histogram: kept for
+        # the agent's life, so its counts never go down (records keep only the last few).
+        self.starts = StartTally()
         self._scan = TtlCell(self._read_probe, settings.cache_ttl_s)
         self._plain_body: tuple[object, object, Response] | None = None
         self._matches: dict[tuple[str, ...], _MatchSlot] = {}
@@ -477,9 +481,9 @@ class AgentApp:
         if store is not None:
             # A worker thread: reading a record that needs recovery takes its file lock.
             try:
-                records, bad = await asyncio.to_thread(read_all, store)
-                unreadable = len(bad)
-                store_up = True
+                read, bad = await asyncio.to_thread(read_all, store)
+                records, unreadable, store_up = read, len(bad), True
+                self.starts.fold(read)
             except GpuctlError as err:
                 log.warning("reading the records for /metrics failed: %s", err)
                 store_up = False
@@ -499,6 +503,7 @@ class AgentApp:
             journal={**journal_counters(), "write_failures": journal_failures()}
             if self.journal is not None
             else None,
+            starts=self.starts,
         )
         return make_response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gpuctl import __version__
-from gpuctl.core.durations import histogram, start_durations
+from gpuctl.core.durations import StartTally
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_pids import recorded_servers
 from gpuctl.core.snapshot import HostIdentity, ProbeReading, device_figures
@@ -46,6 +46,7 @@ def render_metrics(
     now: float | None = None,
     servers: Mapping[int, str] | None = None,
     journal: Mapping[str, float] | None = None,
+    starts: StartTally | None = None,
 ) -> str:
     """The Prometheus text exposition of one reading, the services' records and the
     agent's counters.
@@ -57,7 +58,9 @@ def render_metrics(
     each server process is, as ``/status`` names them (by handle, start nonce, or as a
     child of one); without it, the handles' pids. ``journal``: the journal's counters
     (``adapters.journal.counters``, with ``write_failures``), for the events this
-    agent wrote.
+    agent wrote. ``starts``: the successful starts this agent has seen in the records,
+    kept across reads (``core.durations.StartTally``), so the start histogram never goes
+    down; without it, one is folded from ``records`` for this read alone.
     """
     lines: list[str] = []
 
@@ -125,7 +128,10 @@ def render_metrics(
             "Seconds since a service was last used (services never used have no sample).",
             [(f'{{service="{_label(svc)}"}}', round(s, 3)) for svc, s in idle if s is not None],
         )
-        _start_durations(records, lines)
+        if starts is None:
+            starts = StartTally()
+            starts.fold(records)
+        _start_durations(starts, lines)
         metric(
             "gpuctl_service_lease_held",
             "gauge",
@@ -193,8 +199,9 @@ def _gpu_metrics(
     metric: Callable[[str, str, str, list[tuple[str, float]]], None],
     servers: Mapping[int, str] | None = None,
 ) -> None:
-    """Per-GPU memory in bytes, labelled as DCGM and nvidia_gpu_exporter label theirs
-    (``gpu``, ``uuid``, ``model``), and per-process memory with its service.
+    """Per-GPU memory in bytes, temperature and power, labelled ``gpu``, ``uuid``,
+    ``model`` (gpuctl's own labels; docs/reference/metrics.md maps them to DCGM's and
+    nvidia_gpu_exporter's), and the memory each service's processes hold.
 
     A GPU that could not be read has ``gpuctl_gpu_up 0`` and no memory samples: a missing
     sample is "unknown", a zero would be "free".
@@ -240,40 +247,72 @@ def _gpu_metrics(
             if d.readable and d.utilization_pct is not None
         ],
     )
+    metric(
+        "gpuctl_gpu_memory_free_bytes",
+        "gauge",
+        "GPU memory free, bytes: total less used (no sample where either is unknown).",
+        [
+            (f"{{{labels[d.index]}}}", max(0, d.memory_total_mib - d.memory_used_mib) * MIB)
+            for d in devices
+            if d.readable and d.memory_used_mib is not None and d.memory_total_mib is not None
+        ],
+    )
+    metric(
+        "gpuctl_gpu_temperature_celsius",
+        "gauge",
+        "GPU core temperature, degrees Celsius (no sample where the probe gives none).",
+        [
+            (f"{{{labels[d.index]}}}", d.temperature_c)
+            for d in devices
+            if d.readable and d.temperature_c is not None
+        ],
+    )
+    metric(
+        "gpuctl_gpu_power_watts",
+        "gauge",
+        "GPU power draw, watts (no sample where the probe gives none).",
+        [
+            (f"{{{labels[d.index]}}}", d.power_w)
+            for d in devices
+            if d.readable and d.power_w is not None
+        ],
+    )
     on_gpu = [p for p in reading.processes if p.on_gpu]
     metric("gpuctl_gpu_processes", "gauge", "Processes that hold GPU memory.", [("", len(on_gpu))])
-    # The service a process belongs to, where a record names it; never its command line:
-    # label values must come from a small set, and command lines can carry secrets.
+    # Per service and GPU, never per pid: a pid label would open a new series with every
+    # start. Which process holds what is /status's. The service is the one a record names;
+    # never the command line: label values must come from a small set, and command lines
+    # can carry secrets.
     services = {**(servers or {}), **recorded_servers(records or ())}
+    held: dict[tuple[int, str], int] = {}
+    for p in on_gpu:
+        if p.memory_mib is not None:
+            key = (p.gpu, services.get(p.pid, ""))
+            held[key] = held.get(key, 0) + p.memory_mib
     metric(
         "gpuctl_process_memory_bytes",
         "gauge",
-        "GPU memory held by one process, bytes; service is empty for a process no record names.",
+        "GPU memory held by a service's processes on one GPU, bytes; service is empty for "
+        "the processes no record names.",
         [
-            (
-                f'{{gpu="{p.gpu}",pid="{p.pid}",service="{_label(services.get(p.pid, ""))}"}}',
-                p.memory_mib * MIB,
-            )
-            for p in on_gpu
-            if p.memory_mib is not None
+            (f'{{gpu="{gpu}",service="{_label(svc)}"}}', mib * MIB)
+            for (gpu, svc), mib in sorted(held.items())
         ],
     )
 
 
-def _start_durations(records: Sequence[Record], lines: list[str]) -> None:
-    """``gpuctl_start_duration_seconds``: each service's recent successful starts."""
+def _start_durations(starts: StartTally, lines: list[str]) -> None:
+    """``gpuctl_start_duration_seconds``: each service's successful starts seen by this
+    agent (a counter's rules: it only grows while the agent runs)."""
     name = "gpuctl_start_duration_seconds"
     lines.append(
-        f"# HELP {name} How long a service's recent successful starts took (the last few "
-        "kept in its record), seconds."
+        f"# HELP {name} How long a service's successful starts took, seconds (those this "
+        "agent has seen in the records since it started)."
     )
     lines.append(f"# TYPE {name} histogram")
-    for r in records:
-        durations = start_durations(r)
-        if not durations:
-            continue
-        svc = _label(r.service)
-        for le, n in histogram(durations):
-            lines.append(f'{name}_bucket{{service="{svc}",le="{le}"}} {n}')
-        lines.append(f'{name}_sum{{service="{svc}"}} {_number(round(sum(durations), 3))}')
-        lines.append(f'{name}_count{{service="{svc}"}} {len(durations)}')
+    for service, buckets, total, n in starts.histograms():
+        svc = _label(service)
+        for le, count in buckets:
+            lines.append(f'{name}_bucket{{service="{svc}",le="{le}"}} {count}')
+        lines.append(f'{name}_sum{{service="{svc}"}} {_number(round(total, 3))}')
+        lines.append(f'{name}_count{{service="{svc}"}} {n}')

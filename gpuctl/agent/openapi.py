@@ -172,7 +172,7 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "operationId": "getMetrics",
                     "summary": (
-                        "Prometheus metrics: GPU and per-process memory, per-service phase, "
+                        "Prometheus metrics: GPU memory, temperature and power, memory per service, phase, "
                         "lease and idle seconds, agent counters."
                     ),
                     "responses": {

@@ -38,6 +38,9 @@ def resume(
 ) -> None:
     """Bring SERVICE back after a preemption: start it if it fits beside what runs now, else leave it.
 
+    On a service that was not preempted, resume is `ensure` that never preempts: it
+    starts the service if it fits, and says it was not preempted.
+
     Exit 0 started or ready · 1 failed · 3 BUSY (does not fit yet) · 4 UNKNOWN · 5 not ready in time.
     """
     with errors_to_exit():

@@ -21,7 +21,7 @@ from gpuctl.cli.common import (
     print_json,
     say,
 )
-from gpuctl.errors import ConfigError
+from gpuctl.errors import ConfigError, GpuctlError
 
 
 def register(app: typer.Typer) -> None:
@@ -125,13 +125,17 @@ def stop(
     """Stop SERVICE's server (found by its record, else by its match keywords)."""
     with errors_to_exit():
         from gpuctl.flows import service_ops
-        from gpuctl.render.results import stop_text, stop_to_json
+        from gpuctl.render.results import stop_error_to_json, stop_text, stop_to_json
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
         deps = deps_for(conf, service, host)
         try:
             result = service_ops.stop(deps)
+        except GpuctlError as err:
+            if json_out:  # its object on stdout too; the error line and exit code follow
+                print_json(stop_error_to_json(deps.service.name, deps.host.name, err))
+            raise
         finally:
             deps.close()
         if json_out:

@@ -170,7 +170,8 @@ def model_server(
 ) -> None:
     """A fake vLLM: binds its port at once, loads (refusing connections), then serves.
 
-    Serves /health, /v1/models, /v1/chat/completions (also streaming) and /metrics.
+    Serves /health, /v1/models (and /v1/models/ID), /v1/chat/completions (also
+    streaming), /v1/completions, /v1/embeddings, /v1/audio/transcriptions and /metrics.
     Exit 0 after SIGTERM/Ctrl-C; 1 when the port is taken or the memory does not fit.
     """
     with errors_to_exit(), _sim_errors():
@@ -249,8 +250,8 @@ def ollama(
 ) -> None:
     """A fake Ollama: loads models on demand as claims on the simulated GPU.
 
-    Serves /api/ps, /api/generate, /api/chat, /api/tags and the OpenAI-compatible
-    /v1/chat/completions; keep_alive 0 unloads. Exit 0 after SIGTERM/Ctrl-C; 1 when
+    Serves /api/ps, /api/generate, /api/chat, /api/embed, /api/tags, /api/show,
+    /api/pull and the OpenAI-compatible /v1/chat/completions; keep_alive 0 unloads. Exit 0 after SIGTERM/Ctrl-C; 1 when
     the port is taken.
     """
     with errors_to_exit(), _sim_errors():

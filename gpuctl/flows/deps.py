@@ -120,8 +120,12 @@ class StatusDeps(Closers):
     machine: Machine = field(kw_only=True)
     # (health URL, timeout) -> its answer; never raises
     check_health: Callable[[str, float], Health] = field(kw_only=True)
-    # (Ollama URL, model, timeout) -> the model's health from /api/ps; never raises
-    check_ollama: Callable[[str, str, float], Health] | None = field(kw_only=True, default=None)
+    # (Ollama URL, model, timeout, the models other services name or None) -> the
+    # model's health from /api/ps; with the others, its memory counts every model loaded
+    # there but theirs (adapters.launchers.ollama.check_ollama); never raises
+    check_ollama: Callable[[str, str, float, frozenset[str] | None], Health] | None = field(
+        kw_only=True, default=None
+    )
     # (health URL, its answer, timeout) -> "sleeping" when vLLM sleep mode says so
     check_sleeping: Callable[[str, Health, float], Health] | None = field(
         kw_only=True, default=None

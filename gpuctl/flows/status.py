@@ -100,6 +100,17 @@ def _observe_host(hd: HostDeps, services: Sequence[Any]) -> Observation:
         )
 
 
+def _ollama_others(services: Sequence[Any]) -> dict[str, frozenset[str]]:
+    """For the first Ollama service of a host, the models its other Ollama services
+    name: that one counts every other model Ollama has loaded, whatever loaded it (a
+    client of its /services/ path, or of Ollama itself), so Ollama's memory is all
+    counted, and counted once."""
+    ollamas = [s for s in services if s.launcher == "ollama" and s.model]
+    if not ollamas:
+        return {}
+    return {ollamas[0].name: frozenset(s.model for s in ollamas[1:])}
+
+
 def _health_target(s: Any, deps: StatusDeps) -> bool:
     """Whether the service has a health to ask: its URL, or an Ollama model's /api/ps."""
     return bool(s.health) or (
@@ -107,16 +118,22 @@ def _health_target(s: Any, deps: StatusDeps) -> bool:
     )
 
 
-def _health_of(deps: StatusDeps, s: Any, ollama: str | None, timeout_s: float) -> Health:
+def _health_of(
+    deps: StatusDeps,
+    s: Any,
+    ollama: str | None,
+    timeout_s: float,
+    others: frozenset[str] | None = None,
+) -> Health:
     """One service's health: its URL (asleep or not, with vLLM sleep mode), or its Ollama
-    model's ``/api/ps``."""
+    model's ``/api/ps`` (``others``: see ``_ollama_others``)."""
     if s.health:
         h = deps.check_health(s.health, timeout_s)
         if s.stop == "sleep" and deps.check_sleeping is not None:
             h = deps.check_sleeping(s.health, h, timeout_s)
         return h
     if ollama and s.model and deps.check_ollama is not None:
-        return deps.check_ollama(ollama, s.model, timeout_s)
+        return deps.check_ollama(ollama, s.model, timeout_s, others)
     return NO_HEALTH
 
 
@@ -247,10 +264,13 @@ def status(deps: StatusDeps) -> StatusReport:
         ]
         healths: dict[str, Future[Health] | _Done[Health]] = {}
         for hd, services in zip(deps.hosts, per_host, strict=True):
+            counts_all = _ollama_others(services)
             for s in services:
                 if _health_target(s, deps):
                     timeout = min(deps.health_timeout_s, hd.host.timeout_s)
-                    healths[s.name] = submit(_health_of, deps, s, hd.host.ollama, timeout)
+                    healths[s.name] = submit(
+                        _health_of, deps, s, hd.host.ollama, timeout, counts_all.get(s.name)
+                    )
         reports = []
         for hd, services, fut in zip(deps.hosts, per_host, seen, strict=True):
             obs = fut.result()

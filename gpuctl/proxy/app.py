@@ -66,6 +66,7 @@ from gpuctl.proxy.routes import (
     Upstream,
     form_field,
     header_of,
+    loads_a_model,
     model_from_json,
     multipart_boundary,
     read_body,
@@ -203,7 +204,9 @@ class ProxyApp:
     @property
     def flight(self) -> SingleFlight:
         if self._flight is None:
-            self._flight = SingleFlight(self.conf, self.client, self._ensure)
+            self._flight = SingleFlight(
+                self.conf, self.client, self._ensure, cold_starts=self.metrics.cold_starts
+            )
         return self._flight
 
     @property
@@ -335,8 +338,9 @@ class ProxyApp:
             # What happened, which is not always the status line that went: an answer
             # cut short, or an error event ending a stream that had said 200.
             status = info.get("status") or reply.status
-            if svc is not None:
-                self.metrics.requests[(svc, status)] += 1
+            # Under service="" what no service answered: the proxy's own endpoints, and
+            # refusals before a route (no such model or service, a bad key, a bad path).
+            self.metrics.requests[(svc or "", status)] += 1
             if self.settings.access_log:
                 client = scope.get("client") or ("-", 0)
                 access.info(
@@ -416,7 +420,13 @@ class ProxyApp:
             info["service"] = name
             body = await read_body(scope, receive, self.settings.max_body_bytes)
             stream = wants_stream(scope, body)
-            await self._serve(_Call(scope, receive, send, reply, info, up, rest, body, stream))
+            call = _Call(scope, receive, send, reply, info, up, rest, body, stream)
+            if not loads_a_model(up.service, method, rest):
+                # Ollama's model list and the like: Ollama answers them whatever it has
+                # loaded, so nothing is started (or counted as a use) for them.
+                await self._pass(call)
+                return
+            await self._serve(call)
             return
         if path in MODEL_IN_BODY:
             if method != "POST":
@@ -528,7 +538,7 @@ class ProxyApp:
         try:
             attempts = 2  # a refused connection once: the server went, start it again
             while True:
-                if not st.ready:
+                if not st.ready and not await st.again():
                     await self._wait_ready(call, st)
                 # Use (the store's in-flight count, last_used) begins only now that the
                 # server is there to serve it: a request refused on the way (busy,
@@ -558,6 +568,19 @@ class ProxyApp:
             # loop for 11-31 ms, every few seconds under load: a tail for every
             # request in flight. Put back, the call is freed when its request ends.
             call.send, call.reply.raw_send = send, raw_send
+
+    async def _pass(self, call: _Call) -> None:
+        """Forward a request that needs nothing started (``routes.loads_a_model``)."""
+        try:
+            await self._forward(call)
+        except ConnectFailed as e:
+            svc = call.up.service
+            raise Refusal(
+                502,
+                f"{svc.name}'s server at {call.up.origin} refused the connection: {e}",
+                "upstream_error",
+                "upstream_refused",
+            ) from None
 
     def _ending(self, call: _Call, st: ServiceUse, send: Send) -> Send:
         async def send_ending(message: Message) -> None:
@@ -603,8 +626,6 @@ class ProxyApp:
         waited = time.monotonic() - t0
         info["waited"] = info.get("waited", 0.0) + waited
         self.metrics.waited(svc.name, waited)
-        if result.cold:
-            self.metrics.cold_starts[svc.name] += 1
         if result.ok:
             st.ready = True
             return
@@ -634,7 +655,7 @@ class ProxyApp:
                     f"it may still be loading: {self.flight.loading_text(svc.name)}",
                     "service_unavailable",
                     "model_loading",
-                    retry_s=self.settings.retry_after_s,
+                    retry_s=self.flight.retry_after_s(svc.name, self.settings.retry_after_s),
                 )
             step = remaining
             if keepalive:
@@ -782,7 +803,9 @@ class ProxyApp:
             # what happened instead.
             info["status"], info["error"] = r.status, r.code
             if reply.sse or reply.relayed_sse:  # a stream: it ends with an error event
-                await end_with_error(send, r.message, r.kind, r.code)
+                await end_with_error(
+                    send, r.message, r.kind, r.code, status=r.status, retry_s=r.retry_s
+                )
             # else the answer is under way; nothing sound can be added (uvicorn cuts it)
             return
         headers = [_JSON]

@@ -2,9 +2,9 @@
 
 ::
 
-    gpuctl_proxy_requests_total{service,code}         counter
+    gpuctl_proxy_requests_total{service,code}         counter: service="" for no service's
     gpuctl_proxy_requests_in_flight{service}          gauge
-    gpuctl_proxy_cold_starts_total{service}           counter: requests held through a start
+    gpuctl_proxy_cold_starts_total{service}           counter: starts, not requests held
     gpuctl_proxy_queue_wait_seconds{service}          histogram: held before forwarding
     gpuctl_proxy_upstream_latency_seconds{service}    histogram: until the upstream's headers
 
@@ -79,7 +79,12 @@ class ProxyMetrics:
             lines.append(f"# HELP {name} {text}")
             lines.append(f"# TYPE {name} {kind}")
 
-        head("gpuctl_proxy_requests_total", "counter", "Requests answered, by service and status.")
+        head(
+            "gpuctl_proxy_requests_total",
+            "counter",
+            "Requests answered, by service and status; service is empty for those no service "
+            "answered (no such model or service, a bad key, the proxy's own endpoints).",
+        )
         for (svc, code), n in sorted(self.requests.items()):
             lines.append(f'gpuctl_proxy_requests_total{{service="{_esc(svc)}",code="{code}"}} {n}')
         head("gpuctl_proxy_requests_in_flight", "gauge", "Requests being served now.")
@@ -90,7 +95,8 @@ class ProxyMetrics:
         head(
             "gpuctl_proxy_cold_starts_total",
             "counter",
-            "Requests held while their service was started or checked by the ensure flow.",
+            "Times the service was started (or checked) by the ensure flow because it did "
+            "not answer: once per start, however many requests it held.",
         )
         for svc in services:
             lines.append(

@@ -8,7 +8,9 @@ serialises starts: only the lease holder launches, the others wait for its serve
 
 A service is trusted as ready only while the proxy has requests in flight on it (the
 store's in-flight count keeps reclaim off it meanwhile). When its last request ends it
-is checked again on the next one, since reclaim or ``gpuctl stop`` may act in between.
+is checked again on the next one, since reclaim or ``gpuctl stop`` may act in between:
+by the record its count's write returns when that says nothing came between
+(``use.ServiceUse.again``), else here.
 """
 
 from __future__ import annotations
@@ -173,8 +175,12 @@ class SingleFlight:
         conf: Config,
         client: httpx.AsyncClient,
         ensure: Callable[[Config, str, float, Callable[[Progress], None]], Readiness] = run_ensure,
+        cold_starts: dict[str, int] | None = None,
     ) -> None:
         self.conf = conf
+        # service -> cold starts: one per readiness task that went through the ensure
+        # flow, however many requests it held (the proxy's metrics)
+        self.cold_starts: dict[str, int] = {} if cold_starts is None else cold_starts
         self.client = client
         self.ensure = ensure
         self.tasks: dict[str, asyncio.Task[Readiness]] = {}
@@ -197,8 +203,12 @@ class SingleFlight:
         if self.tasks.get(name) is task:
             del self.tasks[name]
         self.progress.pop(name, None)
-        if not task.cancelled() and task.exception() is None and task.result().launched:
+        if task.cancelled() or task.exception() is not None:
+            return
+        if task.result().launched:
             self.launches += 1
+        if task.result().cold:
+            self.cold_starts[name] = self.cold_starts.get(name, 0) + 1
 
     def loading_text(self, name: str) -> str:
         """``loading 2m10s of ~5m40s``: how long this start has run (and is expected to)."""
@@ -208,6 +218,19 @@ class SingleFlight:
         if p is not None and p.expected_s:
             text += f" of ~{format_duration(p.expected_s)}"
         return text
+
+    def retry_after_s(self, name: str, fallback_s: float) -> float:
+        """When a client refused for a start under way should come back: what is left of
+        the start by its ETA (the median of its recent starts), at least 1 s; one past
+        its ETA, a tenth of it; without an ETA (a first start, none under way),
+        ``fallback_s`` (the proxy's ``retry_after``)."""
+        started, p = self.progress.get(name, (0.0, None))
+        if p is None or not p.expected_s:
+            return fallback_s
+        left = p.expected_s - (time.monotonic() - started)
+        if left <= 0:
+            return min(fallback_s, max(1.0, p.expected_s / 10))
+        return min(fallback_s, max(1.0, left))
 
     async def _run(self, svc: ServiceConfig) -> Readiness:
         if svc.health_means_ready:

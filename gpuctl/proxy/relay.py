@@ -251,12 +251,21 @@ async def client_gone(receive: Receive) -> None:
         pass
 
 
-async def end_with_error(send: Send, message: str, kind: str, code: str) -> None:
-    """End the SSE stream the client holds with an OpenAI-style error event."""
+async def end_with_error(
+    send: Send,
+    message: str,
+    kind: str,
+    code: str,
+    *,
+    status: int | None = None,
+    retry_s: float | None = None,
+) -> None:
+    """End the SSE stream the client holds with an OpenAI-style error event (with the
+    status it stands for, and when to retry: ``errors.sse_error_event``)."""
     await send(
         {
             "type": "http.response.body",
-            "body": sse_error_event(message, kind, code),
+            "body": sse_error_event(message, kind, code, status=status, retry_s=retry_s),
             "more_body": False,
         }
     )

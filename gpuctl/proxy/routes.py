@@ -85,6 +85,30 @@ def upstream_origin(conf: Config, svc: ServiceConfig) -> str | None:
     return None
 
 
+# The Ollama endpoints that load a model (a POST): every other one (its model list,
+# what is loaded, a model's details, a pull) answers without, so through an Ollama
+# service's /services/<name>/ it is passed on without starting anything.
+OLLAMA_LOADING = frozenset(
+    {
+        "/api/generate",
+        "/api/chat",
+        "/api/embed",
+        "/api/embeddings",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+    }
+)
+
+
+def loads_a_model(svc: ServiceConfig, method: str, path: str) -> bool:
+    """Whether a request on ``/services/<svc>/<path>`` needs the service ready: always,
+    but for an Ollama model's endpoints that load nothing (``OLLAMA_LOADING``)."""
+    if svc.launcher != "ollama":
+        return True
+    return method == "POST" and path.rstrip("/") in OLLAMA_LOADING
+
+
 def model_names(svc: ServiceConfig) -> tuple[str, ...]:
     """The model names that route to ``svc``: ``models``, else an Ollama model's name."""
     if svc.models:

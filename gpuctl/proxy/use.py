@@ -6,6 +6,11 @@ saw its answer end sees the count gone) unless the count was written less than
 ``LINGER_S`` ago; then it comes off ``LINGER_S`` after it was written, unless a request
 came meanwhile. So the store's count moves on transitions and at most once per
 ``LINGER_S``, never per request, and a request that ends leaves nothing behind for long.
+
+A service trusted as ready is checked again once its count is let go (reclaim or a stop
+may act from then on). When the next request comes, the count's write returns the
+record: if it is still running since the moment it was let go, nothing stopped, slept
+or restarted it between, and the request goes on without a health check (``again``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import time
 
 from gpuctl.api import in_use
+from gpuctl.core.record import Phase
 
 # Once written, the store's in-flight count of a service stays at least this long:
 # requests that come and go faster move it once per LINGER_S at most (never per
@@ -24,7 +30,7 @@ LINGER_S = 2.0
 class ServiceUse:
     """The proxy's own view of one service: requests in flight, its count, readiness."""
 
-    __slots__ = ("_release_task", "held", "held_since", "in_flight", "lock", "ready",
+    __slots__ = ("_release_task", "held", "held_since", "in_flight", "kept", "lock", "ready",
                  "release", "use")  # fmt: skip
 
     def __init__(self, use: in_use) -> None:
@@ -32,6 +38,9 @@ class ServiceUse:
         self.held = False  # this proxy's in_use count is open (the store has our entry)
         self.held_since = 0.0  # monotonic: when the store's count was written
         self.ready = False  # trusted only while held (see ready.py)
+        # The phase ``since`` of the running record the store returned when a ready
+        # service was let go: the next use may trust it again by the record (``again``).
+        self.kept: float | None = None
         self.use = use
         self.lock = asyncio.Lock()  # one hold or release at a time
         self.release: asyncio.TimerHandle | None = None
@@ -73,8 +82,29 @@ class ServiceUse:
             if (self.in_flight and not closing) or not self.held:
                 return
             self.held = False
-            self.ready = False  # reclaim may act from now on: look again next time
+            was_ready, self.ready = self.ready, False  # reclaim may act from now on
             await self.use.__aexit__(None, None, None)
+            rec = self.use.record
+            running = rec is not None and rec.phase is Phase.RUNNING
+            self.kept = rec.since if was_ready and running and not closing else None
+
+    async def again(self) -> bool:
+        """A service that was ready when let go: hold the count (which no stop can pass),
+        and trust it ready again if the record the store returns is still in the phase it
+        was then, since the same moment: no stop, sleep or start came between. Costs the
+        count's write, not a health check. False: check it (the count held or not)."""
+        kept = self.kept
+        self.kept = None
+        if kept is None:
+            return False
+        await self.hold()
+        rec = self.use.record
+        if self.held and rec is not None and rec.phase is Phase.RUNNING and rec.since == kept:
+            self.ready = True
+            return True
+        # Checked (or started) as on a first request; the count stays: a service's own
+        # count weighs nothing in its start (only a victim's does).
+        return False
 
     def _start_release(self) -> None:
         self.release = None

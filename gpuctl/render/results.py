@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuctl.errors import GpuctlError
 from gpuctl.flows.op_results import EnsureResult, Outcome, StopResult, TouchResult
 
 SCHEMA = 1
@@ -74,6 +75,20 @@ def stop_to_json(result: StopResult) -> dict[str, Any]:
         "stopped": list(result.stopped),
         "reason": result.reason,
         "exit_code": int(result.exit_code),
+    }
+
+
+def stop_error_to_json(service: str, host: str, err: GpuctlError) -> dict[str, Any]:
+    """A stop that could not be made (the agent down: exit 4), in stop's own shape, so
+    ``--json`` prints its object whatever happened, as every command does."""
+    reason = err.message + (f" (hint: {err.hint})" if err.hint else "")
+    return {
+        "schema": SCHEMA,
+        "service": service,
+        "host": host,
+        "stopped": [],
+        "reason": reason,
+        "exit_code": int(err.exit_code),
     }
 
 

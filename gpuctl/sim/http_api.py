@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
-from gpuctl.sim import sleep_mode
+from gpuctl.sim import openai_shapes, sleep_mode
 from gpuctl.sim.console import log
 from gpuctl.sim.engine import Engine, Request
 
@@ -98,6 +98,9 @@ class Handler(BaseHTTPRequestHandler):
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/v1/audio/transcriptions"): self._transcriptions,
             ("GET", "/metrics"): self._metrics,
         }
         if self.engine.enable_sleep_mode:
@@ -107,6 +110,8 @@ class Handler(BaseHTTPRequestHandler):
             routes[("GET", "/is_sleeping")] = self._is_sleeping
             routes[("POST", "/collective_rpc")] = self._collective_rpc
         route = routes.get((method, path))
+        if route is None and method == "GET" and path.startswith("/v1/models/"):
+            route = self._model_card
         try:
             if route is not None:
                 route(query, body)
@@ -151,6 +156,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:  # said, as uvicorn does, before it closes
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
         self.wfile.flush()
@@ -183,8 +190,23 @@ class Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.OK, b"", "application/json")
 
     def _models(self, _query: dict[str, list[str]], _body: bytes) -> None:
+        self._send_json(HTTPStatus.OK, {"object": "list", "data": [self._card()]})
+
+    def _model_card(self, _query: dict[str, list[str]], _body: bytes) -> None:
+        """``GET /v1/models/{id}``: the card of the model it serves, else 404."""
+        from urllib.parse import unquote
+
+        wanted = unquote(urlsplit(self.path).path[len("/v1/models/") :])
+        if wanted != self.engine.model_id:
+            self._error(
+                HTTPStatus.NOT_FOUND, f"The model `{wanted}` does not exist.", "NotFoundError"
+            )
+            return
+        self._send_json(HTTPStatus.OK, self._card())
+
+    def _card(self) -> dict[str, Any]:
         e = self.engine
-        card = {
+        return {
             "id": e.model_id,
             "object": "model",
             "created": e.started,
@@ -194,7 +216,6 @@ class Handler(BaseHTTPRequestHandler):
             "max_model_len": 32768,
             "permission": [],
         }
-        self._send_json(HTTPStatus.OK, {"object": "list", "data": [card]})
 
     def _metrics(self, _query: dict[str, list[str]], _body: bytes) -> None:
         e = self.engine
@@ -239,7 +260,7 @@ class Handler(BaseHTTPRequestHandler):
         # max_tokens makes a reply exactly that long: the way to make a request last.
         n = max_tokens if max_tokens is not None else len(base)
         tokens = [base[i % len(base)] for i in range(n)]
-        finish = "length" if max_tokens is not None else "stop"
+        finish = openai_shapes.finish_reason(n, len(base))
         prompt_tokens = sum(
             len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)
         )
@@ -287,6 +308,125 @@ class Handler(BaseHTTPRequestHandler):
                     "usage": usage,
                 },
             )
+
+    def _request(self, body: bytes) -> dict[str, Any] | None:
+        """The JSON object of a request naming this model (or none); None once refused."""
+        try:
+            req = json.loads(body or b"{}")
+        except ValueError:
+            self._error(HTTPStatus.BAD_REQUEST, "the request body is not valid JSON")
+            return None
+        if not isinstance(req, dict):
+            self._error(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+            return None
+        model = req.get("model")
+        if model is not None and model != self.engine.model_id:
+            self._error(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "NotFoundError"
+            )
+            return None
+        if self.engine.sleeping:
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the engine is sleeping; POST /wake_up")
+            return None
+        return req
+
+    def _completions(self, _query: dict[str, list[str]], body: bytes) -> None:
+        """``POST /v1/completions``: the legacy text completion, JSON (no stream)."""
+        e = self.engine
+        req = self._request(body)
+        if req is None:
+            return
+        prompt = req.get("prompt")
+        if not isinstance(prompt, str | list) or not prompt:
+            self._error(HTTPStatus.BAD_REQUEST, "'prompt' must be a non-empty string or list")
+            return
+        max_tokens = req.get("max_tokens", 16)  # OpenAI's default for completions
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            self._error(HTTPStatus.BAD_REQUEST, "'max_tokens' must be a positive integer")
+            return
+        words = _REPLY.format(model=e.model_id).split(" ")
+        base = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        tokens = [base[i % len(base)] for i in range(max_tokens)]
+        prompt_tokens = len(str(prompt).split())
+        with e.request(prompt_tokens) as tracker:
+            for _ in tokens:
+                time.sleep(e.token_delay_s)
+                tracker.token()
+        self._send_json(
+            HTTPStatus.OK,
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": e.model_id,
+                "choices": [
+                    {"index": 0, "text": "".join(tokens), "logprobs": None,
+                     "finish_reason": openai_shapes.finish_reason(len(tokens), len(base))}
+                ],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": len(tokens),
+                    "total_tokens": prompt_tokens + len(tokens),
+                },
+            },
+        )  # fmt: skip
+
+    def _embeddings(self, _query: dict[str, list[str]], body: bytes) -> None:
+        """``POST /v1/embeddings``: a vector per input (``openai_shapes.embedding``)."""
+        req = self._request(body)
+        if req is None:
+            return
+        texts = openai_shapes.inputs(req.get("input"))
+        if texts is None:
+            self._error(HTTPStatus.BAD_REQUEST, "'input' must be a string or a list of them")
+            return
+        fmt = req.get("encoding_format", "float")
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": openai_shapes.encoded(openai_shapes.embedding(t), fmt),
+            }
+            for i, t in enumerate(texts)
+        ]
+        n = sum(len(t.split()) for t in texts)
+        with self.engine.request(n):
+            pass
+        self._send_json(
+            HTTPStatus.OK,
+            {
+                "object": "list",
+                "data": data,
+                "model": self.engine.model_id,
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            },
+        )
+
+    def _transcriptions(self, _query: dict[str, list[str]], body: bytes) -> None:
+        """``POST /v1/audio/transcriptions``, as a whisper model served by vLLM: a
+        multipart form with ``file`` (and ``model``, ``response_format``); the text says
+        what it was given."""
+        fields = openai_shapes.form_fields(body, self.headers.get("Content-Type", ""))
+        if "file" not in fields:
+            self._error(HTTPStatus.BAD_REQUEST, "a multipart form with a 'file' is expected")
+            return
+        model = fields.get("model", (None, b""))[1].decode("utf-8", "replace")
+        if model and model != self.engine.model_id:
+            self._error(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", "NotFoundError"
+            )
+            return
+        filename, audio = fields["file"]
+        text = openai_shapes.TRANSCRIPT.format(name=filename or "the upload", size=len(audio))
+        with self.engine.request(0) as tracker:
+            for _ in text.split():
+                time.sleep(self.engine.token_delay_s)
+                tracker.token()
+        fmt = fields.get("response_format", (None, b"json"))[1].decode("ascii", "replace")
+        if fmt == "text":
+            self._send(HTTPStatus.OK, text.encode(), "text/plain; charset=utf-8")
+            return
+        self._send_json(HTTPStatus.OK, {"text": text})
 
     def _stream(
         self,

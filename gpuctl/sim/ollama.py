@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from http import HTTPStatus
 from typing import Any, cast
 
 from gpuctl.core.units import format_mib, parse_duration_s, parse_size_mib
+from gpuctl.sim import openai_shapes
 from gpuctl.sim.console import log
 from gpuctl.sim.errors import SimError
 from gpuctl.sim.gpu import SimGpu
@@ -51,6 +53,7 @@ from gpuctl.sim.ollama_models import (
     ModelSpec,
     Ollama,
     iso_time,
+    normalize_model,
     parse_keep_alive,
     parse_model_spec,
 )
@@ -72,6 +75,9 @@ class _Handler(OpenAIEndpoints):
             ("GET", "/api/ps"): self._ps,
             ("POST", "/api/generate"): self._generate,
             ("POST", "/api/chat"): self._chat,
+            ("POST", "/api/embed"): self._embed,
+            ("POST", "/api/show"): self._show,
+            ("POST", "/api/pull"): self._pull,
             ("GET", "/v1/models"): self._v1_models,
             ("POST", "/v1/chat/completions"): self._v1_chat,
         }
@@ -119,7 +125,7 @@ class _Handler(OpenAIEndpoints):
                 "created_at": iso_time(time.time()),
                 "response": text,
                 "done": True,
-                "done_reason": "length" if len(tokens) != len(REPLY.split(" ")) else "stop",
+                "done_reason": openai_shapes.finish_reason(len(tokens), len(REPLY.split(" "))),
                 "context": [1, 2, 3],
                 **self._final_stats(t0, load_s, len(prompt.split()), len(tokens)),
             }
@@ -162,12 +168,102 @@ class _Handler(OpenAIEndpoints):
                 "created_at": iso_time(time.time()),
                 "message": {"role": "assistant", "content": text},
                 "done": True,
-                "done_reason": "length" if len(tokens) != len(REPLY.split(" ")) else "stop",
+                "done_reason": openai_shapes.finish_reason(len(tokens), len(REPLY.split(" "))),
                 **self._final_stats(t0, load_s, prompt, len(tokens)),
             }
 
         stream = body.get("stream", True) is not False  # Ollama streams unless told not to
         self._generate_tokens(name, keep, tokens, stream=stream, piece=piece, final=final)
+
+    def _known(self, body: dict[str, Any]) -> str | None:
+        """The request's model (``model``, or the older ``name``), normalised, when the
+        library has it; else None after answering 404 (or 400 without one)."""
+        model = body.get("model", body.get("name"))
+        if not isinstance(model, str) or not model.strip():
+            self._json(HTTPStatus.BAD_REQUEST, {"error": "model is required"})
+            return None
+        name: str = normalize_model(model)
+        if name not in self.ollama.library:
+            self._json(HTTPStatus.NOT_FOUND, {"error": f"model '{model}' not found"})
+            return None
+        return name
+
+    def _show(self, body: dict[str, Any]) -> None:
+        """``POST /api/show``: a model's details; nothing is loaded."""
+        name = self._known(body)
+        if name is None:
+            return
+        spec = self.ollama.library[name]
+        self._json(
+            HTTPStatus.OK,
+            {
+                "modelfile": f"FROM {name}\n",
+                "parameters": "",
+                "template": "{{ .Prompt }}",
+                "details": spec.details(),
+                "model_info": {"general.parameter_count": spec.size_bytes // 2},
+                "capabilities": ["completion", "embedding"],
+                "modified_at": iso_time(0.0),
+            },
+        )
+
+    def _pull(self, body: dict[str, Any]) -> None:
+        """``POST /api/pull``: the simulated library has every model it was given, so a
+        pull of one of them succeeds at once (its progress, then ``success``); any other
+        is not in the registry. Nothing is loaded."""
+        name = self._known(body)
+        if name is None:
+            return
+        spec = self.ollama.library[name]
+        steps = [
+            {"status": "pulling manifest"},
+            {
+                "status": f"pulling {spec.digest[:12]}",
+                "digest": f"sha256:{spec.digest}",
+                "total": spec.size_bytes,
+                "completed": spec.size_bytes,
+            },
+            {"status": "verifying sha256 digest"},
+            {"status": "writing manifest"},
+            {"status": "success"},
+        ]
+        if body.get("stream", True) is False:
+            self._json(HTTPStatus.OK, steps[-1])
+            return
+        self._start_chunks("application/x-ndjson")
+        for step in steps:
+            self._chunk(json.dumps(step).encode() + b"\n")
+        self._end_chunks()
+
+    def _embed(self, body: dict[str, Any]) -> None:
+        """``POST /api/embed``: loads the model as a generation would, and answers a
+        vector per input (``openai_shapes.embedding``)."""
+        found = self._model_and_keep_alive(body)
+        if found is None:
+            return
+        name, keep = found
+        texts = openai_shapes.inputs(body.get("input"))
+        if texts is None:
+            self._json(HTTPStatus.BAD_REQUEST, {"error": "input must be a string or a list"})
+            return
+        t0 = time.monotonic()
+        try:
+            with self.ollama.use(name, keep):
+                load_s = time.monotonic() - t0
+        except RuntimeError as err:
+            self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": str(err)})
+            return
+        total_ns = int((time.monotonic() - t0) * 1e9)
+        self._json(
+            HTTPStatus.OK,
+            {
+                "model": name,
+                "embeddings": [openai_shapes.embedding(t) for t in texts],
+                "total_duration": total_ns,
+                "load_duration": int(load_s * 1e9),
+                "prompt_eval_count": sum(len(t.split()) for t in texts),
+            },
+        )
 
 
 def run_ollama(

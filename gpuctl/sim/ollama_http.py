@@ -127,6 +127,8 @@ class HandlerBase(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:  # a client that keeps connections must know
+            self.send_header("Connection", "close")
         self.end_headers()
         if not self._head:
             self.wfile.write(body)

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpuctl.sim.ollama_http import REPLY, HandlerBase
 from gpuctl.sim.ollama_models import normalize_model
+from gpuctl.sim.openai_shapes import finish_reason
 
 
 class OpenAIEndpoints(HandlerBase):
@@ -46,7 +47,7 @@ class OpenAIEndpoints(HandlerBase):
             )
             return
         tokens = self._tokens(name, body.get("max_tokens", body.get("max_completion_tokens")))
-        finish = "length" if len(tokens) != len(REPLY.split(" ")) else "stop"
+        finish = finish_reason(len(tokens), len(REPLY.split(" ")))
         prompt = sum(
             len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict)
         )

@@ -314,7 +314,9 @@ def status_deps(
         machine=ThisMachine(),
         server_in_flight=lambda svc: _server_in_flight(svc, http),
         check_health=lambda url, timeout_s: _check_health(url, timeout_s, http),
-        check_ollama=lambda url, model, timeout_s: _check_ollama(url, model, timeout_s, http),
+        check_ollama=lambda url, model, timeout_s, others: _check_ollama(
+            url, model, timeout_s, others, http
+        ),
         check_sleeping=lambda url, h, timeout_s: _check_sleeping(url, h, timeout_s, http),
         health_timeout_s=health_timeout_s,
     )
@@ -471,9 +473,11 @@ def _wake(health_url: str, level: int, http: SharedHttp) -> None:
     vllm.wake(vllm.origin(health_url), level, http())
 
 
-def _check_ollama(url: str, model: str, timeout_s: float, http: SharedHttp) -> Health:
+def _check_ollama(
+    url: str, model: str, timeout_s: float, others: frozenset[str] | None, http: SharedHttp
+) -> Health:
 
-    return check_ollama(url, model, timeout_s, http())
+    return check_ollama(url, model, timeout_s, http(), others)
 
 
 def no_hosts(config: Config, what: str) -> UsageError:

@@ -336,19 +336,41 @@ class OllamaLauncher:
         return "gpuctl.adapters.launchers.ollama_loader" in argv and self.model in argv
 
 
-def check_ollama(url: str, model: str, timeout_s: float, client: httpx.Client) -> Health:
+def check_ollama(
+    url: str,
+    model: str,
+    timeout_s: float,
+    client: httpx.Client,
+    others: frozenset[str] | None = None,
+) -> Health:
     """A model's health from ``/api/ps`` (``status``); never raises.
 
     Ollama lists a model from the moment its load begins and holds requests for it until
     it is loaded, so to an onlooker a listed model is ready: a request waits, nothing
     starts twice.
+
+    ``others``: the models the host's other services name. Given, the memory counts every
+    model Ollama has loaded but those, whatever loaded it (a client of the service's
+    Ollama can load any model it has): Ollama's memory is what Ollama reports, not what
+    gpuctl asked of it. Given to one service per Ollama, so nothing counts twice.
     """
     lx = OllamaLauncher(url, model, client=client, timeout_s=timeout_s)
     try:
-        found = lx.ps().get(lx.model)
+        loaded = lx.ps()
     except LauncherError as e:
         return _unreachable(e)
-    return _listed(lx.url, lx.model, found)
+    found = loaded.get(lx.model)
+    health = _listed(lx.url, lx.model, found)
+    if others is None or found is None:
+        return health
+    mine = {normalize_model(m) for m in others} | {lx.model}
+    extra = sorted((n, m.vram_mib) for n, m in loaded.items() if n not in mine and m.vram_mib)
+    if not extra:
+        return health
+    more = sum(mib for _, mib in extra)
+    names = ", ".join(n for n, _ in extra)
+    detail = f"{health.detail}; with {format_mib(more)} of other models loaded there ({names})"
+    return Health(health.state, detail, health.status_code, found.vram_mib + more)
 
 
 def _unreachable(e: LauncherError) -> Health:
