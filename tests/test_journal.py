@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gpuctl.adapters.store import holder_here
@@ -332,3 +333,61 @@ def test_the_read_token_reads_and_follows_the_journal_but_cannot_write(tmp_path:
             assert httpx.post(f"{h.agent_url}/events", json=later, headers=write).is_success
             got = [ln for ln in (next(lines) for _ in range(4)) if ln.startswith("data: ")]
             assert json.loads(got[0].removeprefix("data: "))["service"] == "later"
+
+
+# Rows a member of the state folder's group can write straight into the file: each one
+# breaks a reader that trusts the stored shape (NaN is not JSON; 1e300 and -1 are no
+# time localtime can show; a number where words() joins text).
+FORGED = [
+    {"at": "nan", "kind": "stop", "service": "nan-time"},
+    {"at": 1e300, "kind": "stop", "service": "far-future"},
+    {"at": -1e15, "kind": "stop", "service": "far-past"},
+    {"at": 100.0, "kind": "stop", "service": "who-number", "who": {"user": 5}},
+    {"at": 100.0, "kind": "fail", "service": "text-figure", "figures": {"exit_code": "x"}},
+    {"at": 100.0, "kind": "ready", "service": "list-reason", "reason": ["x"]},
+    {"at": 100.0, "kind": "stop", "service": 7},
+]
+
+
+def test_a_forged_row_is_skipped_and_never_breaks_a_reader(tmp_path: Path, cli_env: Path) -> None:
+    """The journal's reader skips a row that is not an event: the agent answers strict
+    JSON, the page gets no NaN, and ``gpuctl events`` prints the true events."""
+    from typer.testing import CliRunner
+
+    from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.cli.app import create_app as create_cli
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = cli_env / "state"
+    state.mkdir(exist_ok=True)
+    assert Journal(state).write(ev(time.time(), Kind.ADMIT, "good"))
+    db = sqlite3.connect(state / "journal.db")
+    for row in FORGED:
+        db.execute(
+            "INSERT INTO events(at, service, kind, body) VALUES (?,?,?,?)",
+            (time.time(), str(row["service"]), row["kind"], json.dumps(row)),
+        )
+    db.commit()
+    db.close()
+    assert [e.service for _, e in Journal(state).read(0.0)] == ["good"]
+
+    def no_constant(name: str) -> object:
+        raise AssertionError(f"{name} is not JSON")
+
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        r = httpx.get(f"{url}/events?since=0", headers={"Authorization": "Bearer " + "t" * 32})
+    body = json.loads(r.text, parse_constant=no_constant)
+    assert r.status_code == 200 and [e["service"] for e in body["events"]] == ["good"]
+
+    config = cli_env / "gpuctl.toml"
+    config.write_text('[hosts.local]\nprobe = "sim"\n')
+    got = CliRunner().invoke(create_cli(), ["events", "--since", "0", "--config", str(config)])
+    assert got.exit_code == 0, got.output
+    assert "good admitted" in got.output and "internal error" not in got.output
+
+
+def test_an_event_at_no_time_a_clock_can_show_is_refused_naming_its_field() -> None:
+    for at in (1e300, -1.0, 4_102_444_801.0):
+        with pytest.raises(ValueError, match=r"event\.at"):
+            event_from_dict({"at": at, "kind": "admit", "service": "svc"})
