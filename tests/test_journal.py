@@ -391,3 +391,36 @@ def test_an_event_at_no_time_a_clock_can_show_is_refused_naming_its_field() -> N
     for at in (1e300, -1.0, 4_102_444_801.0):
         with pytest.raises(ValueError, match=r"event\.at"):
             event_from_dict({"at": at, "kind": "admit", "service": "svc"})
+
+
+def test_a_fifo_in_place_of_the_journal_is_set_aside_never_opened(tmp_path: Path) -> None:
+    """A FIFO at any of the three files: SQLite never opens it (it would fail every
+    write for good); it is set aside, and the journal goes on in new files."""
+    for name in ("journal.db", "journal.db-wal", "journal.db-shm"):
+        os.mkfifo(tmp_path / name)
+    j = Journal(tmp_path)
+    assert j.write(ev(5.0, Kind.ADMIT, "a"))
+    assert [e.service for _, e in j.read(0.0)] == ["a"]
+    kept = sorted(p.name for p in tmp_path.iterdir() if ".special-" in p.name)
+    assert sorted(k.split(".special-")[0] for k in kept) == [
+        "journal.db",
+        "journal.db-shm",
+        "journal.db-wal",
+    ]
+    assert all((tmp_path / k).is_fifo() for k in kept)
+    assert (tmp_path / "journal.db").is_file()
+
+
+def test_a_journal_that_cannot_be_read_is_a_503_not_an_internal_error(tmp_path: Path) -> None:
+    from gpuctl.agent.app import AgentSettings, create_app
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = tmp_path / "state"
+    (state / "journal.db").mkdir(parents=True)  # cannot be opened, and is not moved
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        for path in ("/events?since=1h", "/usage?since=1d", "/events?follow=1&since=1h"):
+            r = httpx.get(f"{url}{path}", headers=auth, timeout=10)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"].startswith("the journal cannot be read"), r.text

@@ -23,15 +23,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
+import sqlite3
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError, Receive, Request, Response, Scope, Send, json_response
 from gpuctl.agent.openapi_events import MAX_ID, SINCE_PATTERN
 from gpuctl.core.events import Event, parse_since
+
+log = logging.getLogger("gpuctl.agent")
+T = TypeVar("T")
 
 MAX_READ = 100_000
 FOLLOW_POLL_S = 0.5
@@ -74,6 +80,17 @@ def _query(request: Request) -> tuple[float, str | None, bool, int]:
     return since, one("service"), follow, after
 
 
+async def _reading(read: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``read`` in a worker thread; a journal that cannot be read (a corrupt file, a
+    folder in its place) is a 503 that says so, never an internal error."""
+    try:
+        return await asyncio.to_thread(read, *args, **kw)
+    except (sqlite3.Error, OSError) as e:
+        raise HttpError(
+            503, f"the journal cannot be read: {e}", "see the agent's log on the GPU host"
+        ) from None
+
+
 def _row(rid: int, e: Event) -> dict[str, Any]:
     return {"id": rid, **e.to_dict()}
 
@@ -82,9 +99,7 @@ async def get_events(journal: Journal | None, request: Request) -> Response:
     if journal is None:
         return json_response(503, {"error": "this agent has no state directory", "hint": ""})
     since, service, _, after = _query(request)
-    rows = await asyncio.to_thread(
-        journal.read, since, service=service, after_id=after, limit=MAX_READ
-    )
+    rows = await _reading(journal.read, since, service=service, after_id=after, limit=MAX_READ)
     return json_response(200, {"events": [_row(i, e) for i, e in rows]})
 
 
@@ -101,7 +116,7 @@ async def get_usage(journal: Journal | None, request: Request) -> Response:
     if not re.fullmatch(SINCE_PATTERN, text):
         raise HttpError(400, f"bad since: {text[:40]!r}", "since=7d, since=30d or a Unix time")
     since = parse_since(text, time.time())
-    rows = await asyncio.to_thread(journal.usage, since)
+    rows = await _reading(journal.usage, since)
     out = [
         {"day": day, "service": svc, "user": user, **t.to_dict()}
         for (day, svc, user), t in sorted(rows.items())
@@ -138,12 +153,22 @@ class _Tail:
     async def _run(self) -> None:
         # Bounded by time too (the journal is indexed on it): an event is written as it
         # happens, so one stamped an hour before it reaches the journal is not waited for.
-        newest = await asyncio.to_thread(self.journal.read, time.time() - TAIL_WINDOW_S, limit=1)
-        last = newest[-1][0] if newest else 0
+        last: int | None = None
         while self.subscribers:
-            rows = await asyncio.to_thread(
-                self.journal.read, time.time() - TAIL_WINDOW_S, after_id=last, limit=MAX_READ
-            )
+            # A journal that cannot be read now (a file set aside meanwhile) is tried
+            # again at the next poll: the followers stay, and hear of what comes after.
+            try:
+                if last is None:
+                    newest = await asyncio.to_thread(
+                        self.journal.read, time.time() - TAIL_WINDOW_S, limit=1
+                    )
+                    last = newest[-1][0] if newest else 0
+                rows = await asyncio.to_thread(
+                    self.journal.read, time.time() - TAIL_WINDOW_S, after_id=last, limit=MAX_READ
+                )
+            except (sqlite3.Error, OSError) as e:
+                log.warning("following the journal: %s", e)
+                rows = []
             if rows:
                 last = max(i for i, _ in rows)
                 for queue in self.subscribers:
@@ -171,6 +196,16 @@ async def follow_events(
     since, service, _, after = _query(request)
     if journal is None:
         raise HttpError(503, "this agent has no state directory", "start it with --state-dir")
+    tail = _tail(journal)
+    # Subscribed before the catch-up: a row written in between comes twice, never not
+    # at all (the ids sort the repeat out). The catch-up is read before the answer
+    # starts, so a journal that cannot be read is a 503 like ``GET /events``.
+    queue = tail.subscribe()
+    try:
+        rows = await _reading(journal.read, since, service=service, after_id=after, limit=MAX_READ)
+    except HttpError:
+        tail.subscribers.discard(queue)
+        raise
     await send(
         {
             "type": "http.response.start",
@@ -197,16 +232,9 @@ async def follow_events(
         )
 
     watcher = asyncio.create_task(watch())
-    tail = _tail(journal)
-    # Subscribed before the catch-up: a row written in between comes twice, never not
-    # at all (the ids sort the repeat out).
-    queue = tail.subscribe()
     deadline = time.monotonic() + FOLLOW_MAX_S
     polls = 0
     try:
-        rows = await asyncio.to_thread(
-            journal.read, since, service=service, after_id=after, limit=MAX_READ
-        )
         last = max((i for i, _ in rows), default=after)
         if rows:
             await send({"type": "http.response.body", "body": frames(rows), "more_body": True})
