@@ -424,3 +424,35 @@ def test_a_journal_that_cannot_be_read_is_a_503_not_an_internal_error(tmp_path: 
             r = httpx.get(f"{url}{path}", headers=auth, timeout=10)
             assert r.status_code == 503, (path, r.text)
             assert r.json()["error"].startswith("the journal cannot be read"), r.text
+
+
+def test_a_forged_daily_row_or_usage_answer_never_poisons_a_sum(tmp_path: Path) -> None:
+    """A daily row written straight into the file with a total of the wrong kind is
+    skipped; an agent that answers one is a broken agent (UNKNOWN), never a crash."""
+    from gpuctl.adapters.store import AgentStore
+    from gpuctl.errors import GpuctlError
+    from tests.agent_helpers import canned, raw_server
+
+    now = time.time()
+    today = now - now % DAY_S
+    j = Journal(tmp_path, clock=lambda: now)
+    for d in (2, 1):
+        start = today - d * DAY_S + 3600
+        assert j.write(
+            ev(start, Kind.LAUNCH, f"day{d}", figures={"budget_mib": 1024.0}),
+            ev(start + 3600, Kind.STOP, f"day{d}", cause=Cause.MANUAL),
+        )
+    j.maintain()
+    bad = {"held_s": "x", "add": 5, "stops": {"manual": float("nan")}}
+    with j._db() as db:
+        db.execute("UPDATE daily SET body = ? WHERE service = 'day2'", (json.dumps(bad),))
+    rows = group(j.usage(today - 3 * DAY_S), "service")
+    assert set(rows) == {"day1"} and rows["day1"].held_s == pytest.approx(3600)
+
+    row = {"day": "2026-01-01", "service": "s", "user": "u", "held_s": "x"}
+    body = json.dumps({"since": 0, "rows": [row]}).encode()
+    with (
+        raw_server(canned("200 OK", body, "application/json")) as url,
+        pytest.raises(GpuctlError, match="broken usage row: held_s"),
+    ):
+        AgentStore(url, "t" * 32).usage(0.0)

@@ -315,7 +315,11 @@ class Journal:
                     "SELECT day, service, user, body FROM daily WHERE day >= ? AND day < ?",
                     (_day(first_day), _day(rolled)),
                 ):
-                    rows[(day, service, user)] = Tally.from_dict(json.loads(body))
+                    # A row that is not a total (a writer outside gpuctl) is skipped.
+                    with contextlib.suppress(ValueError, TypeError, AttributeError):
+                        rows[(str(day), str(service), str(user))] = Tally.from_dict(
+                            json.loads(body)
+                        )
                 start = rolled
             else:
                 start, carry = since, self._carry_at(db, since)
