@@ -102,6 +102,29 @@ def test_a_bad_value_is_a_400_naming_its_field(
     assert not (agent.state / "records" / f"{SVC}.json").exists()  # nothing written
 
 
+HUGE = 10**400  # JSON allows it; no float holds it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/events", {"events": [{"at": HUGE, "kind": "admit", "service": SVC}]}, "event.at"),
+        ("/events", {"events": [{"at": 1.0, "kind": "admit", "service": SVC,
+                                 "figures": {"n": HUGE}}]}, "event.figures"),
+        ("/events", {"events": [{"at": 1e300, "kind": "admit", "service": SVC}]}, "event.at"),
+        (f"/records/{SVC}/lease", {"holder": holder_dict(), "ttl_s": 60,
+                                   "event": {"at": HUGE, "kind": "admit", "service": SVC}},
+         "event.at"),
+    ],
+)  # fmt: skip
+def test_a_hostile_event_is_a_400_naming_its_field(
+    agent: Agent, path: str, body: dict[str, Any], field: str
+) -> None:
+    r = agent.post(path, body)
+    assert r.status_code == 400, r.text
+    assert f"{field}:" in r.json()["error"]
+
+
 def test_a_poisoned_pid_never_reaches_the_store(agent: Agent) -> None:
     r = agent.post(f"/records/{SVC}/lease", {"holder": holder_dict(pid=2147483648), "ttl_s": 60})
     assert r.status_code == 400

@@ -200,7 +200,10 @@ _FIELDS = frozenset(
 def _number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an integer of hundreds of digits: JSON allows it
+        raise ValueError("must be finite") from None
     if not math.isfinite(out):
         raise ValueError("must be finite")
     return out
