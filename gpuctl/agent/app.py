@@ -168,7 +168,9 @@ class AgentApp:
 
     def _action(self, op: str) -> Handler:
         async def post(request: Request) -> Response:
-            return await ui.act(self.ui_backend, op, request)
+            # The route's own check passed: the write token, or an agent without one.
+            seen = seen_by(request.scope, True, self.settings.token is not None)
+            return await ui.act(self.ui_backend, op, request, seen)
 
         return post
 

@@ -71,10 +71,13 @@ class UiBackend(Protocol):
         """The ``gpuctl status --json`` object for this host, or None without a config."""
         ...
 
-    def act(self, op: str, service: str) -> tuple[int, dict[str, Any]]:
+    def act(
+        self, op: str, service: str, seen: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """Run ``op`` (ensure, stop, resume) on ``service`` as the CLI would, the journal
-        naming the page as the actor. Returns the HTTP status and a JSON object with at
-        least ``ok`` and ``message``."""
+        naming the page as the actor and ``seen`` (the caller's peer and token role, as
+        the agent saw them) in each event's ``who``. Returns the HTTP status and a JSON
+        object with at least ``ok`` and ``message``."""
         ...
 
 
@@ -130,7 +133,9 @@ def record_row(rec: Record) -> dict[str, Any]:
     }
 
 
-async def act(backend: UiBackend | None, op: str, request: Request) -> Response:
+async def act(
+    backend: UiBackend | None, op: str, request: Request, seen: dict[str, str]
+) -> Response:
     """``POST /actions/{op}``: checked here, run by the backend in a worker thread."""
     body = wire.parse_body(await request.body())
     if not isinstance(body, dict) or set(body) != {"service"}:
@@ -147,7 +152,7 @@ async def act(backend: UiBackend | None, op: str, request: Request) -> Response:
                 "hint": "start it with `gpuctl agent` (it reads the config of the GPU host)",
             },
         )
-    status, payload = await asyncio.to_thread(backend.act, op, service)
+    status, payload = await asyncio.to_thread(backend.act, op, service, seen)
     return json_response(status, payload)
 
 
