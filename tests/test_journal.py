@@ -456,3 +456,63 @@ def test_a_forged_daily_row_or_usage_answer_never_poisons_a_sum(tmp_path: Path) 
         pytest.raises(GpuctlError, match="broken usage row: held_s"),
     ):
         AgentStore(url, "t" * 32).usage(0.0)
+
+
+def test_a_follower_is_sent_the_newest_events_then_what_comes(tmp_path: Path) -> None:
+    """``?follow=1`` from far back: the newest ``FOLLOW_CATCH_UP`` events, not all of
+    them (a follower that never reads holds what it was sent in the agent's memory)."""
+    from gpuctl.agent import events_api
+    from gpuctl.agent.app import AgentSettings, create_app
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = tmp_path / "state"
+    state.mkdir()
+    total = events_api.FOLLOW_CATCH_UP + 5
+    now = time.time()
+    assert Journal(state).write(*(ev(now - total + i, Kind.ADMIT, f"s{i}") for i in range(total)))
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    ids: list[int] = []
+    with (
+        serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url,
+        httpx.stream("GET", f"{url}/events?follow=1&since=0", headers=auth, timeout=30) as s,
+    ):
+        for line in s.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line.removeprefix("id: ")))
+            if ids and ids[-1] == total:
+                break
+    assert ids == list(range(6, total + 1))
+
+
+def test_a_follower_that_never_reads_is_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared tail keeps at most ``MAX_BEHIND`` batches for a follower; one that
+    falls further behind is let go (its stream ends; it resumes with ``?after=``)."""
+    import asyncio
+
+    from gpuctl.agent import events_api
+
+    monkeypatch.setattr(events_api, "FOLLOW_POLL_S", 0.01)
+    monkeypatch.setattr(events_api, "MAX_BEHIND", 3)
+    j = Journal(tmp_path)
+
+    async def scenario() -> tuple[int, bool, bool]:
+        tail = events_api._Tail(j)
+        stalled, reading = tail.subscribe(), tail.subscribe()
+        for i in range(500):
+            await asyncio.to_thread(j.write, ev(time.time(), Kind.ADMIT, f"s{i}"))
+            while not reading.empty():
+                reading.get_nowait()
+            await asyncio.sleep(0.02)
+            if stalled not in tail.subscribers:
+                break
+        kept = stalled.qsize()
+        dropped, still = stalled not in tail.subscribers, reading in tail.subscribers
+        tail.subscribers.clear()
+        assert tail.task is not None
+        await tail.task
+        return kept, dropped, still
+
+    assert asyncio.run(scenario()) == (3, True, True)
