@@ -516,3 +516,37 @@ def test_a_follower_that_never_reads_is_let_go(
         return kept, dropped, still
 
     assert asyncio.run(scenario()) == (3, True, True)
+
+
+def test_events_are_encoded_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /events`` answers up to 100,000 events (some 100 MB of JSON): encoded on the
+    event loop, twenty at once kept every other request waiting seconds."""
+    import asyncio
+    import threading
+
+    from gpuctl.agent import events_api
+    from gpuctl.agent.app import AgentSettings, create_app
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    on_loop: list[bool] = []
+    real = events_api.json_response
+
+    def spy(*args: object, **kw: object) -> object:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(events_api, "json_response", spy)
+    state = tmp_path / "state"
+    state.mkdir()
+    assert Journal(state).write(ev(time.time(), Kind.ADMIT, "a"))
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        r = httpx.get(f"{url}/events?since=1h", headers={"Authorization": "Bearer " + "t" * 32})
+    assert r.status_code == 200 and [e["service"] for e in r.json()["events"]] == ["a"]
+    assert on_loop == [False]
