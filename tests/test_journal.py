@@ -550,3 +550,23 @@ def test_events_are_encoded_off_the_event_loop(
         r = httpx.get(f"{url}/events?since=1h", headers={"Authorization": "Bearer " + "t" * 32})
     assert r.status_code == 200 and [e["service"] for e in r.json()["events"]] == ["a"]
     assert on_loop == [False]
+
+
+def test_an_agents_error_text_never_reaches_the_terminal_raw(cli_env: Path) -> None:
+    """``gpuctl events`` and ``usage`` print a host's error: an agent's words, escaped
+    (``core.safe_text``), so a hostile one cannot clear the screen or retitle it."""
+    from typer.testing import CliRunner
+
+    from gpuctl.cli.app import create_app as create_cli
+    from tests.agent_helpers import canned, raw_server
+
+    body = json.dumps({"error": "\x1b]0;pwn\x07\x1b[2Jboom", "hint": ""}).encode()
+    with raw_server(canned("503 Service Unavailable", body, "application/json")) as url:
+        config = cli_env / "gpuctl.toml"
+        config.write_text(f'[hosts.h]\nagent = "{url}"\n')
+        for command in ("events", "usage"):
+            got = CliRunner().invoke(
+                create_cli(), [command, "--since", "1d", "--config", str(config)]
+            )
+            assert got.exit_code == 4, got.output
+            assert "\x1b" not in got.output and "\\x1b]0;pwn\\x07" in got.output, got.output
