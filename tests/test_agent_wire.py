@@ -607,3 +607,26 @@ def test_the_pid_bound_and_the_name_rule_have_one_home_each() -> None:
             if pattern.search(p.read_text(encoding="utf-8"))
         )
         assert found == [homes[what]], what
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "status"),
+    [
+        ("/ui", {}, 200),
+        ("/ui/app.js", {}, 200),
+        ("/ui/state", RO, 200),
+        ("/ui/state", {}, 401),
+        ("/ui/%3Cscript%3Ealert(1)%3C%2Fscript%3E", {}, 404),
+        ("/ui/app.js/", {}, 404),
+    ],
+)
+def test_every_answer_under_ui_carries_the_csp(
+    agent: Agent, path: str, headers: dict[str, str], status: int
+) -> None:
+    """The page's CSP and nosniff on every answer under /ui: its data, a refusal, and a
+    404 that quotes the path it was asked for."""
+    r = httpx.get(f"{agent.url}{path}", headers=headers)
+    assert r.status_code == status, r.text
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert len(r.headers.get_list("content-security-policy")) == 1

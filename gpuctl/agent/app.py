@@ -340,9 +340,10 @@ class AgentApp:
                 f"internal error in the agent: {type(err).__name__}: {err}",
                 "see the agent's log on the GPU host, and report it",
             )
-        await send(
-            {"type": "http.response.start", "status": response.status, "headers": response.headers}
-        )
+        headers = response.headers
+        if path == "/ui" or path.startswith("/ui/"):
+            headers = ui.secured(headers)
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send(
             {"type": "http.response.body", "body": b"" if method == "HEAD" else response.body}
         )

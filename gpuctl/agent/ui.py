@@ -57,6 +57,13 @@ _TYPES = {
 }
 
 
+def secured(headers: tuple[tuple[bytes, bytes], ...]) -> tuple[tuple[bytes, bytes], ...]:
+    """``headers`` with the page's security headers where they are missing: every answer
+    under ``/ui`` carries them, ``/ui/state`` and an error (which quotes the path) too."""
+    have = {name for name, _ in headers}
+    return (*headers, *(h for h in _SECURITY_HEADERS if h[0] not in have))
+
+
 class UiBackend(Protocol):
     """What the page needs beyond the agent's own reading: the config's view.
 
