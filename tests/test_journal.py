@@ -570,3 +570,25 @@ def test_an_agents_error_text_never_reaches_the_terminal_raw(cli_env: Path) -> N
             )
             assert got.exit_code == 4, got.output
             assert "\x1b" not in got.output and "\\x1b]0;pwn\\x07" in got.output, got.output
+
+
+def test_an_event_told_here_is_redacted_like_one_sent_to_the_agent(tmp_path: Path) -> None:
+    """A flow on the GPU host (the CLI, the page's buttons, reclaim) writes its events
+    straight to the journal, which the read-only token reads through ``/events``: a
+    secret in a reason (a health URL's password, an API key quoted in an error) is
+    masked there as the agent masks it in an event it is sent."""
+    from gpuctl.flows import story
+
+    e = story.ev(
+        "fail",
+        "chat",
+        "cli",
+        reason="engine is dead (POST http://u:pw-SECRET1@127.0.0.1:8000/sleep?token=SECRET2)",
+        by="proxy --api-key SECRET3",
+    )
+    j = Journal(tmp_path)
+    assert j.write(e)
+    [(_, back)] = j.read(0.0)
+    text = json.dumps(back.to_dict())
+    assert "SECRET" not in text, text
+    assert back.reason is not None and "127.0.0.1:8000/sleep" in back.reason

@@ -68,7 +68,7 @@ def ev(
     decisions may be enums (their value is kept); figures that are None (not
     measured) are left out, never written as 0."""
     from gpuctl.core.events import Cause, Event, Kind
-    from gpuctl.core.redact import redact_command
+    from gpuctl.core.redact import redact_command, redact_lines
 
     return Event(
         at=time.time() if at is None else at,
@@ -80,8 +80,10 @@ def ev(
         before=_word(before),
         after=_word(after),
         decision=_word(decision),
-        reason=reason,
-        by=by,
+        # Redacted here as the agent redacts what it is sent (``event_from_dict``): an
+        # event written straight to the journal is read by the read-only token too.
+        reason=redact_lines(reason) if reason else reason,
+        by=redact_lines(by) if by else by,
         command=redact_command(command) if command else None,
         who={"entry": entry, "user": _user(), "pid": str(os.getpid()), **(_SEEN.get() or {})},
         figures={k: float(v) for k, v in figures.items() if v is not None},
