@@ -592,3 +592,29 @@ def test_an_event_told_here_is_redacted_like_one_sent_to_the_agent(tmp_path: Pat
     text = json.dumps(back.to_dict())
     assert "SECRET" not in text, text
     assert back.reason is not None and "127.0.0.1:8000/sleep" in back.reason
+
+
+def test_a_span_back_past_1970_reads_from_the_start(tmp_path: Path) -> None:
+    """``--since 1e17d`` (or ``?since=999999999999d``, which the agent's pattern allows)
+    named a day no clock can show: usage over rolled-up days died in ``gmtime``."""
+    from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.core.events import parse_since
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    now = time.time()
+    assert parse_since("1e17d", now) == parse_since("999999999999d", now) == 0.0
+    state = tmp_path / "state"
+    state.mkdir()
+    j = Journal(state, clock=lambda: now)
+    start = now - now % DAY_S - DAY_S + 3600
+    assert j.write(ev(start, Kind.LAUNCH, "chat"), ev(start + 3600, Kind.STOP, "chat"))
+    j.maintain()
+    rows = group(j.usage(parse_since("1e17d", now)), "service")
+    assert rows["chat"].held_s == pytest.approx(3600)
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        r = httpx.get(
+            f"{url}/usage?since=999999999999d", headers={"Authorization": "Bearer " + "t" * 32}
+        )
+    assert r.status_code == 200, r.text
+    assert [row["service"] for row in r.json()["rows"]] == ["chat"]

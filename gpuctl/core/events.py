@@ -308,13 +308,14 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 def parse_since(text: str, now: float) -> float:
     """``2h``, ``30m``, ``7d``, ``1w`` before ``now``, or a Unix time (``1767225600``):
-    the time it names. ValueError for anything else."""
+    the time it names, never before 1970 (``999999999999d`` is from the start: no clock
+    shows the day before). ValueError for anything else."""
     text = text.strip().lower()
     if text and text[-1] in _UNITS:
         amount = float(text[:-1])
         if not math.isfinite(amount) or amount < 0:
             raise ValueError(f"not a span of time: {text!r}")
-        return now - amount * _UNITS[text[-1]]
+        return max(0.0, now - amount * _UNITS[text[-1]])
     value = float(text)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"not a time: {text!r}")
