@@ -630,3 +630,53 @@ def test_every_answer_under_ui_carries_the_csp(
     assert "script-src 'self'" in r.headers["content-security-policy"]
     assert r.headers["x-content-type-options"] == "nosniff"
     assert len(r.headers.get_list("content-security-policy")) == 1
+
+
+def test_slow_actions_from_the_page_never_hold_the_agents_reads(tmp_path: Path) -> None:
+    """As many ``POST /actions/stop`` as the shared thread pool has threads, each held
+    (a stop waits out its server's grace period): ``GET /records`` and ``GET /events``,
+    which read in worker threads, still answer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpuctl.agent import ui
+
+    started, release = threading.Semaphore(0), threading.Event()
+
+    class HeldBackend:  # the config's flows, as slow as a stop of a deaf server
+        has_config = True
+
+        def status(self) -> dict[str, Any] | None:
+            return None
+
+        def act(
+            self, op: str, service: str, seen: dict[str, str] | None = None
+        ) -> tuple[int, dict[str, Any]]:
+            started.release()
+            release.wait(60)
+            return 200, {"ok": True, "message": f"{op} {service}"}
+
+    n = min(32, (os.cpu_count() or 1) + 4) + 2
+    state = tmp_path / "state"
+    settings = AgentSettings(token=TOKEN, read_token=READ, cache_ttl_s=300.0, state_dir=str(state))
+    app = create_app(settings, FakeProbe(reading_of()), HeldBackend())
+    with serve_in_thread(app) as url, ThreadPoolExecutor(n) as pool:
+        try:
+            posts = [
+                pool.submit(
+                    httpx.post,
+                    f"{url}/actions/stop",
+                    json={"service": f"svc{i}"},
+                    headers=AUTH,
+                    timeout=120,
+                )
+                for i in range(n)
+            ]
+            for _ in range(ui.ACTION_WORKERS):
+                assert started.acquire(timeout=60), "the actions did not begin"
+            for path in ("/records", "/events?since=1h"):
+                r = httpx.get(f"{url}{path}", headers=RO, timeout=30)
+                assert r.status_code == 200, (path, r.text)
+        finally:
+            release.set()
+        assert all(p.result().status_code == 200 for p in posts)

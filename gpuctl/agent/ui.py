@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -140,6 +142,13 @@ def record_row(rec: Record) -> dict[str, Any]:
     }
 
 
+# Actions under way at once; more wait in line for a thread. A stop waits out its
+# server's grace period in its thread: in the shared pool (cpu + 4 threads) a handful of
+# clicks, or of posts with the write token, would hold every read the agent makes.
+ACTION_WORKERS = 4
+_ACTIONS = ThreadPoolExecutor(ACTION_WORKERS, thread_name_prefix="gpuctl-action")
+
+
 async def act(
     backend: UiBackend | None, op: str, request: Request, seen: dict[str, str]
 ) -> Response:
@@ -159,7 +168,12 @@ async def act(
                 "hint": "start it with `gpuctl agent` (it reads the config of the GPU host)",
             },
         )
-    status, payload = await asyncio.to_thread(backend.act, op, service, seen)
+    # Its own pool (``ACTION_WORKERS``); the flows' journal context (``story.seen_as``)
+    # is set in the thread by the backend itself.
+    loop = asyncio.get_running_loop()
+    status, payload = await loop.run_in_executor(
+        _ACTIONS, functools.partial(backend.act, op, service, seen)
+    )
     return json_response(status, payload)
 
 
