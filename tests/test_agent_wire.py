@@ -102,6 +102,29 @@ def test_a_bad_value_is_a_400_naming_its_field(
     assert not (agent.state / "records" / f"{SVC}.json").exists()  # nothing written
 
 
+HUGE = 10**400  # JSON allows it; no float holds it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/events", {"events": [{"at": HUGE, "kind": "admit", "service": SVC}]}, "event.at"),
+        ("/events", {"events": [{"at": 1.0, "kind": "admit", "service": SVC,
+                                 "figures": {"n": HUGE}}]}, "event.figures"),
+        ("/events", {"events": [{"at": 1e300, "kind": "admit", "service": SVC}]}, "event.at"),
+        (f"/records/{SVC}/lease", {"holder": holder_dict(), "ttl_s": 60,
+                                   "event": {"at": HUGE, "kind": "admit", "service": SVC}},
+         "event.at"),
+    ],
+)  # fmt: skip
+def test_a_hostile_event_is_a_400_naming_its_field(
+    agent: Agent, path: str, body: dict[str, Any], field: str
+) -> None:
+    r = agent.post(path, body)
+    assert r.status_code == 400, r.text
+    assert f"{field}:" in r.json()["error"]
+
+
 def test_a_poisoned_pid_never_reaches_the_store(agent: Agent) -> None:
     r = agent.post(f"/records/{SVC}/lease", {"holder": holder_dict(pid=2147483648), "ttl_s": 60})
     assert r.status_code == 400
@@ -584,3 +607,76 @@ def test_the_pid_bound_and_the_name_rule_have_one_home_each() -> None:
             if pattern.search(p.read_text(encoding="utf-8"))
         )
         assert found == [homes[what]], what
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "status"),
+    [
+        ("/ui", {}, 200),
+        ("/ui/app.js", {}, 200),
+        ("/ui/state", RO, 200),
+        ("/ui/state", {}, 401),
+        ("/ui/%3Cscript%3Ealert(1)%3C%2Fscript%3E", {}, 404),
+        ("/ui/app.js/", {}, 404),
+    ],
+)
+def test_every_answer_under_ui_carries_the_csp(
+    agent: Agent, path: str, headers: dict[str, str], status: int
+) -> None:
+    """The page's CSP and nosniff on every answer under /ui: its data, a refusal, and a
+    404 that quotes the path it was asked for."""
+    r = httpx.get(f"{agent.url}{path}", headers=headers)
+    assert r.status_code == status, r.text
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert len(r.headers.get_list("content-security-policy")) == 1
+
+
+def test_slow_actions_from_the_page_never_hold_the_agents_reads(tmp_path: Path) -> None:
+    """As many ``POST /actions/stop`` as the shared thread pool has threads, each held
+    (a stop waits out its server's grace period): ``GET /records`` and ``GET /events``,
+    which read in worker threads, still answer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpuctl.agent import ui
+
+    started, release = threading.Semaphore(0), threading.Event()
+
+    class HeldBackend:  # the config's flows, as slow as a stop of a deaf server
+        has_config = True
+
+        def status(self) -> dict[str, Any] | None:
+            return None
+
+        def act(
+            self, op: str, service: str, seen: dict[str, str] | None = None
+        ) -> tuple[int, dict[str, Any]]:
+            started.release()
+            release.wait(60)
+            return 200, {"ok": True, "message": f"{op} {service}"}
+
+    n = min(32, (os.cpu_count() or 1) + 4) + 2
+    state = tmp_path / "state"
+    settings = AgentSettings(token=TOKEN, read_token=READ, cache_ttl_s=300.0, state_dir=str(state))
+    app = create_app(settings, FakeProbe(reading_of()), HeldBackend())
+    with serve_in_thread(app) as url, ThreadPoolExecutor(n) as pool:
+        try:
+            posts = [
+                pool.submit(
+                    httpx.post,
+                    f"{url}/actions/stop",
+                    json={"service": f"svc{i}"},
+                    headers=AUTH,
+                    timeout=120,
+                )
+                for i in range(n)
+            ]
+            for _ in range(ui.ACTION_WORKERS):
+                assert started.acquire(timeout=60), "the actions did not begin"
+            for path in ("/records", "/events?since=1h"):
+                r = httpx.get(f"{url}{path}", headers=RO, timeout=30)
+                assert r.status_code == 200, (path, r.text)
+        finally:
+            release.set()
+        assert all(p.result().status_code == 200 for p in posts)

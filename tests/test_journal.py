@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gpuctl.adapters.store import holder_here
@@ -540,3 +541,288 @@ def test_a_full_disk_under_the_agent_leaves_starts_and_stops_working(
     finally:
         kill_servers(name)
         umount(state)
+
+
+# Rows a member of the state folder's group can write straight into the file: each one
+# breaks a reader that trusts the stored shape (NaN is not JSON; 1e300 and -1 are no
+# time localtime can show; a number where words() joins text).
+FORGED = [
+    {"at": "nan", "kind": "stop", "service": "nan-time"},
+    {"at": 1e300, "kind": "stop", "service": "far-future"},
+    {"at": -1e15, "kind": "stop", "service": "far-past"},
+    {"at": 100.0, "kind": "stop", "service": "who-number", "who": {"user": 5}},
+    {"at": 100.0, "kind": "fail", "service": "text-figure", "figures": {"exit_code": "x"}},
+    {"at": 100.0, "kind": "ready", "service": "list-reason", "reason": ["x"]},
+    {"at": 100.0, "kind": "stop", "service": 7},
+]
+
+
+def test_a_forged_row_is_skipped_and_never_breaks_a_reader(tmp_path: Path, cli_env: Path) -> None:
+    """The journal's reader skips a row that is not an event: the agent answers strict
+    JSON, the page gets no NaN, and ``gpuctl events`` prints the true events."""
+    from typer.testing import CliRunner
+
+    from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.cli.app import create_app as create_cli
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = cli_env / "state"
+    state.mkdir(exist_ok=True)
+    assert Journal(state).write(ev(time.time(), Kind.ADMIT, "good"))
+    db = sqlite3.connect(state / "journal.db")
+    for row in FORGED:
+        db.execute(
+            "INSERT INTO events(at, service, kind, body) VALUES (?,?,?,?)",
+            (time.time(), str(row["service"]), row["kind"], json.dumps(row)),
+        )
+    db.commit()
+    db.close()
+    assert [e.service for _, e in Journal(state).read(0.0)] == ["good"]
+
+    def no_constant(name: str) -> object:
+        raise AssertionError(f"{name} is not JSON")
+
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        r = httpx.get(f"{url}/events?since=0", headers={"Authorization": "Bearer " + "t" * 32})
+    body = json.loads(r.text, parse_constant=no_constant)
+    assert r.status_code == 200 and [e["service"] for e in body["events"]] == ["good"]
+
+    config = cli_env / "gpuctl.toml"
+    config.write_text('[hosts.local]\nprobe = "sim"\n')
+    got = CliRunner().invoke(create_cli(), ["events", "--since", "0", "--config", str(config)])
+    assert got.exit_code == 0, got.output
+    assert "good admitted" in got.output and "internal error" not in got.output
+
+
+def test_an_event_at_no_time_a_clock_can_show_is_refused_naming_its_field() -> None:
+    for at in (1e300, -1.0, 4_102_444_801.0):
+        with pytest.raises(ValueError, match=r"event\.at"):
+            event_from_dict({"at": at, "kind": "admit", "service": "svc"})
+
+
+def test_a_fifo_in_place_of_the_journal_is_set_aside_never_opened(tmp_path: Path) -> None:
+    """A FIFO at any of the three files: SQLite never opens it (it would fail every
+    write for good); it is set aside, and the journal goes on in new files."""
+    for name in ("journal.db", "journal.db-wal", "journal.db-shm"):
+        os.mkfifo(tmp_path / name)
+    j = Journal(tmp_path)
+    assert j.write(ev(5.0, Kind.ADMIT, "a"))
+    assert [e.service for _, e in j.read(0.0)] == ["a"]
+    kept = sorted(p.name for p in tmp_path.iterdir() if ".special-" in p.name)
+    assert sorted(k.split(".special-")[0] for k in kept) == [
+        "journal.db",
+        "journal.db-shm",
+        "journal.db-wal",
+    ]
+    assert all((tmp_path / k).is_fifo() for k in kept)
+    assert (tmp_path / "journal.db").is_file()
+
+
+def test_a_journal_that_cannot_be_read_is_a_503_not_an_internal_error(tmp_path: Path) -> None:
+    from gpuctl.agent.app import AgentSettings, create_app
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = tmp_path / "state"
+    (state / "journal.db").mkdir(parents=True)  # cannot be opened, and is not moved
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        for path in ("/events?since=1h", "/usage?since=1d", "/events?follow=1&since=1h"):
+            r = httpx.get(f"{url}{path}", headers=auth, timeout=10)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"].startswith("the journal cannot be read"), r.text
+
+
+def test_a_forged_daily_row_or_usage_answer_never_poisons_a_sum(tmp_path: Path) -> None:
+    """A daily row written straight into the file with a total of the wrong kind is
+    skipped; an agent that answers one is a broken agent (UNKNOWN), never a crash."""
+    from gpuctl.adapters.store import AgentStore
+    from gpuctl.errors import GpuctlError
+    from tests.agent_helpers import canned, raw_server
+
+    now = time.time()
+    today = now - now % DAY_S
+    j = Journal(tmp_path, clock=lambda: now)
+    for d in (2, 1):
+        start = today - d * DAY_S + 3600
+        assert j.write(
+            ev(start, Kind.LAUNCH, f"day{d}", figures={"budget_mib": 1024.0}),
+            ev(start + 3600, Kind.STOP, f"day{d}", cause=Cause.MANUAL),
+        )
+    j.maintain()
+    bad = {"held_s": "x", "add": 5, "stops": {"manual": float("nan")}}
+    with j._db() as db:
+        db.execute("UPDATE daily SET body = ? WHERE service = 'day2'", (json.dumps(bad),))
+    rows = group(j.usage(today - 3 * DAY_S), "service")
+    assert set(rows) == {"day1"} and rows["day1"].held_s == pytest.approx(3600)
+
+    row = {"day": "2026-01-01", "service": "s", "user": "u", "held_s": "x"}
+    body = json.dumps({"since": 0, "rows": [row]}).encode()
+    with (
+        raw_server(canned("200 OK", body, "application/json")) as url,
+        pytest.raises(GpuctlError, match="broken usage row: held_s"),
+    ):
+        AgentStore(url, "t" * 32).usage(0.0)
+
+
+def test_a_follower_is_sent_the_newest_events_then_what_comes(tmp_path: Path) -> None:
+    """``?follow=1`` from far back: the newest ``FOLLOW_CATCH_UP`` events, not all of
+    them (a follower that never reads holds what it was sent in the agent's memory)."""
+    from gpuctl.agent import events_api
+    from gpuctl.agent.app import AgentSettings, create_app
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = tmp_path / "state"
+    state.mkdir()
+    total = events_api.FOLLOW_CATCH_UP + 5
+    now = time.time()
+    assert Journal(state).write(*(ev(now - total + i, Kind.ADMIT, f"s{i}") for i in range(total)))
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    ids: list[int] = []
+    with (
+        serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url,
+        httpx.stream("GET", f"{url}/events?follow=1&since=0", headers=auth, timeout=30) as s,
+    ):
+        for line in s.iter_lines():
+            if line.startswith("id: "):
+                ids.append(int(line.removeprefix("id: ")))
+            if ids and ids[-1] == total:
+                break
+    assert ids == list(range(6, total + 1))
+
+
+def test_a_follower_that_never_reads_is_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared tail keeps at most ``MAX_BEHIND`` batches for a follower; one that
+    falls further behind is let go (its stream ends; it resumes with ``?after=``)."""
+    import asyncio
+
+    from gpuctl.agent import events_api
+
+    monkeypatch.setattr(events_api, "FOLLOW_POLL_S", 0.01)
+    monkeypatch.setattr(events_api, "MAX_BEHIND", 3)
+    j = Journal(tmp_path)
+
+    async def scenario() -> tuple[int, bool, bool]:
+        tail = events_api._Tail(j)
+        stalled, reading = tail.subscribe(), tail.subscribe()
+        for i in range(500):
+            await asyncio.to_thread(j.write, ev(time.time(), Kind.ADMIT, f"s{i}"))
+            while not reading.empty():
+                reading.get_nowait()
+            await asyncio.sleep(0.02)
+            if stalled not in tail.subscribers:
+                break
+        kept = stalled.qsize()
+        dropped, still = stalled not in tail.subscribers, reading in tail.subscribers
+        tail.subscribers.clear()
+        assert tail.task is not None
+        await tail.task
+        return kept, dropped, still
+
+    assert asyncio.run(scenario()) == (3, True, True)
+
+
+def test_events_are_encoded_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /events`` answers up to 100,000 events (some 100 MB of JSON): encoded on the
+    event loop, twenty at once kept every other request waiting seconds."""
+    import asyncio
+    import threading
+
+    from gpuctl.agent import events_api
+    from gpuctl.agent.app import AgentSettings, create_app
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    on_loop: list[bool] = []
+    real = events_api.json_response
+
+    def spy(*args: object, **kw: object) -> object:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(events_api, "json_response", spy)
+    state = tmp_path / "state"
+    state.mkdir()
+    assert Journal(state).write(ev(time.time(), Kind.ADMIT, "a"))
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        r = httpx.get(f"{url}/events?since=1h", headers={"Authorization": "Bearer " + "t" * 32})
+    assert r.status_code == 200 and [e["service"] for e in r.json()["events"]] == ["a"]
+    assert on_loop == [False]
+
+
+def test_an_agents_error_text_never_reaches_the_terminal_raw(cli_env: Path) -> None:
+    """``gpuctl events`` and ``usage`` print a host's error: an agent's words, escaped
+    (``core.safe_text``), so a hostile one cannot clear the screen or retitle it."""
+    from typer.testing import CliRunner
+
+    from gpuctl.cli.app import create_app as create_cli
+    from tests.agent_helpers import canned, raw_server
+
+    body = json.dumps({"error": "\x1b]0;pwn\x07\x1b[2Jboom", "hint": ""}).encode()
+    with raw_server(canned("503 Service Unavailable", body, "application/json")) as url:
+        config = cli_env / "gpuctl.toml"
+        config.write_text(f'[hosts.h]\nagent = "{url}"\n')
+        for command in ("events", "usage"):
+            got = CliRunner().invoke(
+                create_cli(), [command, "--since", "1d", "--config", str(config)]
+            )
+            assert got.exit_code == 4, got.output
+            assert "\x1b" not in got.output and "\\x1b]0;pwn\\x07" in got.output, got.output
+
+
+def test_an_event_told_here_is_redacted_like_one_sent_to_the_agent(tmp_path: Path) -> None:
+    """A flow on the GPU host (the CLI, the page's buttons, reclaim) writes its events
+    straight to the journal, which the read-only token reads through ``/events``: a
+    secret in a reason (a health URL's password, an API key quoted in an error) is
+    masked there as the agent masks it in an event it is sent."""
+    from gpuctl.flows import story
+
+    e = story.ev(
+        "fail",
+        "chat",
+        "cli",
+        reason="engine is dead (POST http://u:pw-SECRET1@127.0.0.1:8000/sleep?token=SECRET2)",
+        by="proxy --api-key SECRET3",
+    )
+    j = Journal(tmp_path)
+    assert j.write(e)
+    [(_, back)] = j.read(0.0)
+    text = json.dumps(back.to_dict())
+    assert "SECRET" not in text, text
+    assert back.reason is not None and "127.0.0.1:8000/sleep" in back.reason
+
+
+def test_a_span_back_past_1970_reads_from_the_start(tmp_path: Path) -> None:
+    """``--since 1e17d`` (or ``?since=999999999999d``, which the agent's pattern allows)
+    named a day no clock can show: usage over rolled-up days died in ``gmtime``."""
+    from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.core.events import parse_since
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    now = time.time()
+    assert parse_since("1e17d", now) == parse_since("999999999999d", now) == 0.0
+    state = tmp_path / "state"
+    state.mkdir()
+    j = Journal(state, clock=lambda: now)
+    start = now - now % DAY_S - DAY_S + 3600
+    assert j.write(ev(start, Kind.LAUNCH, "chat"), ev(start + 3600, Kind.STOP, "chat"))
+    j.maintain()
+    rows = group(j.usage(parse_since("1e17d", now)), "service")
+    assert rows["chat"].held_s == pytest.approx(3600)
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        r = httpx.get(
+            f"{url}/usage?since=999999999999d", headers={"Authorization": "Bearer " + "t" * 32}
+        )
+    assert r.status_code == 200, r.text
+    assert [row["service"] for row in r.json()["rows"]] == ["chat"]

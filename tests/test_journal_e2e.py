@@ -316,3 +316,37 @@ def test_a_no_wait_start_the_agent_completes_tells_its_ready(host: SimHost) -> N
         assert rows[name]["cold_starts"] == 1
     finally:
         kill_servers(name)
+
+
+def test_a_button_on_the_page_leaves_who_asked_in_the_journal(tmp_path: Path) -> None:
+    """The page's ensure and stop run the CLI's flows inside the agent: their events name
+    the page as the entry and carry the caller's peer and token role, as an event written
+    through the agent does (a write token holder cannot act unseen through /actions)."""
+    import httpx
+
+    name = unique_name("ui-who")
+    service = f'[services.{name}]\nlauncher = "process"\ncommand = "sleep 600 {name}"\n'
+    with SimHost(root=tmp_path / "simhost") as sim:
+        config = tmp_path / "agent.toml"
+        config.write_text(f"[hosts.sim]\n\n{service}")
+        sim.start_agent(args=["--config", str(config)])
+        auth = {"Authorization": f"Bearer {sim.token}"}
+        try:
+            for op in ("ensure", "stop"):
+                r = httpx.post(
+                    f"{sim.agent_url}/actions/{op}",
+                    json={"service": name},
+                    headers=auth,
+                    timeout=60,
+                )
+                assert r.status_code == 200 and r.json()["ok"], (op, r.text)
+            events = httpx.get(
+                f"{sim.agent_url}/events", params={"service": name, "since": "1h"}, headers=auth
+            ).json()["events"]
+        finally:
+            kill_servers(name)
+    by_page = [e for e in events if e["who"].get("entry") == "ui"]
+    assert {"admit", "launch", "stop"} <= {e["kind"] for e in by_page}, events
+    for e in by_page:
+        assert e["who"]["role"] == "write", e
+        assert e["who"]["peer"].startswith("127.0.0.1:"), e

@@ -172,7 +172,9 @@ class AgentApp:
 
     def _action(self, op: str) -> Handler:
         async def post(request: Request) -> Response:
-            return await ui.act(self.ui_backend, op, request)
+            # The route's own check passed: the write token, or an agent without one.
+            seen = seen_by(request.scope, True, self.settings.token is not None)
+            return await ui.act(self.ui_backend, op, request, seen)
 
         return post
 
@@ -342,9 +344,10 @@ class AgentApp:
                 f"internal error in the agent: {type(err).__name__}: {err}",
                 "see the agent's log on the GPU host, and report it",
             )
-        await send(
-            {"type": "http.response.start", "status": response.status, "headers": response.headers}
-        )
+        headers = response.headers
+        if path == "/ui" or path.startswith("/ui/"):
+            headers = ui.secured(headers)
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send(
             {"type": "http.response.body", "body": b"" if method == "HEAD" else response.body}
         )

@@ -7,6 +7,7 @@ from typing import Any
 
 from gpuctl.agent.wire import MAX_EVENTS
 from gpuctl.core.events import MAX_FIGURES, MAX_WHO, Cause, Kind
+from gpuctl.core.record import TIME_MAX
 
 MAX_ID = 2**62  # an event's id (SQLite's rowid is a signed 64-bit integer)
 SINCE_PATTERN = r"^[0-9]{1,12}(\.[0-9]{1,6})?[smhdw]?$"
@@ -33,7 +34,12 @@ def event_schemas() -> dict[str, Any]:
                 "the token's role to who."
             ),
             "properties": {
-                "at": {"type": "number", "description": "Unix time."},
+                "at": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": TIME_MAX,
+                    "description": "Unix time (to 2100).",
+                },
                 "kind": {"enum": [k.value for k in Kind]},
                 "service": _text(64, "The service, or the gpuctl run job."),
                 "host": {"type": ["string", "null"], "maxLength": 100},

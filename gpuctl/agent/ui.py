@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +59,13 @@ _TYPES = {
 }
 
 
+def secured(headers: tuple[tuple[bytes, bytes], ...]) -> tuple[tuple[bytes, bytes], ...]:
+    """``headers`` with the page's security headers where they are missing: every answer
+    under ``/ui`` carries them, ``/ui/state`` and an error (which quotes the path) too."""
+    have = {name for name, _ in headers}
+    return (*headers, *(h for h in _SECURITY_HEADERS if h[0] not in have))
+
+
 class UiBackend(Protocol):
     """What the page needs beyond the agent's own reading: the config's view.
 
@@ -71,10 +80,13 @@ class UiBackend(Protocol):
         """The ``gpuctl status --json`` object for this host, or None without a config."""
         ...
 
-    def act(self, op: str, service: str) -> tuple[int, dict[str, Any]]:
+    def act(
+        self, op: str, service: str, seen: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         """Run ``op`` (ensure, stop, resume) on ``service`` as the CLI would, the journal
-        naming the page as the actor. Returns the HTTP status and a JSON object with at
-        least ``ok`` and ``message``."""
+        naming the page as the actor and ``seen`` (the caller's peer and token role, as
+        the agent saw them) in each event's ``who``. Returns the HTTP status and a JSON
+        object with at least ``ok`` and ``message``."""
         ...
 
 
@@ -130,7 +142,16 @@ def record_row(rec: Record) -> dict[str, Any]:
     }
 
 
-async def act(backend: UiBackend | None, op: str, request: Request) -> Response:
+# Actions under way at once; more wait in line for a thread. A stop waits out its
+# server's grace period in its thread: in the shared pool (cpu + 4 threads) a handful of
+# clicks, or of posts with the write token, would hold every read the agent makes.
+ACTION_WORKERS = 4
+_ACTIONS = ThreadPoolExecutor(ACTION_WORKERS, thread_name_prefix="gpuctl-action")
+
+
+async def act(
+    backend: UiBackend | None, op: str, request: Request, seen: dict[str, str]
+) -> Response:
     """``POST /actions/{op}``: checked here, run by the backend in a worker thread."""
     body = wire.parse_body(await request.body())
     if not isinstance(body, dict) or set(body) != {"service"}:
@@ -147,7 +168,12 @@ async def act(backend: UiBackend | None, op: str, request: Request) -> Response:
                 "hint": "start it with `gpuctl agent` (it reads the config of the GPU host)",
             },
         )
-    status, payload = await asyncio.to_thread(backend.act, op, service)
+    # Its own pool (``ACTION_WORKERS``); the flows' journal context (``story.seen_as``)
+    # is set in the thread by the backend itself.
+    loop = asyncio.get_running_loop()
+    status, payload = await loop.run_in_executor(
+        _ACTIONS, functools.partial(backend.act, op, service, seen)
+    )
     return json_response(status, payload)
 
 

@@ -71,10 +71,14 @@ class ConfigBackend:
         finally:
             deps.close()
 
-    def act(self, op: str, service: str) -> tuple[int, dict[str, Any]]:
+    def act(
+        self, op: str, service: str, seen: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        from gpuctl.flows.story import seen_as
+
         with self._guard:
             lock = self._locks.setdefault(service, threading.Lock())
-        with lock:
+        with lock, seen_as(seen or {}):
             try:
                 return self._act(op, service)
             except GpuctlError as err:

@@ -68,6 +68,7 @@ def events(
         if host and all_hosts:
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
         from gpuctl.adapters.store import store_for
+        from gpuctl.core.safe_text import visible
         from gpuctl.flows.story import host_events
         from gpuctl.render.events_view import EventsOut, HostError, event_line, event_row
 
@@ -97,8 +98,8 @@ def events(
             else:
                 for _, name, _, ev in rows:
                     print(event_line(name if many else None, ev, dated=dated))
-                for bad in errors:
-                    print(f"gpuctl: {bad.host}: {bad.error}", file=sys.stderr)
+                for bad in errors:  # an agent's words: shown, never acted on by the terminal
+                    print(visible(f"gpuctl: {bad.host}: {bad.error}"), file=sys.stderr)
             sys.stdout.flush()
             if follow:
                 _follow(stores, last, start, service, many=many, json_out=json_out)
@@ -181,6 +182,7 @@ def usage(
         if by not in ("service", "user", "day"):
             fail(UsageError(f"--by: {by!r} is not one of service, user, day"))
         from gpuctl.adapters.store import store_for
+        from gpuctl.core.safe_text import visible
         from gpuctl.core.usage import Tally, group
         from gpuctl.flows.story import host_usage
         from gpuctl.render.events_view import HostError, UsageOut, usage_lines, usage_row
@@ -208,7 +210,7 @@ def usage(
                     print(line)
             else:
                 print("nothing in the journal for that time", file=sys.stderr)
-            for err in errors:
-                print(f"gpuctl: {err.host}: {err.error}", file=sys.stderr)
+            for err in errors:  # an agent's words: shown, never acted on by the terminal
+                print(visible(f"gpuctl: {err.host}: {err.error}"), file=sys.stderr)
         sys.stdout.flush()
         raise typer.Exit(int(ExitCode.UNKNOWN) if errors else 0)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpuctl.core.record import TIME_MAX
 from gpuctl.core.redact import redact_lines
 
 
@@ -133,7 +134,7 @@ def event_from_dict(data: object, *, stored: bool = False) -> Event:
         except (ValueError, TypeError) as e:
             raise ValueError(f"event.{key}: {e}") from None
 
-    at = field_of("at", _number)
+    at = field_of("at", _time)
     kind = field_of("kind", Kind)
     service = field_of("service", lambda v: _text(v, 64))
     cause = field_of("cause", lambda v: None if v is None else Cause(v))
@@ -151,22 +152,42 @@ def event_from_dict(data: object, *, stored: bool = False) -> Event:
 
 
 def _stored(d: dict[str, Any]) -> Event:
-    cause = d.get("cause")
+    """A stored event, its shape checked (ValueError or TypeError when it is not one):
+    a member of the state folder's group can write any row, and a reader must not fail
+    on it, nor hand it on (``NaN``, a year past 2100, a number where text goes)."""
+
+    def text(key: str) -> str | None:
+        value = d.get(key)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"event.{key}: must be text")
+        return value
+
+    service, host = text("service"), text("host")
+    if service is None:
+        raise KeyError("service")
+    cause, job = d.get("cause"), d.get("job", False)
+    who, figures = d.get("who") or {}, d.get("figures") or {}
+    if not isinstance(job, bool) or not isinstance(who, dict) or not isinstance(figures, dict):
+        raise TypeError("event: job, who or figures of the wrong kind")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in who.items()):
+        raise TypeError("event.who: must map text to text")
+    if not all(isinstance(k, str) for k in figures):
+        raise TypeError("event.figures: must map text to numbers")
     return Event(
-        float(d["at"]),
+        _time(d["at"]),
         _KINDS[d["kind"]],
-        str(d["service"]),
-        str(d.get("host", "")),
+        service,
+        host or "",
         _CAUSES[cause] if cause is not None else None,
-        bool(d.get("job", False)),
-        d.get("before"),
-        d.get("after"),
-        d.get("decision"),
-        d.get("reason"),
-        d.get("by"),
-        d.get("command"),
-        dict(d.get("who") or {}),
-        dict(d.get("figures") or {}),
+        job,
+        text("before"),
+        text("after"),
+        text("decision"),
+        text("reason"),
+        text("by"),
+        text("command"),
+        dict(who),
+        {k: _number(v) for k, v in figures.items()},
     )
 
 
@@ -179,9 +200,19 @@ _FIELDS = frozenset(
 def _number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an integer of hundreds of digits: JSON allows it
+        raise ValueError("must be finite") from None
     if not math.isfinite(out):
         raise ValueError("must be finite")
+    return out
+
+
+def _time(value: object) -> float:
+    out = _number(value)
+    if not 0 <= out <= TIME_MAX:
+        raise ValueError(f"must be a Unix time from 0 to {TIME_MAX:.0f}")
     return out
 
 
@@ -282,13 +313,14 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 def parse_since(text: str, now: float) -> float:
     """``2h``, ``30m``, ``7d``, ``1w`` before ``now``, or a Unix time (``1767225600``):
-    the time it names. ValueError for anything else."""
+    the time it names, never before 1970 (``999999999999d`` is from the start: no clock
+    shows the day before). ValueError for anything else."""
     text = text.strip().lower()
     if text and text[-1] in _UNITS:
         amount = float(text[:-1])
         if not math.isfinite(amount) or amount < 0:
             raise ValueError(f"not a span of time: {text!r}")
-        return now - amount * _UNITS[text[-1]]
+        return max(0.0, now - amount * _UNITS[text[-1]])
     value = float(text)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"not a time: {text!r}")

@@ -14,6 +14,7 @@ keeps them (``daily`` rows) when its events are pruned.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -80,20 +81,7 @@ class Tally:
     stops: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: Tally) -> None:
-        for name in (
-            "held_s",
-            "gib_hours",
-            "unknown_hours",
-            "seen_gib_hours",
-            "seen_hours",
-            "cold_starts",
-            "cold_total_s",
-            "idle_before_stop_s",
-            "preempted",
-            "preempting",
-            "jobs",
-            "proxy_requests",
-        ):
+        for name in _SUMS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.cold_kept = (self.cold_kept + other.cold_kept)[-MAX_COLD_KEPT:]
         for cause, n in other.stops.items():
@@ -109,11 +97,42 @@ class Tally:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Tally:
+        """The totals in ``d`` (other keys ignored). ValueError for a value of the wrong
+        kind: a daily row forged in the file, or an agent's answer, must not poison a
+        sum (``"x"`` for a time, ``NaN``, a key named like a method)."""
         t = Tally()
-        for k, v in d.items():
-            if hasattr(t, k):
-                setattr(t, k, v)
+        for name in _SUMS:
+            if name in d:
+                setattr(t, name, _finite(d[name], name))
+        kept = d.get("cold_kept", [])
+        stops = d.get("stops", {})
+        if not isinstance(kept, list) or not isinstance(stops, dict):
+            raise ValueError("cold_kept must be a list and stops an object")
+        t.cold_kept = [_finite(x, "cold_kept") for x in kept[-MAX_COLD_KEPT:]]
+        t.stops = {str(k): int(_finite(v, "stops")) for k, v in stops.items()}
         return t
+
+
+_SUMS = (
+    "held_s",
+    "gib_hours",
+    "unknown_hours",
+    "seen_gib_hours",
+    "seen_hours",
+    "cold_starts",
+    "cold_total_s",
+    "idle_before_stop_s",
+    "preempted",
+    "preempting",
+    "jobs",
+    "proxy_requests",
+)
+
+
+def _finite(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: not a finite number: {str(value)[:40]!r}")
+    return value
 
 
 Key = tuple[str, str, str]  # (day, service, user)

@@ -9,14 +9,34 @@ causes it, or ``story.tell(store, ...)``. The journal is a witness: nothing here
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import getpass
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpuctl.core.events import Event
+
+
+# What the agent saw of the caller it runs a flow for (its peer, its token's role): the
+# web view's buttons run the CLI's flows inside the agent, and an event they tell must
+# say who asked, as one written through the agent does (``Event.seen_by``).
+_SEEN: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "gpuctl_seen", default=None
+)
+
+
+@contextlib.contextmanager
+def seen_as(seen: dict[str, str]) -> Iterator[None]:
+    """Every event this thread tells meanwhile carries ``seen`` in its ``who``."""
+    token = _SEEN.set(dict(seen))
+    try:
+        yield
+    finally:
+        _SEEN.reset(token)
 
 
 def _user() -> str:
@@ -48,7 +68,7 @@ def ev(
     decisions may be enums (their value is kept); figures that are None (not
     measured) are left out, never written as 0."""
     from gpuctl.core.events import Cause, Event, Kind
-    from gpuctl.core.redact import redact_command
+    from gpuctl.core.redact import redact_command, redact_lines
 
     return Event(
         at=time.time() if at is None else at,
@@ -60,10 +80,12 @@ def ev(
         before=_word(before),
         after=_word(after),
         decision=_word(decision),
-        reason=reason,
-        by=by,
+        # Redacted here as the agent redacts what it is sent (``event_from_dict``): an
+        # event written straight to the journal is read by the read-only token too.
+        reason=redact_lines(reason) if reason else reason,
+        by=redact_lines(by) if by else by,
         command=redact_command(command) if command else None,
-        who={"entry": entry, "user": _user(), "pid": str(os.getpid())},
+        who={"entry": entry, "user": _user(), "pid": str(os.getpid()), **(_SEEN.get() or {})},
         figures={k: float(v) for k, v in figures.items() if v is not None},
     )
 

@@ -276,7 +276,10 @@ class AgentStore:
         for row in rows:
             if isinstance(row, dict):
                 key = (str(row.get("day")), str(row.get("service")), str(row.get("user")))
-                out[key] = Tally.from_dict(row)
+                try:
+                    out[key] = Tally.from_dict(row)
+                except ValueError as e:
+                    raise self._broken(f"a broken usage row: {e}") from None
         return out
 
     def _with_event(self, body: dict[str, Any], event: Event | None) -> dict[str, Any]:

@@ -45,6 +45,7 @@ log = logging.getLogger("gpuctl.journal")
 NAME: Final = "journal.db"
 _FILES: Final = (NAME, NAME + "-wal", NAME + "-shm")
 CORRUPT_SUFFIX: Final = ".corrupt-"
+SPECIAL_SUFFIX: Final = ".special-"
 BUSY_S: Final = 1.0
 DEFAULT_DAYS: Final = 90
 # The journal never takes the last of the state folder's disk: below this much free
@@ -126,7 +127,9 @@ class Journal:
     # ---- files
 
     def _prepare(self) -> None:
-        """The three files, made with the store's modes, none of them a link."""
+        """The three files, made with the store's modes, none of them a link. A FIFO, a
+        socket or a device in place of one is set aside too: SQLite would block on it or
+        fail every write, and a group member could so turn the journal off for good."""
         file_mode = folder_modes(self.state_dir)[1]
         with Folder(self.state_dir) as folder:
             for name in _FILES:
@@ -134,6 +137,13 @@ class Journal:
                     kept = folder.set_aside(name, LINK_SUFFIX, time.time())
                     log.warning(
                         "%s is a symbolic link, never followed; set aside as %s",
+                        folder.path / name,
+                        kept,
+                    )
+                elif _special(folder.fd, name):
+                    kept = folder.set_aside(name, SPECIAL_SUFFIX, time.time())
+                    log.warning(
+                        "%s is not a regular file, never opened; set aside as %s",
                         folder.path / name,
                         kept,
                     )
@@ -326,7 +336,11 @@ class Journal:
                     "SELECT day, service, user, body FROM daily WHERE day >= ? AND day < ?",
                     (_day(first_day), _day(rolled)),
                 ):
-                    rows[(day, service, user)] = Tally.from_dict(json.loads(body))
+                    # A row that is not a total (a writer outside gpuctl) is skipped.
+                    with contextlib.suppress(ValueError, TypeError, AttributeError):
+                        rows[(str(day), str(service), str(user))] = Tally.from_dict(
+                            json.loads(body)
+                        )
                 start = rolled
             else:
                 start, carry = since, self._carry_at(db, since)
@@ -409,6 +423,15 @@ class Journal:
             if gone:
                 db.execute("PRAGMA incremental_vacuum")
         return gone
+
+
+def _special(dir_fd: int, name: str) -> bool:
+    """A FIFO, socket or device at ``name`` (a folder stays: it is refused, not moved)."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
 
 
 def _busy(e: sqlite3.OperationalError) -> bool:
