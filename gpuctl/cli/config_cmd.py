@@ -62,7 +62,7 @@ def check(config: ConfigOpt = None) -> None:
         p, _ = config_path(chosen_config(config))
         conf = load_config(chosen_config(config))
         problems = [e for h in conf.hosts.values() for e in h.secret_problems()]
-        warnings = [*conf.warnings, *conf.doubts]
+        warnings = list(conf.warnings)
         local_dir = None if problems else _local_state_dir_warning(conf)
         if local_dir:
             warnings.append(local_dir)

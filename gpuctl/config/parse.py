@@ -40,7 +40,6 @@ from gpuctl.core.jobs import PREFIX as JOB_PREFIX
 from gpuctl.core.jobs import PRIORITY_MAX, is_job
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
 from gpuctl.core.promise import MAX_DEVICE_INDEX
-from gpuctl.core.units import is_bare_number
 from gpuctl.errors import ConfigError
 
 ROOT_KEYS = ("defaults", "hosts", "services", "proxy")
@@ -152,24 +151,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
         hosts=hosts,
         services=services,
         proxy=proxy,
-        doubts=tuple(_small_bare_budgets(services_table, services)),
     )
-
-
-def _small_bare_budgets(raw: dict[str, Any], services: dict[str, ServiceConfig]) -> list[str]:
-    """A budget written as a bare number under 1 GiB: bare numbers are MiB (documented,
-    and kept), but ``memory = 20`` is almost surely 20 GiB meant, and a 20 MiB budget
-    fits beside anything: the service would be started into memory it does not have."""
-    out = []
-    for name, svc in services.items():
-        value = raw[name].get("memory")
-        if svc.memory_mib is not None and svc.memory_mib < 1024 and is_bare_number(value):
-            n = svc.memory_mib
-            out.append(
-                f"services.{name}.memory: the bare number {show(value)} means {n} MiB; "
-                f'write "{n}GiB" if you meant GiB, or "{n}MiB" to keep it'
-            )
-    return out
 
 
 def _check_name(kind: str, name: str) -> None:
