@@ -331,9 +331,21 @@ def _sleep_level(s: Table) -> int | None:
     return int(v)
 
 
+def launcher_list() -> str:
+    """Every launcher, for a hint: ``"docker", "jupyter", "process", "ollama"``."""
+    return ", ".join(f'"{name}"' for name in LAUNCHERS)
+
+
 def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
     where = f"services.{svc.name}"
     launcher = svc.launcher
+    if launcher is None and (svc.command or svc.image):
+        # Without a launcher nothing runs the command: `ensure` would only refuse later.
+        key = "command" if svc.command else "image"
+        raise ConfigError(
+            f"{where}.{key}: set, but no launcher runs it",
+            hint=f"add launcher = one of {launcher_list()}, or drop {key}",
+        )
     if launcher == "docker" and not svc.image:
         raise ConfigError(f"{where}.image: missing (the docker launcher needs an image)")
     if launcher in ("jupyter", "process") and not svc.command:

@@ -11,6 +11,7 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import secret_names
 from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.config.parse import launcher_list
 from gpuctl.core.model import Snapshot
 from gpuctl.core.record import Record
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
@@ -32,7 +33,7 @@ def launcher_for(
     if kind is None:
         raise UsageError(
             f"service {service.name!r} has no launcher, so gpuctl cannot start it",
-            hint=f"set services.{service.name}.launcher to docker, jupyter or process",
+            hint=f"set services.{service.name}.launcher to one of {launcher_list()}",
         )
     if kind == "process":
         from gpuctl.adapters import procinfo
