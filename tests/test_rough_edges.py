@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import gpuctl_in_process
+from tests.conftest import gpuctl, gpuctl_in_process
 
 HOST = """
 [hosts.gpu]
@@ -47,3 +47,38 @@ def test_config_path_points_to_config_init(tmp_path: Path) -> None:
     r = gpuctl_in_process(missing, "config", "path")
     assert r.returncode == 0 and r.stdout.strip() == str(missing), r.stdout
     assert "`gpuctl config init` writes a starter config there" in r.stderr, r.stderr
+
+
+def test_a_failed_start_names_its_log_in_the_hint(tmp_path: Path) -> None:
+    """The FAILED hint said "see its log" without saying where it is."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        HOST + "[services.web]\n"
+        'launcher = "process"\n'
+        "command = \"sh -c 'echo dying; exit 3'\"\n"
+        'health = "http://127.0.0.1:1/health"\nmemory = "1GiB"\n'
+    )
+    env = {"GPUCTL_STATE_DIR": str(tmp_path / "s"), "GPUCTL_SIM_DIR": str(tmp_path / "sim")}
+    r = gpuctl(cfg, "ensure", "web", "--timeout", "30s", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    log = tmp_path / "s" / "logs" / "web.log"
+    assert f"hint: see its log ({log}) and `gpuctl locks`" in r.stderr, r.stderr
+    assert "dying" in log.read_text()
+
+
+def test_the_locks_header_is_one_line_at_120_columns(tmp_path: Path) -> None:
+    """At 120 columns `LAST USED`, `IDLE FOR` and `LEASE EXPIRES` split over two lines,
+    read as two rows; at 80 they still must, to fit."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        HOST + '[services.web]\nlauncher = "process"\ncommand = "sh -c \'exit 3\'"\n'
+        'health = "http://127.0.0.1:1/health"\nmemory = "1GiB"\n'
+    )
+    env = {"GPUCTL_STATE_DIR": str(tmp_path / "s"), "GPUCTL_SIM_DIR": str(tmp_path / "sim")}
+    assert gpuctl(cfg, "ensure", "web", "--timeout", "30s", env=env).returncode == 1
+    wide = gpuctl_in_process(cfg, "locks", env={**env, "COLUMNS": "120"})
+    head = wide.stdout.splitlines()[0].split()
+    assert head[:5] == ["HOST", "SERVICE", "PHASE", "HOLDER", "SINCE"], wide.stdout
+    assert " ".join(head[5:]) == "LAST USED IDLE FOR LEASE EXPIRES STARTS", wide.stdout
+    narrow = gpuctl_in_process(cfg, "locks", env={**env, "COLUMNS": "80"})
+    assert all(len(ln) <= 80 for ln in narrow.stdout.splitlines()), narrow.stdout

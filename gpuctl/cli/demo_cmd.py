@@ -27,9 +27,9 @@ def demo(
         typer.Option(
             "--load-time",
             parser=duration_parser("--load-time", minimum=1.0),
-            help="How long the fake vLLM takes to load, e.g. 3s (at least 1s).",
+            help="How long the fake vLLM takes to load, e.g. 3s (at least 1s).  [default: 3s]",
             metavar="DURATION",
-            show_default="3s",
+            show_default=False,
         ),
     ] = 3.0,
 ) -> None:
@@ -133,7 +133,7 @@ class RichNarrator:
 
         deps = locks_deps(load_config(Path(config_path)))
         try:
-            self.console.print(render_locks(service_ops.locks(deps)))
+            self.console.print(render_locks(service_ops.locks(deps), width=self.console.width))
         finally:
             deps.close()
 

@@ -253,7 +253,8 @@ def locks(
                 or report.queue
                 or report.hidden_jobs
             ):
-                console().print(render_locks(report))
+                out = console()
+                out.print(render_locks(report, width=out.width))
             for line in locks_errors(report):
                 say(line)
         raise typer.Exit(report.exit_code)
