@@ -82,3 +82,26 @@ def test_the_locks_header_is_one_line_at_120_columns(tmp_path: Path) -> None:
     assert " ".join(head[5:]) == "LAST USED IDLE FOR LEASE EXPIRES STARTS", wide.stdout
     narrow = gpuctl_in_process(cfg, "locks", env={**env, "COLUMNS": "80"})
     assert all(len(ln) <= 80 for ln in narrow.stdout.splitlines()), narrow.stdout
+
+
+def test_the_ensure_status_line_is_cut_with_an_ellipsis_never_wrapped() -> None:
+    """At 120 columns the line wrapped, cutting the newest log line mid-word, no "…"."""
+    import io
+
+    from rich.console import Console
+    from rich.spinner import Spinner
+
+    from gpuctl.cli.service_cmd import status_line
+    from gpuctl.flows.results import Progress
+
+    log = "INFO 05-12 10:00:01 loader.py:42 Loading safetensors checkpoint shards: " + (
+        "shard model-00003-of-00017.safetensors done; " * 4
+    )
+    tick = Progress("loading (launched)", 42.0, 30720, log, "", expected_s=120.0)
+    out = io.StringIO()
+    console = Console(file=out, width=120, color_system=None, force_terminal=False)
+    console.print(Spinner("dots", text=status_line("vllm", tick, console.width - 2)))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert len(lines[0]) <= 120 and lines[0].endswith("…"), lines
+    assert "vllm: loading (launched)" in lines[0] and "GPU 30.0 GiB" in lines[0], lines

@@ -24,6 +24,8 @@ from gpuctl.cli.common import (
 from gpuctl.errors import ConfigError
 
 if TYPE_CHECKING:
+    from rich.text import Text
+
     from gpuctl.flows.results import Progress
 
 
@@ -89,7 +91,8 @@ def ensure(
                 )
             )
         line = _StatusLine(service) if not json_out and sys.stderr.isatty() else None
-        deps = deps_for(conf, service, host, progress=line.update if line else None)
+        ticks = _LastTick(line)
+        deps = deps_for(conf, service, host, progress=ticks.update)
         deps.preempt, deps.force = preempt, force
         deps.on_repair = say
         if not json_out:
@@ -101,8 +104,8 @@ def ensure(
 
             if line:
                 line.stop()
-            say(f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)")
-            result = EnsureResult.interrupted(service, svc.host)
+            say(ticks.interrupted(service))
+            result = EnsureResult.interrupted(service, svc.host, ours=ticks.ours)
             if json_out:
                 print_json(ensure_to_json(result))
             raise typer.Exit(result.exit_code) from None
@@ -118,6 +121,63 @@ def ensure(
         raise typer.Exit(result.exit_code)
 
 
+def status_line(service: str, p: Progress, width: int) -> Text:
+    """The ensure status line: phase, elapsed or ETA bar, GPU memory, note, newest log
+    line, one line cut with "…" to ``width`` (a wrapped line would cut the log line
+    mid-word and leave its start on the row above)."""
+    from rich.markup import escape
+    from rich.text import Text
+
+    from gpuctl.core.durations import progress
+    from gpuctl.core.units import format_duration, format_mib
+
+    fraction, eta = progress(p.elapsed_s, p.expected_s)
+    if fraction is None:  # the first start, or a process that is maybe no server: no bar
+        parts = [f"[bold]{escape(service)}[/]: {p.phase}", format_duration(p.elapsed_s)]
+    else:
+        filled = int(fraction * 20)
+        bar = "[green]" + "━" * filled + "[/][dim]" + "━" * (20 - filled) + "[/]"
+        parts = [f"[bold]{escape(service)}[/]: {p.phase}", bar, eta]
+    if p.memory_mib is not None:
+        parts.append(f"GPU {format_mib(p.memory_mib)}")
+    if p.note:
+        parts.append(f"[yellow]{escape(p.note)}[/]")
+    if p.log_line:
+        parts.append(f"[dim]{escape(' '.join(p.log_line.split()))}[/]")
+    text = Text.from_markup(" · ".join(parts))
+    text.no_wrap = True
+    text.truncate(max(1, width), overflow="ellipsis")
+    return text
+
+
+class _LastTick:
+    """The wait's newest tick, handed on to the status line (when there is one): what
+    Ctrl-C says depends on what was being waited on."""
+
+    def __init__(self, line: _StatusLine | None) -> None:
+        self.line = line
+        self.last: Progress | None = None
+
+    def update(self, p: Progress) -> None:
+        self.last = p
+        if self.line is not None:
+            self.line.update(p)
+
+    @property
+    def ours(self) -> bool:
+        """False when the wait was on a process tied to the service only by a keyword."""
+        return self.last is None or self.last.ours
+
+    def interrupted(self, service: str) -> str:
+        if not self.ours:
+            # A process tied to the service only by a keyword: maybe no server at all.
+            return (
+                f"gpuctl: stopped waiting; nothing gpuctl started is loading {service} "
+                "(it waited on a process that names it: gpuctl status shows it)"
+            )
+        return f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)"
+
+
 class _StatusLine:
     """A Rich status line on stderr while waiting: phase, elapsed, GPU memory, newest log line."""
 
@@ -131,25 +191,8 @@ class _StatusLine:
         self.status.start()
 
     def update(self, p: Progress) -> None:
-        from rich.markup import escape
-
-        from gpuctl.core.durations import progress
-        from gpuctl.core.units import format_duration, format_mib
-
-        fraction, eta = progress(p.elapsed_s, p.expected_s)
-        if fraction is None:  # the first start: the spinner alone
-            parts = [f"[bold]{self.service}[/]: {p.phase}", format_duration(p.elapsed_s)]
-        else:
-            filled = int(fraction * 20)
-            bar = "[green]" + "━" * filled + "[/][dim]" + "━" * (20 - filled) + "[/]"
-            parts = [f"[bold]{self.service}[/]: {p.phase}", bar, eta]
-        if p.memory_mib is not None:
-            parts.append(f"GPU {format_mib(p.memory_mib)}")
-        if p.note:
-            parts.append(f"[yellow]{escape(p.note)}[/]")
-        if p.log_line:
-            parts.append(f"[dim]{escape(p.log_line[-80:])}[/]")
-        self.status.update(" · ".join(parts))
+        # The spinner and a space take two columns; the rest is cut to the terminal.
+        self.status.update(status_line(self.service, p, self.console.width - 2))
 
     def say(self, message: str) -> None:
         """A message above the line (printed as ``say`` would; the line stays below)."""
