@@ -168,11 +168,18 @@ def _status(
         console.print(render_status(report, wide, console.width, g=g))
         raise typer.Exit(report.exit_code)
 
+    from rich.constrain import Constrain
     from rich.live import Live
 
     history = MemoryHistory(every_s=interval).add(report)
+    # Two columns short of the terminal: Ctrl-C's "^C", echoed by the terminal after the
+    # panel's last line, would otherwise wrap onto a new line, and the final redraw,
+    # moving up from one line too low, left the header on screen twice.
+    width = max(20, console.width - 2)
     with Live(
-        render_status(report, wide, console.width, g=g, history=history, interval_s=interval),
+        Constrain(
+            render_status(report, wide, width, g=g, history=history, interval_s=interval), width
+        ),
         console=console,
         auto_refresh=False,
         screen=False,
@@ -180,8 +187,9 @@ def _status(
 
         def show(r: StatusReport) -> None:
             r = filtered(r, only=only, users=users)
-            view = render_status(
-                r, wide, console.width, g=g, history=history.add(r), interval_s=interval
+            view = Constrain(
+                render_status(r, wide, width, g=g, history=history.add(r), interval_s=interval),
+                width,
             )
             live.update(view, refresh=True)
 

@@ -140,8 +140,10 @@ def _pct(p: int | None) -> str:
 
 
 class MemoryHistory:
-    """Each host's used share of GPU memory (held and promised) over the last minutes,
-    for ``--watch``'s sparkline. Fed one report at a time; keeps ``points`` of them."""
+    """Each host's used share of GPU memory over the last minutes, for ``--watch``'s
+    sparkline labelled "used": what the device reports held, never what is only promised
+    to a loading service (the bar above shows that apart). Fed one report at a time;
+    keeps ``points`` of them."""
 
     def __init__(self, points: int = 60, every_s: float | None = None) -> None:
         self.points = points
@@ -177,7 +179,7 @@ def _used_share(h: HostReport) -> float | None:
     if not known or len(known) != len(h.memory):
         return None
     total = sum(m.total_mib or 0 for m in known)
-    used = sum((m.held_mib or 0) + m.promised_mib for m in known)
+    used = sum(m.held_mib or 0 for m in known)
     return min(1.0, used / total)
 
 
