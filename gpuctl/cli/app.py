@@ -66,6 +66,9 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
         from typer.completion import completion_init  # type: ignore[attr-defined]
 
         completion_init()
+        from gpuctl.cli.completion import register_classes
+
+        register_classes()
     app = typer.Typer(
         name="gpuctl",
         help=(
