@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit
-from gpuctl.demo.chapters import help_text
+from gpuctl.demo.chapters import LOAD_TIME_S, help_text
 from gpuctl.errors import ExitCode, GpuctlError
 
 if TYPE_CHECKING:
@@ -27,11 +27,12 @@ def demo(
         typer.Option(
             "--load-time",
             parser=duration_parser("--load-time", minimum=1.0),
-            help="How long the fake vLLM takes to load, e.g. 3s (at least 1s).  [default: 3s]",
+            help=f"How long the fake vLLM takes to load, e.g. 3s (at least 1s).  "
+            f"[default: {LOAD_TIME_S:g}s]",
             metavar="DURATION",
             show_default=False,
         ),
-    ] = 3.0,
+    ] = LOAD_TIME_S,
 ) -> None:
     """A guided tour on a simulated GPU (its help lists the chapters: gpuctl.demo.chapters).
 

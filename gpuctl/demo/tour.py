@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
-from gpuctl.demo.chapters import heading
+from gpuctl.demo.chapters import LOAD_TIME_S, heading
 from gpuctl.demo.priority import IDLE_S, decision_of, photos_toml, priority_chapter
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.status import StatusReport
@@ -80,11 +80,6 @@ def intro(agent_url: str) -> str:
 def demo_tag() -> str:
     """A tag no process outside this run has in its command line."""
     return f"gpuctl-demo-{secrets.token_hex(4)}"
-
-
-# The fake vLLM's load time: long enough to watch it LOADING, short enough that the tour
-# (which loads it three times) stays under half a minute.
-LOAD_TIME_S = 3.0
 
 
 def run_demo(narrator: Narrator, *, load_time_s: float = LOAD_TIME_S) -> DemoResult:
