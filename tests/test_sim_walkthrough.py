@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, tagged
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,9 +30,15 @@ def walkthrough(page: Path) -> str:
 @pytest.mark.parametrize("page", ["README.md", "docs/tutorial/try-it.md"])
 def test_the_sim_walkthrough_leaves_nothing_behind(page: str, tmp_path: Path) -> None:
     block = walkthrough(ROOT / page)
-    # A port of its own and a shorter load; the rest as written.
+    # A port of its own, a shorter load, and a service name no other test's process
+    # carries (the default match is the name: another run's `--name vllm` would count as
+    # this one loading); the rest as written.
     port = str(free_port())
-    script = block.replace("8000", port).replace("--load-time 20s", "--load-time 1s")
+    script = (
+        block.replace("8000", port)
+        .replace("--load-time 20s", "--load-time 1s")
+        .replace("vllm", tagged("vllm"))
+    )
     env = {
         "PATH": f"{Path(gpuctl_exe()).parent}:/usr/bin:/bin",
         "HOME": str(tmp_path),
