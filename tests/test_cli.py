@@ -206,7 +206,7 @@ def test_config_show_writes_toml_that_check_reads_back(cli_env: Path) -> None:
     cfg = config_file(cli_env)
     cfg.write_text(
         '[hosts."gpu.box"]\nagent = "http://127.0.0.1:9400"\n'
-        '[services."chat-1"]\nhost = "gpu.box"\nmemory = "8GiB"\n'
+        '[services."chat-1"]\nhost = "gpu.box"\nmemory = "8GiB"\nlauncher = "process"\n'
         'command = "vllm serve \'m\' --chat-template \\"{{x}}\\"\ttab"\n'
     )
     assert runner.invoke(app, ["config", "check"]).exit_code == 0
@@ -581,6 +581,7 @@ def test_config_show_masks_env_secrets_command_keys_and_url_tokens(cli_env: Path
     config_file(cli_env).write_text(
         "[hosts.dgx]\n"
         "[services.vllm]\n"
+        'launcher = "process"\n'
         'command = "vllm serve m --api-key sk-cmd-secret1 --port 8000 -HX-Auth-Token:hdr-secret6"\n'
         'health = "http://127.0.0.1:8000/health?token=url-secret2"\n'
         'env = { HF_TOKEN = "hf_env_secret3", CUDA_HOME = "/usr/local/cuda",'

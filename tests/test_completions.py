@@ -206,3 +206,20 @@ def test_install_completion_refuses_without_a_known_shell(args: list[str], tmp_p
     assert "--install-completion" in r.stderr
     assert "Traceback" not in r.stderr
     assert os.listdir(env["HOME"]) == [], "nothing may be installed"
+
+
+@pytest.mark.parametrize("session", ["zsh", "fish"], indirect=True)
+def test_no_files_after_the_service_only_where_a_path_goes(
+    session: tuple[str, ShellPty], tmp_path: Path
+) -> None:
+    """A TAB after `gpuctl ensure vllm-chat` listed the working directory's files (Typer
+    answers `_files` in zsh, and fish falls back to files, when it has nothing to offer).
+    An option that takes a path still completes files."""
+    shell, sh = session
+    (tmp_path / "cwd" / "notes-file.txt").write_text("x\n")
+    assert sh.complete("gpuctl ensure vllm-chat ", shell, tabs=2) == "gpuctl ensure vllm-chat"
+    assert "notes-file" not in sh.last_output, sh.last_output
+    assert sh.complete("gpuctl stop photos ", shell) == "gpuctl stop photos"
+    assert sh.complete("gpuctl config check --config no", shell) == (
+        "gpuctl config check --config notes-file.txt"
+    )

@@ -84,7 +84,7 @@ GOOD: dict[str, list[Any]] = {
     "read_token_env": ["GPUCTL_R"],
     "jupyter_token_env": ["JT"],
     "token_file": ["t.token"],
-    "gpu_memory": ["128GiB", 1024],
+    "gpu_memory": ["128GiB", "1024MiB"],
     "probe": ["auto", "sim"],
     "sim_dir": ["/tmp/sim"],
     "host": ["dgx"],
@@ -94,7 +94,7 @@ GOOD: dict[str, list[Any]] = {
     "health": ["http://127.0.0.1:8000/health"],
     "metrics": ["http://127.0.0.1:8000/metrics"],
     "match": [["vllm"], "vllm"],
-    "memory": ["80GiB", 512],
+    "memory": ["80GiB", "512MiB"],
     "devices": [[0], [0, 1], 2],
     "stop": ["stop", "sleep"],
     "sleep_level": [1, 2],
@@ -308,7 +308,9 @@ def test_durations_are_a_value_or_a_value_error(text: Any) -> None:
 
 def test_the_strategies_reach_valid_configs() -> None:
     """The properties above would hold vacuously if every example were an error."""
-    conf = parse_config({"hosts": {"dgx": {"timeout": "2s"}}, "services": {"vllm": {"memory": 1}}})
+    conf = parse_config(
+        {"hosts": {"dgx": {"timeout": "2s"}}, "services": {"vllm": {"memory": "1MiB"}}}
+    )
     assert conf.service("vllm").memory_mib == 1
     _ = (date, datetime, time, Path)  # TOML's date/time values are among the scalars
 

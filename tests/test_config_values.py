@@ -53,44 +53,49 @@ def test_never_in_any_case_is_never(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("memory", "said"),
     [
-        ("80.5", 'services.web.memory: a bare number means MiB and must be whole, got 80.5: '
-                 'write "80.5GiB" or "81MiB"'),
-        ('"0.25"', "services.web.memory: a bare number means MiB and must be whole, got '0.25': "
-                   'write "0.25GiB" or "1MiB"'),
+        ("20", 'a size needs its unit, got 20: write "20GiB" or "20MiB"'),
+        ('"1023"', "a size needs its unit, got '1023': write \"1023GiB\" or \"1023MiB\""),
+        ("80.5", 'a size needs its unit, got 80.5: write "80.5GiB" or "81MiB"'),
+        ('"0.25"', "a size needs its unit, got '0.25': write \"0.25GiB\" or \"1MiB\""),
     ],
 )  # fmt: skip
-def test_a_fractional_bare_budget_is_refused_not_cut(
+def test_a_bare_budget_is_refused_naming_both_readings(
     tmp_path: Path, memory: str, said: str
 ) -> None:
-    """``memory = 80.5`` was shown as 80MiB by `config show`: cut silently. Bare is MiB
-    (documented), so a fraction is refused with the two things the user may have meant."""
+    """``memory = 20`` was silently 20 MiB (a budget that fits beside anything), when 20
+    GiB was meant; ``80.5`` was cut. Every command refuses it the same way."""
     for cmd in ("check", "show"):
         r = check(tmp_path, f'match = ["web"]\nmemory = {memory}\n', cmd)
         assert r.returncode == 1, r.stdout + r.stderr
-        assert r.stderr == f"gpuctl: error: {said}\n", r.stderr
-
-
-def test_a_small_bare_budget_passes_the_check_with_a_warning(tmp_path: Path) -> None:
-    """``memory = 20`` is 20 MiB (documented), almost surely 20 GiB meant: the check says
-    so, names the key and both fixes, and still passes; a unit, or 1 GiB and more, is quiet."""
-    r = check(tmp_path, 'match = ["web"]\nmemory = 20\n')
-    assert r.returncode == 0, r.stderr
-    assert r.stderr == (
-        "warning: services.web.memory: the bare number 20 means 20 MiB; "
-        'write "20GiB" if you meant GiB, or "20MiB" to keep it\n'
-    )
-    assert r.stdout.endswith(": ok (1 host, 1 service)\n"), r.stdout
-    r = check(tmp_path, 'match = ["web"]\nmemory = "1023"\n')
-    assert r.returncode == 0 and "services.web.memory: the bare number '1023'" in r.stderr
-    for quiet in ('"20MiB"', '"20GiB"', "1024", "80.0e3"):
-        r = check(tmp_path, f'match = ["web"]\nmemory = {quiet}\n')
-        assert (r.returncode, r.stderr) == (0, ""), (quiet, r.stderr)
-    # Only the check says it: status, which every script runs, does not repeat it.
+        assert r.stderr == f"gpuctl: error: services.web.memory: {said}\n", r.stderr
     env = dict(os.environ, GPUCTL_CONFIG=str(tmp_path / "c.toml"))
     env.update(GPUCTL_STATE_DIR=str(tmp_path / "s"), GPUCTL_SIM_DIR=str(tmp_path / "sim"))
-    (tmp_path / "c.toml").write_text(BASE + 'match = ["web"]\nmemory = 20\n')
     st = subprocess.run(
         [gpuctl_exe(), "status", "--json"], env=env, capture_output=True, text=True,
         timeout=60, check=False,
     )  # fmt: skip
-    assert st.returncode == 0 and "warning" not in st.stderr, st.stderr
+    assert st.returncode == 1 and f"services.web.memory: {said}" in st.stderr, st.stderr
+    for fine in ('"20MiB"', '"20GiB"', '"1.5G"'):
+        r = check(tmp_path, f'match = ["web"]\nmemory = {fine}\n')
+        assert (r.returncode, r.stderr) == (0, ""), (fine, r.stderr)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--memory", "10", "--", "true"],
+        ["agent", "--gpu-memory", "10"],
+        ["sim", "hold", "--name", "x", "--memory", "10"],
+    ],
+)
+def test_a_bare_size_on_the_command_line_is_refused_the_same(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """``gpuctl run --memory 10`` was 10 MiB: the same refusal as the config's, exit 2."""
+    env = dict(os.environ, GPUCTL_CONFIG=str(tmp_path / "none.toml"))
+    env.update(GPUCTL_STATE_DIR=str(tmp_path / "s"), GPUCTL_SIM_DIR=str(tmp_path / "sim"))
+    r = subprocess.run(
+        [gpuctl_exe(), *argv], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert 'a size needs its unit, got \'10\': write "10GiB" or "10MiB"' in r.stderr, r.stderr

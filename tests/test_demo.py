@@ -52,10 +52,7 @@ def panels(out: str) -> list[tuple[tuple[str, str], ...]]:
     return found
 
 
-@pytest.mark.slow
-def test_demo_piped_beside_a_foreign_vllm(
-    foreign_vllm: subprocess.Popen[bytes], tmp_path: Path
-) -> None:
+def demo_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_") and k != "COLUMNS"}
     env.update(
         NO_COLOR="1",
@@ -64,6 +61,14 @@ def test_demo_piped_beside_a_foreign_vllm(
         XDG_CONFIG_HOME=str(tmp_path / "config"),
         XDG_STATE_HOME=str(tmp_path / "state"),
     )
+    return env
+
+
+@pytest.mark.slow
+def test_demo_piped_beside_a_foreign_vllm(
+    foreign_vllm: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    env = demo_env(tmp_path)
     r = subprocess.run(
         [gpuctl_exe(), "demo", "--load-time", "2s"],
         env=env,
@@ -119,3 +124,28 @@ def test_demo_piped_beside_a_foreign_vllm(
     assert str(foreign_vllm.pid) not in out
     last = [ln for ln in out.splitlines() if ln.strip()][-1]
     assert "gpuctl config init" in last
+    assert "did not happen" not in out
+
+
+@pytest.mark.slow
+def test_a_demo_whose_preemption_did_not_happen_says_so_and_fails(tmp_path: Path) -> None:
+    """Under load the preemption once preempted nothing, and the demo still printed
+    "after resuming: 30 of 30" and "Demo done". Here `ensure vllm --preempt` dies before
+    it takes a lease (a failpoint), as a caller killed by the OOM killer would."""
+    env = demo_env(tmp_path)
+    env["GPUCTL_FAILPOINTS"] = "preempt.before_leases=kill"
+    r = subprocess.run(
+        [gpuctl_exe(), "demo", "--load-time", "2s"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr
+    assert "✗ did not happen: `ensure vllm --preempt` launched nothing" in out, out
+    assert "nothing was preempted" in out
+    assert "after resuming" not in out and "Demo done" not in out
+    assert "The demo did not show everything it promised (1 missed" in out, out
+    # The other chapters still played, and held.
+    assert heading(6) in r.stdout and heading(8) in r.stdout

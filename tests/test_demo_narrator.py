@@ -24,11 +24,11 @@ def test_a_summary_keeps_one_line_per_action() -> None:
     """Reclaim's lines and the client's answer ran together into one paragraph."""
     lines = told(
         "what reclaim did",
-        "stopped vllm on sim: idle 2s > 2s\n"
+        "stopped vllm on sim: idle 1.2s > 1.0s\n"
         "resumed photos on sim: launched\n"
         "photos done before the preemption: 5; after resuming: 30 of 30, 0 done twice.",
     )
-    assert lines[0] == "stopped vllm on sim: idle 2s > 2s", lines
+    assert lines[0] == "stopped vllm on sim: idle 1.2s > 1.0s", lines
     assert lines[1] == "resumed photos on sim: launched", lines
     # A line longer than the terminal is still wrapped, its words kept.
     assert lines[2].startswith("photos done before the preemption: 5;"), lines

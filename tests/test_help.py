@@ -146,3 +146,16 @@ def test_demo_help_lists_every_chapter_the_demo_plays() -> None:
     # The demo's own first words say what is coming, the last two chapters included.
     opening = " ".join(intro("http://127.0.0.1:1").split())
     assert "preempts" in opening and "`gpuctl proxy`" in opening, opening
+
+
+# What Typer prints where a command says nothing better: a string `show_default` wrapped
+# in parentheses, and a metavar made of the parameter's Python type.
+LEFTOVER = re.compile(r"\[default: \(|<(?:int|str|float|bool|path|text|int range|float range)>")
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: " ".join(p) or "gpuctl")
+@pytest.mark.parametrize("columns", [80, 200])
+def test_help_has_no_typer_leftovers(path: tuple[str, ...], columns: int) -> None:
+    """`[default: (2s)]`, `<int range>`, `<str>`: a default or a metavar to write out."""
+    text = help_text(path, columns)
+    assert not LEFTOVER.findall(text), text

@@ -112,3 +112,19 @@ def test_in_flight_is_read_only_for_candidates() -> None:
 )
 def test_short_duration(seconds: float, text: str) -> None:
     assert short_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("idle_s", "timeout_s", "reason"),
+    [
+        (2.3, 2.0, "idle 2.3s > 2.0s"),  # was "idle 2s > 2s"
+        (1.04, 1.0, "idle 1s ≥ 1s"),  # equal to a tenth of a second too
+        (1830, 1800, "idle 30m ≥ 30m"),
+        (2.3, 1.0, "idle 2s > 1s"),
+    ],
+)
+def test_an_idle_time_never_reads_as_equal_to_its_limit(
+    idle_s: float, timeout_s: float, reason: str
+) -> None:
+    facts = replace(BASE, last_used=NOW - idle_s, idle_timeout_s=timeout_s)
+    assert judge(facts, NOW).reason == reason

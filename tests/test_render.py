@@ -299,17 +299,18 @@ def test_watch_header_and_sparkline(tmp_path: Path) -> None:
     history = MemoryHistory(points=5, every_s=30.0)
     for _ in range(7):
         history.add(report)
-    assert history.sparkline("dgx") == "▇" * 5  # 100 of 128 GiB used or promised
+    # 20 of 128 GiB held; the 80 GiB only promised to a loading service is not "used".
+    assert history.sparkline("dgx") == "▂" * 5
     text = _text(render_status(report, history=history, interval_s=2.0))
     assert "every 2s" in text and "Ctrl-C to quit" in text
-    assert "▇▇▇▇▇" in text and "last 2m" in text  # 5 readings, 30 s apart
+    assert "▂▂▂▂▂" in text and "last 2m" in text  # 5 readings, 30 s apart
 
 
 def test_sparkline_shows_unknown_as_a_gap(tmp_path: Path) -> None:
     history = MemoryHistory()
     history.add(_report(tmp_path))
     history.add(StatusReport((HostReport("dgx", "x", None, error="down"),)))
-    assert history.sparkline("dgx") == "▇ "
+    assert history.sparkline("dgx") == "▂ "
 
 
 # ---- filters

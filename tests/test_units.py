@@ -11,8 +11,6 @@ from gpuctl.core.units import format_duration, format_mib, parse_duration_s, par
         ("80gb", 81920),
         ("30 GiB", 30720),
         ("512MiB", 512),
-        ("512", 512),
-        (512, 512),
         ("1.5T", 1572864),
         ("1024KiB", 1),
         ("128GiB", 131072),
@@ -31,26 +29,30 @@ def test_parse_size_rejects(text: object) -> None:
 @pytest.mark.parametrize(
     ("text", "fix"),
     [
+        (20, '"20GiB" or "20MiB"'),
+        ("20", '"20GiB" or "20MiB"'),
+        (512, '"512GiB" or "512MiB"'),
+        (80.0, '"80GiB" or "80MiB"'),
         (80.5, '"80.5GiB" or "81MiB"'),
         ("80.5", '"80.5GiB" or "81MiB"'),
         (" 1.25 ", '"1.25GiB" or "2MiB"'),
         (0.5, '"0.5GiB" or "1MiB"'),
-        (1e-300, '"1MiB"'),  # no GiB form of a number the size syntax cannot write
     ],
 )
-def test_a_bare_number_with_a_fraction_is_refused_naming_both_readings(
-    text: str | float, fix: str
-) -> None:
-    """A bare number is MiB; rounding 80.5 to 80 would change it silently."""
-    with pytest.raises(ValueError, match=r"^a bare number means MiB and must be whole, got "):
-        parse_size_mib(text)
-    with pytest.raises(ValueError) as e:
+def test_a_bare_number_is_refused_naming_both_readings(text: str | float, fix: str) -> None:
+    """A bare number was MiB: ``memory = 20`` a 20 MiB budget, when 20 GiB was meant."""
+    with pytest.raises(ValueError, match=r"^a size needs its unit, got ") as e:
         parse_size_mib(text)
     assert str(e.value).endswith(f": write {fix}")
 
 
-def test_whole_bare_numbers_and_fractions_with_a_unit_still_parse() -> None:
-    assert parse_size_mib(80.0) == 80 and parse_size_mib("20") == 20
+@pytest.mark.parametrize("text", [1e-300, 10**30, "0", 0])
+def test_a_bare_number_with_no_gib_form_is_refused_too(text: object) -> None:
+    with pytest.raises(ValueError, match=r"^a size needs its unit"):
+        parse_size_mib(text, allow_zero=True)  # type: ignore[arg-type]
+
+
+def test_fractions_with_a_unit_still_parse() -> None:
     assert parse_size_mib("80.5GiB") == 82432 and parse_size_mib("0.5G") == 512
 
 

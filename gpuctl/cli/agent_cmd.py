@@ -141,8 +141,9 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--match-max-age",
                 parser=duration_parser("--match-max-age"),
-                show_default="15m",
-                help="With --match: only processes younger than this (a loading server), e.g. 15m.",
+                show_default=False,
+                help="With --match: only processes younger than this (a loading server), "
+                "e.g. 15m.  [default: 15m]",
                 metavar="DURATION",
             ),
         ] = 900.0,
@@ -191,9 +192,9 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--cache-ttl",
                 parser=duration_parser("--cache-ttl"),
-                help="Reuse one GPU reading for this long (e.g. 1s, 500ms).",
+                help="Reuse one GPU reading for this long (e.g. 1s, 500ms).  [default: 1s]",
                 metavar="DURATION",
-                show_default="1s",
+                show_default=False,
             ),
         ] = 1.0,
         state_dir: Annotated[
@@ -243,8 +244,9 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--header-timeout",
                 parser=duration_parser("--header-timeout"),
-                show_default="10s",
-                help="Close a connection whose request head has not all arrived by then.",
+                show_default=False,
+                help="Close a connection whose request head has not all arrived by then.  "
+                "[default: 10s]",
                 metavar="DURATION",
             ),
         ] = DEFAULT_HEAD_TIMEOUT_S,
@@ -253,8 +255,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--idle-timeout",
                 parser=duration_parser("--idle-timeout"),
-                show_default="5s",
-                help="Close a kept-alive connection idle this long after an answer.",
+                show_default=False,
+                help="Close a kept-alive connection idle this long after an answer.  [default: 5s]",
                 metavar="DURATION",
             ),
         ] = DEFAULT_IDLE_TIMEOUT_S,

@@ -66,6 +66,9 @@ def create_app(argv: list[str] | None = None) -> typer.Typer:
         # (complete_bash, complete_zsh, ...), which our scripts speak. typer.completion is
         # a public module, but it imports completion_init rather than exporting it.
         completion_init()
+        from gpuctl.cli.completion import register_classes
+
+        register_classes()
     app = typer.Typer(
         name="gpuctl",
         help=(

@@ -121,7 +121,7 @@ def duration_parser(
 
 
 def size_parser(option: str) -> Callable[[Any], int]:
-    """A Typer ``parser=`` for a size option (``80GiB``, ``512MiB``, bare MiB), in MiB.
+    """A Typer ``parser=`` for a size option (``80GiB``, ``512MiB``; a bare number is refused), in MiB.
 
     ``inf``, ``nan``, ``1e400``, negatives and zero end the command with
     ``gpuctl: error: OPTION: …`` and exit 2.

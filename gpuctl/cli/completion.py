@@ -16,6 +16,11 @@ Typer's (0.26-0.28) zsh script does not work as shipped:
 ``_GPUCTL_COMPLETE=source_<shell> gpuctl`` prints these scripts (``main`` answers it before
 Typer does), and ``scripts/gen-completions`` writes them to ``completions/``.
 
+With nothing to offer, Typer's zsh answer is ``_files`` and its fish answer lets fish list
+files: a TAB after ``gpuctl ensure vllm`` listed the working directory. Ours
+(:func:`register_classes`) offers files only where the parameter is a path (``--config``,
+``--sim-dir``), and nothing otherwise.
+
 Typer's own ``--install-completion`` is a flag that guesses the shell:
 ``gpuctl --install-completion zsh`` ignored the shell named, installed the bash script and
 exited 0. Ours (in ``cli/app.py``) takes the shell as its value, one of :data:`SHELLS`.
@@ -24,8 +29,10 @@ exited 0. Ours (in ``cli/app.py``) takes the shell as its value, one of :data:`S
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHELLS = ("bash", "zsh", "fish")
 
@@ -72,6 +79,48 @@ _SCRIPTS = {"bash": _BASH, "zsh": _ZSH, "fish": _FISH}
 
 # What `completions/` calls each script (the names each shell's loader looks for).
 FILE_NAMES = {"bash": "gpuctl", "zsh": "_gpuctl", "fish": "gpuctl.fish"}
+
+
+def _wants_files(complete: Any, args: list[str], incomplete: str) -> bool:
+    """Whether the word being completed is a path (a ``Path`` or ``File`` parameter)."""
+    from typer._click.core import Parameter
+    from typer._click.shell_completion import _resolve_context, _resolve_incomplete
+    from typer._click.types import File
+    from typer.models import TyperPath
+
+    try:
+        ctx = _resolve_context(complete.cli, complete.ctx_args, complete.prog_name, list(args))
+        obj, _ = _resolve_incomplete(ctx, list(args), incomplete)
+    except Exception:  # a word the parser refuses: offer nothing
+        return False
+    return isinstance(obj, Parameter) and isinstance(obj.type, TyperPath | File)
+
+
+def register_classes() -> None:
+    """Typer's zsh and fish completion, except that an empty answer lists files only
+    where a path is expected."""
+    from typer._click.shell_completion import add_completion_class
+    from typer._completion_classes import FishComplete, ZshComplete
+
+    class Zsh(ZshComplete):
+        def complete(self) -> str:
+            args, incomplete = self.get_completion_args()
+            if self.get_completions(args, incomplete) or _wants_files(self, args, incomplete):
+                return str(super().complete())
+            return ""  # nothing to offer, and no files either
+
+    class Fish(FishComplete):
+        def complete(self) -> str:
+            args, incomplete = self.get_completion_args()
+            if os.getenv("_TYPER_COMPLETE_FISH_ACTION", "") == "is-args" and not (
+                self.get_completions(args, incomplete) or _wants_files(self, args, incomplete)
+            ):
+                # Activate the rule (it has --no-files) with no candidates: no files.
+                sys.exit(0)
+            return str(super().complete())
+
+    add_completion_class(Zsh, "zsh")
+    add_completion_class(Fish, "fish")
 
 
 def script(shell: str) -> str:

@@ -46,7 +46,10 @@ def path(config: _PathConfigOpt = None) -> None:
         p, _ = config_path(chosen_config(config))
         print(p)
         if not p.exists():
-            print(f"(does not exist yet: create {p})", file=sys.stderr)
+            import shlex
+
+            init = "gpuctl config init" + (f" --config {shlex.quote(str(p))}" if config else "")
+            print(f"(does not exist yet: `{init}` writes a starter config there)", file=sys.stderr)
 
 
 @config_app.command("check", short_help="Validate the config; exit 1 naming what is wrong.")
@@ -62,7 +65,7 @@ def check(config: ConfigOpt = None) -> None:
         p, _ = config_path(chosen_config(config))
         conf = load_config(chosen_config(config))
         problems = [e for h in conf.hosts.values() for e in h.secret_problems()]
-        warnings = [*conf.warnings, *conf.doubts]
+        warnings = list(conf.warnings)
         local_dir = None if problems else _local_state_dir_warning(conf)
         if local_dir:
             warnings.append(local_dir)

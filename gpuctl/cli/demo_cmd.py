@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpuctl.cli.common import duration_parser, errors_to_exit
-from gpuctl.demo.chapters import help_text
-from gpuctl.errors import GpuctlError
+from gpuctl.demo.chapters import LOAD_TIME_S, help_text
+from gpuctl.errors import ExitCode, GpuctlError
 
 if TYPE_CHECKING:
     from gpuctl.flows.status import StatusReport
@@ -27,20 +27,39 @@ def demo(
         typer.Option(
             "--load-time",
             parser=duration_parser("--load-time", minimum=1.0),
-            help="How long the fake vLLM takes to load, e.g. 8s (at least 1s).",
+            help=f"How long the fake vLLM takes to load, e.g. 3s (at least 1s).  "
+            f"[default: {LOAD_TIME_S:g}s]",
             metavar="DURATION",
-            show_default="8s",
+            show_default=False,
         ),
-    ] = 8.0,
+    ] = LOAD_TIME_S,
 ) -> None:
-    """A guided tour on a simulated GPU (its help lists the chapters: gpuctl.demo.chapters)."""
+    """A guided tour on a simulated GPU (its help lists the chapters: gpuctl.demo.chapters).
+
+    Exits 1 when a chapter did not see what it promised (under heavy load, say): the
+    tour says which, and never calls itself done.
+    """
     with errors_to_exit():
         from gpuctl.demo.priority import decision_of
         from gpuctl.demo.tour import run_demo
 
         narrator = RichNarrator()
-        report = run_demo(narrator, load_time_s=load_time)
-        ok = decision_of(report, "vllm")
+        result = run_demo(narrator, load_time_s=load_time)
+        if result.missed:
+            from rich.text import Text
+
+            narrator.console.print()
+            narrator.console.print(
+                Text(
+                    f"The demo did not show everything it promised ({len(result.missed)} "
+                    "missed, marked ✗ above):",
+                    style="bold red",
+                )
+            )
+            for text in result.missed:
+                narrator.console.print(Text(f"  ✗ {text}"))
+            raise typer.Exit(ExitCode.FAILED)
+        ok = decision_of(result.report, "vllm")
         narrator.console.print(
             f"\n[bold green]Demo done[/] (vllm ended {ok}). "
             "Next: `gpuctl config init` for your own host.",
@@ -100,6 +119,13 @@ class RichNarrator:
         launches = sum(1 for r in rows if r.get("launched"))
         self.console.print(f"[bold]{launches} launch[/] for {len(rows)} callers.")
 
+    def missed(self, text: str) -> None:
+        from rich.text import Text
+
+        from gpuctl.core.safe_text import visible
+
+        self.console.print(Text(f"✗ did not happen: {visible(text)}", style="bold red"))
+
     def locks(self, config_path: str) -> None:
         from gpuctl.config import load_config
         from gpuctl.flows import service_ops
@@ -108,27 +134,30 @@ class RichNarrator:
 
         deps = locks_deps(load_config(Path(config_path)))
         try:
-            self.console.print(render_locks(service_ops.locks(deps)))
+            self.console.print(render_locks(service_ops.locks(deps), width=self.console.width))
         finally:
             deps.close()
 
-    def events(self, config_path: str, since: float) -> None:
-        """The journal of the demo's own run, as `gpuctl events` prints it."""
+    def events(self, config_path: str, since: float) -> int:
+        """The journal of the demo's own run, as `gpuctl events` prints it; how many."""
         from gpuctl.adapters.store import store_for
         from gpuctl.config import load_config
         from gpuctl.flows.story import host_events
         from gpuctl.render.events_view import event_line
 
         config = load_config(Path(config_path))
+        shown = 0
         for name in config.hosts:
             store = store_for(config.host(name))
             try:
                 for _, e in host_events(store, since):
                     self.console.print(event_line(None, e, dated=False), markup=False)
+                    shown += 1
             except GpuctlError as err:
                 self.console.print(f"the journal could not be read: {err.message}", markup=False)
             finally:
                 store.close()
+        return shown
 
     def watch(
         self,
@@ -150,7 +179,7 @@ class RichNarrator:
                 auto_refresh=False,
             ) as live:
                 while not until(report) and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                    time.sleep(0.25)
                     report = poll()
                     live.update(render_status(report, width=self.console.width), refresh=True)
             self._shown = _state(report)
@@ -160,7 +189,7 @@ class RichNarrator:
                 self.show(report)
             if until(report) or time.monotonic() >= deadline:
                 return report
-            time.sleep(0.5)
+            time.sleep(0.25)
             report = poll()
 
 

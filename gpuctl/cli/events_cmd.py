@@ -44,10 +44,12 @@ def events(
     host: HostsOpt = None,
     all_hosts: AllOpt = False,
     since: Annotated[
-        str, typer.Option("--since", help="How far back: 30m, 2h, 7d, or a Unix time.")
+        str,
+        typer.Option("--since", help="How far back: 30m, 2h, 7d, or a Unix time.", metavar="SPAN"),
     ] = "2h",
     service: Annotated[
-        str | None, typer.Option("--service", "-s", help="Only this service (or run job).")
+        str | None,
+        typer.Option("--service", "-s", help="Only this service (or run job).", metavar="SERVICE"),
     ] = None,
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing events as they are written.")
@@ -158,7 +160,8 @@ def usage(
     host: HostsOpt = None,
     all_hosts: AllOpt = False,
     since: Annotated[
-        str, typer.Option("--since", help="How far back: 7d, 30d, 12h, or a Unix time.")
+        str,
+        typer.Option("--since", help="How far back: 7d, 30d, 12h, or a Unix time.", metavar="SPAN"),
     ] = "7d",
     by: Annotated[
         str, typer.Option("--by", help="One row per service, user or day.", metavar="KEY")

@@ -61,13 +61,16 @@ def run(
             "--priority",
             "-p",
             help="Higher wins (default 50, as services).",
+            metavar="N",
             min=-PRIORITY_MAX,
             max=PRIORITY_MAX,
         ),
     ] = 50,
     name: Annotated[
         str | None,
-        typer.Option("--name", "-n", help="The job's name (default: CMD's program name)."),
+        typer.Option(
+            "--name", "-n", help="The job's name (default: CMD's program name).", metavar="NAME"
+        ),
     ] = None,
     wait: Annotated[
         bool,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,6 +22,10 @@ from gpuctl.cli.common import (
     say,
 )
 from gpuctl.errors import ConfigError, GpuctlError
+
+if TYPE_CHECKING:
+    from gpuctl.flows.results import Progress
+    from gpuctl.render.progress_line import ProgressLine
 
 
 def register(app: typer.Typer) -> None:
@@ -90,8 +94,9 @@ def ensure(
                 )
             )
         line = ProgressLine(service) if not json_out and sys.stderr.isatty() else None
+        ticks = _LastTick(line)
         tell = Tell(
-            progress=line.update if line else None,
+            progress=ticks.update,
             notice=None if json_out else (line.say if line else say),
             on_repair=say,
         )
@@ -102,8 +107,8 @@ def ensure(
         except KeyboardInterrupt:
             if line:
                 line.stop()
-            say(f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)")
-            result = EnsureResult.interrupted(service, svc.host)
+            say(ticks.interrupted(service))
+            result = EnsureResult.interrupted(service, svc.host, ours=ticks.ours)
             if json_out:
                 print_json(ensure_to_json(result))
             raise typer.Exit(result.exit_code) from None
@@ -117,6 +122,34 @@ def ensure(
             for text in ensure_text(result):
                 say(text)
         raise typer.Exit(result.exit_code)
+
+
+class _LastTick:
+    """The wait's newest tick, handed on to the status line (when there is one): what
+    Ctrl-C says depends on what was being waited on."""
+
+    def __init__(self, line: ProgressLine | None) -> None:
+        self.line = line
+        self.last: Progress | None = None
+
+    def update(self, p: Progress) -> None:
+        self.last = p
+        if self.line is not None:
+            self.line.update(p)
+
+    @property
+    def ours(self) -> bool:
+        """False when the wait was on a process tied to the service only by a keyword."""
+        return self.last is None or self.last.ours
+
+    def interrupted(self, service: str) -> str:
+        if not self.ours:
+            # A process tied to the service only by a keyword: maybe no server at all.
+            return (
+                f"gpuctl: stopped waiting; nothing gpuctl started is loading {service} "
+                "(it waited on a process that names it: gpuctl status shows it)"
+            )
+        return f"gpuctl: stopped waiting; {service} keeps loading (gpuctl status shows it)"
 
 
 def stop(
@@ -210,7 +243,8 @@ def locks(
                 or report.queue
                 or report.hidden_jobs
             ):
-                console().print(render_locks(report))
+                out = console()
+                out.print(render_locks(report, width=out.width))
             for line in locks_errors(report):
                 say(line)
         raise typer.Exit(report.exit_code)

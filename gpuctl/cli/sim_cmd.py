@@ -122,9 +122,9 @@ def model_server(
         typer.Option(
             "--load-time",
             parser=duration_parser("--load-time", allow_zero=True),
-            help="How long loading takes; the port refuses meanwhile.",
+            help="How long loading takes; the port refuses meanwhile.  [default: 30s]",
             metavar="DURATION",
-            show_default="30s",
+            show_default=False,
         ),
     ] = 30.0,
     port: Annotated[
@@ -150,9 +150,9 @@ def model_server(
         typer.Option(
             "--token-delay",
             parser=duration_parser("--token-delay", allow_zero=True),
-            help="Time per generated token.",
+            help="Time per generated token.  [default: 20ms]",
             metavar="DURATION",
-            show_default="20ms",
+            show_default=False,
         ),
     ] = 0.02,
     engine_dies_after: Annotated[
@@ -222,9 +222,9 @@ def ollama(
         typer.Option(
             "--load-time",
             parser=duration_parser("--load-time", allow_zero=True),
-            help="How long loading a model takes.",
+            help="How long loading a model takes.  [default: 2s]",
             metavar="DURATION",
-            show_default="2s",
+            show_default=False,
         ),
     ] = 2.0,
     keep_alive: Annotated[
@@ -240,9 +240,9 @@ def ollama(
         typer.Option(
             "--token-delay",
             parser=duration_parser("--token-delay", allow_zero=True),
-            help="Time per generated token.",
+            help="Time per generated token.  [default: 20ms]",
             metavar="DURATION",
-            show_default="20ms",
+            show_default=False,
         ),
     ] = 0.02,
     sim_dir: SimDirOpt = None,
@@ -318,9 +318,9 @@ def reset(
         typer.Option(
             "--wait",
             parser=duration_parser("--wait", allow_zero=True),
-            help="With --all: how long to wait for them to exit.",
+            help="With --all: how long to wait for them to exit.  [default: 10s]",
             metavar="DURATION",
-            show_default="10s",
+            show_default=False,
         ),
     ] = 10.0,
     sim_dir: SimDirOpt = None,

@@ -52,9 +52,9 @@ def status(
             "--interval",
             "-i",
             parser=duration_parser("--interval", minimum=0.25),
-            help="Time between redraws, e.g. 2s or 500ms (at least 0.25s).",
+            help="Time between redraws, e.g. 2s or 500ms (at least 0.25s).  [default: 2s]",
             metavar="DURATION",
-            show_default="2s",
+            show_default=False,
         ),
     ] = 2.0,
     json_out: JsonOpt = False,
@@ -165,11 +165,18 @@ def _status(
         console.print(render_status(report, wide, console.width, g=g))
         raise typer.Exit(report.exit_code)
 
+    from rich.constrain import Constrain
     from rich.live import Live
 
     history = MemoryHistory(every_s=interval).add(report)
+    # Two columns short of the terminal: Ctrl-C's "^C", echoed by the terminal after the
+    # panel's last line, would otherwise wrap onto a new line, and the final redraw,
+    # moving up from one line too low, left the header on screen twice.
+    width = max(20, console.width - 2)
     with Live(
-        render_status(report, wide, console.width, g=g, history=history, interval_s=interval),
+        Constrain(
+            render_status(report, wide, width, g=g, history=history, interval_s=interval), width
+        ),
         console=console,
         auto_refresh=False,
         screen=False,
@@ -177,8 +184,9 @@ def _status(
 
         def show(r: StatusReport) -> None:
             r = filtered(r, only=only, users=users)
-            view = render_status(
-                r, wide, console.width, g=g, history=history.add(r), interval_s=interval
+            view = Constrain(
+                render_status(r, wide, width, g=g, history=history.add(r), interval_s=interval),
+                width,
             )
             live.update(view, refresh=True)
 

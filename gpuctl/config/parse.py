@@ -41,7 +41,6 @@ from gpuctl.core.jobs import PREFIX as JOB_PREFIX
 from gpuctl.core.jobs import PRIORITY_MAX, is_job
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
 from gpuctl.core.promise import MAX_DEVICE_INDEX
-from gpuctl.core.units import is_bare_number
 from gpuctl.errors import ConfigError
 
 ROOT_KEYS = ("defaults", "hosts", "services", "proxy")
@@ -153,24 +152,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
         hosts=hosts,
         services=services,
         proxy=proxy,
-        doubts=tuple(_small_bare_budgets(services_table, services)),
     )
-
-
-def _small_bare_budgets(raw: dict[str, Any], services: dict[str, ServiceConfig]) -> list[str]:
-    """A budget written as a bare number under 1 GiB: bare numbers are MiB (documented,
-    and kept), but ``memory = 20`` is almost surely 20 GiB meant, and a 20 MiB budget
-    fits beside anything: the service would be started into memory it does not have."""
-    out = []
-    for name, svc in services.items():
-        value = raw[name].get("memory")
-        if svc.memory_mib is not None and svc.memory_mib < 1024 and is_bare_number(value):
-            n = svc.memory_mib
-            out.append(
-                f"services.{name}.memory: the bare number {show(value)} means {n} MiB; "
-                f'write "{n}GiB" if you meant GiB, or "{n}MiB" to keep it'
-            )
-    return out
 
 
 def _check_name(kind: str, name: str) -> None:
@@ -350,9 +332,21 @@ def _sleep_level(s: Table) -> int | None:
     return int(v)
 
 
+def launcher_list() -> str:
+    """Every launcher, for a hint: ``"docker", "jupyter", "process", "ollama"``."""
+    return ", ".join(f'"{name}"' for name in LAUNCHERS)
+
+
 def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
     where = f"services.{svc.name}"
     launcher = svc.launcher
+    if launcher is None and (svc.command or svc.image):
+        # Without a launcher nothing runs the command: `ensure` would only refuse later.
+        key = "command" if svc.command else "image"
+        raise ConfigError(
+            f"{where}.{key}: set, but no launcher runs it",
+            hint=f"add launcher = one of {launcher_list()}, or drop {key}",
+        )
     if launcher == "docker" and not svc.image:
         raise ConfigError(f"{where}.image: missing (the docker launcher needs an image)")
     if launcher in ("jupyter", "process") and not svc.command:

@@ -267,10 +267,7 @@ class ProxyConfig:
 @dataclass(frozen=True, slots=True)
 class Config:
     """The whole configuration. ``warnings`` are what the loader noticed but accepted
-    (a token file others can read); commands print them on stderr. ``doubts`` are values
-    that are valid but most likely not what was meant (``memory = 20``: 20 MiB); only
-    ``gpuctl config check`` says them, since a budget that small may be meant, and every
-    command repeating it would nag."""
+    (a token file others can read); commands print them on stderr."""
 
     path: Path | None
     defaults: Defaults = field(default_factory=Defaults)
@@ -278,7 +275,6 @@ class Config:
     services: Mapping[str, ServiceConfig] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
-    doubts: tuple[str, ...] = ()
 
     def host(self, name: str) -> HostConfig:
         """The host called ``name``.

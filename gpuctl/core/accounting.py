@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuctl.core.jobs import JobSpec
-from gpuctl.core.ownership import ServiceSpec, describe_process, loading_match, owner_of
+from gpuctl.core.ownership import ServiceSpec, describe_process, loading_owner, owner_of
 from gpuctl.core.snapshot import DRIVER_RESERVE_MIB, GpuDevice, GpuProcess, Snapshot
 from gpuctl.core.units import format_mib
 
@@ -95,8 +95,8 @@ def gpu_rooms(
             per_gpu[key] = per_gpu.get(key, 0) + (p.memory_mib or 0)
     promised = {n for n in starting_services if exclude is None or n != exclude.name}
     for sp in snapshot.starting or ():
-        svc = owner_of(sp.command, others, sp.pid, servers)
-        if svc is not None and loading_match(svc, sp, servers):
+        svc = loading_owner(sp, others, servers)
+        if svc is not None:
             promised.add(svc.name)
     rooms = []
     for d in devices:

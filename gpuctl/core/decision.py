@@ -56,6 +56,7 @@ from gpuctl.core.ownership import (
     ServiceSpec,
     describe_process,
     loading_match,
+    loading_owner,
     owner_of,
     owns,
     short_command,
@@ -78,6 +79,7 @@ __all__ = [
     "committed_memory",
     "gpu_rooms",
     "loading_match",
+    "loading_owner",
     "owner_of",
     "owns",
 ]
@@ -290,9 +292,7 @@ def classify(
 
     specs = [s for s in others if s.name != name]
     others_starting = any(
-        (o := owner_of(s.command, specs, s.pid, servers)) is not None
-        and loading_match(o, s, servers)
-        for s in (snapshot.starting or ())
+        loading_owner(s, specs, servers) is not None for s in (snapshot.starting or ())
     )
     others_leased = [n for n in leased if n != name and any(o.name == n for o in specs)]
     rooms = gpu_rooms(

@@ -89,6 +89,22 @@ def short_duration(seconds: float) -> str:
     return format_duration(s)
 
 
+def versus(idle: float, limit: float, sign: str) -> str:
+    """``41m > 30m``: an idle time against its limit, never reading as a contradiction.
+
+    Two times that round to the same text (``2s > 2s``) are shown to a tenth of a
+    second when short (``2.3s > 2.0s``), else compared with ``≥`` or ``≤`` (``30m ≥
+    30m``), which the rounded texts make true.
+    """
+    a, b = short_duration(idle), short_duration(limit)
+    if a != b:
+        return f"{a} {sign} {b}"
+    a, b = f"{idle:.1f}s", f"{limit:.1f}s"
+    if a != b and max(idle, limit) < 60:
+        return f"{a} {sign} {b}"
+    return f"{short_duration(idle)} {'≥' if sign == '>' else '≤'} {short_duration(limit)}"
+
+
 def idle_for(f: IdleFacts, now: float) -> float:
     """Seconds since it was last used (since its phase began, if it never was)."""
     ref = f.last_used if f.last_used is not None else f.since
@@ -133,9 +149,8 @@ def judge(f: IdleFacts, now: float) -> Candidate:
     if f.idle_timeout_s is None:
         return Candidate(name, Action.KEEP, 'idle_timeout = "never"')
     idle = idle_for(f, now)
-    limit = short_duration(f.idle_timeout_s)
     if not past_timeout(f, now):
-        return Candidate(name, Action.KEEP, f"idle {short_duration(idle)} < {limit}", idle)
+        return Candidate(name, Action.KEEP, "idle " + versus(idle, f.idle_timeout_s, "<"), idle)
     # Past its timeout: from here on every outcome is worth a line.
     if f.lease is not None:
         return Candidate(name, Action.KEEP, f"lease held by {f.lease}", idle, quiet=False)
@@ -169,4 +184,4 @@ def judge(f: IdleFacts, now: float) -> Candidate:
             idle,
             quiet=False,
         )
-    return Candidate(name, action, f"idle {short_duration(idle)} > {limit}", idle, quiet=False)
+    return Candidate(name, action, "idle " + versus(idle, f.idle_timeout_s, ">"), idle, quiet=False)

@@ -52,6 +52,16 @@ def loading_match(
     return owns(spec, s.command) and (s.age_s is None or s.age_s < spec.health_timeout_s)
 
 
+def loading_owner(
+    s: StartingProcess, specs: Sequence[ServiceSpec], servers: Mapping[int, str] | None = None
+) -> ServiceSpec | None:
+    """The service a host process off the GPU counts as loading (``owner_of``, then
+    ``loading_match``), or None: the one rule the decisions, the memory accounting and
+    status's list of starting processes share."""
+    owner = owner_of(s.command, specs, s.pid, servers)
+    return owner if owner is not None and loading_match(owner, s, servers) else None
+
+
 def owns(spec: ServiceSpec, command: str | None) -> bool:
     """True when a command line carries one of the service's match keywords (case-insensitive).
 

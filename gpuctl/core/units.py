@@ -2,7 +2,8 @@
 
 Sizes are kept in MiB (NVML's and nvidia-smi's unit). ``80GiB``, ``80G`` and
 ``80GB`` all mean 80 GiB: GPU memory is sold and reported in binary units, and a
-user who writes ``80GB`` for an 80 GiB card means the card.
+user who writes ``80GB`` for an 80 GiB card means the card. A size without a unit is
+refused: ``memory = 20`` is 20 GiB meant far more often than 20 MiB.
 
 Every parser refuses what would poison arithmetic downstream: ``inf`` and ``nan``
 (``float()`` accepts both), values that overflow to infinity (``1e400``), negatives,
@@ -34,40 +35,31 @@ MAX_DURATION_S = 365 * 86400.0
 def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
     """Parse ``80GiB`` / ``30G`` / ``512MiB`` / ``1.5T`` into MiB.
 
-    A bare number is MiB, and must be whole: rounding ``80.5`` to 80 MiB would change it
-    silently, and whoever wrote it most likely meant GiB. Raises ValueError with a message
-    fit for a user: the value must be finite, at least 1 MiB (or exactly 0 with
-    ``allow_zero``) and at most 1 PiB.
+    Every size needs its unit: a bare number (``20``, ``"20"``, ``20.5``) is refused with
+    both readings (``"20GiB"`` or ``"20MiB"``), since whoever writes ``memory = 20`` most
+    likely means GiB, and a 20 MiB budget fits beside anything. This is the one parser of
+    sizes: the config, the CLI's options and the sim all refuse the same way. Raises
+    ValueError with a message fit for a user: the value must be finite, at least 1 MiB (or
+    exactly 0 with ``allow_zero``) and at most 1 PiB.
     """
     if isinstance(text, bool):
         raise ValueError(f"expected a size like '80GiB', got {_shown(text)}")
-    bare: str | None = None  # the number as written, when it has no unit
-    if isinstance(text, int):
-        mib = float(text) if abs(text) < 2**63 else (-math.inf if text < 0 else math.inf)
-        shown = _shown(text)
-    elif isinstance(text, float):
-        mib = text
-        shown = bare = _shown(text)
-    elif isinstance(text, str):
-        m = _SIZE_RE.fullmatch(text) if len(text) <= _MAX_TEXT else None
-        if not m:
-            raise ValueError(f"expected a size like '80GiB' or '512MiB', got {_shown(text)}")
-        value = float(m.group(1))
-        unit = (m.group(2) or "m")[0].lower()
-        mib = value * _SIZE_MIB[unit]
-        shown = _shown(text)
-        if not m.group(2):
-            bare = m.group(1)
-    else:
+    if is_bare_number(text):
+        raise ValueError(bare_number_message(text))
+    if not isinstance(text, str):
         raise ValueError(f"expected a size like '80GiB', got {_shown(text)}")
+    m = _SIZE_RE.fullmatch(text) if len(text) <= _MAX_TEXT else None
+    if not m or not m.group(2):
+        raise ValueError(f"expected a size like '80GiB' or '512MiB', got {_shown(text)}")
+    value = float(m.group(1))
+    mib = value * _SIZE_MIB[m.group(2)[0].lower()]
+    shown = _shown(text)
     if math.isnan(mib):
         raise ValueError(f"expected a size like '80GiB', got {shown}")
     if mib < 0:
         raise ValueError(f"a size must be positive, got {shown}")
     if mib > MAX_SIZE_MIB:
         raise ValueError(f"a size must be at most 1024TiB, got {shown}")
-    if bare is not None and mib != int(mib):
-        raise ValueError(_fractional_mib(mib, bare, shown))
     result = round(mib)
     if result == 0 and not (allow_zero and mib == 0):
         raise ValueError(f"a size must be at least 1MiB, got {shown}")
@@ -75,8 +67,7 @@ def parse_size_mib(text: str | int | float, *, allow_zero: bool = False) -> int:
 
 
 def is_bare_number(value: object) -> bool:
-    """Whether a size was written without a unit (``20``, ``"20"``): it means MiB, which
-    someone who writes a small one (``memory = 20``) almost never meant."""
+    """Whether a size was written without a unit (``20``, ``"20"``, ``20.5``)."""
     if isinstance(value, bool):
         return False
     if isinstance(value, int | float):
@@ -84,12 +75,16 @@ def is_bare_number(value: object) -> bool:
     return isinstance(value, str) and len(value) <= _MAX_TEXT and bool(_NUMBER_RE.fullmatch(value))
 
 
-def _fractional_mib(mib: float, bare: str, shown: str) -> str:
-    """A bare number with a fraction: rounding it to whole MiB would change it silently,
-    and whoever writes ``80.5`` most likely meant GiB, so both readings are offered."""
-    gib = f'"{bare.strip()}GiB" or ' if _NUMBER_RE.fullmatch(bare) else ""
-    whole = max(1, math.ceil(mib))  # a budget rounded up never promises too little
-    return f'a bare number means MiB and must be whole, got {shown}: write {gib}"{whole}MiB"'
+def bare_number_message(value: object) -> str:
+    """Why a bare number is refused as a size, naming both readings: ``a size needs its
+    unit, got 20: write "20GiB" or "20MiB"``. A fraction's MiB reading is rounded up (a
+    budget rounded up never promises too little)."""
+    text = str(value).strip() if not isinstance(value, float) else f"{value:g}"
+    if len(text) > 24 or not _NUMBER_RE.fullmatch(text):
+        # 1e-300, a huge integer: no "GiB" form the size syntax could read back.
+        return f"a size needs its unit, like '80GiB' or '512MiB', got {_shown(value)}"
+    whole = max(1, math.ceil(float(text)))
+    return f'a size needs its unit, got {_shown(value)}: write "{text}GiB" or "{whole}MiB"'
 
 
 def parse_duration_s(text: str | int | float, *, allow_zero: bool = False) -> float:

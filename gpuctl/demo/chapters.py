@@ -7,6 +7,10 @@ proxy chapters). Standard library only: ``--help`` imports it.
 
 from __future__ import annotations
 
+# The fake vLLM's load time: long enough to watch it LOADING, short enough that the tour
+# (which loads it three times) stays under half a minute.
+LOAD_TIME_S = 3.0
+
 # (title, what the chapter shows)
 CHAPTERS: tuple[tuple[str, str], ...] = (
     ("An idle GPU", "every service IDLE"),

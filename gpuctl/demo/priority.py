@@ -30,6 +30,9 @@ class Narrator(Protocol):
         timeout_s: float,
     ) -> StatusReport: ...
     def results(self, rows: list[dict[str, Any]]) -> None: ...
+    def missed(self, text: str) -> None:
+        """Say plainly that something the chapter promised did not happen."""
+        ...
 
 
 def decision_of(report: StatusReport, service: str) -> Decision | None:
@@ -42,7 +45,10 @@ def decision_of(report: StatusReport, service: str) -> Decision | None:
 
 ITEMS = 30
 # vLLM's idle_timeout in the demo's config: reclaim stops it once idle this long.
-IDLE_S = 2.0
+IDLE_S = 1.0
+# How long the batch takes per photo: 3 s for the whole batch, long enough that two
+# `gpuctl ensure` calls catch it mid-way on a loaded machine.
+PER_ITEM = "100ms"
 
 
 def photos_toml(tag: str, port: int, items: Path, sim_dir: Path) -> str:
@@ -52,7 +58,7 @@ def photos_toml(tag: str, port: int, items: Path, sim_dir: Path) -> str:
         (items / f"photo{i:03d}.jpg").write_text(f"photo {i}\n")
     cmd = (
         f"{sys.executable} -m gpuctl.sim.batch --name {tag}-photos --memory 30GiB "
-        f"--items {items} --port {port} --per-item 100ms --sim-dir {sim_dir}"
+        f"--items {items} --port {port} --per-item {PER_ITEM} --sim-dir {sim_dir}"
     )
     return f"""
 [services.photos]
@@ -77,8 +83,9 @@ def priority_chapter(
     poll: Callable[[], StatusReport],
     items: Path,
     load_time_s: float,
-) -> None:
-    """Play the chapter; leaves vLLM and the batch stopped."""
+) -> list[str]:
+    """Play the chapter; leaves vLLM and the batch stopped. Returns what it promised and
+    did not see happen, each in a sentence (none when the story held)."""
 
     def gpuctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -104,11 +111,20 @@ def priority_chapter(
         "and starts vLLM once. When vLLM has sat idle past its idle_timeout, `gpuctl reclaim` "
         "stops it and resumes the batch from its checkpoint.",
     )
+
+    def missed(text: str) -> list[str]:
+        narrator.missed(text)
+        gpuctl("stop", "photos")
+        gpuctl("stop", "vllm")
+        return [text]
+
     gpuctl("ensure", "photos")
-    narrator.watch(poll, lambda r: decision_of(r, "photos") is Decision.READY, 30)
+    shown = narrator.watch(poll, lambda r: decision_of(r, "photos") is Decision.READY, 30)
+    if decision_of(shown, "photos") is not Decision.READY:
+        return missed(f"the photo batch did not start (it is {decision_of(shown, 'photos')})")
     until = time.monotonic() + 30
     while done() < 5 and time.monotonic() < until:
-        time.sleep(0.1)
+        time.sleep(0.05)
     rows: list[dict[str, Any]] = []
     for caller, args in (("ensure vllm", ()), ("ensure vllm --preempt", ("--preempt",))):
         r = gpuctl("ensure", "vllm", "--json", *args, timeout=load_time_s + 60)
@@ -119,8 +135,23 @@ def priority_chapter(
         rows.append({"caller": caller, "exit": r.returncode, **data})
     narrator.results(rows)
     at_preemption = done()
-    narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.READY, 30)
-    time.sleep(IDLE_S + 0.2)
+    plain, forced = rows
+    if plain["exit"] != 3 or plain.get("decision") != "PREEMPTABLE":
+        return missed(
+            "the plain `ensure vllm` was not refused as PREEMPTABLE "
+            f"(exit {plain['exit']}, {plain.get('decision', 'no decision')})"
+        )
+    if not forced.get("launched"):
+        return missed(
+            f"`ensure vllm --preempt` launched nothing (exit {forced['exit']}): nothing was "
+            "preempted, so there is nothing to resume"
+        )
+    shown = narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.READY, 30)
+    if decision_of(shown, "vllm") is not Decision.READY:
+        return missed(
+            f"vLLM did not become READY after the preemption ({decision_of(shown, 'vllm')})"
+        )
+    time.sleep(IDLE_S)
     said: list[str] = []
     until = time.monotonic() + 30
     while time.monotonic() < until:
@@ -128,11 +159,14 @@ def priority_chapter(
         said += [ln for ln in r.stdout.splitlines() if ln.strip()]
         if any(ln.startswith("resumed photos") for ln in said):
             break
-        time.sleep(0.5)
+        time.sleep(0.25)
+    if not any(ln.startswith("resumed photos") for ln in said):
+        narrator.chapter("   what reclaim did", "\n".join(said) or "(nothing)")
+        return missed("reclaim did not resume the photo batch")
     narrator.watch(poll, lambda r: decision_of(r, "photos") is Decision.READY, 30)
     until = time.monotonic() + 60
     while done() < ITEMS and time.monotonic() < until:
-        time.sleep(0.1)
+        time.sleep(0.05)
     lines = log.read_text().splitlines() if log.exists() else []
     twice = len(lines) - len(set(lines))
     narrator.chapter(
@@ -142,3 +176,13 @@ def priority_chapter(
     )
     gpuctl("stop", "photos")
     gpuctl("stop", "vllm")
+    out = []
+    if at_preemption >= ITEMS:
+        out.append(f"the batch had finished all {ITEMS} photos before vLLM preempted it")
+    if len(set(lines)) < ITEMS:
+        out.append(f"the resumed batch did only {len(set(lines))} of {ITEMS} photos")
+    if twice:
+        out.append(f"{twice} photos were done twice: the checkpoint did not hold")
+    for text in out:
+        narrator.missed(text)
+    return out

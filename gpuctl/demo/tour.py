@@ -21,13 +21,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
-from gpuctl.demo.chapters import heading
+from gpuctl.demo.chapters import LOAD_TIME_S, heading
 from gpuctl.demo.priority import IDLE_S, decision_of, photos_toml, priority_chapter
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.status import StatusReport
@@ -49,8 +50,22 @@ class Narrator(Protocol):
         timeout_s: float,
     ) -> StatusReport: ...
     def results(self, rows: list[dict[str, Any]]) -> None: ...
+    def missed(self, text: str) -> None:
+        """Say plainly that something a chapter promised did not happen."""
+        ...
+
     def locks(self, config_path: str) -> None: ...
-    def events(self, config_path: str, since: float) -> None: ...
+    def events(self, config_path: str, since: float) -> int:
+        """Print the journal of the run since ``since``; returns how many events."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """The last report, and what the chapters promised and did not see happen."""
+
+    report: StatusReport
+    missed: tuple[str, ...]
 
 
 def intro(agent_url: str) -> str:
@@ -70,8 +85,16 @@ def demo_tag() -> str:
     return f"gpuctl-demo-{secrets.token_hex(4)}"
 
 
-def run_demo(narrator: Narrator, *, load_time_s: float = 8.0) -> StatusReport:
-    """Play the demo; returns the last report. Everything it starts is stopped on return."""
+def run_demo(narrator: Narrator, *, load_time_s: float = LOAD_TIME_S) -> DemoResult:
+    """Play the demo. Each chapter checks what it promised; what did not happen is said
+    in that chapter and returned. Everything it starts is stopped on return."""
+    missed: list[str] = []
+
+    def claim(ok: bool, text: str) -> None:
+        if not ok:
+            narrator.missed(text)
+            missed.append(text)
+
     vllm_port = free_port()
     tag = demo_tag()
     began = time.time()
@@ -117,6 +140,11 @@ sse_interval = "1s"
         )
         report = poll()
         narrator.show(report)
+        idle = {s: decision_of(report, s) for s in ("vllm", "photos", "trainer")}
+        claim(
+            all(d is Decision.IDLE for d in idle.values()),
+            "not every service is IDLE: " + ", ".join(f"{s} {d}" for s, d in idle.items()),
+        )
 
         narrator.chapter(
             heading(2),
@@ -125,6 +153,12 @@ sse_interval = "1s"
         )
         comfyui = host.hold("comfyui", "20GiB")
         report = narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.FITS, 10)
+        claim(
+            decision_of(report, "vllm") is Decision.FITS
+            and decision_of(report, "trainer") is Decision.BUSY,
+            f"vllm is {decision_of(report, 'vllm')} and the trainer "
+            f"{decision_of(report, 'trainer')}, not FITS and BUSY",
+        )
 
         narrator.chapter(
             heading(3),
@@ -171,6 +205,12 @@ sse_interval = "1s"
                     c.kill()
                     c.communicate()
         narrator.results(rows)
+        launches = sum(1 for r in rows if r.get("launched"))
+        claim(launches == 1, f"{launches} launches for 3 callers, not 1")
+        claim(
+            decision_of(report, "vllm") is Decision.READY,
+            f"vLLM did not become READY ({decision_of(report, 'vllm')})",
+        )
 
         narrator.chapter(
             heading(4),
@@ -184,7 +224,7 @@ sse_interval = "1s"
             capture_output=True,
             check=False,
         )
-        priority_chapter(
+        missed += priority_chapter(
             narrator,
             title=heading(5),
             env=env,
@@ -192,7 +232,7 @@ sse_interval = "1s"
             items=host.base / "photos",
             load_time_s=load_time_s,
         )
-        _proxy_chapter(
+        missed += _proxy_chapter(
             narrator,
             host,
             cfg_path=cfg_path,
@@ -212,13 +252,12 @@ sse_interval = "1s"
             "started what, who was refused and why, what was preempted and by whom. "
             "`gpuctl events` reads it back (`gpuctl usage` adds it up).",
         )
-        narrator.events(str(cfg_path), began)
+        claim(narrator.events(str(cfg_path), began) > 0, "the journal holds no event of the run")
         narrator.chapter(
             heading(8),
             "Cleaning up: every process of the demo is stopped and its directory removed.",
         )
-        time.sleep(0.2)
-        return report
+        return DemoResult(report, tuple(missed))
 
 
 def _proxy_chapter(
@@ -229,8 +268,9 @@ def _proxy_chapter(
     poll: Callable[[], StatusReport],
     comfyui: subprocess.Popen[bytes],
     load_time_s: float,
-) -> None:
-    """A chat request through ``gpuctl proxy`` to the stopped server, watched as it comes up."""
+) -> list[str]:
+    """A chat request through ``gpuctl proxy`` to the stopped server, watched as it comes up.
+    Returns what did not happen (no answer), in a sentence."""
 
     host.stop(comfyui)
     proxy_port = free_port()
@@ -279,7 +319,7 @@ def _proxy_chapter(
     # looks as chapter 1 did.
     until = time.monotonic() + 15
     while decision_of(poll(), "vllm") is not Decision.LOADING and time.monotonic() < until:
-        time.sleep(0.1)
+        time.sleep(0.05)
     narrator.watch(poll, lambda r: decision_of(r, "vllm") is Decision.READY, load_time_s + 60)
     client.join(load_time_s + 60)
     comments = [ln for ln in lines if ln.startswith(":")]
@@ -301,3 +341,7 @@ def _proxy_chapter(
         "   what the client saw",
         f"{text}\nthe answer: {answer}",
     )
+    if words and not failure:
+        return []
+    narrator.missed("the chat request got no answer through the proxy")
+    return ["the chat request got no answer through the proxy"]

@@ -44,10 +44,31 @@ def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = N
     if outcome is Outcome.UNKNOWN:
         return f"check the agent of host {deps.host.name} (`gpuctl status -H {deps.host.name}`)"
     if outcome is Outcome.FAILED:
-        return f"see its log and `gpuctl locks`; fix the cause, then `gpuctl ensure {name}` again"
+        return (
+            f"see {_its_log(deps)} and `gpuctl locks`; fix the cause, then "
+            f"`gpuctl ensure {name}` again"
+        )
     if outcome is Outcome.TIMEOUT:
         return (
             f"it may still be loading: `gpuctl status` shows it; wait longer with "
             f"`gpuctl ensure {name} --timeout DURATION`"
         )
     return ""
+
+
+def _its_log(deps: EnsureDeps) -> str:
+    """Where the failed server's output is, as its record's handle names it: its log
+    file, else its container's logs; "its log" when the record cannot be read."""
+    from gpuctl.core.safe_text import visible
+    from gpuctl.errors import GpuctlError
+
+    try:
+        handle = deps.store.get(deps.service.name).handle or {}
+    except GpuctlError:
+        return "its log"
+    log, container = handle.get("log"), handle.get("container_name") or handle.get("container_id")
+    if isinstance(log, str) and log:
+        return f"its log ({visible(log)})"
+    if isinstance(container, str) and container:
+        return f"its log (`docker logs {visible(container)}`)"
+    return "its log"

@@ -68,8 +68,21 @@ class EnsureResult:
         return self.outcome.exit_code
 
     @classmethod
-    def interrupted(cls, service: str, host: str) -> EnsureResult:
-        """Ctrl-C while waiting: the server is left to load (the next caller waits for it)."""
+    def interrupted(cls, service: str, host: str, *, ours: bool = True) -> EnsureResult:
+        """Ctrl-C while waiting: the server is left to load (the next caller waits for it).
+        ``ours`` False: the wait was on a process only a keyword ties to the service, so
+        nothing gpuctl started is loading."""
+        if not ours:
+            return cls(
+                service=service,
+                host=host,
+                outcome=Outcome.INTERRUPTED,
+                reason="interrupted while waiting on a process that names it; "
+                "nothing gpuctl started is loading",
+                decision="LOADING",
+                hint="`gpuctl status` shows that process; narrow the service's `match` "
+                "if it is not the service",
+            )
         return cls(
             service=service,
             host=host,

@@ -29,6 +29,9 @@ class Progress:
     log_line: str = ""
     note: str = ""
     expected_s: float | None = None  # the median of its recent starts (None: first start)
+    # False while what it waits on is tied to the service only by a keyword (no record
+    # names it): maybe not a server at all, so no ETA, and Ctrl-C leaves nothing loading.
+    ours: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,15 +108,16 @@ class HostReport:
     def ok(self) -> bool:
         return self.snapshot is not None
 
+    @property
+    def specs(self) -> tuple[ServiceSpec, ...]:
+        """Every service a process may belong to: configured, ``gpuctl run`` jobs, and
+        those only other configs name."""
+        return (*self.services, *self.jobs, *(o.spec for o in self.others))
+
     def owner(self, pid: int, command: str | None) -> ServiceSpec | None:
         """The service (or ``gpuctl run`` job) a process is, by the same rule the
         decisions use: the pid a record names, else a service's keywords."""
-        specs: tuple[ServiceSpec, ...] = (
-            *self.services,
-            *self.jobs,
-            *(o.spec for o in self.others),
-        )
-        return owner_of(command, specs, pid, self.servers)
+        return owner_of(command, self.specs, pid, self.servers)
 
     @property
     def total_mib(self) -> int | None:

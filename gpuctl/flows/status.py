@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict
+from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict, loading_owner
 from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.names import is_service_name
 from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.queue import Waiter
-from gpuctl.core.snapshot import GpuProcess, StartingProcess
+from gpuctl.core.snapshot import GpuProcess, Snapshot, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import HostDeps, LocalProbeOptions, StatusDeps
@@ -289,11 +289,13 @@ def status(deps: StatusDeps) -> StatusReport:
                 if counts is not None
                 else {}
             )
+            others = other_services(obs, services)
+            jobs = tuple(job_specs(obs.records.values()))
             reports.append(
                 HostReport(
                     name=hd.host.name,
                     source=hd.source,
-                    snapshot=obs.snapshot,
+                    snapshot=_counted_starting(obs, (*services, *jobs, *(o.spec for o in others))),
                     error=obs.error,
                     hint=obs.hint,
                     verdicts=verdicts,
@@ -303,12 +305,23 @@ def status(deps: StatusDeps) -> StatusReport:
                     gpu_memory_mib=hd.host.gpu_memory_mib,
                     servers=obs.servers,
                     memory=memory_use(obs, services, now, hd.host.gpu_memory_mib),
-                    jobs=tuple(job_specs(obs.records.values())),
-                    others=other_services(obs, services),
+                    jobs=jobs,
+                    others=others,
                     yielding=idle,
                 )
             )
     return StatusReport(hosts=tuple(reports), taken_at=taken_at)
+
+
+def _counted_starting(obs: Observation, specs: Sequence[Any]) -> Snapshot | None:
+    """The snapshot with only the starting processes the decisions count as a service
+    loading (``loading_owner``): the agent lists every process whose command line holds a
+    keyword, and `python myvllmtools/bench.py` or `less notes-about-vllm.txt` is none."""
+    snap = obs.snapshot
+    if snap is None or not snap.starting:
+        return snap
+    kept = tuple(s for s in snap.starting if loading_owner(s, specs, obs.servers) is not None)
+    return snap if len(kept) == len(snap.starting) else replace(snap, starting=kept)
 
 
 def other_services(obs: Observation, services: Sequence[Any]) -> tuple[OtherService, ...]:

@@ -60,6 +60,9 @@ class Watch(Protocol):
     memory_mib: int | None
     log_line: str
     note: str
+    # Whether a server gpuctl started is what loads (a record names it); False for a
+    # process tied to the service only by a keyword.
+    ours: bool
 
     def look(self, now: float) -> Waited | None:
         """About once a second: None to go on waiting, or how the wait ends."""
@@ -120,7 +123,8 @@ def wait_ready(ctx: Clock, watch: Watch) -> Waited:
                     watch.memory_mib,
                     watch.log_line,
                     watch.note,
-                    getattr(ctx, "expected_s", None),
+                    getattr(ctx, "expected_s", None) if watch.ours else None,
+                    ours=watch.ours,
                 )
             )
         deps.sleep(poll_pause())
@@ -144,6 +148,7 @@ class LauncherWatch:
     """The launcher's view: its own server, by handle; renews its lease as it goes."""
 
     phase = "loading (launched)"
+    ours = True
 
     def __init__(
         self, ctx: Clock, launcher: Launcher, handle: Handle, holder: Holder, ttl_s: float
@@ -204,8 +209,8 @@ class BystanderWatch:
 
     phase = "loading (waiting)"
 
-    def __init__(self, ctx: Clock, reason: str) -> None:
-        self.ctx, self.reason = ctx, reason
+    def __init__(self, ctx: Clock, reason: str, *, ours: bool = True) -> None:
+        self.ctx, self.reason, self.ours = ctx, reason, ours
         self.memory_mib: int | None = None
         self.log_line = ""
         self.note = ""

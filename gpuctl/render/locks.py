@@ -120,7 +120,14 @@ def locks_errors(report: LocksReport) -> list[str]:
     return lines
 
 
-def render_locks(report: LocksReport) -> RenderableType:
+# The widest one-line header row (its names, two spaces apart, with the narrowest cells
+# under them): under this many columns the long names break onto two lines instead.
+ONE_LINE_HEADER_WIDTH = 96
+
+
+def render_locks(report: LocksReport, width: int | None = None) -> RenderableType:
+    """The records as a table; ``width``: the terminal's, so the headers take one line
+    where they fit (two lines otherwise, and when it is not known)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -129,16 +136,18 @@ def render_locks(report: LocksReport) -> RenderableType:
     from gpuctl.render.safe import plain
 
     t = Table(header_style="bold", box=None, pad_edge=False)
-    # Two-line headers keep every column's name and fit 80 columns.
+    # Two-line headers keep every column's name and fit 80 columns; a wide terminal
+    # gets them on one line (a header split over two lines reads as two rows).
+    sep = " " if width is not None and width >= ONE_LINE_HEADER_WIDTH else "\n"
     for col in (
         "HOST",
         "SERVICE",
         "PHASE",
         "HOLDER",
         "SINCE",
-        "LAST\nUSED",
-        "IDLE\nFOR",
-        "LEASE\nEXPIRES",
+        f"LAST{sep}USED",
+        f"IDLE{sep}FOR",
+        f"LEASE{sep}EXPIRES",
         "STARTS",
     ):
         # A long name (`run --name` takes up to 84 characters) folds onto more lines of

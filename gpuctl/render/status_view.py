@@ -140,8 +140,10 @@ def _pct(p: int | None) -> str:
 
 
 class MemoryHistory:
-    """Each host's used share of GPU memory (held and promised) over the last minutes,
-    for ``--watch``'s sparkline. Fed one report at a time; keeps ``points`` of them."""
+    """Each host's used share of GPU memory over the last minutes, for ``--watch``'s
+    sparkline labelled "used": what the device reports held, never what is only promised
+    to a loading service (the bar above shows that apart). Fed one report at a time;
+    keeps ``points`` of them."""
 
     def __init__(self, points: int = 60, every_s: float | None = None) -> None:
         self.points = points
@@ -177,25 +179,60 @@ def _used_share(h: HostReport) -> float | None:
     if not known or len(known) != len(h.memory):
         return None
     total = sum(m.total_mib or 0 for m in known)
-    used = sum((m.held_mib or 0) + m.promised_mib for m in known)
+    used = sum(m.held_mib or 0 for m in known)
     return min(1.0, used / total)
 
 
-def _cmd(cmd: str | None, wide: bool, room: int, g: Glyphs) -> Text:
+def _cmd(cmd: str | None, wide: bool, room: int, g: Glyphs, differs_at: int | None = None) -> Text:
     if cmd is None:
         return Text("<not visible: other PID namespace or no permission>", style="dim italic")
-    cmd = " ".join(cmd.split())  # a `python -c` script's newlines would break the row
     # Escaped before it is measured and cut: an escape sequence in argv is shown, never
     # sent to the terminal (gpuctl.core.safe_text).
-    cmd = visible(cmd)
+    cmd = visible(" ".join(cmd.split()))  # a `python -c` script's newlines would break the row
     if wide:
         return Text(cmd)
-    cmd = short_command(cmd)
-    # Cut the command ourselves: left to Rich, a long no-wrap cell squeezes the short
-    # columns out of the table instead.
-    if len(cmd) > room:
-        cmd = cmd[: room - len(g.cut)] + g.cut
-    return Text(cmd)
+    return Text(_cut(short_command(cmd), room, g, differs_at))
+
+
+def _cut(cmd: str, room: int, g: Glyphs, differs_at: int | None = None) -> str:
+    """``cmd`` cut to ``room`` (ourselves: left to Rich, a long no-wrap cell squeezes the
+    short columns out of the table instead). ``differs_at``: where it first differs from
+    another row's command that would be cut the same; the program is kept, then the
+    words from there (``python3 …--name b --memory…``), so the two rows differ."""
+    if len(cmd) <= room:
+        return cmd
+    if differs_at is not None and differs_at >= room - len(g.cut):
+        program = cmd.split(" ", 1)[0]
+        start = cmd.rfind(" ", 0, differs_at) + 1  # from the word that differs
+        tail = cmd[start:]
+        cmd = f"{program} {g.cut}{tail}"
+        if len(cmd) <= room:
+            return cmd
+    return cmd[: room - len(g.cut)] + g.cut
+
+
+def _distinct_cuts(commands: list[str | None], room: int, g: Glyphs) -> dict[int, int]:
+    """For rows whose commands differ but would be cut to the same text: the index of
+    each such row, and where its command first differs from the others'."""
+    shown: dict[str, list[int]] = {}
+    texts = [short_command(visible(" ".join(c.split()))) if c else None for c in commands]
+    for i, text in enumerate(texts):
+        if text is not None and len(text) > room:
+            shown.setdefault(_cut(text, room, g), []).append(i)
+    out: dict[int, int] = {}
+    for rows in shown.values():
+        distinct = {texts[i] for i in rows}
+        if len(distinct) < 2:
+            continue  # the same command twice: nothing to tell apart
+        for i in rows:
+            text = texts[i]
+            assert text is not None
+            out[i] = max(
+                next((k for k, (a, b) in enumerate(zip(text, o, strict=False)) if a != b), 0)
+                for o in distinct
+                if o is not None and o != text
+            )
+    return out
 
 
 def _command_room(h: HostReport, width: int, *, many: bool, sm: bool, wide: bool) -> int:
@@ -248,9 +285,17 @@ def process_table(
     t.add_column("COMMAND", overflow="fold" if wide else "ellipsis", no_wrap=not wide)
     room = _command_room(h, width, many=many, sm=sm, wide=wide)
     starting_pids = {s.pid for s in snap.starting or ()}
-    for p in snap.processes:
-        if not p.on_gpu and p.pid in starting_pids:
-            continue  # listed once, as starting, below
+    listed = [p for p in snap.processes if p.on_gpu or p.pid not in starting_pids]
+    # Two rows whose commands would be cut to the same text (two sim servers at 80
+    # columns) show where they differ instead.
+    differs = (
+        {}
+        if wide
+        else _distinct_cuts(
+            [p.command for p in listed] + [s.command for s in snap.starting or ()], room, g
+        )
+    )
+    for i, p in enumerate(listed):
         owner = h.owner(p.pid, p.command)
         row: list[RenderableType] = [str(p.pid), plain(p.user or "?")]
         if many:
@@ -263,9 +308,9 @@ def process_table(
         row.append(plain(owner.name if owner else ""))
         if wide:
             row.append(plain((p.container or "")[:12]))
-        row.append(_cmd(p.command, wide, room, g))
+        row.append(_cmd(p.command, wide, room, g, differs.get(i)))
         t.add_row(*row)
-    for s in snap.starting or ():
+    for j, s in enumerate(snap.starting or (), len(listed)):
         owner = h.owner(s.pid, s.command)
         row = [str(s.pid), plain(s.user or "?")]
         if many:
@@ -276,7 +321,7 @@ def process_table(
         row.append(plain(owner.name if owner else ""))
         if wide:
             row.append("")
-        row.append(_cmd(s.command, wide, room, g))
+        row.append(_cmd(s.command, wide, room, g, differs.get(j)))
         t.add_row(*row)
     return t
 

@@ -12,6 +12,7 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import secret_names
 from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.config.parse import launcher_list
 from gpuctl.config.paths import default_state_dir
 from gpuctl.core.record import Record
 from gpuctl.core.snapshot import Snapshot
@@ -34,7 +35,7 @@ def launcher_for(
     if kind is None:
         raise UsageError(
             f"service {service.name!r} has no launcher, so gpuctl cannot start it",
-            hint=f"set services.{service.name}.launcher to docker, jupyter or process",
+            hint=f"set services.{service.name}.launcher to one of {launcher_list()}",
         )
     if kind == "process":
         from gpuctl.adapters.launchers.process import ProcessLauncher

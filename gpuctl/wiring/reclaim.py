@@ -17,12 +17,16 @@ from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ConfigError
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
 from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
-from gpuctl.wiring.build import SharedHttp, deps_for, snapshot_reader
+from gpuctl.wiring.build import SharedHttp, deps_for, no_hosts, snapshot_reader
 from gpuctl.wiring.launchers import launcher_for
 
 
 def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> ReclaimDeps:
-    """Every configured host (or the named ones). Raises ``UsageError`` for an unknown one."""
+    """Every configured host (or the named ones). Raises ``UsageError`` for an unknown one,
+    and when no host is configured: silence would read as "nothing idle" (exit 0) where
+    nothing was looked at."""
+    if not config.hosts:
+        raise no_hosts(config, "gpuctl reclaim stops what is idle on each configured host")
 
     hosts = [config.host(n) for n in host_names] if host_names else list(config.hosts.values())
     closers: list[Callable[[], None]] = []

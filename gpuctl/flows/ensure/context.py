@@ -76,10 +76,13 @@ REFUSALS = {
 }
 
 
-def bystander(ctx: Ctx, decision: Decision, reason: str, hint: str = "") -> EnsureResult | None:
+def bystander(
+    ctx: Ctx, decision: Decision, reason: str, hint: str = "", *, ours: bool = True
+) -> EnsureResult | None:
     """Wait for someone else's start; None when it ended and this caller may start it.
-    ``hint``: the decision's own advice, kept for a timeout (the start may not be ours)."""
-    waited = wait_ready(ctx, BystanderWatch(ctx, reason))
+    ``hint``: the decision's own advice, kept for a timeout (the start may not be ours).
+    ``ours``: False when only a keyword ties what loads to the service."""
+    waited = wait_ready(ctx, BystanderWatch(ctx, reason, ours=ours))
     if waited.outcome is None:
         return None
     if waited.outcome is Outcome.READY:

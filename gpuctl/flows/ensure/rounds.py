@@ -123,7 +123,8 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
             # Only a keyword ties what it waits for to the service: it may be somebody
             # else's process, and the wait would run to the timeout for nothing.
             deps.tell.notice(f"{svc.name}: waiting for {verdict.reason}; {verdict.hint}")
-        return bystander(ctx, first, verdict.reason, verdict.hint)
+        # The hint comes with a wait tied to the service by a keyword alone.
+        return bystander(ctx, first, verdict.reason, verdict.hint, ours=not verdict.hint)
     # IDLE or FITS: take the lease; whoever holds it is the only one who launches. A
     # start whose caller went before recording its server (LOADING: the agent names
     # that server by its start nonce) is adopted under the lease: its handle recorded.

@@ -125,7 +125,7 @@ def _port_key(where: str, key: str) -> str:
 
 
 def _shm_bytes(where: str, text: str) -> int:
-    """gpuctl's sizes (``16GiB``, ``2g``; a bare number is MiB) in bytes, as Docker wants."""
+    """gpuctl's sizes (``16GiB``, ``2g``; never a bare number) in bytes, as Docker wants."""
     try:
         return parse_size_mib(text) * 1024 * 1024
     except ValueError as err:
