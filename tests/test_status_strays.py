@@ -124,7 +124,9 @@ def test_a_stray_that_names_the_service_gets_no_eta(
     """After a real start (so the record has a start time to expect), a process that only
     names the service is waited on without the ETA bar: it may be no server at all."""
     from gpuctl.config import load_config
+    from gpuctl.flows.deps import EnsureRequest
     from gpuctl.flows.ensure.rounds import ensure
+    from gpuctl.flows.ports import Tell
     from gpuctl.flows.results import Progress
     from gpuctl.sim.host import free_port
     from gpuctl.wiring.build import deps_for
@@ -139,10 +141,10 @@ def test_a_stray_that_names_the_service_gets_no_eta(
     conf = load_config(cfg)
     deps = deps_for(conf, name)
     try:
-        assert ensure(deps, timeout_s=60).outcome.value == "ready"
+        assert ensure(deps, EnsureRequest(timeout_s=60)).outcome.value == "ready"
     finally:
         deps.close()
-    deps = deps_for(conf, name, entry="stop")
+    deps = deps_for(conf, name)
     try:
         from gpuctl.flows import service_ops
 
@@ -151,9 +153,9 @@ def test_a_stray_that_names_the_service_gets_no_eta(
         deps.close()
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", name])
     ticks: list[Progress] = []
-    deps = deps_for(conf, name, progress=ticks.append)
+    deps = deps_for(conf, name, tell=Tell(progress=ticks.append))
     try:
-        r = ensure(deps, timeout_s=3)
+        r = ensure(deps, EnsureRequest(timeout_s=3))
     finally:
         deps.close()
         stray.kill()
