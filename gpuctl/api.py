@@ -27,6 +27,7 @@ only for misuse: an unknown service, or a broken config (``gpuctl.errors.UsageEr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -393,5 +394,9 @@ def _reset_for_tests() -> Any:
         for c in _sync_clients.values():
             c.close()
         _sync_clients.clear()
+        for use in _uses.values():
+            if use.store is not None:  # its client's connection, closed, not left to GC
+                with contextlib.suppress(Exception):
+                    use.store.close()
         _uses.clear()
     _async_clients.clear()

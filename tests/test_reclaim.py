@@ -110,7 +110,7 @@ def test_an_idle_server_is_stopped_with_one_line(host: SimHost, svc: str) -> Non
     r = gpuctl(cfg, "reclaim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [f"stopped {svc} on sim: " + r.stdout.split(": ", 1)[1].strip()]
-    assert "> 1s" in r.stdout
+    assert "> 1.0s" in r.stdout
     assert server_pids(svc) == []
     rec = read_record(host, svc)
     assert rec["phase"] == "stopped" and rec["lease"] is None and rec["handle"] is None

@@ -179,13 +179,15 @@ class AgentApp:
         return post
 
     async def _sample_loop(self) -> None:
-        """The sparkline's hour: GPU memory every ``ui.HISTORY_EVERY_S``."""
+        """The sparkline's hour: GPU memory every ``ui.HISTORY_EVERY_S``, the first one
+        an interval after start (an agent that only refuses requests, or serves one
+        /status, reads the GPU no more than that)."""
         while True:
+            await asyncio.sleep(ui.HISTORY_EVERY_S)
             outcome = await self._scan.get()
             if outcome.value is not None:
                 devices = outcome.value.reading.device_list()
                 self.history.add(time.time(), [d.memory_used_mib for d in devices])
-            await asyncio.sleep(ui.HISTORY_EVERY_S)
 
     async def _get_ui_state(self, request: Request) -> Response:
         """Everything the page draws: the config's view (or, without one, the agent's own
