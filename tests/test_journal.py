@@ -663,7 +663,11 @@ def test_a_forged_daily_row_or_usage_answer_never_poisons_a_sum(tmp_path: Path) 
         raw_server(canned("200 OK", body, "application/json")) as url,
         pytest.raises(GpuctlError, match="broken usage row: held_s"),
     ):
-        AgentStore(url, "t" * 32).usage(0.0)
+        store = AgentStore(url, "t" * 32)
+        try:
+            store.usage(0.0)
+        finally:
+            store.close()
 
 
 def test_a_follower_is_sent_the_newest_events_then_what_comes(tmp_path: Path) -> None:
