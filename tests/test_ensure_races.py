@@ -104,6 +104,46 @@ def test_caller_killed_between_spawn_and_record(
     assert [c for c in sim_claims(host, b)] == []
 
 
+@pytest.mark.parametrize("via", ["agent", "direct"])
+def test_a_server_ready_before_anyone_records_it_gets_its_handle(
+    host: SimHost, names: list[str], via: str
+) -> None:
+    """The caller dies between spawn and record, and its server is up before the next
+    use: the agent (or that use) marks it running. The next `ensure` still finds the
+    server by its start nonce and records its handle: stop, heal and reclaim then know
+    its pid, not only its nonce."""
+    from tests.ensure_helpers import direct_config
+
+    a = unique_name("win")
+    server = unique_name("anon")
+    names += [a, server]
+    pa = free_port()
+    toml = big_service(a, pa, server, load_time="1s")
+    cfg = host.write_config(toml) if via == "agent" else direct_config(host, toml)
+    end_in_window(ensure_paused_at(cfg, a), signal.SIGKILL)
+    (pid,) = server_pids(server)
+    deadline = time.monotonic() + 60
+    while True:  # its health answers (and, through the agent, the agent promotes it)
+        try:
+            up = httpx.get(f"http://127.0.0.1:{pa}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if up and (via == "direct" or read_record(host, a)["phase"] == "running"):
+            break
+        assert time.monotonic() < deadline, read_record(host, a)
+        time.sleep(0.2)
+    assert not read_record(host, a)["handle"]
+
+    r = run_ensure(cfg, a)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0, (out["reason"], out["notes"], r.stderr)
+    assert out["outcome"] == "ready" and out["launched"] is False
+    assert any("found the server of an earlier start" in n for n in out["notes"]), out["notes"]
+    rec = read_record(host, a)
+    assert rec["phase"] == "running" and rec["handle"]["pid"] == pid and rec["lease"] is None
+    assert server_pids(server) == [pid]
+
+
 def test_orphaned_start_without_a_server_is_started_again(host: SimHost, names: list[str]) -> None:
     """Killed after admission and before spawning: nothing carries the nonce, so the next
     caller proves the start dead and launches, once."""

@@ -7,7 +7,6 @@ started, whatever happens.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -35,6 +34,7 @@ from gpuctl.adapters.launchers.jupyter import (
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed, Unproven
 from tests.jupyter_helpers import JupyterServer, free_port, jupyter_server
+from tests.pid_helpers import OwnPids
 
 pytestmark = pytest.mark.jupyter
 
@@ -56,15 +56,12 @@ def launcher(jupyter: JupyterServer) -> JupyterLauncher:
 
 
 @pytest.fixture
-def pids() -> Iterator[list[int]]:
-    """Pids of launched servers: SIGKILLed (with their process group) at the end."""
-    started: list[int] = []
+def pids() -> Iterator[OwnPids]:
+    """Pids of launched servers: SIGKILLed (with their process group) at the end, each
+    only while it is still that server (``tests.pid_helpers``)."""
+    started = OwnPids()
     yield started
-    for pid in started:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    started.kill_all(group=True)
 
 
 def service(name: str, command: str, **kw: object) -> ServiceConfig:
@@ -178,7 +175,7 @@ def test_launch_script_quotes_everything() -> None:
 
 
 def test_start_runs_the_server_itself_detached(
-    launcher: JupyterLauncher, jupyter: JupyterServer, tmp_path: Path, pids: list[int]
+    launcher: JupyterLauncher, jupyter: JupyterServer, tmp_path: Path, pids: OwnPids
 ) -> None:
     port = free_port()
     svc = fake_vllm("vllm", port, tmp_path / "sim")
@@ -216,7 +213,7 @@ def test_start_runs_the_server_itself_detached(
 
 
 def test_the_terminal_is_found_again_not_recreated(
-    launcher: JupyterLauncher, jupyter: JupyterServer, pids: list[int]
+    launcher: JupyterLauncher, jupyter: JupyterServer, pids: OwnPids
 ) -> None:
     svc = sleeper("again")
     first = launcher.start(svc)
@@ -243,7 +240,7 @@ def test_the_terminal_is_found_again_not_recreated(
 
 
 @pytest.mark.slow
-def test_the_server_outlives_its_terminal_and_jupyter(tmp_path: Path, pids: list[int]) -> None:
+def test_the_server_outlives_its_terminal_and_jupyter(tmp_path: Path, pids: OwnPids) -> None:
     root, port = tmp_path / "root", free_port()
     svc = fake_vllm("survivor", port, tmp_path / "sim")
     with jupyter_server(root) as first:
@@ -280,7 +277,7 @@ def test_the_server_outlives_its_terminal_and_jupyter(tmp_path: Path, pids: list
         assert again.alive(handle) is False
 
 
-def test_a_command_that_exits_at_once(launcher: JupyterLauncher, pids: list[int]) -> None:
+def test_a_command_that_exits_at_once(launcher: JupyterLauncher, pids: OwnPids) -> None:
     handle = launcher.start(service("boom", "sh -c 'echo boom; exit 3'"))
     assert handle.pid is not None
     pids.append(handle.pid)
@@ -289,7 +286,7 @@ def test_a_command_that_exits_at_once(launcher: JupyterLauncher, pids: list[int]
     launcher.stop(handle, grace_s=1)  # nothing to stop: no error
 
 
-def test_stop_kills_what_ignores_sigterm(launcher: JupyterLauncher, pids: list[int]) -> None:
+def test_stop_kills_what_ignores_sigterm(launcher: JupyterLauncher, pids: OwnPids) -> None:
     svc = service(
         "stubborn",
         f"{PY} -c 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -307,7 +304,7 @@ def test_stop_kills_what_ignores_sigterm(launcher: JupyterLauncher, pids: list[i
 
 
 def test_stop_reaches_the_children_of_a_compound_command(
-    launcher: JupyterLauncher, pids: list[int]
+    launcher: JupyterLauncher, pids: OwnPids
 ) -> None:
     handle = launcher.start(
         service("compound", f"echo starting && {PY} -c 'import time; time.sleep(600)'")
@@ -372,7 +369,7 @@ def test_a_reused_pid_is_not_ours(launcher: JupyterLauncher) -> None:
 
 
 def test_cwd_env_and_long_values_go_through_the_script(
-    launcher: JupyterLauncher, jupyter: JupyterServer, pids: list[int]
+    launcher: JupyterLauncher, jupyter: JupyterServer, pids: OwnPids
 ) -> None:
     (jupyter.root / "work dir").mkdir(exist_ok=True)
     big = "x" * 3500
@@ -400,7 +397,7 @@ def test_cwd_env_and_long_values_go_through_the_script(
 
 
 def test_a_log_outside_root_is_tailed_in_the_terminal(
-    launcher: JupyterLauncher, tmp_path: Path, pids: list[int]
+    launcher: JupyterLauncher, tmp_path: Path, pids: OwnPids
 ) -> None:
     log = tmp_path / "elsewhere" / "out.log"
     handle = launcher.start(
@@ -414,7 +411,7 @@ def test_a_log_outside_root_is_tailed_in_the_terminal(
     assert launcher.log_tail(Handle(kind="jupyter", log=str(tmp_path / "none.log"))) == ""
 
 
-def test_big_and_binary_logs(launcher: JupyterLauncher, pids: list[int]) -> None:
+def test_big_and_binary_logs(launcher: JupyterLauncher, pids: OwnPids) -> None:
     # Over 1 MiB the log is tailed in the terminal, not downloaded through the Contents API.
     big = launcher.start(
         service("biglog", f'{PY} -c \'print(("x" * 999 + chr(10)) * 1500, end=""); print("last")\'')
@@ -491,7 +488,7 @@ def test_no_terminals_and_a_refused_host_header(tmp_path: Path) -> None:
 
 
 def test_a_log_that_is_a_symlink_is_refused(
-    launcher: JupyterLauncher, jupyter: JupyterServer, tmp_path: Path, pids: list[int]
+    launcher: JupyterLauncher, jupyter: JupyterServer, tmp_path: Path, pids: OwnPids
 ) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -505,7 +502,7 @@ def test_a_log_that_is_a_symlink_is_refused(
 
 
 def test_the_log_is_private_whatever_the_umask(
-    launcher: JupyterLauncher, jupyter: JupyterServer, pids: list[int]
+    launcher: JupyterLauncher, jupyter: JupyterServer, pids: OwnPids
 ) -> None:
     handle = launcher.start(service("private", f"{PY} -c 'import os; os.umask(0); print(1)'"))
     assert handle.pid is not None
@@ -517,7 +514,7 @@ def test_the_log_is_private_whatever_the_umask(
 
 @pytest.mark.slow
 def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: OwnPids
 ) -> None:
     """The terminal's shell has the Jupyter server's environment: gpuctl's secrets there
     are unset in the launch script, and the start nonce is exported, so ``find`` (and the
@@ -559,7 +556,7 @@ def test_no_secrets_from_jupyters_environment_and_find_by_nonce(
 
 
 def test_a_terminal_server_inherits_no_secret_the_config_or_gpuctl_names(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: OwnPids
 ) -> None:
     """Issue 17: the terminal's shell has the Jupyter server's environment, and every one
     of these reached the server before (only this host's names were unset). The names

@@ -22,6 +22,7 @@ from gpuctl.adapters.launchers.environ import START_NONCE_ENV, secret_names
 from gpuctl.adapters.launchers.process import ProcessLauncher
 from gpuctl.config import HostConfig, ServiceConfig
 from gpuctl.errors import StartFailed
+from tests.pid_helpers import OwnPids
 
 PY = sys.executable
 # Writes its environment to argv[1], then sleeps like a server.
@@ -32,14 +33,15 @@ DUMP_ENV = (
 
 
 @pytest.fixture
-def pids() -> Iterator[list[int]]:
-    started: list[int] = []
+def pids() -> Iterator[OwnPids]:
+    """Pids of launched servers: SIGKILLed at the end, each only while it is still that
+    server (``tests.pid_helpers``), and reaped where they are our children."""
+    started = OwnPids()
     yield started
+    started.kill_all()
     for pid in started:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+            os.waitpid(pid, os.WNOHANG)
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -54,7 +56,7 @@ def read_env(path: Path) -> dict[str, str]:
 
 
 def test_server_gets_no_secrets_but_the_nonce(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: OwnPids
 ) -> None:
     monkeypatch.setenv("GPUCTL_AGENT_TOKEN", "agent-secret")
     monkeypatch.setenv("DGX_TOKEN", "host-secret")
@@ -78,7 +80,7 @@ def test_server_gets_no_secrets_but_the_nonce(
 
 
 def test_service_env_may_set_a_secret_on_purpose(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: OwnPids
 ) -> None:
     monkeypatch.setenv("DGX_TOKEN", "host-secret")
     host = HostConfig(name="dgx", token_env="DGX_TOKEN")
@@ -96,7 +98,7 @@ def test_service_env_may_set_a_secret_on_purpose(
     assert env[START_NONCE_ENV] == handle.proof
 
 
-def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path, pids: list[int]) -> None:
+def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path, pids: OwnPids) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     logs = tmp_path / "logs"
@@ -115,7 +117,7 @@ def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path, pids: list[int]) -> 
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
-def test_the_log_is_private_whatever_the_umask(tmp_path: Path, umask: int, pids: list[int]) -> None:
+def test_the_log_is_private_whatever_the_umask(tmp_path: Path, umask: int, pids: OwnPids) -> None:
     old = os.umask(umask)
     try:
         launcher = ProcessLauncher(tmp_path / "logs")
@@ -130,7 +132,7 @@ def test_the_log_is_private_whatever_the_umask(tmp_path: Path, umask: int, pids:
     assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) & 0o077 == 0
 
 
-def test_an_existing_log_is_made_private(tmp_path: Path, pids: list[int]) -> None:
+def test_an_existing_log_is_made_private(tmp_path: Path, pids: OwnPids) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "old.log").write_text("before\n")
@@ -143,7 +145,7 @@ def test_an_existing_log_is_made_private(tmp_path: Path, pids: list[int]) -> Non
     assert (logs / "old.log").read_text().startswith("before\n")
 
 
-def test_find_by_nonce(tmp_path: Path, pids: list[int]) -> None:
+def test_find_by_nonce(tmp_path: Path, pids: OwnPids) -> None:
     launcher = ProcessLauncher(tmp_path / "logs")
     svc = ServiceConfig(name="found", host="h", command=f"{PY} -c 'import time; time.sleep(600)'")
     # Unique per run: other runs of this suite may share the machine.
@@ -162,7 +164,7 @@ def test_find_by_nonce(tmp_path: Path, pids: list[int]) -> None:
     assert launcher.find(svc, nonce) is None
 
 
-def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: list[int]) -> None:
+def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: OwnPids) -> None:
     """A command that is not exec'd (a shell with a child) carries the nonce twice: the
     one whose parent does not is the start's own process."""
     launcher = ProcessLauncher(tmp_path / "logs")
@@ -224,7 +226,7 @@ def environ_of(pid: int) -> dict[str, str]:
 
 
 def test_a_launched_server_inherits_no_secret_the_config_or_gpuctl_names(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: OwnPids
 ) -> None:
     """Before issue 17 every one of ``INHERITED_SECRETS`` reached the server: only the
     agent's token and this host's variables were dropped. The launcher comes from the
@@ -260,7 +262,7 @@ def test_a_launched_server_inherits_no_secret_the_config_or_gpuctl_names(
 
 
 def test_a_stop_proves_the_service_too_and_an_inherited_mark_is_replaced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pids: OwnPids
 ) -> None:
     """A gpuctl that itself runs under another service's server inherits that server's
     ``GPUCTL_START_SERVICE``: its launch must not pass it on, and a stop for another

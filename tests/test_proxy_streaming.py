@@ -125,11 +125,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         srv.close()
 
 
-def proc_kib(pid: int, field_name: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (its peak so far) of a process, in KiB."""
-    text = Path(f"/proc/{pid}/status").read_text()
+def proc_kib(setup: Setup, field_name: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (its peak so far) of the proxy, in KiB."""
+    proxy = setup.proxy
+    text = Path(f"/proc/{proxy.proc.pid}/status").read_text()
     m = re.search(rf"^{field_name}:\s+(\d+) kB$", text, re.M)
-    assert m, text
+    assert m, f"the proxy is gone (exit {proxy.proc.poll()}); its log: {proxy.log()[-3000:]}"
     return int(m.group(1))
 
 
@@ -162,8 +163,7 @@ def test_a_client_that_reads_slowly_slows_the_upstream_and_the_proxy_stays_small
 ) -> None:
     up = setup.fresh()
     size = 128 * MIB
-    pid = setup.proxy.proc.pid
-    rss0, peak0 = proc_kib(pid, "VmRSS"), proc_kib(pid, "VmHWM")
+    rss0, peak0 = proc_kib(setup, "VmRSS"), proc_kib(setup, "VmHWM")
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     s.settimeout(120)
@@ -184,7 +184,7 @@ def test_a_client_that_reads_slowly_slows_the_upstream_and_the_proxy_stays_small
             still = still + 1 if up.sent == last else 0
             last = up.sent
         stalled_at = up.sent
-        rss = proc_kib(pid, "VmRSS")
+        rss = proc_kib(setup, "VmRSS")
         assert stalled_at < size // 2, f"the upstream sent {stalled_at} of {size} bytes"
         assert not up.finished.is_set()
         assert rss - rss0 < 32 * 1024, f"the proxy grew by {rss - rss0} KiB"
@@ -198,7 +198,7 @@ def test_a_client_that_reads_slowly_slows_the_upstream_and_the_proxy_stays_small
             got += len(data)
     assert got == size and h.hexdigest() == digest(size)
     assert up.finished.wait(30)
-    peak = proc_kib(pid, "VmHWM")
+    peak = proc_kib(setup, "VmHWM")
     # The proxy's peak memory over the whole answer: a small part of its 128 MiB.
     assert peak - max(peak0, rss0) < 32 * 1024, f"the proxy's peak grew by {peak - peak0} KiB"
 

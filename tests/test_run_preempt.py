@@ -36,6 +36,7 @@ from tests.ensure_helpers import (
     service_toml,
     unique_name,
 )
+from tests.pid_helpers import OwnPids
 
 GIB = 1024
 
@@ -756,7 +757,7 @@ def test_slow_job_stops_never_hold_record_reads(
     n = min(32, (os.cpu_count() or 1) + 4)
     cfg = host.write_config("")
     procs: list[subprocess.Popen[str]] = []
-    pids: list[int] = []
+    pids = OwnPids()  # killed at the end only while still the job's CMD
     pool = ThreadPoolExecutor(n)
     try:
         stops = []
@@ -790,8 +791,6 @@ def test_slow_job_stops_never_hold_record_reads(
         assert r.status_code == 200, r.text
         assert not any(s.done() for s in stops), "a stop ended before the read was answered"
     finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        pids.kill_all(group=True)
         pool.shutdown(wait=True)
         end(host, *procs)

@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.record import stopping
+from gpuctl.core.record import LEASE_MARGIN_S, Phase, Record, stopping
+from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import AgentAuthError, GpuctlError
 from gpuctl.flows import story
-from gpuctl.flows.deps import EnsureDeps, EnsureRequest
+from gpuctl.flows.deps import EnsureDeps, EnsureRequest, describe_handle
 from gpuctl.flows.hints import refusal_hint
 from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, Waited, wait_ready
@@ -100,6 +101,8 @@ def touch(ctx: Ctx, ready: bool = False) -> object:
     try:
         svc = ctx.deps.service
         rec = ctx.deps.store.touch(svc.name, ready=ready, promise=svc.promise())
+        if ready and unrecorded_server(rec):
+            record_found_server(ctx)
     except AgentAuthError:
         # Not a passing failure: with a token that may not write (the read-only one)
         # every use would go unrecorded, and reclaim would stop the server under its user.
@@ -109,3 +112,55 @@ def touch(ctx: Ctx, ready: bool = False) -> object:
         return None
 
     return STOPPING if stopping(rec) else None
+
+
+def unrecorded_server(rec: Record | None) -> bool:
+    """A server that answers while its record names none: its caller went between the
+    spawn and recording it (phase and start nonce written, no handle), and a touch or
+    the agent then marked it ready. No lease: a live one is the caller that records it."""
+    return (
+        rec is not None
+        and rec.phase in (Phase.STARTING, Phase.RUNNING)
+        and not rec.handle
+        and bool(rec.start_nonce)
+        and rec.lease is None
+    )
+
+
+def record_found_server(ctx: Ctx) -> None:
+    """Record the handle of an unrecorded start's server, under the lease (a stop holding
+    it wins: nothing is written). Without a handle, stop, heal and reclaim could tell its
+    process only by the nonce; with one, by its pid or container. Best effort: a failure
+    leaves the record as it was, for a later use to find."""
+    deps, svc = ctx.deps, ctx.deps.service
+    holder = deps.machine.holder(ctx.req.entry)
+    try:
+        granted, _ = deps.store.acquire(svc.name, holder, LEASE_MARGIN_S)
+        if not granted:
+            return
+        deps.store.release(svc.name, holder.id, found_server(ctx))
+    except GpuctlError as e:
+        ctx.notes.append(f"could not record the server of an earlier start: {e.message}")
+
+
+def found_server(ctx: Ctx) -> RecordUpdate | None:
+    """The caller holds the lease: when the record names no server but a start nonce,
+    find that start's server by it; the update that records its handle, or None (also
+    when the store or the launcher cannot be asked: said in the notes)."""
+    deps, svc = ctx.deps, ctx.deps.service
+    try:
+        rec = deps.store.get(svc.name)
+        if rec.handle or not rec.start_nonce:
+            return None
+        # The snapshot names the host's machine: a process launcher finds servers only
+        # on the machine it runs on.
+        handle = deps.launchers.own(deps.probe.read((), ())).find(svc, rec.start_nonce)
+    except GpuctlError as e:
+        ctx.notes.append(f"could not look for the server of an earlier start: {e.message}")
+        return None
+    if handle is None:
+        return None
+    ctx.notes.append(
+        f"found the server of an earlier start whose caller went ({describe_handle(handle)})"
+    )
+    return RecordUpdate(handle=handle.to_dict())

@@ -20,7 +20,7 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
-from gpuctl.flows.ensure.context import Ctx, bystander
+from gpuctl.flows.ensure.context import Ctx, bystander, found_server
 from gpuctl.flows.look import HELD_BACK_HINT, is_orphaned_start, look, service_held_back
 from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import LauncherWatch, wait_ready
@@ -81,7 +81,12 @@ def launch_under_lease(
             # released, the server loading), or another service may have taken the memory.
             health = deps.servers.health()
             if health.ok:
-                release(RecordUpdate(touch=True, phase=Phase.RUNNING))
+                found = found_server(ctx)
+                release(
+                    RecordUpdate(touch=True, phase=Phase.RUNNING)
+                    if found is None
+                    else RecordUpdate(touch=True, phase=Phase.RUNNING, handle=found.handle)
+                )
                 return ctx.result(
                     Outcome.READY, f"{svc.name} answers its health check", Decision.READY
                 )
