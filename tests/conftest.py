@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -10,10 +11,20 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
 from gpuctl.sim.host import SimHost
+
+_C = TypeVar("_C")
+
+
+class Closing(Protocol):
+    """The ``closing`` fixture: hands its argument back, to be closed at the test's end."""
+
+    def __call__(self, client: _C) -> _C: ...
+
 
 # Tests on one machine share its process table: a keyword or a service name that a stray
 # process of another run (or another test) carries would count as that service. Every name
@@ -59,6 +70,20 @@ def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("GPUCTL_DEBUG", raising=False)
     monkeypatch.delenv("GPUCTL_AGENT_TOKEN", raising=False)
     return tmp_path
+
+
+@pytest.fixture
+def closing() -> Iterator[Closing]:
+    """``client = closing(openai.OpenAI(...))``: closed when the test ends, pass or fail.
+    An SDK client (openai, ollama) keeps a pool of connections; dropped unclosed, its
+    sockets are collected, and reported as unclosed, during some later, unrelated test."""
+    with contextlib.ExitStack() as stack:
+
+        def keep(client: Any) -> Any:
+            stack.callback(client.close)
+            return client
+
+        yield keep
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.ollama import OllamaLauncher, keep_alive_for, normalize_model
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed
+from tests.conftest import Closing
 from tests.ollama_helpers import SimOllama, claims_mib, free_port, wait_until
 
 GIB = 1024
@@ -84,10 +85,10 @@ def test_stop_unloads_and_frees_the_memory(
 
 
 def test_stop_waits_for_requests_in_flight_and_says_so_when_they_outlast_it(
-    server: SimOllama, tmp_path: Path
+    server: SimOllama, tmp_path: Path, closing: Closing
 ) -> None:
     lx = OllamaLauncher(server.url, "qwen3:32b", log_dir=tmp_path)
-    client = ollama.Client(host=server.url)
+    client = closing(ollama.Client(host=server.url))
     try:
         client.generate(model="qwen3:32b", prompt="")
         started = threading.Event()

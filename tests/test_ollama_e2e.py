@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import gpuctl
+from tests.conftest import Closing, gpuctl
 from tests.ollama_helpers import SimOllama, claims_mib
 
 GIB = 1024
@@ -109,7 +109,7 @@ def test_ensure_ready_loads_a_model_whose_daemon_answers_its_health_check(
 
 
 def test_through_the_proxy_a_list_loads_nothing_and_status_counts_all_ollama_holds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: Closing
 ) -> None:
     """The official ollama client on ``/services/qwen/``: ``list()`` loads no model; a
     chat loads the service's; a model the client asked for besides counts in the
@@ -151,7 +151,7 @@ def test_through_the_proxy_a_list_loads_nothing_and_status_counts_all_ollama_hol
                 return False
 
         wait_until("the proxy to listen", up, 60)
-        client = ollama.Client(host=f"{url}/services/qwen")
+        client = closing(ollama.Client(host=f"{url}/services/qwen"))
         names = {m.model for m in client.list().models}
         assert names == {"qwen3:32b", "small:1b"}
         assert srv.ps() == {} and claims_mib(sim_dir) == {}  # nothing loaded for a list

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import Closing, gpuctl_exe
 from tests.ensure_helpers import (
     cli_env,
     launches_in_log,
@@ -78,11 +78,11 @@ def wait_until(what: str, pred: object, timeout: float = 30.0) -> None:
 
 
 def test_openai_clients_sync_and_async_streaming_and_not_through_a_cold_start(
-    host: SimHost,
+    host: SimHost, closing: Closing
 ) -> None:
     name, port = unique_name("px"), free_port()
     proxy = Proxy(host, host.write_config(svc(name, port)))
-    client = openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0))
 
     models = {m.id: m.owned_by for m in client.models.list()}  # listed while stopped
     assert models == {name: f"gpuctl:{name}", f"{name}-alias": f"gpuctl:{name}"}
@@ -154,10 +154,12 @@ def test_cold_start_under_load_32_requests_one_launch_all_answered(host: SimHost
     assert [s.value for s in held] == [32]
 
 
-def test_requests_that_match_no_service_show_in_the_metrics(host: SimHost) -> None:
+def test_requests_that_match_no_service_show_in_the_metrics(
+    host: SimHost, closing: Closing
+) -> None:
     name, port = unique_name("px"), free_port()
     proxy = Proxy(host, host.write_config(svc(name, port)))
-    client = openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0))
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=MSG)  # type: ignore[arg-type]
     assert httpx.get(proxy.url + "/services/no-such-service/health").status_code == 404
@@ -173,7 +175,9 @@ def test_requests_that_match_no_service_show_in_the_metrics(host: SimHost) -> No
     assert sim_claims(host, name) == []  # nothing was started for them
 
 
-def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: SimHost) -> None:
+def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(
+    host: SimHost, closing: Closing
+) -> None:
     a, b = unique_name("pxa"), unique_name("pxb")
     pa, pb = free_port(), free_port()
     conf = host.write_config(svc(a, pa, memory="80GiB") + svc(b, pb, memory="80GiB"))
@@ -189,13 +193,15 @@ def test_two_models_that_do_not_fit_the_second_gets_503_naming_the_holder(host: 
     assert a in err["message"], err  # who holds the GPU
     assert sim_claims(host, b) == []
 
-    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0))
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model=b, messages=MSG)  # type: ignore[arg-type]
     assert caught.value.status_code == 503
 
 
-def test_retry_after_of_a_start_under_way_comes_from_its_eta(host: SimHost) -> None:
+def test_retry_after_of_a_start_under_way_comes_from_its_eta(
+    host: SimHost, closing: Closing
+) -> None:
     """Held past queue_timeout while its service loads: Retry-After is what is left of
     the start by its ETA (a 4 s load held 1 s: about 3), not the proxy's 30 s."""
     name, port = unique_name("px"), free_port()
@@ -210,7 +216,7 @@ def test_retry_after_of_a_start_under_way_comes_from_its_eta(host: SimHost) -> N
     expected = float(read_record(host, name)["attempts"][0]["duration_s"])
     assert 1 <= int(r.headers["retry-after"]) <= math.ceil(expected), r.headers
     # The openai client honours it: its retries meet the server once it is up.
-    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=3)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=3))
     reply = client.chat.completions.create(model=name, messages=MSG)  # type: ignore[arg-type]
     assert "simulated reply" in (reply.choices[0].message.content or "")
 
@@ -318,10 +324,12 @@ def test_kill_9_of_the_proxy_mid_stream_leaves_no_count_and_reclaim_stops_it(
     wait_until("the idle server to stop", lambda: sim_claims(host, name) == [])
 
 
-def test_a_client_that_disconnects_cancels_the_upstream_request(host: SimHost) -> None:
+def test_a_client_that_disconnects_cancels_the_upstream_request(
+    host: SimHost, closing: Closing
+) -> None:
     name, port = unique_name("px"), free_port()
     proxy = Proxy(host, host.write_config(svc(name, port)))
-    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0))
     client.chat.completions.create(model=name, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
     assert sim_metric(port, "gpuctl_sim_requests_cancelled_total") == 0
 
@@ -395,10 +403,12 @@ def test_a_stream_that_said_200_then_failed_is_logged_and_counted_as_what_happen
     assert f'gpuctl_proxy_requests_total{{service="{name}",code="200"}}' not in metrics
 
 
-def test_upstream_failing_mid_stream_ends_with_an_error_event(host: SimHost) -> None:
+def test_upstream_failing_mid_stream_ends_with_an_error_event(
+    host: SimHost, closing: Closing
+) -> None:
     name, port = unique_name("px"), free_port()
     proxy = Proxy(host, host.write_config(svc(name, port)))
-    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0))
     client.chat.completions.create(model=name, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
     stream = client.chat.completions.create(
         model=name,
@@ -487,7 +497,9 @@ def test_refusals_in_openai_shape_and_passthrough(host: SimHost) -> None:
     assert proxy.metric("gpuctl_proxy_requests_in_flight", name) == 0
 
 
-def test_client_keys_are_required_and_compared(host: SimHost, tmp_path: Path) -> None:
+def test_client_keys_are_required_and_compared(
+    host: SimHost, tmp_path: Path, closing: Closing
+) -> None:
     name, port = unique_name("px"), free_port()
     keys = tmp_path / "keys"
     keys.write_text("# proxy keys\nsk-one\nsk-two\n")
@@ -497,10 +509,10 @@ def test_client_keys_are_required_and_compared(host: SimHost, tmp_path: Path) ->
     assert httpx.get(proxy.v1 + "/models").status_code == 401
     bad = httpx.get(proxy.v1 + "/models", headers={"authorization": "Bearer sk-three"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
-    ok = openai.OpenAI(base_url=proxy.v1, api_key="sk-two", max_retries=0)
+    ok = closing(openai.OpenAI(base_url=proxy.v1, api_key="sk-two", max_retries=0))
     assert {m.id for m in ok.models.list()} == {name, f"{name}-alias"}
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=proxy.v1, api_key="sk-nope", max_retries=0).models.list()
+        closing(openai.OpenAI(base_url=proxy.v1, api_key="sk-nope", max_retries=0)).models.list()
 
 
 def test_off_loopback_without_keys_is_refused(host: SimHost) -> None:
@@ -515,7 +527,7 @@ def test_off_loopback_without_keys_is_refused(host: SimHost) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_ollama_fronted_through_its_own_v1(host: SimHost) -> None:
+def test_ollama_fronted_through_its_own_v1(host: SimHost, closing: Closing) -> None:
     from tests.ollama_helpers import SimOllama
 
     ollama = SimOllama(host.sim_dir, host.base, "-m", "qwen3:0.6b=2GiB", "--load-time", "1s")
@@ -529,7 +541,7 @@ def test_ollama_fronted_through_its_own_v1(host: SimHost) -> None:
             conf.read_text().replace("[hosts.sim]\n", f'[hosts.sim]\nollama = "{ollama.url}"\n')
         )
         proxy = Proxy(host, conf)
-        client = openai.OpenAI(base_url=proxy.v1, api_key="ollama", max_retries=0)
+        client = closing(openai.OpenAI(base_url=proxy.v1, api_key="ollama", max_retries=0))
         assert [m.id for m in client.models.list()] == ["qwen3:0.6b"]
         assert ollama.ps() == {}
         reply = client.chat.completions.create(model="qwen3:0.6b", messages=MSG)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from gpuctl.sim.host import free_port
+from tests.conftest import Closing
 from tests.proxy_helpers import Proxy, proxy_fronting
 
 MODEL = "big-model"
@@ -149,11 +150,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2**20, 20 * 2**20], ids=["1MiB", "20MiB"])
 def test_a_large_embeddings_answer_arrives_whole_through_the_openai_client(
-    setup: Setup, size: int
+    setup: Setup, size: int, closing: Closing
 ) -> None:
     # It used to stop at the proxy's upstream high-water mark (256 KiB) until the
     # read timeout (600 s): the client's 60 s ran out first.
-    client = openai.OpenAI(base_url=setup.proxy.v1, api_key="none", timeout=60, max_retries=0)
+    client = closing(
+        openai.OpenAI(base_url=setup.proxy.v1, api_key="none", timeout=60, max_retries=0)
+    )
     got = client.embeddings.create(model=MODEL, input=str(size))
     assert len(got.data) == 1
     assert len(got.data[0].embedding) == size // len(UNIT)

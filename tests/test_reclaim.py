@@ -20,7 +20,7 @@ import pytest
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl
+from tests.conftest import Closing, gpuctl
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -293,7 +293,7 @@ def test_stop_sleep_puts_it_to_sleep_and_ensure_wakes_it(host: SimHost, svc: str
 
 
 def test_ollama_models_are_unloaded_and_a_failed_unload_is_exit_1(
-    host: SimHost, tmp_path: Path
+    host: SimHost, tmp_path: Path, closing: Closing
 ) -> None:
     srv = SimOllama(host.sim_dir, tmp_path, "-m", "qwen3:32b=20GiB", "--load-time", "0s",
                     "--token-delay", "50ms")  # fmt: skip
@@ -312,7 +312,7 @@ def test_ollama_models_are_unloaded_and_a_failed_unload_is_exit_1(
         # of requests in flight): the unload waits for it, past stop_timeout: exit 1.
         import ollama
 
-        client = ollama.Client(host=srv.url)
+        client = closing(ollama.Client(host=srv.url))
         busy = threading.Event()
 
         def talk() -> None:
