@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import psutil
 
@@ -26,6 +26,10 @@ class OwnPids:
     def append(self, pid: int) -> None:
         with contextlib.suppress(psutil.Error):
             self._started.append((pid, psutil.Process(pid).create_time()))
+
+    def extend(self, pids: Iterable[int]) -> None:
+        for pid in pids:
+            self.append(pid)
 
     def __iter__(self) -> Iterator[int]:
         return (pid for pid, _ in self._started)
