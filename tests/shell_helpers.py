@@ -14,7 +14,6 @@ contains).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import re
@@ -109,11 +108,11 @@ class ShellPty:
         return re.findall(pattern, out)[-1].strip()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.send("\x03exit\r")
+        """Hang up: closing the terminal's master side sends the shell SIGHUP (an
+        ``exit`` typed at it may wait on a half-typed line or a completion menu)."""
+        os.close(self.master)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        os.close(self.master)
