@@ -9,6 +9,11 @@ each on a keep-alive connection of its own, as a browser's would be; then, for
 reference, ``--burst`` requests back to back through the proxy. Prints the medians and
 the slowest of each, and the added cost (proxy minus direct, medians).
 
+For a floor, each round also sends one request through a bare TCP relay (``RELAY``: one
+more process that copies bytes and does nothing else): what any proxy in its own process
+costs on this machine after an idle gap. On a virtual machine whose idle CPUs sleep deeply,
+waking one more process costs far more than its work.
+
 Usage::
 
     python bench/proxy_sporadic.py [--rounds 12] [--gap 3s] [--burst 20]
@@ -59,6 +64,31 @@ def timed(client: httpx.Client, url: str) -> float:
     return ms
 
 
+# One more process between client and server, doing nothing but copying bytes.
+RELAY = """
+import asyncio, sys
+
+async def pump(r, w):
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    finally:
+        w.close()
+
+async def serve(r, w):
+    ur, uw = await asyncio.open_connection("127.0.0.1", int(sys.argv[2]))
+    await asyncio.gather(pump(r, uw), pump(ur, w), return_exceptions=True)
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]))
+    print("ready", flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,19 +116,32 @@ def main() -> int:
         proxy = host.spawn(
             ["proxy", "--listen", f"127.0.0.1:{pport}"], "proxy", {"GPUCTL_CONFIG": str(conf)}
         )
+        rport = free_port()
+        relay = subprocess.Popen(
+            [sys.executable, "-c", RELAY, str(rport), str(port)], stdout=subprocess.PIPE, text=True
+        )
         try:
+            assert relay.stdout is not None and relay.stdout.readline().strip() == "ready"
             wait_ok(f"http://127.0.0.1:{pport}/healthz", proxy, "gpuctl proxy")
             direct_url = f"http://127.0.0.1:{port}/v1/chat/completions"
             proxy_url = f"http://127.0.0.1:{pport}/v1/chat/completions"
-            with httpx.Client(timeout=60) as d, httpx.Client(timeout=60) as p:
+            relay_url = f"http://127.0.0.1:{rport}/v1/chat/completions"
+            with (
+                httpx.Client(timeout=60) as d,
+                httpx.Client(timeout=60) as p,
+                httpx.Client(timeout=60) as r,
+            ):
                 # The first request starts the server through the proxy (gpuctl's record
                 # of it, as deployed); then both connections are open.
                 timed(p, proxy_url)
                 timed(d, direct_url)
-                direct, proxied = [], []
+                timed(r, relay_url)
+                direct, relayed, proxied = [], [], []
                 for _ in range(args.rounds):
                     time.sleep(gap)
                     direct.append(timed(d, direct_url))
+                    time.sleep(gap)
+                    relayed.append(timed(r, relay_url))
                     time.sleep(gap)
                     proxied.append(timed(p, proxy_url))
                 burst = [timed(p, proxy_url) for _ in range(args.burst)]
@@ -111,6 +154,8 @@ def main() -> int:
                 float(m) for m in re.findall(r'"POST /v1/chat/completions" 200 .* (\S+)ms ', log)
             ]
         finally:
+            relay.kill()
+            relay.wait()
             host.stop(proxy)
             subprocess.run(
                 [sys.executable, "-m", "gpuctl", "stop", "chat"],
@@ -125,12 +170,16 @@ def main() -> int:
 
     print(f"one request every {args.gap}, {args.rounds} rounds")
     print(line("direct, sporadic", direct))
+    print(line("bare TCP relay, sporadic", relayed))
     print(line("through the proxy, sporadic", proxied))
     print(line("direct, back to back", burst_direct))
     print(line("through the proxy, b2b", burst))
     added = statistics.median(proxied) - statistics.median(direct)
     added_b2b = statistics.median(burst) - statistics.median(burst_direct)
     print(f"added by the proxy: sporadic {added:.2f} ms, back to back {added_b2b:.2f} ms")
+    floor = statistics.median(relayed) - statistics.median(direct)
+    print(f"added by a bare relay (the floor of any proxy here): sporadic {floor:.2f} ms")
+    print(f"added by the proxy beyond that floor: sporadic {added - floor:.2f} ms")
     if len(own) == 1 + args.rounds + args.burst:
         print(line("proxy's own time, sporadic", own[1 : 1 + args.rounds]))
         print(line("proxy's own time, b2b", own[1 + args.rounds :]))
