@@ -20,6 +20,7 @@ from typing import Any
 
 from gpuctl.core.record import TIME_MAX
 from gpuctl.core.redact import redact_lines
+from gpuctl.core.units import format_duration
 
 
 class Kind(enum.Enum):
@@ -243,14 +244,14 @@ def words(e: Event) -> str:
             text = f"{what} preempted" + (f" by {e.by}" if e.by else "")
         elif e.cause is Cause.IDLE:
             idle = f.get("idle_s")
-            text = f"{what} stopped: idle" + (f" for {_span(idle)}" if idle is not None else "")
+            text = f"{what} stopped: idle" + (f" for {format_duration(idle)}" if idle is not None else "")
         elif e.cause is Cause.SLEEP:
             text = f"{what} put to sleep"
         else:
             text = f"{what} stopped" + (f" ({cause})" if e.cause else "")
     elif e.kind is Kind.READY:
         cold = f.get("cold_start_s")
-        text = f"{what} ready" + (f" after a {_span(cold)} cold start" if cold is not None else "")
+        text = f"{what} ready" + (f" after a {format_duration(cold)} cold start" if cold is not None else "")
     elif e.kind is Kind.FAIL:
         code = f.get("exit_code")
         text = f"{what} failed" + (f" (exit {int(code)})" if code is not None else "")
@@ -263,7 +264,7 @@ def words(e: Event) -> str:
     elif e.kind is Kind.PROXY and "requests_served" in f:
         period = f.get("period_s")
         text = f"{what} served {int(f['requests_served'])} request(s) through the proxy" + (
-            f" in {_span(period)}" if period is not None else ""
+            f" in {format_duration(period)}" if period is not None else ""
         )
     elif e.kind is Kind.PROXY:
         held = f.get("requests_held")
@@ -291,17 +292,6 @@ def words(e: Event) -> str:
     if actor or entry:
         text += " — " + " via ".join(p for p in (actor, entry) if p)
     return text
-
-
-def _span(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    s = round(seconds)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
 def _gib(mib: float) -> str:

@@ -12,6 +12,7 @@ import msgspec
 
 from gpuctl.core.events import Event, words
 from gpuctl.core.safe_text import visible
+from gpuctl.core.units import format_duration
 from gpuctl.core.usage import Tally
 
 EVENTS_SCHEMA = 1
@@ -150,30 +151,19 @@ def usage_lines(rows: Sequence[UsageRow], by: str) -> list[str]:
             else f"unknown ({r.unknown_hours:.1f} h)"
         )  # fmt: skip
         cold = (
-            f"{r.cold_starts} (median {_span(r.cold_start_median_s)}, total "
-            f"{_span(r.cold_start_total_s)})"
+            f"{r.cold_starts} (median {format_duration(r.cold_start_median_s)}, total "
+            f"{format_duration(r.cold_start_total_s)})"
             if r.cold_starts
             else "0"
         )
         table.append([
             r.key, f"{r.held_hours:.1f} h", gib, f"{r.seen_gib_hours:.1f}", cold,
-            _span(r.idle_before_stop_s), f"{r.preempted}/{r.preempting}", str(r.jobs),
+            format_duration(r.idle_before_stop_s), f"{r.preempted}/{r.preempting}", str(r.jobs),
             str(r.proxy_requests),
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     return [visible("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
             for row in table]  # fmt: skip
-
-
-def _span(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = float(s)
-    if s < 120:
-        return f"{s:.0f}s"
-    if s < 7200:
-        return f"{s / 60:.0f}m"
-    return f"{s / 3600:.1f}h"
 
 
 def to_json(out: EventsOut | UsageOut | EventRow) -> Any:
