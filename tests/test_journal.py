@@ -697,6 +697,65 @@ def test_a_follower_is_sent_the_newest_events_then_what_comes(tmp_path: Path) ->
     assert ids == list(range(6, total + 1))
 
 
+def test_events_come_a_page_at_a_time_and_a_reader_reads_them_all(tmp_path: Path) -> None:
+    """An answer holds at most ``PAGE_MAX`` events (the agent builds it whole, and a client
+    that never reads it keeps it in the agent's memory); ``next`` says where the next
+    page begins, and the store's reader follows it to the end. Without ``limit`` (a client
+    that does not page) the answer is the window's newest ``PAGE_MAX``."""
+    from gpuctl.adapters.store import AgentStore
+    from gpuctl.agent.app import AgentSettings, create_app
+    from gpuctl.agent.openapi_events import PAGE_MAX
+    from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
+
+    state = tmp_path / "state"
+    state.mkdir()
+    total = 2 * PAGE_MAX + 7
+    now = time.time()
+    assert Journal(state).write(*(ev(now - total + i, Kind.ADMIT, f"s{i}") for i in range(total)))
+    settings = AgentSettings(token="t" * 32, state_dir=str(state))
+    auth = {"Authorization": "Bearer " + "t" * 32}
+    with serve_in_thread(create_app(settings, FakeProbe(reading_of()))) as url:
+        first = httpx.get(f"{url}/events?since=0&limit={PAGE_MAX}", headers=auth, timeout=30)
+        assert first.status_code == 200, first.text
+        page = first.json()
+        assert [e["id"] for e in page["events"]] == list(range(1, PAGE_MAX + 1))
+        assert page["next"] == PAGE_MAX
+        last = httpx.get(f"{url}/events?since=0&limit={PAGE_MAX}&after={2 * PAGE_MAX}",
+                         headers=auth, timeout=30).json()  # fmt: skip
+        assert len(last["events"]) == 7 and last["next"] is None
+        whole = httpx.get(f"{url}/events?since=0", headers=auth, timeout=30).json()
+        assert [e["id"] for e in whole["events"]] == list(range(total - PAGE_MAX + 1, total + 1))
+        assert whole["next"] is None
+        too_many = httpx.get(f"{url}/events?limit={PAGE_MAX + 1}", headers=auth, timeout=30)
+        assert too_many.status_code == 400 and "limit" in too_many.json()["error"]
+
+        store = AgentStore(url, "t" * 32)
+        try:
+            got = store.events(0.0)
+            assert [i for i, _ in got] == list(range(1, total + 1))
+            assert [e.service for _, e in got[:2]] == ["s0", "s1"]
+            assert [i for i, _ in store.events(0.0, after_id=total - 3)] == [
+                total - 2, total - 1, total,
+            ]  # fmt: skip
+        finally:
+            store.close()
+
+
+def test_a_reader_never_loops_on_a_next_that_does_not_move_on(tmp_path: Path) -> None:
+    """A broken or hostile agent whose ``next`` points back: one page, then the end."""
+    from gpuctl.adapters.store import AgentStore
+    from tests.agent_helpers import canned, raw_server
+
+    row = {"id": 5, **ev(time.time(), Kind.ADMIT, "s").to_dict()}
+    body = json.dumps({"events": [row], "next": 5}).encode()
+    with raw_server(canned("200 OK", body, "application/json")) as url:
+        store = AgentStore(url, "t" * 32)
+        try:
+            assert [i for i, _ in store.events(0.0, after_id=5)] == [5]
+        finally:
+            store.close()
+
+
 def test_a_follower_that_never_reads_is_let_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,9 +1,12 @@
 """The journal over HTTP (``adapters.store.journal``).
 
 =======  ==================================  =========================================
-GET      /events?since=2h&service=S          {"events": [{"id": N, **event}, …]} oldest
-                                             first (``since``: a span or a Unix time;
-                                             default 1h; at most ``MAX_READ`` newest)
+GET      /events?since=2h&service=S          {"events": [{"id": N, **event}, …], "next":
+         &after=ID&limit=N                   ID | null} oldest first (``since``: a span or
+                                             a Unix time; default 1h): a page of at most
+                                             ``limit`` (``PAGE_MAX``) from ``after``;
+                                             ``next``: read on with ``after=next``.
+                                             Without ``limit``: the newest ``PAGE_MAX``
 GET      /usage?since=30d                    {"since": T, "rows": [{"day", "service",
                                              "user", totals…}, …]} (``core.usage``)
 GET      /events?follow=1&since=…            server-sent events: one ``data:`` line per
@@ -33,7 +36,7 @@ from typing import Any, TypeVar
 from gpuctl.adapters.store.journal import Journal
 from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError, Receive, Request, Response, Scope, Send, json_response
-from gpuctl.agent.openapi_events import MAX_ID, SINCE_PATTERN
+from gpuctl.agent.openapi_events import MAX_ID, PAGE_MAX, SINCE_PATTERN
 from gpuctl.core.events import Event, parse_since
 
 log = logging.getLogger("gpuctl.agent")
@@ -63,14 +66,14 @@ def seen_by(scope: Scope, writer: bool, has_token: bool = True) -> dict[str, str
     return {"peer": peer, "role": role}
 
 
-def _query(request: Request) -> tuple[float, str | None, bool, int]:
+def _query(request: Request) -> tuple[float, str | None, bool, int, int | None]:
     q = request.query()
 
     def one(name: str) -> str | None:
         got = q.get(name)
         return got[-1] if got else None
 
-    unknown = sorted(set(q) - {"since", "service", "follow", "after"})
+    unknown = sorted(set(q) - {"since", "service", "follow", "after", "limit"})
     if unknown:
         raise HttpError(400, f"unknown query parameter {unknown[0]!r}", "see /openapi.json")
     try:
@@ -81,12 +84,18 @@ def _query(request: Request) -> tuple[float, str | None, bool, int]:
         after = int(one("after") or "0")
         if not 0 <= after <= MAX_ID:
             raise ValueError(f"after must be from 0 to {MAX_ID}")
+        asked = one("limit")
+        limit = None if asked is None else int(asked)
+        if limit is not None and not 1 <= limit <= PAGE_MAX:
+            raise ValueError(f"limit must be from 1 to {PAGE_MAX}")
     except ValueError as e:
         raise HttpError(
-            400, f"bad since or after: {e}", "since=2h, since=7d or a Unix time"
+            400,
+            f"bad since, after or limit: {e}",
+            f"since=2h, since=7d or a Unix time; limit from 1 to {PAGE_MAX}",
         ) from None
     follow = (one("follow") or "0") in ("1", "true", "yes")
-    return since, one("service"), follow, after
+    return since, one("service"), follow, after, limit
 
 
 async def _reading(read: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -107,13 +116,18 @@ def _row(rid: int, e: Event) -> dict[str, Any]:
 async def get_events(journal: Journal | None, request: Request) -> Response:
     if journal is None:
         return json_response(503, {"error": "this agent has no state directory", "hint": ""})
-    since, service, _, after = _query(request)
+    since, service, _, after, limit = _query(request)
 
     def answer() -> Response:
-        # Read and encoded in the worker thread: 100,000 events are some 100 MB of JSON,
-        # and twenty such answers encoded on the event loop kept /healthz waiting 5 s.
-        rows = journal.read(since, service=service, after_id=after, limit=MAX_READ)
-        return json_response(200, {"events": [_row(i, e) for i, e in rows]})
+        # Read and encoded in the worker thread: twenty answers of 100,000 events each
+        # encoded on the event loop kept /healthz waiting 5 s.
+        if limit is None:  # a whole window, as a client that does not page asks it
+            rows = journal.read(since, service=service, after_id=after, limit=PAGE_MAX)
+            nxt = None
+        else:
+            rows = journal.read(since, service=service, after_id=after, first=limit)
+            nxt = rows[-1][0] if len(rows) == limit else None
+        return json_response(200, {"events": [_row(i, e) for i, e in rows], "next": nxt})
 
     return await _reading(answer)
 
@@ -211,7 +225,7 @@ async def follow_events(
 ) -> None:
     """``?follow=1``: server-sent events until the client goes (or ``FOLLOW_MAX_S``)."""
     request = Request(scope, receive)
-    since, service, _, after = _query(request)
+    since, service, _, after, _ = _query(request)
     if journal is None:
         raise HttpError(503, "this agent has no state directory", "start it with --state-dir")
     tail = _tail(journal)

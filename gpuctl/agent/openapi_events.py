@@ -10,6 +10,10 @@ from gpuctl.core.events import MAX_FIGURES, MAX_WHO, Cause, Kind
 from gpuctl.core.record import TIME_MAX
 
 MAX_ID = 2**62  # an event's id (SQLite's rowid is a signed 64-bit integer)
+# One answer's events at most: an answer is built whole before it goes, and a client that
+# never reads it keeps it in the agent's memory (100,000 events were some 100 MB of JSON).
+# A reader pages on with ``after=next``.
+PAGE_MAX = 2000
 SINCE_PATTERN = r"^[0-9]{1,12}(\.[0-9]{1,6})?[smhdw]?$"
 
 
@@ -146,6 +150,16 @@ def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[st
                         "description": "Only events after this id (to resume a stream).",
                         "schema": {"type": "integer", "minimum": 0, "maximum": MAX_ID},
                     },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "description": (
+                            "A page: the oldest this many after `after`; `next` says where "
+                            "the next page begins. Without it: the window's newest "
+                            f"{PAGE_MAX}."
+                        ),
+                        "schema": {"type": "integer", "minimum": 1, "maximum": PAGE_MAX},
+                    },
                 ],
                 "responses": {
                     "200": {
@@ -154,15 +168,26 @@ def events_paths(unauthorized: dict[str, Any], error: dict[str, Any]) -> dict[st
                             "application/json": {
                                 "schema": {
                                     "type": "object",
-                                    "required": ["events"],
+                                    "required": ["events", "next"],
                                     "properties": {
-                                        "events": {"type": "array", "items": _ref("EventRow")}
+                                        "events": {
+                                            "type": "array",
+                                            "items": _ref("EventRow"),
+                                            "maxItems": PAGE_MAX,
+                                        },
+                                        "next": {
+                                            "type": ["integer", "null"],
+                                            "description": (
+                                                "The last id of a full page (read on with "
+                                                "after=next); null: nothing more."
+                                            ),
+                                        },
                                     },
                                 }
                             }
                         },
                     },
-                    "400": err("A bad since or after."),
+                    "400": err("A bad since, after or limit."),
                     "401": unauthorized,
                     "503": err("The agent has no state directory."),
                 },

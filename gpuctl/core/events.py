@@ -244,14 +244,18 @@ def words(e: Event) -> str:
             text = f"{what} preempted" + (f" by {e.by}" if e.by else "")
         elif e.cause is Cause.IDLE:
             idle = f.get("idle_s")
-            text = f"{what} stopped: idle" + (f" for {format_duration(idle)}" if idle is not None else "")
+            text = f"{what} stopped: idle" + (
+                f" for {format_duration(idle)}" if idle is not None else ""
+            )
         elif e.cause is Cause.SLEEP:
             text = f"{what} put to sleep"
         else:
             text = f"{what} stopped" + (f" ({cause})" if e.cause else "")
     elif e.kind is Kind.READY:
         cold = f.get("cold_start_s")
-        text = f"{what} ready" + (f" after a {format_duration(cold)} cold start" if cold is not None else "")
+        text = f"{what} ready" + (
+            f" after a {format_duration(cold)} cold start" if cold is not None else ""
+        )
     elif e.kind is Kind.FAIL:
         code = f.get("exit_code")
         text = f"{what} failed" + (f" (exit {int(code)})" if code is not None else "")

@@ -33,6 +33,10 @@ from gpuctl.errors import (
 
 # What agents before the "code" key said.
 _NO_STORE = "this agent has no state directory"
+# ``events``: the events one page asks for (the agent answers at most 2,000), and the
+# newest that many kept of a longer read.
+EVENTS_PAGE = 2000
+EVENTS_MAX = 100_000
 
 if TYPE_CHECKING:
     import httpx
@@ -242,27 +246,38 @@ class AgentStore:
     def events(
         self, since: float, *, service: str | None = None, after_id: int = 0
     ) -> list[tuple[int, Event]]:
-        """The agent's journal (``GET /events``), oldest first."""
+        """The agent's journal (``GET /events``), oldest first, read a page at a time
+        (an agent holds one page per answer); the newest ``EVENTS_MAX`` at most. An
+        agent that does not page answers one window, its newest events."""
+        from collections import deque
         from urllib.parse import urlencode
 
         from gpuctl.core.events import event_from_dict
 
-        q = {"since": f"{since:.6f}", "after": str(after_id)}
-        if service is not None:
-            q["service"] = service
-        data = self._call("GET", f"/events?{urlencode(q)}")
-        rows = data.get("events") if isinstance(data, dict) else None
-        if not isinstance(rows, list):
-            raise self._broken("an event list without its events")
-        out: list[tuple[int, Event]] = []
-        for row in rows:
-            if isinstance(row, dict) and isinstance(row.get("id"), int):
-                body = {k: v for k, v in row.items() if k != "id"}
-                try:
-                    out.append((row["id"], event_from_dict(body, stored=True)))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise self._broken(f"a broken event: {e}") from None
-        return out
+        out: deque[tuple[int, Event]] = deque(maxlen=EVENTS_MAX)
+        after: int | None = after_id
+        while after is not None:
+            q = {"since": f"{since:.6f}", "after": str(after), "limit": str(EVENTS_PAGE)}
+            if service is not None:
+                q["service"] = service
+            data = self._call("GET", f"/events?{urlencode(q)}")
+            rows = data.get("events") if isinstance(data, dict) else None
+            if not isinstance(rows, list):
+                raise self._broken("an event list without its events")
+            for row in rows:
+                if isinstance(row, dict) and isinstance(row.get("id"), int):
+                    body = {k: v for k, v in row.items() if k != "id"}
+                    try:
+                        out.append((row["id"], event_from_dict(body, stored=True)))
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise self._broken(f"a broken event: {e}") from None
+            nxt = data.get("next")
+            # A page goes forward or reading ends: a next at or before where it began
+            # (a broken or hostile agent) would read the same page for ever.
+            after = (
+                nxt if isinstance(nxt, int) and not isinstance(nxt, bool) and nxt > after else None
+            )
+        return list(out)
 
     def usage(self, since: float) -> dict[tuple[str, str, str], Tally]:
         """The agent's usage rows (``GET /usage``), keyed (UTC day, service, user)."""

@@ -299,9 +299,12 @@ class Journal:
         service: str | None = None,
         after_id: int = 0,
         limit: int | None = None,
+        first: int | None = None,
     ) -> list[tuple[int, Event]]:
         """Events from ``since`` (and past ``after_id``), oldest first; ``limit``: the
-        newest that many. A journal that does not exist yet reads as empty."""
+        newest that many; ``first``: the oldest that many, in the order of their ids (a
+        page: the next one reads past the last id). A journal that does not exist yet
+        reads as empty."""
         if not (self.state_dir / NAME).exists():
             return []
         sql = "SELECT id, body FROM events WHERE at >= ? AND id > ?"
@@ -309,6 +312,10 @@ class Journal:
         if service is not None:
             sql += " AND service = ?"
             args.append(service)
+        if first is not None:
+            with self._db() as db:
+                rows = db.execute(f"{sql} ORDER BY id LIMIT ?", [*args, first]).fetchall()
+            return _decoded(rows)
         if limit is not None:
             # ``sql`` is built from constant text only; every value is a parameter.
             sql = f"SELECT * FROM ({sql} ORDER BY at DESC, id DESC LIMIT ?) ORDER BY 1"  # noqa: S608
