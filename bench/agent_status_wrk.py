@@ -59,6 +59,27 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 20.
     sys.exit("the agent did not answer /healthz in time")
 
 
+def start_holds(n: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    """``n`` simulated GPU processes of 4 GiB each (``gpuctl.sim.hold``)."""
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "gpuctl.sim.hold", "--name", f"bench-{i}", "--memory", "4GiB"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        for i in range(n)
+    ]
+
+
+def run_wrk(where: str, token: str, threads: int, connections: int, duration: str) -> str:
+    """``wrk --latency`` against ``where`` with the Bearer ``token``; its report."""
+    return subprocess.run(
+        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}", "--latency",
+         "-H", f"Authorization: Bearer {token}", where],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
 def parse_wrk(text: str) -> tuple[float, float, float, int]:
     """Requests/s, p50 ms, p99 ms and the count of non-2xx/3xx responses from wrk's output."""
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
@@ -105,22 +126,7 @@ def main() -> int:
         procs.append(agent)
         try:
             wait_healthy(url, agent)
-            for i in range(args.holds):
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "gpuctl.sim.hold",
-                            "--name",
-                            f"bench-{i}",
-                            "--memory",
-                            "4GiB",
-                        ],
-                        env=env,
-                        stdout=subprocess.DEVNULL,
-                    )
-                )
+            procs += start_holds(args.holds, env)
             headers = {"Authorization": f"Bearer {token}"}
             target = f"{url}/status" + (f"?match={args.match}" if args.match else "")
             deadline = time.monotonic() + 10
@@ -133,15 +139,8 @@ def main() -> int:
             body = r.content
             print(f"status body: {len(body)} bytes, {len(r.json()['processes'])} GPU processes")
 
-            def run_wrk(where: str) -> str:
-                return subprocess.run(
-                    ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}",
-                     "--latency", "-H", f"Authorization: Bearer {token}", where],
-                    capture_output=True, text=True, check=True,
-                ).stdout  # fmt: skip
-
-            out = run_wrk(target)
-            floor = run_wrk(f"{url}/healthz")
+            out = run_wrk(target, token, args.threads, args.connections, args.duration)
+            floor = run_wrk(f"{url}/healthz", token, args.threads, args.connections, args.duration)
         finally:
             for p in reversed(procs):
                 p.terminate()

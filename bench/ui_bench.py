@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent_status_wrk import free_port, parse_wrk, wait_healthy
+from agent_status_wrk import free_port, parse_wrk, run_wrk, start_holds, wait_healthy
 
 FILES = ("/ui", "/ui/app.js", "/ui/app.css", "/ui/icon.svg")
 WEIGHT_KB = 150
@@ -154,32 +154,13 @@ def main() -> int:
         procs.append(agent)
         try:
             wait_healthy(url, agent)
-            for i in range(3):
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            *gpuctl[:1],
-                            "-m",
-                            "gpuctl.sim.hold",
-                            "--name",
-                            f"bench-{i}",
-                            "--memory",
-                            "4GiB",
-                        ],
-                        env=env,
-                        stdout=subprocess.DEVNULL,
-                    )
-                )
+            procs += start_holds(3, env)
             time.sleep(1.0)
             weight = page_weight(url)
             renders = first_render_ms(url, read_token, args.loads)
 
             def wrk() -> float:
-                out = subprocess.run(
-                    ["wrk", "-t2", f"-c{args.connections}", f"-d{args.duration}", "--latency",
-                     "-H", f"Authorization: Bearer {token}", f"{url}/status"],
-                    capture_output=True, text=True, check=True,
-                ).stdout  # fmt: skip
+                out = run_wrk(f"{url}/status", token, 2, args.connections, args.duration)
                 rps, _, p99, bad = parse_wrk(out)
                 if bad:
                     sys.exit(f"{bad} /status answers were not 2xx")
