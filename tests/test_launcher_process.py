@@ -145,6 +145,30 @@ def test_an_existing_log_is_made_private(tmp_path: Path, pids: OwnPids) -> None:
     assert (logs / "old.log").read_text().startswith("before\n")
 
 
+def test_a_long_lived_launcher_reaps_its_servers_when_they_exit(
+    tmp_path: Path, pids: OwnPids
+) -> None:
+    """The agent launches for the web view and lives on: a server that exits (stopped
+    by another process, or crashed) must not stay its zombie. This test process is the
+    long-lived launcher here."""
+    import psutil
+
+    launcher = ProcessLauncher(tmp_path / "logs")
+    svc = ServiceConfig(name="brief", host="h", command=f"{PY} -c 'import time; time.sleep(0.2)'")
+    handle = launcher.start(svc)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            status = psutil.Process(handle.pid).status()
+        except psutil.NoSuchProcess:
+            break  # exited and reaped
+        assert time.monotonic() < deadline, f"pid {handle.pid} is still here: {status}"
+        time.sleep(0.05)
+    assert launcher.alive(handle) is False
+
+
 def test_find_by_nonce(tmp_path: Path, pids: OwnPids) -> None:
     launcher = ProcessLauncher(tmp_path / "logs")
     svc = ServiceConfig(name="found", host="h", command=f"{PY} -c 'import time; time.sleep(600)'")

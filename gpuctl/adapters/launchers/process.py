@@ -23,6 +23,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -103,6 +104,7 @@ class ProcessLauncher:
         # Forget the Popen object without waiting: the server must outlive us. Python
         # would otherwise warn "subprocess still running" at exit.
         proc.returncode = 0
+        _reap_when_it_exits(proc.pid)
         # The server runs and nothing has told the caller yet: the window a test kills
         # the caller in.
         failpoints.hit("launch.spawned")
@@ -180,7 +182,15 @@ def _signal(pid: int, sig: int) -> None:
         ) from None
 
 
-def _reap(pid: int) -> None:
+def _reap_when_it_exits(pid: int) -> None:
+    """Collect the server's exit status when it exits, while this process lives. A
+    long-lived launcher (the agent, for the web view's ensure) is the server's parent:
+    unreaped, every server that stopped or crashed would stay its zombie until it exits.
+    A daemon thread: a CLI caller exits at once, and the server passes to init."""
+    threading.Thread(target=_reap, args=(pid, 0), daemon=True, name=f"gpuctl-reap-{pid}").start()
+
+
+def _reap(pid: int, flags: int = os.WNOHANG) -> None:
     """Collect our own child's exit status, so it does not linger as our zombie."""
     with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+        os.waitpid(pid, flags)
