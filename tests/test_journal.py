@@ -401,6 +401,29 @@ def test_reclaim_prunes_the_journal_on_a_host_without_an_agent(cli_env: Path) ->
         j.close()
 
 
+def test_a_stop_that_changes_nothing_writes_no_event(cli_env: Path) -> None:
+    """`gpuctl stop` of a service already stopped, with nothing of it running, changed
+    nothing: no event, so usage does not count stops that never happened."""
+    from tests.conftest import config_file, gpuctl_in_process
+
+    state = cli_env / "state"
+    state.mkdir()
+    cfg = config_file(cli_env)
+    cfg.write_text(
+        f'[hosts.sim]\nprobe = "sim"\nsim_dir = "{cli_env / "sim"}"\n\n'
+        '[services.chat]\nlauncher = "process"\ncommand = "true"\n'
+        'health = "http://127.0.0.1:9/health"\nmatch = ["chat-nothing"]\n'
+    )
+    for _ in range(2):
+        r = gpuctl_in_process(cfg, "stop", "chat")
+        assert r.returncode == 0, r.stdout + r.stderr
+    j = Journal(state)
+    try:
+        assert [e.kind for _, e in j.read(0.0) if e.service == "chat"] == []
+    finally:
+        j.close()
+
+
 def mount_tmpfs(where: Path, size: str = "24m") -> None:
     """A real tmpfs of ``size`` at ``where`` (skips the test where mounting is refused)."""
     r = subprocess.run(
@@ -863,6 +886,20 @@ def test_an_event_told_here_is_redacted_like_one_sent_to_the_agent(tmp_path: Pat
     text = json.dumps(back.to_dict())
     assert "SECRET" not in text, text
     assert back.reason is not None and "127.0.0.1:8000/sleep" in back.reason
+
+
+@pytest.mark.parametrize(
+    ("text", "back"),
+    [("1h30m", 5400.0), ("1d12h", 129600.0), ("2h", 7200.0), ("1w1d", 691200.0)],
+)
+def test_since_takes_a_sum_of_spans_as_durations_elsewhere_do(text: str, back: float) -> None:
+    """``--since 1h30m``: config keys and ``--timeout`` take it, and so does ``since``."""
+    from gpuctl.core.events import parse_since
+
+    assert parse_since(text, 1e9) == 1e9 - back
+    for bad in ("1h30", "h30m", "1h 30m", "1h-30m"):
+        with pytest.raises(ValueError):
+            parse_since(bad, 1e9)
 
 
 def test_a_span_back_past_1970_reads_from_the_start(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ MAX_ID = 2**62  # an event's id (SQLite's rowid is a signed 64-bit integer)
 # never reads it keeps it in the agent's memory (100,000 events were some 100 MB of JSON).
 # A reader pages on with ``after=next``.
 PAGE_MAX = 2000
-SINCE_PATTERN = r"^[0-9]{1,12}(\.[0-9]{1,6})?[smhdw]?$"
+SINCE_PATTERN = r"^(?:[0-9]{1,12}(?:\.[0-9]{1,6})?[smhdw]){1,5}$|^[0-9]{1,12}(?:\.[0-9]{1,6})?$"
 
 
 def _ref(name: str) -> dict[str, Any]:

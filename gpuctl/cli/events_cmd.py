@@ -34,7 +34,7 @@ def _since(text: str, option: str = "--since") -> float:
     try:
         return parse_since(text, time.time())
     except ValueError:
-        fail(UsageError(f"{option}: {text!r} is not a span (2h, 7d) nor a Unix time"))
+        fail(UsageError(f"{option}: {text!r} is not a span (2h, 7d, 1h30m) nor a Unix time"))
 
 
 AllOpt = Annotated[bool, typer.Option("--all", "-a", help="Every configured host (the default).")]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -303,13 +304,19 @@ def _gib(mib: float) -> str:
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_PART = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,6})?)([smhdw])")
+_COMPOUND = re.compile(r"(?:[0-9]{1,12}(?:\.[0-9]{1,6})?[smhdw])+")
 
 
 def parse_since(text: str, now: float) -> float:
-    """``2h``, ``30m``, ``7d``, ``1w`` before ``now``, or a Unix time (``1767225600``):
-    the time it names, never before 1970 (``999999999999d`` is from the start: no clock
-    shows the day before). ValueError for anything else."""
+    """``2h``, ``30m``, ``7d``, ``1w``, or a sum of them as durations elsewhere are written
+    (``1h30m``), before ``now``, or a Unix time (``1767225600``): the time it names, never
+    before 1970 (``999999999999d`` is from the start: no clock shows the day before).
+    ValueError for anything else."""
     text = text.strip().lower()
+    if len(text) <= 64 and _COMPOUND.fullmatch(text) and len(_PART.findall(text)) > 1:
+        span = sum(float(n) * _UNITS[u] for n, u in _PART.findall(text))
+        return max(0.0, now - span)
     if text and text[-1] in _UNITS:
         amount = float(text[:-1])
         if not math.isfinite(amount) or amount < 0:

@@ -140,6 +140,9 @@ def stop(deps: EnsureDeps, entry: str = "stop") -> StopResult:
             if result.stopped
             else "nothing of it was running"
         )
+        # A stop that found it stopped and nothing running changed nothing: no event (the
+        # journal, and usage's count of stops, hold what happened).
+        changed = bool(result.stopped) or record.phase is not Phase.STOPPED
         deps.store.release(
             svc.name,
             holder.id,
@@ -152,7 +155,9 @@ def stop(deps: EnsureDeps, entry: str = "stop") -> StopResult:
                 before=record.phase,
                 after=Phase.STOPPED,
                 reason=result.reason,
-            ),
+            )
+            if changed
+            else None,
         )
     except Unproven:
         # Nothing was signalled: the record stays as it was, for a person to judge.
