@@ -65,7 +65,7 @@ def node_url(s: Table, key: str, schemes: tuple[str, ...], launcher: str | None)
     if launcher != "slurm":
         raise s.fail(
             key,
-            f"{NODE} names the node Slurm chose; only a launcher = \"slurm\" service has one",
+            f'{NODE} names the node Slurm chose; only a launcher = "slurm" service has one',
             hint='set launcher = "slurm", or write the host name',
         )
     check_url(s.loc(key), v.replace(NODE, "node"), schemes)

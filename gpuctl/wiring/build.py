@@ -252,6 +252,24 @@ def _service_health(
             return health.check_sleeping(url, h, http())
 
         return sleepy
+    if service.launcher == "slurm" and service.health and "{node}" in service.health:
+        template = service.health
+
+        def on_node() -> Health:
+            # The node Slurm chose, asked each time: a requeued job may move.
+            from gpuctl.adapters.launchers.slurm import SlurmLauncher
+
+            lx = launcher()
+            assert isinstance(lx, SlurmLauncher)
+            try:
+                node = lx.node_of(service.name)
+            except LauncherError as e:
+                return Health("error", f"cannot ask Slurm for its node: {e.message}")
+            if node is None:
+                return Health("refused", "no running Slurm job (queued, or none)")
+            return health.check(template.replace("{node}", node), timeout_s=2.0, client=http())
+
+        return on_node
     return lambda: health.check(service.health, timeout_s=2.0, client=http())
 
 
