@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from gpuctl.config import ServiceConfig
 
@@ -96,4 +96,16 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """Release what the launcher holds open (a connection pool); idempotent."""
+        ...
+
+
+@runtime_checkable
+class QueueReporter(Protocol):
+    """A launcher whose servers may wait in a scheduler's queue before they run (Slurm).
+
+    Such a start is LOADING while it waits, and says why: the wait loop shows it as its
+    phase, and a look at a LOADING service names it instead of "its server runs"."""
+
+    def queue_state(self, handle: Handle) -> str | None:
+        """Why the server waits ("queued by Slurm: Resources"); None once it runs."""
         ...
