@@ -40,7 +40,7 @@ from gpuctl.flows.ports import (
     Tell,
 )
 from gpuctl.flows.status import StatusReport, status
-from gpuctl.wiring.launchers import handle_checker, launcher_for
+from gpuctl.wiring.launchers import handle_checker, launcher_for, on_node
 
 if TYPE_CHECKING:
     import httpx
@@ -191,7 +191,7 @@ def deps_for(
         return make_launcher(snapshot) if svc.name == service.name else others(svc, snapshot)
 
     def server_in_flight(svc: ServiceConfig) -> int | None:
-        return _server_in_flight(svc, http)
+        return _server_in_flight(svc, http, config.host(svc.host))
 
     return EnsureDeps(
         closers,
@@ -468,11 +468,16 @@ def server_in_flight_reader(http: SharedHttp) -> Callable[[ServiceConfig], int |
     return lambda svc: _server_in_flight(svc, http)
 
 
-def _server_in_flight(svc: ServiceConfig, http: SharedHttp) -> int | None:
+def _server_in_flight(
+    svc: ServiceConfig, http: SharedHttp, host: HostConfig | None = None
+) -> int | None:
     """A running service's requests in flight from its server's metrics (vLLM's
-    ``/metrics``); None where it has none. Raises GpuctlError when they cannot be read."""
+    ``/metrics``; a Slurm job's ``{node}`` expanded when ``host`` is given); None where it
+    has none. Raises GpuctlError when they cannot be read."""
 
     url = vllm.metrics_url(svc.health, svc.metrics)
+    if host is not None:
+        url = on_node(svc, host, url)
     return vllm.in_flight(url, http()) if url else None
 
 

@@ -108,3 +108,18 @@ def handle_checker(
         return None  # jupyter: asking costs a websocket round trip; the keywords tell
 
     return check
+
+
+def on_node(service: ServiceConfig, host: HostConfig, url: str | None) -> str | None:
+    """``url`` with ``{node}`` replaced by the node the service's Slurm job runs on; None
+    while no job of it runs (nothing answers there). Any other URL comes back as it is.
+
+    Raises:
+        LauncherError: Slurm cannot be asked.
+    """
+    if url is None or "{node}" not in url or service.launcher != "slurm" or host.slurm is None:
+        return url
+    from gpuctl.adapters.launchers.slurm import SlurmLauncher
+
+    node = SlurmLauncher(host.slurm, log_dir=default_state_dir() / "logs").node_of(service.name)
+    return None if node is None else url.replace("{node}", node)
