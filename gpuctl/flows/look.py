@@ -350,6 +350,21 @@ def slurm_verdict(
     )
     if verdict.decision in (Decision.READY, Decision.SLEEPING, Decision.LOADING, Decision.FAILED):
         return verdict
+    job = (record.handle or {}).get("job_id") if record is not None else None
+    if (
+        handle_alive is None
+        and job
+        and record is not None
+        and record.phase in (Phase.STARTING, Phase.RUNNING)
+    ):
+        # Not asked (``status`` does not call squeue): a submitted job may be queued or
+        # run, so never FITS, where a second start would submit a second job.
+        return Verdict(
+            svc.name,
+            Decision.LOADING,
+            f"Slurm job {job} submitted (not asked whether it runs); "
+            f"health: {health.detail or health.state}",
+        )
     return Verdict(svc.name, Decision.FITS, SLURM_ADMITS)
 
 

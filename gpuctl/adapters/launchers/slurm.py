@@ -181,7 +181,12 @@ class SlurmLauncher:
         job = self.state(handle)
         if job is None or not job.queued:
             return None
-        return f"queued by Slurm: {job.reason or job.state}"
+        if job.state == "CONFIGURING":
+            return f"queued by Slurm: its node {job.node} is being readied (CONFIGURING)"
+        if job.reason in ("", "None"):
+            # Submitted, not yet looked at by the scheduler: squeue's reason is "None".
+            return f"queued by Slurm: waiting for the scheduler ({job.state})"
+        return f"queued by Slurm: {job.reason}"
 
     def node_of(self, service: str) -> str | None:
         """The node the service's running job is on (squeue's ``%N``), else None."""
