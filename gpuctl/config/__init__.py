@@ -27,6 +27,7 @@ from gpuctl.config.values import (
     HostConfig,
     ProbeName,
     ServiceConfig,
+    SlurmConfig,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "HostConfig",
     "ProbeName",
     "ServiceConfig",
+    "SlurmConfig",
     "config_path",
     "load_config",
     "parse_config",

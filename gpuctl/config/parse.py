@@ -18,6 +18,7 @@ from typing import Any
 from gpuctl.config.docker_fields import container_ref, ipc_mode, ports, shm_size, volumes
 from gpuctl.config.priority_fields import yield_after
 from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
+from gpuctl.config.slurm_fields import check_slurm_service, node_url, parse_slurm
 from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
 from gpuctl.config.values import (
     DEFAULT_AGENT_TIMEOUT_S,
@@ -60,6 +61,7 @@ HOST_KEYS = (
     "timeout",
     "probe",
     "sim_dir",
+    "slurm",
 )
 SERVICE_KEYS = (
     "host",
@@ -207,6 +209,7 @@ def _host(name: str, raw: Any, defaults: Defaults, base: Path | None) -> HostCon
         timeout_s=h.duration("timeout", defaults.agent_timeout_s),
         probe=h.choice("probe", PROBES, "auto") or "auto",
         sim_dir=h.path("sim_dir", base),
+        slurm=parse_slurm(f"hosts.{name}.slurm", h.get("slurm")),
     )
 
 
@@ -231,13 +234,14 @@ def _service(
     sleep_level = _sleep_level(s)
     if sleep_level is not None and stop != "sleep":
         raise s.fail("sleep_level", 'only with stop = "sleep"', hint='add stop = "sleep"')
+    launcher = s.choice("launcher", LAUNCHERS, None)
     svc = ServiceConfig(
         name=name,
         host=host,
-        launcher=s.choice("launcher", LAUNCHERS, None),
+        launcher=launcher,
         image=s.pattern("image", _IMAGE, "an image name like 'vllm/vllm-openai:latest'"),
         command=s.str_("command"),
-        health=s.url("health", HTTP),
+        health=node_url(s, "health", HTTP, launcher),
         match=_match(s),
         memory_mib=s.size("memory"),
         priority=s.int_("priority", defaults.priority, -MAX_PRIORITY, MAX_PRIORITY),
@@ -262,7 +266,7 @@ def _service(
         terminal=s.pattern("terminal", _TERMINAL, "a terminal name of letters, digits and '_'"),
         pid_mode=container_ref(s, "pid_mode", ("host",), containers_only=True),
         models=models(s),
-        url=s.url("url", HTTP),
+        url=node_url(s, "url", HTTP, launcher),
         max_concurrent=max_concurrent(s),
         queue_timeout_s=(
             s.duration("queue_timeout", 0.0) if s.get("queue_timeout") is not None else None
@@ -333,7 +337,7 @@ def _sleep_level(s: Table) -> int | None:
 
 
 def launcher_list() -> str:
-    """Every launcher, for a hint: ``"docker", "jupyter", "process", "ollama"``."""
+    """Every launcher, for a hint: ``"docker", "jupyter", "process", "ollama", "slurm"``."""
     return ", ".join(f'"{name}"' for name in LAUNCHERS)
 
 
@@ -349,6 +353,7 @@ def _check_service(svc: ServiceConfig, host: HostConfig) -> None:
         )
     if launcher == "docker" and not svc.image:
         raise ConfigError(f"{where}.image: missing (the docker launcher needs an image)")
+    check_slurm_service(svc, host.slurm, host.name)
     if launcher in ("jupyter", "process") and not svc.command:
         raise ConfigError(f"{where}.command: missing (the {launcher} launcher needs a command)")
     if launcher == "jupyter" and not host.jupyter:

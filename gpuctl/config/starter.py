@@ -52,13 +52,14 @@ token_file = "{token_rel}"
 # read_token_file = "{name}.read.token"  # read-only, for dashboards and scrapers
 # jupyter = "http://HOST:8888"          # for launcher = "jupyter"
 # docker = "ssh://me@HOST"              # for launcher = "docker"; any Docker Engine URL
+# [hosts.{name}.slurm]                  # for launcher = "slurm": partition, account, time_limit, gpus
 # gpu_memory = "128GiB"                 # the total, where NVML cannot tell (unified memory)
 """
 
 _SERVICE = """
 # A service gpuctl starts on demand. Uncomment and adapt:
 # [services.vllm]
-# launcher = "process"      # docker | jupyter | process | ollama
+# launcher = "process"      # docker | jupyter | process | ollama | slurm
 # command = "vllm serve Qwen/Qwen3-32B --port 8000"
 # health = "http://127.0.0.1:8000/health"
 # match = ["vllm"]          # command keywords that mean "this is ours, loading"

@@ -33,7 +33,7 @@ class ProbeName(StrEnum):
 
 
 PROBES: tuple[str, ...] = tuple(p.value for p in ProbeName)
-LAUNCHERS = ("docker", "jupyter", "process", "ollama")
+LAUNCHERS = ("docker", "jupyter", "process", "ollama", "slurm")
 STOP_ACTIONS = ("stop", "sleep")
 # A server answers requests; a batch works through its items and may be preempted and
 # resumed (``resume = true``) without losing them.
@@ -72,6 +72,28 @@ class Defaults:
 
 
 @dataclass(frozen=True, slots=True)
+class SlurmConfig:
+    """``[hosts.NAME.slurm]``: how the ``slurm`` launcher submits a host's servers.
+
+    The host is the cluster (its login node, where ``sbatch`` answers); the node a job
+    runs on is Slurm's choice. ``gpus`` is each job's GRES request (``--gres gpu:N``);
+    ``time_limit_s`` its ``--time`` (None: the partition's default); ``nice`` and ``qos``
+    its priority within Slurm, which alone decides who runs first and who is preempted.
+    ``sbatch``/``squeue``/``scancel`` are the commands (default: found on PATH).
+    """
+
+    partition: str | None = None
+    account: str | None = None
+    time_limit_s: float | None = None
+    gpus: int = 1
+    nice: int | None = None
+    qos: str | None = None
+    sbatch: str = "sbatch"
+    squeue: str = "squeue"
+    scancel: str = "scancel"
+
+
+@dataclass(frozen=True, slots=True)
 class HostConfig:
     """One GPU host. Without ``agent`` it is this machine, probed and stored directly.
 
@@ -95,6 +117,7 @@ class HostConfig:
     timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
     probe: str = ProbeName.auto.value
     sim_dir: Path | None = None
+    slurm: SlurmConfig | None = None
 
     def token(self) -> str | None:
         """The agent (write) token from ``token_env`` or ``token_file``; None when neither is set.

@@ -273,7 +273,11 @@ def classify(
     if handle_alive and record is not None and record.handle:
         h = record.handle
         what = h.get("container_name") or (
-            f"pid {h['pid']}" if h.get("pid") else h.get("kind", "server")
+            f"pid {h['pid']}"
+            if h.get("pid")
+            else f"Slurm job {h['job_id']}"
+            if h.get("job_id")
+            else h.get("kind", "server")
         )
         return Verdict(
             name,

@@ -158,4 +158,6 @@ def describe_handle(h: Handle) -> str:
     """A server by what its launcher recorded: ``container X``, ``pid N`` or the kind."""
     if h.container_name:
         return f"container {h.container_name}"
+    if h.job_id:
+        return f"Slurm job {h.job_id}"
     return f"pid {h.pid}" if h.pid else h.kind

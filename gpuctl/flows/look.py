@@ -204,6 +204,20 @@ def decide(
     ``host_hint``: an UNKNOWN for want of a snapshot carries the host's own hint (the
     agent's advice); ``status`` shows that once on the host's line instead.
     """
+    slurm = slurm_placed(seen, others)
+    if svc.name in slurm or getattr(svc, "launcher", None) == "slurm":
+        return slurm_verdict(
+            svc,
+            health,
+            record if record is not None else seen.records.get(svc.name),
+            handle_alive=handle_alive,
+            now=now,
+            own_holder=own_holder,
+        )
+    if slurm:
+        # Slurm admits its own jobs: they hold no room on this host's GPUs.
+        seen = replace(seen, records={k: v for k, v in seen.records.items() if k not in slurm})
+        others = [o for o in others if o.name not in slurm]
     error = seen.error
     specs, leased = _accounting(seen, others, now, me=svc.name)
     own = record if record is not None else seen.records.get(svc.name)
@@ -293,6 +307,68 @@ def unreadable_words(
         f"look for its server (`gpuctl status --wide`, `ps`); if it runs, stop it by hand; "
         f"then `gpuctl stop {svc.name}` clears the record, and remove {file} once seen",
     )
+
+
+def slurm_placed(seen: Observation, services: Sequence[ServiceConfig]) -> set[str]:
+    """The services whose servers Slurm places: configured with ``launcher = "slurm"``,
+    or recorded with a Slurm job's handle (a client whose config does not name them)."""
+    out = {s.name for s in services if s.launcher == "slurm"}
+    out.update(r.service for r in seen.records.values() if (r.handle or {}).get("kind") == "slurm")
+    return out
+
+
+def slurm_verdict(
+    svc: ServiceSpec,
+    health: Health,
+    record: Record | None,
+    *,
+    handle_alive: bool | None,
+    now: float,
+    own_holder: str | None,
+) -> Verdict:
+    """A Slurm job's service, decided without the host's GPU memory: Slurm admits it
+    (and queues it while the cluster is full), so gpuctl counts it against no budget and
+    nothing against it. ``classify``'s rows that do not read memory still hold: READY on
+    a healthy answer, LOADING under another caller's lease or while its job is queued or
+    runs, FAILED in its back-off; otherwise it FITS."""
+    empty = Snapshot(
+        memory_used_mib=None,
+        memory_total_mib=None,
+        unified_memory=False,
+        probe="slurm",
+        taken_at=iso_utc(now),
+        starting=(),
+    )
+    verdict = classify(
+        svc,
+        health,
+        empty,
+        record=record,
+        handle_alive=handle_alive,
+        now=now,
+        own_holder=own_holder,
+    )
+    if verdict.decision in (Decision.READY, Decision.SLEEPING, Decision.LOADING, Decision.FAILED):
+        return verdict
+    job = (record.handle or {}).get("job_id") if record is not None else None
+    if (
+        handle_alive is None
+        and job
+        and record is not None
+        and record.phase in (Phase.STARTING, Phase.RUNNING)
+    ):
+        # Not asked (``status`` does not call squeue): a submitted job may be queued or
+        # run, so never FITS, where a second start would submit a second job.
+        return Verdict(
+            svc.name,
+            Decision.LOADING,
+            f"Slurm job {job} submitted (not asked whether it runs); "
+            f"health: {health.detail or health.state}",
+        )
+    return Verdict(svc.name, Decision.FITS, SLURM_ADMITS)
+
+
+SLURM_ADMITS = "Slurm admits it (gpuctl counts no GPU memory for a Slurm job)"
 
 
 def hidden_start(
@@ -454,7 +530,28 @@ def look(
         machine=deps.machine,
         now=deps.clock(),
     )
-    return with_victims(judge(), svc, judge, facts, force=force), seen
+    verdict = with_victims(judge(), svc, judge, facts, force=force)
+    if verdict.decision is Decision.LOADING and alive and record is not None:
+        queued = _queued(deps, record)
+        if queued is not None:
+            verdict = replace(verdict, reason=queued)
+    return verdict, seen
+
+
+def _queued(deps: EnsureDeps, record: Record) -> str | None:
+    """Why a scheduler still queues the server the record names (Slurm's PENDING
+    reason), where the service's launcher can tell; None otherwise."""
+    from gpuctl.adapters.launchers.base import Handle, QueueReporter
+
+    if (record.handle or {}).get("kind") != "slurm":
+        return None
+    try:
+        launcher = deps.launchers.own(None)
+        if not isinstance(launcher, QueueReporter):
+            return None
+        return launcher.queue_state(Handle.from_dict(dict(record.handle or {})))
+    except GpuctlError:
+        return None
 
 
 # Who could be stopped to make room: the facts the victim planner (``gpuctl.core.plan``)

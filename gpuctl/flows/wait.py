@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpuctl.adapters.launchers.base import Handle, Launcher
+from gpuctl.adapters.launchers.base import Handle, Launcher, QueueReporter
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Decision, Health, Verdict, owns
 from gpuctl.core.record import Holder, Record
@@ -172,6 +172,13 @@ class LauncherWatch:
             if deps.servers.health().ok:
                 return Waited(Outcome.READY, self.ready_reason(self.ctx.elapsed()))
             return Waited(Outcome.FAILED, f"{svc.name}'s server exited while loading", self.tail())
+        queued = self.queued()
+        if queued is not None:
+            # Queued by a scheduler: nothing of it runs yet, no GPU memory to measure.
+            self.phase, self.note = "queued", queued
+            self.renew(now)
+            return None
+        self.phase = LauncherWatch.phase
         pid = self.handle.pid
         try:
             snap = deps.probe.read(keywords([svc]), [pid] if pid else [])
@@ -185,13 +192,25 @@ class LauncherWatch:
             self.log_line = last.splitlines()[-1] if last else self.log_line
         except GpuctlError:
             pass
+        self.renew(now)
+        return None
+
+    def renew(self, now: float) -> None:
         if now >= self.next_renew:
             self.next_renew = now + self.ttl_s / 3
             try:
-                deps.store.renew(svc.name, self.holder.id, self.ttl_s)
+                self.ctx.deps.store.renew(self.ctx.deps.service.name, self.holder.id, self.ttl_s)
             except GpuctlError as e:
                 self.note = f"could not renew the lease: {e.message}"
-        return None
+
+    def queued(self) -> str | None:
+        """Why a scheduler (Slurm) still queues the server; None when it runs or none tells."""
+        if not isinstance(self.launcher, QueueReporter):
+            return None
+        try:
+            return self.launcher.queue_state(self.handle)
+        except GpuctlError:
+            return None
 
     def tail(self) -> str:
         return self.launcher.log_tail(self.handle, 20)
@@ -201,6 +220,9 @@ class LauncherWatch:
 
     def timeout_reason(self, limit_s: float) -> str:
         name = self.ctx.deps.service.name
+        queued = self.queued()
+        if queued is not None:
+            return f"{name} did not answer within {limit_s:.0f}s: still {queued}"
         return f"{name} did not answer within {limit_s:.0f}s (it may still be loading)"
 
 

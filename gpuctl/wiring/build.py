@@ -40,7 +40,7 @@ from gpuctl.flows.ports import (
     Tell,
 )
 from gpuctl.flows.status import StatusReport, status
-from gpuctl.wiring.launchers import handle_checker, launcher_for
+from gpuctl.wiring.launchers import handle_checker, launcher_for, on_node
 
 if TYPE_CHECKING:
     import httpx
@@ -191,7 +191,7 @@ def deps_for(
         return make_launcher(snapshot) if svc.name == service.name else others(svc, snapshot)
 
     def server_in_flight(svc: ServiceConfig) -> int | None:
-        return _server_in_flight(svc, http)
+        return _server_in_flight(svc, http, config.host(svc.host))
 
     return EnsureDeps(
         closers,
@@ -252,6 +252,24 @@ def _service_health(
             return health.check_sleeping(url, h, http())
 
         return sleepy
+    if service.launcher == "slurm" and service.health and "{node}" in service.health:
+        template = service.health
+
+        def on_node() -> Health:
+            # The node Slurm chose, asked each time: a requeued job may move.
+            from gpuctl.adapters.launchers.slurm import SlurmLauncher
+
+            lx = launcher()
+            assert isinstance(lx, SlurmLauncher)
+            try:
+                node = lx.node_of(service.name)
+            except LauncherError as e:
+                return Health("error", f"cannot ask Slurm for its node: {e.message}")
+            if node is None:
+                return Health("refused", "no running Slurm job (queued, or none)")
+            return health.check(template.replace("{node}", node), timeout_s=2.0, client=http())
+
+        return on_node
     return lambda: health.check(service.health, timeout_s=2.0, client=http())
 
 
@@ -450,11 +468,16 @@ def server_in_flight_reader(http: SharedHttp) -> Callable[[ServiceConfig], int |
     return lambda svc: _server_in_flight(svc, http)
 
 
-def _server_in_flight(svc: ServiceConfig, http: SharedHttp) -> int | None:
+def _server_in_flight(
+    svc: ServiceConfig, http: SharedHttp, host: HostConfig | None = None
+) -> int | None:
     """A running service's requests in flight from its server's metrics (vLLM's
-    ``/metrics``); None where it has none. Raises GpuctlError when they cannot be read."""
+    ``/metrics``; a Slurm job's ``{node}`` expanded when ``host`` is given); None where it
+    has none. Raises GpuctlError when they cannot be read."""
 
     url = vllm.metrics_url(svc.health, svc.metrics)
+    if host is not None:
+        url = on_node(svc, host, url)
     return vllm.in_flight(url, http()) if url else None
 
 

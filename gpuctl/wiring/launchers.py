@@ -73,6 +73,16 @@ def launcher_for(
             log_dir=default_state_dir() / "logs",
         )
 
+    if kind == "slurm":
+        from gpuctl.adapters.launchers.slurm import SlurmLauncher
+
+        assert host.slurm is not None  # checked at load
+        # sbatch runs here, on the cluster's login node; the log folder must be one the
+        # compute nodes share (docs/how-to/slurm.md).
+        return SlurmLauncher(
+            host.slurm, log_dir=default_state_dir() / "logs", secrets=secrets, host=host.name
+        )
+
     assert host.jupyter is not None
     return JupyterLauncher(host.jupyter, host.jupyter_token(), host_name=host.name, secrets=secrets)
 
@@ -80,7 +90,8 @@ def launcher_for(
 def handle_checker(
     service: ServiceConfig, host: HostConfig, docker: Callable[[], Launcher]
 ) -> Callable[[Record], bool | None]:
-    """How to tell whether the server a record points to still runs, where that is cheap."""
+    """How to tell whether the server a record points to still runs, where that is cheap.
+    ``docker``: the service's own launcher (a Docker client, or Slurm's squeue)."""
 
     def check(record: Record) -> bool | None:
         if not record.handle:
@@ -89,11 +100,26 @@ def handle_checker(
         handle = Handle.from_dict(record.handle)
         if handle.kind == "process" and handle.pid and not host.agent:
             return procinfo.is_same_process(handle.pid, handle.pid_start)
-        if handle.kind == "docker" and service.launcher == "docker":
+        if handle.kind in ("docker", "slurm") and service.launcher == handle.kind:
             try:
-                return docker().alive(handle)
+                return docker().alive(handle)  # squeue for a Slurm job
             except GpuctlError:
                 return None
         return None  # jupyter: asking costs a websocket round trip; the keywords tell
 
     return check
+
+
+def on_node(service: ServiceConfig, host: HostConfig, url: str | None) -> str | None:
+    """``url`` with ``{node}`` replaced by the node the service's Slurm job runs on; None
+    while no job of it runs (nothing answers there). Any other URL comes back as it is.
+
+    Raises:
+        LauncherError: Slurm cannot be asked.
+    """
+    if url is None or "{node}" not in url or service.launcher != "slurm" or host.slurm is None:
+        return url
+    from gpuctl.adapters.launchers.slurm import SlurmLauncher
+
+    node = SlurmLauncher(host.slurm, log_dir=default_state_dir() / "logs").node_of(service.name)
+    return None if node is None else url.replace("{node}", node)

@@ -18,7 +18,7 @@ from gpuctl.errors import ConfigError
 from gpuctl.flows.reclaim import ReclaimDeps, ReclaimHost
 from gpuctl.flows.resume import Resumed, resume_preempted, to_resume
 from gpuctl.wiring.build import SharedHttp, deps_for, no_hosts, snapshot_reader
-from gpuctl.wiring.launchers import launcher_for
+from gpuctl.wiring.launchers import launcher_for, on_node
 
 
 def reclaim_deps(config: Config, host_names: Sequence[str] | None = None) -> ReclaimDeps:
@@ -69,7 +69,7 @@ def _host(
         return launchers[svc.name]
 
     def server_in_flight(svc: ServiceConfig) -> int | None:
-        url = vllm.metrics_url(svc.health, svc.metrics)
+        url = on_node(svc, host, vllm.metrics_url(svc.health, svc.metrics))
         return vllm.in_flight(url, http()) if url else None
 
     def sleep_server(svc: ServiceConfig) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from gpuctl.config import ServiceConfig
 
@@ -14,7 +14,7 @@ class Handle:
 
     ``pid``/``pid_start`` identify the server process itself (never a wrapper shell); the
     start time tells a reused pid from ours, ``pid_ns`` the PID namespace it is counted in. Docker fills ``container_id``/``container_name``,
-    Jupyter ``terminal``; ``log`` is the server's log file where there is one.
+    Jupyter ``terminal``, Slurm ``job_id``; ``log`` is the server's log file where there is one.
     """
 
     kind: str
@@ -33,6 +33,8 @@ class Handle:
     # container keeps its creation's), the model (ollama). Absent from a server started
     # before gpuctl kept it: such a server is reported, never signalled.
     proof: str | None = None
+    # The Slurm launcher's job (``squeue --jobs``); its node is Slurm's to tell.
+    job_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -94,4 +96,16 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """Release what the launcher holds open (a connection pool); idempotent."""
+        ...
+
+
+@runtime_checkable
+class QueueReporter(Protocol):
+    """A launcher whose servers may wait in a scheduler's queue before they run (Slurm).
+
+    Such a start is LOADING while it waits, and says why: the wait loop shows it as its
+    phase, and a look at a LOADING service names it instead of "its server runs"."""
+
+    def queue_state(self, handle: Handle) -> str | None:
+        """Why the server waits ("queued by Slurm: Resources"); None once it runs."""
         ...

@@ -144,13 +144,18 @@ def launch_under_lease(
                     )
                 # Services are not queued, but do not take the room of a higher-priority
                 # waiter at the head of the `run --wait` queue (core.queue says why).
-                held = service_held_back(
-                    deps.store.waiters(),
-                    priority=svc.priority,
-                    need_mib=svc.memory_mib,
-                    verdict=verdict,
-                    snapshot=seen.snapshot,
-                    total_override_mib=deps.host.gpu_memory_mib,
+                # A Slurm job waits in Slurm's queue, not in this host's.
+                held = (
+                    None
+                    if svc.launcher == "slurm"
+                    else service_held_back(
+                        deps.store.waiters(),
+                        priority=svc.priority,
+                        need_mib=svc.memory_mib,
+                        verdict=verdict,
+                        snapshot=seen.snapshot,
+                        total_override_mib=deps.host.gpu_memory_mib,
+                    )
                 )
                 if held is not None:
                     release()

@@ -1,0 +1,229 @@
+"""The Slurm launcher against a real Slurm: Debian's slurmctld, slurmd and munge on
+localhost, one node with 4 fake GRES GPUs, started by ``scripts/ensure-slurm`` (which
+``scripts/test`` sources). Without it (not root, no apt-get) every test here skips,
+saying why.
+
+The servers are ``gpuctl sim model-server`` processes run as Slurm jobs on this machine,
+listening on loopback. Every test shares the one node (filling its GPUs starves the
+others), so they run one at a time in the "heavy" xdist group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuctl.sim.host import free_port
+from tests.conftest import gpuctl
+from tests.ensure_helpers import model_server_command, spawn_ensure, unique_name
+
+
+def _slurm_reason() -> str | None:
+    if os.environ.get("GPUCTL_NO_SLURM") == "1":
+        return "GPUCTL_NO_SLURM=1 (scripts/ensure-slurm could not start a cluster)"
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "no Slurm client commands (source scripts/ensure-slurm first, as scripts/test does)"
+    try:
+        done = subprocess.run(
+            ["sinfo", "--noheader", "--format", "%T %G"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"sinfo did not answer: {e}"
+    if done.returncode != 0:
+        return f"no Slurm cluster answers (sinfo: {done.stderr.strip()[:200]})"
+    if "gpu:4" not in done.stdout:
+        return f"the cluster has no node with 4 GRES GPUs (sinfo: {done.stdout.strip()[:200]})"
+    return None
+
+
+_REASON = _slurm_reason()
+pytestmark = [
+    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
+    pytest.mark.xdist_group("heavy"),
+]
+
+
+def squeue(name: str) -> list[dict[str, str]]:
+    """The jobs of that name squeue lists (pending, running, completing)."""
+    out = subprocess.run(
+        ["squeue", "--noheader", "--name", name, "--format", "%i|%T|%r|%N"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+    ).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    return [{"id": r[0], "state": r[1], "reason": r[2], "node": r[3]} for r in rows]
+
+
+def wait_gone(name: str, limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s
+    while squeue(name):
+        assert time.monotonic() < deadline, f"{name} is still queued: {squeue(name)}"
+        time.sleep(0.2)
+
+
+def cancel(name: str) -> None:
+    subprocess.run(["scancel", "--full", "--name", name], timeout=20, check=False)
+
+
+@pytest.fixture
+def svc() -> Iterator[str]:
+    """A unique service name; its jobs are cancelled when the test ends."""
+    name = unique_name("slm")
+    yield name
+    cancel(f"gpuctl-{name}")
+    wait_gone(f"gpuctl-{name}")
+
+
+@pytest.fixture
+def fill() -> Iterator[str]:
+    """The name of a job that takes all 4 GPUs for a minute; cancelled at the end."""
+    name = unique_name("fill")
+    yield name
+    cancel(name)
+    wait_gone(name)
+
+
+def config(tmp_path: Path, svc: str, *, command: str, port: int, extra: str = "") -> Path:
+    sim = tmp_path / "sim"
+    sim.mkdir(exist_ok=True)
+    path = tmp_path / "slurm.toml"
+    path.write_text(
+        f'[hosts.cluster]\nprobe = "sim"\nsim_dir = "{sim}"\n\n'
+        '[hosts.cluster.slurm]\ntime_limit = "10m"\ngpus = 1\n\n'
+        f'[services.{svc}]\nlauncher = "slurm"\ncommand = {json.dumps(command)}\n'
+        f'health = "http://{{node}}:{port}/health"\nhealth_timeout = "90s"\n{extra}\n'
+    )
+    return path
+
+
+def server(tmp_path: Path, svc: str, **kw: Any) -> tuple[Path, int]:
+    port = free_port()
+    cmd = model_server_command(svc, port, "1GiB", "1s")
+    return config(tmp_path, svc, command=cmd, port=port, **kw), port
+
+
+def ensure_json(cfg: Path, svc: str, *args: str) -> tuple[int, dict[str, Any]]:
+    r = gpuctl(cfg, "ensure", svc, "--json", *args)
+    try:
+        return r.returncode, json.loads(r.stdout)
+    except ValueError:
+        raise AssertionError(f"not JSON: {r.stdout!r} {r.stderr!r}") from None
+
+
+def record(tmp_path: Path, svc: str) -> dict[str, Any]:
+    state = Path(os.environ["GPUCTL_STATE_DIR"])
+    return json.loads((state / "records" / f"{svc}.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True)
+def _state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "sim"))
+    monkeypatch.delenv("GPUCTL_DEBUG", raising=False)
+
+
+def test_submit_ready_on_its_node_then_stop_is_scancel(tmp_path: Path, svc: str) -> None:
+    cfg, port = server(tmp_path, svc)
+    code, out = ensure_json(cfg, svc)
+    assert (code, out["outcome"]) == (0, "ready"), out
+    rec = record(tmp_path, svc)
+    assert rec["handle"]["kind"] == "slurm"
+    job = rec["handle"]["job_id"]
+    (row,) = squeue(f"gpuctl-{svc}")
+    assert (row["id"], row["state"]) == (job, "RUNNING")
+    # {node} became the node Slurm chose, and the server answers there.
+    assert row["node"] and out["outcome"] == "ready"
+    # Again: READY from its health check, no second job.
+    code, out = ensure_json(cfg, svc)
+    assert (code, out["outcome"]) == (0, "ready")
+    assert len(squeue(f"gpuctl-{svc}")) == 1
+
+    r = gpuctl(cfg, "stop", svc)
+    assert r.returncode == 0, r.stderr
+    assert squeue(f"gpuctl-{svc}") == []
+    with pytest.raises(OSError):
+        import socket
+
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_pending_while_the_node_is_full_then_ready(tmp_path: Path, svc: str, fill: str) -> None:
+    subprocess.run(
+        ["sbatch", "--parsable", "--job-name", fill, "--gres", "gpu:4", "--time", "2",
+         "--output", "/dev/null", "--wrap", "sleep 120"],
+        check=True, capture_output=True, text=True, timeout=20, cwd=tmp_path,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while [r["state"] for r in squeue(fill)] != ["RUNNING"]:
+        assert time.monotonic() < deadline, squeue(fill)
+        time.sleep(0.2)
+    cfg, _ = server(tmp_path, svc)
+    code, out = ensure_json(cfg, svc, "--timeout", "3s")
+    assert out["outcome"] == "timeout", out
+    assert "queued by Slurm: Resources" in out["reason"], out
+    (row,) = squeue(f"gpuctl-{svc}")
+    assert row["state"] == "PENDING"
+    # A second caller finds it LOADING, queued, and starts nothing.
+    code, out = ensure_json(cfg, svc, "--no-wait")
+    assert out["outcome"] == "loading", out
+    assert "queued by Slurm: Resources" in out["reason"], out
+    assert len(squeue(f"gpuctl-{svc}")) == 1
+
+    cancel(fill)
+    code, out = ensure_json(cfg, svc)
+    assert (code, out["outcome"]) == (0, "ready"), out
+    (row,) = squeue(f"gpuctl-{svc}")
+    assert row["state"] == "RUNNING"
+
+
+def test_a_job_that_fails_reads_failed_with_its_log(tmp_path: Path, svc: str) -> None:
+    port = free_port()
+    boom = f"{sys.executable} -c \"import sys; print('boom: no weights'); sys.exit(1)\""
+    cfg = config(tmp_path, svc, command=boom, port=port)
+    code, out = ensure_json(cfg, svc)
+    assert out["outcome"] == "failed", out
+    assert code == 1
+    assert "boom: no weights" in out.get("log_tail", "") + json.dumps(record(tmp_path, svc))
+
+
+def test_16_racing_callers_submit_one_job(tmp_path: Path, svc: str) -> None:
+    cfg, _ = server(tmp_path, svc)
+    procs = [spawn_ensure(cfg, svc) for _ in range(16)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        outs.append((p.returncode, stdout, stderr))
+    for code, stdout, stderr in outs:
+        assert code == 0, (stdout, stderr)
+        assert json.loads(stdout)["outcome"] == "ready"
+    assert len(squeue(f"gpuctl-{svc}")) == 1
+    log = Path(record(tmp_path, svc)["handle"]["log"])
+    assert log.read_text().count("--- gpuctl: submitting") == 1
+
+
+def test_reclaim_cancels_an_idle_job(tmp_path: Path, svc: str) -> None:
+    cfg, _ = server(tmp_path, svc, extra='idle_timeout = "1s"')
+    code, out = ensure_json(cfg, svc)
+    assert (code, out["outcome"]) == (0, "ready"), out
+    assert len(squeue(f"gpuctl-{svc}")) == 1
+    time.sleep(1.5)  # the idle timeout itself, not a threshold on gpuctl's speed
+    r = gpuctl(cfg, "reclaim", "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    (c,) = [c for c in json.loads(r.stdout)["candidates"] if c["service"] == svc]
+    assert c["done"], json.dumps(c)
+    assert squeue(f"gpuctl-{svc}") == []
