@@ -134,13 +134,17 @@ def record(tmp_path: Path, svc: str) -> dict[str, Any]:
 def _state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "sim"))
+    # As many simulated GPUs as the node's fake GRES: Slurm hands a job any of its 4
+    # (CUDA_VISIBLE_DEVICES=1 while a cancelled job still ends on GPU 0), and a server
+    # on a one-GPU sim host has no GPU 1.
+    monkeypatch.setenv("GPUCTL_SIM_GPUS", "80GiB,80GiB,80GiB,80GiB")
     monkeypatch.delenv("GPUCTL_DEBUG", raising=False)
 
 
 def test_submit_ready_on_its_node_then_stop_is_scancel(tmp_path: Path, svc: str) -> None:
     cfg, port = server(tmp_path, svc)
     code, out = ensure_json(cfg, svc)
-    assert (code, out["outcome"]) == (0, "ready"), out
+    assert (code, out["outcome"]) == (0, "ready"), (out["reason"], out.get("log_tail"))
     rec = record(tmp_path, svc)
     assert rec["handle"]["kind"] == "slurm"
     job = rec["handle"]["job_id"]
@@ -186,7 +190,7 @@ def test_pending_while_the_node_is_full_then_ready(tmp_path: Path, svc: str, fil
 
     cancel(fill)
     code, out = ensure_json(cfg, svc)
-    assert (code, out["outcome"]) == (0, "ready"), out
+    assert (code, out["outcome"]) == (0, "ready"), (out["reason"], out.get("log_tail"))
     (row,) = squeue(f"gpuctl-{svc}")
     assert row["state"] == "RUNNING"
 
@@ -219,7 +223,7 @@ def test_16_racing_callers_submit_one_job(tmp_path: Path, svc: str) -> None:
 def test_reclaim_cancels_an_idle_job(tmp_path: Path, svc: str) -> None:
     cfg, _ = server(tmp_path, svc, extra='idle_timeout = "1s"')
     code, out = ensure_json(cfg, svc)
-    assert (code, out["outcome"]) == (0, "ready"), out
+    assert (code, out["outcome"]) == (0, "ready"), (out["reason"], out.get("log_tail"))
     assert len(squeue(f"gpuctl-{svc}")) == 1
     time.sleep(1.5)  # the idle timeout itself, not a threshold on gpuctl's speed
     r = gpuctl(cfg, "reclaim", "--json")
