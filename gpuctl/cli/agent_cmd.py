@@ -28,6 +28,7 @@ from gpuctl.core.conn_limits import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_PER_PEER,
     DEFAULT_MAX_TOTAL,
+    MIN_PER_PEER,
     ConnectionLimits,
 )
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, parse_ports
@@ -158,15 +159,15 @@ def register(app: typer.Typer) -> None:
             ),
         ] = DEFAULT_HEALTH_PORTS,
         journal_days: Annotated[
-            float,
+            int,
             typer.Option(
                 "--journal-days",
-                min=1.0,
+                min=1,
                 help="Days of events the journal keeps (older ones survive as daily totals; "
                 "the journal also keeps under 512 MiB, dropping the oldest first).",
                 metavar="DAYS",
             ),
-        ] = 90.0,
+        ] = 90,
         sim_dir: Annotated[
             Path | None,
             typer.Option(
@@ -234,8 +235,9 @@ def register(app: typer.Typer) -> None:
             int,
             typer.Option(
                 "--max-connections-per-peer",
-                help="Connections kept from one address (an IPv6 /64), at least 64.",
-                min=1,
+                help="Connections kept from one address (an IPv6 /64), at least "
+                f"{MIN_PER_PEER}.",
+                min=MIN_PER_PEER,
                 metavar="N",
             ),
         ] = DEFAULT_MAX_PER_PEER,
@@ -262,7 +264,8 @@ def register(app: typer.Typer) -> None:
         ] = DEFAULT_IDLE_TIMEOUT_S,
         config: ConfigOpt = None,
     ) -> None:
-        """Run the GPU host agent: /status, /records, /metrics and /openapi.json over HTTP."""
+        """Run the GPU host agent: /status, /records, /events, /metrics, /openapi.json and
+        the web view at /ui, over HTTP."""
         with errors_to_exit():
             # Lazy: uvicorn and the app load only when the agent really starts.
             from gpuctl.agent.server import serve

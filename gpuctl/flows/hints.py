@@ -46,7 +46,7 @@ def refusal_hint(deps: EnsureDeps, outcome: Outcome, verdict: Verdict | None = N
     if outcome is Outcome.FAILED:
         return (
             f"see {_its_log(deps)} and `gpuctl locks`; fix the cause, then "
-            f"`gpuctl ensure {name}` again"
+            f"`gpuctl ensure {name}` again (`gpuctl stop {name}` ends its back-off at once)"
         )
     if outcome is Outcome.TIMEOUT:
         return (
