@@ -271,6 +271,22 @@ def test_usage_of_a_short_real_run_matches_the_wall_clock(tmp_path: Path) -> Non
     assert group(rows, "service")["svc"].gib_hours == pytest.approx(10 * held / 3600)
 
 
+def test_usage_shows_no_idle_time_for_a_service_never_stopped_for_idleness() -> None:
+    """The IDLE→STOP column is the idle time before stops for idleness (reclaim, yield):
+    "-" where there were none, never a 0s that reads as an instant stop."""
+    from gpuctl.core.usage import Tally
+    from gpuctl.render.events_view import usage_lines, usage_row
+
+    idle = Tally(held_s=3600.0, idle_before_stop_s=900.0, stops={"idle": 1})
+    manual = Tally(held_s=3600.0, stops={"manual": 2})
+    head, chat, photos = usage_lines(
+        [usage_row("chat", idle), usage_row("photos", manual)], "service"
+    )
+    column = head.index("IDLE")
+    assert chat[column:].split()[0] == "15m00s"
+    assert photos[column:].split()[0] == "-"
+
+
 def test_pruned_days_survive_as_daily_rows(tmp_path: Path) -> None:
     now = time.time()
     today = now - now % DAY_S

@@ -156,10 +156,13 @@ def usage_lines(rows: Sequence[UsageRow], by: str) -> list[str]:
             if r.cold_starts
             else "0"
         )
+        # Idle before a stop, over the stops for idleness (reclaim, yield); "-" when none
+        # was: a 0s would read as stops that came the moment it went idle.
+        idle_stops = r.stops.get("idle", 0) + r.stops.get("yield", 0)
+        idle = format_duration(r.idle_before_stop_s) if idle_stops else "-"
         table.append([
-            r.key, f"{r.held_hours:.1f} h", gib, f"{r.seen_gib_hours:.1f}", cold,
-            format_duration(r.idle_before_stop_s), f"{r.preempted}/{r.preempting}", str(r.jobs),
-            str(r.proxy_requests),
+            r.key, f"{r.held_hours:.1f} h", gib, f"{r.seen_gib_hours:.1f}", cold, idle,
+            f"{r.preempted}/{r.preempting}", str(r.jobs), str(r.proxy_requests),
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     return [visible("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
