@@ -5,6 +5,7 @@ GPU, real requests. Idle is reached by waiting for a short ``idle_timeout`` to p
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -110,7 +111,10 @@ def test_an_idle_server_is_stopped_with_one_line(host: SimHost, svc: str) -> Non
     r = gpuctl(cfg, "reclaim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [f"stopped {svc} on sim: " + r.stdout.split(": ", 1)[1].strip()]
-    assert "> 1.0s" in r.stdout
+    # Its idle time against the 1 s limit, never read as a contradiction ("1s > 1s"):
+    # "1.4s > 1.0s" when both round to 1s, "2s > 1s" on a machine slow enough to pass 2 s.
+    m = re.search(r": idle (\S+) > (\S+)$", r.stdout.strip())
+    assert m and m.group(1) != m.group(2) and m.group(2) in ("1s", "1.0s"), r.stdout
     assert server_pids(svc) == []
     rec = read_record(host, svc)
     assert rec["phase"] == "stopped" and rec["lease"] is None and rec["handle"] is None
