@@ -183,6 +183,9 @@ def test_find_by_nonce(tmp_path: Path, pids: OwnPids) -> None:
     assert found.pid_start == pytest.approx(handle.pid_start)
     assert launcher.find(svc, secrets.token_hex(8)) is None
     assert launcher.find(svc, None) is None
+    # The nonce copied into another service's record names a server of another name.
+    other = ServiceConfig(name="other", host="h", command=svc.command)
+    assert launcher.find(other, nonce) is None
     os.kill(handle.pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):  # the launcher's reaper may be first
         os.waitpid(handle.pid, 0)

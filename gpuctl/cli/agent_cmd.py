@@ -235,8 +235,7 @@ def register(app: typer.Typer) -> None:
             int,
             typer.Option(
                 "--max-connections-per-peer",
-                help="Connections kept from one address (an IPv6 /64), at least "
-                f"{MIN_PER_PEER}.",
+                help=f"Connections kept from one address (an IPv6 /64), at least {MIN_PER_PEER}.",
                 min=MIN_PER_PEER,
                 metavar="N",
             ),

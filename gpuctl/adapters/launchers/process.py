@@ -41,7 +41,7 @@ from gpuctl.adapters.launchers.environ import (
 from gpuctl.adapters.launchers.logfile import open_log, tail_file
 from gpuctl.adapters.proof import require_env
 from gpuctl.config import ServiceConfig
-from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.errors import LauncherError, StartFailed, Unproven
 
 
 class ProcessLauncher:
@@ -118,11 +118,20 @@ class ProcessLauncher:
         )
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
-        """The server a start with ``start_nonce`` spawned, by the nonce in its environment."""
+        """The server a start of ``service`` with ``start_nonce`` spawned, by the nonce and
+        the service's name in its environment. A nonce is read from a record anyone with
+        the token may write: copied from another service's record, it names that
+        service's server, which carries another name, and is not this one's."""
         if not start_nonce:
             return None
         pid = procinfo.find_by_env(START_NONCE_ENV, start_nonce)
         if pid is None:
+            return None
+        try:
+            require_env(
+                pid, {START_SERVICE_ENV: service.name}, f"{service.name}'s server", UNPROVEN_HINT
+            )
+        except Unproven:
             return None
         return Handle(
             kind=self.kind,
