@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -793,6 +794,59 @@ def test_a_reader_never_loops_on_a_next_that_does_not_move_on(tmp_path: Path) ->
             assert [i for i, _ in store.events(0.0, after_id=5)] == [5]
         finally:
             store.close()
+
+
+def test_a_row_that_is_not_an_event_never_ends_a_readers_paging(tmp_path: Path) -> None:
+    """A page is full by its rows, not by the events decoded from them: one forged row
+    skipped must not make the page look like the last one."""
+    j = Journal(tmp_path)
+    now = time.time()
+    assert j.write(*(ev(now - 10 + i, Kind.ADMIT, f"s{i}") for i in range(6)))
+    with j._db() as db:
+        db.execute("UPDATE events SET body = ? WHERE id = 2", ('{"kind": "from-the-future"}',))
+    try:
+        rows, nxt = j.page(0.0, size=3)
+        assert [i for i, _ in rows] == [1, 3] and nxt == 3
+        rows, nxt = j.page(0.0, after_id=3, size=3)
+        assert [i for i, _ in rows] == [4, 5, 6] and nxt == 6
+        assert j.page(0.0, after_id=6, size=3) == ([], None)
+    finally:
+        j.close()
+
+
+def test_a_reader_stops_following_a_next_that_creeps_on_for_ever() -> None:
+    """A hostile agent whose every page is empty and whose next is one id further: the
+    store's reader stops after EVENTS_PAGES_MAX pages, not at id 2**62."""
+    from urllib.parse import parse_qs
+
+    from gpuctl.adapters.store import AgentStore
+    from gpuctl.adapters.store.agent import EVENTS_PAGES_MAX
+    from tests.agent_helpers import serve_in_thread
+
+    asked = []
+
+    async def creeping(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        after = int(parse_qs(scope["query_string"].decode())["after"][0])
+        asked.append(after)
+        body = json.dumps({"events": [], "next": after + 1}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})  # fmt: skip
+
+    with serve_in_thread(creeping) as url:
+        store = AgentStore(url, "t" * 32)
+        try:
+            assert store.events(0.0) == []
+        finally:
+            store.close()
+    assert len(asked) == EVENTS_PAGES_MAX
 
 
 def test_a_follower_that_never_reads_is_let_go(

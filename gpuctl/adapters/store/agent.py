@@ -37,6 +37,7 @@ _NO_STORE = "this agent has no state directory"
 # newest that many kept of a longer read.
 EVENTS_PAGE = 2000
 EVENTS_MAX = 100_000
+EVENTS_PAGES_MAX = 1000  # 2,000,000 events: more than a journal of 512 MiB holds
 
 if TYPE_CHECKING:
     import httpx
@@ -256,7 +257,9 @@ class AgentStore:
 
         out: deque[tuple[int, Event]] = deque(maxlen=EVENTS_MAX)
         after: int | None = after_id
-        while after is not None:
+        for _ in range(EVENTS_PAGES_MAX):
+            if after is None:
+                break
             q = {"since": f"{since:.6f}", "after": str(after), "limit": str(EVENTS_PAGE)}
             if service is not None:
                 q["service"] = service
@@ -272,11 +275,14 @@ class AgentStore:
                     except (ValueError, KeyError, TypeError) as e:
                         raise self._broken(f"a broken event: {e}") from None
             nxt = data.get("next")
-            # A page goes forward or reading ends: a next at or before where it began
-            # (a broken or hostile agent) would read the same page for ever.
-            after = (
-                nxt if isinstance(nxt, int) and not isinstance(nxt, bool) and nxt > after else None
-            )
+            # A page goes forward or reading ends: a next at or before where it began, or
+            # before the page's own last event (a broken or hostile agent), would read the
+            # same pages for ever. A page may be short and still have a next (the agent
+            # skips rows that are not events), so a hostile next that creeps on one id at a
+            # time is bounded by the number of pages: EVENTS_PAGES_MAX.
+            last = out[-1][0] if out else after
+            moves = isinstance(nxt, int) and not isinstance(nxt, bool) and nxt > after
+            after = nxt if moves and nxt >= last else None
         return list(out)
 
     def usage(self, since: float) -> dict[tuple[str, str, str], Tally]:

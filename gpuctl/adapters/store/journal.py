@@ -299,23 +299,12 @@ class Journal:
         service: str | None = None,
         after_id: int = 0,
         limit: int | None = None,
-        first: int | None = None,
     ) -> list[tuple[int, Event]]:
         """Events from ``since`` (and past ``after_id``), oldest first; ``limit``: the
-        newest that many; ``first``: the oldest that many, in the order of their ids (a
-        page: the next one reads past the last id). A journal that does not exist yet
-        reads as empty."""
+        newest that many. A journal that does not exist yet reads as empty."""
         if not (self.state_dir / NAME).exists():
             return []
-        sql = "SELECT id, body FROM events WHERE at >= ? AND id > ?"
-        args: list[object] = [since, after_id]
-        if service is not None:
-            sql += " AND service = ?"
-            args.append(service)
-        if first is not None:
-            with self._db() as db:
-                rows = db.execute(f"{sql} ORDER BY id LIMIT ?", [*args, first]).fetchall()
-            return _decoded(rows)
+        sql, args = _where(since, service, after_id)
         if limit is not None:
             # ``sql`` is built from constant text only; every value is a parameter.
             sql = f"SELECT * FROM ({sql} ORDER BY at DESC, id DESC LIMIT ?) ORDER BY 1"  # noqa: S608
@@ -327,6 +316,21 @@ class Journal:
         if limit is not None:
             out.sort(key=lambda p: (p[1].at, p[0]))
         return out
+
+    def page(
+        self, since: float, *, service: str | None = None, after_id: int = 0, size: int
+    ) -> tuple[list[tuple[int, Event]], int | None]:
+        """The oldest ``size`` rows past ``after_id`` (from ``since``), in id order, as
+        events, and where the next page begins: the last row's id when the page was
+        full, else None. A row that is not an event is skipped but still moves the page
+        on: one bad row must not end a reader's paging."""
+        if not (self.state_dir / NAME).exists():
+            return [], None
+        sql, args = _where(since, service, after_id)
+        with self._db() as db:
+            rows = db.execute(f"{sql} ORDER BY id LIMIT ?", [*args, size]).fetchall()
+        nxt = rows[-1][0] if len(rows) == size else None
+        return _decoded(rows), nxt
 
     def usage(self, since: float, now: float | None = None) -> dict[Key, Tally]:
         """The rows from ``since`` to now: closed days from the daily rows (whole UTC
@@ -455,6 +459,17 @@ def _rolled(db: sqlite3.Connection) -> tuple[float, dict[str, Held]]:
         return 0.0, {}
     data = json.loads(row[0])
     return float(data["until"]), {s: Held.from_dict(h) for s, h in data["held"].items()}
+
+
+def _where(since: float, service: str | None, after_id: int) -> tuple[str, list[object]]:
+    """The events from ``since`` past ``after_id`` (of ``service``): the query, built
+    from constant text only, and its parameters."""
+    sql = "SELECT id, body FROM events WHERE at >= ? AND id > ?"
+    args: list[object] = [since, after_id]
+    if service is not None:
+        sql += " AND service = ?"
+        args.append(service)
+    return sql, args
 
 
 def _decoded(rows: list[tuple[int, str]]) -> list[tuple[int, Event]]:
