@@ -144,6 +144,33 @@ def test_a_server_ready_before_anyone_records_it_gets_its_handle(
     assert server_pids(server) == [pid]
 
 
+def test_a_handle_that_names_no_server_is_no_proof_of_a_stop(
+    host: SimHost, names: list[str]
+) -> None:
+    """A record whose handle lost its pid (salvaged from a broken file) once made `gpuctl
+    stop` say "stopped process" and stop nothing. Such a handle is no handle: the start
+    nonce finds the server, and the stop ends it."""
+    a = unique_name("nopid")
+    names.append(a)
+    port = free_port()
+    cfg = host.write_config(service_toml(a, port, model_server_command(a, port, load_time="1s")))
+    r = run_ensure(cfg, a)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    (pid,) = server_pids(a)
+    path = host.state_dir / "records" / f"{a}.json"
+    data = json.loads(path.read_text())
+    assert data["handle"]["pid"] == pid and data["start_nonce"]
+    data["handle"] = {k: v for k, v in data["handle"].items() if k not in ("pid", "pid_start")}
+    path.write_text(json.dumps(data))
+    s = gpuctl(cfg, "stop", a)
+    assert s.returncode == 0, (s.stdout, s.stderr)
+    assert f"pid {pid}" in s.stdout + s.stderr, s.stdout + s.stderr
+    deadline = time.monotonic() + 30
+    while server_pids(a):
+        assert time.monotonic() < deadline, "the server still runs"
+        time.sleep(0.1)
+
+
 def test_orphaned_start_without_a_server_is_started_again(host: SimHost, names: list[str]) -> None:
     """Killed after admission and before spawning: nothing carries the nonce, so the next
     caller proves the start dead and launches, once."""

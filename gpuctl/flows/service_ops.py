@@ -68,14 +68,15 @@ def stop(deps: EnsureDeps, entry: str = "stop") -> StopResult:
             pid = (record.handle or {}).get("pid")
             snapshot = deps.probe.fresh()(keywords([svc]), [pid] if isinstance(pid, int) else [])
         launcher = deps.launchers.own(snapshot)
-        if record.handle:
-            handle = Handle.from_dict(record.handle)
-            if launcher.alive(handle) is not False:
-                try:
-                    launcher.stop(handle, svc.stop_timeout_s, svc.name)
-                except Unproven as e:
-                    raise Unproven(f"{svc.name}: {e.message}; not signalled", e.hint) from None
-                result.stopped.append(describe_handle(handle))
+        # A handle that names no server (salvaged from a broken record) is no handle: its
+        # start nonce still finds the server, below.
+        handle = Handle.from_dict(record.handle) if record.handle else None
+        if handle is not None and handle.locates and launcher.alive(handle) is not False:
+            try:
+                launcher.stop(handle, svc.stop_timeout_s, svc.name)
+            except Unproven as e:
+                raise Unproven(f"{svc.name}: {e.message}; not signalled", e.hint) from None
+            result.stopped.append(describe_handle(handle))
         if not result.stopped:
             found = launcher.find(svc, record.start_nonce)
             if found is not None:

@@ -36,6 +36,15 @@ class Handle:
     # The Slurm launcher's job (``squeue --jobs``); its node is Slurm's to tell.
     job_id: str | None = None
 
+    @property
+    def locates(self) -> bool:
+        """Whether it names a server at all: a pid, a container, a terminal or a job. A
+        handle salvaged from a broken record may have lost the field that did."""
+        return any(
+            v is not None
+            for v in (self.pid, self.container_id, self.container_name, self.terminal, self.job_id)
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
