@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -505,8 +506,12 @@ def test_the_container_gets_the_nonce_and_no_secrets(
         assert not any(e.startswith("GPUCTL_AGENT_TOKEN=") for e in env)
         # The nonce tells the server's host pid, as the agent will look for it.
         assert handle.pid is not None
-        found = procinfo.pids_with_env(START_NONCE_ENV, nonce)
-        assert handle.pid in found
+        # The container's process shows its environment once runc has exec'd it, which
+        # a loaded machine may not have done yet when the engine has answered.
+        deadline = time.monotonic() + 30
+        while handle.pid not in (found := procinfo.pids_with_env(START_NONCE_ENV, nonce)):
+            assert time.monotonic() < deadline, (handle.pid, found)
+            time.sleep(0.1)
         assert launcher.find(svc, nonce) == launcher.find(svc)
         assert launcher.find(svc) is not None
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,13 +180,17 @@ def test_pending_while_the_node_is_full_then_ready(tmp_path: Path, svc: str, fil
     cfg, _ = server(tmp_path, svc)
     code, out = ensure_json(cfg, svc, "--timeout", "3s")
     assert out["outcome"] == "timeout", out
-    assert "queued by Slurm: Resources" in out["reason"], out
+    # Slurm's reason for a job that waits on a full node: Resources, or Priority when
+    # another job waits before it.
+    assert re.search(r"queued by Slurm: (Resources|Priority)", out["reason"]), out["reason"]
     (row,) = squeue(f"gpuctl-{svc}")
     assert row["state"] == "PENDING"
     # A second caller finds it LOADING, queued, and starts nothing.
     code, out = ensure_json(cfg, svc, "--no-wait")
     assert out["outcome"] == "loading", out
-    assert "queued by Slurm: Resources" in out["reason"], out
+    # Slurm's reason for a job that waits on a full node: Resources, or Priority when
+    # another job waits before it.
+    assert re.search(r"queued by Slurm: (Resources|Priority)", out["reason"]), out["reason"]
     assert len(squeue(f"gpuctl-{svc}")) == 1
 
     cancel(fill)
