@@ -8,16 +8,18 @@ secrets plus the service's ``env`` and the start marks (``environ.server_env``),
 ``GPUCTL_START_NONCE`` reaches the server as with the process launcher. The record keeps
 ``{"kind": "slurm", "job_id": ...}``.
 
-The proof a stop checks (``Launcher.stop``) is the job's name and its comment: a record
-can name any job id, and ``scancel`` of another user's or another service's job must
-never follow from it. ``find`` looks for the service's job by name and the nonce in its
-comment, so the job of a start whose caller died before recording it is adopted, never
-submitted twice.
+The proof a stop checks (``Launcher.stop``) is the job's owner, its name and its
+comment: a record can name any job id, and ``scancel`` of another user's or another
+service's job must never follow from it. Name and comment alone prove nothing: every
+user of the cluster can read them in squeue and give a job of theirs the same, so only
+a job of the user gpuctl runs as (squeue's ``%u``) counts. ``find`` looks for the
+service's job by owner, name and the nonce in its comment, so the job of a start whose
+caller died before recording it is adopted, never submitted twice.
 
 Phases come from Slurm: a PENDING job is a start under way (``queue_state`` says why
 it waits: "queued by Slurm: Resources"); RUNNING plus a healthy ``/health`` is READY.
 ``health`` may name ``{node}``: the node Slurm chose, read from squeue's ``%N`` once the
-job runs (``node_of``). Admission is Slurm's: gpuctl does not count the job against the
+job of this user runs (``node_of``). Admission is Slurm's: gpuctl does not count the job against the
 host's GPU memory (``flows.look``).
 
 Every Slurm command runs with a timeout; every failure is a ``LauncherError`` with a hint.
@@ -26,6 +28,7 @@ Every Slurm command runs with a timeout; every failure is a ``LauncherError`` wi
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 import time
 from collections.abc import Iterable
@@ -47,7 +50,10 @@ ACTIVE = frozenset(
 )
 QUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"})
 CALL_TIMEOUT_S = 20.0
-_FORMAT = "%i|%T|%r|%N|%j|%k"
+# The owner (%u) comes before the fields any user may choose (name, comment), so a "|"
+# in those cannot shift it; the comment, last, may hold "|" itself.
+_FORMAT = "%i|%T|%r|%N|%u|%j|%k"
+_FIELDS = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class JobState:
     state: str
     reason: str
     node: str
+    user: str
     name: str
     comment: str
 
@@ -72,6 +79,16 @@ class JobState:
 
 def job_name(service: str) -> str:
     return f"{JOB_PREFIX}{service}"
+
+
+def current_user() -> str:
+    """The user gpuctl runs as, as squeue's ``%u`` writes it (the uid where the name is
+    unknown). From the password database, not ``$USER``, which the caller can set."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def slurm_time(seconds: float) -> str:
@@ -92,17 +109,25 @@ class SlurmLauncher:
             cluster it must be on a file system the compute nodes share.
         secrets: environment variable names the job must not inherit.
         host: the host's name, for hints.
+        user: whose jobs count as gpuctl's (squeue's ``%u``); default the user this
+            process runs as.
     """
 
     kind = "slurm"
 
     def __init__(
-        self, slurm: SlurmConfig, log_dir: Path, secrets: Iterable[str] = (), host: str = ""
+        self,
+        slurm: SlurmConfig,
+        log_dir: Path,
+        secrets: Iterable[str] = (),
+        host: str = "",
+        user: str | None = None,
     ) -> None:
         self.slurm = slurm
         self.log_dir = Path(log_dir)
         self.secrets = frozenset(secrets)
         self.host = host
+        self.user = user if user is not None else current_user()
 
     def log_path(self, service: ServiceConfig) -> Path:
         if service.log:
@@ -162,10 +187,14 @@ class SlurmLauncher:
             )
         out = []
         for line in done.stdout.splitlines():
-            parts = line.split("|", 5)
-            if len(parts) == 6:
+            parts = line.split("|", _FIELDS - 1)
+            if len(parts) == _FIELDS:
                 out.append(JobState(*(p.strip() for p in parts)))
         return out
+
+    def own(self, job: JobState) -> bool:
+        """Whether the job is this user's: the one thing about it others cannot copy."""
+        return job.user == self.user
 
     def state(self, handle: Handle) -> JobState | None:
         """The handle's job as squeue lists it; None once Slurm has forgotten it."""
@@ -188,11 +217,20 @@ class SlurmLauncher:
             return f"queued by Slurm: waiting for the scheduler ({job.state})"
         return f"queued by Slurm: {job.reason}"
 
-    def node_of(self, service: str) -> str | None:
-        """The node the service's running job is on (squeue's ``%N``), else None."""
+    def node_of(self, service: str, start_nonce: str | None = None) -> str | None:
+        """The node the service's running job is on (squeue's ``%N``), else None. Only a
+        job of this user counts, and with ``start_nonce`` only the one that start
+        submitted: another user's job of the same name is no server of gpuctl's.
+
+        Raises:
+            LauncherError: Slurm cannot be asked.
+        """
         for job in self.jobs(name=job_name(service)):
-            if job.state == "RUNNING" and job.node:
-                return job.node.split(",")[0]
+            if job.state != "RUNNING" or not job.node or not self.own(job):
+                continue
+            if start_nonce and job.comment != f"{COMMENT_PREFIX}{start_nonce}":
+                continue
+            return job.node.split(",")[0]
         return None
 
     # -- the Launcher protocol ------------------------------------------------------
@@ -265,7 +303,7 @@ class SlurmLauncher:
         if not start_nonce:
             return None
         for job in self.jobs(name=job_name(service.name)):
-            if job.active and job.comment == f"{COMMENT_PREFIX}{start_nonce}":
+            if job.active and self.own(job) and job.comment == f"{COMMENT_PREFIX}{start_nonce}":
                 return Handle(
                     kind=self.kind,
                     job_id=job.job_id,
@@ -290,6 +328,12 @@ class SlurmLauncher:
         job = self.state(handle)
         if job is None or not job.active:
             return
+        if not self.own(job):
+            raise Unproven(
+                f"Slurm job {job.job_id} is {job.user or 'no one'}'s, not {self.user}'s",
+                hint="gpuctl cancels only its own user's jobs; if the record is wrong, "
+                "`gpuctl stop` clears it once the job has ended",
+            )
         if not handle.proof or job.comment != f"{COMMENT_PREFIX}{handle.proof}":
             raise Unproven(
                 f"Slurm job {job.job_id} does not carry the proof of its start",

@@ -1,0 +1,141 @@
+"""The Slurm launcher against a hostile or broken cluster: another user's jobs that copy
+gpuctl's name and comment, an sbatch that times out or prints nonsense, squeue output
+that is not UTF-8 or names no host, a job that will not leave the queue.
+
+``sbatch``, ``squeue`` and ``scancel`` are one small fake (``FAKE`` below) named in the
+host's ``[hosts.X.slurm]`` command paths; it keeps its queue in a JSON file and logs
+every call, so each case is pure and fast. (The real cluster: tests/test_launcher_slurm.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.launchers.slurm import SlurmLauncher, current_user
+from gpuctl.config import parse_config
+from gpuctl.errors import Unproven
+
+FAKE = r"""
+import json, os, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+tool, args = sys.argv[1], sys.argv[2:]
+path = os.path.join(here, "queue.json")
+q = json.load(open(path))
+with open(os.path.join(here, "calls.jsonl"), "a") as log:
+    log.write(json.dumps([tool, *args]) + "\n")
+def opt(name):
+    return args[args.index(name) + 1] if name in args else None
+if tool == "squeue":
+    if q.get("squeue_raw"):
+        sys.stdout.buffer.write(bytes.fromhex(q["squeue_raw"]))
+        sys.exit(0)
+    keys = {"i": "id", "T": "state", "r": "reason", "N": "node", "u": "user",
+            "j": "name", "k": "comment"}
+    fields = [keys[f.strip("%")] for f in opt("--format").split("|")]
+    for job in q["jobs"]:
+        if opt("--name") not in (None, job["name"]) or opt("--jobs") not in (None, job["id"]):
+            continue
+        print("|".join(job[f] for f in fields))
+elif tool == "sbatch":
+    b = q["sbatch"]
+    job = {"id": str(len(q["jobs"]) + 100), "state": "RUNNING", "reason": "None",
+           "node": "n1", "user": q["me"], "name": opt("--job-name"),
+           "comment": opt("--comment")}
+    if b.get("submits", True):
+        q["jobs"].append(job)
+        json.dump(q, open(path, "w"))
+    if b.get("hang"):
+        time.sleep(60)
+    sys.stdout.write(b.get("says", job["id"] + "\n"))
+elif tool == "scancel":
+    if q.get("scancel_ends", True):
+        for job in q["jobs"]:
+            if job["id"] == args[-1]:
+                job["state"] = "CANCELLED"
+        json.dump(q, open(path, "w"))
+"""
+
+ME = current_user()
+
+
+class Cluster:
+    """The fake's queue and its call log, in ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "fake.py").write_text(FAKE)
+        self.queue: dict[str, Any] = {"me": ME, "jobs": [], "sbatch": {}}
+        self.save()
+        for tool in ("sbatch", "squeue", "scancel"):
+            script = root / tool
+            script.write_text(f'#!/bin/sh\nexec {sys.executable} {root / "fake.py"} {tool} "$@"\n')
+            script.chmod(0o755)
+
+    def save(self) -> None:
+        (self.root / "queue.json").write_text(json.dumps(self.queue))
+
+    def add(self, **job: str) -> None:
+        base = {"state": "RUNNING", "reason": "None", "node": "n1", "user": ME, "comment": ""}
+        self.queue["jobs"].append({**base, **job})
+        self.save()
+
+    def calls(self, tool: str) -> list[list[str]]:
+        path = self.root / "calls.jsonl"
+        rows = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+        return [r[1:] for r in rows if r[0] == tool]
+
+    def launcher(self) -> SlurmLauncher:
+        config = parse_config(
+            {
+                "hosts": {
+                    "c": {"slurm": {t: str(self.root / t) for t in ("sbatch", "squeue", "scancel")}}
+                },
+                "services": {"s": {"launcher": "slurm", "command": "serve", "host": "c"}},
+            }
+        )
+        slurm = config.hosts["c"].slurm
+        assert slurm is not None
+        return SlurmLauncher(slurm, log_dir=self.root / "logs", host="c")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Cluster:
+    return Cluster(tmp_path)
+
+
+def service(log: str | None = None) -> Any:
+    svc = {"launcher": "slurm", "command": "serve", "host": "c"}
+    if log is not None:
+        svc["log"] = log
+    return parse_config({"hosts": {"c": {"slurm": {}}}, "services": {"s": svc}}).services["s"]
+
+
+# -- 1, 2: another user's job with gpuctl's name and comment ------------------------
+
+
+def test_another_users_job_is_no_node_of_ours(cluster: Cluster) -> None:
+    cluster.add(id="7", name="gpuctl-s", user="mallory", node="evil", comment="gpuctl:n1")
+    lx = cluster.launcher()
+    assert lx.node_of("s") is None
+    cluster.add(id="8", name="gpuctl-s", comment="gpuctl:other", node="mine")
+    assert lx.node_of("s") == "mine"
+    # With the record's nonce, only the job that start submitted counts.
+    assert lx.node_of("s", "n1") is None
+    assert lx.node_of("s", "other") == "mine"
+
+
+def test_find_and_stop_ignore_a_copied_name_and_comment(cluster: Cluster) -> None:
+    cluster.add(id="7", name="gpuctl-s", user="mallory", comment="gpuctl:n1")
+    lx = cluster.launcher()
+    assert lx.find(service(), "n1") is None
+    with pytest.raises(Unproven) as e:
+        lx.stop(Handle(kind="slurm", job_id="7", proof="n1"), grace_s=0, service="s")
+    assert e.value.message == "Slurm job 7 is mallory's, not " + ME + "'s"
+    assert e.value.hint
+    assert cluster.calls("scancel") == []
