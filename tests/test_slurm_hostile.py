@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
+from gpuctl.adapters.launchers import slurm as slurm_mod
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.slurm import SlurmLauncher, current_user
 from gpuctl.config import parse_config
-from gpuctl.errors import Unproven
+from gpuctl.errors import StartFailed, Unproven
 
 FAKE = r"""
 import json, os, sys, time
@@ -139,3 +140,54 @@ def test_find_and_stop_ignore_a_copied_name_and_comment(cluster: Cluster) -> Non
     assert e.value.message == "Slurm job 7 is mallory's, not " + ME + "'s"
     assert e.value.hint
     assert cluster.calls("scancel") == []
+
+
+# -- 3, 15: an sbatch that fails to say what it did ---------------------------------
+
+
+def test_a_timed_out_sbatch_that_submitted_is_adopted(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slurm_mod, "CALL_TIMEOUT_S", 1.0)
+    cluster.queue["sbatch"] = {"hang": True}
+    cluster.save()
+    handle = cluster.launcher().start(service(), "n1")
+    assert handle.job_id == "100" and handle.proof == "n1"
+    assert len(cluster.calls("sbatch")) == 1
+
+
+def test_a_timed_out_sbatch_that_did_not_submit_fails(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slurm_mod, "CALL_TIMEOUT_S", 1.0)
+    cluster.queue["sbatch"] = {"hang": True, "submits": False}
+    cluster.save()
+    with pytest.raises(StartFailed) as e:
+        cluster.launcher().start(service(), "n1")
+    assert e.value.message == "sbatch did not answer within 1s"
+
+
+def test_an_unparseable_sbatch_answer_that_submitted_is_adopted(cluster: Cluster) -> None:
+    cluster.queue["sbatch"] = {"says": "Submitted batch job 100\n"}
+    cluster.save()
+    handle = cluster.launcher().start(service(), "n1")
+    assert handle.job_id == "100"
+
+
+@pytest.mark.parametrize("says", ["Submitted batch job 100\n", "١٢\n", "12a\n", "_1\n", "\n"])
+def test_an_sbatch_answer_that_is_no_job_id_fails_naming_sbatch(
+    cluster: Cluster, says: str
+) -> None:
+    cluster.queue["sbatch"] = {"says": says, "submits": False}
+    cluster.save()
+    with pytest.raises(StartFailed) as e:
+        cluster.launcher().start(service(), "n1")
+    assert e.value.message.startswith("sbatch answered ")
+    assert e.value.message.endswith("for s, not a job id")
+
+
+@pytest.mark.parametrize("says", ["12\n", "12;cluster\n", "12_3\n"])
+def test_sbatch_job_ids(cluster: Cluster, says: str) -> None:
+    cluster.queue["sbatch"] = {"says": says, "submits": False}
+    cluster.save()
+    assert cluster.launcher().start(service(), "n1").job_id == says.strip().split(";")[0]

@@ -14,7 +14,8 @@ service's job must never follow from it. Name and comment alone prove nothing: e
 user of the cluster can read them in squeue and give a job of theirs the same, so only
 a job of the user gpuctl runs as (squeue's ``%u``) counts. ``find`` looks for the
 service's job by owner, name and the nonce in its comment, so the job of a start whose
-caller died before recording it is adopted, never submitted twice.
+caller died before recording it (or whose ``sbatch`` timed out after submitting) is
+adopted, never submitted twice.
 
 Phases come from Slurm: a PENDING job is a start under way (``queue_state`` says why
 it waits: "queued by Slurm: Resources"); RUNNING plus a healthy ``/health`` is READY.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import subprocess
 import time
 from collections.abc import Iterable
@@ -54,6 +56,8 @@ CALL_TIMEOUT_S = 20.0
 # in those cannot shift it; the comment, last, may hold "|" itself.
 _FORMAT = "%i|%T|%r|%N|%u|%j|%k"
 _FIELDS = 7
+# sbatch --parsable: "<job id>[;<cluster>]"; an array job's id is "<id>_<task>".
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,16 +291,38 @@ class SlurmLauncher:
         try:
             done = self._run("sbatch", argv, env=env)
         except LauncherError as e:
-            raise StartFailed(e.message, hint=e.hint) from None
+            # A timed-out sbatch may have submitted the job all the same.
+            return self._submitted(service, nonce, StartFailed(e.message, hint=e.hint))
         job_id = done.stdout.strip().split(";")[0]
-        if done.returncode != 0 or not job_id.replace("_", "").isdigit():
+        if done.returncode != 0:
             raise StartFailed(
                 f"sbatch refused {service.name}: "
                 f"{_last_line(done.stderr) or f'exit status {done.returncode}'}",
                 hint=f"check hosts.{self.host}.slurm (partition, account, gpus, time_limit) "
                 "against `sinfo` and `sacctmgr show assoc`",
             )
+        if not _JOB_ID.fullmatch(job_id):
+            return self._submitted(
+                service,
+                nonce,
+                StartFailed(
+                    f"sbatch answered {_clip(done.stdout)!r} for {service.name}, not a job id",
+                    hint=f"is hosts.{self.host}.slurm.sbatch Slurm's sbatch? "
+                    "`sbatch --parsable` prints the job id",
+                ),
+            )
         return Handle(kind=self.kind, job_id=job_id, log=str(log), proof=nonce)
+
+    def _submitted(self, service: ServiceConfig, nonce: str, error: StartFailed) -> Handle:
+        """The job an sbatch that failed to say so submitted (found by its nonce), else
+        ``error`` raised: a job left unrecorded would run, and hold its GPUs, unseen."""
+        try:
+            found = self.find(service, nonce)
+        except LauncherError:
+            found = None
+        if found is None:
+            raise error
+        return found
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
         """The job a start with ``start_nonce`` submitted, by its name and comment."""
@@ -378,6 +404,11 @@ class SlurmLauncher:
 
     def close(self) -> None:
         """Nothing to close: each Slurm command is its own process."""
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _last_line(text: str) -> str:
