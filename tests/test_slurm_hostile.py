@@ -191,3 +191,17 @@ def test_sbatch_job_ids(cluster: Cluster, says: str) -> None:
     cluster.queue["sbatch"] = {"says": says, "submits": False}
     cluster.save()
     assert cluster.launcher().start(service(), "n1").job_id == says.strip().split(";")[0]
+
+
+# -- 4: squeue output that is not UTF-8 ---------------------------------------------
+
+
+def test_squeue_bytes_that_are_not_utf8(cluster: Cluster) -> None:
+    cluster.queue["squeue_raw"] = f"5|PENDING|\xff\xfe|n1|{ME}|gpuctl-s|gpuctl:n1\n".encode(
+        "latin-1"
+    ).hex()
+    cluster.save()
+    lx = cluster.launcher()
+    (job,) = lx.jobs(name="gpuctl-s")
+    assert job.reason == "\ufffd\ufffd"
+    assert lx.queue_state(Handle(kind="slurm", job_id="5")) == "queued by Slurm: \ufffd\ufffd"

@@ -156,7 +156,9 @@ class SlurmLauncher:
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
-                text=True,
+                # Slurm prints what users wrote (names, comments, reasons) as raw bytes.
+                encoding="utf-8",
+                errors="replace",
                 timeout=CALL_TIMEOUT_S,
                 check=False,
             )
