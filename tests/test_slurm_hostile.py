@@ -20,7 +20,7 @@ from gpuctl.adapters.launchers import slurm as slurm_mod
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.slurm import SlurmLauncher, current_user
 from gpuctl.config import parse_config
-from gpuctl.errors import StartFailed, Unproven
+from gpuctl.errors import LauncherError, StartFailed, Unproven
 
 FAKE = r"""
 import json, os, sys, time
@@ -205,3 +205,25 @@ def test_squeue_bytes_that_are_not_utf8(cluster: Cluster) -> None:
     (job,) = lx.jobs(name="gpuctl-s")
     assert job.reason == "\ufffd\ufffd"
     assert lx.queue_state(Handle(kind="slurm", job_id="5")) == "queued by Slurm: \ufffd\ufffd"
+
+
+# -- 5: a job that stays listed after scancel --signal KILL -------------------------
+
+
+def test_stop_says_when_the_job_stays_listed(cluster: Cluster) -> None:
+    cluster.add(id="7", name="gpuctl-s", comment="gpuctl:n1")
+    cluster.queue["scancel_ends"] = False
+    cluster.save()
+    lx = cluster.launcher()
+    lx.kill_wait_s = 0.0
+    with pytest.raises(LauncherError) as e:
+        lx.stop(Handle(kind="slurm", job_id="7", proof="n1"), grace_s=0, service="s")
+    assert e.value.message == "Slurm job 7 is still listed (RUNNING) after scancel --signal KILL"
+    assert e.value.hint
+    assert cluster.calls("scancel")[-1] == ["--signal", "KILL", "--full", "7"]
+
+
+def test_stop_of_our_job_cancels_it(cluster: Cluster) -> None:
+    cluster.add(id="7", name="gpuctl-s", comment="gpuctl:n1")
+    cluster.launcher().stop(Handle(kind="slurm", job_id="7", proof="n1"), grace_s=5, service="s")
+    assert cluster.calls("scancel") == [["7"]]

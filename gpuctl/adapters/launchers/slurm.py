@@ -52,6 +52,8 @@ ACTIVE = frozenset(
 )
 QUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"})
 CALL_TIMEOUT_S = 20.0
+# How long ``stop`` waits for a job to leave the queue after ``scancel --signal KILL``.
+KILL_WAIT_S = 10.0
 # The owner (%u) comes before the fields any user may choose (name, comment), so a "|"
 # in those cannot shift it; the comment, last, may hold "|" itself.
 _FORMAT = "%i|%T|%r|%N|%u|%j|%k"
@@ -132,6 +134,7 @@ class SlurmLauncher:
         self.secrets = frozenset(secrets)
         self.host = host
         self.user = user if user is not None else current_user()
+        self.kill_wait_s = KILL_WAIT_S
 
     def log_path(self, service: ServiceConfig) -> Path:
         if service.log:
@@ -379,14 +382,29 @@ class SlurmLauncher:
                 return
             time.sleep(0.2)
         self._scancel(["--signal", "KILL", "--full", job.job_id])
-        for _ in range(50):
-            if not self._still_there(handle):
+        deadline = time.monotonic() + self.kill_wait_s
+        while True:
+            left = self._listed(handle)
+            if left is None:
                 return
+            if time.monotonic() >= deadline:
+                raise LauncherError(
+                    f"Slurm job {job.job_id} is still listed ({left.state}) "
+                    "after scancel --signal KILL",
+                    hint=f"its node may be unreachable: `scontrol show job {job.job_id}` "
+                    "tells; an operator can `scontrol update nodename=... state=down`",
+                )
             time.sleep(0.2)
 
-    def _still_there(self, handle: Handle) -> bool:
+    def _listed(self, handle: Handle) -> JobState | None:
+        """The job while it still holds its place (queued, running, completing)."""
         job = self.state(handle)
-        return job is not None and (job.active or job.state == "COMPLETING")
+        if job is not None and (job.active or job.state == "COMPLETING"):
+            return job
+        return None
+
+    def _still_there(self, handle: Handle) -> bool:
+        return self._listed(handle) is not None
 
     def _scancel(self, args: list[str]) -> None:
         done = self._run("scancel", [self.slurm.scancel, *args])
