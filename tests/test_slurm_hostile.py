@@ -18,7 +18,7 @@ import pytest
 
 from gpuctl.adapters.launchers import slurm as slurm_mod
 from gpuctl.adapters.launchers.base import Handle
-from gpuctl.adapters.launchers.slurm import SlurmLauncher, current_user
+from gpuctl.adapters.launchers.slurm import SlurmLauncher, current_user, first_host
 from gpuctl.config import parse_config
 from gpuctl.errors import LauncherError, StartFailed, Unproven
 
@@ -227,3 +227,32 @@ def test_stop_of_our_job_cancels_it(cluster: Cluster) -> None:
     cluster.add(id="7", name="gpuctl-s", comment="gpuctl:n1")
     cluster.launcher().stop(Handle(kind="slurm", job_id="7", proof="n1"), grace_s=5, service="s")
     assert cluster.calls("scancel") == [["7"]]
+
+
+# -- 12: %N that is no host name ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nodes", "host"),
+    [
+        ("n1", "n1"),
+        ("gpu-01.cluster", "gpu-01.cluster"),
+        ("a,b", "a"),
+        ("node[01,03]", "node01"),
+        ("node[07-09,11]", "node07"),
+        ("rack[2-3]-n[4-5]x,z", "rack2-n4x"),
+        ("node[01-02],other[3]", "node01"),
+    ],
+)
+def test_first_host_of_a_node_list(nodes: str, host: str) -> None:
+    assert first_host(nodes) == host
+
+
+@pytest.mark.parametrize(
+    "nodes", ["user:pw@host", "a b", "http://x/", "node[a-b]", "node[01", "nöde", "-n", ".n"]
+)
+def test_a_node_that_is_no_host_name_is_refused(cluster: Cluster, nodes: str) -> None:
+    cluster.add(id="7", name="gpuctl-s", node=nodes)
+    with pytest.raises(LauncherError) as e:
+        cluster.launcher().node_of("s")
+    assert e.value.message == f"squeue gave the node {nodes!r}, which is not a host name"

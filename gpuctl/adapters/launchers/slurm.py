@@ -20,7 +20,7 @@ adopted, never submitted twice.
 Phases come from Slurm: a PENDING job is a start under way (``queue_state`` says why
 it waits: "queued by Slurm: Resources"); RUNNING plus a healthy ``/health`` is READY.
 ``health`` may name ``{node}``: the node Slurm chose, read from squeue's ``%N`` once the
-job of this user runs (``node_of``). Admission is Slurm's: gpuctl does not count the job against the
+job of this user runs (``node_of``), and only when it is a plain host name. Admission is Slurm's: gpuctl does not count the job against the
 host's GPU memory (``flows.look``).
 
 Every Slurm command runs with a timeout; every failure is a ``LauncherError`` with a hint.
@@ -60,6 +60,11 @@ _FORMAT = "%i|%T|%r|%N|%u|%j|%k"
 _FIELDS = 7
 # sbatch --parsable: "<job id>[;<cluster>]"; an array job's id is "<id>_<task>".
 _JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?", re.ASCII)
+# A node name that can stand for the host part of a URL: nothing a URL would read as a
+# user, a port, a path or a second host.
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*", re.ASCII)
+# One bracket of a Slurm host list: "01-03,07".
+_RANGES = re.compile(r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,34 @@ def current_user() -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+def first_host(nodes: str) -> str:
+    """The first host of squeue's ``%N`` (a Slurm host list: ``a,b``, ``node[01-03,07]``),
+    checked to be a plain host name.
+
+    Raises:
+        LauncherError: a list this cannot read, or a name that is no host name.
+    """
+    first, depth = nodes, 0
+    for i, ch in enumerate(nodes):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            first = nodes[:i]
+            break
+    parts = re.split(r"\[([^\]]*)\]", first)
+    host = parts[0]
+    for ranges, rest in zip(parts[1::2], parts[2::2], strict=True):
+        if not _RANGES.fullmatch(ranges):
+            host = first  # refused below, with the whole list
+            break
+        host += ranges.split(",")[0].split("-")[0] + rest
+    if "[" in host or "]" in host or not _HOST.fullmatch(host):
+        raise LauncherError(
+            f"squeue gave the node {nodes!r}, which is not a host name",
+            hint="write the server's host in the service's health instead of {node}",
+        )
+    return host
 
 
 def slurm_time(seconds: float) -> str:
@@ -232,14 +265,14 @@ class SlurmLauncher:
         submitted: another user's job of the same name is no server of gpuctl's.
 
         Raises:
-            LauncherError: Slurm cannot be asked.
+            LauncherError: Slurm cannot be asked, or its node is no host name.
         """
         for job in self.jobs(name=job_name(service)):
             if job.state != "RUNNING" or not job.node or not self.own(job):
                 continue
             if start_nonce and job.comment != f"{COMMENT_PREFIX}{start_nonce}":
                 continue
-            return job.node.split(",")[0]
+            return first_host(job.node)
         return None
 
     # -- the Launcher protocol ------------------------------------------------------
