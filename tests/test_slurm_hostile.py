@@ -256,3 +256,21 @@ def test_a_node_that_is_no_host_name_is_refused(cluster: Cluster, nodes: str) ->
     with pytest.raises(LauncherError) as e:
         cluster.launcher().node_of("s")
     assert e.value.message == f"squeue gave the node {nodes!r}, which is not a host name"
+
+
+# -- 16: a log path Slurm would expand ----------------------------------------------
+
+
+def test_a_percent_in_the_log_path_is_written_for_slurm(cluster: Cluster) -> None:
+    log = cluster.root / "logs" / "s%j%%u.log"
+    handle = cluster.launcher().start(service(str(log)), "n1")
+    argv = cluster.calls("sbatch")[0]
+    assert argv[argv.index("--output") + 1] == str(cluster.root / "logs" / "s%%j%%%%u.log")
+    assert handle.log == str(log)
+
+
+def test_a_backslash_in_the_log_path_is_refused(cluster: Cluster) -> None:
+    with pytest.raises(StartFailed) as e:
+        cluster.launcher().start(service(str(cluster.root / "logs" / "a\\b.log")), "n1")
+    assert "backslash" in e.value.message
+    assert cluster.calls("sbatch") == []

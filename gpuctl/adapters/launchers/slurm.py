@@ -130,6 +130,23 @@ def first_host(nodes: str) -> str:
     return host
 
 
+def slurm_filename(path: Path) -> str:
+    """``path`` as sbatch's ``--output`` must be written for Slurm to open that very file:
+    Slurm replaces ``%j``, ``%u``, ... in it (so ``%`` is written ``%%``), and a backslash
+    anywhere makes it drop every backslash, so a path with one cannot be named at all.
+
+    Raises:
+        StartFailed: the path holds a backslash.
+    """
+    text = str(path)
+    if "\\" in text:
+        raise StartFailed(
+            f"the log path {text!r} holds a backslash, which sbatch's --output drops",
+            hint="set the service's log (or GPUCTL_STATE_DIR) to a path without one",
+        )
+    return text.replace("%", "%%")
+
+
 def slurm_time(seconds: float) -> str:
     """sbatch's ``--time`` as ``D-HH:MM:SS``, rounded up to whole seconds."""
     total = max(1, int(-(-seconds // 1)))
@@ -303,7 +320,7 @@ class SlurmLauncher:
             "--comment",
             f"{COMMENT_PREFIX}{nonce}",
             "--output",
-            str(log),
+            slurm_filename(log),
             "--open-mode",
             "append",
             "--export",
