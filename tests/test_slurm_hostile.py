@@ -20,7 +20,9 @@ from gpuctl.adapters.launchers import slurm as slurm_mod
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.slurm import SlurmLauncher, current_user, first_host
 from gpuctl.config import parse_config
+from gpuctl.core.record import Record
 from gpuctl.errors import LauncherError, StartFailed, Unproven
+from gpuctl.flows.look import Observation, slurm_placed
 
 FAKE = r"""
 import json, os, sys, time
@@ -274,3 +276,26 @@ def test_a_backslash_in_the_log_path_is_refused(cluster: Cluster) -> None:
         cluster.launcher().start(service(str(cluster.root / "logs" / "a\\b.log")), "n1")
     assert "backslash" in e.value.message
     assert cluster.calls("sbatch") == []
+
+
+# -- 7: a forged handle kind for a configured service -------------------------------
+
+
+def test_a_record_kind_counts_only_for_a_service_the_config_does_not_name() -> None:
+    config = parse_config(
+        {
+            "hosts": {"c": {"slurm": {}}},
+            "services": {
+                "big": {"launcher": "process", "command": "serve", "host": "c", "memory": "100GiB"},
+                "job": {"launcher": "slurm", "command": "serve", "host": "c"},
+            },
+        }
+    )
+    forged = {"kind": "slurm", "job_id": "1"}
+    seen = Observation(
+        records={
+            "big": Record(service="big", handle=forged),
+            "gone": Record(service="gone", handle=forged),
+        }
+    )
+    assert slurm_placed(seen, list(config.services.values())) == {"job", "gone"}
