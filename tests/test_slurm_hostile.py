@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from gpuctl.config import parse_config
 from gpuctl.core.record import Record
 from gpuctl.errors import LauncherError, StartFailed, Unproven
 from gpuctl.flows.look import Observation, slurm_placed
+from tests.conftest import gpuctl
 
 FAKE = r"""
 import json, os, sys, time
@@ -48,7 +52,7 @@ if tool == "squeue":
 elif tool == "sbatch":
     b = q["sbatch"]
     job = {"id": str(len(q["jobs"]) + 100), "state": "RUNNING", "reason": "None",
-           "node": "n1", "user": q["me"], "name": opt("--job-name"),
+           "node": q.get("node", "n1"), "user": q["me"], "name": opt("--job-name"),
            "comment": opt("--comment")}
     if b.get("submits", True):
         q["jobs"].append(job)
@@ -131,6 +135,48 @@ def test_another_users_job_is_no_node_of_ours(cluster: Cluster) -> None:
     # With the record's nonce, only the job that start submitted counts.
     assert lx.node_of("s", "n1") is None
     assert lx.node_of("s", "other") == "mine"
+
+
+class _Ok(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def answering() -> Iterator[int]:
+    """The port of a server on loopback that answers every GET with 200."""
+    server = HTTPServer(("127.0.0.1", 0), _Ok)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_ensure_submits_its_own_job_beside_another_users(
+    cluster: Cluster, answering: int, tmp_path: Path
+) -> None:
+    # mallory's job copies the name; a server answers on its node. It is not ours: ensure
+    # must submit (once) and be ready from its own job, never from mallory's.
+    cluster.add(id="7", name="gpuctl-s", user="mallory", node="127.0.0.1", comment="gpuctl:x")
+    cluster.queue["node"] = "127.0.0.1"
+    cluster.save()
+    tools = "".join(f'{t} = "{cluster.root / t}"\n' for t in ("sbatch", "squeue", "scancel"))
+    cfg = tmp_path / "gpuctl.toml"
+    cfg.write_text(
+        f'[hosts.c]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n\n[hosts.c.slurm]\n{tools}\n'
+        '[services.s]\nhost = "c"\nlauncher = "slurm"\ncommand = "serve"\n'
+        f'health = "http://{{node}}:{answering}/health"\nhealth_timeout = "30s"\n'
+    )
+    r = gpuctl(cfg, "ensure", "s", "--json", env={"GPUCTL_STATE_DIR": str(tmp_path / "state")})
+    assert json.loads(r.stdout)["outcome"] == "ready", (r.stdout, r.stderr)
+    assert len(cluster.calls("sbatch")) == 1
 
 
 def test_find_and_stop_ignore_a_copied_name_and_comment(cluster: Cluster) -> None:
