@@ -80,7 +80,7 @@ def test_a_slurm_service_needs_the_table_and_a_command() -> None:
 
 
 def test_node_in_health_only_for_slurm() -> None:
-    c = parse_config(cfg({}, health="http://{node}:8000/health", url="http://{node}:8000"))
+    c = parse_config(cfg({}, health="http://{node}:8000/health", url="http://gpu01:8000"))
     assert c.services["s"].health == "http://{node}:8000/health"
     with pytest.raises(ConfigError) as e:
         parse_config(
@@ -99,6 +99,14 @@ def test_node_in_health_only_for_slurm() -> None:
     with pytest.raises(ConfigError) as e:
         parse_config(cfg({}, health="ftp://{node}:8000/health"))
     assert e.value.message.startswith("services.s.health:")
+
+
+def test_node_in_url_is_refused() -> None:
+    # The proxy and status use url as written: a {node} there would reach no server.
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg({}, health="http://{node}:8000/health", url="http://{node}:8000"))
+    assert e.value.message.startswith("services.s.url: {node} works in health only")
+    assert e.value.hint == "write the server's host name in url, or leave url out"
 
 
 @pytest.mark.parametrize(

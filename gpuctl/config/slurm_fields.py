@@ -1,9 +1,10 @@
 """The Slurm launcher's keys: the ``[hosts.NAME.slurm]`` table, checked at load as
 ``sbatch`` would check them at submission, and what a ``slurm`` service may not set.
 
-``health`` (and ``url``) of a Slurm service may name ``{node}``, the node Slurm chose:
-it is checked here as a URL with a placeholder host, and expanded once the job runs
-(``adapters.launchers.slurm``)."""
+``health`` of a Slurm service may name ``{node}``, the node Slurm chose: it is checked
+here as a URL with a placeholder host, and expanded each time the server is asked
+(``adapters.launchers.slurm``). ``url`` may not: the proxy and ``status`` use it as
+written, so a ``{node}`` there would reach no server."""
 
 from __future__ import annotations
 
@@ -56,12 +57,19 @@ def parse_slurm(where: str, raw: Any) -> SlurmConfig | None:
 
 
 def node_url(s: Table, key: str, schemes: tuple[str, ...], launcher: str | None) -> str | None:
-    """A URL that a ``slurm`` service may write with ``{node}`` for its host part."""
+    """A URL that a ``slurm`` service may write with ``{node}`` for its host part (its
+    ``health`` only)."""
     v = s.str_(key)
     if v is None:
         return None
     if NODE not in v:
         return check_url(s.loc(key), v, schemes)
+    if key != "health":
+        raise s.fail(
+            key,
+            f"{NODE} works in health only: {key} is used as written, so it would reach no server",
+            hint=f"write the server's host name in {key}, or leave {key} out",
+        )
     if launcher != "slurm":
         raise s.fail(
             key,

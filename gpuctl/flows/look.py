@@ -311,9 +311,16 @@ def unreadable_words(
 
 def slurm_placed(seen: Observation, services: Sequence[ServiceConfig]) -> set[str]:
     """The services whose servers Slurm places: configured with ``launcher = "slurm"``,
-    or recorded with a Slurm job's handle (a client whose config does not name them)."""
+    or, for a service the config does not name, recorded with a Slurm job's handle. A
+    record's handle is anyone's to write: for a named service the config says which
+    launcher runs it, so a forged ``kind`` cannot take its promise off the host's GPUs."""
+    named = {s.name for s in services}
     out = {s.name for s in services if s.launcher == "slurm"}
-    out.update(r.service for r in seen.records.values() if (r.handle or {}).get("kind") == "slurm")
+    out.update(
+        r.service
+        for r in seen.records.values()
+        if r.service not in named and (r.handle or {}).get("kind") == "slurm"
+    )
     return out
 
 

@@ -8,16 +8,19 @@ secrets plus the service's ``env`` and the start marks (``environ.server_env``),
 ``GPUCTL_START_NONCE`` reaches the server as with the process launcher. The record keeps
 ``{"kind": "slurm", "job_id": ...}``.
 
-The proof a stop checks (``Launcher.stop``) is the job's name and its comment: a record
-can name any job id, and ``scancel`` of another user's or another service's job must
-never follow from it. ``find`` looks for the service's job by name and the nonce in its
-comment, so the job of a start whose caller died before recording it is adopted, never
-submitted twice.
+The proof a stop checks (``Launcher.stop``) is the job's owner, its name and its
+comment: a record can name any job id, and ``scancel`` of another user's or another
+service's job must never follow from it. Name and comment alone prove nothing: every
+user of the cluster can read them in squeue and give a job of theirs the same, so only
+a job of the user gpuctl runs as (squeue's ``%u``) counts. ``find`` looks for the
+service's job by owner, name and the nonce in its comment, so the job of a start whose
+caller died before recording it (or whose ``sbatch`` timed out after submitting) is
+adopted, never submitted twice.
 
 Phases come from Slurm: a PENDING job is a start under way (``queue_state`` says why
 it waits: "queued by Slurm: Resources"); RUNNING plus a healthy ``/health`` is READY.
 ``health`` may name ``{node}``: the node Slurm chose, read from squeue's ``%N`` once the
-job runs (``node_of``). Admission is Slurm's: gpuctl does not count the job against the
+job of this user runs (``node_of``), and only when it is a plain host name. Admission is Slurm's: gpuctl does not count the job against the
 host's GPU memory (``flows.look``).
 
 Every Slurm command runs with a timeout; every failure is a ``LauncherError`` with a hint.
@@ -26,6 +29,8 @@ Every Slurm command runs with a timeout; every failure is a ``LauncherError`` wi
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import subprocess
 import time
 from collections.abc import Iterable
@@ -47,7 +52,19 @@ ACTIVE = frozenset(
 )
 QUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"})
 CALL_TIMEOUT_S = 20.0
-_FORMAT = "%i|%T|%r|%N|%j|%k"
+# How long ``stop`` waits for a job to leave the queue after ``scancel --signal KILL``.
+KILL_WAIT_S = 10.0
+# The owner (%u) comes before the fields any user may choose (name, comment), so a "|"
+# in those cannot shift it; the comment, last, may hold "|" itself.
+_FORMAT = "%i|%T|%r|%N|%u|%j|%k"
+_FIELDS = 7
+# sbatch --parsable: "<job id>[;<cluster>]"; an array job's id is "<id>_<task>".
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?", re.ASCII)
+# A node name that can stand for the host part of a URL: nothing a URL would read as a
+# user, a port, a path or a second host.
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*", re.ASCII)
+# One bracket of a Slurm host list: "01-03,07".
+_RANGES = re.compile(r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +75,7 @@ class JobState:
     state: str
     reason: str
     node: str
+    user: str
     name: str
     comment: str
 
@@ -72,6 +90,61 @@ class JobState:
 
 def job_name(service: str) -> str:
     return f"{JOB_PREFIX}{service}"
+
+
+def current_user() -> str:
+    """The user gpuctl runs as, as squeue's ``%u`` writes it (the uid where the name is
+    unknown). From the password database, not ``$USER``, which the caller can set."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def first_host(nodes: str) -> str:
+    """The first host of squeue's ``%N`` (a Slurm host list: ``a,b``, ``node[01-03,07]``),
+    checked to be a plain host name.
+
+    Raises:
+        LauncherError: a list this cannot read, or a name that is no host name.
+    """
+    first, depth = nodes, 0
+    for i, ch in enumerate(nodes):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            first = nodes[:i]
+            break
+    parts = re.split(r"\[([^\]]*)\]", first)
+    host = parts[0]
+    for ranges, rest in zip(parts[1::2], parts[2::2], strict=True):
+        if not _RANGES.fullmatch(ranges):
+            host = first  # refused below, with the whole list
+            break
+        host += ranges.split(",")[0].split("-")[0] + rest
+    if "[" in host or "]" in host or not _HOST.fullmatch(host):
+        raise LauncherError(
+            f"squeue gave the node {nodes!r}, which is not a host name",
+            hint="write the server's host in the service's health instead of {node}",
+        )
+    return host
+
+
+def slurm_filename(path: Path) -> str:
+    """``path`` as sbatch's ``--output`` must be written for Slurm to open that very file:
+    Slurm replaces ``%j``, ``%u``, ... in it (so ``%`` is written ``%%``), and a backslash
+    anywhere makes it drop every backslash, so a path with one cannot be named at all.
+
+    Raises:
+        StartFailed: the path holds a backslash.
+    """
+    text = str(path)
+    if "\\" in text:
+        raise StartFailed(
+            f"the log path {text!r} holds a backslash, which sbatch's --output drops",
+            hint="set the service's log (or GPUCTL_STATE_DIR) to a path without one",
+        )
+    return text.replace("%", "%%")
 
 
 def slurm_time(seconds: float) -> str:
@@ -92,17 +165,26 @@ class SlurmLauncher:
             cluster it must be on a file system the compute nodes share.
         secrets: environment variable names the job must not inherit.
         host: the host's name, for hints.
+        user: whose jobs count as gpuctl's (squeue's ``%u``); default the user this
+            process runs as.
     """
 
     kind = "slurm"
 
     def __init__(
-        self, slurm: SlurmConfig, log_dir: Path, secrets: Iterable[str] = (), host: str = ""
+        self,
+        slurm: SlurmConfig,
+        log_dir: Path,
+        secrets: Iterable[str] = (),
+        host: str = "",
+        user: str | None = None,
     ) -> None:
         self.slurm = slurm
         self.log_dir = Path(log_dir)
         self.secrets = frozenset(secrets)
         self.host = host
+        self.user = user if user is not None else current_user()
+        self.kill_wait_s = KILL_WAIT_S
 
     def log_path(self, service: ServiceConfig) -> Path:
         if service.log:
@@ -127,7 +209,9 @@ class SlurmLauncher:
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
-                text=True,
+                # Slurm prints what users wrote (names, comments, reasons) as raw bytes.
+                encoding="utf-8",
+                errors="replace",
                 timeout=CALL_TIMEOUT_S,
                 check=False,
             )
@@ -162,10 +246,14 @@ class SlurmLauncher:
             )
         out = []
         for line in done.stdout.splitlines():
-            parts = line.split("|", 5)
-            if len(parts) == 6:
+            parts = line.split("|", _FIELDS - 1)
+            if len(parts) == _FIELDS:
                 out.append(JobState(*(p.strip() for p in parts)))
         return out
+
+    def own(self, job: JobState) -> bool:
+        """Whether the job is this user's: the one thing about it others cannot copy."""
+        return job.user == self.user
 
     def state(self, handle: Handle) -> JobState | None:
         """The handle's job as squeue lists it; None once Slurm has forgotten it."""
@@ -188,11 +276,20 @@ class SlurmLauncher:
             return f"queued by Slurm: waiting for the scheduler ({job.state})"
         return f"queued by Slurm: {job.reason}"
 
-    def node_of(self, service: str) -> str | None:
-        """The node the service's running job is on (squeue's ``%N``), else None."""
+    def node_of(self, service: str, start_nonce: str | None = None) -> str | None:
+        """The node the service's running job is on (squeue's ``%N``), else None. Only a
+        job of this user counts, and with ``start_nonce`` only the one that start
+        submitted: another user's job of the same name is no server of gpuctl's.
+
+        Raises:
+            LauncherError: Slurm cannot be asked, or its node is no host name.
+        """
         for job in self.jobs(name=job_name(service)):
-            if job.state == "RUNNING" and job.node:
-                return job.node.split(",")[0]
+            if job.state != "RUNNING" or not job.node or not self.own(job):
+                continue
+            if start_nonce and job.comment != f"{COMMENT_PREFIX}{start_nonce}":
+                continue
+            return first_host(job.node)
         return None
 
     # -- the Launcher protocol ------------------------------------------------------
@@ -223,7 +320,7 @@ class SlurmLauncher:
             "--comment",
             f"{COMMENT_PREFIX}{nonce}",
             "--output",
-            str(log),
+            slurm_filename(log),
             "--open-mode",
             "append",
             "--export",
@@ -249,23 +346,45 @@ class SlurmLauncher:
         try:
             done = self._run("sbatch", argv, env=env)
         except LauncherError as e:
-            raise StartFailed(e.message, hint=e.hint) from None
+            # A timed-out sbatch may have submitted the job all the same.
+            return self._submitted(service, nonce, StartFailed(e.message, hint=e.hint))
         job_id = done.stdout.strip().split(";")[0]
-        if done.returncode != 0 or not job_id.replace("_", "").isdigit():
+        if done.returncode != 0:
             raise StartFailed(
                 f"sbatch refused {service.name}: "
                 f"{_last_line(done.stderr) or f'exit status {done.returncode}'}",
                 hint=f"check hosts.{self.host}.slurm (partition, account, gpus, time_limit) "
                 "against `sinfo` and `sacctmgr show assoc`",
             )
+        if not _JOB_ID.fullmatch(job_id):
+            return self._submitted(
+                service,
+                nonce,
+                StartFailed(
+                    f"sbatch answered {_clip(done.stdout)!r} for {service.name}, not a job id",
+                    hint=f"is hosts.{self.host}.slurm.sbatch Slurm's sbatch? "
+                    "`sbatch --parsable` prints the job id",
+                ),
+            )
         return Handle(kind=self.kind, job_id=job_id, log=str(log), proof=nonce)
+
+    def _submitted(self, service: ServiceConfig, nonce: str, error: StartFailed) -> Handle:
+        """The job an sbatch that failed to say so submitted (found by its nonce), else
+        ``error`` raised: a job left unrecorded would run, and hold its GPUs, unseen."""
+        try:
+            found = self.find(service, nonce)
+        except LauncherError:
+            found = None
+        if found is None:
+            raise error
+        return found
 
     def find(self, service: ServiceConfig, start_nonce: str | None = None) -> Handle | None:
         """The job a start with ``start_nonce`` submitted, by its name and comment."""
         if not start_nonce:
             return None
         for job in self.jobs(name=job_name(service.name)):
-            if job.active and job.comment == f"{COMMENT_PREFIX}{start_nonce}":
+            if job.active and self.own(job) and job.comment == f"{COMMENT_PREFIX}{start_nonce}":
                 return Handle(
                     kind=self.kind,
                     job_id=job.job_id,
@@ -290,6 +409,12 @@ class SlurmLauncher:
         job = self.state(handle)
         if job is None or not job.active:
             return
+        if not self.own(job):
+            raise Unproven(
+                f"Slurm job {job.job_id} is {job.user or 'no one'}'s, not {self.user}'s",
+                hint="gpuctl cancels only its own user's jobs; if the record is wrong, "
+                "`gpuctl stop` clears it once the job has ended",
+            )
         if not handle.proof or job.comment != f"{COMMENT_PREFIX}{handle.proof}":
             raise Unproven(
                 f"Slurm job {job.job_id} does not carry the proof of its start",
@@ -307,14 +432,29 @@ class SlurmLauncher:
                 return
             time.sleep(0.2)
         self._scancel(["--signal", "KILL", "--full", job.job_id])
-        for _ in range(50):
-            if not self._still_there(handle):
+        deadline = time.monotonic() + self.kill_wait_s
+        while True:
+            left = self._listed(handle)
+            if left is None:
                 return
+            if time.monotonic() >= deadline:
+                raise LauncherError(
+                    f"Slurm job {job.job_id} is still listed ({left.state}) "
+                    "after scancel --signal KILL",
+                    hint=f"its node may be unreachable: `scontrol show job {job.job_id}` "
+                    "tells; an operator can `scontrol update nodename=... state=down`",
+                )
             time.sleep(0.2)
 
-    def _still_there(self, handle: Handle) -> bool:
+    def _listed(self, handle: Handle) -> JobState | None:
+        """The job while it still holds its place (queued, running, completing)."""
         job = self.state(handle)
-        return job is not None and (job.active or job.state == "COMPLETING")
+        if job is not None and (job.active or job.state == "COMPLETING"):
+            return job
+        return None
+
+    def _still_there(self, handle: Handle) -> bool:
+        return self._listed(handle) is not None
 
     def _scancel(self, args: list[str]) -> None:
         done = self._run("scancel", [self.slurm.scancel, *args])
@@ -334,6 +474,11 @@ class SlurmLauncher:
 
     def close(self) -> None:
         """Nothing to close: each Slurm command is its own process."""
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _last_line(text: str) -> str:
