@@ -305,3 +305,49 @@ def test_a_reader_in_another_pid_namespace_never_calls_a_live_server_gone(
         agent.kill()
         agent.wait()
         log.close()
+
+
+def test_a_start_healed_to_running_is_journaled_as_ready(tmp_path: Path) -> None:
+    """A start whose caller did not wait (`--no-wait`, a resume) and whose server now
+    answers: the heal that marks it running tells it as the start's ``ready``, with its
+    cold start, as the agent's check would; a ``repair`` there left the journal with no
+    ready for that start at all."""
+    from gpuctl.adapters.store.base import holder_here
+    from gpuctl.adapters.store.direct import DirectStore
+    from gpuctl.adapters.store.journal import Journal
+    from gpuctl.core.events import Kind
+    from gpuctl.core.heal import ServerTruth
+    from gpuctl.core.record import Phase
+    from gpuctl.core.record_shapes import RecordUpdate
+    from gpuctl.flows.heal import heal
+
+    state = tmp_path / "state"
+    store = DirectStore(state)
+    try:
+        holder = holder_here("ensure")
+        assert store.acquire("photos", holder, 60)[0]
+        store.release(
+            "photos",
+            holder.id,
+            RecordUpdate(phase=Phase.STARTING, start_nonce="ab" * 8, health="http://x/health"),
+        )
+        t0 = store.get("photos").since
+        done = heal(
+            store,
+            [store.get("photos")],
+            lambda _r: ServerTruth(answers=True),
+            "agent",
+            new_holder=holder_here,
+            clock=lambda: t0 + 42.0,
+        )
+        assert [(r.was, r.phase) for r in done] == [(Phase.STARTING, Phase.RUNNING)]
+        assert store.get("photos").phase is Phase.RUNNING
+    finally:
+        store.close()
+    j = Journal(state)
+    try:
+        (ready,) = [e for _, e in j.read(0.0) if e.service == "photos"]
+        assert ready.kind is Kind.READY and ready.who["entry"] == "agent"
+        assert ready.figures["cold_start_s"] == pytest.approx(42.0)
+    finally:
+        j.close()

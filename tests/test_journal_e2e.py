@@ -100,8 +100,9 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
             assert time.time() < deadline, r.stdout
             time.sleep(0.5)
         # The resume does not wait (`--no-wait`): whoever first sees photos answer with
-        # nobody holding its lease tells its ready: the agent's check loop, or a caller's
-        # touch (the store writes it once either way).
+        # nobody holding its lease tells its ready: the agent's check loop or its heal
+        # pass, or a caller's touch (the record turns running once either way, and that
+        # turn is the one ready event).
         deadline = time.time() + 60
         while not any(
             e["kind"] == "ready" and e["who"]["entry"] in ("agent", "touch")

@@ -23,7 +23,7 @@ from dataclasses import replace
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
 from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
-from gpuctl.core.record import Holder, Record
+from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
 
@@ -78,17 +78,25 @@ def heal(
             # refused), and the record is judged again as it is now.
             repair = judge(replace(fresh, lease=None))
             if repair is not None:
+                now = clock()
+                # A start whose server now answers is a start that became ready (its
+                # caller did not wait): told as ``ready``, with its cold start, as the
+                # agent's check or a caller's touch would tell it.
+                ready = repair.was is Phase.STARTING and repair.phase is Phase.RUNNING
                 store.release(
                     record.service,
                     holder.id,
-                    repair.update(clock(), entry),
+                    repair.update(now, entry),
                     event=story.ev(
-                        "repair",
+                        "ready" if ready else "repair",
                         record.service,
                         entry,
                         before=repair.was,
                         after="failed" if repair.failed else repair.phase,
                         reason=repair.why,
+                        cold_start_s=round(now - fresh.since, 3)
+                        if ready and fresh.since > 0
+                        else None,
                     ),
                 )
                 released = True
