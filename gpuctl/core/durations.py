@@ -24,20 +24,7 @@ EXPECTED_FROM_LAST = 5
 
 def start_durations(record: Record | None) -> list[float]:
     """The durations of the record's successful starts, oldest first."""
-    if record is None:
-        return []
-    out = []
-    for a in record.attempts:
-        d = a.get("duration_s")
-        if (
-            a.get("outcome") == "ready"
-            and isinstance(d, int | float)
-            and not isinstance(d, bool)
-            and math.isfinite(d)
-            and d >= 0
-        ):
-            out.append(float(d))
-    return out
+    return [d for _, d in start_attempts(record)]
 
 
 def expected_start_s(record: Record | None) -> float | None:
