@@ -43,11 +43,12 @@ def decision_of(report: StatusReport, service: str) -> Decision | None:
     return None
 
 
-ITEMS = 30
+ITEMS = 60
 # vLLM's idle_timeout in the demo's config: reclaim stops it once idle this long.
 IDLE_S = 1.0
-# How long the batch takes per photo: 3 s for the whole batch, long enough that two
-# `gpuctl ensure` calls catch it mid-way on a loaded machine.
+# How long the batch takes per photo: 6 s for the whole batch, long enough that two
+# `gpuctl ensure` calls catch it mid-way on a loaded machine (at 3 s, a CI run's batch
+# had finished before the first of them looked).
 PER_ITEM = "100ms"
 
 
