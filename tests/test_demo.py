@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.demo.chapters import CHAPTERS, heading
+from gpuctl.demo.priority import ITEMS
 from tests.conftest import gpuctl_exe
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +104,7 @@ def test_demo_piped_beside_a_foreign_vllm(
     prio = out.split("5. Priorities")[1].split("6. A chat request")[0]
     assert "PREEMPTABLE" in prio and "1 launch for 2 callers." in prio
     assert "stopped vllm on sim" in prio and "resumed photos on sim" in prio
-    assert "after resuming: 30 of 30, 0 done twice." in " ".join(prio.split())
+    assert f"after resuming: {ITEMS} of {ITEMS}, 0 done twice." in " ".join(prio.split())
     # The summary says one action a line (its lines ran together into one paragraph).
     said = prio.split("what reclaim did")[1]
     assert re.search(r"^stopped vllm on sim: idle ", said, re.MULTILINE), said
@@ -130,7 +131,7 @@ def test_demo_piped_beside_a_foreign_vllm(
 @pytest.mark.slow
 def test_a_demo_whose_preemption_did_not_happen_says_so_and_fails(tmp_path: Path) -> None:
     """Under load the preemption once preempted nothing, and the demo still printed
-    "after resuming: 30 of 30" and "Demo done". Here `ensure vllm --preempt` dies before
+    "after resuming: N of N" and "Demo done". Here `ensure vllm --preempt` dies before
     it takes a lease (a failpoint), as a caller killed by the OOM killer would."""
     env = demo_env(tmp_path)
     env["GPUCTL_FAILPOINTS"] = "preempt.before_leases=kill"
