@@ -30,15 +30,15 @@ from typing import Any
 
 from gpuctl.adapters.job_cmd import signal_job
 from gpuctl.adapters.store.direct import DirectStore
-from gpuctl.agent import wire
 from gpuctl.agent.http import HttpError
+from gpuctl.core import record_shapes as shapes
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, is_job
 from gpuctl.core.record import Phase
 from gpuctl.core.snapshot import HostIdentity
 from gpuctl.errors import LauncherError
 
 # The longest grace period a job stop may ask for (the request waits for it).
-MAX_GRACE_S = 300.0
+MAX_GRACE_S = shapes.MAX_GRACE_S
 _NOT_A_JOB_HINT = "only a running `gpuctl run --preemptible` job (record run.NAME) can be stopped"
 
 
@@ -107,19 +107,3 @@ def stop_job(
     except LauncherError as e:
         raise HttpError(403, e.message, e.hint) from None
     return {"killed": killed}
-
-
-def stop_request(data: dict[str, Any]) -> dict[str, Any]:
-    """``POST /records/{job}/stop``: the lease holder, the job's pid and its start time as
-    the record names them, and the grace period between SIGTERM and SIGKILL."""
-    return wire.obj(
-        data,
-        "",
-        {
-            "holder": lambda v, f: wire.string(v, f, empty=False),
-            "pid": wire.pid,
-            "pid_start": wire.number,
-            "grace_s": lambda v, f: wire.number(v, f, high=MAX_GRACE_S),
-        },
-        required=("holder", "pid", "pid_start"),
-    )

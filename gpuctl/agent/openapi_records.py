@@ -1,24 +1,24 @@
 """The /records part of the agent's OpenAPI document: the state store's paths and schemas.
 
-The request schemas say exactly what the agent accepts (``gpuctl.agent.wire`` and the
-store's record schema, ``gpuctl.adapters.store.codec``), bounds included, so a client
+Every component is generated from the Structs the agent's checks and the store's codec
+are built from (``core.record_shapes``, ``core.store_shapes``, ``core.answer_shapes``), so
+the request schemas say exactly what the agent accepts, bounds included: a client
 generated from them never sends what the agent refuses, and schemathesis can hold the
 agent to them (``tests/test_agent_schemathesis.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-from gpuctl.adapters.store import codec
-from gpuctl.agent import job_stop, wire
+from gpuctl.agent import wire
+from gpuctl.core import answer_shapes as answers
 from gpuctl.core import record_shapes as shapes
+from gpuctl.core import store_shapes as stored
 from gpuctl.core.names import NAME_PATTERN
-from gpuctl.core.pids import PID_MAX
-from gpuctl.core.promise import MAX_DEVICE_INDEX
-from gpuctl.core.record import DURATION_MAX, INFLIGHT_TTL_MAX_S, RECORD_SCHEMA, Phase
+from gpuctl.core.record import Phase
 
 # The state store's endpoints (gpuctl.agent.store_api). Their errors carry "error" and,
 # for store failures, a "hint".
@@ -258,23 +258,54 @@ def records_paths(unauthorized: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def shaped_schemas() -> dict[str, Any]:
-    """The components of the shapes declared once in ``core.record_shapes``, generated.
+# The request bodies (``core.record_shapes``), the store's shapes (``core.store_shapes``)
+# and the answers (``core.answer_shapes``): every /records component is one of them, or
+# a type their fields name (Holder, Phase, Lease, Record, …).
+REQUESTS: Final = (
+    shapes.LeaseRequest,
+    shapes.RenewRequest,
+    shapes.HolderUpdate,
+    shapes.ReleaseRequest,
+    shapes.TouchRequest,
+    shapes.InflightRequest,
+    shapes.InflightEnd,
+    shapes.QueueJoin,
+    shapes.QueueLeave,
+    shapes.JobStopRequest,
+)
+ANSWERS: Final = (
+    answers.StoreError,
+    answers.RecordList,
+    answers.LeaseGrant,
+    answers.JobStopped,
+    answers.VoidedList,
+    answers.InflightList,
+    answers.QueueList,
+    answers.QueueJoined,
+    answers.QueueLeft,
+)
+# The store writes every field of these (a default is what a reader fills in where a
+# file an older release wrote lacks it), so an answer's schema requires them all.
+WRITTEN_WHOLE: Final = (stored.Record, stored.Lease, stored.QueueLease, stored.Failure)
 
-    A handle and an attempt are open objects: their known fields as their Struct types
-    them, and at most ``MAX_EXTRA_KEYS`` more short scalars (``shapes.ExtraValue``), as
-    ``wire.shaped`` checks them. A lease request's promise is the store's ``Promise``.
+
+def records_schemas() -> dict[str, Any]:
+    """The components of the /records endpoints, generated from the Structs declared once
+    (``REQUESTS``, ``ANSWERS``, and what they name) with ``msgspec.json.schema_components``.
+
+    What msgspec cannot say is added after, here and only here:
+
+    - a handle and an attempt are open objects: their known fields as their Struct types
+      them, and at most ``MAX_EXTRA_KEYS`` more short scalars (``shapes.ExtraValue``), as
+      ``wire.shaped`` checks them;
+    - a body's ``event`` is the journal's ``Event`` (``core.events`` checks it);
+    - a promise's GPUs are each listed once (``uniqueItems``; the codec's ``_devices``);
+    - the store writes every field of a record, a lease and a failure (``WRITTEN_WHOLE``);
+    - ``Phase`` lists the phases in the lifecycle's order.
     """
     template = "#/components/schemas/{name}"
-    named = (
-        shapes.LeaseRequest,
-        shapes.RenewRequest,
-        shapes.HolderUpdate,
-        shapes.ReleaseRequest,
-        shapes.Handle,
-        shapes.Attempt,
-    )
     [extra], _ = msgspec.json.schema_components([shapes.ExtraValue], ref_template=template)
+    named = (*REQUESTS, shapes.Handle, shapes.Attempt, *ANSWERS)
     _, out = msgspec.json.schema_components(named, ref_template=template)
     update = out["RecordUpdate"]["properties"]
     for name, known in shapes.FREE_OBJECTS.items():
@@ -291,419 +322,16 @@ def shaped_schemas() -> dict[str, Any]:
             "maxProperties": free["maxProperties"],
         }
         update[name] = {"anyOf": [free, {"type": "null"}]} if nullable else free
-    out["LeaseRequest"]["properties"]["promise"] = {
-        "anyOf": [_ref("Promise"), {"type": "null"}],
-        "description": "What the start this lease is for promises (kept in the record).",
-    }
     for body in ("LeaseRequest", "HolderUpdate", "ReleaseRequest"):
         out[body]["properties"]["event"] = {
             **_ref("Event"),
             "description": "The journal's event for this write (kept if it lands).",
         }
+    devices = out["Promise"]["properties"]["devices"]
+    next(s for s in devices["anyOf"] if s.get("type") == "array")["uniqueItems"] = True
+    for whole in WRITTEN_WHOLE:
+        out[whole.__name__]["required"] = list(out[whole.__name__]["properties"])
     out["Phase"]["enum"] = [p.value for p in Phase]  # in the lifecycle's order
     out["Holder"]["description"] = "Who asks for a lease: a fresh id per call, and its process."
     out["RecordUpdate"]["description"] = "Changes to a record; every key is optional."
     return out
-
-
-def records_schemas() -> dict[str, Any]:
-    """The schemas of the /records endpoints (``gpuctl.core.record``; the request bodies
-    and what they carry are generated: ``shaped_schemas``)."""
-    number = {"type": "number"}
-    nullable_number = {"type": ["number", "null"]}
-    epoch = {**number, "description": "Seconds since the epoch."}
-    ttl = {
-        "type": "number",
-        "exclusiveMinimum": 0,
-        "maximum": wire.MAX_TTL_S,
-        "description": "Seconds until the lease expires by itself (finite, at most a week).",
-    }
-    holder_id = {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": wire.MAX_SHORT_TEXT,
-        "description": "The holder's id (Holder.id).",
-    }
-    inflight_id = {
-        "type": "string",
-        "pattern": f"^{wire.INFLIGHT_ID.pattern}$",
-        "description": "The holder's id: it names the entry's file (uuid hex does).",
-    }
-    queue_id = {
-        "type": "string",
-        "pattern": f"^{codec.QUEUE_ID.pattern}$",
-        "description": "The waiter's holder id: it names the entry's file (uuid hex does).",
-    }
-    pid = {"type": "integer", "minimum": 1, "maximum": PID_MAX}
-
-    def text(most: int, least: int = 0) -> dict[str, Any]:
-        return {"type": "string", "minLength": least, "maxLength": most}
-
-    def nullable(schema: dict[str, Any]) -> dict[str, Any]:
-        return {"oneOf": [schema, {"type": "null"}]}
-
-    return {
-        **shaped_schemas(),
-        "StoreError": {
-            "type": "object",
-            "required": ["error"],
-            "properties": {
-                "error": {"type": "string", "description": "What went wrong."},
-                "hint": {"type": "string", "description": "What fixes it (may be empty)."},
-            },
-        },
-        "Lease": {
-            "type": "object",
-            "description": "The right to start (or stop) a service; only the holder launches.",
-            "required": [
-                "holder",
-                "host",
-                "boot_id",
-                "pid",
-                "pid_start",
-                "entry",
-                "granted",
-                "expires",
-            ],
-            "properties": {
-                "holder": holder_id,
-                "host": {"type": "string", "description": "The holder's hostname."},
-                "boot_id": {"type": "string", "description": "The holder's kernel boot id."},
-                "pid": {"type": "integer"},
-                "pid_start": {
-                    **nullable_number,
-                    "description": "The holder process's start time: a reused pid is not it.",
-                },
-                "entry": {"type": "string", "description": "ensure, proxy, cron, …"},
-                "granted": epoch,
-                "expires": epoch,
-            },
-        },
-        "Failure": {
-            "type": "object",
-            "required": ["at", "error", "log_tail", "count", "backoff_until"],
-            "properties": {
-                "at": epoch,
-                "error": {"type": "string"},
-                "log_tail": {"type": "string"},
-                "count": {"type": "integer", "description": "Consecutive failed starts."},
-                "backoff_until": {
-                    **epoch,
-                    "description": "No new start before this (10 s, doubling, at most 300 s).",
-                },
-            },
-        },
-        "Record": {
-            "type": "object",
-            "description": "A service's record on this host: its phase, lease, handle and history.",
-            "required": [
-                "schema",
-                "service",
-                "phase",
-                "since",
-                "last_used",
-                "lease",
-                "handle",
-                "attempts",
-                "failure",
-                "recovered",
-                "start_nonce",
-                "health",
-                "promise",
-            ],
-            "properties": {
-                "schema": {"const": RECORD_SCHEMA},
-                "service": {"type": "string"},
-                "phase": _ref("Phase"),
-                "since": {**epoch, "description": "When the phase last changed."},
-                "last_used": {**nullable_number, "description": "When it was last used."},
-                "lease": {
-                    "oneOf": [_ref("Lease"), {"type": "null"}],
-                    "description": "A live lease, else null (expired and void ones read as null).",
-                },
-                "handle": {
-                    "type": ["object", "null"],
-                    "description": "What the launcher needs to find the server again.",
-                },
-                "attempts": {
-                    "type": "array",
-                    "items": {"type": "object"},
-                    "description": "The last start attempts (at most 10).",
-                },
-                "failure": {"oneOf": [_ref("Failure"), {"type": "null"}]},
-                "recovered": {
-                    "type": ["string", "null"],
-                    "description": "Set once when a broken record file was set aside.",
-                },
-                "start_nonce": {
-                    "type": ["string", "null"],
-                    "pattern": "^[0-9a-f]{8,64}$",
-                    "description": "The last start's GPUCTL_START_NONCE (finds its server).",
-                },
-                "health": {
-                    "type": ["string", "null"],
-                    "description": "The URL that tells the server answers (http or https).",
-                },
-                "promise": {
-                    "oneOf": [_ref("Promise"), {"type": "null"}],
-                    "description": "What its last start promised; null from an older release.",
-                },
-            },
-        },
-        "Promise": {
-            "type": "object",
-            "description": (
-                "What a start promises the host, written with its lease: every client counts "
-                "the service at these figures, whatever its own config says of it."
-            ),
-            "additionalProperties": False,
-            "required": ["memory_mib", "priority"],
-            "properties": {
-                "memory_mib": {
-                    **nullable({"type": "integer", "minimum": 1, "maximum": 1 << 40}),
-                    "description": "Its memory budget in MiB; null: none.",
-                },
-                "priority": {
-                    "type": "integer",
-                    "minimum": -codec.PRIORITY_MAX,
-                    "maximum": codec.PRIORITY_MAX,
-                },
-                "devices": {
-                    **nullable(
-                        {
-                            "type": "array",
-                            "items": {
-                                "type": "integer",
-                                "minimum": 0,
-                                "maximum": MAX_DEVICE_INDEX,
-                            },
-                            "minItems": 1,
-                            "uniqueItems": True,
-                            "maxItems": MAX_DEVICE_INDEX + 1,
-                        }
-                    ),
-                    "description": "The GPUs it may land on; null: any one.",
-                },
-                "kind": {"enum": ["server", "batch"]},
-                "resume": {"type": "boolean"},
-                "health_timeout_s": {
-                    "type": "number",
-                    "minimum": 0,
-                    "maximum": DURATION_MAX,
-                },
-                "yield_after_s": {
-                    **nullable({"type": "number", "minimum": 0, "maximum": DURATION_MAX}),
-                    "description": "Unused this long, it yields to a preempting start; null: never.",
-                },
-            },
-        },
-        "SetAside": {
-            "type": "object",
-            "description": "A record file that failed validation, kept beside the records.",
-            "required": ["service", "file", "at", "size", "why"],
-            "properties": {
-                "service": {"type": "string"},
-                "file": {"type": "string", "description": "Its name in records/."},
-                "at": {**epoch, "description": "When it was set aside."},
-                "size": {"type": "integer", "minimum": 0},
-                "why": {"type": "string", "description": "Where it failed the schema."},
-            },
-        },
-        "Voided": {
-            "type": "object",
-            "description": "A lease or entry found forged (`gpuctl locks` shows it).",
-            "required": list(codec.VOIDED_FIELDS),
-            "properties": {
-                "kind": {"type": "string", "enum": list(codec.VOIDED_KINDS)},
-                "service": {"type": "string", "minLength": 1, "maxLength": 255},
-                "file": {
-                    "type": "string",
-                    "minLength": 1,
-                    "maxLength": 300,
-                    "description": "Where it is, under the state folder.",
-                },
-                "host": {"type": "string", "maxLength": 255, "description": "Its holder's."},
-                "pid": {"type": "integer", "minimum": 0, "maximum": PID_MAX},
-                "at": {**epoch, "description": "When it was set aside (or granted)."},
-                "why": {"type": "string", "maxLength": 4096},
-            },
-        },
-        "VoidedList": {
-            "type": "object",
-            "required": ["voided"],
-            "properties": {"voided": {"type": "array", "items": _ref("Voided")}},
-        },
-        "RecordList": {
-            "type": "object",
-            "required": ["records"],
-            "properties": {
-                "records": {"type": "array", "items": _ref("Record")},
-                "set_aside": {"type": "array", "items": _ref("SetAside")},
-            },
-        },
-        "LeaseGrant": {
-            "type": "object",
-            "required": ["granted", "record"],
-            "properties": {
-                "granted": {
-                    "type": "boolean",
-                    "description": "false: someone else holds a live lease (see record.lease).",
-                },
-                "record": _ref("Record"),
-            },
-        },
-        "TouchRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "ready": {
-                    "type": "boolean",
-                    "description": (
-                        "The caller saw the server answer: a record still starting becomes "
-                        "running (a stopped one stays stopped)."
-                    ),
-                },
-                "promise": {
-                    **nullable(_ref("Promise")),
-                    "description": (
-                        "The caller's figures for the service: written only into a record "
-                        "that has none (one an older release wrote)."
-                    ),
-                },
-            },
-        },
-        "JobStopRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder", "pid", "pid_start"],
-            "properties": {
-                "holder": holder_id,
-                "pid": {**pid, "maximum": PID_MAX},
-                "pid_start": {
-                    "type": "number",
-                    "minimum": 0,
-                    "maximum": wire.MAX_EPOCH_S,
-                    "description": "The pid's start time, as the job's record names it.",
-                },
-                "grace_s": {
-                    "type": "number",
-                    "minimum": 0,
-                    "maximum": job_stop.MAX_GRACE_S,
-                    "description": "Seconds between SIGTERM and SIGKILL (default 10).",
-                },
-            },
-        },
-        "JobStopped": {
-            "type": "object",
-            "required": ["killed"],
-            "properties": {
-                "killed": {
-                    "type": "boolean",
-                    "description": "It outlived the grace period and got SIGKILL.",
-                }
-            },
-        },
-        "InflightEnd": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder"],
-            "properties": {"holder": inflight_id},
-        },
-        "InflightRequest": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder", "ttl_s"],
-            "properties": {
-                "holder": {
-                    "allOf": [_ref("Holder"), {"properties": {"id": inflight_id}}],
-                    "description": "As for a lease; the id names the entry's file.",
-                },
-                "ttl_s": {
-                    **ttl,
-                    "maximum": INFLIGHT_TTL_MAX_S,
-                    "description": "Seconds until the entry lapses unless renewed (at most "
-                    f"{INFLIGHT_TTL_MAX_S:g}).",
-                },
-            },
-        },
-        "Waiter": {
-            "type": "object",
-            "description": "One caller in the wait queue.",
-            "required": ["name", "priority", "memory_mib", "seq", "since", "holder"],
-            "properties": {
-                "name": {"type": "string", "description": "The job's record name (run.<name>)."},
-                "priority": {"type": "integer", "description": "Higher is served first."},
-                "memory_mib": {"type": "integer", "minimum": 1},
-                "seq": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "description": "Arrival order on this host (first come, first served "
-                    "among equal priorities).",
-                },
-                "since": {**epoch, "description": "When it joined."},
-                "holder": {
-                    **_ref("Lease"),
-                    "description": "Who waits; `expires` is its heartbeat's term.",
-                },
-            },
-        },
-        "QueueList": {
-            "type": "object",
-            "required": ["queue"],
-            "properties": {"queue": {"type": "array", "items": _ref("Waiter")}},
-        },
-        "QueueJoin": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder", "ttl_s", "name", "priority", "memory_mib"],
-            "properties": {
-                "holder": {
-                    "allOf": [_ref("Holder"), {"properties": {"id": queue_id}}],
-                    "description": "As for a lease; the id names the entry's file.",
-                },
-                "ttl_s": {
-                    **ttl,
-                    "maximum": codec.QUEUE_TTL_MAX_S,
-                    "description": "Seconds until the entry lapses unless renewed (at most "
-                    "five minutes).",
-                },
-                "name": {"type": "string", "pattern": SERVICE_NAME_PATTERN},
-                "priority": {
-                    "type": "integer",
-                    "minimum": -codec.PRIORITY_MAX,
-                    "maximum": codec.PRIORITY_MAX,
-                },
-                "memory_mib": {"type": "integer", "minimum": 1, "maximum": codec.MEMORY_MAX_MIB},
-            },
-        },
-        "QueueJoined": {
-            "type": "object",
-            "required": ["waiter", "queue"],
-            "properties": {
-                "waiter": _ref("Waiter"),
-                "queue": {"type": "array", "items": _ref("Waiter")},
-            },
-        },
-        "QueueLeave": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["holder"],
-            "properties": {"holder": queue_id},
-        },
-        "QueueLeft": {
-            "type": "object",
-            "required": ["left"],
-            "properties": {"left": {"type": "boolean"}},
-        },
-        "InflightList": {
-            "type": "object",
-            "required": ["inflight"],
-            "properties": {
-                "inflight": {
-                    "type": "object",
-                    "description": "Requests in flight, by service.",
-                    "additionalProperties": {"type": "integer", "minimum": 1},
-                }
-            },
-        },
-    }

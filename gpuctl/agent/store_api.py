@@ -253,7 +253,7 @@ class StoreApi:
             "touch": wire.touch_request,
             "queue_join": wire.queue_join_request,
             "queue_leave": wire.queue_leave_request,
-            "stop_job": job_stop.stop_request,
+            "stop_job": wire.job_stop_request,
         }
         args = checks[op](data)
         update: RecordUpdate | None = args.get("update")

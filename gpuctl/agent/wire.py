@@ -6,9 +6,10 @@ runs (100,000 nested ``[`` would otherwise blow its recursion limit); ``NaN`` an
 types (``"no"`` is not a boolean, ``1.5`` is not a pid), ranges (a pid fits the kernel's
 ``PID_MAX_LIMIT``) and finite numbers. What passes can be handed to the store as is.
 
-The record bodies (lease, renew, update, release, a holder) are decoded into the Structs
-declared once in ``core.record_shapes`` (``shaped``), and msgspec's error is said again
-the way every 400 here says it: the field, then what it should be.
+The record bodies (lease, renew, update, release, touch, in-flight, queue, job stop, a
+holder) are decoded into the Structs declared once in ``core.record_shapes``
+(``shaped``), and msgspec's error is said again the way every 400 here says it: the
+field, then what it should be.
 """
 
 from __future__ import annotations
@@ -21,22 +22,15 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from gpuctl.adapters.store.codec import (
-    MEMORY_MAX_MIB,
-    PRIORITY_MAX,
-    QUEUE_ID,
-    QUEUE_TTL_MAX_S,
-    RecordError,
-    decode_promise,
-)
+from gpuctl.adapters.store.codec import RecordError, decode_promise
 from gpuctl.agent import http
 from gpuctl.agent.http import HttpError
 from gpuctl.core import record_shapes as shapes
 from gpuctl.core.events import Event, event_from_dict
 from gpuctl.core.json_kind import json_kind
-from gpuctl.core.names import is_valid_name
-from gpuctl.core.pids import PID_MAX
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S, MAX_EXTRA_KEYS
+from gpuctl.core.names import NAME_RULE, is_valid_name
+from gpuctl.core.record import MAX_EXTRA_KEYS
+from gpuctl.core.store_shapes import ENTRY_ID
 
 # The HTTP reader's own limit (and a record file's, ``codec.MAX_RECORD_BYTES``): every
 # body the request schemas allow fits under it (``MAX_TEXT``, ``MAX_EXTRA_TEXT``, tested
@@ -47,8 +41,7 @@ MAX_TTL_S = shapes.MAX_TTL_S
 MAX_TEXT = shapes.MAX_TEXT
 MAX_EXTRA_TEXT = shapes.MAX_EXTRA_TEXT
 MAX_SHORT_TEXT = shapes.MAX_SHORT_TEXT
-# Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
-MAX_EPOCH_S = 1e11
+MAX_EPOCH_S = shapes.MAX_EPOCH_S
 
 _STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
@@ -131,15 +124,6 @@ def string(value: Any, field: str, *, max_len: int = MAX_SHORT_TEXT, empty: bool
 def boolean(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(field, f"expected true or false, got {json_kind(value)}")
-    return value
-
-
-def pid(value: Any, field: str, *, zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(field, f"expected an integer pid, got {json_kind(value)}")
-    low = 0 if zero else 1
-    if not low <= value <= PID_MAX:
-        raise BadRequest(field, f"a pid is from {low} to {PID_MAX}, got {value}")
     return value
 
 
@@ -238,7 +222,7 @@ def _said_again(message: str, data: Any, shape: Any, field: str) -> BadRequest:
     assert m is not None
     msg, path = m["msg"], m["path"] or "$"
     key_of = re.match(r"`key` in `(.*)`$", path)
-    parts = re.findall(r"\[\.\.\.\]|[^.\[]+", (key_of[1] if key_of else path)[1:])
+    parts = re.findall(r"\[\.\.\.\]|\[\d+\]|[^.\[\]]+", (key_of[1] if key_of else path)[1:])
     if "[...]" in parts:  # a value in a handle or an attempt: find its key
         at = parts.index("[...]")
         inner = _value_at(data, parts[:at])
@@ -247,10 +231,10 @@ def _said_again(message: str, data: Any, shape: Any, field: str) -> BadRequest:
                 try:
                     msgspec.convert(item, shapes.FreeValue, strict=True)
                 except msgspec.ValidationError as err:
-                    prefix = ".".join([field, *parts[:at], key] if field else [*parts[:at], key])
+                    prefix = _joined([field, *parts[:at], key] if field else [*parts[:at], key])
                     return _said_again(str(err), item, shapes.FreeValue, prefix)
         parts = parts[:at]
-    where = ".".join([field, *parts] if field else parts)
+    where = _joined([field, *parts] if field else parts)
     unknown = re.match(r"Object contains unknown field `(.*)`$", msg)
     if unknown:
         if parts and parts[-1] == "update" and isinstance(shape, type):
@@ -266,9 +250,18 @@ def _said_again(message: str, data: Any, shape: Any, field: str) -> BadRequest:
     return BadRequest(where, _problem(msg, value, _type_at(shape, parts)))
 
 
+def _joined(parts: list[str]) -> str:
+    """A field's path as the 400s say it: ``promise.devices[0]``."""
+    return "".join(p if p.startswith("[") or i == 0 else f".{p}" for i, p in enumerate(parts))
+
+
 def _value_at(data: Any, parts: list[str]) -> Any:
     for part in parts:
-        data = data.get(part) if isinstance(data, dict) else None
+        if part.startswith("["):
+            i = int(part[1:-1])
+            data = data[i] if isinstance(data, list) and i < len(data) else None
+        else:
+            data = data.get(part) if isinstance(data, dict) else None
     return data
 
 
@@ -288,6 +281,9 @@ def _type_at(shape: Any, parts: list[str]) -> Any:
                 break
         if not part:
             return t
+        if part.startswith("["):
+            t = t.item_type if isinstance(t, msgspec.inspect.ListType) else None
+            continue
         if not isinstance(t, msgspec.inspect.StructType):
             return None
         t = next((f.type for f in t.fields if f.encode_name == part), None)
@@ -365,11 +361,11 @@ def lease_request(data: dict[str, Any]) -> dict[str, Any]:
     """``holder`` (as it came), ``ttl_s``, ``promise`` (a dict or None)."""
     body = shaped(data, shapes.LeaseRequest)
     if body.promise is not None:
-        promise(body.promise, "promise")
+        promise(data["promise"], "promise")
     return {
         "holder": data["holder"],
         "ttl_s": body.ttl_s,
-        "promise": body.promise,
+        "promise": data.get("promise"),
         **_event_of(data),
     }
 
@@ -391,87 +387,66 @@ def release_request(data: dict[str, Any]) -> dict[str, Any]:
     return {"holder": body.holder, "update": body.update, **_event_of(data)}
 
 
-# In-flight entries are files named by their holder's id (gpuctl's are uuid hex).
-INFLIGHT_ID = re.compile(r"[A-Za-z0-9]{1,64}")
+# In-flight and queue entries are files named by their holder's id (gpuctl's are uuid
+# hex): ``shapes.EntryId``, matched in full here.
+INFLIGHT_ID = ENTRY_ID
 
 
-def inflight_id(value: Any, field: str) -> str:
-    text = string(value, field)
-    if not INFLIGHT_ID.fullmatch(text):
-        raise BadRequest(field, "expected 1 to 64 ASCII letters and digits")
-    return text
-
-
-def inflight_ttl(value: Any, field: str = "ttl_s") -> float:
-    """An in-flight entry's term: at most ``INFLIGHT_TTL_MAX_S`` (its user renews it
-    while the request runs); a longer one would keep a server from reclaim for good."""
-    seconds = number(value, field, low=0.0, high=INFLIGHT_TTL_MAX_S)
-    if seconds <= 0:
-        raise BadRequest(field, "must be more than 0 seconds")
-    return seconds
+def _entry_id(value: str, field: str) -> str:
+    """Override: msgspec matches a pattern with ``re.search``, whose ``$`` passes a last
+    newline; a file name must match in full."""
+    if not ENTRY_ID.fullmatch(value):
+        raise BadRequest(field, f"{value[:80]!r} does not match ^{ENTRY_ID.pattern}$")
+    return value
 
 
 def inflight_request(data: dict[str, Any]) -> dict[str, Any]:
-    args = obj(data, "", {"holder": holder, "ttl_s": inflight_ttl}, required=("holder", "ttl_s"))
-    inflight_id(args["holder"].get("id"), "holder.id")
-    return args
+    """``holder`` (as it came) and ``ttl_s``."""
+    body = shaped(data, shapes.InflightRequest)
+    _entry_id(body.holder.id, "holder.id")
+    return {"holder": data["holder"], "ttl_s": body.ttl_s}
 
 
 def end_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(data, "", {"holder": inflight_id}, required=("holder",))
+    """``holder``: the entry's holder id."""
+    return {"holder": _entry_id(shaped(data, shapes.InflightEnd).holder, "holder")}
 
 
 def touch_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(data, "", {"ready": boolean, "promise": nullable(promise)})
+    """``ready`` and ``promise`` (a dict or None), where the body has them."""
+    body = shaped(data, shapes.TouchRequest)
+    if body.promise is not None:
+        promise(data["promise"], "promise")
+    return {k: data[k] for k in ("ready", "promise") if k in data}
 
 
 # ---- the wait queue (POST /records/_queue, …/leave): the store's own entry schema
 
 
-def integer(value: Any, field: str, *, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(field, f"expected an integer, got {json_kind(value)}")
-    if not low <= value <= high:
-        raise BadRequest(field, f"expected an integer from {low} to {high}, got {value}")
-    return value
-
-
-def queue_id(value: Any, field: str) -> str:
-    text = string(value, field)
-    if not QUEUE_ID.fullmatch(text):
-        raise BadRequest(field, "expected 1 to 64 ASCII letters and digits")
-    return text
-
-
-def _job_name(value: Any, field: str) -> str:
-    text = string(value, field)
-    if not is_valid_name(text):
-        raise BadRequest(field, "expected a name: letters, digits, '_', '.', '-' (not first)")
-    return text
-
-
 def queue_join_request(data: dict[str, Any]) -> dict[str, Any]:
-    def queue_ttl(value: Any, field: str) -> float:
-        seconds = number(value, field, low=0.0, high=QUEUE_TTL_MAX_S)
-        if seconds <= 0:
-            raise BadRequest(field, "must be more than 0 seconds")
-        return seconds
-
-    args = obj(
-        data,
-        "",
-        {
-            "holder": holder,
-            "ttl_s": queue_ttl,
-            "name": _job_name,
-            "priority": lambda v, f: integer(v, f, low=-PRIORITY_MAX, high=PRIORITY_MAX),
-            "memory_mib": lambda v, f: integer(v, f, low=1, high=MEMORY_MAX_MIB),
-        },
-        required=("holder", "ttl_s", "name", "priority", "memory_mib"),
-    )
-    queue_id(args["holder"].get("id"), "holder.id")
-    return args
+    """``holder`` (as it came), ``ttl_s``, ``name``, ``priority``, ``memory_mib``."""
+    body = shaped(data, shapes.QueueJoin)
+    _entry_id(body.holder.id, "holder.id")
+    if not is_valid_name(body.name):  # Override: in full, as ``_entry_id``.
+        raise BadRequest("name", f"expected a name: {NAME_RULE}")
+    return {
+        "holder": data["holder"],
+        "ttl_s": body.ttl_s,
+        "name": body.name,
+        "priority": body.priority,
+        "memory_mib": body.memory_mib,
+    }
 
 
 def queue_leave_request(data: dict[str, Any]) -> dict[str, Any]:
-    return obj(data, "", {"holder": queue_id}, required=("holder",))
+    """``holder``: the entry's holder id."""
+    return {"holder": _entry_id(shaped(data, shapes.QueueLeave).holder, "holder")}
+
+
+def job_stop_request(data: dict[str, Any]) -> dict[str, Any]:
+    """``holder``, ``pid``, ``pid_start`` and, where the body has it, ``grace_s``."""
+    body = shaped(data, shapes.JobStopRequest)
+    out: dict[str, Any] = {"holder": body.holder, "pid": body.pid, "pid_start": body.pid_start}
+    if not isinstance(body.grace_s, shapes.UnsetType):
+        out["grace_s"] = body.grace_s
+    return out

@@ -1,8 +1,10 @@
 """The record's shapes on the wire, each declared once as a msgspec Struct.
 
 A holder, a launcher's handle, a start attempt, a start failure, the record update and
-the agent's lease, renew, update and release bodies are declared here, with their bounds
-(``Annotated[..., Meta(...)]``). The rest is generated from them:
+the agent's request bodies (lease, renew, update, release, touch, in-flight, queue, job
+stop) are declared here, with their bounds (``Annotated[..., Meta(...)]``); the store's
+own shapes (a record, a lease, a promise, a waiter) are in ``core.store_shapes``, the
+agent's answers in ``core.answer_shapes``. The rest is generated from them:
 
 - the agent's request check decodes each body into its Struct (``gpuctl.agent.wire``);
 - the agent's OpenAPI components are ``msgspec.json.schema_components`` of them
@@ -22,10 +24,13 @@ from typing import Annotated, Any, Final
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.pids import PID_MAX
+from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S
 from gpuctl.core.record import (
     BACKOFF_FIRST_S,
     DURATION_MAX,
+    INFLIGHT_TTL_MAX_S,
     LOG_TAIL_MAX,
     MAX_EXTRA_KEYS,
     TIME_MAX,
@@ -37,9 +42,12 @@ from gpuctl.core.record import (
     Holder as HolderValue,
 )
 from gpuctl.core.redact import redact_lines
+from gpuctl.core.store_shapes import MEMORY_MAX_MIB, EntryId, Promise
 
 __all__ = [
+    "MAX_EPOCH_S",
     "MAX_EXTRA_TEXT",
+    "MAX_GRACE_S",
     "MAX_SHORT_TEXT",
     "MAX_TEXT",
     "UNSET",
@@ -48,11 +56,17 @@ __all__ = [
     "Handle",
     "Holder",
     "HolderUpdate",
+    "InflightEnd",
+    "InflightRequest",
+    "JobStopRequest",
     "LeaseRequest",
+    "QueueJoin",
+    "QueueLeave",
     "RecordUpdate",
     "ReleaseRequest",
     "RenewRequest",
     "StartFailure",
+    "TouchRequest",
     "UnsetType",
     "apply_update",
 ]
@@ -66,6 +80,10 @@ MAX_EXTRA_TEXT: Final = 1024
 MAX_SHORT_TEXT: Final = 256
 # A lease's term: finite, at most a week.
 MAX_TTL_S: Final = 7 * 24 * 3600.0
+# Any time gpuctl writes is seconds since the epoch; 1e11 is the year 5138.
+MAX_EPOCH_S: Final = 1e11
+# The longest a job stop waits between SIGTERM and SIGKILL (``agent.job_stop``).
+MAX_GRACE_S: Final = 300.0
 
 Pid = Annotated[int, Meta(ge=1, le=PID_MAX, description="A process id (1 … PID_MAX_LIMIT).")]
 Time = Annotated[float, Meta(ge=0, le=TIME_MAX, description="Seconds since the epoch.")]
@@ -276,7 +294,10 @@ class LeaseRequest(Struct, forbid_unknown_fields=True):
 
     holder: Holder
     ttl_s: Ttl
-    promise: dict[str, Any] | None = None
+    promise: Annotated[
+        Promise | None,
+        Meta(description="What the start this lease is for promises (kept in the record)."),
+    ] = None
     # The journal's event riding on this write: its own check (``core.events``) reads it.
     event: dict[str, Any] | UnsetType = UNSET
 
@@ -304,6 +325,110 @@ class ReleaseRequest(Struct, forbid_unknown_fields=True):
     update: RecordUpdate | None = None
     # The journal's event riding on this write: its own check (``core.events``) reads it.
     event: dict[str, Any] | UnsetType = UNSET
+
+
+class TouchRequest(Struct, forbid_unknown_fields=True):
+    """``POST /records/{service}/touch``: whether the caller saw it answer (an empty body
+    is a plain touch)."""
+
+    ready: Annotated[
+        bool,
+        Meta(
+            description="The caller saw the server answer: a record still starting becomes "
+            "running (a stopped one stays stopped)."
+        ),
+    ] = False
+    promise: Annotated[
+        Promise | None,
+        Meta(
+            description="The caller's figures for the service: written only into a record "
+            "that has none (one an older release wrote)."
+        ),
+    ] = None
+
+
+class EntryHolder(Holder, forbid_unknown_fields=True, kw_only=True):
+    """A holder whose id names a file: an in-flight or queue entry's."""
+
+    id: EntryId
+
+
+class InflightRequest(Struct, forbid_unknown_fields=True):
+    """``POST /records/{service}/inflight`` (and ``…/renew``): who uses it, for how long
+    at most. A longer term would keep a server from reclaim for good: its user renews
+    it while the request runs."""
+
+    holder: Annotated[
+        EntryHolder, Meta(description="As for a lease; the id names the entry's file.")
+    ]
+    ttl_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=INFLIGHT_TTL_MAX_S,
+            description="Seconds until the entry lapses unless renewed (at most "
+            f"{INFLIGHT_TTL_MAX_S:g}).",
+        ),
+    ]
+
+
+class InflightEnd(Struct, forbid_unknown_fields=True):
+    """``POST /records/{service}/inflight/end``: the holder's id."""
+
+    holder: EntryId
+
+
+class QueueJoin(Struct, forbid_unknown_fields=True):
+    """``POST /records/_queue``: who waits, for how long at most, and what."""
+
+    holder: Annotated[
+        EntryHolder, Meta(description="As for a lease; the id names the entry's file.")
+    ]
+    ttl_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=QUEUE_TTL_MAX_S,
+            description="Seconds until the entry lapses unless renewed (at most "
+            f"{QUEUE_TTL_MAX_S:g}).",
+        ),
+    ]
+    name: Annotated[str, Meta(min_length=1, max_length=101, pattern=NAME_PATTERN)]
+    priority: Annotated[int, Meta(ge=-PRIORITY_MAX, le=PRIORITY_MAX)]
+    memory_mib: Annotated[int, Meta(ge=1, le=MEMORY_MAX_MIB)]
+
+
+class QueueLeave(Struct, forbid_unknown_fields=True):
+    """``POST /records/_queue/leave``: the holder's id."""
+
+    holder: EntryId
+
+
+class JobStopRequest(Struct, forbid_unknown_fields=True):
+    """``POST /records/{job}/stop``: the lease holder, the job's pid and its start time as
+    the record names them, and the grace period between SIGTERM and SIGKILL."""
+
+    holder: HolderId
+    pid: Pid
+    pid_start: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=MAX_EPOCH_S,
+            description="The pid's start time, as the job's record names it.",
+        ),
+    ]
+    grace_s: (
+        Annotated[
+            float,
+            Meta(
+                ge=0,
+                le=MAX_GRACE_S,
+                description="Seconds between SIGTERM and SIGKILL (default 10).",
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
 
 
 def apply_update(

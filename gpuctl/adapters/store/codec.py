@@ -8,9 +8,12 @@ nested lists. The schema is declared once, below, as small field tables of the c
 ``schema``; each check returns the value or raises ``RecordError`` naming where it
 failed (``at $.lease.pid: …``).
 
-The holder, lease, handle and attempt tables are built from the shapes declared once in
-``core.record_shapes`` (``_fields_of``); the checks themselves stay these small stdlib
-functions, which say where a file failed in the store's own words.
+Every table is built from the shapes declared once as msgspec Structs
+(``core.store_shapes``, ``core.record_shapes``; ``_fields_of``); the checks themselves
+stay these small stdlib functions, which say where a file failed in the store's own
+words. The few rules a Struct cannot say are overrides, named as such below: a
+promise's GPUs each listed once, a run job's handle, the free keys of a handle or an
+attempt, and ``salvage``.
 
 Bounds (generous for what gpuctl writes, tight enough that nothing can overflow):
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from enum import Enum
 from typing import Any, Final
 
 import msgspec
@@ -47,14 +51,11 @@ from gpuctl.adapters.store.schema import (
     scalar,
     text,
 )
-from gpuctl.core import record_shapes
-from gpuctl.core.names import NAME_RE
+from gpuctl.core import record_shapes, store_shapes
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.promise import MAX_DEVICE_INDEX, Promise
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S, Waiter
 from gpuctl.core.record import (
-    DURATION_MAX,
-    RECORD_SCHEMA,
     TIME_MAX,
     UNREADABLE_KEY,
     Failure,
@@ -100,99 +101,108 @@ __all__ = [
 MAX_RECORD_BYTES: Final = 1 << 20
 # The longest mark salvage leaves in a handle (``UNREADABLE_KEY``): a list of names.
 MARK_MAX: Final = 256
-MAX_ATTEMPTS_READ: Final = 64
-TEXT_MAX: Final = 64 * 1024  # an error message, a log tail
-COUNT_MAX: Final = 2**31 - 1
-
-_HEX = re.compile(r"[0-9a-f]{8,64}")
-_URL = re.compile(r"https?://[^\s/?#]+[^\s]*", re.IGNORECASE)
+MAX_ATTEMPTS_READ: Final = store_shapes.MAX_ATTEMPTS_READ
+TEXT_MAX: Final = store_shapes.TEXT_MAX  # an error message, a log tail
+COUNT_MAX: Final = store_shapes.COUNT_MAX
 
 
-# ---- the schema, once
-
-PID = integer(1, PID_MAX)
-TIME = number(0.0, TIME_MAX)
-DURATION = number(-DURATION_MAX, DURATION_MAX)
-SERVICE = text(101, min_len=1, pattern=NAME_RE)
-NONCE = text(64, min_len=8, pattern=_HEX)
-URL = text(2048, min_len=8, pattern=_URL)
-_NAME_TEXT = text(255)
-_SHORT = text(64)
-_TEXT = text(TEXT_MAX)
+# ---- the schema, once: built from the Structs (``core.store_shapes``)
 
 
 def _check_of(t: msgspec.inspect.Type) -> Check:
-    """The stdlib check of one declared field type (``core.record_shapes``)."""
-    if isinstance(t, msgspec.inspect.Metadata):  # a description: no check of its own
+    """The stdlib check of one declared field type (``core.record_shapes``,
+    ``core.store_shapes``)."""
+    inspect = msgspec.inspect
+    if isinstance(t, inspect.Metadata):  # a description: no check of its own
         return _check_of(t.type)
-    if isinstance(t, msgspec.inspect.UnionType):
+    if isinstance(t, inspect.UnionType):
         # (msgspec leaves UNSET out of a field's union: it is never on the wire.)
-        inner = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+        inner = [u for u in t.types if not isinstance(u, inspect.NoneType)]
         assert len(inner) == 1, f"one type per field, and null: {t}"
         check = _check_of(inner[0])
         return nullable(check) if len(inner) < len(t.types) else check
-    if isinstance(t, msgspec.inspect.IntType):
+    if isinstance(t, inspect.IntType):
         assert t.ge is not None and t.le is not None, f"a bounded integer: {t}"
         return integer(t.ge, t.le)
-    if isinstance(t, msgspec.inspect.FloatType):
+    if isinstance(t, inspect.FloatType):
         assert t.ge is not None and t.le is not None, f"a bounded number: {t}"
         return number(t.ge, t.le)
-    if isinstance(t, msgspec.inspect.StrType):
+    if isinstance(t, inspect.StrType):
         assert t.max_length is not None, f"a bounded string: {t}"
-        pattern = re.compile(t.pattern.strip("^$")) if t.pattern else None
+        # Anchored for JSON Schema; matched here in full (``$`` would pass a last "\n").
+        pattern = re.compile(t.pattern.removeprefix("^").removesuffix("$")) if t.pattern else None
         return text(t.max_length, min_len=t.min_length or 0, pattern=pattern)
-    raise TypeError(f"no store check for {t}")
+    if isinstance(t, inspect.BoolType):
+        return one_of(True, False)
+    if isinstance(t, inspect.LiteralType):
+        return one_of(*t.values)
+    if isinstance(t, inspect.EnumType):
+        return one_of(*(e.value for e in t.cls))
+    if isinstance(t, inspect.ListType):
+        assert t.max_length is not None, f"a bounded list: {t}"
+        return array(_check_of(t.item_type), t.max_length)
+    if isinstance(t, inspect.StructType):
+        return _NESTED.get(t.cls) or obj(_fields_of(t.cls))
+    raise TypeError(f"no store check for {t}: name an override (_fields_of)")
 
 
-def _fields_of(shape: type[msgspec.Struct]) -> dict[str, tuple[Check, Any]]:
+def _fields_of(shape: type[msgspec.Struct], **overrides: Check) -> dict[str, tuple[Check, Any]]:
     """A field table (check, default) from a Struct: a required field is ``REQUIRED``,
-    one that defaults to ``UNSET`` stays ``ABSENT``, another takes its default."""
+    one that defaults to ``UNSET`` stays ``ABSENT``, another takes its default (what a
+    reader fills in where a file an older release wrote lacks it). ``overrides``: the
+    checks of the fields whose rule the Struct cannot say."""
     info = msgspec.inspect.type_info(shape)
     assert isinstance(info, msgspec.inspect.StructType)
+    assert set(overrides) <= {f.encode_name for f in info.fields}, overrides
     out: dict[str, tuple[Check, Any]] = {}
     for f in info.fields:
-        default = REQUIRED if f.required else f.default
-        out[f.encode_name] = (
-            _check_of(f.type),
-            ABSENT if default in (msgspec.UNSET, msgspec.NODEFAULT) else default,
-        )
+        if f.required:
+            default: Any = REQUIRED
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        elif f.default in (msgspec.UNSET, msgspec.NODEFAULT):
+            default = ABSENT
+        else:
+            default = f.default.value if isinstance(f.default, Enum) else f.default
+        check = overrides.get(f.encode_name)
+        out[f.encode_name] = (check if check is not None else _check_of(f.type), default)
     return out
 
 
+# The nested Structs whose check carries an override: a field of their type uses it.
+_NESTED: dict[type[msgspec.Struct], Check] = {}
+
+SERVICE = _check_of(msgspec.inspect.type_info(store_shapes.ServiceName))
+QUEUE_ID = store_shapes.ENTRY_ID
+MEMORY_MAX_MIB: Final = store_shapes.MEMORY_MAX_MIB
+SEQ_MAX: Final = store_shapes.SEQ_MAX
+
 HOLDER_FIELDS: Final = _fields_of(record_shapes.Holder)
-LEASE_FIELDS: Final = {
-    "holder": HOLDER_FIELDS["id"],
-    **{k: v for k, v in HOLDER_FIELDS.items() if k != "id"},
-    "granted": (TIME, REQUIRED),
-    "expires": (TIME, REQUIRED),
-}
-FAILURE_FIELDS: Final = {
-    "at": (TIME, REQUIRED),
-    "error": (_TEXT, ""),
-    "log_tail": (_TEXT, ""),
-    "count": (integer(1, COUNT_MAX), 1),
-    "backoff_until": (TIME, 0.0),
-}
+LEASE_FIELDS: Final = _fields_of(store_shapes.Lease)
+FAILURE_FIELDS: Final = _fields_of(store_shapes.Failure)
 HANDLE_FIELDS: Final = _fields_of(record_shapes.Handle)
 # An attempt is the starter's own note (``flows.ensure.launch._attempt``): its known keys are
 # typed when present, and it may carry more scalars.
 ATTEMPT_FIELDS: Final = _fields_of(record_shapes.Attempt)
 
+PID = LEASE_FIELDS["pid"][0]
+TIME = LEASE_FIELDS["granted"][0]
+DURATION = ATTEMPT_FIELDS["duration_s"][0]
+
 _HOLDER = obj(HOLDER_FIELDS)
 _LEASE = obj(LEASE_FIELDS)
-_FAILURE = obj(FAILURE_FIELDS)
 _ANY_HANDLE = obj(HANDLE_FIELDS, extra=scalar)
-# A `gpuctl run` job's handle is its spec (``core.jobs.job_spec``): its budget and priority
-# are typed here, on every read, so a budget of "80GiB" is set aside and reported like a
-# bad pid, never read as a job that holds nothing.
+# Override: a `gpuctl run` job's handle is its spec (``core.jobs.job_spec``): its budget
+# and priority are typed here, on every read, so a budget of "80GiB" is set aside and
+# reported like a bad pid, never read as a job that holds nothing.
 RUN_HANDLE_FIELDS: Final = {
     "memory_mib": integer(0, 1 << 40),
     "priority": integer(-(2**53), 2**53),  # job_spec caps it to the config's range
 }
 _RUN_HANDLE_OPTIONAL: Final = {
     "preemptible": one_of(True, False),
-    "host": _NAME_TEXT,
-    "boot_id": _SHORT,
+    "host": text(255),
+    "boot_id": text(64),
 }
 
 
@@ -210,6 +220,8 @@ def _handle(v: Any, at: str) -> dict[str, Any]:
 
 
 _HANDLE = _handle
+# Override: a handle and an attempt are open objects, their known keys typed by their
+# Struct (``core.record_shapes``), and at most ``MAX_EXTRA_KEYS`` more scalars.
 _ATTEMPT = obj(ATTEMPT_FIELDS, extra=scalar)
 
 # What a start promises (``core.record.Promise``): every client counts the service by
@@ -218,8 +230,8 @@ _DEVICE_LIST = array(integer(0, MAX_DEVICE_INDEX), MAX_DEVICE_INDEX + 1)
 
 
 def _devices(v: Any, at: str) -> list[int]:
-    """GPU indexes as the config allows them: at least one, none twice (an empty list
-    would promise memory on no GPU at all)."""
+    """Override: GPU indexes as the config allows them: at least one, none twice (an
+    empty list would promise memory on no GPU at all)."""
     out: list[int] = _DEVICE_LIST(v, at)
     if not out:
         raise RecordError(at, "an empty list (null: any one GPU)")
@@ -228,73 +240,30 @@ def _devices(v: Any, at: str) -> list[int]:
     return out
 
 
-PROMISE_FIELDS: Final = {
-    "memory_mib": (nullable(integer(1, 1 << 40)), REQUIRED),
-    "priority": (integer(-PRIORITY_MAX, PRIORITY_MAX), REQUIRED),
-    "devices": (nullable(_devices), None),
-    "kind": (one_of("server", "batch"), "server"),
-    "resume": (one_of(True, False), False),
-    "health_timeout_s": (number(0.0, DURATION_MAX), 600.0),
-    "yield_after_s": (nullable(number(0.0, DURATION_MAX)), None),
-}
-_PROMISE = obj(PROMISE_FIELDS)
+PROMISE_FIELDS: Final = _fields_of(store_shapes.Promise, devices=nullable(_devices))
+_PROMISE = _NESTED[store_shapes.Promise] = obj(PROMISE_FIELDS)
 
-RECORD_FIELDS: Final = {
-    "schema": (one_of(RECORD_SCHEMA), RECORD_SCHEMA),
-    "service": (SERVICE, REQUIRED),
-    "phase": (one_of(*(p.value for p in Phase)), Phase.STOPPED.value),
-    "since": (TIME, 0.0),
-    "last_used": (nullable(TIME), None),
-    "lease": (nullable(_LEASE), None),
-    "handle": (nullable(_HANDLE), None),
-    "attempts": (array(_ATTEMPT, MAX_ATTEMPTS_READ), []),
-    "failure": (nullable(_FAILURE), None),
-    "recovered": (nullable(text(4096)), None),
-    "start_nonce": (nullable(NONCE), None),
-    "health": (nullable(URL), None),
-    "promise": (nullable(_PROMISE), None),
-}
+RECORD_FIELDS: Final = _fields_of(
+    store_shapes.Record,
+    handle=nullable(_HANDLE),
+    attempts=array(_ATTEMPT, MAX_ATTEMPTS_READ),
+)
 _RECORD = obj(RECORD_FIELDS)
+NONCE = RECORD_FIELDS["start_nonce"][0]
+URL = RECORD_FIELDS["health"][0]
 
-SET_ASIDE_FIELDS: Final = {
-    "service": (text(255, min_len=1), REQUIRED),
-    "file": (text(300, min_len=1), REQUIRED),
-    "at": (TIME, REQUIRED),
-    "size": (integer(0, 2**62), REQUIRED),
-    "why": (text(4096), REQUIRED),
-}
+SET_ASIDE_FIELDS: Final = _fields_of(store_shapes.SetAside)
 MAX_SET_ASIDE: Final = 10_000
 _SET_ASIDE_LIST = array(obj(SET_ASIDE_FIELDS), MAX_SET_ASIDE)
 
 # A lease or entry found forged (``core.record.Voided``; ``GET /records/_voided``).
-VOIDED_KINDS: Final = ("lease", "inflight", "queue", "more")
-VOIDED_FIELDS: Final = {
-    "kind": (one_of(*VOIDED_KINDS), REQUIRED),
-    "service": (text(255, min_len=1), REQUIRED),
-    "file": (text(300, min_len=1), REQUIRED),
-    "host": (text(255), REQUIRED),
-    "pid": (integer(0, PID_MAX), REQUIRED),
-    "at": (TIME, REQUIRED),
-    "why": (text(4096), REQUIRED),
-}
+VOIDED_KINDS: Final = store_shapes.VOIDED_KINDS
+VOIDED_FIELDS: Final = _fields_of(store_shapes.Voided)
 _VOIDED_LIST = array(obj(VOIDED_FIELDS), MAX_SET_ASIDE)
 
 # A wait-queue entry (``core.queue.Waiter``): its holder's id names its file, so it is
 # letters and digits only (gpuctl's are uuid hex).
-QUEUE_ID = re.compile(r"[A-Za-z0-9]{1,64}")
-MEMORY_MAX_MIB: Final = 1 << 40
-SEQ_MAX: Final = 2**53
-WAITER_FIELDS: Final = {
-    "name": (SERVICE, REQUIRED),
-    "priority": (integer(-PRIORITY_MAX, PRIORITY_MAX), REQUIRED),
-    "memory_mib": (integer(1, MEMORY_MAX_MIB), REQUIRED),
-    "seq": (integer(1, SEQ_MAX), REQUIRED),
-    "since": (TIME, REQUIRED),
-    "holder": (
-        obj({**LEASE_FIELDS, "holder": (text(64, min_len=1, pattern=QUEUE_ID), REQUIRED)}),
-        REQUIRED,
-    ),
-}
+WAITER_FIELDS: Final = _fields_of(store_shapes.Waiter)
 MAX_WAITERS: Final = 10_000
 _WAITER = obj(WAITER_FIELDS)
 _WAITER_LIST = array(_WAITER, MAX_WAITERS)
