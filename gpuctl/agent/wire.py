@@ -111,16 +111,6 @@ def parse_body(body: bytes) -> dict[str, Any]:
 # ---- field checkers: (value, field path) -> value, or BadRequest
 
 
-def string(value: Any, field: str, *, max_len: int = MAX_SHORT_TEXT, empty: bool = True) -> str:
-    if not isinstance(value, str):
-        raise BadRequest(field, f"expected a string, got {json_kind(value)}")
-    if len(value) > max_len:
-        raise BadRequest(field, f"longer than {max_len} characters")
-    if not empty and not value:
-        raise BadRequest(field, "must not be empty")
-    return value
-
-
 def boolean(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(field, f"expected true or false, got {json_kind(value)}")
@@ -141,13 +131,6 @@ def ttl(value: Any, field: str = "ttl_s") -> float:
     if seconds <= 0:
         raise BadRequest(field, "must be more than 0 seconds")
     return seconds
-
-
-def nullable(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    def inner(value: Any, field: str) -> Any:
-        return None if value is None else check(value, field)
-
-    return inner
 
 
 def obj(

@@ -151,10 +151,15 @@ class Promise(Struct, forbid_unknown_fields=True):
     ] = None
 
 
+# The record file's schema version (``core.record.RECORD_SCHEMA``), as a type.
+RecordSchema = Literal[1]
+assert get_args(RecordSchema) == (RECORD_SCHEMA,), "RecordSchema names RECORD_SCHEMA"
+
+
 class Record(Struct, forbid_unknown_fields=True, kw_only=True):
     """A service's record on this host: its phase, lease, handle and history."""
 
-    schema: Literal[1] = RECORD_SCHEMA
+    schema: RecordSchema = 1
     service: ServiceName
     phase: Phase = Phase.STOPPED
     since: Annotated[float, Meta(ge=0, le=TIME_MAX, description="When the phase last changed.")] = (
