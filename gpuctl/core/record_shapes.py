@@ -25,7 +25,6 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from gpuctl.core.names import NAME_PATTERN
-from gpuctl.core.pids import PID_MAX
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S
 from gpuctl.core.record import (
     BACKOFF_FIRST_S,
@@ -33,7 +32,6 @@ from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
     LOG_TAIL_MAX,
     MAX_EXTRA_KEYS,
-    TIME_MAX,
     Phase,
     Record,
     clip,
@@ -42,7 +40,7 @@ from gpuctl.core.record import (
     Holder as HolderValue,
 )
 from gpuctl.core.redact import redact_lines
-from gpuctl.core.store_shapes import MEMORY_MAX_MIB, EntryId, Promise
+from gpuctl.core.store_shapes import MEMORY_MAX_MIB, EntryId, Nonce, Pid, Promise, Time, Url
 
 __all__ = [
     "MAX_EPOCH_S",
@@ -85,8 +83,6 @@ MAX_EPOCH_S: Final = 1e11
 # The longest a job stop waits between SIGTERM and SIGKILL (``agent.job_stop``).
 MAX_GRACE_S: Final = 300.0
 
-Pid = Annotated[int, Meta(ge=1, le=PID_MAX, description="A process id (1 … PID_MAX_LIMIT).")]
-Time = Annotated[float, Meta(ge=0, le=TIME_MAX, description="Seconds since the epoch.")]
 Duration = Annotated[float, Meta(ge=-DURATION_MAX, le=DURATION_MAX)]
 Ttl = Annotated[
     float,
@@ -103,24 +99,6 @@ Kind = Annotated[str, Meta(min_length=1, max_length=32)]
 Short = Annotated[str, Meta(max_length=32)]
 Name = Annotated[str, Meta(max_length=255)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
-Nonce = Annotated[
-    str,
-    Meta(
-        pattern="^[0-9a-f]{8,64}$",
-        description="The nonce a start puts in its server's environment.",
-    ),
-]
-# The store's rule (``codec.URL``); \x1c-\x1f and \x85 spelled out, as Python's \s holds
-# them and JSON Schema's (ECMA's) does not.
-Url = Annotated[
-    str,
-    Meta(
-        min_length=8,
-        max_length=2048,
-        pattern=r"^[hH][tT][tT][pP][sS]?://[^\s\x1c-\x1f\x85/?#]+[^\s\x1c-\x1f\x85]*$",
-        description="The URL that tells the server answers (http or https).",
-    ),
-]
 # A field of a handle or an attempt: a scalar, never a nest. One gpuctl does not read
 # (``ExtraValue``) is a short text at most; the known ones are typed by their Struct.
 FreeKey = Annotated[str, Meta(min_length=1, max_length=64)]

@@ -38,11 +38,15 @@ __all__ = [
     "EntryId",
     "Failure",
     "Lease",
+    "Nonce",
+    "Pid",
     "Promise",
     "QueueLease",
     "Record",
     "ServiceName",
     "SetAside",
+    "Time",
+    "Url",
     "Voided",
     "Waiter",
 ]
@@ -57,6 +61,26 @@ Pid = Annotated[int, Meta(ge=1, le=PID_MAX, description="A process id (1 … PID
 Time = Annotated[float, Meta(ge=0, le=TIME_MAX, description="Seconds since the epoch.")]
 Priority = Annotated[
     int, Meta(ge=-PRIORITY_MAX, le=PRIORITY_MAX, description="Higher is served first.")
+]
+Nonce = Annotated[
+    str,
+    Meta(
+        min_length=8,
+        max_length=64,
+        pattern="^[0-9a-f]{8,64}$",
+        description="The nonce a start puts in its server's environment.",
+    ),
+]
+# \x1c-\x1f and \x85 spelled out, as Python's \s holds them and JSON Schema's (ECMA's)
+# does not.
+Url = Annotated[
+    str,
+    Meta(
+        min_length=8,
+        max_length=2048,
+        pattern=r"^[hH][tT][tT][pP][sS]?://[^\s\x1c-\x1f\x85/?#]+[^\s\x1c-\x1f\x85]*$",
+        description="The URL that tells the server answers (http or https).",
+    ),
 ]
 ServiceName = Annotated[
     str,
@@ -184,22 +208,9 @@ class Record(Struct, forbid_unknown_fields=True, kw_only=True):
         Meta(description="Set once when a broken record file was set aside."),
     ] = None
     start_nonce: Annotated[
-        Annotated[str, Meta(min_length=8, max_length=64, pattern="^[0-9a-f]{8,64}$")] | None,
-        Meta(description="The last start's GPUCTL_START_NONCE (finds its server)."),
+        Nonce | None, Meta(description="The last start's GPUCTL_START_NONCE (finds its server).")
     ] = None
-    health: Annotated[
-        Annotated[
-            str,
-            Meta(
-                min_length=8,
-                max_length=2048,
-                # Python's \s holds \x1c-\x1f and \x85, JSON Schema's (ECMA's) does not.
-                pattern=r"^[hH][tT][tT][pP][sS]?://[^\s\x1c-\x1f\x85/?#]+[^\s\x1c-\x1f\x85]*$",
-            ),
-        ]
-        | None,
-        Meta(description="The URL that tells the server answers (http or https)."),
-    ] = None
+    health: Url | None = None
     promise: Annotated[
         Promise | None,
         Meta(description="What its last start promised; null from an older release."),
