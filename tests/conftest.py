@@ -50,6 +50,33 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = os.path.join(home, sub)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest first: the ``heavy`` group (one worker runs all of it, one test at a time),
+    then the ``slow`` tests, then those that start an agent, a server or the installed
+    gpuctl, then the units, each in file order. xdist hands tests out in this order, so
+    the short ones fill the workers' gaps at the end instead of one long test running
+    alone after the others are done."""
+
+    def rank(item: pytest.Item) -> int:
+        group = item.get_closest_marker("xdist_group")
+        if group is not None and group.args and group.args[0] == "heavy":
+            return 0
+        if item.get_closest_marker("slow") is not None:
+            return 1
+        if any(item.get_closest_marker(m) for m in _REAL_COMPONENTS) or _HOSTS & set(
+            getattr(item, "fixturenames", ())
+        ):
+            return 2
+        return 3
+
+    items.sort(key=rank)
+
+
+# What makes a test start real components: its markers, or a host fixture (an agent).
+_REAL_COMPONENTS = ("e2e", "docker", "jupyter")
+_HOSTS = frozenset({"host", "sim_host"})
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     for home in _HOMES:
         shutil.rmtree(home, ignore_errors=True)
