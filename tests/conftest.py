@@ -77,6 +77,26 @@ _REAL_COMPONENTS = ("e2e", "docker", "jupyter")
 _HOSTS = frozenset({"host", "sim_host"})
 
 
+# The groups whose daemons came after the suite's time budget (a browser, Slurm): each
+# reports its own line, so the core's figure stays comparable from run to run.
+_GROUPS = ("browser", "slurm")
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each test's set-up, call and tear-down by group (in the xdist controller too:
+    every worker's reports pass through it)."""
+    group = next((g for g in _GROUPS if g in report.keywords), "core")
+    _SECONDS[group] = _SECONDS.get(group, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _SECONDS:
+        return
+    parts = ", ".join(f"{g} {_SECONDS.get(g, 0.0):.0f} s" for g in ("core", *_GROUPS))
+    terminalreporter.write_line(f"test time by group (summed over workers): {parts}")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     for home in _HOMES:
         shutil.rmtree(home, ignore_errors=True)

@@ -54,6 +54,7 @@ _REASON = _slurm_reason()
 pytestmark = [
     pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
     pytest.mark.xdist_group("heavy"),
+    pytest.mark.slurm,
 ]
 
 

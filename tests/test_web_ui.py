@@ -20,7 +20,7 @@ from tests.browser_helpers import OUTPUT, axe_violations, chromium, needs_chromi
 from tests.conftest import gpuctl
 from tests.ensure_helpers import kill_servers, model_server_command, server_pids, unique_name
 
-pytestmark = [needs_chromium(), pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [needs_chromium(), pytest.mark.browser, pytest.mark.e2e, pytest.mark.slow]
 WAIT_S = 60
 
 
