@@ -18,7 +18,8 @@ something in that window, then sends SIGCONT and the process goes on). With
 The same variable shortens a duration that a test would otherwise wait out in a
 subprocess it cannot reach (``seconds``): ``GPUCTL_FAILPOINTS='run_queue.ttl=seconds:6'``
 (the run queue's TTL), ``ensure.backoff=seconds:<s>`` (the first back-off after a failed
-start, read by the process that writes the record: the agent, or the caller without one).
+start, read by the process that writes the record: the agent, or the caller without one),
+``store.lock_timeout=seconds:<s>`` (how long the store waits for a service's file lock).
 
 Unset (always, outside tests), ``hit`` costs one dictionary lookup.
 """

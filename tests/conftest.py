@@ -134,8 +134,12 @@ def closing() -> Iterator[Closing]:
 
 
 @pytest.fixture
-def sim_host(tmp_path: Path) -> Iterator[SimHost]:
-    """A simulated GPU host (128 GiB) with ``gpuctl agent --probe sim`` running."""
+def sim_host(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[SimHost]:
+    """A simulated GPU host (128 GiB) with ``gpuctl agent --probe sim`` running (with the
+    test's ``@pytest.mark.failpoints``, if any)."""
+    set_marked_failpoints(request, monkeypatch)
     with SimHost(root=tmp_path / "simhost") as host:
         host.start_agent()
         yield host

@@ -1172,9 +1172,13 @@ def test_a_read_only_records_folder_is_a_store_error_with_a_hint() -> None:
 
 
 @pytest.fixture
-def sim_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def sim_host(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
     from gpuctl.sim.host import SimHost
+    from tests.conftest import set_marked_failpoints
 
+    set_marked_failpoints(request, monkeypatch)
     monkeypatch.setenv("GPUCTL_STATE_DIR", str(tmp_path / "simhost" / "state"))
     monkeypatch.setenv("GPUCTL_SIM_DIR", str(tmp_path / "simhost" / "sim"))
     with SimHost(root=tmp_path / "simhost") as h:
@@ -1223,9 +1227,11 @@ def test_status_is_unknown_when_the_records_cannot_be_read(sim_host: Any, path: 
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.failpoints("store.lock_timeout=seconds:2")
 def test_ensure_json_prints_its_object_when_a_lock_is_held(sim_host: Any) -> None:
     """A lock file held on the host: the agent says so within the client's timeout,
-    and ``ensure --json`` prints its object (exit 1) naming the lock, not the agent."""
+    and ``ensure --json`` prints its object (exit 1) naming the lock, not the agent.
+    (The agent gives up on the lock after 2 s here, 10 s in use: the same path.)"""
     from tests.ensure_helpers import run_ensure, service_toml
 
     cfg = sim_host.write_config(service_toml("llmy", 1, "sleep 1"))

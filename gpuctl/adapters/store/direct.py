@@ -291,14 +291,15 @@ class DirectStore(InflightFiles, QueueFiles):
         """The service's file lock, held (``release()`` frees it)."""
         self._ensure_dirs()
         path = self._paths(service)[1]
+        timeout_s = failpoints.seconds("store.lock_timeout", LOCK_TIMEOUT_S)
         try:
             with Folder(self.state_dir, "locks", create=self.modes()[0]) as folder:
                 # Records are held for about a millisecond: poll finely, so 32 callers
                 # touching at the same moment do not queue for a second.
-                return folder.lock(path.name, self.modes()[1], LOCK_TIMEOUT_S, 0.002)
+                return folder.lock(path.name, self.modes()[1], timeout_s, 0.002)
         except TimeoutError:
             raise StoreError(
-                f"the lock of {service!r} ({path}) is held for more than {LOCK_TIMEOUT_S:.0f}s",
+                f"the lock of {service!r} ({path}) is held for more than {timeout_s:.0f}s",
                 hint=f"a process is stuck holding it: `fuser -v {path}` names it",
             ) from None
         except OSError as e:
