@@ -128,14 +128,6 @@ def canned(status: str, body: bytes, content_type: str) -> Callable[[socket.sock
     return handle
 
 
-def free_port() -> int:
-    """A loopback port that nothing listens on (bound once, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class FakeProbe:
     """An in-memory probe: returns ``reading`` (or raises ``error``), counts calls.
 

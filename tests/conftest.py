@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from gpuctl.sim.host import SimHost
+from gpuctl.sim.host import PORTS_ENV, SimHost
 
 _C = TypeVar("_C")
 
@@ -48,6 +48,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _HOMES.append(home)
     for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
         os.environ[var] = os.path.join(home, sub)
+    # Each worker's servers listen in a block of ports of its own (``free_port``), below
+    # the kernel's ephemeral range (32768 and up on Linux): 1,000 ports a worker from 20000.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
+    os.environ.setdefault(PORTS_ENV, f"{first}-{first + 999}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -252,12 +252,6 @@ def sim_service(
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def remove_service_containers(client: Any, names: list[str]) -> None:
     """Force-remove every container of these services (by label), ignoring errors."""
     for name in names:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from gpuctl.sim.host import free_port
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,6 @@ class JupyterServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _jupyter_command() -> list[str]:

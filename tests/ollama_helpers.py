@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,9 @@ from typing import TypeVar
 import httpx
 
 from gpuctl.sim.gpu import SimGpu
+from gpuctl.sim.host import free_port
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_until(what: str, pred: Callable[[], T | None], timeout: float = 20.0) -> T:

@@ -35,7 +35,8 @@ from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.snapshot import GpuProcess, Snapshot
 from gpuctl.core.status_wire import parse_status
 from gpuctl.errors import AgentUnavailable, ProbeError, UsageError
-from tests.agent_helpers import FakeProbe, free_port, reading_of, serve_in_thread
+from gpuctl.sim.host import free_port
+from tests.agent_helpers import FakeProbe, reading_of, serve_in_thread
 from tests.conftest import gpuctl_exe
 
 TOKEN = "s3cret-token"

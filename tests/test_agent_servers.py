@@ -261,7 +261,7 @@ def test_the_read_token_sees_no_secret_of_any_process_a_few_letters_match(
 def test_the_installed_agent_takes_match_and_a_read_token(
     tmp_path: Path, procs: Callable[..., subprocess.Popen[bytes]]
 ) -> None:
-    from tests.agent_helpers import free_port
+    from gpuctl.sim.host import free_port
     from tests.conftest import gpuctl_exe
 
     kw = f"clikw{uuid.uuid4().hex[:8]}"

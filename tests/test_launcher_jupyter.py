@@ -33,7 +33,8 @@ from gpuctl.adapters.launchers.jupyter import (
 )
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed, Unproven
-from tests.jupyter_helpers import JupyterServer, free_port, jupyter_server
+from gpuctl.sim.host import free_port
+from tests.jupyter_helpers import JupyterServer, jupyter_server
 from tests.pid_helpers import OwnPids
 
 pytestmark = pytest.mark.jupyter

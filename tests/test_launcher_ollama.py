@@ -16,8 +16,9 @@ from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.ollama import OllamaLauncher, keep_alive_for, normalize_model
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.sim.host import free_port
 from tests.conftest import Closing
-from tests.ollama_helpers import SimOllama, claims_mib, free_port, wait_until
+from tests.ollama_helpers import SimOllama, claims_mib, wait_until
 
 GIB = 1024
 SVC = ServiceConfig(name="qwen", host="local", launcher="ollama", health_timeout_s=60.0)

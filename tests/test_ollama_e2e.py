@@ -120,8 +120,9 @@ def test_through_the_proxy_a_list_loads_nothing_and_status_counts_all_ollama_hol
     import httpx
     import ollama
 
+    from gpuctl.sim.host import free_port
     from tests.conftest import config_env, gpuctl_exe
-    from tests.ollama_helpers import free_port, wait_until
+    from tests.ollama_helpers import wait_until
 
     sim_dir = tmp_path / "sim"
     srv = SimOllama(

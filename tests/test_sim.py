@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import pytest
 from gpuctl.adapters.probes.sim import SimProbe
 from gpuctl.core.snapshot import GpuProcess
 from gpuctl.sim.gpu import DEFAULT_TOTAL_MIB, SimError, SimGpu, SimOutOfMemory
+from gpuctl.sim.host import free_port
 from tests.conftest import tagged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +34,6 @@ T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_until(what: str, pred: Callable[[], T | None], timeout: float = 15.0) -> T:
@@ -921,3 +914,50 @@ def _answers(base: str) -> bool:
         return httpx.get(base + "/health", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_free_port_takes_turns_in_its_block_and_skips_a_bound_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GPUCTL_SIM_PORTS``: a worker's own block. Two calls never hand out the same port
+    before either is bound, and a port something holds is passed over."""
+    import socket
+
+    from gpuctl.sim import host
+
+    def three_free() -> list[socket.socket]:
+        # Three ports in a row, below the workers' blocks and the kernel's range.
+        for lo in range(15000, 16000, 3):
+            held: list[socket.socket] = []
+            try:
+                for port in range(lo, lo + 3):
+                    s = socket.socket()
+                    held.append(s)
+                    s.bind(("127.0.0.1", port))
+                return held
+            except OSError:
+                for s in held:
+                    s.close()
+        raise AssertionError("no three free ports in a row from 15000")
+
+    monkeypatch.setattr(host, "_cursor", [])
+    first, middle, last = three_free()
+    lo = first.getsockname()[1]
+    first.close()
+    last.close()
+    with middle:
+        monkeypatch.setenv(host.PORTS_ENV, f"{lo}-{lo + 2}")
+        got = [host.free_port() for _ in range(4)]
+    assert lo + 1 not in got  # held all along
+    assert len(set(got)) == 2 and set(got) == {lo, lo + 2}
+    assert got[0] != got[1] and got[1] != got[2]  # in turn, not the same one again
+
+
+@pytest.mark.parametrize("block", ["x", "2000", "9-5", "80-90", "1024-70000", "-"])
+def test_free_port_refuses_a_bad_block(monkeypatch: pytest.MonkeyPatch, block: str) -> None:
+    from gpuctl.sim import host
+    from gpuctl.sim.errors import SimError
+
+    monkeypatch.setenv(host.PORTS_ENV, block)
+    with pytest.raises(SimError, match="GPUCTL_SIM_PORTS"):
+        host.free_port()

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpuctl.sim.host import free_port
 from tests.conftest import tagged
-from tests.ollama_helpers import claims_mib, free_port, wait_until
+from tests.ollama_helpers import claims_mib, wait_until
 
 GIB = 1024
 

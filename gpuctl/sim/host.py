@@ -38,11 +38,43 @@ def _limit_nofile(n: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
+# ``LO-HI``: the block of loopback ports ``free_port`` hands out, instead of the kernel's
+# pick. The test suite gives each of its parallel workers a block of its own, below the
+# kernel's ephemeral range (``tests/conftest.py``): a port picked there is never the one
+# another worker just picked, nor one that an outgoing connection took meanwhile, both of
+# which happen with the kernel's pick, since the port is free again once it is returned.
+PORTS_ENV = "GPUCTL_SIM_PORTS"
+_cursor: list[int] = []  # this process's next port in its block
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback port nothing is bound to now, for a server about to start.
+
+    Raises:
+        SimError: ``GPUCTL_SIM_PORTS`` is not ``LO-HI``, or every port of it is taken.
+    """
+    block = os.environ.get(PORTS_ENV)
+    if not block:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+    lo, _, hi = block.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and 1024 <= int(lo) <= int(hi) <= 65535):
+        raise SimError(f"{PORTS_ENV}={block[:40]!r}: expected LO-HI, ports from 1024 to 65535")
+    first, last = int(lo), int(hi)
+    if not _cursor:  # processes sharing a block start apart, and go round it in turn
+        _cursor.append(first + secrets.randbelow(last - first + 1))
+    for _ in range(last - first + 1):
+        port = _cursor[0]
+        _cursor[0] = first if port >= last else port + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise SimError(f"every port of {PORTS_ENV}={block} is taken")
 
 
 @dataclass
@@ -59,8 +91,8 @@ class SimHost:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     agent_port: int = 0
-    # The agent's --health-ports: its model servers listen on ports the kernel picks
-    # (``free_port``, anywhere in the ephemeral range), so it may fetch any unprivileged
+    # The agent's --health-ports: its model servers listen on ports ``free_port`` picks
+    # (the kernel's, or a ``GPUCTL_SIM_PORTS`` block), so it may fetch any unprivileged
     # port of loopback. The agent's own rule (this machine only) still holds.
     health_ports: str = "1024-65535"
     _own_root: bool = False
