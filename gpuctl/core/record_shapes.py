@@ -331,23 +331,27 @@ class EntryHolder(Holder, forbid_unknown_fields=True, kw_only=True):
     id: EntryId
 
 
+# An in-flight or queue entry's holder, and its term: renewed while it lasts, so a
+# longer one would keep a server from reclaim (or the queue's head waiting) for good.
+EntryHolderField = Annotated[
+    EntryHolder, Meta(description="As for a lease; the id names the entry's file.")
+]
+_LAPSES = "Seconds until the entry lapses unless renewed (at most {:g})."
+InflightTtl = Annotated[
+    float, Meta(gt=0, le=INFLIGHT_TTL_MAX_S, description=_LAPSES.format(INFLIGHT_TTL_MAX_S))
+]
+QueueTtl = Annotated[
+    float, Meta(gt=0, le=QUEUE_TTL_MAX_S, description=_LAPSES.format(QUEUE_TTL_MAX_S))
+]
+
+
 class InflightRequest(Struct, forbid_unknown_fields=True):
     """``POST /records/{service}/inflight`` (and ``…/renew``): who uses it, for how long
     at most. A longer term would keep a server from reclaim for good: its user renews
     it while the request runs."""
 
-    holder: Annotated[
-        EntryHolder, Meta(description="As for a lease; the id names the entry's file.")
-    ]
-    ttl_s: Annotated[
-        float,
-        Meta(
-            gt=0,
-            le=INFLIGHT_TTL_MAX_S,
-            description="Seconds until the entry lapses unless renewed (at most "
-            f"{INFLIGHT_TTL_MAX_S:g}).",
-        ),
-    ]
+    holder: EntryHolderField
+    ttl_s: InflightTtl
 
 
 class InflightEnd(Struct, forbid_unknown_fields=True):
@@ -359,18 +363,8 @@ class InflightEnd(Struct, forbid_unknown_fields=True):
 class QueueJoin(Struct, forbid_unknown_fields=True):
     """``POST /records/_queue``: who waits, for how long at most, and what."""
 
-    holder: Annotated[
-        EntryHolder, Meta(description="As for a lease; the id names the entry's file.")
-    ]
-    ttl_s: Annotated[
-        float,
-        Meta(
-            gt=0,
-            le=QUEUE_TTL_MAX_S,
-            description="Seconds until the entry lapses unless renewed (at most "
-            f"{QUEUE_TTL_MAX_S:g}).",
-        ),
-    ]
+    holder: EntryHolderField
+    ttl_s: QueueTtl
     name: Annotated[str, Meta(min_length=1, max_length=101, pattern=NAME_PATTERN)]
     priority: Annotated[int, Meta(ge=-PRIORITY_MAX, le=PRIORITY_MAX)]
     memory_mib: Annotated[int, Meta(ge=1, le=MEMORY_MAX_MIB)]
