@@ -16,15 +16,17 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from gpuctl.sim.host import free_port
-from tests.conftest import gpuctl
+from tests.conftest import config_env, gpuctl, gpuctl_exe
 from tests.ensure_helpers import model_server_command, spawn_ensure, unique_name
 
 
@@ -168,16 +170,25 @@ def test_submit_ready_on_its_node_then_stop_is_scancel(tmp_path: Path, svc: str)
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
-def test_pending_while_the_node_is_full_then_ready(tmp_path: Path, svc: str, fill: str) -> None:
+def fill_the_node(tmp_path: Path, fill: str) -> None:
+    """Submit ``fill`` (all 4 GPUs, two minutes) and wait until it runs."""
     subprocess.run(
         ["sbatch", "--parsable", "--job-name", fill, "--gres", "gpu:4", "--time", "2",
          "--output", "/dev/null", "--wrap", "sleep 120"],
         check=True, capture_output=True, text=True, timeout=20, cwd=tmp_path,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while [r["state"] for r in squeue(fill)] != ["RUNNING"]:
-        assert time.monotonic() < deadline, squeue(fill)
+    wait_state(fill, "RUNNING")
+
+
+def wait_state(name: str, state: str, limit_s: float = 30) -> None:
+    deadline = time.monotonic() + limit_s
+    while [r["state"] for r in squeue(name)] != [state]:
+        assert time.monotonic() < deadline, squeue(name)
         time.sleep(0.2)
+
+
+def test_pending_while_the_node_is_full_then_ready(tmp_path: Path, svc: str, fill: str) -> None:
+    fill_the_node(tmp_path, fill)
     cfg, _ = server(tmp_path, svc)
     code, out = ensure_json(cfg, svc, "--timeout", "3s")
     assert out["outcome"] == "timeout", out
@@ -237,3 +248,100 @@ def test_reclaim_cancels_an_idle_job(tmp_path: Path, svc: str) -> None:
     (c,) = [c for c in json.loads(r.stdout)["candidates"] if c["service"] == svc]
     assert c["done"], json.dumps(c)
     assert squeue(f"gpuctl-{svc}") == []
+
+
+def test_the_proxy_starts_a_job_on_demand(tmp_path: Path, svc: str, fill: str) -> None:
+    """Requests through `gpuctl proxy` for a stopped Slurm service submit its job once,
+    are held while Slurm queues it and while it loads, and are forwarded once it answers.
+    On this one-node cluster the node is this machine, so the proxy's fixed `url` is
+    loopback while `health` names `{node}`."""
+    fill_the_node(tmp_path, fill)
+    port = free_port()
+    cfg = config(
+        tmp_path,
+        svc,
+        command=model_server_command(svc, port, "1GiB", "1s"),
+        port=port,
+        extra=f'url = "http://127.0.0.1:{port}"\nqueue_timeout = "150s"',
+    )
+    listen = free_port()
+    base = f"http://127.0.0.1:{listen}"
+    plog = tmp_path / "proxy.log"
+    with plog.open("ab") as out:
+        proc = subprocess.Popen(
+            [gpuctl_exe(), "proxy", "--listen", f"127.0.0.1:{listen}"],
+            env=config_env(cfg),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, plog.read_text()
+            try:
+                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, plog.read_text()
+            time.sleep(0.1)
+        answers: dict[int, httpx.Response | BaseException] = {}
+
+        def ask(i: int) -> None:
+            try:
+                answers[i] = httpx.get(f"{base}/services/{svc}/health", timeout=180)
+            except BaseException as e:  # reported by the assertion below
+                answers[i] = e
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        # The node is full: the one job the proxy submitted waits, and so do the requests.
+        wait_state(f"gpuctl-{svc}", "PENDING", limit_s=60)
+        assert answers == {}
+        assert len(squeue(f"gpuctl-{svc}")) == 1
+
+        cancel(fill)
+        for t in threads:
+            t.join(timeout=180)
+        assert sorted(answers) == [0, 1, 2, 3]
+        for a in answers.values():
+            assert isinstance(a, httpx.Response), a
+            assert a.status_code == 200, a.text
+        (row,) = squeue(f"gpuctl-{svc}")
+        assert row["state"] == "RUNNING"
+        log = Path(record(tmp_path, svc)["handle"]["log"])
+        assert log.read_text().count("--- gpuctl: submitting") == 1
+        # Once ready, a request is forwarded at once: still the one job.
+        assert httpx.get(f"{base}/services/{svc}/health", timeout=60).status_code == 200
+        assert len(squeue(f"gpuctl-{svc}")) == 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_record_keeps_the_health_url_on_its_node(tmp_path: Path, svc: str) -> None:
+    """`{node}` is the ensure flow's to know (it asks squeue): once the job answers, the
+    record keeps the URL on its node, which `status` (that never asks squeue) asks and
+    shows, and the agent's poll never sees the template."""
+    cfg, port = server(tmp_path, svc)
+    code, out = ensure_json(cfg, svc)
+    assert (code, out["outcome"]) == (0, "ready"), (out["reason"], out.get("log_tail"))
+    (row,) = squeue(f"gpuctl-{svc}")
+    url = f"http://{row['node']}:{port}/health"
+    assert record(tmp_path, svc)["health"] == url
+    r = gpuctl(cfg, "status", "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    (s,) = [s for s in json.loads(r.stdout)["services"] if s["name"] == svc]
+    assert (s["decision"], s["health"]) == ("READY", "ready"), s
+    assert url in s["reason"], s
+    # Again through an ensure that finds it answering: the record keeps it.
+    code, out = ensure_json(cfg, svc)
+    assert (code, out["outcome"]) == (0, "ready")
+    assert record(tmp_path, svc)["health"] == url

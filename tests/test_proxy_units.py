@@ -116,6 +116,20 @@ def test_keys_from_env_and_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) 
         conf({"s": {"health": H}}, {"api_keys_file": str(f)}).proxy.api_keys()
 
 
+def test_a_slurm_service_is_fronted_only_at_its_url() -> None:
+    """A Slurm job's `{node}` is no address to forward to: the proxy fronts such a
+    service only at its `url`, never at an origin read off the health template (a
+    request would submit a job, then reach no server)."""
+    job = {"launcher": "slurm", "command": "serve", "health": "http://{node}:8000/health"}
+    c = conf(
+        {"bare": dict(job), "fixed": {**job, "url": "http://127.0.0.1:8000"}},
+        dgx={"slurm": {}},
+    )
+    assert upstream_origin(c, c.service("bare")) is None
+    assert upstream_origin(c, c.service("fixed")) == "http://127.0.0.1:8000"
+    assert set(RouteTable(c).by_name) == {"fixed"}
+
+
 def test_routes_upstreams_and_host_filter() -> None:
     c = conf(
         {

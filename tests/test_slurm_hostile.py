@@ -345,3 +345,71 @@ def test_a_record_kind_counts_only_for_a_service_the_config_does_not_name() -> N
         }
     )
     assert slurm_placed(seen, list(config.services.values())) == {"job", "gone"}
+
+
+# -- {node}: what the record keeps, what status and the agent read --------------------
+
+
+def test_the_record_keeps_health_on_the_node_once_ensure_sees_it(
+    cluster: Cluster, answering: int, tmp_path: Path
+) -> None:
+    """A start records no `{node}` template for the agent to poll (the node is not known
+    yet); the ensure that sees the job answer records the URL on its node, which
+    `status` asks and shows without asking squeue."""
+    cluster.queue["node"] = "127.0.0.1"
+    cluster.save()
+    tools = "".join(f'{t} = "{cluster.root / t}"\n' for t in ("sbatch", "squeue", "scancel"))
+    cfg = tmp_path / "gpuctl.toml"
+    cfg.write_text(
+        f'[hosts.c]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n\n[hosts.c.slurm]\n{tools}\n'
+        '[services.s]\nhost = "c"\nlauncher = "slurm"\ncommand = "serve"\n'
+        f'health = "http://{{node}}:{answering}/health"\nhealth_timeout = "30s"\n'
+    )
+    env = {"GPUCTL_STATE_DIR": str(tmp_path / "state")}
+    rec = tmp_path / "state" / "records" / "s.json"
+    r = gpuctl(cfg, "ensure", "s", "--json", "--no-wait", env=env)
+    assert json.loads(r.stdout)["outcome"] == "started", (r.stdout, r.stderr)
+    assert json.loads(rec.read_text())["health"] is None
+    # Status cannot know the node yet, and says so.
+    r = gpuctl(cfg, "status", "--json", env=env)
+    (s,) = [s for s in json.loads(r.stdout)["services"] if s["name"] == "s"]
+    assert s["health"] == "none", s
+    r = gpuctl(cfg, "ensure", "s", "--json", env=env)
+    assert json.loads(r.stdout)["outcome"] == "ready", (r.stdout, r.stderr)
+    url = f"http://127.0.0.1:{answering}/health"
+    assert json.loads(rec.read_text())["health"] == url
+    r = gpuctl(cfg, "status", "--json", env=env)
+    (s,) = [s for s in json.loads(r.stdout)["services"] if s["name"] == "s"]
+    assert (s["decision"], s["health"]) == ("READY", "ready"), s
+    assert url in s["reason"], s
+    assert len(cluster.calls("sbatch")) == 1
+
+
+def test_status_asks_no_url_a_record_names_beside_the_template() -> None:
+    """A record is anyone's to write: status asks its `health` only where it is the
+    service's template with a host name for `{node}`."""
+    from gpuctl.config.slurm_fields import node_of_url
+
+    t = "http://{node}:8000/health"
+    assert node_of_url(t, "http://n1.cluster:8000/health") == "n1.cluster"
+    for forged in (
+        None,
+        t,
+        "http://evil:9/x",
+        "http://a@b:8000/health",
+        "http://a:1/x:8000/health",
+        "http://:8000/health",
+        "http://n1:8000/healthz",
+    ):
+        assert node_of_url(t, forged) is None, forged
+
+
+def test_the_agent_never_polls_a_node_template() -> None:
+    from gpuctl.agent.upkeep import HealthGate
+    from gpuctl.core.health_reach import HealthReach, parse_ports
+    from gpuctl.core.record import Phase, Record
+
+    gate = HealthGate(HealthReach(parse_ports("8000")), local=lambda: [])
+    starting = Record("s", Phase.STARTING, health="http://{node}:8000/health")
+    assert not gate.allows(starting)
+    assert gate.allows(Record("s", Phase.STARTING, health="http://127.0.0.1:8000/health"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuctl.adapters.machine import ThisMachine
-from gpuctl.core.plan import why_not
+from gpuctl.core.plan import VictimFacts, why_not
 from gpuctl.core.record import Phase, Record
 from gpuctl.flows.look import Observation, victim_facts
 from tests.flow_fakes import config
@@ -106,3 +106,86 @@ def test_a_server_is_idle_from_its_last_use_or_from_when_it_began_running() -> N
     assert idle_seconds(used, 960.0) == 60.0
     never = Record("chat", Phase.RUNNING, since=700.0)
     assert idle_seconds(never, 760.0) == 60.0
+
+
+SLURM_BESIDE = """
+[hosts.dgx]
+agent = "http://127.0.0.1:9"
+
+[hosts.dgx.slurm]
+
+[services.chat]
+host = "dgx"
+launcher = "process"
+command = "vllm serve m"
+health = "http://127.0.0.1:8000/health"
+memory = "80GiB"
+priority = 100
+preempt = true
+
+[services.low]
+host = "dgx"
+launcher = "slurm"
+command = "batch-server"
+health = "http://{node}:8001/health"
+memory = "30GiB"
+priority = 10
+yield_after = "1s"
+"""
+
+
+def test_a_slurm_service_is_never_a_victim(tmp_path: Path) -> None:
+    """Preemption of a server Slurm placed is Slurm's (its priority, its QoS): a lower
+    priority and ``preempt = true`` on the other side still name no Slurm job to stop,
+    and it never yields either, however long it sat idle."""
+    from gpuctl.core.decision import Decision, Health
+    from gpuctl.core.snapshot import GpuProcess, Snapshot
+    from gpuctl.flows.look import decide, yielding
+
+    conf = config(tmp_path, SLURM_BESIDE)
+    chat, low = conf.services["chat"], conf.services["low"]
+    job = {"kind": "slurm", "job_id": "7", "proof": "n1"}
+    rec = Record("low", Phase.RUNNING, handle=job, since=0.0, last_used=0.0)
+    gib = 1024
+    # The job runs on this very GPU (a node that is a gpuctl host too), found by the
+    # agent by its start nonce: 30 GiB of 100 held, so chat's 80 GiB does not fit.
+    snap = Snapshot(
+        30 * gib,
+        100 * gib,
+        False,
+        "sim",
+        "t",
+        (GpuProcess(4242, "batch-server --port 8001", 30 * gib),),
+        (),
+        servers=((4242, "low"),),
+    )
+    seen = Observation(records={"low": rec}, snapshot=snap)
+    facts = victim_facts(seen, [chat, low], chat, counts=dict, machine=ThisMachine(), now=1e6)
+    assert "low" not in facts
+    verdict = decide(
+        chat,
+        Health("refused", "connection refused"),
+        seen,
+        others=[chat, low],
+        now=1e6,
+        victims=facts,
+    )
+    assert verdict.decision is not Decision.PREEMPTABLE, verdict.reason
+    assert verdict.plan is None
+    # Nor with the facts a planner unaware of Slurm would have handed it.
+    forged = {"low": stoppable_facts("low")}
+    verdict = decide(
+        chat, Health("refused", "refused"), seen, others=[chat, low], now=1e6, victims=forged
+    )
+    assert verdict.decision is not Decision.PREEMPTABLE, verdict.reason
+    # A record the config does not name, with a Slurm job's handle, is none either.
+    stray = Observation(records={"gone": Record("gone", Phase.RUNNING, handle=job)}, snapshot=snap)
+    assert "gone" not in victim_facts(
+        stray, [chat, low], chat, counts=dict, machine=ThisMachine(), now=1e6
+    )
+    assert yielding(seen, [chat, low], counts=dict, server_in_flight=None, now=1e6) == {}
+
+
+def stoppable_facts(name: str) -> VictimFacts:
+    """The facts of a stoppable, idle, low-priority server (what a process would get)."""
+    return VictimFacts(name, 10, managed=True, in_flight=0, idle_s=1e6, yield_after_s=1.0)

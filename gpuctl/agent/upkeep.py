@@ -24,6 +24,7 @@ from gpuctl.adapters.recorded_servers import truth_reader
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.store_api import read_all
+from gpuctl.config.slurm_fields import names_node
 from gpuctl.core.health_reach import HealthReach, IpAddress
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.redact import show_url
@@ -56,7 +57,9 @@ class HealthGate:
 
     def allows(self, record: Record) -> bool:
         url = record.health
-        if not url:
+        if not url or names_node(url):
+            # A Slurm job's `{node}` left unexpanded (a record of an older gpuctl): the
+            # agent cannot know the node, and that text is no URL to fetch.
             return False
         why = self.reach.refusal(url, self._local())
         if why is None:

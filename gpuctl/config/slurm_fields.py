@@ -2,9 +2,11 @@
 ``sbatch`` would check them at submission, and what a ``slurm`` service may not set.
 
 ``health`` of a Slurm service may name ``{node}``, the node Slurm chose: it is checked
-here as a URL with a placeholder host, and expanded each time the server is asked
-(``adapters.launchers.slurm``). ``url`` may not: the proxy and ``status`` use it as
-written, so a ``{node}`` there would reach no server."""
+here as a URL with a placeholder host, and expanded each time ``ensure`` asks the server
+(``adapters.launchers.slurm``), which then records the expanded URL as the record's
+``health`` (``node_of_url`` tells a stored URL from anything else); ``status`` reads
+that, never squeue. ``url`` may not: the proxy uses it as written, so a ``{node}``
+there would reach no server."""
 
 from __future__ import annotations
 
@@ -97,3 +99,27 @@ def check_slurm_service(svc: ServiceConfig, slurm: SlurmConfig | None, host: str
             f"{where}.stop: 'sleep' keeps a job holding its GPUs; a Slurm job is cancelled",
             hint='drop stop, or use stop = "stop"',
         )
+
+
+# A node name that can stand for the host part of a URL (as the launcher checks
+# squeue's answer): nothing a URL would read as a user, a port, a path or a second host.
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*", re.ASCII)
+
+
+def names_node(url: str | None) -> bool:
+    """Whether ``url`` is a template that needs the node Slurm chose."""
+    return url is not None and NODE in url
+
+
+def node_of_url(template: str, url: str | None) -> str | None:
+    """The node ``url`` is ``template`` expanded with, or None where it is not one: a
+    record's stored URL is trusted only as the service's own template with a plain host
+    name in place of ``{node}`` (a record is anyone's to write; a URL it names must not
+    send a health request anywhere else)."""
+    if url is None or template.count(NODE) != 1:
+        return None
+    head, _, tail = template.partition(NODE)
+    if len(url) <= len(head) + len(tail) or not url.startswith(head) or not url.endswith(tail):
+        return None
+    node = url[len(head) : len(url) - len(tail)]
+    return node if _NODE_NAME.fullmatch(node) else None

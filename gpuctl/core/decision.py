@@ -118,6 +118,9 @@ class Health:
     # What the server says it holds on the GPU, where it says (Ollama's /api/ps
     # size_vram): an Ollama model has no process of its own to measure.
     memory_mib: int | None = None
+    # The URL asked where it is not the service's ``health`` as written: a Slurm job's
+    # ``{node}`` expanded (the ensure flow records it for the agent and ``status``).
+    url: str | None = None
 
     @property
     def ok(self) -> bool:

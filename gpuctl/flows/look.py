@@ -42,6 +42,7 @@ from gpuctl.core.record import (
     unreadable_handle,
 )
 from gpuctl.core.record_pids import recorded_servers
+from gpuctl.core.redact import show_url
 from gpuctl.core.snapshot import Snapshot
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError, NoStore
@@ -355,6 +356,9 @@ def slurm_verdict(
         now=now,
         own_holder=own_holder,
     )
+    if verdict.decision is Decision.READY and health.url:
+        # `{node}` expanded: where the server answers, which the config cannot say.
+        return replace(verdict, reason=f"{verdict.reason} at {show_url(health.url)}")
     if verdict.decision in (Decision.READY, Decision.SLEEPING, Decision.LOADING, Decision.FAILED):
         return verdict
     job = (record.handle or {}).get("job_id") if record is not None else None
@@ -668,10 +672,12 @@ def yielding(
     asks to preempt, with how long each has been idle: for ``status``, on the facts the
     planner reads. The in-flight counts are read only where some server is idle past
     its ``yield_after`` by the clock; where they cannot be read, none is said to yield."""
+    slurm = slurm_placed(seen, services)
     idle = [
         (o, r)
         for o in as_promised(services, seen.records)
-        if (r := seen.records.get(o.name)) is not None
+        if o.name not in slurm
+        and (r := seen.records.get(o.name)) is not None
         and r.phase is Phase.RUNNING
         and could_yield(o, idle_seconds(r, now))
     ]
@@ -713,16 +719,23 @@ def victim_facts(
     (``core.plan.yields``): for it, ``idle_s`` is ``now`` (None: this machine's clock)
     less its last use (or, never used, when its phase began), its server's in-flight
     metric is read only once it is idle past its ``yield_after``, and ``kind`` and
-    ``yield_after_s`` come from its config."""
+    ``yield_after_s`` come from its config.
+
+    A server Slurm places (``slurm_placed``) is never a victim, nor yields: who runs
+    first and who is preempted there is Slurm's priority, and a stop around it would
+    only free a node Slurm hands to its queue. ``reclaim`` of an idle one still cancels
+    it (that is its owner giving the job up, not gpuctl choosing between users)."""
     if now is None:
         now = time.time()
 
     # Each at its record's own figures: its priority is what its start promised.
+    slurm = slurm_placed(seen, others)
     others = as_promised(others, seen.records)
     candidates = [
         o
         for o in others
         if o.name != svc.name
+        and o.name not in slurm
         and (r := seen.records.get(o.name)) is not None
         # PREEMPTED too: one another caller is stopping now is named as such (a start or
         # stop under way), not as a process gpuctl did not start.
@@ -742,6 +755,8 @@ def victim_facts(
     foreign, _ = strangers(seen.records.values(), (o.name for o in others), exclude=svc.name)
     for f in foreign:
         r = seen.records[f.name]
+        if f.name in slurm:
+            continue
         if r.phase in (Phase.RUNNING, Phase.STARTING, Phase.PREEMPTED):
             # This config does not say how to stop it (no launcher): it holds its room.
             out[f.name] = VictimFacts(

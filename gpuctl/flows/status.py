@@ -19,11 +19,13 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from gpuctl.config.slurm_fields import names_node, node_of_url
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict, loading_owner
 from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.names import is_service_name
 from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.queue import Waiter
+from gpuctl.core.record import Phase
 from gpuctl.core.snapshot import GpuProcess, Snapshot, StartingProcess
 from gpuctl.core.timestamps import iso_utc
 from gpuctl.errors import GpuctlError
@@ -112,7 +114,10 @@ def _ollama_others(services: Sequence[Any]) -> dict[str, frozenset[str]]:
 
 
 def _health_target(s: Any, deps: StatusDeps) -> bool:
-    """Whether the service has a health to ask: its URL, or an Ollama model's /api/ps."""
+    """Whether the service has a health to ask beside its host's reading: its URL, or an
+    Ollama model's /api/ps. A Slurm job's ``{node}`` is asked after it (``_node_health``)."""
+    if names_node(s.health):
+        return False
     return bool(s.health) or (
         s.launcher == "ollama" and s.model is not None and deps.check_ollama is not None
     )
@@ -135,6 +140,22 @@ def _health_of(
     if ollama and s.model and deps.check_ollama is not None:
         return deps.check_ollama(ollama, s.model, timeout_s, others)
     return NO_HEALTH
+
+
+def _node_health(deps: StatusDeps, s: Any, obs: Observation, timeout_s: float) -> Health:
+    """A Slurm job's health, whose ``{node}`` ``status`` never asks squeue for: at the URL
+    its record keeps (the template with the node in it, recorded by the ``ensure`` that
+    saw it answer there, while it says its job runs), else none, saying why."""
+    rec = obs.records.get(s.name)
+    live = rec is not None and rec.phase in (Phase.STARTING, Phase.RUNNING)
+    url = rec.health if rec is not None and live else None
+    if url is None or node_of_url(s.health, url) is None:
+        return Health(
+            "none",
+            "its health names {node}, the node Slurm chose, not known until "
+            f"`gpuctl ensure {s.name}` sees the job answer (status does not ask squeue)",
+        )
+    return replace(deps.check_health(url, timeout_s), url=url)
 
 
 def _judge(
@@ -274,8 +295,14 @@ def status(deps: StatusDeps) -> StatusReport:
         reports = []
         for hd, services, fut in zip(deps.hosts, per_host, seen, strict=True):
             obs = fut.result()
+            timeout = min(deps.health_timeout_s, hd.host.timeout_s)
             hs = tuple(
-                healths[s.name].result() if s.name in healths else NO_HEALTH for s in services
+                healths[s.name].result()
+                if s.name in healths
+                else _node_health(deps, s, obs, timeout)
+                if names_node(s.health)
+                else NO_HEALTH
+                for s in services
             )
             now = deps.clock()
             # Read once per host, and only when asked: by a service that does not fit,

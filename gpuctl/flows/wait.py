@@ -48,6 +48,7 @@ class Waited:
     log_tail: str = ""
     decision: Decision | None = None  # a new decision the wait found (BUSY), if any
     verdict: Verdict | None = None  # and the verdict behind it (who holds the GPU)
+    url: str | None = None  # READY: the health URL that answered, where not as written
 
 
 AGAIN = Waited(None)
@@ -98,7 +99,7 @@ def wait_ready(ctx: Clock, watch: Watch) -> Waited:
     while True:
         health = deps.servers.health()
         if health.ok:
-            return Waited(Outcome.READY, watch.ready_reason(ctx.elapsed()))
+            return Waited(Outcome.READY, watch.ready_reason(ctx.elapsed()), url=health.url)
         # vLLM answers 503 only once its engine is dead; a few in a row end the wait.
         dead = dead + 1 if health.status_code == 503 else 0
         if dead >= DEAD_503_IN_A_ROW:

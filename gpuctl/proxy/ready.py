@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.config.slurm_fields import NODE
 from gpuctl.core.units import format_duration
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.op_results import EnsureResult, Outcome
@@ -233,7 +234,9 @@ class SingleFlight:
         return min(fallback_s, max(1.0, left))
 
     async def _run(self, svc: ServiceConfig) -> Readiness:
-        if svc.health_means_ready:
+        # A Slurm job's `{node}` is known only to the ensure flow (it asks squeue), whose
+        # first step is this same health check.
+        if svc.health_means_ready and NODE not in (svc.health or ""):
             assert svc.health is not None
             try:
                 r = await self.client.get(svc.health, timeout=HEALTH_TIMEOUT_S)

@@ -17,6 +17,7 @@ from typing import Literal
 from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.config.slurm_fields import NODE
 from gpuctl.core.json_kind import json_kind
 from gpuctl.errors import ConfigError
 from gpuctl.proxy.errors import ClientGone, Refusal
@@ -74,10 +75,10 @@ def origin_of(url: str) -> str:
 
 
 def upstream_origin(conf: Config, svc: ServiceConfig) -> str | None:
-    """``url``, else the origin of ``health``, else (an Ollama model) the host's Ollama."""
+    """``url``, else the origin of ``health`` (not a Slurm job's ``{node}``), else (an Ollama model) the host's Ollama."""
     if svc.url:
         return svc.url
-    if svc.health:
+    if svc.health and NODE not in svc.health:  # `{node}`: no fixed address to forward to
         return origin_of(svc.health)
     if svc.launcher == "ollama":
         ollama = conf.host(svc.host).ollama

@@ -267,7 +267,8 @@ def _service_health(
                 return Health("error", f"cannot ask Slurm for its node: {e.message}")
             if node is None:
                 return Health("refused", "no running Slurm job (queued, or none)")
-            return health.check(template.replace("{node}", node), timeout_s=2.0, client=http())
+            url = template.replace("{node}", node)
+            return replace(health.check(url, timeout_s=2.0, client=http()), url=url)
 
         return on_node
     return lambda: health.check(service.health, timeout_s=2.0, client=http())

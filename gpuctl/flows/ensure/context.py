@@ -87,7 +87,7 @@ def bystander(
     if waited.outcome is None:
         return None
     if waited.outcome is Outcome.READY:
-        touch(ctx, ready=True)
+        touch(ctx, ready=True, url=waited.url)
     if waited.outcome is Outcome.TIMEOUT and hint and waited.verdict is None:
         return ctx.from_wait(waited, decision, hint=hint)
     return ctx.from_wait(waited, decision)
@@ -96,13 +96,17 @@ def bystander(
 STOPPING = object()
 
 
-def touch(ctx: Ctx, ready: bool = False) -> object:
-    """Mark it used; ``STOPPING`` when a stop holds its lease (the touch then lost)."""
+def touch(ctx: Ctx, ready: bool = False, url: str | None = None) -> object:
+    """Mark it used; ``STOPPING`` when a stop holds its lease (the touch then lost).
+    ``url``: the health URL that answered where it is not the service's as written (a
+    Slurm job's ``{node}`` expanded), recorded where the record keeps another."""
     try:
         svc = ctx.deps.service
         rec = ctx.deps.store.touch(svc.name, ready=ready, promise=svc.promise())
         if ready and unrecorded_server(rec):
             record_found_server(ctx)
+        if ready and url and rec.health != url and not stopping(rec):
+            record_health(ctx, url)
     except AgentAuthError:
         # Not a passing failure: with a token that may not write (the read-only one)
         # every use would go unrecorded, and reclaim would stop the server under its user.
@@ -141,6 +145,20 @@ def record_found_server(ctx: Ctx) -> None:
         deps.store.release(svc.name, holder.id, found_server(ctx))
     except GpuctlError as e:
         ctx.notes.append(f"could not record the server of an earlier start: {e.message}")
+
+
+def record_health(ctx: Ctx, url: str) -> None:
+    """Record the URL its server answered on, under the lease (a stop or start holding
+    it wins: nothing is written, a later use tries again). Best effort."""
+    deps, svc = ctx.deps, ctx.deps.service
+    holder = deps.machine.holder(ctx.req.entry)
+    try:
+        granted, _ = deps.store.acquire(svc.name, holder, LEASE_MARGIN_S)
+        if not granted:
+            return
+        deps.store.release(svc.name, holder.id, RecordUpdate(health=url))
+    except GpuctlError as e:
+        ctx.notes.append(f"could not record where its server answers: {e.message}")
 
 
 def found_server(ctx: Ctx) -> RecordUpdate | None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.config import ServiceConfig
+from gpuctl.config.slurm_fields import names_node
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
 from gpuctl.core.record import Holder, Phase, Record
@@ -41,6 +42,13 @@ def on_its_gpu(svc: ServiceConfig, verdict: Verdict, snapshot: Snapshot | None) 
     ):
         return svc
     return replace(svc, env={**svc.env, "CUDA_VISIBLE_DEVICES": str(verdict.gpu)})
+
+
+def _answered(url: str | None) -> dict[str, Any]:
+    """The record's ``health`` where the URL that answered is not the service's as
+    written (a Slurm job's ``{node}`` expanded): the agent's poll and ``status`` read it
+    there, since neither asks Slurm for the node."""
+    return {"health": url} if url else {}
 
 
 def launch_under_lease(
@@ -83,9 +91,14 @@ def launch_under_lease(
             if health.ok:
                 found = found_server(ctx)
                 release(
-                    RecordUpdate(touch=True, phase=Phase.RUNNING)
+                    RecordUpdate(touch=True, phase=Phase.RUNNING, **_answered(health.url))
                     if found is None
-                    else RecordUpdate(touch=True, phase=Phase.RUNNING, handle=found.handle)
+                    else RecordUpdate(
+                        touch=True,
+                        phase=Phase.RUNNING,
+                        handle=found.handle,
+                        **_answered(health.url),
+                    )
                 )
                 return ctx.result(
                     Outcome.READY, f"{svc.name} answers its health check", Decision.READY
@@ -184,8 +197,10 @@ def launch_under_lease(
                         touch=True,
                         start_nonce=nonce,
                         # The agent polls it to move a start whose caller went (or
-                        # did not wait) to `running` once the server answers.
-                        health=svc.health,
+                        # did not wait) to `running` once the server answers. A
+                        # Slurm job's `{node}` is not known yet: nothing to poll
+                        # until its node answers (`_answered`).
+                        health=None if names_node(svc.health) else svc.health,
                     ),
                     event=story.ev(
                         "launch",
@@ -277,7 +292,13 @@ def launch_under_lease(
         )
         update = RecordUpdate(attempt=attempt)
         if outcome is Outcome.READY:
-            update = RecordUpdate(attempt=attempt, phase=Phase.RUNNING, failure=None, touch=True)
+            update = RecordUpdate(
+                attempt=attempt,
+                phase=Phase.RUNNING,
+                failure=None,
+                touch=True,
+                **_answered(waited.url),
+            )
         elif outcome is Outcome.FAILED:
             failure = StartFailure(waited.reason, waited.log_tail)
             update = RecordUpdate(attempt=attempt, failure=failure)

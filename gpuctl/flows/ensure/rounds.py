@@ -94,7 +94,7 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
     deps, svc = ctx.deps, ctx.deps.service
     health = deps.servers.health()
     if health.ok:
-        if touch(ctx, ready=True) is STOPPING:
+        if touch(ctx, ready=True, url=health.url) is STOPPING:
             # It answers, but a stop (gpuctl stop, reclaim) holds its lease and will end
             # it: not ready. Wait for the stop, then look again (and start it).
             return _after_stop(ctx, wait)
