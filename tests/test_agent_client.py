@@ -21,10 +21,10 @@ from gpuctl.adapters.http_clients import http_client
 from gpuctl.agent.app import AgentSettings, create_app
 from gpuctl.core.snapshot import GpuProcess, Snapshot
 from gpuctl.errors import AgentAuthError, AgentUnavailable, ExitCode
+from gpuctl.sim.host import free_port
 from tests.agent_helpers import (
     FakeProbe,
     canned,
-    free_port,
     raw_server,
     read_request,
     reading_of,

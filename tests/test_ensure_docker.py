@@ -23,13 +23,12 @@ import pytest
 
 from gpuctl import api
 from gpuctl.adapters.launchers.docker import LABEL_SERVICE, container_name
-from gpuctl.sim.host import SimHost
+from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import set_marked_failpoints
 from tests.docker_helpers import (
     docker_client,
     docker_unavailable,
     ensure_test_image,
-    free_port,
     model_server_command,
     python_command,
     remove_service_containers,

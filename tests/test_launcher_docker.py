@@ -32,11 +32,11 @@ from gpuctl.adapters.launchers.docker import (
 )
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import LauncherError, StartFailed
+from gpuctl.sim.host import free_port
 from tests.docker_helpers import (
     docker_client,
     docker_unavailable,
     ensure_test_image,
-    free_port,
     model_server_command,
     python_command,
     remove_service_containers,
