@@ -50,9 +50,10 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = os.path.join(home, sub)
     # Each worker's servers listen in a block of ports of its own (``free_port``), below
     # the kernel's ephemeral range (32768 and up on Linux): 1,000 ports a worker from 20000.
+    # Set, never inherited: the xdist controller's own value reaches every worker.
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     first = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
-    os.environ.setdefault(PORTS_ENV, f"{first}-{first + 999}")
+    os.environ[PORTS_ENV] = f"{first}-{first + 999}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
