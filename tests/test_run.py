@@ -130,19 +130,22 @@ def test_a_running_job_counts_and_its_record_dies_with_it(host: SimHost) -> None
             os.kill(pid, signal.SIGKILL)
 
 
+# CMD for the signal tests: it writes the signal it got, and exits 9.
+TRAP = (
+    "import signal, sys, time\n"
+    "def h(n, f):\n"
+    "    open(sys.argv[1], 'w').write(str(n)); sys.exit(9)\n"
+    "signal.signal(signal.SIGTERM, h)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
 def test_signals_are_passed_to_cmd(host: SimHost, tmp_path: Path) -> None:
     cfg = host.write_config("")
     out = tmp_path / "got"
-    script = (
-        "import signal, sys, time\n"
-        "def h(n, f):\n"
-        "    open(sys.argv[1], 'w').write(str(n)); sys.exit(9)\n"
-        "signal.signal(signal.SIGTERM, h)\n"
-        "print('ready', flush=True)\n"
-        "time.sleep(60)\n"
-    )
     p = subprocess.Popen(
-        [gpuctl_exe(), "run", "-m", "1GiB", "--", sys.executable, "-c", script, str(out)],
+        [gpuctl_exe(), "run", "-m", "1GiB", "--", sys.executable, "-c", TRAP, str(out)],
         env=cli_env(cfg),
         stdout=subprocess.PIPE,
         text=True,
@@ -152,6 +155,41 @@ def test_signals_are_passed_to_cmd(host: SimHost, tmp_path: Path) -> None:
     assert p.wait(timeout=30) == 9
     p.stdout.close()
     assert out.read_text() == str(int(signal.SIGTERM))
+
+
+def test_a_signal_before_gpuctl_watches_cmd_still_reaches_cmd(
+    host: SimHost, tmp_path: Path
+) -> None:
+    """The window from letting CMD run to passing signals on: a SIGTERM there once
+    ended gpuctl run by default (exit -15) and left CMD running unwatched."""
+    cfg = host.write_config("")
+    out = tmp_path / "got"
+    p = subprocess.Popen(
+        [gpuctl_exe(), "run", "-m", "1GiB", "--", sys.executable, "-c", TRAP, str(out)],
+        env={**cli_env(cfg), "GPUCTL_FAILPOINTS": "run.after_go=stop"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None and p.stderr is not None
+        assert "run.after_go: stop" in p.stderr.readline()
+        assert p.stdout.readline().strip() == "ready"  # CMD runs; gpuctl is stopped
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "gpuctl run never stopped at the failpoint"
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGCONT)
+        assert p.wait(timeout=30) == 9
+        assert out.read_text() == str(int(signal.SIGTERM))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for pipe in (p.stdout, p.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def test_wait_then_runs_once_room_is_made(host: SimHost) -> None:

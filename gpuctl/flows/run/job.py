@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from gpuctl import failpoints
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig
 from gpuctl.core.decision import NO_HEALTH, Decision, Verdict
@@ -379,12 +380,18 @@ def _start(
         # Unrecorded, it would hold memory nobody counts: it does not run.
         proc.abandon()
         raise
+    # From the moment CMD may run until ``_wait`` passes them on, the signals it should
+    # get are held (blocked, left pending), not left to their defaults: a SIGTERM in
+    # between would otherwise end gpuctl run and leave CMD running unwatched.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         proc.go()
     except OSError as e:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         _ended(deps, spec.name)
         code = EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_CANNOT_EXECUTE
         return RunResult(name, code, f"{req.argv[0]}: {e.strerror or e}")
+    failpoints.hit("run.after_go")
     return proc
 
 
@@ -397,6 +404,8 @@ def _wait(proc: JobChild) -> int:
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
+        # What came since CMD was let run (``_start`` held it) is passed on now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         code = proc.wait()
     finally:
         for s, h in previous.items():
