@@ -159,6 +159,18 @@ def answering() -> Iterator[int]:
     server.server_close()
 
 
+def node_service_config(cluster: Cluster, port: int, tmp_path: Path) -> Path:
+    """A config whose service ``s`` runs on the fake cluster, its health on ``{node}``."""
+    tools = "".join(f'{t} = "{cluster.root / t}"\n' for t in ("sbatch", "squeue", "scancel"))
+    cfg = tmp_path / "gpuctl.toml"
+    cfg.write_text(
+        f'[hosts.c]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n\n[hosts.c.slurm]\n{tools}\n'
+        '[services.s]\nhost = "c"\nlauncher = "slurm"\ncommand = "serve"\n'
+        f'health = "http://{{node}}:{port}/health"\nhealth_timeout = "30s"\n'
+    )
+    return cfg
+
+
 def test_ensure_submits_its_own_job_beside_another_users(
     cluster: Cluster, answering: int, tmp_path: Path
 ) -> None:
@@ -167,13 +179,7 @@ def test_ensure_submits_its_own_job_beside_another_users(
     cluster.add(id="7", name="gpuctl-s", user="mallory", node="127.0.0.1", comment="gpuctl:x")
     cluster.queue["node"] = "127.0.0.1"
     cluster.save()
-    tools = "".join(f'{t} = "{cluster.root / t}"\n' for t in ("sbatch", "squeue", "scancel"))
-    cfg = tmp_path / "gpuctl.toml"
-    cfg.write_text(
-        f'[hosts.c]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n\n[hosts.c.slurm]\n{tools}\n'
-        '[services.s]\nhost = "c"\nlauncher = "slurm"\ncommand = "serve"\n'
-        f'health = "http://{{node}}:{answering}/health"\nhealth_timeout = "30s"\n'
-    )
+    cfg = node_service_config(cluster, answering, tmp_path)
     r = gpuctl(cfg, "ensure", "s", "--json", env={"GPUCTL_STATE_DIR": str(tmp_path / "state")})
     assert json.loads(r.stdout)["outcome"] == "ready", (r.stdout, r.stderr)
     assert len(cluster.calls("sbatch")) == 1
@@ -358,13 +364,7 @@ def test_the_record_keeps_health_on_the_node_once_ensure_sees_it(
     `status` asks and shows without asking squeue."""
     cluster.queue["node"] = "127.0.0.1"
     cluster.save()
-    tools = "".join(f'{t} = "{cluster.root / t}"\n' for t in ("sbatch", "squeue", "scancel"))
-    cfg = tmp_path / "gpuctl.toml"
-    cfg.write_text(
-        f'[hosts.c]\nprobe = "sim"\nsim_dir = "{tmp_path / "sim"}"\n\n[hosts.c.slurm]\n{tools}\n'
-        '[services.s]\nhost = "c"\nlauncher = "slurm"\ncommand = "serve"\n'
-        f'health = "http://{{node}}:{answering}/health"\nhealth_timeout = "30s"\n'
-    )
+    cfg = node_service_config(cluster, answering, tmp_path)
     env = {"GPUCTL_STATE_DIR": str(tmp_path / "state")}
     rec = tmp_path / "state" / "records" / "s.json"
     r = gpuctl(cfg, "ensure", "s", "--json", "--no-wait", env=env)

@@ -4,6 +4,7 @@ takes (mark the service used; wait for someone else's start)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gpuctl.core.decision import Decision, Verdict
@@ -136,29 +137,27 @@ def record_found_server(ctx: Ctx) -> None:
     it wins: nothing is written). Without a handle, stop, heal and reclaim could tell its
     process only by the nonce; with one, by its pid or container. Best effort: a failure
     leaves the record as it was, for a later use to find."""
-    deps, svc = ctx.deps, ctx.deps.service
-    holder = deps.machine.holder(ctx.req.entry)
-    try:
-        granted, _ = deps.store.acquire(svc.name, holder, LEASE_MARGIN_S)
-        if not granted:
-            return
-        deps.store.release(svc.name, holder.id, found_server(ctx))
-    except GpuctlError as e:
-        ctx.notes.append(f"could not record the server of an earlier start: {e.message}")
+    _write_under_lease(ctx, lambda: found_server(ctx), "the server of an earlier start")
 
 
 def record_health(ctx: Ctx, url: str) -> None:
     """Record the URL its server answered on, under the lease (a stop or start holding
     it wins: nothing is written, a later use tries again). Best effort."""
+    _write_under_lease(ctx, lambda: RecordUpdate(health=url), "where its server answers")
+
+
+def _write_under_lease(ctx: Ctx, update: Callable[[], RecordUpdate | None], what: str) -> None:
+    """Take the lease, write ``update()`` (made once it is held) and let it go; when
+    another holder has it, write nothing. A store error is said in the notes."""
     deps, svc = ctx.deps, ctx.deps.service
     holder = deps.machine.holder(ctx.req.entry)
     try:
         granted, _ = deps.store.acquire(svc.name, holder, LEASE_MARGIN_S)
         if not granted:
             return
-        deps.store.release(svc.name, holder.id, RecordUpdate(health=url))
+        deps.store.release(svc.name, holder.id, update())
     except GpuctlError as e:
-        ctx.notes.append(f"could not record where its server answers: {e.message}")
+        ctx.notes.append(f"could not record {what}: {e.message}")
 
 
 def found_server(ctx: Ctx) -> RecordUpdate | None:
