@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """Each pytest process (each xdist worker) gets config and state homes of its own: a
     test that sets none never reads the user's config, nor shares the default state or
     sim directory with a test on another worker."""
+    # A shell without job control starts a background job with SIGINT ignored, and every
+    # child inherits that: the Ctrl-C tests' gpuctl would never see their SIGINT. A Python
+    # handler is reset to the default at exec, so each child starts as from a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     home = tempfile.mkdtemp(prefix="gpuctl-tests-")
     _HOMES.append(home)
     for var, sub in (("XDG_CONFIG_HOME", "config"), ("XDG_STATE_HOME", "state")):
