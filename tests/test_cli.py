@@ -51,6 +51,33 @@ def test_help_imports_nothing_heavy(args: list[str]) -> None:
     assert not imported & set(HEAVY), imported & set(HEAVY)
 
 
+def test_a_command_never_imports_trio_nor_the_httpx_cli(cli_env: Path) -> None:
+    """httpx imports its own command-line client (click, rich.progress, pygments) and
+    httpcore imports trio whenever they are installed, as they are here (mkdocs and
+    selenium bring them): the console script keeps both off every command's start."""
+    import importlib.util
+
+    assert importlib.util.find_spec("trio") and importlib.util.find_spec("click")
+    config_file(cli_env).write_text(
+        f'[hosts.box]\nprobe = "sim"\nsim_dir = "{cli_env / "sim"}"\n'
+        '[services.chat]\nhost = "box"\nhealth = "http://127.0.0.1:1/health"\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gpuctl", "status", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode in (0, 3), r.stdout + r.stderr
+    loaded = {
+        line.split("|")[-1].strip()
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "httpx._client" in loaded, "status --json imports httpx: the probe works"
+    assert not {"click", "pygments", "trio._core", "rich.progress"} & loaded, loaded
+
+
 @pytest.mark.parametrize(
     ("shell", "name"), [("bash", "gpuctl"), ("zsh", "_gpuctl"), ("fish", "gpuctl.fish")]
 )

@@ -168,6 +168,15 @@ def _command_modules(argv: list[str]) -> list[str]:
     return every
 
 
+# Modules no gpuctl command uses, which httpx and httpcore import at their own import
+# whenever the package is installed: httpx's command-line client (it pulls in click,
+# rich.progress and pygments: 34 ms a start) and trio (httpcore imports it for its locks:
+# 48 ms; gpuctl runs asyncio and threads only). ``None`` in ``sys.modules`` makes their
+# import fail at once, and httpx and httpcore take their documented fallbacks. Set in
+# the console script only: a program that imports ``gpuctl.api`` keeps its own choice.
+NEVER_IMPORTED = ("httpx._main", "trio")
+
+
 def main() -> None:
     """The console script. Ends with ``os._exit`` once stdout and stderr are flushed.
 
@@ -177,6 +186,9 @@ def main() -> None:
     has finished its work and closed its clients by then; nothing is left for atexit.
     """
     code: int = 0
+    for name in NEVER_IMPORTED:
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
     for stream in (sys.stdout, sys.stderr):
         # A terminal or pipe that cannot carry Unicode (PYTHONIOENCODING=ascii, a C
         # locale): the views draw with ASCII there, and anything else that slips through
