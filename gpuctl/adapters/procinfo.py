@@ -222,7 +222,10 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def find_matching(
-    keywords: Iterable[str], exclude_pids: Iterable[int] = (), state_dir: str | None = None
+    keywords: Iterable[str],
+    exclude_pids: Iterable[int] = (),
+    state_dir: str | None = None,
+    sim_dir: str | None = None,
 ) -> Iterator[StartingProcess]:
     """Host processes whose command line contains one of ``keywords`` (case-insensitive).
 
@@ -231,6 +234,10 @@ def find_matching(
     that name a file of gpuctl's ``state_dir`` (``tail -f …/gpuctl/logs/vllm.log``
     reads the service's log, it is not the service: no launcher puts those files in a
     server's command line).
+
+    ``sim_dir``: a simulated host's GPU folder: only a process that carries it (as
+    ``GPUCTL_SIM_DIR`` in its environment, or ``--sim-dir`` on its command line) counts,
+    so two simulated hosts on one machine do not take each other's servers for their own.
     """
     import psutil
 
@@ -254,6 +261,7 @@ def find_matching(
             any(k in low for k in kws)
             and not _is_gpuctl_client(argv)
             and not any(a.startswith(own_files) for a in argv)
+            and (sim_dir is None or carries_sim_dir(info["pid"], argv, sim_dir))
         ):
             created = info.get("create_time")
             age = round(max(0.0, now - created), 1) if created else None
@@ -263,6 +271,31 @@ def find_matching(
                 user=info.get("username"),
                 age_s=age,
             )
+
+
+SIM_DIR_ENV = "GPUCTL_SIM_DIR"
+
+
+def carries_sim_dir(pid: int, argv: list[str], sim_dir: str, proc_root: str = "/proc") -> bool:
+    """Whether process ``pid`` works on the simulated GPU in ``sim_dir``: its command line
+    names it (``--sim-dir DIR`` or ``--sim-dir=DIR``), else its environment does
+    (``GPUCTL_SIM_DIR``). An environment that cannot be read does not."""
+    want = os.path.normpath(sim_dir)
+    for i, a in enumerate(argv):
+        if a == "--sim-dir" and i + 1 < len(argv):
+            return os.path.normpath(argv[i + 1]) == want
+        if a.startswith("--sim-dir="):
+            return os.path.normpath(a.partition("=")[2]) == want
+    try:
+        with open(f"{proc_root}/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    prefix = f"{SIM_DIR_ENV}=".encode()
+    for entry in env.split(b"\0"):
+        if entry.startswith(prefix):
+            return os.path.normpath(entry[len(prefix) :].decode(errors="replace")) == want
+    return False
 
 
 def _own_files(state_dir: str | None) -> tuple[str, ...]:

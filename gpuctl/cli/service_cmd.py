@@ -75,7 +75,7 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
-        from gpuctl.flows.deps import EnsureRequest
+        from gpuctl.flows.deps import Closers, EnsureRequest
         from gpuctl.flows.ensure.rounds import ensure as run
         from gpuctl.flows.op_results import EnsureResult
         from gpuctl.flows.ports import Tell
@@ -100,15 +100,32 @@ def ensure(
             notice=None if json_out else (line.say if line else say),
             on_repair=say,
         )
-        deps = deps_for(conf, service, host, tell=tell)
         req = EnsureRequest(timeout_s=timeout_s, wait=not no_wait, preempt=preempt, force=force)
+        deps: Closers
+        if svc.pooled and host is None:
+            # The pool picks its host (`--host` names one of them: that host alone).
+            from gpuctl.flows.ensure.pool import ensure_pool
+            from gpuctl.wiring.build import pool_deps_for
+
+            pool = pool_deps_for(conf, service, tell=tell)
+            deps = pool
+
+            def go() -> EnsureResult:
+                return ensure_pool(pool, req)
+        else:
+            one = deps_for(conf, service, host, tell=tell)
+            deps = one
+
+            def go() -> EnsureResult:
+                return run(one, req)
+
         try:
-            result = run(deps, req)
+            result = go()
         except KeyboardInterrupt:
             if line:
                 line.stop()
             say(ticks.interrupted(service))
-            result = EnsureResult.interrupted(service, svc.host, ours=ticks.ours)
+            result = EnsureResult.interrupted(service, host or svc.host, ours=ticks.ours)
             if json_out:
                 print_json(ensure_to_json(result))
             raise typer.Exit(result.exit_code) from None

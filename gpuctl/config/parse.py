@@ -44,6 +44,7 @@ from gpuctl.config.values import (
 from gpuctl.core.jobs import PREFIX as JOB_PREFIX
 from gpuctl.core.jobs import PRIORITY_MAX, is_job
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
+from gpuctl.core.pool import POOL_RECORD_PREFIX
 from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.errors import ConfigError
 
@@ -282,9 +283,8 @@ def _service(
     return svc
 
 
-# A pool's record on its coordinator is ``_pool.<service>`` (``flows.pool``): a valid
+# A pool's record on its coordinator is ``_pool.<service>`` (``core.pool``): a valid
 # store name, so a pooled service's name leaves room for the prefix.
-POOL_RECORD_PREFIX = "_pool."
 _POOL_NAME_MAX = 101 - len(POOL_RECORD_PREFIX)
 
 

@@ -249,8 +249,18 @@ class ServiceConfig:
         if host.name == self.host and not self.templates:
             return self
         address = host_address(host)
-        urls = {k: v.replace(HOST_PLACEHOLDER, address) for k, v in self.templates.items()}
-        return replace(self, host=host.name, **urls)
+
+        def url(key: str, current: str | None) -> str | None:
+            t = self.templates.get(key)
+            return current if t is None else t.replace(HOST_PLACEHOLDER, address)
+
+        return replace(
+            self,
+            host=host.name,
+            health=url("health", self.health),
+            url=url("url", self.url),
+            metrics=url("metrics", self.metrics),
+        )
 
     def promise(self) -> Promise:
         """What a start of this service promises the host (``core.promise.Promise``),

@@ -30,7 +30,6 @@ from gpuctl.core.record import DURATION_MAX, RECORD_SCHEMA, TIME_MAX, Phase
 
 __all__ = [
     "ENTRY_ID",
-    "HostKey",
     "MAX_ATTEMPTS_READ",
     "MEMORY_MAX_MIB",
     "QUEUE_TTL_MAX_S",
@@ -38,6 +37,7 @@ __all__ = [
     "VOIDED_KINDS",
     "EntryId",
     "Failure",
+    "HostKey",
     "Lease",
     "Nonce",
     "Pid",

@@ -43,6 +43,7 @@ def ensure_to_json(result: EnsureResult) -> dict[str, Any]:
         "handle": result.handle,
         "notes": list(result.notes),
         "hint": result.hint or None,  # null for no hint, as in status --json
+        "pool": list(result.pool or (result.host,)),
     }
 
 

@@ -685,6 +685,13 @@ class EnsureOutput(Struct):
             "What the user can do about a refusal; null when there is nothing to do (as in status)."
         ),
     ]
+    pool: Annotated[
+        list[str],
+        _doc(
+            "The service's hosts (`hosts = [...]`), in the config's order; `host` is the one "
+            "chosen. A service on one host lists it alone."
+        ),
+    ]
 
 
 class StopOutput(Struct):

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from gpuctl.adapters.launchers.base import Launcher
     from gpuctl.core.heal import ServerTruth
     from gpuctl.core.record import Listing, Record
+    from gpuctl.flows.ensure.pool import PoolDeps
 
 LOCAL_HOST = "local"
 
@@ -159,13 +160,8 @@ def deps_for(
 
     Raises ``UsageError`` for an unknown service, or a host that is not the service's.
     """
-    service = config.service(service_name)
-    if host_name is not None and host_name != service.host:
-        config.host(host_name)  # an unknown host is a usage error before anything else
-        raise UsageError(
-            f"service {service_name!r} runs on host {service.host!r}, not {host_name!r}",
-            hint=f"drop --host, or use --host {service.host}",
-        )
+    # A pooled service placed on the host named (default: its first), {host} expanded.
+    service = config.placed(service_name, host_name)
     host = config.host(service.host)
 
     closers: list[Callable[[], None]] = []
@@ -222,6 +218,18 @@ def deps_for(
         machine=ThisMachine(),
         tell=tell or Tell(),
     )
+
+
+def pool_deps_for(config: Config, service_name: str, *, tell: Tell | None = None) -> PoolDeps:
+    """One ``deps_for`` per host of a pooled service, in the config's order; closed
+    together."""
+    from gpuctl.flows.ensure.pool import PoolDeps  # only a pooled ensure loads the flow
+
+    service = config.service(service_name)
+    members = [deps_for(config, service_name, h, tell=tell) for h in service.hosts]
+    pd = PoolDeps(members=members)
+    pd.closers.extend(m.close for m in members)
+    return pd
 
 
 def _service_health(

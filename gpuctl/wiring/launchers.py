@@ -56,7 +56,8 @@ def launcher_for(
         state_dir = (
             Path(snapshot.state_dir) if snapshot and snapshot.state_dir else default_state_dir()
         )
-        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secrets)
+        # A simulated host's servers claim memory on its own simulated GPU.
+        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secrets, sim_dir=host.sim_dir)
     if kind == "docker":
         from gpuctl.adapters.launchers.docker import DockerLauncher
 
