@@ -146,6 +146,42 @@ def test_the_tightest_fit_is_chosen_then_ready_there(
     assert copies(pool, service) == {"127.0.0.2": 1}
 
 
+def test_status_has_a_row_per_host_and_groups_the_pool(
+    pool: list[SimHost], tmp_path: Path, service: str
+) -> None:
+    port = free_port()
+    config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, port)
+    hold(pool[0], "holdera", "60GiB")
+    hold(pool[2], "holderc", "60GiB")  # b is the roomiest: a and c are the tight fits
+    code, out = ensure(config, service)
+    assert (code, out["host"]) == (0, "a"), out
+    p = subprocess.run(
+        [gpuctl_exe(), "status", "--json"],
+        env=config_env(config),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    rows = [r for r in json.loads(p.stdout)["services"] if r["name"] == service]
+    assert [(r["host"], r["decision"], r["pool"]) for r in rows] == [
+        ("a", "READY", ["a", "b", "c"]),
+        ("b", "IDLE", ["a", "b", "c"]),
+        ("c", "FITS", ["a", "b", "c"]),
+    ], rows
+    text = subprocess.run(
+        [gpuctl_exe(), "status"],
+        env={**config_env(config), "COLUMNS": "160"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    ).stdout
+    assert "POOLED SERVICE" in text, text
+    line = next(x for x in text.splitlines() if service in x and "READY" in x and "IDLE" in x)
+    assert line.index("a READY") < line.index("b IDLE") < line.index("c FITS"), line
+
+
 def test_a_start_under_way_is_joined(pool: list[SimHost], tmp_path: Path, service: str) -> None:
     port = free_port()
     config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, port, load_time="3s")

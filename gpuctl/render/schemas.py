@@ -312,6 +312,14 @@ class StatusService(Struct):
             "it may use); empty otherwise."
         ),
     ]
+    pool: Annotated[
+        list[str] | None,
+        _doc(
+            "A pooled service (`hosts = [...]`): every host of its pool, in the config's "
+            "order; it has one row per host, each with its own `host`. Null for a service "
+            "on one host."
+        ),
+    ]
 
 
 class StatusOutput(Struct):
