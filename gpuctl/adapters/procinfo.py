@@ -235,9 +235,9 @@ def find_matching(
     reads the service's log, it is not the service: no launcher puts those files in a
     server's command line).
 
-    ``sim_dir``: a simulated host's GPU folder: only a process that carries it (as
-    ``GPUCTL_SIM_DIR`` in its environment, or ``--sim-dir`` on its command line) counts,
-    so two simulated hosts on one machine do not take each other's servers for their own.
+    ``sim_dir``: a simulated host's GPU folder: a server launched for another simulated
+    host, or one that names another folder, does not count (``on_sim_dir``), so two
+    simulated hosts on one machine do not take each other's servers for their own.
     """
     import psutil
 
@@ -261,7 +261,7 @@ def find_matching(
             any(k in low for k in kws)
             and not _is_gpuctl_client(argv)
             and not any(a.startswith(own_files) for a in argv)
-            and (sim_dir is None or carries_sim_dir(info["pid"], argv, sim_dir))
+            and (sim_dir is None or on_sim_dir(info["pid"], argv, sim_dir))
         ):
             created = info.get("create_time")
             age = round(max(0.0, now - created), 1) if created else None
@@ -274,12 +274,17 @@ def find_matching(
 
 
 SIM_DIR_ENV = "GPUCTL_SIM_DIR"
+# Set by the process launcher in a server it starts for a simulated host (with the
+# host's GPUCTL_SIM_DIR beside it): that server is that host's alone.
+SIM_HOST_ENV = "GPUCTL_SIM_HOST"
 
 
-def carries_sim_dir(pid: int, argv: list[str], sim_dir: str, proc_root: str = "/proc") -> bool:
-    """Whether process ``pid`` works on the simulated GPU in ``sim_dir``: its command line
-    names it (``--sim-dir DIR`` or ``--sim-dir=DIR``), else its environment does
-    (``GPUCTL_SIM_DIR``). An environment that cannot be read does not."""
+def on_sim_dir(pid: int, argv: list[str], sim_dir: str, proc_root: str = "/proc") -> bool:
+    """Whether process ``pid`` may count as a server of the simulated host in ``sim_dir``:
+    not when its command line names another folder (``--sim-dir DIR``), nor when it was
+    launched for another simulated host (``GPUCTL_SIM_HOST`` in its environment, with
+    another ``GPUCTL_SIM_DIR``). Any other process counts, as on a real host: a user's
+    process that names the service's keyword may be it, loading."""
     want = os.path.normpath(sim_dir)
     for i, a in enumerate(argv):
         if a == "--sim-dir" and i + 1 < len(argv):
@@ -288,14 +293,14 @@ def carries_sim_dir(pid: int, argv: list[str], sim_dir: str, proc_root: str = "/
             return os.path.normpath(a.partition("=")[2]) == want
     try:
         with open(f"{proc_root}/{pid}/environ", "rb") as f:
-            env = f.read()
+            env = dict(
+                e.decode(errors="replace").partition("=")[::2] for e in f.read().split(b"\0") if e
+            )
     except OSError:
-        return False
-    prefix = f"{SIM_DIR_ENV}=".encode()
-    for entry in env.split(b"\0"):
-        if entry.startswith(prefix):
-            return os.path.normpath(entry[len(prefix) :].decode(errors="replace")) == want
-    return False
+        return True
+    if SIM_HOST_ENV not in env:
+        return True
+    return os.path.normpath(env.get(SIM_DIR_ENV, "")) == want
 
 
 def _own_files(state_dir: str | None) -> tuple[str, ...]:
