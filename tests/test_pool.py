@@ -144,6 +144,19 @@ def test_the_tightest_fit_is_chosen_then_ready_there(
     code, out = ensure(config, service)
     assert (code, out["outcome"], out["host"], out["launched"]) == (0, "ready", "b", False), out
     assert copies(pool, service) == {"127.0.0.2": 1}
+    # `gpuctl stop` without --host stops it wherever in the pool it runs.
+    p = subprocess.run(
+        [gpuctl_exe(), "stop", service, "--json"],
+        env=config_env(config),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    stop = json.loads(p.stdout)
+    assert (p.returncode, stop["host"]) == (0, "b"), stop
+    assert len(stop["stopped"]) == 1 and stop["stopped"][0].endswith(" on b"), stop
+    assert copies(pool, service) == {}
 
 
 def test_status_has_a_row_per_host_and_groups_the_pool(
@@ -187,6 +200,9 @@ def test_a_start_under_way_is_joined(pool: list[SimHost], tmp_path: Path, servic
     config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, port, load_time="3s")
     code, started = ensure(config, service, "--no-wait")
     assert (code, started["outcome"]) == (0, "started"), started
+    # Another host is now the tightest fit: the start under way is joined all the same.
+    other = next(i for i, n in enumerate("abc") if n != started["host"])
+    hold(pool[other], "holder", "90GiB")
     code, out = ensure(config, service)
     assert (code, out["outcome"], out["launched"]) == (0, "ready", False), out
     assert out["host"] == started["host"]
