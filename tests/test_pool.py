@@ -168,6 +168,12 @@ def test_status_has_a_row_per_host_and_groups_the_pool(
     hold(pool[2], "holderc", "60GiB")  # b is the roomiest: a and c are the tight fits
     code, out = ensure(config, service)
     assert (code, out["host"]) == (0, "a"), out
+    # --host keeps a start to one host of the pool: never a second copy beside the first.
+    code, other = ensure(config, service, "--host", "b")
+    assert (code, other["outcome"]) == (3, "busy"), other
+    assert "the pool's copy is READY on host a, not b" in other["reason"], other
+    code, there = ensure(config, service, "--host", "a")
+    assert (code, there["outcome"], there["host"], there["launched"]) == (0, "ready", "a", False)
     p = subprocess.run(
         [gpuctl_exe(), "status", "--json"],
         env=config_env(config),

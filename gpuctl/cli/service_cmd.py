@@ -76,13 +76,12 @@ def ensure(
     Ctrl-C stops waiting; the server keeps loading.
     """
     with errors_to_exit():
-        from gpuctl.flows.deps import Closers, EnsureRequest
-        from gpuctl.flows.ensure.rounds import ensure as run
+        from gpuctl.flows.deps import EnsureRequest
         from gpuctl.flows.op_results import EnsureResult
         from gpuctl.flows.ports import Tell
         from gpuctl.render.progress_line import ProgressLine
         from gpuctl.render.results import ensure_text, ensure_to_json
-        from gpuctl.wiring.build import deps_for
+        from gpuctl.wiring.build import ensure_runner
 
         timeout_s = timeout
         conf = open_config(config)
@@ -102,26 +101,10 @@ def ensure(
             on_repair=say,
         )
         req = EnsureRequest(timeout_s=timeout_s, wait=not no_wait, preempt=preempt, force=force)
-        deps: Closers
-        if svc.pooled and host is None:
-            # The pool picks its host (`--host` names one of them: that host alone).
-            from gpuctl.flows.ensure.pool import ensure_pool
-            from gpuctl.wiring.build import pool_deps_for
-
-            pool = pool_deps_for(conf, service, tell=tell)
-            deps = pool
-
-            def go() -> EnsureResult:
-                return ensure_pool(pool, req)
-        else:
-            one = deps_for(conf, service, host, tell=tell)
-            deps = one
-
-            def go() -> EnsureResult:
-                return run(one, req)
-
+        # A pooled service: its pool picks the host (`--host` keeps it to one of them).
+        deps, go = ensure_runner(conf, service, host, tell=tell)
         try:
-            result = go()
+            result = go(req)
         except KeyboardInterrupt:
             if line:
                 line.stop()

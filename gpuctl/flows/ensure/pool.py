@@ -49,6 +49,9 @@ class PoolDeps(Closers):
     service placed on its host (``ServiceConfig.on``)."""
 
     members: list[EnsureDeps] = field(kw_only=True)
+    # ``ensure --host H``: start it on H alone (the pool's lease still taken, so no
+    # second copy starts elsewhere); None: the pool picks.
+    only: str | None = field(kw_only=True, default=None)
 
     @property
     def first(self) -> EnsureDeps:
@@ -199,6 +202,21 @@ def _without_start(
     """The answer that needs no start: the copy is there (READY, asleep, LOADING), or a
     host cannot be asked (no start then). None: a start is to be decided."""
     there = [v for v in views if v.decision in _THERE]
+    elsewhere = [v for v in there if pd.only is not None and v.host != pd.only]
+    if elsewhere and len(elsewhere) == len(there):
+        v = elsewhere[0]
+        return _result(
+            pd,
+            views,
+            v.deps,
+            Outcome.BUSY,
+            f"the pool's copy is {v.decision.value} on host {v.host}, not {pd.only}",
+            decision=Decision.BUSY,
+            t0=pd.first.clock(),
+            hint=f"drop --host to use it there, or `gpuctl stop {v.deps.service.name} "
+            f"--host {v.host}` first",
+        )
+    there = [v for v in there if v not in elsewhere]
     if there:
         # READY first, then asleep, then LOADING; among equals the host the
         # coordinator's record names, then the config's order.
@@ -239,6 +257,8 @@ def _pick_start(
 ) -> tuple[View | None, EnsureResult | None]:
     """Where to start it: the tightest fit, else the cheapest preemption plan (when the
     caller or the service asks to preempt); else the refusal naming each host."""
+    if pd.only is not None:
+        views = [v for v in views if v.host == pd.only]
     fits = [v for v in views if v.decision in _FITS and v.verdict is not None]
     if fits:
         return min(fits, key=lambda v: _left(v.verdict)), None
