@@ -381,3 +381,25 @@ def test_a_pool_needs_an_agent_on_every_host_and_no_slurm() -> None:
 def test_host_identity_is_the_same_whatever_the_name() -> None:
     assert host_key("h", "b", "/s") == host_key("h", "b", "/s")
     assert host_key("h", "b", "/s") != host_key("h", "b", "/t")
+
+
+def test_config_show_round_trips_a_pool() -> None:
+    import tomllib
+
+    from gpuctl.render.config_view import config_to_toml
+
+    conf = _parse(
+        {
+            "hosts": ["b", "a"],
+            "health": "http://{host}:8000/health",
+            "metrics": "http://{host}:8000/metrics",
+        }
+    )
+    text = config_to_toml(conf)
+    assert 'health = "http://{host}:8000/health"' in text
+    again = parse_config(tomllib.loads(text))
+    assert again.services["s"] == conf.services["s"]
+    assert again.services["s"].pool == ("b", "a")
+    one = _parse({"host": "a"})
+    shown = config_to_toml(one)
+    assert 'host = "a"' in shown and "hosts = [" not in shown.split("[services.s]")[1]
