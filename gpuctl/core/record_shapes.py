@@ -152,8 +152,9 @@ class Handle(Struct, forbid_unknown_fields=True, omit_defaults=True):
     container_name: Name | UnsetType | None = UNSET
     terminal: Name | UnsetType | None = UNSET
     log: Annotated[str, Meta(max_length=4096)] | UnsetType | None = UNSET
-    # A namespace's inode number (32 bits on Linux); msgspec bounds fit an int64.
-    pid_ns: Annotated[int, Meta(ge=0, le=2**63 - 1)] | UnsetType | None = UNSET
+    # A namespace's inode number (32 bits on Linux); bounded as every JSON integer the
+    # agent takes is (``agent.wire``: at most 2**53, what a double holds exactly).
+    pid_ns: Annotated[int, Meta(ge=0, le=2**53)] | UnsetType | None = UNSET
     proof: Annotated[str, Meta(max_length=4096)] | UnsetType | None = UNSET
     # A Slurm job id (digits, or an array's ``12_3``).
     job_id: Annotated[str, Meta(max_length=64, pattern=r"^[0-9][0-9_+]*$")] | UnsetType | None = (

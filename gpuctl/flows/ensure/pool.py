@@ -14,7 +14,7 @@ calls the hosts or in which order it lists them. Under that lease it looks at ev
 again, picks, records on the coordinator where the copy runs (``runs_on``), and starts
 it there with the single-host ``ensure`` (which takes that host's own lease). A rival
 that finds the pool's lease held waits and looks again: it finds the start LOADING and
-joins it. While any host of the pool is UNKNOWN (the coordinator among them) nothing is
+joins it (``POOL_LEASE_S`` says why that lease is short). While any host of the pool is UNKNOWN (the coordinator among them) nothing is
 started, since a copy may run where nobody can see: a copy READY or LOADING elsewhere
 still answers.
 """
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.plan import plan_cost
 from gpuctl.core.pool import host_key, identity_order, pool_record, room_left
-from gpuctl.core.record import LEASE_MARGIN_S
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import Closers, EnsureDeps, EnsureRequest
@@ -38,6 +37,11 @@ from gpuctl.flows.op_results import EnsureResult, Outcome
 
 # How often a caller that found the pool's start lock held looks again.
 POLL_S = 0.25
+# The pool's lease covers the pick and the chosen host's own lease (taken within a
+# second or two of the pick, and held through the start and its wait): from then on
+# every caller finds the service LOADING there and joins it, so the pool's lease is not
+# renewed. A holder that dies holds the pool's starts back this long at most.
+POOL_LEASE_S = 60.0
 # Joined where found: the start is under way, or the server is there.
 _THERE = (Decision.READY, Decision.SLEEPING, Decision.LOADING)
 _FITS = (Decision.IDLE, Decision.FITS)
@@ -92,9 +96,8 @@ def ensure_pool(pd: PoolDeps, req: EnsureRequest | None = None) -> EnsureResult:
         store = coord.deps.store
         name = pool_record(first.service.name)
         holder = coord.deps.machine.holder(req.entry)
-        ttl = first.service.health_timeout_s + LEASE_MARGIN_S
         try:
-            granted, _ = store.acquire(name, holder, ttl)
+            granted, _ = store.acquire(name, holder, POOL_LEASE_S)
         except GpuctlError as e:
             return _result(
                 pd,
