@@ -56,8 +56,10 @@ def write_config(
     *,
     order: Sequence[int] | None = None,
     load_time: str = "1s",
+    more: Sequence[str] = (),
 ) -> Path:
-    """A config naming ``hosts`` as ``names``, the service's pool listed in ``order``."""
+    """A config naming ``hosts`` as ``names``, the service's pool listed in ``order``;
+    ``more``: lines after the service's table (its own keys first, other tables after)."""
     lines = []
     for h, n in zip(hosts, names, strict=True):
         env = f"GPUCTL_POOL_TOKEN_{n.upper()}"
@@ -80,6 +82,7 @@ def write_config(
         'memory = "20GiB"',
         'health_timeout = "60s"',
         "",
+        *more,
     ]
     path.write_text("\n".join(lines))
     return path
@@ -255,6 +258,55 @@ def test_an_unknown_host_refuses_a_start_but_ready_elsewhere_answers(
     assert (code, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
     assert f"{'abc'[coordinator]}: UNKNOWN" in out["reason"], out
     assert copies(pool, service) == {}
+
+
+@pytest.mark.slow
+def test_preemption_goes_where_the_plan_is_cheapest(
+    pool: list[SimHost], tmp_path: Path, service: str
+) -> None:
+    """Room only once lower-priority work stops: one stop on a, two on b, none possible
+    on c (what holds it is no service). Without --preempt the plan is named (exit 3);
+    with it, a's one victim stops and the copy starts there."""
+    fillers = {"a": [("fa", 20)], "b": [("fb1", 10), ("fb2", 10)]}
+    more = ["priority = 100", ""]
+    for host, items in fillers.items():
+        for name, gib in items:
+            fport = free_port()
+            more += [
+                f"[services.{service}{name}]",
+                f'host = "{host}"',
+                'launcher = "process"',
+                "command = "
+                + json.dumps(model_server_command(f"{service}{name}", fport, f"{gib}GiB", "1s")),
+                f'health = "http://{{host}}:{fport}/health"',
+                f'memory = "{gib}GiB"',
+                "priority = 10",
+                "",
+            ]
+    # b is listed first: the plan, not the order, takes the copy to a.
+    config = write_config(
+        tmp_path / "c.toml", pool, ["a", "b", "c"], service, free_port(), order=[1, 0, 2], more=more
+    )
+    try:
+        for host, items in fillers.items():
+            for name, _ in items:
+                code, out = ensure(config, f"{service}{name}")
+                assert (code, out["outcome"], out["host"]) == (0, "ready", host), out
+        hold(pool[0], "holdera", "100GiB")  # a: 8 GiB free beside fa's 20
+        hold(pool[1], "holderb", "100GiB")  # b: 8 GiB free beside fb1 and fb2
+        hold(pool[2], "holderc", "120GiB")  # c: 8 GiB free, and nothing to stop
+        code, out = ensure(config, service)
+        assert (code, out["outcome"], out["decision"]) == (3, "busy", "PREEMPTABLE"), out
+        assert "the cheapest plan is on a" in out["reason"], out
+        code, out = ensure(config, service, "--preempt")
+        assert (code, out["outcome"], out["host"], out["launched"]) == (0, "ready", "a", True), out
+        assert copies(pool, service) == {"127.0.0.1": 1}
+        assert not claims(pool[0], f"{service}fa")
+        assert claims(pool[1], f"{service}fb1") and claims(pool[1], f"{service}fb2")
+    finally:
+        for items in fillers.values():
+            for name, _ in items:
+                kill_servers(f"{service}{name}")
 
 
 def test_every_host_unknown_is_unknown(pool: list[SimHost], tmp_path: Path, service: str) -> None:
