@@ -402,6 +402,11 @@ def test_host_expands_per_host() -> None:
             "services.s.health: unknown placeholder {hots}",
             "{host}",
         ),
+        (
+            {"hosts": ["a"], "metrics": "http://{node}:1/metrics"},
+            "services.s.metrics: unknown placeholder {node}",
+            "{host}",
+        ),
     ],
 )
 def test_pool_config_errors_name_the_key_and_the_fix(

@@ -338,10 +338,8 @@ def host_templates(s: Table, launcher: str | None) -> dict[str, str]:
             continue  # the getter names what is wrong with it
         for m in _PLACEHOLDER.finditer(v):
             word = m.group(0)
-            if word == HOST_PLACEHOLDER or (word == NODE and key == "health"):
-                continue
-            if word == NODE:
-                continue  # node_url says where {node} works
+            if word == HOST_PLACEHOLDER or (word == NODE and key != "metrics"):
+                continue  # node_url says where {node} works (health, with slurm)
             raise s.fail(
                 key,
                 f"unknown placeholder {word}: only {HOST_PLACEHOLDER} (the host it runs "
