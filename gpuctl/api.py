@@ -131,11 +131,10 @@ def _touch(conf: Config, svc: ServiceConfig) -> None:
 
 def _slow_path(conf: Config, name: str, timeout: float | None, wait: bool) -> ReadyResult:
     from gpuctl.flows.deps import EnsureRequest
-    from gpuctl.flows.ensure.rounds import ensure
-    from gpuctl.wiring.build import deps_for
+    from gpuctl.wiring.build import ensure_runner
 
     try:
-        deps = deps_for(conf, name)
+        deps, ensure = ensure_runner(conf, name)
     except (UsageError, ConfigError):
         raise
     except GpuctlError as e:
@@ -143,7 +142,7 @@ def _slow_path(conf: Config, name: str, timeout: float | None, wait: bool) -> Re
             name, False, "UNKNOWN" if e.exit_code == ExitCode.UNKNOWN else "FAILED", e.message
         )
     try:
-        r = ensure(deps, EnsureRequest(entry="api", timeout_s=timeout, wait=wait))
+        r = ensure(EnsureRequest(entry="api", timeout_s=timeout, wait=wait))
     except (UsageError, ConfigError):
         raise
     except GpuctlError as e:

@@ -123,6 +123,7 @@ def test_openapi_request_bodies_and_conflicts() -> None:
         "touch",
         "start_nonce",
         "health",
+        "runs_on",
     }
     assert set(schemas["Holder"]["properties"]) == set(holder_here("x").to_dict())
     assert schemas["LeaseRequest"]["properties"]["holder"] == {

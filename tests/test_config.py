@@ -489,8 +489,8 @@ def test_read_token_is_used_for_reads_only_without_a_write_token(
     [
         ('[host.dgx]\nagent = "http://h:1"\n[services.vllm]\nmemory = "1G"\n', "host", "hosts"),
         ('[servces.vllm]\nmemory = "1G"\n', "servces", "services"),
-        ('[services.vllm]\nhots = "dgx"\n', "services.vllm.hots", "host"),
-        ('[hosts.a]\n[hosts.b]\n[services.vllm]\nhots = "a"\n', "services.vllm.hots", "host"),
+        ('[services.vllm]\nhsot = "dgx"\n', "services.vllm.hsot", "host"),
+        ('[hosts.a]\n[hosts.b]\n[services.vllm]\nhsot = "a"\n', "services.vllm.hsot", "host"),
     ],
 )
 def test_a_typo_is_reported_before_what_it_hides(

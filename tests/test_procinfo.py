@@ -227,3 +227,28 @@ def test_descendants_from_a_proc_folder(tmp_path: Path) -> None:
     (tmp_path / "self").mkdir()
     assert descendants([10], proc_root=str(tmp_path)) == {11: 10, 12: 10}
     assert descendants([20], proc_root=str(tmp_path)) == {}
+
+
+def test_a_server_launched_for_another_simulated_host_is_not_this_ones(tmp_path: Path) -> None:
+    """Two simulated hosts on one machine: a server the process launcher started for one
+    (GPUCTL_SIM_HOST beside its GPUCTL_SIM_DIR) counts for that host alone; a process
+    naming another --sim-dir counts for none but that; any other process counts, as on
+    a real host."""
+    from gpuctl.adapters.procinfo import on_sim_dir
+
+    def environ(pid: int, **env: str) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "environ").write_bytes(
+            b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0"
+        )
+
+    environ(1, GPUCTL_SIM_DIR="/a/sim", GPUCTL_SIM_HOST="127.0.0.1")
+    environ(2, GPUCTL_SIM_DIR="/b/sim", GPUCTL_SIM_HOST="127.0.0.2")
+    environ(3, GPUCTL_SIM_DIR="/elsewhere", PATH="/bin")
+    argv = ["python", "-m", "gpuctl", "sim", "model-server"]
+    assert on_sim_dir(1, argv, "/a/sim/", proc_root=str(tmp_path))
+    assert not on_sim_dir(2, argv, "/a/sim", proc_root=str(tmp_path))
+    assert on_sim_dir(3, argv, "/a/sim", proc_root=str(tmp_path))
+    assert not on_sim_dir(3, [*argv, "--sim-dir", "/b/sim"], "/a/sim", proc_root=str(tmp_path))
+    assert on_sim_dir(2, [*argv, "--sim-dir=/a/sim"], "/a/sim", proc_root=str(tmp_path))
+    assert on_sim_dir(4, argv, "/a/sim", proc_root=str(tmp_path))  # unreadable: as real

@@ -114,6 +114,7 @@ ENSURE_KEYS = {
     "handle",
     "notes",
     "hint",
+    "pool",
 }
 
 

@@ -186,6 +186,7 @@ def test_the_checks_refuse_what_the_schemas_do_not_declare() -> None:
         "handle": {"kind": "process", "pid": 5, "log": "/x"},
         "notes": [],
         "hint": None,
+        "pool": ["sim"],
     }
     check("ensure", ensure)
     assert _fails("ensure", {**ensure, "hint": ""})

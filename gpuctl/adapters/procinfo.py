@@ -222,7 +222,10 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def find_matching(
-    keywords: Iterable[str], exclude_pids: Iterable[int] = (), state_dir: str | None = None
+    keywords: Iterable[str],
+    exclude_pids: Iterable[int] = (),
+    state_dir: str | None = None,
+    sim_dir: str | None = None,
 ) -> Iterator[StartingProcess]:
     """Host processes whose command line contains one of ``keywords`` (case-insensitive).
 
@@ -231,6 +234,10 @@ def find_matching(
     that name a file of gpuctl's ``state_dir`` (``tail -f …/gpuctl/logs/vllm.log``
     reads the service's log, it is not the service: no launcher puts those files in a
     server's command line).
+
+    ``sim_dir``: a simulated host's GPU folder: a server launched for another simulated
+    host, or one that names another folder, does not count (``on_sim_dir``), so two
+    simulated hosts on one machine do not take each other's servers for their own.
     """
     import psutil
 
@@ -254,6 +261,7 @@ def find_matching(
             any(k in low for k in kws)
             and not _is_gpuctl_client(argv)
             and not any(a.startswith(own_files) for a in argv)
+            and (sim_dir is None or on_sim_dir(info["pid"], argv, sim_dir))
         ):
             created = info.get("create_time")
             age = round(max(0.0, now - created), 1) if created else None
@@ -263,6 +271,36 @@ def find_matching(
                 user=info.get("username"),
                 age_s=age,
             )
+
+
+SIM_DIR_ENV = "GPUCTL_SIM_DIR"
+# Set by the process launcher in a server it starts for a simulated host (with the
+# host's GPUCTL_SIM_DIR beside it): that server is that host's alone.
+SIM_HOST_ENV = "GPUCTL_SIM_HOST"
+
+
+def on_sim_dir(pid: int, argv: list[str], sim_dir: str, proc_root: str = "/proc") -> bool:
+    """Whether process ``pid`` may count as a server of the simulated host in ``sim_dir``:
+    not when its command line names another folder (``--sim-dir DIR``), nor when it was
+    launched for another simulated host (``GPUCTL_SIM_HOST`` in its environment, with
+    another ``GPUCTL_SIM_DIR``). Any other process counts, as on a real host: a user's
+    process that names the service's keyword may be it, loading."""
+    want = os.path.normpath(sim_dir)
+    for i, a in enumerate(argv):
+        if a == "--sim-dir" and i + 1 < len(argv):
+            return os.path.normpath(argv[i + 1]) == want
+        if a.startswith("--sim-dir="):
+            return os.path.normpath(a.partition("=")[2]) == want
+    try:
+        with open(f"{proc_root}/{pid}/environ", "rb") as f:
+            env = dict(
+                e.decode(errors="replace").partition("=")[::2] for e in f.read().split(b"\0") if e
+            )
+    except OSError:
+        return True
+    if SIM_HOST_ENV not in env:
+        return True
+    return os.path.normpath(env.get(SIM_DIR_ENV, "")) == want
 
 
 def _own_files(state_dir: str | None) -> tuple[str, ...]:

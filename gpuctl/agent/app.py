@@ -144,7 +144,7 @@ class AgentApp:
         store = self.store_api.store
         self.journal = journal_for(store.state_dir) if store is not None else None
         self._servers = TtlCell(
-            lambda: scan_servers(store, settings.match, settings.match_max_age_s),
+            lambda: scan_servers(store, settings.match, settings.match_max_age_s, settings.sim_dir),
             settings.cache_ttl_s,
         )
         # Writes straight to the files (not through us) must not leave a stale reading.
@@ -401,7 +401,13 @@ class AgentApp:
                 del self._matches[next(iter(self._matches))]
             slot = _MatchSlot(
                 TtlCell(
-                    lambda: tuple(find_matching(keywords, state_dir=self.settings.state_dir)),
+                    lambda: tuple(
+                        find_matching(
+                            keywords,
+                            state_dir=self.settings.state_dir,
+                            sim_dir=self.settings.sim_dir,
+                        )
+                    ),
                     self.settings.cache_ttl_s,
                 )
             )

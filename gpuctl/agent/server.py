@@ -309,6 +309,7 @@ def _run(
         match_max_age_s=match_max_age_s,
         health_ports=health_ports,
         journal_days=journal_days,
+        sim_dir=_sim_dir(probe),
     )
     config = uvicorn.Config(
         create_app(settings, probe, ui_backend),
@@ -369,3 +370,10 @@ def _run(
     finally:
         if in_main and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _sim_dir(probe: Probe) -> str | None:
+    """The simulated GPU's folder, for the ``sim`` probe (None for a real GPU)."""
+    from gpuctl.adapters.probes.sim import SimProbe
+
+    return str(probe.gpu.sim_dir) if isinstance(probe, SimProbe) else None

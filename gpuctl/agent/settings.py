@@ -30,6 +30,8 @@ class AgentSettings:
             URL (``core.health_reach``); ``--health-ports``.
         journal_days: how many days of events the journal keeps (``--journal-days``);
             older ones survive as daily totals (``adapters.store.journal``).
+        sim_dir: the simulated GPU's folder (the ``sim`` probe): only processes that
+            carry it count as this host's (``procinfo.find_matching``).
     """
 
     token: str | None = None
@@ -42,3 +44,4 @@ class AgentSettings:
     host: HostIdentity = field(default_factory=host_identity)
     health_ports: PortRanges = field(default_factory=lambda: parse_ports(DEFAULT_HEALTH_PORTS))
     journal_days: float = 90.0
+    sim_dir: str | None = None

@@ -109,7 +109,10 @@ def _records(store: DirectStore) -> list[Record]:
 
 
 def scan_servers(
-    store: DirectStore | None, match: Sequence[str] = (), max_age_s: float = 900.0
+    store: DirectStore | None,
+    match: Sequence[str] = (),
+    max_age_s: float = 900.0,
+    sim_dir: str | None = None,
 ) -> Servers:
     """Runs in a worker thread (see ``TtlCell``)."""
     recorded: list[StartingProcess] = []
@@ -134,7 +137,7 @@ def scan_servers(
         seen = {p.pid for p in recorded}
         loading = [
             p
-            for p in procinfo.find_matching(match)
+            for p in procinfo.find_matching(match, sim_dir=sim_dir)
             if p.pid not in seen and p.age_s is not None and p.age_s <= max_age_s
         ]
     return Servers(tuple(recorded), tuple(loading), tuple(sorted(owners.items())), promised)

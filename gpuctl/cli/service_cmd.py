@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
@@ -24,6 +24,7 @@ from gpuctl.cli.common import (
 from gpuctl.errors import ConfigError, GpuctlError
 
 if TYPE_CHECKING:
+    from gpuctl.config import Config
     from gpuctl.flows.results import Progress
     from gpuctl.render.progress_line import ProgressLine
 
@@ -76,12 +77,11 @@ def ensure(
     """
     with errors_to_exit():
         from gpuctl.flows.deps import EnsureRequest
-        from gpuctl.flows.ensure.rounds import ensure as run
         from gpuctl.flows.op_results import EnsureResult
         from gpuctl.flows.ports import Tell
         from gpuctl.render.progress_line import ProgressLine
         from gpuctl.render.results import ensure_text, ensure_to_json
-        from gpuctl.wiring.build import deps_for
+        from gpuctl.wiring.build import ensure_runner
 
         timeout_s = timeout
         conf = open_config(config)
@@ -100,15 +100,16 @@ def ensure(
             notice=None if json_out else (line.say if line else say),
             on_repair=say,
         )
-        deps = deps_for(conf, service, host, tell=tell)
         req = EnsureRequest(timeout_s=timeout_s, wait=not no_wait, preempt=preempt, force=force)
+        # A pooled service: its pool picks the host (`--host` keeps it to one of them).
+        deps, go = ensure_runner(conf, service, host, tell=tell)
         try:
-            result = run(deps, req)
+            result = go(req)
         except KeyboardInterrupt:
             if line:
                 line.stop()
             say(ticks.interrupted(service))
-            result = EnsureResult.interrupted(service, svc.host, ours=ticks.ours)
+            result = EnsureResult.interrupted(service, host or svc.host, ours=ticks.ours)
             if json_out:
                 print_json(ensure_to_json(result))
             raise typer.Exit(result.exit_code) from None
@@ -162,6 +163,8 @@ def stop(
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
+        if host is None and conf.service(service).pooled:
+            _stop_pool(conf, service, json_out)
         deps = deps_for(conf, service, host)
         try:
             result = service_ops.stop(deps)
@@ -177,6 +180,48 @@ def stop(
             for text in stop_text(result):
                 say(text)
         raise typer.Exit(result.exit_code)
+
+
+def _stop_pool(conf: Config, service: str, json_out: bool) -> NoReturn:
+    """``gpuctl stop`` of a pooled service without ``--host``: a stop on every host of
+    its pool (each under that host's lease), said as one result. A host that cannot be
+    asked is that host's error, raised once every other host is stopped."""
+    from gpuctl.flows import service_ops
+    from gpuctl.flows.op_results import StopResult
+    from gpuctl.render.results import stop_text, stop_to_json
+    from gpuctl.wiring.build import deps_for
+
+    svc = conf.service(service)
+    stopped: list[str] = []
+    reasons: list[str] = []
+    where: list[str] = []
+    failed: GpuctlError | None = None
+    for h in svc.hosts:
+        deps = deps_for(conf, service, h)
+        try:
+            one = service_ops.stop(deps)
+        except GpuctlError as err:
+            failed = failed or err
+            reasons.append(f"{h}: {err.message}")
+            continue
+        finally:
+            deps.close()
+        if one.stopped:
+            where.append(h)
+        stopped += [f"{s} on {h}" for s in one.stopped]
+        reasons.append(f"{h}: {one.reason}")
+    result = StopResult(service, ", ".join(where) or svc.host, stopped, "; ".join(reasons))
+    if json_out:
+        out = stop_to_json(result)
+        if failed is not None:
+            out["exit_code"] = int(failed.exit_code)
+        print_json(out)
+    else:
+        for text in stop_text(result):
+            say(text)
+    if failed is not None:
+        raise failed
+    raise typer.Exit(result.exit_code)
 
 
 def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:

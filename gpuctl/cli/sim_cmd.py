@@ -131,7 +131,13 @@ def model_server(
         int, typer.Option("--port", "-p", help="TCP port.", min=1, max=65535, metavar="PORT")
     ] = 8000,
     host: Annotated[
-        str, typer.Option("--host", help="Address to bind.", metavar="ADDR")
+        str,
+        typer.Option(
+            "--host",
+            envvar="GPUCTL_SIM_HOST",
+            help="Address to bind (a simulated pool host's launcher sets GPUCTL_SIM_HOST).",
+            metavar="ADDR",
+        ),
     ] = "127.0.0.1",
     model: Annotated[
         str | None,

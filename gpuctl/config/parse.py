@@ -18,8 +18,8 @@ from typing import Any
 from gpuctl.config.docker_fields import container_ref, ipc_mode, ports, shm_size, volumes
 from gpuctl.config.priority_fields import yield_after
 from gpuctl.config.proxy_fields import check_models, max_concurrent, models, parse_proxy
-from gpuctl.config.slurm_fields import check_slurm_service, node_url, parse_slurm
-from gpuctl.config.table import ENV_NAME, Table, key_text, show, tname
+from gpuctl.config.slurm_fields import NODE, check_slurm_service, node_url, parse_slurm
+from gpuctl.config.table import ENV_NAME, Table, check_url, key_text, show, tname
 from gpuctl.config.values import (
     DEFAULT_AGENT_TIMEOUT_S,
     DEFAULT_HEALTH_TIMEOUT_S,
@@ -27,6 +27,8 @@ from gpuctl.config.values import (
     DEFAULT_PRIORITY,
     DEFAULT_STOP_TIMEOUT_S,
     DEFAULT_YIELD_AFTER_S,
+    HOST_PLACEHOLDER,
+    HOST_TEMPLATE_KEYS,
     LAUNCHERS,
     PROBES,
     SERVICE_KINDS,
@@ -36,11 +38,13 @@ from gpuctl.config.values import (
     Defaults,
     HostConfig,
     ServiceConfig,
+    host_address,
     known_hint,
 )
 from gpuctl.core.jobs import PREFIX as JOB_PREFIX
 from gpuctl.core.jobs import PRIORITY_MAX, is_job
 from gpuctl.core.names import NAME_RULE, is_service_name, is_valid_name
+from gpuctl.core.pool import POOL_RECORD_PREFIX
 from gpuctl.core.promise import MAX_DEVICE_INDEX
 from gpuctl.errors import ConfigError
 
@@ -65,6 +69,7 @@ HOST_KEYS = (
 )
 SERVICE_KEYS = (
     "host",
+    "hosts",
     "launcher",
     "image",
     "command",
@@ -218,30 +223,22 @@ def _service(
 ) -> ServiceConfig:
     _check_name("services", name)
     s = Table(f"services.{name}", raw, SERVICE_KEYS)
-    host = s.str_("host")
-    if host is None:
-        if len(hosts) != 1:
-            raise s.fail(
-                "host",
-                "missing" if hosts else "missing, and no [hosts] are configured",
-                hint="name the [hosts.X] table this service runs on",
-            )
-        host = next(iter(hosts))
-    elif host not in hosts:
-        raise s.fail("host", f"unknown host {host!r}", hint=known_hint("hosts", host, hosts, path))
+    pool = _pool(s, hosts, path)
+    host = pool[0]
     stop = s.choice("stop", STOP_ACTIONS, "stop") or "stop"
     kind = s.choice("kind", SERVICE_KINDS, "server") or "server"
     sleep_level = _sleep_level(s)
     if sleep_level is not None and stop != "sleep":
         raise s.fail("sleep_level", 'only with stop = "sleep"', hint='add stop = "sleep"')
     launcher = s.choice("launcher", LAUNCHERS, None)
+    templates = host_templates(s, launcher)
     svc = ServiceConfig(
         name=name,
         host=host,
         launcher=launcher,
         image=s.pattern("image", _IMAGE, "an image name like 'vllm/vllm-openai:latest'"),
         command=s.str_("command"),
-        health=node_url(s, "health", HTTP, launcher),
+        health=_url_on(s, "health", launcher, templates, hosts[host]),
         match=_match(s),
         memory_mib=s.size("memory"),
         priority=s.int_("priority", defaults.priority, -MAX_PRIORITY, MAX_PRIORITY),
@@ -251,7 +248,7 @@ def _service(
         devices=_devices(s),
         stop=stop,
         sleep_level=(sleep_level or 1) if stop == "sleep" else None,
-        metrics=s.url("metrics", HTTP),
+        metrics=_url_on(s, "metrics", launcher, templates, hosts[host]),
         model=s.str_("model"),
         cwd=s.str_("cwd"),
         env=s.str_map("env"),
@@ -266,7 +263,7 @@ def _service(
         terminal=s.pattern("terminal", _TERMINAL, "a terminal name of letters, digits and '_'"),
         pid_mode=container_ref(s, "pid_mode", ("host",), containers_only=True),
         models=models(s),
-        url=node_url(s, "url", HTTP, launcher),
+        url=_url_on(s, "url", launcher, templates, hosts[host]),
         max_concurrent=max_concurrent(s),
         queue_timeout_s=(
             s.duration("queue_timeout", 0.0) if s.get("queue_timeout") is not None else None
@@ -274,12 +271,132 @@ def _service(
         preempt=s.bool_("preempt", False),
         resume=s.bool_("resume", False),
         kind=kind,
+        pool=pool,
+        templates=templates,
     )
-    _check_service(svc, hosts[host])
+    for h in pool:
+        _check_service(svc.on(hosts[h]), hosts[h])
+    _check_pool(svc, hosts)
     if svc.resume and svc.launcher is None:
         # Only a service gpuctl starts can be brought back.
         raise s.fail("resume", "needs a launcher", hint="add launcher = ..., or drop resume")
     return svc
+
+
+# A pool's record on its coordinator is ``_pool.<service>`` (``core.pool``): a valid
+# store name, so a pooled service's name leaves room for the prefix.
+_POOL_NAME_MAX = 101 - len(POOL_RECORD_PREFIX)
+
+
+def _pool(s: Table, hosts: dict[str, HostConfig], path: Path | None) -> tuple[str, ...]:
+    """``host = "x"`` (a pool of one) or ``hosts = ["x", "y"]``; neither: the one host
+    configured."""
+    one, many = s.get("host"), s.get("hosts")
+    if one is not None and many is not None:
+        raise s.fail(
+            "hosts",
+            "set host or hosts, not both",
+            hint=f"hosts = [{show(one)}, ...] for a pool, or host = {show(one)} alone",
+        )
+    if many is not None:
+        if not isinstance(many, list) or not many:
+            raise s.fail(
+                "hosts",
+                f"expected a non-empty list of host names, got {show(many)}",
+                hint='hosts = ["dgx1", "dgx2"]; or host = "dgx1" for one',
+            )
+        names = s.str_list("hosts")
+        key = "hosts"
+    else:
+        single = s.str_("host")
+        if single is None:
+            if len(hosts) != 1:
+                raise s.fail(
+                    "host",
+                    "missing" if hosts else "missing, and no [hosts] are configured",
+                    hint="name the [hosts.X] table this service runs on (or hosts = [...])",
+                )
+            return (next(iter(hosts)),)
+        names, key = (single,), "host"
+    seen: set[str] = set()
+    for h in names:
+        if h not in hosts:
+            raise s.fail(key, f"unknown host {h!r}", hint=known_hint("hosts", h, hosts, path))
+        if h in seen:
+            raise s.fail(key, f"host {h!r} is listed twice", hint="list each host once")
+        seen.add(h)
+    return tuple(names)
+
+
+def host_templates(s: Table, launcher: str | None) -> dict[str, str]:
+    """The URL keys written with ``{host}``, as written; any other ``{...}`` in a URL
+    key is refused (only ``{node}``, in a Slurm service's ``health``, is another)."""
+    out: dict[str, str] = {}
+    for key in HOST_TEMPLATE_KEYS:
+        v = s.get(key)
+        if not isinstance(v, str):
+            continue  # the getter names what is wrong with it
+        for m in _PLACEHOLDER.finditer(v):
+            word = m.group(0)
+            if word == HOST_PLACEHOLDER or (word == NODE and key != "metrics"):
+                continue  # node_url says where {node} works (health, with slurm)
+            raise s.fail(
+                key,
+                f"unknown placeholder {word}: only {HOST_PLACEHOLDER} (the host it runs "
+                f"on) works here"
+                + (f", and {NODE} with the slurm launcher" if key == "health" else ""),
+                hint=f"write {HOST_PLACEHOLDER}, or the host's name",
+            )
+        if HOST_PLACEHOLDER in v:
+            if launcher == "slurm" and key == "health" and NODE in v:
+                raise s.fail(
+                    key,
+                    f"name {HOST_PLACEHOLDER} or {NODE}, not both",
+                    hint=f"a Slurm job's server runs on the node Slurm chose: {NODE}",
+                )
+            out[key] = v.strip()
+    return out
+
+
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
+
+
+def _url_on(
+    s: Table, key: str, launcher: str | None, templates: dict[str, str], host: HostConfig
+) -> str | None:
+    """A URL key: as written, or with ``{host}`` expanded for ``host``; checked as a
+    URL either way."""
+    if key not in templates:
+        if key == "metrics":
+            return s.url(key, HTTP)
+        return node_url(s, key, HTTP, launcher)
+    expanded = templates[key].replace(HOST_PLACEHOLDER, host_address(host))
+    return check_url(s.loc(key), expanded, HTTP)
+
+
+def _check_pool(svc: ServiceConfig, hosts: dict[str, HostConfig]) -> None:
+    """What a pool of more than one host needs: every host reached through an agent
+    (the pool's coordinator is chosen by the identity its agent reports), no launcher
+    that places servers itself, and a name that leaves room for the pool's record."""
+    if not svc.pooled:
+        return
+    where = f"services.{svc.name}"
+    for h in svc.hosts:
+        if not hosts[h].agent:
+            raise ConfigError(
+                f"{where}.hosts: host {h!r} has no agent; every host of a pool needs one",
+                hint=f"set hosts.{h}.agent (run `gpuctl agent` there), or drop {h!r} from hosts",
+            )
+    if svc.launcher == "slurm":
+        raise ConfigError(
+            f"{where}.hosts: a slurm service runs on one host (Slurm places its jobs itself)",
+            hint='use host = "NAME" with the cluster\'s login host',
+        )
+    if len(svc.name) > _POOL_NAME_MAX:
+        raise ConfigError(
+            f"{where}: a pooled service's name is at most {_POOL_NAME_MAX} characters",
+            hint="shorten the name",
+        )
 
 
 def _match(s: Table) -> tuple[str, ...]:

@@ -59,6 +59,7 @@ token_file = "{token_rel}"
 _SERVICE = """
 # A service gpuctl starts on demand. Uncomment and adapt:
 # [services.vllm]
+# hosts = ["dgx1", "dgx2"]  # a pool: ensure picks one (each needs an agent); default: the one host
 # launcher = "process"      # docker | jupyter | process | ollama | slurm
 # command = "vllm serve Qwen/Qwen3-32B --port 8000"
 # health = "http://127.0.0.1:8000/health"

@@ -57,6 +57,10 @@ DEFAULT_PROXY_LISTEN = "127.0.0.1:9401"
 DEFAULT_PROXY_MAX_BODY_MIB = 32
 DEFAULT_PROXY_SSE_INTERVAL_S = 10.0
 DEFAULT_PROXY_RETRY_AFTER_S = 30.0
+# Where a service's URL names the host it runs on (``health``, ``url``, ``metrics``).
+HOST_PLACEHOLDER = "{host}"
+# The URL keys that may hold ``{host}``.
+HOST_TEMPLATE_KEYS = ("health", "url", "metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +225,42 @@ class ServiceConfig:
     preempt: bool = False
     resume: bool = False
     kind: str = "server"
+    # The pool (``hosts = [...]``): every host it may run on, in the config's order;
+    # ``host`` is the first. Empty for a service built in code: a pool of ``host`` alone.
+    pool: tuple[str, ...] = ()
+    # The URL keys written with ``{host}`` (``health``, ``url``, ``metrics``), as
+    # written: ``health`` and the rest hold them expanded for ``host``, and ``on`` for
+    # each other host of the pool.
+    templates: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The hosts it may run on: its pool, else ``host`` alone."""
+        return self.pool or (self.host,)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether it is a pool of more than one host (``ensure`` picks among them)."""
+        return len(self.hosts) > 1
+
+    def on(self, host: HostConfig) -> ServiceConfig:
+        """This service placed on ``host`` (one of its pool): ``host`` set, and every URL
+        written with ``{host}`` expanded to that host's address (``host_address``)."""
+        if host.name == self.host and not self.templates:
+            return self
+        address = host_address(host)
+
+        def url(key: str, current: str | None) -> str | None:
+            t = self.templates.get(key)
+            return current if t is None else t.replace(HOST_PLACEHOLDER, address)
+
+        return replace(
+            self,
+            host=host.name,
+            health=url("health", self.health),
+            url=url("url", self.url),
+            metrics=url("metrics", self.metrics),
+        )
 
     def promise(self) -> Promise:
         """What a start of this service promises the host (``core.promise.Promise``),
@@ -328,7 +368,43 @@ class Config:
             ) from None
 
     def services_on(self, host: str) -> list[ServiceConfig]:
-        return [s for s in self.services.values() if s.host == host]
+        """The services that may run on ``host``, each placed there (``ServiceConfig.on``):
+        a pooled service is on every host of its pool."""
+        h = self.hosts.get(host)
+        if h is None:
+            return [s for s in self.services.values() if s.host == host]
+        return [s.on(h) for s in self.services.values() if host in s.hosts]
+
+    def placed(self, name: str, host: str | None = None) -> ServiceConfig:
+        """The service called ``name`` on ``host`` (default: its first host).
+
+        Raises:
+            UsageError: no such service, or ``host`` is not one of its hosts.
+        """
+        svc = self.service(name)
+        if host is None or host == svc.host:
+            return svc
+        self.host(host)  # an unknown host is a usage error before anything else
+        if host not in svc.hosts:
+            where = ", ".join(svc.hosts)
+            raise UsageError(
+                f"service {name!r} runs on host {where!r}, not {host!r}"
+                if len(svc.hosts) == 1
+                else f"service {name!r} runs on the hosts {where}, not {host!r}",
+                hint=f"drop --host, or use --host {svc.host}",
+            )
+        return svc.on(self.hosts[host])
+
+
+def host_address(host: HostConfig) -> str:
+    """What ``{host}`` expands to for ``host``: the host part of its ``agent`` URL
+    (bracketed for IPv6), or ``127.0.0.1`` for this machine (a host without an agent)."""
+    if not host.agent:
+        return "127.0.0.1"
+    from urllib.parse import urlsplit
+
+    name = urlsplit(host.agent).hostname or "127.0.0.1"
+    return f"[{name}]" if ":" in name else name
 
 
 def known_hint(kind: str, name: str, table: Mapping[str, Any], path: Path | None) -> str:

@@ -281,3 +281,11 @@ def _cost(victims: Sequence[Victim]) -> tuple[object, ...]:
 
 def _n_subsets(n: int, k: int) -> int:
     return math.comb(n, k)
+
+
+def plan_cost(plan: Plan) -> tuple[float, ...]:
+    """What a plan costs, as the plans of one host are compared (the fewest stops, then
+    the fewest not idle, the unmeasured, the shortest restarts, the oldest use): a pool
+    carries out the cheapest of its hosts' plans."""
+    n, busy, unmeasured, restart, latest, _names = _cost(plan.victims)
+    return (float(n), float(busy), float(unmeasured), float(restart), float(latest))  # type: ignore[arg-type]

@@ -142,6 +142,9 @@ class Record:
     start_nonce: str | None = None
     health: str | None = None
     promise: Promise | None = None
+    # A pool's record (``_pool.<service>`` on its coordinator): where its copy was
+    # started, by host identity (``core.pool.host_key``).
+    runs_on: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -158,6 +161,7 @@ class Record:
             "start_nonce": self.start_nonce,
             "health": self.health,
             "promise": self.promise.to_dict() if self.promise else None,
+            "runs_on": self.runs_on,
         }
 
     # ---- pure transitions (the store applies them under the lock)

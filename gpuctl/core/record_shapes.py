@@ -40,7 +40,16 @@ from gpuctl.core.record import (
     Holder as HolderValue,
 )
 from gpuctl.core.redact import redact_lines
-from gpuctl.core.store_shapes import MEMORY_MAX_MIB, EntryId, Nonce, Pid, Promise, Time, Url
+from gpuctl.core.store_shapes import (
+    MEMORY_MAX_MIB,
+    EntryId,
+    HostKey,
+    Nonce,
+    Pid,
+    Promise,
+    Time,
+    Url,
+)
 
 __all__ = [
     "MAX_EPOCH_S",
@@ -143,8 +152,9 @@ class Handle(Struct, forbid_unknown_fields=True, omit_defaults=True):
     container_name: Name | UnsetType | None = UNSET
     terminal: Name | UnsetType | None = UNSET
     log: Annotated[str, Meta(max_length=4096)] | UnsetType | None = UNSET
-    # A namespace's inode number (32 bits on Linux); msgspec bounds fit an int64.
-    pid_ns: Annotated[int, Meta(ge=0, le=2**63 - 1)] | UnsetType | None = UNSET
+    # A namespace's inode number (32 bits on Linux); bounded as every JSON integer the
+    # agent takes is (``agent.wire``: at most 2**53, what a double holds exactly).
+    pid_ns: Annotated[int, Meta(ge=0, le=2**53)] | UnsetType | None = UNSET
     proof: Annotated[str, Meta(max_length=4096)] | UnsetType | None = UNSET
     # A Slurm job id (digits, or an array's ``12_3``).
     job_id: Annotated[str, Meta(max_length=64, pattern=r"^[0-9][0-9_+]*$")] | UnsetType | None = (
@@ -197,7 +207,8 @@ class RecordUpdate(Struct, forbid_unknown_fields=True, omit_defaults=True):
     it); ``attempt`` (appended to the attempts); ``failure`` (records a failed start with
     its back-off; ``None`` clears it); ``touch`` (last_used = now); ``start_nonce`` (the
     hex nonce a start puts in its server's environment; ``None`` clears it); ``health``
-    (the URL the agent may poll to see the server answer; ``None`` clears it). On the
+    (the URL the agent may poll to see the server answer; ``None`` clears it);
+    ``runs_on`` (a pool's record: the host its copy was started on). On the
     wire it is a JSON object of the fields set (``to_wire``).
     """
 
@@ -208,6 +219,7 @@ class RecordUpdate(Struct, forbid_unknown_fields=True, omit_defaults=True):
     touch: bool = False
     start_nonce: Nonce | UnsetType | None = UNSET
     health: Url | UnsetType | None = UNSET
+    runs_on: HostKey | UnsetType | None = UNSET
 
     def __bool__(self) -> bool:
         return self != _NOTHING
@@ -435,6 +447,8 @@ def apply_update(
         out = replace(out, start_nonce=update.start_nonce)
     if not isinstance(update.health, UnsetType):
         out = replace(out, health=update.health)
+    if not isinstance(update.runs_on, UnsetType):
+        out = replace(out, runs_on=update.runs_on)
     return out
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "VOIDED_KINDS",
     "EntryId",
     "Failure",
+    "HostKey",
     "Lease",
     "Nonce",
     "Pid",
@@ -85,6 +86,17 @@ Url = Annotated[
 ServiceName = Annotated[
     str,
     Meta(min_length=1, max_length=101, pattern=NAME_PATTERN, description="A service's name."),
+]
+# A pool host by identity (``core.pool.host_key``): hex of a digest of its agent's
+# hostname, boot id and state folder, the same whatever a config calls the host.
+HostKey = Annotated[
+    str,
+    Meta(
+        min_length=32,
+        max_length=32,
+        pattern="^[0-9a-f]{32}$",
+        description="A host by identity: a digest of its hostname, boot id and state folder.",
+    ),
 ]
 # An in-flight or queue entry's holder id names its file: letters and digits only
 # (gpuctl's are uuid hex). JSON Schema's ``$`` ends the text; Python matches it in full.
@@ -214,6 +226,13 @@ class Record(Struct, forbid_unknown_fields=True, kw_only=True):
     promise: Annotated[
         Promise | None,
         Meta(description="What its last start promised; null from an older release."),
+    ] = None
+    runs_on: Annotated[
+        HostKey | None,
+        Meta(
+            description="A pool's record on its coordinator (`_pool.<service>`): the host "
+            "its copy was started on, by identity; null elsewhere."
+        ),
     ] = None
 
 

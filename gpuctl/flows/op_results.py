@@ -62,6 +62,8 @@ class EnsureResult:
     handle: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     hint: str = ""
+    # The service's hosts (``hosts = [...]``); empty: ``host`` alone.
+    pool: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> ExitCode:

@@ -283,13 +283,14 @@ def status(deps: StatusDeps) -> StatusReport:
             submit(_observe_host, hd, services)
             for hd, services in zip(deps.hosts, per_host, strict=True)
         ]
-        healths: dict[str, Future[Health] | _Done[Health]] = {}
+        # By host and name: a pooled service is asked on each host of its pool.
+        healths: dict[tuple[str, str], Future[Health] | _Done[Health]] = {}
         for hd, services in zip(deps.hosts, per_host, strict=True):
             counts_all = _ollama_others(services)
             for s in services:
                 if _health_target(s, deps):
                     timeout = min(deps.health_timeout_s, hd.host.timeout_s)
-                    healths[s.name] = submit(
+                    healths[hd.host.name, s.name] = submit(
                         _health_of, deps, s, hd.host.ollama, timeout, counts_all.get(s.name)
                     )
         reports = []
@@ -297,8 +298,8 @@ def status(deps: StatusDeps) -> StatusReport:
             obs = fut.result()
             timeout = min(deps.health_timeout_s, hd.host.timeout_s)
             hs = tuple(
-                healths[s.name].result()
-                if s.name in healths
+                healths[hd.host.name, s.name].result()
+                if (hd.host.name, s.name) in healths
                 else _node_health(deps, s, obs, timeout)
                 if names_node(s.health)
                 else NO_HEALTH

@@ -63,19 +63,19 @@ def run_ensure(
     conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
 ) -> Readiness:
     """The CLI's ensure flow, blocking (call it in a worker thread)."""
-    from gpuctl.flows.deps import EnsureRequest
-    from gpuctl.flows.ensure.rounds import ensure
+    from gpuctl.flows.deps import EnsureDeps, EnsureRequest
     from gpuctl.flows.ports import Tell
-    from gpuctl.wiring.build import deps_for
+    from gpuctl.wiring.build import ensure_runner
 
     try:
-        deps = deps_for(conf, name, tell=Tell(progress=progress))
+        deps, ensure = ensure_runner(conf, name, tell=Tell(progress=progress))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
-    _first_look_fresh(deps)
+    if isinstance(deps, EnsureDeps):
+        _first_look_fresh(deps)
     try:
-        r: EnsureResult = ensure(deps, EnsureRequest(entry="proxy", timeout_s=timeout_s))
+        r: EnsureResult = ensure(EnsureRequest(entry="proxy", timeout_s=timeout_s))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)

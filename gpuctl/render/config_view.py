@@ -69,14 +69,17 @@ def _host(h: HostConfig) -> dict[str, Any]:
 
 
 def _service(s: ServiceConfig) -> dict[str, Any]:
+    t = s.templates  # a URL written with {host} is shown as written
     return {
-        "host": s.host,
+        # A pool of one is `host`, as most configs write it.
+        "host": None if s.pooled else s.host,
+        "hosts": list(s.hosts) if s.pooled else None,
         "launcher": s.launcher,
         "image": s.image,
         # A command or an env value may hold a key (``--api-key X``, ``HF_TOKEN``): masked
         # as /status masks other people's command lines (``core.redact``).
         "command": _command(s.command),
-        "health": _url(s.health),
+        "health": _url(t.get("health", s.health)),
         "match": list(s.match) or None,
         "memory": size_text(s.memory_mib),
         "priority": s.priority,
@@ -87,7 +90,7 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "devices": list(s.devices) if s.devices is not None else None,
         "stop": s.stop,
         "sleep_level": s.sleep_level,
-        "metrics": _url(s.metrics),
+        "metrics": _url(t.get("metrics", s.metrics)),
         "model": s.model,
         "cwd": s.cwd,
         # A value under any name may still hold one: ``DB_URL = "postgres://u:X@h/db"``,
@@ -104,7 +107,7 @@ def _service(s: ServiceConfig) -> dict[str, Any]:
         "stop_timeout": duration_text(s.stop_timeout_s),
         "terminal": s.terminal,
         "models": list(s.models) or None,
-        "url": _url(s.url),
+        "url": _url(t.get("url", s.url)),
         "max_concurrent": s.max_concurrent,
         "queue_timeout": duration_text(s.queue_timeout_s) if s.queue_timeout_s else None,
         "preempt": s.preempt or None,

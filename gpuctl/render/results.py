@@ -43,6 +43,7 @@ def ensure_to_json(result: EnsureResult) -> dict[str, Any]:
         "handle": result.handle,
         "notes": list(result.notes),
         "hint": result.hint or None,  # null for no hint, as in status --json
+        "pool": list(result.pool or (result.host,)),
     }
 
 
@@ -57,7 +58,9 @@ def ensure_text(result: EnsureResult) -> list[str]:
     mark = result.outcome.value if result.outcome in quiet else result.outcome.value.upper()
     if result.outcome is Outcome.BUSY and result.decision == "PREEMPTABLE":
         mark = "PREEMPTABLE"
-    lines = [f"{result.service}: {mark}: {result.reason}"]
+    # A pooled service says which host of its pool the answer is about.
+    where = f" on {result.host}" if len(result.pool) > 1 else ""
+    lines = [f"{result.service}: {mark}{where}: {result.reason}"]
     lines += [f"  {n}" for n in result.notes if not n.startswith("hint: ")]
     if result.log_tail and result.outcome is not Outcome.READY:
         lines.append("  last lines of its log:")

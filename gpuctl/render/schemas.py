@@ -312,6 +312,14 @@ class StatusService(Struct):
             "it may use); empty otherwise."
         ),
     ]
+    pool: Annotated[
+        list[str] | None,
+        _doc(
+            "A pooled service (`hosts = [...]`): every host of its pool, in the config's "
+            "order; it has one row per host, each with its own `host`. Null for a service "
+            "on one host."
+        ),
+    ]
 
 
 class StatusOutput(Struct):
@@ -683,6 +691,13 @@ class EnsureOutput(Struct):
         Annotated[str, Meta(min_length=1)] | None,
         _doc(
             "What the user can do about a refusal; null when there is nothing to do (as in status)."
+        ),
+    ]
+    pool: Annotated[
+        list[str],
+        _doc(
+            "The service's hosts (`hosts = [...]`), in the config's order; `host` is the one "
+            "chosen. A service on one host lists it alone."
         ),
     ]
 

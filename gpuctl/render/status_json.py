@@ -38,7 +38,8 @@
         "yields": false,                # idle past its yield_after: any preempting start stops it
         "idle_s": null,                 # with yields: how long it has been idle
         "victims": [{"name": "chat", "gpu": 0, "frees_mib": 81920, "priority": 100,
-                     "job": false, "idle_s": 720.0}]   # PREEMPTABLE: what it would stop
+                     "job": false, "idle_s": 720.0}],  # PREEMPTABLE: what it would stop
+        "pool": null                    # a pooled service: its hosts (one row per host)
       }]
     }
 
@@ -176,6 +177,7 @@ def status_to_json(report: StatusReport) -> dict[str, Any]:
                     "holders": [_holder(h, p) for p in v.holders]
                     if v.decision in _NAMES_HOLDERS
                     else [],
+                    "pool": list(svc.hosts) if svc.pooled else None,
                 }
             )
     return {

@@ -365,6 +365,34 @@ def service_table(h: HostReport, g: Glyphs = UNICODE) -> Table:
     return t
 
 
+def pool_table(report: StatusReport, g: Glyphs = UNICODE) -> Panel | None:
+    """The pooled services, each on one line across its hosts (``dgx1 READY, dgx2
+    IDLE``): where its copy runs, and how it stands elsewhere. None without a pool."""
+    rows: dict[str, list[tuple[str, Decision]]] = {}
+    pools: dict[str, tuple[str, ...]] = {}
+    for h in report.hosts:
+        for svc, v in zip(h.services, h.verdicts, strict=True):
+            if svc.pooled:
+                pools[svc.name] = svc.hosts
+                rows.setdefault(svc.name, []).append((h.name, v.decision))
+    if not rows:
+        return None
+    t = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    t.add_column("POOLED SERVICE", no_wrap=True)
+    t.add_column("HOSTS", overflow="fold", ratio=1)
+    for name, seen in rows.items():
+        order = {host: i for i, host in enumerate(pools[name])}
+        cells: list[Text | str] = []
+        for host, decision in sorted(seen, key=lambda x: order.get(x[0], len(order))):
+            if cells:
+                cells.append(f" {g.dot} ")
+            cells.append(
+                Text.assemble(plain(host), " ", (decision.value, DECISION_STYLE[decision]))
+            )
+        t.add_row(plain(name), Text.assemble(*cells))
+    return Panel(t, title=Text("pools", style="bold"), title_align="left", expand=True)
+
+
 def host_panel(
     h: HostReport,
     wide: bool,
@@ -432,6 +460,9 @@ def render_status(
     panels: Sequence[RenderableType] = [
         host_panel(h, wide, width, g, history, filtered=filtered) for h in report.hosts
     ]
+    pools = pool_table(report, g)
+    if pools is not None:
+        panels = [*panels, pools]
     heads = []
     if interval_s is not None:
         heads.append(

@@ -95,6 +95,9 @@ class SimHost:
     # (the kernel's, or a ``GPUCTL_SIM_PORTS`` block), so it may fetch any unprivileged
     # port of loopback. The agent's own rule (this machine only) still holds.
     health_ports: str = "1024-65535"
+    # The loopback address its agent listens on: several simulated hosts on one machine
+    # each take their own (127.0.0.2, ...), so a pool's ``{host}`` tells them apart.
+    address: str = "127.0.0.1"
     _own_root: bool = False
 
     def __enter__(self) -> SimHost:
@@ -125,7 +128,7 @@ class SimHost:
 
     @property
     def agent_url(self) -> str:
-        return f"http://127.0.0.1:{self.agent_port}"
+        return f"http://{self.address}:{self.agent_port}"
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -180,7 +183,7 @@ class SimHost:
                 "--probe",
                 "sim",
                 "--listen",
-                f"127.0.0.1:{self.agent_port}",
+                f"{self.address}:{self.agent_port}",
                 "--sim-dir",
                 str(self.sim_dir),
                 "--state-dir",

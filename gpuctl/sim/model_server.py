@@ -36,6 +36,7 @@ from gpuctl.sim.engine import Engine
 from gpuctl.sim.errors import SimError, SimOutOfMemory
 from gpuctl.sim.gpu import Claim, SimGpu, default_gpu, parse_totals
 from gpuctl.sim.http_api import Server
+from gpuctl.sim.settings import ENV_SIM_HOST
 from gpuctl.sim.signals import StopFlag, stop_on_signals
 
 
@@ -224,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", required=True, help="memory once loaded, e.g. 80GiB")
     parser.add_argument("--load-time", default="30s", help="loading time, e.g. 30s (default)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get(ENV_SIM_HOST) or "127.0.0.1",
+        help="the address to listen on (default: $GPUCTL_SIM_HOST, else 127.0.0.1)",
+    )
     parser.add_argument("--model", help="model id for /v1/models (default: --name)")
     parser.add_argument("--steps", type=int, default=10, help="memory grows in this many steps")
     parser.add_argument("--enable-sleep-mode", action="store_true")

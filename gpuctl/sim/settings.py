@@ -18,6 +18,10 @@ from gpuctl.sim.fs import read_json, write_json_atomic
 
 DEFAULT_TOTAL_MIB = 128 * 1024
 ENV_SIM_DIR = "GPUCTL_SIM_DIR"
+# The address a simulated host's servers listen on (``gpuctl sim model-server``'s default
+# ``--host``): the process launcher sets it for a host with a ``sim_dir``, so two
+# simulated hosts on one machine answer on loopback addresses of their own.
+ENV_SIM_HOST = "GPUCTL_SIM_HOST"
 ENV_GPU_MEMORY = "GPUCTL_SIM_GPU_MEMORY"
 # Several simulated GPUs, each with its own total: "80GiB,80GiB" (a comma list of sizes).
 ENV_GPUS = "GPUCTL_SIM_GPUS"

@@ -26,7 +26,14 @@ from gpuctl.core.decision import Health
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, job_route, unreachable
 from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.errors import LauncherError, UsageError
-from gpuctl.flows.deps import EnsureDeps, HostDeps, LocalProbeOptions, LocksDeps, StatusDeps
+from gpuctl.flows.deps import (
+    Closers,
+    EnsureDeps,
+    HostDeps,
+    LocalProbeOptions,
+    LocksDeps,
+    StatusDeps,
+)
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.ports import (
     ChildFinder,
@@ -48,6 +55,9 @@ if TYPE_CHECKING:
     from gpuctl.adapters.launchers.base import Launcher
     from gpuctl.core.heal import ServerTruth
     from gpuctl.core.record import Listing, Record
+    from gpuctl.flows.deps import EnsureRequest
+    from gpuctl.flows.ensure.pool import PoolDeps
+    from gpuctl.flows.op_results import EnsureResult
 
 LOCAL_HOST = "local"
 
@@ -159,13 +169,8 @@ def deps_for(
 
     Raises ``UsageError`` for an unknown service, or a host that is not the service's.
     """
-    service = config.service(service_name)
-    if host_name is not None and host_name != service.host:
-        config.host(host_name)  # an unknown host is a usage error before anything else
-        raise UsageError(
-            f"service {service_name!r} runs on host {service.host!r}, not {host_name!r}",
-            hint=f"drop --host, or use --host {service.host}",
-        )
+    # A pooled service placed on the host named (default: its first), {host} expanded.
+    service = config.placed(service_name, host_name)
     host = config.host(service.host)
 
     closers: list[Callable[[], None]] = []
@@ -222,6 +227,42 @@ def deps_for(
         machine=ThisMachine(),
         tell=tell or Tell(),
     )
+
+
+def pool_deps_for(
+    config: Config, service_name: str, *, tell: Tell | None = None, only: str | None = None
+) -> PoolDeps:
+    """One ``deps_for`` per host of a pooled service, in the config's order; closed
+    together. ``only``: a start goes to that host of the pool alone."""
+    from gpuctl.flows.ensure.pool import PoolDeps  # only a pooled ensure loads the flow
+
+    service = config.service(service_name)
+    if only is not None:
+        config.placed(service_name, only)  # one of its hosts, else a usage error
+    members = [deps_for(config, service_name, h, tell=tell) for h in service.hosts]
+    pd = PoolDeps(members=members, only=only)
+    pd.closers.extend(m.close for m in members)
+    return pd
+
+
+def ensure_runner(
+    config: Config, service_name: str, host_name: str | None = None, *, tell: Tell | None = None
+) -> tuple[Closers, Callable[[EnsureRequest], EnsureResult]]:
+    """The deps of ``ensure`` for a service (closed by the caller), and the call that
+    runs it: over its pool for a pooled service (``flows.ensure.pool``; ``host_name``
+    keeps a start to that host), else on its host. Every entry point that may start a
+    service (the CLI, the API, the proxy) goes through this one, so a pool's copy is
+    started only under the pool's lease."""
+    service = config.service(service_name)
+    if service.pooled:
+        from gpuctl.flows.ensure.pool import ensure_pool
+
+        pool = pool_deps_for(config, service_name, tell=tell, only=host_name)
+        return pool, lambda req: ensure_pool(pool, req)
+    from gpuctl.flows.ensure.rounds import ensure
+
+    one = deps_for(config, service_name, host_name, tell=tell)
+    return one, lambda req: ensure(one, req)
 
 
 def _service_health(

@@ -14,9 +14,12 @@ from gpuctl.adapters.launchers.jupyter import JupyterLauncher
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.parse import launcher_list
 from gpuctl.config.paths import default_state_dir
+from gpuctl.config.values import host_address
 from gpuctl.core.record import Record
 from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import GpuctlError, LauncherError, UsageError
+from gpuctl.sim.settings import ENV_SIM_DIR as SIM_DIR_ENV
+from gpuctl.sim.settings import ENV_SIM_HOST as SIM_HOST_ENV
 
 if TYPE_CHECKING:
     # ``status`` wires no launcher: the base is imported where one is made or checked.
@@ -56,7 +59,14 @@ def launcher_for(
         state_dir = (
             Path(snapshot.state_dir) if snapshot and snapshot.state_dir else default_state_dir()
         )
-        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secrets)
+        # A simulated host's servers claim memory on its own simulated GPU, and listen
+        # on its address.
+        sim_env = (
+            {SIM_DIR_ENV: str(host.sim_dir), SIM_HOST_ENV: host_address(host)}
+            if host.sim_dir is not None
+            else None
+        )
+        return ProcessLauncher(log_dir=state_dir / "logs", secrets=secrets, sim_env=sim_env)
     if kind == "docker":
         from gpuctl.adapters.launchers.docker import DockerLauncher
 

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from gpuctl import failpoints
@@ -52,13 +52,21 @@ class ProcessLauncher:
             parent is the state folder, from which a log under it is reached.
         secrets: environment variable names the server must not inherit unless the
             service's ``env`` sets them.
+        sim_env: what a simulated host (``hosts.NAME.sim_dir``) gives its servers, under
+            the service's ``env``: ``GPUCTL_SIM_DIR``, so a simulated server claims
+            memory on its own host's GPU (and that host's agent counts it), and
+            ``GPUCTL_SIM_HOST``, the address ``gpuctl sim model-server`` listens on, so
+            two simulated hosts on one machine answer on addresses of their own.
     """
 
     kind = "process"
 
-    def __init__(self, log_dir: Path, secrets: Iterable[str] = ()) -> None:
+    def __init__(
+        self, log_dir: Path, secrets: Iterable[str] = (), sim_env: Mapping[str, str] | None = None
+    ) -> None:
         self.log_dir = Path(log_dir)
         self.secrets = frozenset(secrets)
+        self.sim_env = dict(sim_env or {})
 
     def log_path(self, service: ServiceConfig) -> Path:
         if service.log:
@@ -76,7 +84,7 @@ class ProcessLauncher:
         out = open_log(log, service.name, root=self.log_dir.parent)
         # Every start carries a nonce: it is what a stop checks before it signals.
         nonce = start_nonce or new_start_nonce()
-        env = server_env(service, os.environ, self.secrets, nonce)
+        env = server_env(service, {**os.environ, **self.sim_env}, self.secrets, nonce)
         try:
             os.write(
                 out,

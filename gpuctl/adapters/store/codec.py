@@ -294,6 +294,7 @@ def decode_record(data: Any, at: str = "$") -> Record:
         start_nonce=v["start_nonce"],
         health=v["health"],
         promise=_promise(v["promise"]) if v["promise"] is not None else None,
+        runs_on=v["runs_on"],
     )
 
 
