@@ -43,13 +43,14 @@ def decision_of(report: StatusReport, service: str) -> Decision | None:
     return None
 
 
-ITEMS = 60
+# The batch's photos and the time each takes: 12 s for the whole batch, so that the two
+# `gpuctl ensure vllm` calls catch it mid-way even on a loaded machine (a batch of 6 s
+# was done before the second of them, on a 2-core host at load 14, and nothing was
+# preempted). What is left after the resume takes the rest of the 12 s.
+ITEMS = 120
+PER_ITEM = "100ms"
 # vLLM's idle_timeout in the demo's config: reclaim stops it once idle this long.
 IDLE_S = 1.0
-# How long the batch takes per photo: 6 s for the whole batch, long enough that two
-# `gpuctl ensure` calls catch it mid-way on a loaded machine (at 3 s, a CI run's batch
-# had finished before the first of them looked).
-PER_ITEM = "100ms"
 
 
 def photos_toml(tag: str, port: int, items: Path, sim_dir: Path) -> str:
