@@ -125,6 +125,15 @@ def read_record(host: SimHost, name: str) -> dict[str, Any]:
     return json.loads((host.state_dir / "records" / f"{name}.json").read_text())  # type: ignore[no-any-return]
 
 
+def plant_record(path: Path, data: dict[str, Any]) -> None:
+    """Write a record file as the store does, whole or not at all (a temporary file, then
+    a rename): the running agent reads records while a test plants one, and a torn file
+    it met half-written would be set aside as unreadable, which is not the test's case."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 def server_pids(name: str) -> list[int]:
     """Pids of live (non-zombie) processes that are the model server ``name``."""
     import psutil

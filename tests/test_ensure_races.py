@@ -30,6 +30,7 @@ from tests.ensure_helpers import (
     kill_servers,
     launches_in_log,
     model_server_command,
+    plant_record,
     read_record,
     run_ensure,
     server_pids,
@@ -161,7 +162,7 @@ def test_a_handle_that_names_no_server_is_no_proof_of_a_stop(
     data = json.loads(path.read_text())
     assert data["handle"]["pid"] == pid and data["start_nonce"]
     data["handle"] = {k: v for k, v in data["handle"].items() if k not in ("pid", "pid_start")}
-    path.write_text(json.dumps(data))
+    plant_record(path, data)
     s = gpuctl(cfg, "stop", a)
     assert s.returncode == 0, (s.stdout, s.stderr)
     assert f"pid {pid}" in s.stdout + s.stderr, s.stdout + s.stderr
@@ -194,7 +195,7 @@ def test_orphaned_start_without_a_server_is_started_again(host: SimHost, names: 
     rec_file = host.state_dir / "records" / f"{a}.json"
     data = json.loads(rec_file.read_text())
     data.update(phase="starting", handle=None, lease=None, since=time.time())
-    rec_file.write_text(json.dumps(data))
+    plant_record(rec_file, data)
     r = run_ensure(cfg, a)
     out = json.loads(r.stdout)
     assert r.returncode == 0 and out["launched"] is True, r.stdout

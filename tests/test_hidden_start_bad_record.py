@@ -27,6 +27,7 @@ from tests.ensure_helpers import (
     ensure_paused_at,
     kill_servers,
     launches_in_log,
+    plant_record,
     run_ensure,
     server_pids,
     sim_claims,
@@ -134,7 +135,7 @@ def test_a_pre_nonce_record_with_one_bad_handle_field_is_never_idle(
     assert data["handle"]["pid"] == pid
     data["start_nonce"] = None
     data["handle"][field] = bad
-    path.write_text(json.dumps(data))
+    plant_record(path, data)
 
     after = row()
     assert after["decision"] == decision, (after["reason"], after["hint"], after)
