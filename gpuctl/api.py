@@ -60,6 +60,9 @@ class ReadyResult:
     reason: str
     waited_s: float = 0.0
     launched: bool = False
+    # Where it answers (READY) or loads (LOADING): one host of its pool
+    # (``hosts = [...]``), else its ``host``; empty for any other decision.
+    host: str = ""
 
 
 _OUTCOME_DECISION = {
@@ -76,6 +79,9 @@ _OUTCOME_DECISION = {
 _lock = threading.Lock()
 _configs: dict[str, Config] = {}
 _last_touch: dict[tuple[str, str], float] = {}
+# (config path, service) -> the host of its pool where this process last found it
+# ready: the fast path asks that host's health first, and ``in_use`` counts there.
+_where: dict[tuple[str, str], str] = {}
 _sync_clients: dict[str, httpx.Client] = {}  # one, shared by every thread
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
     weakref.WeakKeyDictionary()
@@ -105,8 +111,35 @@ def _service(conf: Config, name: str) -> ServiceConfig:
     return svc
 
 
+def _found(conf: Config, name: str, host: str) -> None:
+    if host:
+        with _lock:
+            _where[(str(conf.path), name)] = host
+
+
+def where(service: str, *, config: Config | Path | str | None = None) -> str:
+    """The host where ``service`` was last found ready by this process (``ensure_ready``):
+    for a pooled service (``hosts = [...]``) the host of its pool that runs the copy,
+    else (or before the first ``ensure_ready``) its first host."""
+    conf = _config(config)
+    svc = conf.service(service)
+    with _lock:
+        host = _where.get((str(conf.path), service))
+    return host if host is not None and host in svc.hosts else svc.host
+
+
+def _placements(conf: Config, svc: ServiceConfig) -> list[ServiceConfig]:
+    """The service on each host of its pool, where it was last found first, then the rest
+    in the config's order (a service of one host: itself)."""
+    if not svc.pooled:
+        return [svc]
+    last = where(svc.name, config=conf)
+    order = [last, *(h for h in svc.hosts if h != last)]
+    return [conf.placed(svc.name, h) for h in order]
+
+
 def _touch_due(conf: Config, svc: ServiceConfig) -> bool:
-    key = (str(conf.path), svc.name)
+    key = (str(conf.path), f"{svc.name}@{svc.host}")
     now = time.monotonic()
     with _lock:
         if now - _last_touch.get(key, -1e9) < TOUCH_EVERY_S:
@@ -152,7 +185,11 @@ def _slow_path(conf: Config, name: str, timeout: float | None, wait: bool) -> Re
     finally:
         deps.close()
     decision = _OUTCOME_DECISION[r.outcome]
-    return ReadyResult(name, decision == "READY", decision, r.reason, r.waited_s, r.launched)
+    ready = decision == "READY"
+    if ready:
+        _found(conf, name, r.host)
+    host = r.host if decision in ("READY", "LOADING") else ""
+    return ReadyResult(name, ready, decision, r.reason, r.waited_s, r.launched, host)
 
 
 def ensure_ready_sync(
@@ -171,15 +208,17 @@ def ensure_ready_sync(
         client = _sync_clients.get("")
         if client is None:
             client = _sync_clients[""] = httpx.Client(timeout=HEALTH_TIMEOUT_S)
-    assert svc.health is not None
-    try:
-        healthy = client.get(svc.health).status_code == 200
-    except httpx.HTTPError:
-        healthy = False
-    if healthy:
-        if _touch_due(conf, svc):
-            _touch(conf, svc)
-        return ReadyResult(service, True, "READY", "answers its health check")
+    for placed in _placements(conf, svc):
+        assert placed.health is not None
+        try:
+            healthy = client.get(placed.health).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy:
+            _found(conf, service, placed.host)
+            if _touch_due(conf, placed):
+                _touch(conf, placed)
+            return ReadyResult(service, True, "READY", "answers its health check", host=placed.host)
     return _slow_path(conf, service, timeout, wait)
 
 
@@ -207,15 +246,19 @@ async def ensure_ready(
     if client is None:
         client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
         _async_clients[loop] = client
-    assert svc.health is not None
-    try:
-        healthy = (await client.get(svc.health)).status_code == 200
-    except httpx.HTTPError:
-        healthy = False
-    if healthy:
-        if _touch_due(conf, svc):
-            await asyncio.to_thread(_touch, conf, svc)
-        return ReadyResult(service, True, "READY", "answers its health check")
+    # A pooled service: where it was last found, then each other host of its pool in
+    # order; only when none answers, the pool's ensure (which may start it).
+    for placed in _placements(conf, svc):
+        assert placed.health is not None
+        try:
+            healthy = (await client.get(placed.health)).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy:
+            _found(conf, service, placed.host)
+            if _touch_due(conf, placed):
+                await asyncio.to_thread(_touch, conf, placed)
+            return ReadyResult(service, True, "READY", "answers its health check", host=placed.host)
     # The slow path is the sync flow (locks, waits) in a worker thread: one core, no
     # second async implementation of the same rules.
     return await asyncio.to_thread(_slow_path, conf, service, timeout, wait)
@@ -242,22 +285,40 @@ class in_use:  # lower case: used like contextlib's context managers
     ``INFLIGHT_RENEW_S``. When a stop of the service is under way, entering waits for it
     to end (then ``ensure_ready`` starts the service again).
 
+    The count is written to the store of the host where the service runs: ``host``,
+    else for a pooled service (``hosts = [...]``) where this process's ``ensure_ready``
+    last found it (``where``), else its host. That host's reclaim and preemption are
+    the ones it keeps off.
+
     A store that cannot be reached does not fail the app: the block runs uncounted and
     the failure is logged (``gpuctl`` logger). Raises only for misuse (an unknown
-    service or a broken config).
+    service or host, or a broken config).
     """
 
     __slots__ = ("_use",)
 
-    def __init__(self, service: str, *, config: Config | Path | str | None = None) -> None:
+    def __init__(
+        self,
+        service: str,
+        *,
+        config: Config | Path | str | None = None,
+        host: str | None = None,
+    ) -> None:
         conf = _config(config)
-        key = (str(conf.path), service)
+        if host is None:
+            host = where(service, config=conf)  # UsageError for an unknown service
+        key = (str(conf.path), service, host)
         use = _uses.get(key)
         if use is None:
-            svc = conf.service(service)  # UsageError for an unknown service
+            svc = conf.placed(service, host)  # UsageError for a host not of its pool
             with _lock:
                 use = _uses.setdefault(key, _Use(conf, svc))
         self._use = use
+
+    @property
+    def host(self) -> str:
+        """The host whose store holds this count."""
+        return str(self._use.svc.host)
 
     def __enter__(self) -> None:
         self._use.enter()
@@ -381,7 +442,7 @@ class _Use:
             _log.warning("gpuctl: cannot end the use of %s: %s", self.svc.name, e.message)
 
 
-_uses: dict[tuple[str, str], _Use] = {}
+_uses: dict[tuple[str, str, str], _Use] = {}
 _log = logging.getLogger("gpuctl")
 
 
@@ -390,6 +451,7 @@ def _reset_for_tests() -> Any:
     with _lock:
         _configs.clear()
         _last_touch.clear()
+        _where.clear()
         for c in _sync_clients.values():
             c.close()
         _sync_clients.clear()

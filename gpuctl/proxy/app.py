@@ -19,6 +19,12 @@ any request is in flight on a service, it counts in the store (``use.ServiceUse`
 ``gpuctl.api.in_use``: written on 0 <-> 1, at most once per ``LINGER_S``, renewed every
 few seconds, never per request), so reclaim never stops a server that is answering.
 
+A pooled service (``hosts = [...]``) is forwarded to the host of its pool where its copy
+was last found, and counted in that host's store (the one whose reclaim would stop it):
+its readiness and count are kept per service and host. When that host's server stops
+answering (a refused connection, a failed health check) the ensure flow picks the host
+anew, over the whole pool, and requests follow it there.
+
 Answers are relayed as they arrive, with backpressure, and a client that goes away
 cancels its upstream request (``relay``). No framework: see ``gpuctl.agent.app`` for why.
 """
@@ -143,6 +149,8 @@ class _Call:
     body: bytes
     stream: bool
     ended: bool = False  # its in-flight count is off (its last byte is on its way)
+    # Its service's use on the host it goes to (set by ``_serve``; moved by ``_move``).
+    st: ServiceUse | None = None
 
 
 class ProxyApp:
@@ -170,7 +178,11 @@ class ProxyApp:
             UPSTREAM_CONNECT_TIMEOUT_S, UPSTREAM_READ_TIMEOUT_S
         )
         self._flight: SingleFlight | None = None
-        self._states: dict[str, ServiceUse] = {}
+        # (service, host) -> its use there: a pooled service's copy may move between
+        # the hosts of its pool, and neither its count nor the trust in it moves along.
+        self._states: dict[tuple[str, str], ServiceUse] = {}
+        # service -> the host of its pool where its copy was last found (pooled only).
+        self._where: dict[str, str] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
         self._openapi: bytes | None = None  # /openapi.json, made on its first request
         self._draining: asyncio.Event | None = None  # set when the proxy is stopping
@@ -246,10 +258,36 @@ class ProxyApp:
         return self._draining is not None and self._draining.is_set()
 
     def _state(self, svc: ServiceConfig) -> ServiceUse:
-        st = self._states.get(svc.name)
+        """``svc``'s use on its host (``svc`` placed there: ``ServiceConfig.on``)."""
+        key = (svc.name, svc.host)
+        st = self._states.get(key)
         if st is None:
-            st = self._states[svc.name] = ServiceUse(in_use(svc.name, config=self.conf))
+            use = in_use(svc.name, config=self.conf, host=svc.host)
+            st = self._states[key] = ServiceUse(use)
         return st
+
+    def _placed(self, up: Upstream) -> Upstream:
+        """``up`` on the host of its pool where its copy was last found (itself for a
+        service of one host, or before the copy was found anywhere)."""
+        if not up.service.pooled:
+            return up
+        return self.routes.on(up, self._where.get(up.service.name, up.service.host))
+
+    async def _move(self, call: _Call, host: str) -> None:
+        """The copy of ``call``'s pooled service is on ``host``: forward there, count
+        there; its use where it was loses this request (and its trust)."""
+        old = call.st
+        assert old is not None
+        call.up = self.routes.on(call.up, host)
+        self._where[call.up.service.name] = host
+        new = self._state(call.up.service)
+        if new is old:
+            return
+        new.in_flight += 1
+        call.st = new
+        old.ready = False
+        old.kept = None
+        await old.end()  # with its last request, its count comes off that host
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -503,6 +541,7 @@ class ProxyApp:
                 "model_not_found",
             )
         info["service"], info["model"] = up.service.name, model
+        up = self._placed(up)
         # The server's own card when it answers now; never a start for a metadata read.
         try:
             r = await self.client.get(
@@ -518,8 +557,9 @@ class ProxyApp:
     # ------------------------------------------------------------------ one request
 
     async def _serve(self, call: _Call) -> None:
+        call.up = self._placed(call.up)
         svc = call.up.service
-        st = self._state(svc)
+        st = call.st = self._state(svc)
         if svc.max_concurrent is not None and st.in_flight >= svc.max_concurrent:
             raise Refusal(
                 429,
@@ -533,13 +573,16 @@ class ProxyApp:
         # The request ends with its last byte: its count comes off just before, whichever
         # of the two sends (heads, or bodies straight to uvicorn) carries it.
         send, raw_send = call.send, call.reply.raw_send
-        call.send = self._ending(call, st, send)
-        call.reply.raw_send = self._ending(call, st, raw_send)
+        call.send = self._ending(call, send)
+        call.reply.raw_send = self._ending(call, raw_send)
         try:
             attempts = 2  # a refused connection once: the server went, start it again
             while True:
                 if not st.ready and not await st.again():
-                    await self._wait_ready(call, st)
+                    await self._wait_ready(call, st)  # may move it to another host
+                    assert call.st is not None
+                    st = call.st
+                    svc = call.up.service
                 # Use (the store's in-flight count, last_used) begins only now that the
                 # server is there to serve it: a request refused on the way (busy,
                 # unknown, not ready in time) was no use of it. A stop that lands
@@ -561,7 +604,7 @@ class ProxyApp:
                         ) from None
         finally:
             # However it ended (a refusal, its client gone, an error): before the answer.
-            await self._end(call, st)
+            await self._end(call)
             # The wrappers hold the call that holds them: a reference cycle a request,
             # which only the collector frees (with uvicorn's cycle and everything it
             # holds, ~30 objects a request). Its collections of that garbage paused the
@@ -571,6 +614,7 @@ class ProxyApp:
 
     async def _pass(self, call: _Call) -> None:
         """Forward a request that needs nothing started (``routes.loads_a_model``)."""
+        call.up = self._placed(call.up)
         try:
             await self._forward(call)
         except ConnectFailed as e:
@@ -582,22 +626,24 @@ class ProxyApp:
                 "upstream_refused",
             ) from None
 
-    def _ending(self, call: _Call, st: ServiceUse, send: Send) -> Send:
+    def _ending(self, call: _Call, send: Send) -> Send:
         async def send_ending(message: Message) -> None:
             if not message.get("more_body", True) or (
                 "more_body" not in message and message["type"] == "http.response.body"
             ):
-                await self._end(call, st)
+                await self._end(call)
             await send(message)
 
         return send_ending
 
-    async def _end(self, call: _Call, st: ServiceUse) -> None:
-        """One request's end (once): its count off, and the store's with the last one."""
+    async def _end(self, call: _Call) -> None:
+        """One request's end (once): its count off, and the store's with the last one
+        (on the host it went to)."""
         if not call.ended:
             call.ended = True
             self.metrics.in_flight[call.up.service.name] -= 1
-            await st.end()
+            assert call.st is not None
+            await call.st.end()
 
     async def _wait_ready(self, call: _Call, st: ServiceUse) -> None:
         svc, info = call.up.service, call.info
@@ -627,7 +673,10 @@ class ProxyApp:
         info["waited"] = info.get("waited", 0.0) + waited
         self.metrics.waited(svc.name, waited)
         if result.ok:
-            st.ready = True
+            if svc.pooled and result.host and result.host != svc.host:
+                await self._move(call, result.host)
+            assert call.st is not None
+            call.st.ready = True
             return
         raise self._refusal_for(svc, result)
 

@@ -57,6 +57,9 @@ class Readiness:
     hint: str = ""
     launched: bool = False
     cold: bool = False  # it went through the ensure flow: the server was not answering
+    # The host of its pool where it answers (or was picked): the proxy forwards there.
+    # Empty when the flow could not say (it failed before a pick).
+    host: str = ""
 
 
 def run_ensure(
@@ -82,7 +85,7 @@ def run_ensure(
     finally:
         deps.close()
     ok = r.outcome is Outcome.READY
-    return Readiness(ok, r.outcome.value, r.reason, r.hint, r.launched, cold=True)
+    return Readiness(ok, r.outcome.value, r.reason, r.hint, r.launched, cold=True, host=r.host)
 
 
 def _in_daemon_thread(fn: Callable[[], Readiness], *, name: str) -> asyncio.Future[Readiness]:
@@ -152,13 +155,14 @@ def _unverified(e: BaseException) -> str | None:
     return None
 
 
-def _tell_cold(conf: Config, svc: ServiceConfig, held: int, seconds: float) -> None:
-    """Journal a cold start through the proxy (``flows.story``); never raises."""
+def _tell_cold(conf: Config, svc: ServiceConfig, host: str, held: int, seconds: float) -> None:
+    """Journal a cold start through the proxy (``flows.story``) on ``host``, where it
+    started; never raises."""
     from gpuctl.adapters.store import store_for
     from gpuctl.flows import story
 
     try:
-        store = store_for(conf.host(svc.host))
+        store = store_for(conf.host(host))
     except GpuctlError:
         return
     try:
@@ -211,6 +215,26 @@ class SingleFlight:
         if task.result().cold:
             self.cold_starts[name] = self.cold_starts.get(name, 0) + 1
 
+    async def _check(self, svc: ServiceConfig) -> Readiness | None:
+        """READY when ``svc``'s health URL answers 200 (on its host), UNTRUSTED when its
+        certificate does not verify; None: the flow must tell."""
+        assert svc.health is not None
+        try:
+            r = await self.client.get(svc.health, timeout=HEALTH_TIMEOUT_S)
+            if r.status_code == 200:
+                text = "answers its health check"
+                return Readiness(True, Outcome.READY.value, text, host=svc.host)
+        except httpx.HTTPError as e:
+            why = _unverified(e)
+            if why is not None:
+                from gpuctl.proxy.upstream import untrusted_text
+
+                u = urlsplit(svc.health)  # its origin: no credentials shown
+                where = f"https://{u.netloc.rpartition('@')[2]}"
+                text = f"{svc.name}'s server at {where}: {untrusted_text(why)}"
+                return Readiness(False, UNTRUSTED, text, host=svc.host)
+        return None
+
     def loading_text(self, name: str) -> str:
         """``loading 2m10s of ~5m40s``: how long this start has run (and is expected to)."""
         started, p = self.progress.get(name, (time.monotonic(), None))
@@ -234,23 +258,17 @@ class SingleFlight:
         return min(fallback_s, max(1.0, left))
 
     async def _run(self, svc: ServiceConfig) -> Readiness:
+        # ``svc`` is placed where the proxy last found it; a pooled service's other hosts
+        # are asked after it, in the config's order: a 200 is READY there. Only when none
+        # answers does the flow run (it picks the host anew, and may start it).
         # A Slurm job's `{node}` is known only to the ensure flow (it asks squeue), whose
         # first step is this same health check.
         if svc.health_means_ready and NODE not in (svc.health or ""):
-            assert svc.health is not None
-            try:
-                r = await self.client.get(svc.health, timeout=HEALTH_TIMEOUT_S)
-                if r.status_code == 200:
-                    return Readiness(True, Outcome.READY.value, "answers its health check")
-            except httpx.HTTPError as e:
-                why = _unverified(e)
-                if why is not None:
-                    from gpuctl.proxy.upstream import untrusted_text
-
-                    u = urlsplit(svc.health)  # its origin: no credentials shown
-                    where = f"https://{u.netloc.rpartition('@')[2]}"
-                    text = f"{svc.name}'s server at {where}: {untrusted_text(why)}"
-                    return Readiness(False, UNTRUSTED, text)
+            others = [self.conf.placed(svc.name, h) for h in svc.hosts if h != svc.host]
+            for placed in (svc, *others):
+                answer = await self._check(placed)
+                if answer is not None:
+                    return answer
         self.progress[svc.name] = (time.monotonic(), None)
 
         def progress(p: Progress) -> None:  # from the worker thread: one assignment
@@ -264,7 +282,8 @@ class SingleFlight:
             )
             if got.launched:  # a cold start: the journal says how many requests it held
                 held, secs = self.held.pop(svc.name, 1), time.monotonic() - started
-                await asyncio.to_thread(_tell_cold, self.conf, svc, held, secs)
+                where = got.host or svc.host
+                await asyncio.to_thread(_tell_cold, self.conf, svc, where, held, secs)
             return got
         except Exception as e:  # a bug must not leave every waiter hanging
             log.exception("ensure of %s failed", svc.name)

@@ -120,11 +120,17 @@ def model_names(svc: ServiceConfig) -> tuple[str, ...]:
 
 
 class RouteTable:
-    """Model names and service names to upstreams, built once from the config."""
+    """Model names and service names to upstreams, built once from the config.
+
+    A pooled service (``hosts = [...]``) is listed placed on its first host; ``on``
+    places it on the host of its pool where its copy runs, with that host's ``{host}``.
+    """
 
     def __init__(self, conf: Config, host: str | None = None) -> None:
         self.by_model: dict[str, Upstream] = {}
         self.by_name: dict[str, Upstream] = {}
+        self._conf = conf
+        self._placed: dict[tuple[str, str], Upstream] = {}
         if host is not None:
             conf.host(host)  # an unknown --host is a usage error (with a did-you-mean)
         for svc in conf.services.values():
@@ -142,6 +148,19 @@ class RouteTable:
                         f"services.{svc.name}.models: {m!r} is already a model of services.{other}"
                     )
                 self.by_model[m] = up
+
+    def on(self, up: Upstream, host: str) -> Upstream:
+        """``up``'s service on ``host`` (one of its pool): its config there and the origin
+        its server answers at there (made once per service and host)."""
+        if host == up.service.host:
+            return up
+        key = (up.service.name, host)
+        placed = self._placed.get(key)
+        if placed is None:
+            svc = self._conf.placed(up.service.name, host)
+            origin = upstream_origin(self._conf, svc)
+            placed = self._placed[key] = Upstream(svc, up.origin if origin is None else origin)
+        return placed
 
     def models(self) -> list[tuple[str, Upstream]]:
         return sorted(self.by_model.items())

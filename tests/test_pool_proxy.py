@@ -1,0 +1,178 @@
+"""``gpuctl proxy`` in front of a pooled service (``hosts = ["a", "b"]``): two simulated
+hosts on their own loopback addresses, each with its agent and simulated GPU, the real
+proxy process, and the official ``openai`` client.
+
+A request goes to the host where the copy runs (not the first host's address), its
+in-flight count lands in that host's store (so that host's reclaim leaves a stream
+alone), and when the copy has gone the next request starts it where ``ensure`` picks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from gpuctl.adapters.store.direct import DirectStore
+from gpuctl.sim.host import SimHost, free_port
+from tests.conftest import Closing, config_env, gpuctl_exe
+from tests.ensure_helpers import kill_servers, unique_name
+from tests.proxy_helpers import Proxy
+from tests.test_pool import claims, ensure, hold, write_config
+
+ADDRESSES = ("127.0.0.1", "127.0.0.2")
+MSG = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[list[SimHost]]:
+    """Two simulated hosts of 128 GiB, each with its agent on its own loopback address."""
+    hosts: list[SimHost] = []
+    try:
+        for i, address in enumerate(ADDRESSES):
+            h = SimHost(root=tmp_path / f"host{i}", address=address)
+            h.__enter__()
+            hosts.append(h)
+            h.start_agent()
+        yield hosts
+    finally:
+        for h in hosts:
+            h.close()
+
+
+@pytest.fixture
+def service() -> Iterator[str]:
+    name = unique_name("pxpool")
+    yield name
+    kill_servers(name)
+
+
+def inflight(host: SimHost) -> dict[str, int]:
+    """The in-flight counts in ``host``'s own store."""
+    return DirectStore(host.state_dir).inflight()
+
+
+def gpuctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [gpuctl_exe(), *args], env=config_env(config), capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+
+
+def wait_until(what: str, pred: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def stream_in_thread(
+    client: openai.OpenAI, model: str, tokens: int
+) -> tuple[threading.Thread, list[str]]:
+    got: list[str] = []
+
+    def run() -> None:
+        try:
+            stream = client.chat.completions.create(
+                model=model,
+                messages=MSG,  # type: ignore[arg-type]
+                stream=True,
+                max_tokens=tokens,
+            )
+            for chunk in stream:
+                if chunk.choices:
+                    got.append(chunk.choices[0].delta.content or "")
+            got.append("[DONE]")
+        except openai.APIError as e:
+            got.append(f"error: {type(e).__name__}")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+@pytest.mark.slow
+def test_a_copy_ready_on_the_second_host_is_answered_and_counted_there(
+    pool: list[SimHost], tmp_path: Path, service: str, closing: Closing
+) -> None:
+    port = free_port()
+    config = write_config(
+        tmp_path / "c.toml", pool, ["a", "b"], service, port,
+        more=[f'models = ["{service}"]', 'idle_timeout = "1s"'],
+    )  # fmt: skip
+    code, out = ensure(config, service, "--host", "b")
+    assert (code, out["outcome"], out["host"]) == (0, "ready", "b"), out
+    proxy = Proxy(pool[0], config)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0))
+
+    reply = client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
+    assert claims(pool[0], service) == []  # nothing started on the first host
+    assert len(claims(pool[1], service)) == 1
+    assert proxy.metric("gpuctl_proxy_cold_starts_total", service) == 0  # found by health
+
+    # 250 tokens at 20 ms: a stream of about 5 s, long past the idle timeout. Its count
+    # is in b's store, where the copy runs, and none in a's.
+    t, got = stream_in_thread(client, service, 250)
+    wait_until("the stream to flow", lambda: len(got) > 4)
+    assert inflight(pool[1]) == {service: 1}
+    assert inflight(pool[0]) == {}
+    time.sleep(1.5)  # past idle_timeout since the request began
+    r = gpuctl(config, "reclaim", "--json")
+    assert r.returncode == 0, r.stderr
+    t.join(60)
+    assert got[-1] == "[DONE]" and len([p for p in got if p]) == 251, got[-3:]
+    assert len(claims(pool[1], service)) == 1  # never stopped under the stream
+    wait_until("the count to come off b", lambda: inflight(pool[1]) == {})  # after LINGER_S
+
+    # Idle now: the same reclaim stops it on b (so it looked there, and spared it for
+    # the stream's count alone).
+    time.sleep(1.5)
+    r = gpuctl(config, "reclaim")
+    assert r.returncode == 0, r.stderr
+    wait_until("the idle copy on b to stop", lambda: claims(pool[1], service) == [])
+    assert claims(pool[0], service) == []
+
+
+@pytest.mark.slow
+def test_the_copy_gone_from_b_the_next_request_starts_it_where_ensure_picks(
+    pool: list[SimHost], tmp_path: Path, service: str, closing: Closing
+) -> None:
+    port = free_port()
+    config = write_config(
+        tmp_path / "c.toml", pool, ["a", "b"], service, port, more=[f'models = ["{service}"]']
+    )
+    filler_a = pool[0].hold("filler-a", "120GiB")  # a is full: the proxy starts it on b
+    wait_until("a's filler", lambda: claims(pool[0], "filler-a"))
+    proxy = Proxy(pool[0], config)
+    client = closing(openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0))
+
+    reply = client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
+    assert len(claims(pool[1], service)) == 1 and claims(pool[0], service) == []
+    assert proxy.metric("gpuctl_proxy_cold_starts_total", service) == 1
+
+    # The copy stops on b, a is freed and b filled: the pool's pick is a now.
+    r = gpuctl(config, "stop", service, "--host", "b")
+    assert r.returncode == 0, r.stderr + r.stdout
+    wait_until("the copy on b to stop", lambda: claims(pool[1], service) == [])
+    pool[0].stop(filler_a)
+    wait_until("a's filler to go", lambda: claims(pool[0], "filler-a") == [])
+    hold(pool[1], "filler-b", "120GiB")
+
+    reply = client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
+    assert len(claims(pool[0], service)) == 1 and claims(pool[1], service) == []
+    code, out = ensure(config, service)  # where ensure finds it: the same copy
+    assert (code, out["outcome"], out["host"]) == (0, "ready", "a"), out
+    # Its count follows it: a request now counts on a, and nothing is left on b.
+    reply = client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
+    assert inflight(pool[1]) == {}
+    assert len(claims(pool[0], service)) == 1
