@@ -18,7 +18,10 @@ no file lock per request.
 
 When the service is already healthy this costs one health request: no agent call, no
 lock, and no file write beyond a touch at most every ``TOUCH_EVERY_S`` per service and
-process. Like the original, it does not raise for BUSY, UNKNOWN, FAILED or a timeout:
+process. A service over a pool of hosts (``hosts = [...]``) is asked where this process
+last found it, then on each other host of the pool; the result's ``host`` says where it
+answers, and ``in_use(..., host=...)`` counts it there (the store whose reclaim it keeps
+off). Like the original, it does not raise for BUSY, UNKNOWN, FAILED or a timeout:
 it returns a result that says READY or why not, for the app to log and skip. It raises
 only for misuse: an unknown service, or a broken config (``gpuctl.errors.UsageError``,
 ``ConfigError``).

@@ -18,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from gpuctl import api
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import Closing, config_env, gpuctl_exe
@@ -50,6 +51,14 @@ def service() -> Iterator[str]:
     name = unique_name("pxpool")
     yield name
     kill_servers(name)
+
+
+@pytest.fixture
+def fresh_api() -> Iterator[None]:
+    """``gpuctl.api`` with nothing cached (configs, where it found services, counts)."""
+    api._reset_for_tests()
+    yield
+    api._reset_for_tests()
 
 
 def inflight(host: SimHost) -> dict[str, int]:
@@ -99,7 +108,7 @@ def stream_in_thread(
 
 @pytest.mark.slow
 def test_a_copy_ready_on_the_second_host_is_answered_and_counted_there(
-    pool: list[SimHost], tmp_path: Path, service: str, closing: Closing
+    pool: list[SimHost], tmp_path: Path, service: str, closing: Closing, fresh_api: None
 ) -> None:
     port = free_port()
     config = write_config(
@@ -108,6 +117,18 @@ def test_a_copy_ready_on_the_second_host_is_answered_and_counted_there(
     )  # fmt: skip
     code, out = ensure(config, service, "--host", "b")
     assert (code, out["outcome"], out["host"]) == (0, "ready", "b"), out
+
+    # The Python API: b answers its health check (no flow), the result names b, and a
+    # use of it counts in b's store, none in a's.
+    got = api.ensure_ready_sync(service, config=config)
+    assert (got.ready, got.host, got.reason) == (True, "b", "answers its health check"), got
+    use = api.in_use(service, config=config)
+    assert use.host == "b"
+    with use:
+        assert inflight(pool[1]) == {service: 1}
+        assert inflight(pool[0]) == {}
+    assert inflight(pool[1]) == {}
+
     proxy = Proxy(pool[0], config)
     client = closing(openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0))
 
@@ -171,8 +192,8 @@ def test_the_copy_gone_from_b_the_next_request_starts_it_where_ensure_picks(
     assert len(claims(pool[0], service)) == 1 and claims(pool[1], service) == []
     code, out = ensure(config, service)  # where ensure finds it: the same copy
     assert (code, out["outcome"], out["host"]) == (0, "ready", "a"), out
-    # Its count follows it: a request now counts on a, and nothing is left on b.
+    # Its count followed it: the one it held on b (where it looked first) comes off.
     reply = client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
     assert "simulated reply" in (reply.choices[0].message.content or "")
-    assert inflight(pool[1]) == {}
-    assert len(claims(pool[0], service)) == 1
+    wait_until("the count on b to come off", lambda: inflight(pool[1]) == {})
+    assert len(claims(pool[0], service)) == 1 and claims(pool[1], service) == []
