@@ -390,6 +390,19 @@ def test_host_expands_per_host() -> None:
     assert local.services["s"].health == "http://127.0.0.1:1/health"
 
 
+def test_the_proxy_places_a_pooled_upstream_on_each_host() -> None:
+    from gpuctl.proxy.routes import RouteTable
+
+    conf = _parse({"hosts": ["a", "b"], "health": "http://{host}:8000/health", "models": ["m"]})
+    routes = RouteTable(conf)
+    up = routes.by_model["m"]
+    assert (up.service.host, up.origin) == ("a", "http://10.0.0.1:8000")
+    on_b = routes.on(up, "b")
+    assert (on_b.service.host, on_b.origin) == ("b", "http://10.0.0.2:8000")
+    assert on_b.service.health == "http://10.0.0.2:8000/health"
+    assert routes.on(on_b, "a") is up and routes.on(up, "b") is on_b  # made once
+
+
 @pytest.mark.parametrize(
     ("service", "where", "hint"),
     [

@@ -154,6 +154,9 @@ class RouteTable:
         its server answers at there (made once per service and host)."""
         if host == up.service.host:
             return up
+        listed = self.by_name.get(up.service.name)
+        if listed is not None and host == listed.service.host:
+            return listed
         key = (up.service.name, host)
         placed = self._placed.get(key)
         if placed is None:
