@@ -169,7 +169,9 @@ class ProxyApp:
         self.settings = settings
         self.metrics = ProxyMetrics()
         # Requests served, told to the journal from the metrics' counts (proxy.served).
-        self.served = ServedBatches(conf, self.metrics.requests)
+        # service -> the host of its pool where its copy was last found (pooled only).
+        self._where: dict[str, str] = {}
+        self.served = ServedBatches(conf, self.metrics.requests, where=self._where)
         self._served_task: asyncio.Task[None] | None = None
         self._keys = tuple(k.encode() for k in settings.api_keys)
         self._ensure = ensure
@@ -181,8 +183,6 @@ class ProxyApp:
         # (service, host) -> its use there: a pooled service's copy may move between
         # the hosts of its pool, and neither its count nor the trust in it moves along.
         self._states: dict[tuple[str, str], ServiceUse] = {}
-        # service -> the host of its pool where its copy was last found (pooled only).
-        self._where: dict[str, str] = {}
         self.cancelled_upstream = 0  # streams cut short because their client left
         self._openapi: bytes | None = None  # /openapi.json, made on its first request
         self._draining: asyncio.Event | None = None  # set when the proxy is stopping

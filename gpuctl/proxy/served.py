@@ -5,8 +5,8 @@ held through a cold start. The request path already counts each answer in the pr
 metrics (``ProxyMetrics.requests``: one dict increment); nothing is added to it. Every
 ``EVERY_S`` (and once when the proxy stops) what those counts grew by is told as one
 ``proxy`` event per service (``requests_served``, over ``period_s``), from a worker
-thread, through each host's store: a journal write per minute and service, never one
-per request.
+thread, through each host's store (a pooled service's: where the proxy last found its
+copy): a journal write per minute and service, never one per request.
 
 Served: answered with a status below 500, other than 429. A 5xx is a server that
 failed or a start the proxy could not make; a 429 is the proxy's own refusal
@@ -42,8 +42,12 @@ class ServedBatches:
         conf: Config,
         requests: Mapping[tuple[str, int], int],
         clock: Callable[[], float] = time.monotonic,
+        where: Mapping[str, str] | None = None,
     ) -> None:
         self.conf = conf
+        # service -> the host of its pool that served it (the proxy's own map, read
+        # only); a service not in it is told on its first host.
+        self.where: Mapping[str, str] = {} if where is None else where
         self.requests = requests  # the metrics' own counts, read on the event loop
         self.clock = clock
         self.told: dict[str, int] = {}
@@ -73,7 +77,8 @@ class ServedBatches:
         for name, n in batch:
             svc = self.conf.services.get(name)
             if svc is not None:
-                by_host.setdefault(svc.host, []).append((name, n))
+                host = self.where.get(name, svc.host)
+                by_host.setdefault(host, []).append((name, n))
         for host, counts in by_host.items():
             try:
                 store = store_for(self.conf.host(host))
