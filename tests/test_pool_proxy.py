@@ -161,7 +161,6 @@ def test_a_copy_ready_on_the_second_host_is_answered_and_counted_there(
     assert claims(pool[0], service) == []
 
 
-@pytest.mark.slow
 def test_the_copy_gone_from_b_the_next_request_starts_it_where_ensure_picks(
     pool: list[SimHost], tmp_path: Path, service: str, closing: Closing
 ) -> None:
