@@ -9,6 +9,7 @@ stopped: READY elsewhere still answers, a start is refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -31,13 +32,13 @@ from tests.ensure_helpers import kill_servers, model_server_command, unique_name
 ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
 
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[list[SimHost]]:
-    """Three simulated hosts of 128 GiB, each with its agent on its own loopback address."""
+@contextlib.contextmanager
+def sim_pool(root: Path, addresses: Sequence[str]) -> Iterator[list[SimHost]]:
+    """Simulated hosts of 128 GiB, one on each of ``addresses``, each with its agent."""
     hosts: list[SimHost] = []
     try:
-        for i, address in enumerate(ADDRESSES):
-            h = SimHost(root=tmp_path / f"host{i}", address=address)
+        for i, address in enumerate(addresses):
+            h = SimHost(root=root / f"host{i}", address=address)
             h.__enter__()
             hosts.append(h)
             h.start_agent()
@@ -45,6 +46,13 @@ def pool(tmp_path: Path) -> Iterator[list[SimHost]]:
     finally:
         for h in hosts:
             h.close()
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[list[SimHost]]:
+    """Three simulated hosts, each with its agent on its own loopback address."""
+    with sim_pool(tmp_path, ADDRESSES) as hosts:
+        yield hosts
 
 
 def write_config(

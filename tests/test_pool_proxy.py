@@ -9,7 +9,6 @@ alone), and when the copy has gone the next request starts it where ``ensure`` p
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,12 +18,12 @@ import openai
 import pytest
 
 from gpuctl import api
-from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import Closing, config_env, gpuctl_exe
+from tests.conftest import Closing, gpuctl
 from tests.ensure_helpers import kill_servers, unique_name
 from tests.proxy_helpers import Proxy
-from tests.test_pool import claims, ensure, hold, write_config
+from tests.test_pool import claims, ensure, hold, sim_pool, write_config
+from tests.test_proxy import inflight, wait_until
 
 ADDRESSES = ("127.0.0.1", "127.0.0.2")
 MSG = [{"role": "user", "content": "hello"}]
@@ -32,18 +31,9 @@ MSG = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[list[SimHost]]:
-    """Two simulated hosts of 128 GiB, each with its agent on its own loopback address."""
-    hosts: list[SimHost] = []
-    try:
-        for i, address in enumerate(ADDRESSES):
-            h = SimHost(root=tmp_path / f"host{i}", address=address)
-            h.__enter__()
-            hosts.append(h)
-            h.start_agent()
+    """Two simulated hosts, each with its agent on its own loopback address."""
+    with sim_pool(tmp_path, ADDRESSES) as hosts:
         yield hosts
-    finally:
-        for h in hosts:
-            h.close()
 
 
 @pytest.fixture
@@ -59,26 +49,6 @@ def fresh_api() -> Iterator[None]:
     api._reset_for_tests()
     yield
     api._reset_for_tests()
-
-
-def inflight(host: SimHost) -> dict[str, int]:
-    """The in-flight counts in ``host``'s own store."""
-    return DirectStore(host.state_dir).inflight()
-
-
-def gpuctl(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), *args], env=config_env(config), capture_output=True, text=True,
-        timeout=120, check=False,
-    )  # fmt: skip
-
-
-def wait_until(what: str, pred: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def stream_in_thread(
