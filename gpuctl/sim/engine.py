@@ -22,6 +22,7 @@ class Request:
         self._engine = engine
         self._t0 = time.monotonic()
         self._first = True
+        self._ended = False
         self.kv_tokens = prompt_tokens
 
     def token(self) -> None:
@@ -35,6 +36,21 @@ class Request:
         with e.lock:
             self.kv_tokens += 1
             e.kv_tokens += 1
+
+    def end(self, ok: bool = True) -> None:
+        """The engine is done with the request: it leaves ``num_requests_running`` and the
+        KV cache before its last bytes go out, as vLLM's scheduler finishes a request
+        before the API server sends the answer. So a client that has the whole answer
+        never reads itself as still running. Once only; later calls do nothing."""
+        e = self._engine
+        with e.lock:
+            if self._ended:
+                return
+            self._ended = True
+            e.running -= 1
+            e.succeeded += ok
+            e.kv_tokens -= self.kv_tokens
+        e.report_util()
 
 
 class Engine:
@@ -89,17 +105,13 @@ class Engine:
         with self.lock:
             self.running += 1
             self.kv_tokens += prompt_tokens
-        self._report_util()
+        self.report_util()
         ok = False
         try:
             yield req
             ok = True
         finally:
-            with self.lock:
-                self.running -= 1
-                self.succeeded += ok
-                self.kv_tokens -= req.kv_tokens
-            self._report_util()
+            req.end(ok)
 
     def busy_pct(self) -> int:
         """How busy the GPU is: idle at 0; one request keeps it at 70 %, each more adds 10."""
@@ -107,7 +119,7 @@ class Engine:
             running = self.running
         return 0 if running == 0 else min(100, 60 + 10 * running)
 
-    def _report_util(self) -> None:
+    def report_util(self) -> None:
         # One writer at a time, so a late "0" cannot overwrite a newer "70".
         with self._util_lock:
             self.claim.set_util(self.busy_pct())

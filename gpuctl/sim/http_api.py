@@ -290,6 +290,7 @@ class Handler(BaseHTTPRequestHandler):
                     tokens, finish = tokens[:i], "abort"
                     break
                 tracker.token()
+            tracker.end()
             self._send_json(
                 HTTPStatus.OK,
                 {
@@ -471,6 +472,7 @@ class Handler(BaseHTTPRequestHandler):
                 break
             event(chunk({"content": tok}, None))
             tracker.token()
+        tracker.end()
         event(chunk({}, finish))
         if usage is not None:
             event(
