@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.plan import plan_cost
@@ -34,6 +35,8 @@ from gpuctl.flows.deps import Closers, EnsureDeps, EnsureRequest
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import look
 from gpuctl.flows.op_results import EnsureResult, Outcome
+
+T = TypeVar("T")
 
 # How often a caller that found the pool's start lock held looks again.
 POLL_S = 0.25
@@ -88,7 +91,7 @@ def ensure_pool(pd: PoolDeps, req: EnsureRequest | None = None) -> EnsureResult:
     t0 = clock()
     deadline = t0 + timeout_s
     while True:
-        views = [_view(m, force=req.force) for m in pd.members]
+        views = _each_host(lambda m: _view(m, force=req.force), pd.members)
         answer = _without_start(pd, views, req)
         if answer is not None:
             return answer
@@ -150,7 +153,7 @@ def _start_under_lease(
     (``times``: the call's start and its deadline)."""
     name, holder_id = lease
     t0, deadline = times
-    views = [_view(m, force=req.force, fresh=True) for m in pd.members]
+    views = _each_host(lambda m: _view(m, force=req.force, fresh=True), pd.members)
     answer = _without_start(pd, views, req, recorded=_recorded(coord, name))
     if answer is not None:
         return answer
@@ -172,6 +175,19 @@ def _recorded(coord: View, name: str) -> str | None:
         return coord.deps.store.get(name).runs_on
     except GpuctlError:
         return None
+
+
+def _each_host(fn: Callable[[EnsureDeps], T], members: Sequence[EnsureDeps]) -> list[T]:
+    """``fn`` of each host, in the config's order: at once, a thread each, so a host that
+    answers slowly (or times out) costs its own time, not the sum of all the hosts'
+    times. The calls are blocking HTTP requests with their own timeouts, on clients that
+    are safe across threads."""
+    if len(members) <= 1:
+        return [fn(m) for m in members]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(16, len(members))) as threads:
+        return list(threads.map(fn, members))
 
 
 def _view(deps: EnsureDeps, *, force: bool, fresh: bool = False) -> View:
