@@ -166,3 +166,36 @@ def test_the_copy_gone_from_b_the_next_request_starts_it_where_ensure_picks(
     assert "simulated reply" in (reply.choices[0].message.content or "")
     wait_until("the count on b to come off", lambda: inflight(pool[1]) == {})
     assert len(claims(pool[0], service)) == 1 and claims(pool[1], service) == []
+
+
+def test_a_proxy_for_one_host_fronts_that_hosts_copy_of_a_pool_alone(
+    pool: list[SimHost], tmp_path: Path, service: str, closing: Closing
+) -> None:
+    """``gpuctl proxy --host b``: the pooled service is listed (placed on b), a request
+    starts it on b alone, and while the pool's copy runs on a that proxy refuses and
+    says where it is: never a second copy, never a request sent to another host."""
+    port = free_port()
+    config = write_config(
+        tmp_path / "c.toml", pool, ["a", "b"], service, port, more=[f'models = ["{service}"]']
+    )
+    proxy_b = Proxy(pool[0], config, "--host", "b", name="proxy-b")
+    client = closing(openai.OpenAI(base_url=proxy_b.v1, api_key="unused", max_retries=0))
+    assert [m.id for m in client.models.list()] == [service]
+
+    # Nothing runs: a (empty, listed first) is where the pool would pick; b's proxy
+    # starts it on b.
+    reply = client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
+    assert "simulated reply" in (reply.choices[0].message.content or "")
+    assert len(claims(pool[1], service)) == 1 and claims(pool[0], service) == []
+
+    # The copy moves to a: b's proxy does not follow it, nor start a second on b.
+    r = gpuctl(config, "stop", service, "--host", "b")
+    assert r.returncode == 0, r.stderr + r.stdout
+    wait_until("the copy on b to stop", lambda: claims(pool[1], service) == [])
+    code, out = ensure(config, service, "--host", "a")
+    assert (code, out["outcome"], out["host"]) == (0, "ready", "a"), out
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=service, messages=MSG)  # type: ignore[arg-type]
+    assert refused.value.status_code == 503, refused.value
+    assert "on host a, not b" in str(refused.value.body), refused.value.body
+    assert claims(pool[1], service) == [] and len(claims(pool[0], service)) == 1

@@ -36,7 +36,8 @@ def proxy(
         typer.Option(
             "--host",
             "-H",
-            help="Front only this host's services. Default: every host's.",
+            help="Front only the services that may run on this host (a pooled one placed "
+            "there). Default: every host's.",
             autocompletion=complete_host,
             metavar="HOST",
         ),

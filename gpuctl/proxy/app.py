@@ -217,7 +217,11 @@ class ProxyApp:
     def flight(self) -> SingleFlight:
         if self._flight is None:
             self._flight = SingleFlight(
-                self.conf, self.client, self._ensure, cold_starts=self.metrics.cold_starts
+                self.conf,
+                self.client,
+                self._ensure,
+                cold_starts=self.metrics.cold_starts,
+                only=self.routes.only,
             )
         return self._flight
 

@@ -63,15 +63,20 @@ class Readiness:
 
 
 def run_ensure(
-    conf: Config, name: str, timeout_s: float, progress: Callable[[Progress], None]
+    conf: Config,
+    name: str,
+    timeout_s: float,
+    progress: Callable[[Progress], None],
+    host: str | None = None,
 ) -> Readiness:
-    """The CLI's ensure flow, blocking (call it in a worker thread)."""
+    """The CLI's ensure flow, blocking (call it in a worker thread). ``host``: a pooled
+    service is started there alone, as ``gpuctl ensure --host``."""
     from gpuctl.flows.deps import EnsureDeps, EnsureRequest
     from gpuctl.flows.ports import Tell
     from gpuctl.wiring.build import ensure_runner
 
     try:
-        deps, ensure = ensure_runner(conf, name, tell=Tell(progress=progress))
+        deps, ensure = ensure_runner(conf, name, host, tell=Tell(progress=progress))
     except GpuctlError as e:
         out = Outcome.UNKNOWN if e.exit_code == ExitCode.UNKNOWN else Outcome.FAILED
         return Readiness(False, out.value, e.message, e.hint or "", cold=True)
@@ -179,10 +184,16 @@ class SingleFlight:
         self,
         conf: Config,
         client: httpx.AsyncClient,
-        ensure: Callable[[Config, str, float, Callable[[Progress], None]], Readiness] = run_ensure,
+        ensure: Callable[
+            [Config, str, float, Callable[[Progress], None], str | None], Readiness
+        ] = run_ensure,
         cold_starts: dict[str, int] | None = None,
+        only: str | None = None,
     ) -> None:
         self.conf = conf
+        # ``gpuctl proxy --host``: a pooled service is asked, and started, on this host
+        # alone (its copy elsewhere is another proxy's to front).
+        self.only = only
         # service -> cold starts: one per readiness task that went through the ensure
         # flow, however many requests it held (the proxy's metrics)
         self.cold_starts: dict[str, int] = {} if cold_starts is None else cold_starts
@@ -264,7 +275,11 @@ class SingleFlight:
         # A Slurm job's `{node}` is known only to the ensure flow (it asks squeue), whose
         # first step is this same health check.
         if svc.health_means_ready and NODE not in (svc.health or ""):
-            others = [self.conf.placed(svc.name, h) for h in svc.hosts if h != svc.host]
+            others = [
+                self.conf.placed(svc.name, h)
+                for h in svc.hosts
+                if h != svc.host and self.only is None
+            ]
             for placed in (svc, *others):
                 answer = await self._check(placed)
                 if answer is not None:
@@ -277,7 +292,7 @@ class SingleFlight:
         started = time.monotonic()
         try:
             got = await _in_daemon_thread(
-                lambda: self.ensure(self.conf, svc.name, svc.health_timeout_s, progress),
+                lambda: self.ensure(self.conf, svc.name, svc.health_timeout_s, progress, self.only),
                 name=f"gpuctl-proxy-ensure-{svc.name}",
             )
             if got.launched:  # a cold start: the journal says how many requests it held

@@ -124,18 +124,20 @@ class RouteTable:
 
     A pooled service (``hosts = [...]``) is listed placed on its first host; ``on``
     places it on the host of its pool where its copy runs, with that host's ``{host}``.
+    With ``host`` (``gpuctl proxy --host``) only the services that may run there are
+    listed, placed there, a pooled one too: that proxy fronts that host's copy alone.
     """
 
     def __init__(self, conf: Config, host: str | None = None) -> None:
         self.by_model: dict[str, Upstream] = {}
         self.by_name: dict[str, Upstream] = {}
+        self.only = host
         self._conf = conf
         self._placed: dict[tuple[str, str], Upstream] = {}
         if host is not None:
             conf.host(host)  # an unknown --host is a usage error (with a did-you-mean)
-        for svc in conf.services.values():
-            if host is not None and svc.host != host:
-                continue
+        services = conf.services.values() if host is None else conf.services_on(host)
+        for svc in services:
             origin = upstream_origin(conf, svc)
             if origin is None:
                 continue  # no HTTP server to forward to (a batch job)
