@@ -132,3 +132,34 @@ def test_views_group_a_pool_and_touch_finds_its_copy(
     assert (code, row["cold_starts"], row["pool"]) == (0, 1, POOL), usage
     code, by_user = as_json(config, "usage", "--by", "user")
     assert all(r["pool"] is None for r in by_user["rows"]), by_user
+
+
+def test_locks_shows_a_pools_start_lock_while_it_is_held(
+    pool: list[SimHost], tmp_path: Path, service: str
+) -> None:
+    from gpuctl.adapters.machine import ThisMachine
+    from gpuctl.adapters.store import store_for
+    from gpuctl.config import load_config
+    from gpuctl.core.pool import pool_record
+
+    config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, free_port())
+    code, locks = as_json(config, "locks")
+    assert [r["service"] for r in locks["records"]] == [service] * 3, locks  # none held
+    store = store_for(load_config(config).host("b"))
+    try:
+        granted, _ = store.acquire(pool_record(service), ThisMachine().holder("ensure"), 60)
+        assert granted
+        code, locks = as_json(config, "locks")
+        assert code == 0, locks
+        rows = [(r["host"], r["service"], r["pool"]) for r in locks["records"]]
+        assert rows == [
+            ("a", service, ["a", "b", "c"]),
+            ("b", service, ["a", "b", "c"]),
+            ("b", f"_pool.{service}", ["a", "b", "c"]),
+            ("c", service, ["a", "b", "c"]),
+        ], rows
+        assert locks["records"][2]["lease"]["entry"] == "ensure", locks
+        text = gpuctl(config, "locks").stdout
+        assert f"{service} (pool's start lock)" in text, text
+    finally:
+        store.close()
