@@ -70,6 +70,7 @@ def events(
         if host and all_hosts:
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
         from gpuctl.adapters.store import store_for
+        from gpuctl.core.pool import pool_of
         from gpuctl.core.safe_text import visible
         from gpuctl.flows.story import host_events
         from gpuctl.render.events_view import EventsOut, HostError, event_line, event_row
@@ -95,7 +96,9 @@ def events(
                     last[name] = max(last[name], rid)
             rows.sort(key=lambda r: (r[0], r[1], r[2]))
             if json_out:
-                out = EventsOut(1, start, [event_row(n, i, ev) for _, n, i, ev in rows], errors)
+                pools = conf.pools()
+                listed = [event_row(n, i, ev, pool_of(pools, ev.service)) for _, n, i, ev in rows]
+                out = EventsOut(1, start, listed, errors)
                 _print_json(out)
             else:
                 for _, name, _, ev in rows:
@@ -104,7 +107,8 @@ def events(
                     print(visible(f"gpuctl: {bad.host}: {bad.error}"), file=sys.stderr)
             sys.stdout.flush()
             if follow:
-                _follow(stores, last, start, service, many=many, json_out=json_out)
+                pools = conf.pools()
+                _follow(stores, last, start, service, pools, many=many, json_out=json_out)
         finally:
             for store in stores.values():
                 store.close()
@@ -116,6 +120,7 @@ def _follow(
     last: dict[str, int],
     start: float,
     service: str | None,
+    pools: Mapping[str, tuple[str, ...]],
     *,
     many: bool,
     json_out: bool,
@@ -123,6 +128,7 @@ def _follow(
     """Poll every host for events past the last one shown, until Ctrl-C."""
     import json
 
+    from gpuctl.core.pool import pool_of
     from gpuctl.flows.story import host_events
     from gpuctl.render.events_view import event_line, event_row, to_json
 
@@ -137,7 +143,9 @@ def _follow(
                 for rid, e in got:
                     last[name] = max(last[name], rid)
                     if json_out:  # one object per line (JSON Lines) while following
-                        print(json.dumps(to_json(event_row(name, rid, e))))
+                        print(
+                            json.dumps(to_json(event_row(name, rid, e, pool_of(pools, e.service))))
+                        )
                     else:
                         print(event_line(name if many else None, e, dated=False))
             sys.stdout.flush()
@@ -185,6 +193,7 @@ def usage(
         if by not in ("service", "user", "day"):
             fail(UsageError(f"--by: {by!r} is not one of service, user, day"))
         from gpuctl.adapters.store import store_for
+        from gpuctl.core.pool import pool_of
         from gpuctl.core.safe_text import visible
         from gpuctl.core.usage import Tally, group
         from gpuctl.flows.story import host_usage
@@ -204,7 +213,8 @@ def usage(
                 errors.append(HostError(name, e.message))
             finally:
                 store.close()
-        rows = [usage_row(k, t) for k, t in group(all_rows, by).items()]
+        pools = conf.pools() if by == "service" else {}
+        rows = [usage_row(k, t, pool_of(pools, k)) for k, t in group(all_rows, by).items()]
         if json_out:
             _print_json(UsageOut(1, start, by, rows, errors))
         else:

@@ -225,18 +225,32 @@ def _stop_pool(conf: Config, service: str, json_out: bool) -> NoReturn:
 
 
 def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:
-    """Mark SERVICE as used now (reclaim measures idle time from the last use)."""
+    """Mark SERVICE as used now (reclaim measures idle time from the last use).
+
+    A pooled service is marked where its copy runs (--host: on that host); exit 1 when
+    it runs on no host of its pool.
+    """
     with errors_to_exit():
         from gpuctl.flows import service_ops
         from gpuctl.render.results import touch_text
         from gpuctl.wiring.build import deps_for
 
         conf = open_config(config)
-        deps = deps_for(conf, service, host)
-        try:
-            result = service_ops.touch(deps)
-        finally:
-            deps.close()
+        if host is None and conf.service(service).pooled:
+            # Where its copy runs, never its first host alone: a touch there would keep
+            # nothing from being reclaimed.
+            members = [deps_for(conf, service, h) for h in conf.service(service).hosts]
+            try:
+                result = service_ops.touch_pool(members)
+            finally:
+                for one in members:
+                    one.close()
+        else:
+            deps = deps_for(conf, service, host)
+            try:
+                result = service_ops.touch(deps)
+            finally:
+                deps.close()
         for text in touch_text(result):
             say(text)
 

@@ -375,6 +375,11 @@ class Config:
             return [s for s in self.services.values() if s.host == host]
         return [s.on(h) for s in self.services.values() if host in s.hosts]
 
+    def pools(self) -> dict[str, tuple[str, ...]]:
+        """Each pooled service's hosts, in its pool's order (the views group its rows by
+        them); a service on one host is in none."""
+        return {s.name: s.hosts for s in self.services.values() if s.pooled}
+
     def placed(self, name: str, host: str | None = None) -> ServiceConfig:
         """The service called ``name`` on ``host`` (default: its first host).
 

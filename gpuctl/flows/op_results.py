@@ -111,6 +111,8 @@ class StopResult:
 class TouchResult:
     service: str
     record: Record
+    # Where it was marked, for a pooled service touched without --host; else None.
+    host: str | None = None
 
     @property
     def exit_code(self) -> ExitCode:
@@ -138,6 +140,8 @@ class LocksReport:
     # Leases and entries found forged (``core.record.void_why``), per host: they count
     # for nothing, and are kept until someone removes them (``adapters.store.voided``).
     voided: list[tuple[str, Voided]] = field(default_factory=list)
+    # Each pooled service's hosts (``Config.pools``): its rows, one per host, go together.
+    pools: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

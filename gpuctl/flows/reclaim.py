@@ -35,6 +35,7 @@ from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
+from gpuctl.core.pool import gathered
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.snapshot import HostIdentity, Snapshot
@@ -115,6 +116,8 @@ class ReclaimReport:
     resumed: list[tuple[str, Resumed]] = field(default_factory=list)
     # (host, repair): records whose phase was healed before the stops (said on stderr).
     repaired: list[tuple[str, Repair]] = field(default_factory=list)
+    # Each pooled service's hosts (``Config.pools``): its candidates go together.
+    pools: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -145,7 +148,15 @@ def reclaim(deps: ReclaimDeps, *, dry_run: bool = False) -> ReclaimReport:
         # The servers' logs on this machine (the cron job on the GPU host): a server that
         # runs for weeks must not fill the disk.
         report.rotated_logs = deps.rotate_logs()
+    # A pooled service is judged on each host of its pool (its copy may run on any, and
+    # each copy idles on its own), and said as one service.
+    report.pools = deps.config.pools()
+    report.planned = gathered(report.planned, _planned_place, report.pools)
     return report
+
+
+def _planned_place(p: Planned) -> tuple[str, str]:
+    return p.candidate.service, p.host
 
 
 def _reclaim_host(

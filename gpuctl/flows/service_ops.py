@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 
 from gpuctl.adapters.launchers.base import Handle
+from gpuctl.adapters.store.base import Store
+from gpuctl.config import Config
 from gpuctl.core.decision import loading_match, owns
 from gpuctl.core.jobs import finished_long_ago
+from gpuctl.core.pool import gathered, pool_record, pool_service
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Phase, Record, SetAside, Voided, hidden_by_set_aside
 from gpuctl.core.record_pids import recorded_servers
@@ -219,6 +223,47 @@ def touch(deps: EnsureDeps) -> TouchResult:
     return TouchResult(svc.name, deps.store.touch(svc.name, ready=ready, promise=svc.promise()))
 
 
+# A record in one of these phases says a copy is there, answering or not yet.
+_THERE = (Phase.STARTING, Phase.RUNNING, Phase.SLEEPING)
+
+
+def touch_pool(members: Sequence[EnsureDeps]) -> TouchResult:
+    """Mark a pooled service used where its copy runs: the host of its pool where it
+    answers its health check (READY), else one whose record says it is there (LOADING,
+    asleep, or not answering yet). ``members``: one per host of the pool, in its order.
+
+    Raises:
+        GpuctlError: it runs on no host of the pool (exit 1, with the fix), or a host
+            that could not be asked may hold it (that host's error: UNKNOWN).
+    """
+    unasked: GpuctlError | None = None
+    there: EnsureDeps | None = None
+    for deps in members:
+        try:
+            if deps.servers.health().ok:
+                return _touched(deps, ready=True)
+            if there is None and deps.store.get(deps.service.name).phase in _THERE:
+                there = deps
+        except GpuctlError as e:
+            unasked = unasked or e
+    if there is not None:
+        return _touched(there, ready=False)
+    if unasked is not None:
+        raise unasked
+    name = members[0].service.name
+    where = ", ".join(d.host.name for d in members)
+    raise GpuctlError(
+        f"{name} runs on no host of its pool ({where}): nothing to mark as used",
+        hint=f"`gpuctl ensure {name}` starts it; --host HOST marks it on one host",
+    )
+
+
+def _touched(deps: EnsureDeps, *, ready: bool) -> TouchResult:
+    svc = deps.service
+    rec = deps.store.touch(svc.name, ready=ready, promise=svc.promise())
+    return TouchResult(svc.name, rec, host=deps.host.name)
+
+
 def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
     """Every configured service's record on each host (a host that fails is reported),
     the record files each store set aside as unreadable, each host's wait queue, and the
@@ -271,6 +316,7 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
         last_kept = {a.service: a for a in sorted(kept, key=lambda a: a.at)}
         for n in names:
             rows.append((h.name, _with_note(recs.pop(n, Record(service=n)), last_kept), None))
+        rows += [(h.name, r, None) for r in _pool_locks(store, deps.config, h.name, now)]
         for r in recs.values():  # records of services no longer configured, and jobs
             noted = _with_note(r, last_kept)
             if not finished and finished_long_ago(noted, now):
@@ -278,8 +324,9 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
                 continue
             rows.append((h.name, noted, None))
     configured = {(h.name, s.name) for h in deps.hosts for s in deps.config.services_on(h.name)}
+    pools = deps.config.pools()
     return LocksReport(
-        rows,
+        gathered(rows, _row_place, pools),
         now,
         aside,
         hints,
@@ -288,7 +335,30 @@ def locks(deps: LocksDeps, *, finished: bool = False) -> LocksReport:
         repaired=repaired,
         voided=voided,
         configured=configured,
+        pools=pools,
     )
+
+
+def _pool_locks(store: Store, config: Config, host: str, now: float) -> list[Record]:
+    """The pools' start locks held on ``host`` (``_pool.NAME``, on the pool's
+    coordinator): a start across the pool is under way while one is held. The record
+    itself is bookkeeping, so an unheld one is not listed."""
+    out = []
+    for name, hosts in config.pools().items():
+        if host not in hosts:
+            continue
+        rec = store.get(pool_record(name))
+        if rec.lease is not None and rec.lease.expires > now:
+            out.append(rec)
+    return out
+
+
+def _row_place(row: tuple[str, Record | None, str | None]) -> tuple[str, str]:
+    """A locks row's service (a pool's record: its service) and host."""
+    host, rec, _ = row
+    if rec is None:
+        return "", host
+    return pool_service(rec.service) or rec.service, host
 
 
 def _with_note(record: Record, kept: dict[str, SetAside]) -> Record:

@@ -28,6 +28,8 @@ class EventRow(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     kind: str
     service: str
     text: str  # the event in words, as the lines print it
+    # A pooled service's hosts (null: one host); the key as in status (render.schemas).
+    pool: list[str] | None
     cause: str | None = None
     job: bool = False
     before: str | None = None
@@ -73,6 +75,9 @@ class UsageRow(msgspec.Struct):
     jobs: int
     proxy_requests: int
     stops: dict[str, int]
+    # --by service: a pooled service's hosts, its row summing them all (null: one host,
+    # and every row of --by user or day); the key as in status (render.schemas).
+    pool: list[str] | None = None
 
 
 class UsageOut(msgspec.Struct):
@@ -85,7 +90,7 @@ class UsageOut(msgspec.Struct):
     errors: list[HostError] = []
 
 
-def event_row(host: str, rid: int, e: Event) -> EventRow:
+def event_row(host: str, rid: int, e: Event, pool: list[str] | None = None) -> EventRow:
     return EventRow(
         host=host,
         id=rid,
@@ -93,6 +98,7 @@ def event_row(host: str, rid: int, e: Event) -> EventRow:
         kind=e.kind.value,
         service=e.service,
         text=words(e),
+        pool=pool,
         cause=e.cause.value if e.cause else None,
         job=e.job,
         before=e.before,
@@ -115,8 +121,9 @@ def event_line(host: str | None, e: Event, *, dated: bool) -> str:
     return visible(f"{stamp} {where}{words(e)}")
 
 
-def usage_row(key: str, t: Tally) -> UsageRow:
+def usage_row(key: str, t: Tally, pool: list[str] | None = None) -> UsageRow:
     return UsageRow(
+        pool=pool,
         key=key,
         held_hours=round(t.held_s / 3600, 4),
         gib_hours=None if t.unknown_hours > 0 else round(t.gib_hours, 4),

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuctl.core.heal import is_repair, last_repair
 from gpuctl.core.jobs import is_job
+from gpuctl.core.pool import pool_of, pool_service
 from gpuctl.core.promised_specs import holds_memory
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT, Record
 from gpuctl.core.record_mask import masked
@@ -54,6 +55,7 @@ def locks_to_json(report: LocksReport) -> dict[str, Any]:
                 # What its last start promised (budget, devices, priority, kind,
                 # resume): what every client counts it at; null from an older release.
                 "promise": rec.promise.to_dict() if rec.promise else None,
+                "pool": pool_of(report.pools, rec.service),
                 "error": None,
             }
         )
@@ -180,7 +182,7 @@ def render_locks(report: LocksReport, width: int | None = None) -> RenderableTyp
         }.get(rec.phase.value, "")
         t.add_row(
             plain(host),
-            plain(rec.service),
+            plain(_label(rec.service)),
             Text(rec.phase.value, style=phase_style),
             plain(holder),
             _clock(rec.since),
@@ -273,6 +275,12 @@ def _voided_table(report: LocksReport) -> RenderableType:
         holder = f"pid {v.pid}@{v.host}" if v.pid else "-"
         t.add_row(plain(host), v.kind, plain(v.service), plain(holder), plain(v.why), plain(v.file))
     return t
+
+
+def _label(name: str) -> str:
+    """A record's name as the table shows it: a pool's record is its start lock."""
+    service = pool_service(name)
+    return name if service is None else f"{service} (pool's start lock)"
 
 
 def _promise_note(rec: Record, configured: bool) -> str:

@@ -12,7 +12,8 @@ that could not be read on stderr (the CLI prints it). ``--dry-run`` says "would"
                 "skipped": null}],            # or "another reclaim runs there (…)"
      "candidates": [{"host": "dgx", "service": "vllm", "action": "stop",
                      "reason": "idle 41m > 30m", "idle_s": 2460.0, "done": true,
-                     "error": null, "hint": null}],
+                     "error": null, "hint": null,
+                     "pool": null}],            # a pooled service: its hosts
      "rotated_logs": ["vllm.log"],              # logs on this machine rotated by size
      "resumed": [{"host": "dgx", "service": "photos", "outcome": "started",
                   "reason": "…", "started": true, "dry_run": false}]}
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuctl.core.idle import Action
+from gpuctl.core.pool import pool_of
 from gpuctl.flows.reclaim import Planned, ReclaimReport, report_lines
 
 SCHEMA = 1
@@ -134,6 +136,7 @@ def reclaim_to_json(report: ReclaimReport) -> dict[str, Any]:
                 "done": p.done,
                 "error": p.error,
                 "hint": p.hint or None,
+                "pool": pool_of(report.pools, p.candidate.service),
             }
             for p in report.planned
         ],

@@ -103,9 +103,7 @@ def touch_text(result: TouchResult) -> list[str]:
     """``vllm: marked as used``, noting when its record says it is not running (a touch
     only postpones reclaim; it starts nothing)."""
     phase = result.record.phase.value
+    done = f"{result.service}: marked as used" + (f" on {result.host}" if result.host else "")
     if phase in ("stopped", "preempted", "failed"):
-        return [
-            f"{result.service}: marked as used (it is not running: {phase}; "
-            f"`gpuctl ensure {result.service}` starts it)"
-        ]
-    return [f"{result.service}: marked as used"]
+        return [f"{done} (it is not running: {phase}; `gpuctl ensure {result.service}` starts it)"]
+    return [done]

@@ -53,6 +53,18 @@ def _doc(text: str) -> Meta:
     return Meta(description=text)
 
 
+# The ``pool`` key of every output that has a row per service and host (status, locks,
+# reclaim, events; usage: per service): one declaration, one meaning.
+PoolHosts = Annotated[
+    list[str] | None,
+    _doc(
+        "A pooled service (`hosts = [...]`): every host of its pool, in the config's "
+        "order; it has one row per host, each with its own `host`, and its rows go "
+        "together. Null for a service on one host."
+    ),
+]
+
+
 # --- status --json -----------------------------------------------------------------------
 
 
@@ -312,14 +324,7 @@ class StatusService(Struct):
             "it may use); empty otherwise."
         ),
     ]
-    pool: Annotated[
-        list[str] | None,
-        _doc(
-            "A pooled service (`hosts = [...]`): every host of its pool, in the config's "
-            "order; it has one row per host, each with its own `host`. Null for a service "
-            "on one host."
-        ),
-    ]
+    pool: PoolHosts
 
 
 class StatusOutput(Struct):
@@ -472,6 +477,7 @@ class LocksRecord(Struct):
         Promise | None,
         _doc("What its last start promised; null in a record an older release wrote."),
     ]
+    pool: PoolHosts
 
 
 class LocksUnreadable(Struct):
@@ -626,6 +632,7 @@ class Candidate(Struct):
     done: Annotated[bool, _doc("The action was carried out (never with --dry-run).")]
     error: Annotated[str | None, _doc("Why the action failed.")]
     hint: str | None
+    pool: PoolHosts
 
 
 class Resumed(Struct):
