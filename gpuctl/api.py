@@ -337,6 +337,23 @@ class in_use:  # lower case: used like contextlib's context managers
         if not self._use.exit_fast():
             await asyncio.to_thread(self._use.exit)
 
+    async def aexit_lingering(self, seconds: float) -> bool:
+        """Leave the block as ``async with`` does, but when it was this process's last
+        use of the service, the store keeps its entry ``seconds`` longer (at most
+        ``INFLIGHT_TTL_S``) as a *lingering* one (``gpuctl.core.record.LINGER_ENTRY``):
+        no request in flight, but reclaim keeps the service and a preemption waits until
+        it lapses. So until then this process may send the service its next request
+        before entering again (which counts it even while a stop holds the service's
+        lease). Returns whether the entry lingers (False: it ended as usual)."""
+        if self._use.exit_fast():
+            return False
+        return await asyncio.to_thread(self._use.exit, seconds)
+
+    async def aend_lingering(self) -> None:
+        """End the entry the last ``aexit_lingering`` left lingering, now (no block of
+        this process may be open on the service)."""
+        await asyncio.to_thread(self._use.end_lingering)
+
     @property
     def record(self) -> Any:
         """The service's record (a ``gpuctl.core.record.Record``) as the store returned
@@ -362,6 +379,7 @@ class _Use:
         self.holder: Any = None
         self.stop_renewing: threading.Event | None = None
         self.record: Any = None  # as the store returned it at the last begin or end
+        self.lingering: Any = None  # the holder whose entry the last end left lingering
 
     def enter_fast(self) -> bool:
         """Count one more use when one is already open (no I/O); False otherwise."""
@@ -388,11 +406,11 @@ class _Use:
                     self.count -= 1
                     raise
 
-    def exit(self) -> None:
+    def exit(self, linger_s: float = 0.0) -> bool:
+        """One use less; with the last, its entry ends (or lingers ``linger_s``: True)."""
         with self.lock:
             self.count -= 1
-            if self.count == 0:
-                self._end()
+            return self.count == 0 and self._end(linger_s)
 
     def _begin(self) -> None:
         from gpuctl.adapters.store import holder_here, store_for
@@ -400,7 +418,9 @@ class _Use:
         try:
             if self.store is None:
                 self.store = store_for(self.conf.host(self.svc.host))
-            self.holder = holder_here("in_use")
+            # The holder whose entry lingers, if any: its begin counts even under a stop.
+            self.holder = self.lingering or holder_here("in_use")
+            self.lingering = None
             deadline = time.monotonic() + INFLIGHT_WAIT_S
             while True:
                 granted, record = self.store.inflight_begin(
@@ -430,19 +450,37 @@ class _Use:
             except GpuctlError as e:
                 _log.warning("gpuctl: cannot renew the use of %s: %s", self.svc.name, e.message)
 
-    def _end(self) -> None:
+    def end_lingering(self) -> None:
+        with self.lock:
+            holder, self.lingering = self.lingering, None
+            if holder is None or self.count:
+                return
+            try:
+                self.record = self.store.inflight_end(self.svc.name, holder.id)
+            except GpuctlError as e:
+                _log.warning("gpuctl: cannot end the use of %s: %s", self.svc.name, e.message)
+
+    def _end(self, linger_s: float = 0.0) -> bool:
         if self.stop_renewing is not None:
             self.stop_renewing.set()
             self.stop_renewing = None
         if self.holder is None:
-            return
+            return False
         holder, self.holder = self.holder, None
         try:
+            if linger_s:
+                try:
+                    self.record = self.store.inflight_end(self.svc.name, holder.id, linger_s)
+                    self.lingering = holder
+                    return True
+                except UsageError:
+                    pass  # an agent of a release before lingering entries: just end
             self.record = self.store.inflight_end(self.svc.name, holder.id)
         except GpuctlError as e:
             self.record = None
             # The entry expires (or is voided with this process) by itself.
             _log.warning("gpuctl: cannot end the use of %s: %s", self.svc.name, e.message)
+        return False
 
 
 _uses: dict[tuple[str, str, str], _Use] = {}

@@ -42,6 +42,12 @@ BASE = IdleFacts(
         ({"store_in_flight": 1, "server_in_flight": 2}, Action.TOUCH, "in flight: 3 requests", False),
         ({"server_in_flight": 0}, Action.STOP, "idle 41m > 30m", False),
         (
+            {"store_lingering_s": 7.4},
+            Action.KEEP,
+            "a proxy may send it a request for 7s more (its lingering in-flight entry)",
+            False,
+        ),
+        (
             {"in_flight_error": "cannot read http://h:8000/metrics: HTTP 500"},
             Action.KEEP,
             "cannot tell whether requests are in flight (cannot read http://h:8000/metrics: HTTP 500)",

@@ -20,6 +20,7 @@ from gpuctl import api
 from gpuctl.adapters.store import AgentStore, holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record_shapes import RecordUpdate
+from gpuctl.errors import UsageError
 from gpuctl.sim.host import SimHost
 
 
@@ -98,6 +99,43 @@ def test_a_stop_under_way_refuses_new_uses_and_touches(store: DirectStore, entry
     assert store.inflight_begin("other", holder_here("in_use"), 30)[0]
 
 
+def test_a_lingering_entry_counts_for_nothing_but_its_holder_may_count_again_under_a_stop(
+    store: DirectStore,
+) -> None:
+    """An end with ``linger_s`` leaves the entry lingering: no request in flight, said
+    by ``lingering`` until it lapses. Under a stop's lease only its holder may count
+    itself again (what it sent on the entry's strength); anyone else waits."""
+    clock = [1000.0]
+    s = DirectStore(store.state_dir, clock=lambda: clock[0])
+    h = holder_here("in_use")
+    assert s.inflight_begin("llm", h, 30)[0]
+    s.inflight_end("llm", h.id, 12.0)
+    assert s.inflight() == {} and s.lingering() == {"llm": 12.0}
+    clock[0] += 5
+    assert s.lingering() == {"llm": 7.0}
+
+    stopper = holder_here("preempt")
+    assert s.acquire("llm", stopper, 60)[0]
+    assert s.inflight_begin("llm", holder_here("in_use"), 30)[0] is False
+    granted, rec = s.inflight_begin("llm", h, 30)  # the lingering holder: counted again
+    assert granted and rec.lease is not None and rec.lease.entry == "preempt"
+    assert s.inflight() == {"llm": 1} and s.lingering() == {}
+    s.inflight_end("llm", h.id, 12.0)
+    assert s.inflight() == {} and s.lingering() == {"llm": 12.0}
+
+    clock[0] += 13  # lapsed: its holder waits for the stop like anyone else
+    assert s.lingering() == {}
+    assert s.inflight_begin("llm", h, 30)[0] is False
+    s.release("llm", stopper.id)
+    assert s.inflight_begin("llm", h, 30)[0]
+    s.inflight_end("llm", h.id)  # no linger: gone at once
+    assert s.inflight() == {} and s.lingering() == {}
+    s.inflight_end("llm", h.id, 12.0)  # nothing to linger: nothing written
+    assert s.lingering() == {}
+    with pytest.raises(UsageError, match="at most 30s"):
+        s.inflight_end("llm", h.id, 31.0)
+
+
 @pytest.mark.parametrize(
     "content",
     [b"", b"[", b"[1]", b"{}", b'{"holder": "x", "expires": "soon"}',
@@ -111,8 +149,6 @@ def test_hostile_entry_files_count_for_nothing(store: DirectStore, content: byte
 
 
 def test_bad_holder_ids_are_refused(store: DirectStore) -> None:
-    from gpuctl.errors import UsageError
-
     for bad in ("../../records/llm", "", "a" * 65, "ünïcode"):
         with pytest.raises(UsageError, match="holder id"):
             store.inflight_end("llm", bad)
@@ -142,6 +178,15 @@ def test_the_same_through_the_agent(host: SimHost) -> None:
         stopper = holder_here("stop")
         assert s.acquire("llm", stopper, 60)[0]
         assert s.inflight_begin("llm", h, 30)[0] is False
+        s.release("llm", stopper.id)
+
+        # A lingering entry, through the wire: told apart, and bounded.
+        assert s.inflight_begin("llm", h, 30)[0]
+        s.inflight_end("llm", h.id, 12.0)
+        assert s.inflight() == {}
+        assert 11 < s.lingering()["llm"] <= 12.0
+        with pytest.raises(UsageError):
+            s.inflight_end("llm", h.id, 31.0)
     finally:
         s.close()
 

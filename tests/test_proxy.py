@@ -300,6 +300,62 @@ def test_reclaim_never_cuts_a_stream_and_stops_the_server_once_idle(host: SimHos
     wait_until("the idle server to stop", lambda: sim_claims(host, name) == [])
 
 
+def test_a_sporadic_request_goes_on_the_lingering_entry_before_its_count_lands(
+    host: SimHost,
+) -> None:
+    """Once the proxy's count comes off a ready service, its entry lingers in the store:
+    no request in flight, but reclaim keeps the service. A request that comes meanwhile
+    goes at once: it is answered while the agent (where its count is written) is
+    frozen, and its count lands once the agent runs again."""
+    name, port = unique_name("px"), free_port()
+    conf = host.write_config(svc(name, port, load="0s"))
+    proxy = Proxy(host, conf)
+    store = DirectStore(host.state_dir)
+    body = {"model": name, "messages": MSG, "max_tokens": 2}
+    with httpx.Client(timeout=60) as client:
+        assert client.post(proxy.v1 + "/chat/completions", json=body).status_code == 200
+        wait_until("the count to linger", lambda: name in store.lingering())
+        assert inflight(host) == {}  # lingering is no request in flight
+
+        # Another laptop's reclaim, with a 1 s idle timeout: it keeps the service.
+        other = host.base / "other.toml"
+        other.write_text(
+            conf.read_text().replace(
+                f"[services.{name}]", f'[services.{name}]\nidle_timeout = "1s"'
+            )
+        )
+        time.sleep(1.2)
+        assert name in store.lingering()
+        r = subprocess.run(
+            [gpuctl_exe(), "reclaim", "--json"], env=cli_env(other), capture_output=True,
+            text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "lingering" in r.stdout, r.stdout
+        assert len(sim_claims(host, name)) == 1
+
+        agent = host.procs[0]  # the fixture's start_agent spawned it first
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            answered: list[int] = []
+            t = threading.Thread(
+                target=lambda: answered.append(
+                    client.post(proxy.v1 + "/chat/completions", json=body).status_code
+                )
+            )
+            t.start()
+            wait_until("the answer, with the agent frozen", lambda: answered == [200])
+            assert name in store.lingering() and inflight(host) == {}  # not counted yet
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        t.join(30)
+    # Its count lands (it stands LINGER_S), then comes off and lingers again.
+    wait_until("the count to land", lambda: inflight(host) == {name: 1})
+    wait_until("the count to linger again", lambda: name in store.lingering())
+    assert inflight(host) == {}
+    assert "not counted" not in proxy.log(), proxy.log()
+
+
 def test_kill_9_of_the_proxy_mid_stream_leaves_no_count_and_reclaim_stops_it(
     host: SimHost,
 ) -> None:
@@ -611,6 +667,63 @@ def test_preemption_by_policy_and_never_under_a_stream(host: SimHost) -> None:
     assert sim_claims(host, batch) == [] and len(sim_claims(host, pre)) == 1
     rec = json.loads((host.state_dir / "records" / f"{batch}.json").read_text())
     assert rec["phase"] == "preempted"
+
+
+def test_a_preemption_waits_for_a_lingering_entry_and_never_cuts_what_it_let_in(
+    host: SimHost,
+) -> None:
+    """A preemption (from another caller than the proxy) whose victim's entry lingers
+    waits for it: a request the proxy sends meanwhile, before its count is written, is
+    counted even under the preemption's lease, which then leaves the victim alone. Once
+    nothing lingers nor runs, the victim is preempted."""
+    batch, pre = unique_name("pxb"), unique_name("pxp")
+    pb, pp = free_port(), free_port()
+    conf = host.write_config(
+        svc(batch, pb, memory="30GiB", load="0s", extra="priority = 50")
+        + svc(pre, pp, memory="80GiB", load="0s", extra="priority = 100\npreempt = true")
+    )
+    proxy = Proxy(host, conf)
+    store = DirectStore(host.state_dir)
+    post = proxy.v1 + "/chat/completions"
+    assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
+    wait_until("the batch's entry to linger", lambda: batch in store.lingering())
+
+    ensure = subprocess.Popen(
+        [gpuctl_exe(), "ensure", pre, "--json", "--timeout", "90s"],
+        env={**host.env(), **cli_env(conf)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+
+        def preempting() -> bool:
+            lease = store.get(batch).lease
+            return lease is not None and lease.entry == "preempt"
+
+        wait_until("the preemption's lease", preempting)
+        assert batch in store.lingering()  # it waits for the entry: the batch still runs
+        # Sent on the entry's strength (no write first): counted under the lease.
+        t, got = _stream_in_thread(proxy.url, batch, 100)
+        t.join(60)
+        assert got[-1] == "data: [DONE]" or got[-2] == "data: [DONE]", got[-3:]
+        out, err = ensure.communicate(timeout=120)
+    finally:
+        ensure.kill()
+    # The plan went stale under the stream: the batch was in use, so not a victim.
+    assert ensure.returncode == 3, out + err
+    assert "1 request in flight" in json.loads(out)["reason"], out
+    assert len(sim_claims(host, batch)) == 1 and sim_claims(host, pre) == []
+
+    # Nothing in flight now: this preemption waits for the entry to lapse, then stops it.
+    wait_until("the batch's entry to linger again", lambda: batch in store.lingering())
+    r = subprocess.run(
+        [gpuctl_exe(), "ensure", pre, "--json", "--timeout", "90s"],
+        env={**host.env(), **cli_env(conf)}, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "their stops took" in r.stdout, r.stdout
+    assert sim_claims(host, batch) == [] and len(sim_claims(host, pre)) == 1, r.stdout
+    assert "not counted" not in proxy.log(), proxy.log()
 
 
 def _served(host: SimHost, name: str) -> list[dict[str, float]]:

@@ -738,12 +738,17 @@ class CountingUse:
         self.ended.set()
 
 
-def test_a_service_let_go_ready_is_trusted_again_by_its_record_alone() -> None:
-    """A sporadic request (one after the count came off) costs the count's write, not a
-    health check, when the record the write returns is still running since the moment
-    the service was let go; any stop, sleep or start between moves that moment."""
+def test_a_service_let_go_ready_is_trusted_again_by_its_record_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request after the count came off (past its lingering entry's trust) costs the
+    count's write, not a health check, when the record the write returns is still
+    running since the moment the service was let go; any stop, sleep or start between
+    moves that moment."""
     from gpuctl.core.record import Phase, Record
     from gpuctl.proxy import use as use_mod
+
+    monkeypatch.setattr(use_mod, "TRUST_S", 0.0)  # no lingering entry: the record alone
 
     running = Record(service="s", phase=Phase.RUNNING, since=100.0)
 
@@ -775,6 +780,119 @@ def test_a_service_let_go_ready_is_trusted_again_by_its_record_alone() -> None:
         assert not await st.again()  # kept once: the next one is checked too
 
     asyncio.run(scenario())
+
+
+class LingeringUse(CountingUse):
+    """``CountingUse`` whose begins wait for ``open`` (a store that answers late), and
+    whose ends may leave the entry lingering, as ``in_use`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = asyncio.Event()
+        self.lingered: list[float] = []
+        self.unlingered = 0
+
+    async def __aenter__(self) -> None:
+        await self.open.wait()
+        self.begins += 1
+
+    async def aexit_lingering(self, seconds: float) -> bool:
+        self.lingered.append(seconds)
+        self.ended.set()
+        return True
+
+    async def aend_lingering(self) -> None:
+        self.unlingered += 1
+
+
+def test_a_request_within_the_trust_goes_before_its_count_is_written() -> None:
+    """A ready service let go leaves its entry lingering; a request within its trust is
+    ready at once, while its count's write is still under way (the store is slow here),
+    and nothing else waits for that write. Past the trust, the write comes first."""
+    from gpuctl.core.record import Phase, Record
+    from gpuctl.proxy import use as use_mod
+
+    running = Record(service="s", phase=Phase.RUNNING, since=100.0)
+
+    async def scenario() -> None:
+        fake = LingeringUse()
+        fake.open.set()
+        st = use_mod.ServiceUse(fake, idle_timeout_s=None)  # type: ignore[arg-type]
+        assert st.trust_s == use_mod.TRUST_S
+        st.in_flight += 1
+        await st.hold()
+        st.ready, fake.record = True, running
+        st.in_flight = 0
+        await st.let_go()
+        assert fake.lingered == [use_mod.TRUST_S + use_mod.TRUST_MARGIN_S]
+        assert (st.held, st.ready) == (False, False)
+
+        fake.open.clear()  # the store is slow now: a begin waits
+        assert await asyncio.wait_for(st.again(), 1)  # ready without the store
+        assert st.ready and not st.held and fake.begins == 1
+        st.in_flight += 1
+        await asyncio.wait_for(st.hold(), 1)  # the request does not wait either
+        fake.open.set()  # the count lands while the request runs
+        await wait_for(lambda: st.held)
+        assert fake.begins == 2 and st.ready
+        st.held_since -= 10  # stood past LINGER_S: the request's end takes it off
+        await st.end()
+        assert not st.held and len(fake.lingered) == 2
+
+        # A request that ended before its count was written: the count comes off after.
+        fake.open.clear()
+        assert await st.again()
+        st.in_flight += 1
+        await st.hold()
+        await st.end()  # not counted yet: nothing to take off
+        fake.open.set()
+        await wait_for(lambda: st.release is not None or len(fake.lingered) == 3)
+
+        # Past the trust: the count is written first (the record decides).
+        st.release = None
+        st.held, st.ready, st.kept, st.trusted_until = False, False, 100.0, 0.0
+        fake.open.clear()
+        again = asyncio.ensure_future(st.again())
+        await asyncio.sleep(0.05)
+        assert not again.done()  # waits for the store
+        fake.open.set()
+        assert await again and st.held
+
+        # A person's stop moved the record while a trusted request ran: the next checks.
+        fake.record = running
+        st.in_flight = 0
+        await st.let_go()
+        fake.record = Record(service="s", phase=Phase.RUNNING, since=250.0)
+        assert await st.again()
+        await wait_for(lambda: st.held)
+        assert not st.ready
+
+        # Before a start, the proxy ends its lingering entry (a preemption waits for it).
+        st.in_flight, st.ready = 0, True
+        await st.let_go()
+        assert st.lingers and st.trusted_until > 0
+        await st.unlinger()
+        assert fake.unlingered == 1 and not st.lingers and st.trusted_until == 0.0
+        await st.unlinger()  # nothing lingers: nothing written
+        assert fake.unlingered == 1
+
+    async def wait_for(cond: Any) -> None:
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the condition never held")
+
+    asyncio.run(scenario())
+
+
+def test_a_short_idle_timeout_keeps_the_trust_under_it() -> None:
+    from gpuctl.proxy.use import TRUST_MARGIN_S, TRUST_S, trust_s
+
+    assert trust_s(None) == TRUST_S
+    assert trust_s(3600.0) == TRUST_S
+    assert trust_s(1.0) == 0.0  # reclaim right after idle_timeout finds no lingering entry
+    assert trust_s(TRUST_S) == TRUST_S - 2 * TRUST_MARGIN_S
 
 
 def test_the_count_moves_on_transitions_at_most_once_per_linger_never_per_request(

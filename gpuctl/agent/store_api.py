@@ -12,8 +12,8 @@ PATCH    /records/{svc}                      {"holder": id, "update": {…}} →
 POST     /records/{svc}/touch                {"ready": bool} → record
 POST     /records/{svc}/inflight             {"holder": {…}, "ttl_s": N} → {"granted", "record"}
 POST     /records/{svc}/inflight/renew       {"holder": {…}, "ttl_s": N} → record
-POST     /records/{svc}/inflight/end         {"holder": id} → record
-GET      /records/_inflight                  {"inflight": {svc: holders, …}}
+POST     /records/{svc}/inflight/end         {"holder": id, "linger_s": N} → record
+GET      /records/_inflight                  {"inflight": {svc: holders, …}, "lingering": {svc: s, …}}
 GET      /records/_voided                    {"voided": [voided, …]} (forged leases and
                                              entries, kept for a person; gpuctl locks)
 GET      /records/_queue                     {"queue": [waiter, …]} (in the order served)
@@ -285,7 +285,7 @@ class StoreApi:
                 out["unreadable"] = bad
             return 200, out
         if op == "inflight_list":
-            return 200, {"inflight": store.inflight()}
+            return 200, {"inflight": store.inflight(), "lingering": store.lingering()}
         if op == "voided_list":
             # Hosts and pids only, no secrets: the read token sees them as written.
             return 200, {"voided": [v.to_dict() for v in store.voided()]}
@@ -320,7 +320,7 @@ class StoreApi:
             rec = store.inflight_renew(svc, decode_holder(args["holder"]), args["ttl_s"])
             return 200, rec.to_dict()
         if op == "inflight_end":
-            return 200, store.inflight_end(svc, args["holder"]).to_dict()
+            return 200, store.inflight_end(svc, args["holder"], args["linger_s"]).to_dict()
         if op == "renew":
             return 200, store.renew(svc, args["holder"], args["ttl_s"]).to_dict()
         if op == "release":

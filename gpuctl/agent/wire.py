@@ -391,8 +391,9 @@ def inflight_request(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def end_request(data: dict[str, Any]) -> dict[str, Any]:
-    """``holder``: the entry's holder id."""
-    return {"holder": _entry_id(shaped(data, shapes.InflightEnd).holder, "holder")}
+    """``holder``: the entry's holder id; ``linger_s``: how long it lingers."""
+    body = shaped(data, shapes.InflightEnd)
+    return {"holder": _entry_id(body.holder, "holder"), "linger_s": body.linger_s}
 
 
 def touch_request(data: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,13 @@ class InflightList(Struct):
         dict[str, Annotated[int, Meta(ge=1)]],
         Meta(description="Requests in flight, by service."),
     ]
+    lingering: Annotated[
+        dict[str, Annotated[float, Meta(ge=0)]],
+        Meta(
+            description="Services with lingering entries (no request in flight, but "
+            "reclaim keeps them and a preemption waits): seconds until the last lapses."
+        ),
+    ] = {}
 
 
 class QueueList(Struct):

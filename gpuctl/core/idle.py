@@ -9,7 +9,9 @@ flight) and the clock. A managed service is stopped only when every one of these
 - its ``idle_timeout`` is not ``"never"``, and ``last_used`` is older than it;
 - no lease is held on it (no start, stop or wake under way);
 - no request is in flight: the server's own count (vLLM's running + waiting) and the
-  store's in-flight entries (``gpuctl.api.in_use``, the proxy) are both 0.
+  store's in-flight entries (``gpuctl.api.in_use``, the proxy) are both 0, and no
+  lingering entry stands (a proxy that may send the next request without counting it
+  first: ``core.record.LINGER_ENTRY``).
 
 A service past its timeout with requests in flight is in use: reclaim touches it. One
 whose in-flight requests cannot be read is kept (never stop blind), and so is a
@@ -58,6 +60,8 @@ class IdleFacts:
     lease: str | None = None  # who holds the lease, in words; None: nobody
     has_handle: bool = False
     store_in_flight: int = 0
+    # Seconds until the service's last lingering in-flight entry lapses (0: none).
+    store_lingering_s: float = 0.0
     server_in_flight: int | None = None
     in_flight_error: str | None = None
     remote_process: str | None = None  # the machine a process-launched server runs on
@@ -158,6 +162,15 @@ def judge(f: IdleFacts, now: float) -> Candidate:
     if in_flight > 0:
         what = "request" if in_flight == 1 else "requests"
         return Candidate(name, Action.TOUCH, f"in flight: {in_flight} {what}", idle, quiet=False)
+    if f.store_lingering_s > 0:
+        return Candidate(
+            name,
+            Action.KEEP,
+            f"a proxy may send it a request for {f.store_lingering_s:.0f}s more "
+            "(its lingering in-flight entry)",
+            idle,
+            quiet=False,
+        )
     if f.in_flight_error is not None:
         return Candidate(
             name,

@@ -306,6 +306,14 @@ def backoff_s(count: int, first_s: float = BACKOFF_FIRST_S) -> float:
 # with a 400. In-flight entries renew every few seconds; ``_reclaim`` covers one pass;
 # ``_admission`` covers a re-check and a spawn (see ``flows.admission``).
 INFLIGHT_TTL_MAX_S = 30.0
+# A *lingering* in-flight entry (its ``entry``): a holder whose last request has ended
+# keeps the right to send the next one without writing first, for the entry's term
+# (at most ``INFLIGHT_TTL_MAX_S``). It counts as no request in flight (status, the
+# plans), but reclaim keeps the service and a preemption waits until it lapses, and
+# its holder may turn it back into a counted entry even while a stop holds the
+# service's lease (``adapters.store.inflight``): so a request its holder sent on its
+# strength is never cut by a stop that did not wait for it.
+LINGER_ENTRY = "linger"
 RECLAIM_TTL_MAX_S = 15 * 60.0
 ADMISSION_TTL_MAX_S = 10.0
 # By the pseudo-service the lease is on (a service's own lease: its holder chooses,

@@ -367,9 +367,20 @@ class InflightRequest(Struct, forbid_unknown_fields=True):
 
 
 class InflightEnd(Struct, forbid_unknown_fields=True):
-    """``POST /records/{service}/inflight/end``: the holder's id."""
+    """``POST /records/{service}/inflight/end``: the holder's id, and how long its entry
+    stays as a lingering one (``core.record.LINGER_ENTRY``; 0: it goes now)."""
 
     holder: EntryId
+    linger_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=INFLIGHT_TTL_MAX_S,
+            description="Seconds the entry lingers: counted as no request in flight, "
+            "but reclaim keeps the service, a preemption waits until it lapses, and "
+            f"its holder may count itself again under a stop (at most {INFLIGHT_TTL_MAX_S:g}).",
+        ),
+    ] = 0.0
 
 
 class QueueJoin(Struct, forbid_unknown_fields=True):

@@ -251,7 +251,10 @@ def _facts(
     )
     if needs_in_flight(f, now):
         try:
-            f = replace(f, server_in_flight=rh.server_in_flight(svc))
+            # A lingering entry (``core.record.LINGER_ENTRY``): a proxy may send it a
+            # request without counting it first, so it is not stopped while one stands.
+            lingering = rh.store.lingering().get(svc.name, 0.0)
+            f = replace(f, store_lingering_s=lingering, server_in_flight=rh.server_in_flight(svc))
         except GpuctlError as e:
             f = replace(f, in_flight_error=e.message)
     return f

@@ -18,6 +18,8 @@ to its ``queue_timeout``; a streaming request gets SSE comment lines meanwhile. 
 any request is in flight on a service, it counts in the store (``use.ServiceUse`` over
 ``gpuctl.api.in_use``: written on 0 <-> 1, at most once per ``LINGER_S``, renewed every
 few seconds, never per request), so reclaim never stops a server that is answering.
+Once a ready service's count comes off, its entry lingers a few seconds: a request
+within them goes at once, its count written meanwhile (``use``: why no stop cuts it).
 
 A pooled service (``hosts = [...]``) is forwarded to the host of its pool where its copy
 was last found, and counted in that host's store (the one whose reclaim would stop it):
@@ -232,6 +234,7 @@ class ProxyApp:
     async def aclose(self) -> None:
         for st in self._states.values():
             await st.let_go(closing=True)
+            await st.unlinger()  # nothing of a proxy that stopped lingers
         if self._served_task is not None:
             self._served_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -267,7 +270,7 @@ class ProxyApp:
         st = self._states.get(key)
         if st is None:
             use = in_use(svc.name, config=self.conf, host=svc.host)
-            st = self._states[key] = ServiceUse(use)
+            st = self._states[key] = ServiceUse(use, svc.idle_timeout_s)
         return st
 
     def _placed(self, up: Upstream) -> Upstream:
@@ -656,7 +659,8 @@ class ProxyApp:
             # The start may weigh other services' in-flight counts: this proxy's own
             # must not make an idle service look busy to it.
             for other in list(self._states.values()):
-                await other.let_go()  # only those with nothing in flight
+                await other.let_go(linger=False)  # only those with nothing in flight
+                await other.unlinger()  # a preemption would wait for it
         task = self.flight.get(svc)
         limit = svc.queue_timeout_s if svc.queue_timeout_s is not None else svc.health_timeout_s
         deadline = t0 + limit

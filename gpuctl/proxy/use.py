@@ -8,9 +8,21 @@ came meanwhile. So the store's count moves on transitions and at most once per
 ``LINGER_S``, never per request, and a request that ends leaves nothing behind for long.
 
 A service trusted as ready is checked again once its count is let go (reclaim or a stop
-may act from then on). When the next request comes, the count's write returns the
-record: if it is still running since the moment it was let go, nothing stopped, slept
-or restarted it between, and the request goes on without a health check (``again``).
+may act from then on). Two ways spare the next request that check:
+
+- **Sporadic requests** (a chat UI's: one every few seconds). When the count of a ready
+  service comes off, its store entry stays as a *lingering* one for ``TRUST_S`` (and a
+  margin: ``core.record.LINGER_ENTRY``). It counts as no request in flight, but while
+  it stands reclaim keeps the service and a preemption waits for it to lapse, and the
+  proxy's next count turns it back into a counted entry even under a stop's lease. So
+  a request that comes within ``TRUST_S`` goes at once, and its count is written while
+  it is under way (``again``): no stop that waited for the entry can cut it, and a
+  person's ``gpuctl stop`` (which waits for nobody) makes its connection fail, which
+  starts the service again as for any request. ``TRUST_S`` is kept under the service's
+  ``idle_timeout`` by the margin, so an idle service is reclaimed as before.
+- **Later requests.** When the next request comes, the count's write returns the
+  record: if it is still running since the moment it was let go, nothing stopped, slept
+  or restarted it between, and the request goes on without a health check.
 """
 
 from __future__ import annotations
@@ -25,15 +37,30 @@ from gpuctl.core.record import Phase
 # requests that come and go faster move it once per LINGER_S at most (never per
 # request), and a request that ends after it takes the count off before its last byte.
 LINGER_S = 2.0
+# After the count of a ready service comes off, a request within this long goes at once
+# (its count written meanwhile): the store's entry lingers that long and a margin more.
+TRUST_S = 10.0
+# What the lingering entry outlasts the proxy's trust by: the count's write of a
+# request sent at the trust's last moment lands within it.
+TRUST_MARGIN_S = 2.0
+
+
+def trust_s(idle_timeout_s: float | None) -> float:
+    """How long the proxy may send a ready service its next request without counting
+    it first: ``TRUST_S``, kept under ``idle_timeout`` by the margin (0: never)."""
+    if idle_timeout_s is None:
+        return TRUST_S
+    return max(0.0, min(TRUST_S, idle_timeout_s - 2 * TRUST_MARGIN_S))
 
 
 class ServiceUse:
     """The proxy's own view of one service: requests in flight, its count, readiness."""
 
-    __slots__ = ("_release_task", "held", "held_since", "in_flight", "kept", "lock", "ready",
-                 "release", "use")  # fmt: skip
+    __slots__ = ("_count_task", "_release_task", "held", "held_since", "in_flight", "kept",
+                 "lingers", "lock", "ready", "release", "trust_s", "trusted_until",
+                 "use")  # fmt: skip
 
-    def __init__(self, use: in_use) -> None:
+    def __init__(self, use: in_use, idle_timeout_s: float | None = None) -> None:
         self.in_flight = 0
         self.held = False  # this proxy's in_use count is open (the store has our entry)
         self.held_since = 0.0  # monotonic: when the store's count was written
@@ -41,18 +68,29 @@ class ServiceUse:
         # The phase ``since`` of the running record the store returned when a ready
         # service was let go: the next use may trust it again by the record (``again``).
         self.kept: float | None = None
+        # How long a let-go entry lingers for this service (``trust_s``), and until when
+        # (monotonic) the next request may go before its count is written.
+        self.trust_s = trust_s(idle_timeout_s)
+        self.trusted_until = 0.0
+        self.lingers = False  # the store holds a lingering entry of ours
         self.use = use
         self.lock = asyncio.Lock()  # one hold or release at a time
         self.release: asyncio.TimerHandle | None = None
         self._release_task: asyncio.Task[None] | None = None
+        # The count of a request sent on the lingering entry's strength, being written.
+        self._count_task: asyncio.Task[None] | None = None
 
     async def hold(self) -> None:
-        """Count this proxy as using the service (in the store on its 0 -> 1)."""
+        """Count this proxy as using the service (in the store on its 0 -> 1); nothing
+        to wait for when that count is being written already (``again``)."""
         if self.release is not None:
             self.release.cancel()
             self.release = None
-        if self.held:
+        if self.held or self._count_task is not None:
             return
+        await self._hold()
+
+    async def _hold(self) -> None:
         async with self.lock:
             if not self.held:
                 await self.use.__aenter__()
@@ -63,6 +101,9 @@ class ServiceUse:
         """One request ended: with the last, the store's count comes off (now, or once
         it has stood ``LINGER_S``)."""
         self.in_flight -= 1
+        await self._idle()
+
+    async def _idle(self) -> None:
         if self.in_flight or not self.held or self.release is not None:
             return
         due = self.held_since + LINGER_S - time.monotonic()
@@ -71,10 +112,11 @@ class ServiceUse:
         else:
             await asyncio.shield(self.let_go())  # a cancelled request still lets go
 
-    async def let_go(self, *, closing: bool = False) -> None:
+    async def let_go(self, *, closing: bool = False, linger: bool = True) -> None:
         """Take the count off now if no request is in flight (a lingering one too); when
         ``closing`` (the proxy stops), whatever is in flight: those requests were cut,
-        and their own ends may come after this process has let its store go."""
+        and their own ends may come after this process has let its store go. A ready
+        service's entry lingers (``TRUST_S``) unless ``closing`` or not ``linger``."""
         if self.release is not None:
             self.release.cancel()
             self.release = None
@@ -83,28 +125,72 @@ class ServiceUse:
                 return
             self.held = False
             was_ready, self.ready = self.ready, False  # reclaim may act from now on
-            await self.use.__aexit__(None, None, None)
+            trust = self.trust_s if was_ready and linger and not closing else 0.0
+            t0 = time.monotonic()
+            if trust > 0:
+                self.lingers = await self.use.aexit_lingering(trust + TRUST_MARGIN_S)
+            else:
+                await self.use.__aexit__(None, None, None)
+                self.lingers = False
             rec = self.use.record
             running = rec is not None and rec.phase is Phase.RUNNING
             self.kept = rec.since if was_ready and running and not closing else None
+            self.trusted_until = t0 + trust if self.lingers and self.kept is not None else 0.0
+
+    async def unlinger(self) -> None:
+        """End our lingering entry now: the proxy is about to start a service (a
+        preemption it makes must not wait for its own entries), or to stop."""
+        async with self.lock:
+            if self.held or not self.lingers:
+                return
+            self.lingers = False
+            self.trusted_until = 0.0
+            await self.use.aend_lingering()
 
     async def again(self) -> bool:
-        """A service that was ready when let go: hold the count (which no stop can pass),
-        and trust it ready again if the record the store returns is still in the phase it
-        was then, since the same moment: no stop, sleep or start came between. Costs the
-        count's write, not a health check. False: check it (the count held or not)."""
+        """A service that was ready when let go: trust it ready again. Within its trust
+        (its entry lingers in the store) at once, its count written while the request
+        is under way. Else hold the count (which no stop can pass), and trust it if the
+        record the store returns is still in the phase it was then, since the same
+        moment: no stop, sleep or start came between. Costs the count's write, not a
+        health check. False: check it (the count held or not)."""
         kept = self.kept
         self.kept = None
         if kept is None:
             return False
+        if time.monotonic() < self.trusted_until:
+            self.trusted_until = 0.0
+            self.lingers = False  # the count about to be written replaces the entry
+            self.ready = True
+            self._count_task = asyncio.get_running_loop().create_task(self._recount(kept))
+            return True
+        self.trusted_until = 0.0
+        self.lingers = False  # lapsed, or replaced by the count written now
         await self.hold()
+        return self._still(kept)
+
+    def _still(self, kept: float) -> bool:
+        """Whether the store's record says the service has run since ``kept`` (then it
+        is trusted ready again)."""
         rec = self.use.record
         if self.held and rec is not None and rec.phase is Phase.RUNNING and rec.since == kept:
             self.ready = True
             return True
         # Checked (or started) as on a first request; the count stays: a service's own
         # count weighs nothing in its start (only a victim's does).
+        self.ready = False
         return False
+
+    async def _recount(self, kept: float) -> None:
+        """The count of a request sent on the lingering entry's strength. If the record
+        moved meanwhile (a person's stop), the next request checks the service; this
+        one goes on or fails as any request to a stopped server does."""
+        try:
+            await self._hold()
+        finally:
+            self._count_task = None
+        self._still(kept)
+        await self._idle()  # the request may have ended before its count was written
 
     def _start_release(self) -> None:
         self.release = None

@@ -20,7 +20,7 @@ from gpuctl.adapters.store.codec import (
 )
 from gpuctl.core.promise import Promise
 from gpuctl.core.queue import Waiter
-from gpuctl.core.record import Holder, Listing, Record, SetAside, Voided
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, Holder, Listing, Record, SetAside, Voided
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import (
     AgentUnavailable,
@@ -357,11 +357,12 @@ class AgentStore:
             )
         )
 
-    def inflight_end(self, service: str, holder_id: str) -> Record:
+    def inflight_end(self, service: str, holder_id: str, linger_s: float = 0.0) -> Record:
+        body: dict[str, Any] = {"holder": holder_id}
+        if linger_s:  # an agent of a release before lingering entries refuses it (400)
+            body["linger_s"] = linger_s
         return self._record(
-            self._call(
-                "POST", f"/records/{check_name(service)}/inflight/end", {"holder": holder_id}
-            )
+            self._call("POST", f"/records/{check_name(service)}/inflight/end", body)
         )
 
     def stop_job(
@@ -406,6 +407,22 @@ class AgentStore:
         ):
             raise AgentUnavailable(f"the agent at {self.base_url} sent broken in-flight counts")
         return dict(counts)
+
+    def lingering(self) -> dict[str, float]:
+        data = self._call("GET", "/records/_inflight")
+        # An agent of a release before lingering entries has none to tell.
+        left = data.get("lingering", {}) if isinstance(data, dict) else None
+        if not isinstance(left, dict) or not all(
+            isinstance(k, str)
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and 0 <= v <= INFLIGHT_TTL_MAX_S
+            for k, v in left.items()
+        ):
+            raise AgentUnavailable(
+                f"the agent at {self.base_url} sent broken lingering in-flight entries"
+            )
+        return {k: float(v) for k, v in left.items()}
 
     def queue_join(
         self, holder: Holder, ttl_s: float, *, name: str, priority: int, memory_mib: int

@@ -122,12 +122,18 @@ class Store(Protocol):
         """Keep ``holder``'s in-flight entry alive, and mark the service used."""
         ...
 
-    def inflight_end(self, service: str, holder_id: str) -> Record:
-        """``holder_id`` has nothing in flight on ``service`` any more."""
+    def inflight_end(self, service: str, holder_id: str, linger_s: float = 0.0) -> Record:
+        """``holder_id`` has nothing in flight on ``service`` any more; ``linger_s``: its
+        entry stays that long as a lingering one (``core.record.LINGER_ENTRY``)."""
         ...
 
     def inflight(self) -> dict[str, int]:
-        """Live in-flight holders per service (only services that have some)."""
+        """Live in-flight holders per service (only services that have some); lingering
+        entries are none."""
+        ...
+
+    def lingering(self) -> dict[str, float]:
+        """Per service with live lingering entries, the seconds until the last lapses."""
         ...
 
     def queue_join(

@@ -33,6 +33,7 @@ from gpuctl.adapters.store.files import Folder, set_aside_junk
 from gpuctl.adapters.store.voided import set_aside_void
 from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
+    LINGER_ENTRY,
     Holder,
     Lease,
     LeaseState,
@@ -97,7 +98,12 @@ class InflightFiles:
             if state is LeaseState.VOID:
                 self._keep_void(on_disk)  # its write below drops the lease
             if stopping(rec):
-                return False, rec
+                if not _lingers(self, service, holder.id):
+                    return False, rec
+                # Its lingering entry made the stop wait (or it is a person's stop,
+                # which waits for nobody): counted again, the record left to the stop.
+                self._write_entry(service, holder.lease(self.clock(), ttl_s))
+                return True, rec
             self._write_entry(service, holder.lease(self.clock(), ttl_s))
             rec = replace(rec.touched(self.clock()), recovered=None)
             self._write(rec)
@@ -119,13 +125,21 @@ class InflightFiles:
         finally:
             lock.release()
 
-    def inflight_end(self: _Files, service: str, holder_id: str) -> Record:
-        """``holder_id`` has nothing in flight any more (its 1 → 0): the idle clock starts."""
+    def inflight_end(self: _Files, service: str, holder_id: str, linger_s: float = 0.0) -> Record:
+        """``holder_id`` has nothing in flight any more (its 1 → 0): the idle clock starts.
+        ``linger_s``: its entry stays that long as a lingering one (``LINGER_ENTRY``)."""
+        _check_ttl(linger_s)
         lock = self._locked(service)
         try:
             path = self._entry_path(service, holder_id)
             with contextlib.suppress(FileNotFoundError), self._entries(service) as folder:
-                folder.unlink(path.name)
+                entry = _read_entry(folder, path.name, self.clock()) if linger_s else None
+                if entry is not None and entry.entry != LINGER_ENTRY:
+                    now = self.clock()
+                    soft = replace(entry, entry=LINGER_ENTRY, granted=now, expires=now + linger_s)
+                    self._write_entry(service, soft)
+                else:
+                    folder.unlink(path.name)
             rec = self._read(service)
             if not stopping(self._effective(rec)[0]):
                 rec = rec.touched(self.clock())
@@ -137,55 +151,14 @@ class InflightFiles:
             lock.release()
 
     def inflight(self: _Files) -> dict[str, int]:
-        """Live in-flight holders per service (services with none are left out).
+        """Live in-flight holders per service (services with none are left out); a
+        lingering entry is none (``lingering``)."""
+        return _scan(self)[0]
 
-        Read without locks; entries whose holder is dead on this host are deleted; forged
-        ones (``core.record.void_why``: a term longer than ``INFLIGHT_TTL_MAX_S``, a
-        holder at pid 1 or without a start time) are set aside once
-        (``<name>.void-<time>``, kept for ``gpuctl locks`` to show); a file that is not a sound entry
-        is set aside once (``<name>.corrupt-<time>``, kept for a person) and logged once.
-        """
-
-        base = self.state_dir / "inflight"
-        try:
-            with Folder(self.state_dir, "inflight") as top:
-                services = [n for n in top.names() if _NAME.fullmatch(n) and not top.is_link(n)]
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            raise StoreError(
-                f"cannot read {base}: {e.strerror or e}",
-                hint=f"{base} must be a folder (not a link) readable by this user",
-            ) from None
-        now = self.clock()
-        out: dict[str, int] = {}
-        for service in services:
-            n = 0
-            try:
-                folder = Folder(self.state_dir, "inflight", service)
-            except OSError:
-                continue  # a file, or a link (set aside now): no entries
-            with folder:
-                for name in folder.names():
-                    if not name.endswith(".json"):
-                        continue
-                    entry = _read_entry(folder, name, now)
-                    if entry is None:
-                        continue
-                    state, why = judged_here(entry, now, INFLIGHT_TTL_MAX_S)
-                    if state is LeaseState.LIVE:
-                        n += 1
-                    elif state is LeaseState.VOID:
-                        # Nothing is in flight either way. A forged entry is kept for a
-                        # person (``gpuctl locks`` shows it); a dead holder's is deleted.
-                        if why is not None:
-                            set_aside_void(folder, name, now, why)
-                        else:
-                            with contextlib.suppress(OSError):
-                                folder.unlink(name)
-            if n:
-                out[service] = n
-        return out
+    def lingering(self: _Files) -> dict[str, float]:
+        """Per service with live lingering entries (``LINGER_ENTRY``), the seconds until
+        the last of them lapses."""
+        return _scan(self)[1]
 
     def _entries(self: _Files, service: str, create: bool = False) -> Folder:
         """The service's in-flight folder, reached without following links."""
@@ -205,9 +178,80 @@ class InflightFiles:
             ) from None
 
 
+def _scan(store: _Files) -> tuple[dict[str, int], dict[str, float]]:
+    """Live in-flight entries per service: the counted ones, and for lingering ones the
+    seconds until the last lapses.
+
+    Read without locks; entries whose holder is dead on this host are deleted; forged
+    ones (``core.record.void_why``: a term longer than ``INFLIGHT_TTL_MAX_S``, a holder
+    at pid 1 or without a start time) are set aside once (``<name>.void-<time>``, kept
+    for ``gpuctl locks`` to show); a file that is not a sound entry is set aside once
+    (``<name>.corrupt-<time>``, kept for a person) and logged once.
+    """
+    base = store.state_dir / "inflight"
+    try:
+        with Folder(store.state_dir, "inflight") as top:
+            services = [n for n in top.names() if _NAME.fullmatch(n) and not top.is_link(n)]
+    except FileNotFoundError:
+        return {}, {}
+    except OSError as e:
+        raise StoreError(
+            f"cannot read {base}: {e.strerror or e}",
+            hint=f"{base} must be a folder (not a link) readable by this user",
+        ) from None
+    now = store.clock()
+    counts: dict[str, int] = {}
+    lingering: dict[str, float] = {}
+    for service in services:
+        n = 0
+        try:
+            folder = Folder(store.state_dir, "inflight", service)
+        except OSError:
+            continue  # a file, or a link (set aside now): no entries
+        with folder:
+            for name in folder.names():
+                if not name.endswith(".json"):
+                    continue
+                entry = _read_entry(folder, name, now)
+                if entry is None:
+                    continue
+                state, why = judged_here(entry, now, INFLIGHT_TTL_MAX_S)
+                if state is LeaseState.LIVE:
+                    if entry.entry == LINGER_ENTRY:
+                        left = entry.expires - now
+                        lingering[service] = max(lingering.get(service, 0.0), left)
+                    else:
+                        n += 1
+                elif state is LeaseState.VOID:
+                    # Nothing is in flight either way. A forged entry is kept for a
+                    # person (``gpuctl locks`` shows it); a dead holder's is deleted.
+                    if why is not None:
+                        set_aside_void(folder, name, now, why)
+                    else:
+                        with contextlib.suppress(OSError):
+                            folder.unlink(name)
+        if n:
+            counts[service] = n
+    return counts, lingering
+
+
+def _lingers(store: _Files, service: str, holder_id: str) -> bool:
+    """Whether ``holder_id`` has a live lingering entry on ``service`` (under its lock)."""
+    now = store.clock()
+    try:
+        with store._entries(service) as folder:
+            entry = _read_entry(folder, store._entry_path(service, holder_id).name, now)
+    except OSError:
+        return False
+    if entry is None or entry.entry != LINGER_ENTRY:
+        return False
+    return judged_here(entry, now, INFLIGHT_TTL_MAX_S)[0] is LeaseState.LIVE
+
+
 def _check_ttl(ttl_s: float) -> None:
-    """Refuse an entry longer than its documented term (400 on the wire)."""
-    if not ttl_s <= INFLIGHT_TTL_MAX_S:
+    """Refuse an entry longer than its documented term, or a negative one (400 on the
+    wire)."""
+    if not 0 <= ttl_s <= INFLIGHT_TTL_MAX_S:
         raise UsageError(
             f"an in-flight entry lasts at most {INFLIGHT_TTL_MAX_S:.0f}s, not {ttl_s}s"
         )

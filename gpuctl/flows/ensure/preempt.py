@@ -58,6 +58,9 @@ from gpuctl.flows.ports import JobStopper, VictimLauncher
 # How often the memory is looked for after the stops (the issue's "about 0.2 s").
 POLL_S = 0.2
 STOP_LEASE_MARGIN_S = 60.0
+# How often a preemption waiting on a victim's lingering entry looks again: the entry
+# goes at once when its holder counts a request again (the plan is stale then).
+LINGER_POLL_S = 0.25
 
 
 @dataclass
@@ -138,9 +141,14 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
             if not ok:
                 return Room("stale")
             taken.append(_Taken(name, h, rec))
+        # A victim with a lingering entry (``core.record.LINGER_ENTRY``: a proxy that
+        # may send its next request without counting it first) is waited for, up to
+        # the entry's term: a request sent on its strength counts itself again, even
+        # under these leases, and makes the plan stale below.
+        _wait_lingering(deps, [t.name for t in taken])
         # Under the leases: a victim must still run its recorded server, and nothing may
         # be in flight (an in_use that began before the lease is counted; none begins
-        # after it).
+        # after it, but a lingering holder's).
         counts = deps.store.inflight()
         now = deps.clock()
         for t in taken:
@@ -215,6 +223,17 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
         for t in taken:
             with contextlib.suppress(GpuctlError):
                 deps.store.release(t.name, t.holder.id)
+
+
+def _wait_lingering(deps: RoomDeps, victims: list[str]) -> None:
+    """Wait until no victim has a lingering in-flight entry (each lapses within
+    ``INFLIGHT_TTL_MAX_S``), or the deadline."""
+    while True:
+        left = [s for name, s in deps.store.lingering().items() if name in victims]
+        wait = min(max(left, default=0.0), deps.deadline - deps.clock())
+        if wait <= 0:
+            return
+        deps.sleep(min(wait, LINGER_POLL_S))
 
 
 def _wait_for_memory(deps: RoomDeps, room: Room) -> Room:
