@@ -16,9 +16,12 @@ machine, where the namespace's address is not; the namespace's host is kept full
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ from gpuctl.sim.host import SimHost, free_port
 from tests import netns
 from tests.conftest import config_env, gpuctl_exe
 from tests.ensure_helpers import kill_servers, server_pids, unique_name
-from tests.test_pool import copies, ensure, hold, write_config
+from tests.test_pool import claims, copies, ensure, hold, write_config
 
 pytestmark = [
     pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or ""),
@@ -49,7 +52,7 @@ def ns() -> Iterator[netns.Netns]:
 @pytest.fixture
 def pool(tmp_path: Path, ns: netns.Netns) -> Iterator[list[SimHost]]:
     """``a`` in the namespace (the coordinator: ``h0-netns`` sorts first), ``b`` and ``c``
-    on loopback; ``a`` is full, so a start goes to ``b`` or ``c``."""
+    on loopback."""
     hosts: list[SimHost] = []
     try:
         for h in (
@@ -60,7 +63,6 @@ def pool(tmp_path: Path, ns: netns.Netns) -> Iterator[list[SimHost]]:
             h.__enter__()
             hosts.append(h)
             h.start_agent()
-        hold(hosts[0], "holdera", "120GiB")
         yield hosts
     finally:
         for h in hosts:
@@ -87,6 +89,23 @@ def status_rows(config: Path, service: str) -> list[tuple[str, str]]:
     return [(r["host"], r["decision"]) for r in rows]
 
 
+def fill(a: SimHost) -> None:
+    """Leave ``a`` no room for the service, so a start goes to ``b`` or ``c``."""
+    hold(a, "holdera", "120GiB")
+
+
+def by_hand(host: SimHost, service: str, port: int, load_time: str) -> subprocess.Popen[bytes]:
+    """A server of ``service`` started on ``host`` outside gpuctl, as its launcher would
+    start it there: on its simulated GPU, at its address (``GPUCTL_SIM_HOST``, which also
+    keeps the other simulated hosts' agents from taking it for theirs)."""
+    args = ["sim", "model-server", "--name", service, "--memory", "20GiB", "--port", str(port)]
+    return host.spawn(
+        [*args, "--load-time", load_time],
+        service,
+        {"GPUCTL_SIM_HOST": host.address},
+    )
+
+
 def nothing_started(pool: list[SimHost], service: str) -> None:
     """No server of ``service`` holds memory on any simulated GPU, nor runs at all."""
     assert copies(pool, service) == {}
@@ -98,6 +117,7 @@ def test_the_copy_elsewhere_answers_while_the_coordinator_is_cut_off(
 ) -> None:
     port = free_port()
     config = write_config(tmp_path / "c.toml", pool, NAMES, service, port)
+    fill(pool[0])
     hold(pool[1], "holderb", "60GiB")  # b: the tightest fit
     # Started through the coordinator (the pool's lease is taken in a's store).
     code, out = ensure(config, service)
@@ -117,6 +137,7 @@ def test_a_partition_refuses_a_start_until_the_link_heals(
     pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
 ) -> None:
     config = write_config(tmp_path / "c.toml", pool, NAMES, service, free_port())
+    fill(pool[0])
     ns.cut()
     # Returns at all (the pytest timeout is the bound): each ask of a ends at the
     # client's timeout, and the answer is a refusal, never a start.
@@ -152,6 +173,73 @@ while True:
 """
 
 
+def test_a_copy_behind_the_partition_is_never_doubled(
+    pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
+) -> None:
+    """The copy runs on ``a`` (a server started by hand in the namespace, at its address):
+    cut off, nobody can see it, so nothing starts on ``b`` or ``c``, however roomy they
+    are; healed, it is found READY on ``a``."""
+    port = free_port()
+    config = write_config(tmp_path / "c.toml", pool, NAMES, service, port)
+    by_hand(pool[0], service, port, "1s")
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://{ns.inside}:{port}/health", timeout=2).status_code == 200:
+                break
+        assert time.monotonic() < deadline, pool[0].log_tail(service)
+        time.sleep(0.1)
+    code, out = ensure(config, service)
+    assert (code, out["outcome"], out["host"], out["launched"]) == (0, "ready", "a", False), out
+    ns.cut()
+    code, out = ensure(config, service)
+    assert (code, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
+    assert "a: UNKNOWN" in out["reason"], out
+    assert copies(pool, service) == {ns.inside: 1}
+    assert len(server_pids(service)) == 1
+    ns.heal()
+    code, out = ensure(config, service)
+    assert (code, out["outcome"], out["host"], out["launched"]) == (0, "ready", "a", False), out
+    assert copies(pool, service) == {ns.inside: 1}
+
+
+def test_a_copy_gone_before_it_is_joined_is_not_started_again_while_cut_off(
+    pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
+) -> None:
+    """The copy is LOADING on ``b`` when the pool looks, and gone (crashed) by the time
+    ``ensure`` joins it, while ``a`` is cut off: the join never turns into a start on ``b``
+    (a copy may run on ``a``, where nobody can see, and the pool's lease is not held). It
+    looks again, and refuses."""
+    port = free_port()
+    config = write_config(tmp_path / "c.toml", pool, NAMES, service, port)
+    loading = by_hand(pool[1], service, port, "600s")
+    hold_seen = time.monotonic() + 20
+    while not claims(pool[1], service):
+        assert time.monotonic() < hold_seen, pool[1].log_tail(service)
+        time.sleep(0.05)
+    ns.cut()
+    env = {**config_env(config), "GPUCTL_FAILPOINTS": "pool.join=stop"}
+    p = subprocess.Popen(
+        [gpuctl_exe(), "ensure", service, "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stderr is not None
+    line = p.stderr.readline()
+    assert line.startswith("gpuctl failpoint pool.join: stop"), (line, p.communicate())
+    pool[1].stop(loading)  # b's copy goes between the look and the join
+    while claims(pool[1], service):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGCONT)
+    stdout, _ = p.communicate(timeout=120)
+    out = json.loads(stdout)
+    assert (p.returncode, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
+    assert "a: UNKNOWN" in out["reason"], out
+    nothing_started(pool, service)
+
+
 def _until_ready(config: Path, service: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", _UNTIL_READY, gpuctl_exe(), "ensure", service, "--json"],
@@ -173,6 +261,7 @@ def test_callers_racing_across_a_heal_start_one_copy(
     other = write_config(
         tmp_path / "other.toml", pool, ["zed", "yak", "xen"], service, port, order=[2, 1, 0]
     )
+    fill(pool[0])
     ns.cut()
     callers = [_until_ready(one, service), _until_ready(other, service)]
     # Each has been refused at least once before the heal: its first answer came back.

@@ -25,12 +25,14 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from gpuctl import failpoints
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.plan import plan_cost
 from gpuctl.core.pool import host_key, identity_order, pool_record, room_left
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import Closers, EnsureDeps, EnsureRequest
+from gpuctl.flows.ensure.context import JoinEnded
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import look
 from gpuctl.flows.op_results import EnsureResult, Outcome
@@ -83,59 +85,90 @@ def ensure_pool(pd: PoolDeps, req: EnsureRequest | None = None) -> EnsureResult:
     """Make the pooled service ready on one host of its pool (see the module docstring)."""
     req = req or EnsureRequest()
     first = pd.first
-    clock, sleep = first.clock, first.sleep
+    clock = first.clock
     timeout_s = req.timeout_s if req.timeout_s is not None else first.service.health_timeout_s
     t0 = clock()
     deadline = t0 + timeout_s
     while True:
-        views = [_view(m, force=req.force) for m in pd.members]
-        answer = _without_start(pd, views, req)
+        try:
+            answer = _round(pd, req, (t0, deadline))
+        except JoinEnded as e:
+            # The copy looked at (READY, LOADING) went before it was joined: look again,
+            # so that a start goes through the pool's lease, and none while a host of the
+            # pool cannot be asked (the join alone would have started it there).
+            if clock() >= deadline:
+                return _result(
+                    pd,
+                    [],
+                    first,
+                    Outcome.TIMEOUT,
+                    f"{e}, and the timeout ran out",
+                    decision=Decision.LOADING,
+                    t0=t0,
+                )
+            continue
         if answer is not None:
             return answer
-        coord = min((v for v in views), key=lambda v: v.order or ("", "", ""))
-        store = coord.deps.store
-        name = pool_record(first.service.name)
-        holder = coord.deps.machine.holder(req.entry)
-        try:
-            granted, _ = store.acquire(name, holder, POOL_LEASE_S)
-        except GpuctlError as e:
+
+
+def _round(pd: PoolDeps, req: EnsureRequest, times: tuple[float, float]) -> EnsureResult | None:
+    """One look at the pool and what follows: the answer, or None to look again."""
+    first = pd.first
+    clock, sleep = first.clock, first.sleep
+    t0, deadline = times
+    views = [_view(m, force=req.force) for m in pd.members]
+    answer = _without_start(pd, views, _within(req, deadline, clock()))
+    if answer is not None:
+        return answer
+    coord = min((v for v in views), key=lambda v: v.order or ("", "", ""))
+    store = coord.deps.store
+    name = pool_record(first.service.name)
+    holder = coord.deps.machine.holder(req.entry)
+    try:
+        granted, _ = store.acquire(name, holder, POOL_LEASE_S)
+    except GpuctlError as e:
+        return _result(
+            pd,
+            views,
+            first,
+            Outcome.UNKNOWN,
+            f"cannot take the pool's start lock on host {coord.host}: {e.message}",
+            decision=Decision.UNKNOWN,
+            t0=t0,
+        )
+    if not granted:
+        if not req.wait:
             return _result(
                 pd,
                 views,
                 first,
-                Outcome.UNKNOWN,
-                f"cannot take the pool's start lock on host {coord.host}: {e.message}",
-                decision=Decision.UNKNOWN,
+                Outcome.LOADING,
+                "another caller is starting it in the pool",
+                decision=Decision.LOADING,
                 t0=t0,
             )
-        if not granted:
-            if not req.wait:
-                return _result(
-                    pd,
-                    views,
-                    first,
-                    Outcome.LOADING,
-                    "another caller is starting it in the pool",
-                    decision=Decision.LOADING,
-                    t0=t0,
-                )
-            if clock() >= deadline:
-                return _result(
-                    pd,
-                    views,
-                    first,
-                    Outcome.TIMEOUT,
-                    "another caller held the pool's start lock until the deadline",
-                    decision=Decision.LOADING,
-                    t0=t0,
-                )
-            sleep(POLL_S)
-            continue
-        try:
-            return _start_under_lease(pd, req, coord, (name, holder.id), (t0, deadline))
-        finally:
-            with contextlib.suppress(GpuctlError):  # else the lease expires by itself
-                store.release(name, holder.id)
+        if clock() >= deadline:
+            return _result(
+                pd,
+                views,
+                first,
+                Outcome.TIMEOUT,
+                "another caller held the pool's start lock until the deadline",
+                decision=Decision.LOADING,
+                t0=t0,
+            )
+        sleep(POLL_S)
+        return None
+    try:
+        return _start_under_lease(pd, req, coord, (name, holder.id), (t0, deadline))
+    finally:
+        with contextlib.suppress(GpuctlError):  # else the lease expires by itself
+            store.release(name, holder.id)
+
+
+def _within(req: EnsureRequest, deadline: float, now: float) -> EnsureRequest:
+    """``req`` for a join: within what is left of the call's deadline."""
+    return replace(req, timeout_s=max(0.0, deadline - now))
 
 
 def _start_under_lease(
@@ -151,7 +184,9 @@ def _start_under_lease(
     name, holder_id = lease
     t0, deadline = times
     views = [_view(m, force=req.force, fresh=True) for m in pd.members]
-    answer = _without_start(pd, views, req, recorded=_recorded(coord, name))
+    answer = _without_start(
+        pd, views, _within(req, deadline, coord.deps.clock()), recorded=_recorded(coord, name)
+    )
     if answer is not None:
         return answer
     chosen, refusal = _pick_start(pd, views, req, t0)
@@ -228,7 +263,9 @@ def _without_start(
             there,
             key=lambda v: (rank[v.decision], v.key != recorded if recorded else False),
         )
-        return _decorated(pd, views, ensure(best.deps, req), best)
+        failpoints.hit("pool.join")
+        joined = ensure(best.deps, replace(req, join_only=True))
+        return _decorated(pd, views, joined, best)
     unknown = [v for v in views if v.decision is Decision.UNKNOWN]
     if len(unknown) == len(views):
         return _result(
