@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from gpuctl.sim.host import SimHost, free_port
 from tests import netns
 from tests.conftest import config_env, gpuctl_exe
 from tests.ensure_helpers import kill_servers, server_pids, unique_name
-from tests.test_pool import claims, copies, ensure, hold, write_config
+from tests.test_pool import by_hand, copies, ensure, gone_before_join, hold, write_config
 
 pytestmark = [
     pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or ""),
@@ -92,18 +91,6 @@ def status_rows(config: Path, service: str) -> list[tuple[str, str]]:
 def fill(a: SimHost) -> None:
     """Leave ``a`` no room for the service, so a start goes to ``b`` or ``c``."""
     hold(a, "holdera", "120GiB")
-
-
-def by_hand(host: SimHost, service: str, port: int, load_time: str) -> subprocess.Popen[bytes]:
-    """A server of ``service`` started on ``host`` outside gpuctl, as its launcher would
-    start it there: on its simulated GPU, at its address (``GPUCTL_SIM_HOST``, which also
-    keeps the other simulated hosts' agents from taking it for theirs)."""
-    args = ["sim", "model-server", "--name", service, "--memory", "20GiB", "--port", str(port)]
-    return host.spawn(
-        [*args, "--load-time", load_time],
-        service,
-        {"GPUCTL_SIM_HOST": host.address},
-    )
 
 
 def nothing_started(pool: list[SimHost], service: str) -> None:
@@ -212,30 +199,9 @@ def test_a_copy_gone_before_it_is_joined_is_not_started_again_while_cut_off(
     looks again, and refuses."""
     port = free_port()
     config = write_config(tmp_path / "c.toml", pool, NAMES, service, port)
-    loading = by_hand(pool[1], service, port, "600s")
-    hold_seen = time.monotonic() + 20
-    while not claims(pool[1], service):
-        assert time.monotonic() < hold_seen, pool[1].log_tail(service)
-        time.sleep(0.05)
     ns.cut()
-    env = {**config_env(config), "GPUCTL_FAILPOINTS": "pool.join=stop"}
-    p = subprocess.Popen(
-        [gpuctl_exe(), "ensure", service, "--json"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stderr is not None
-    line = p.stderr.readline()
-    assert line.startswith("gpuctl failpoint pool.join: stop"), (line, p.communicate())
-    pool[1].stop(loading)  # b's copy goes between the look and the join
-    while claims(pool[1], service):
-        time.sleep(0.05)
-    p.send_signal(signal.SIGCONT)
-    stdout, _ = p.communicate(timeout=120)
-    out = json.loads(stdout)
-    assert (p.returncode, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
+    code, out = gone_before_join(config, pool[1], service, port)
+    assert (code, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
     assert "a: UNKNOWN" in out["reason"], out
     nothing_started(pool, service)
 
