@@ -15,6 +15,7 @@ netem loss 100%`` would do the same, but this kernel has no netem.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import secrets
@@ -39,6 +40,7 @@ def _ip(*args: str, netns: str | None = None, check: bool = True) -> str:
     return p.stdout
 
 
+@functools.cache
 def unavailable() -> str | None:
     """Why namespaces cannot be made here (for a skip), or None."""
     if os.geteuid() != 0:

@@ -34,10 +34,7 @@ from tests.conftest import config_env, gpuctl_exe
 from tests.ensure_helpers import kill_servers, server_pids, unique_name
 from tests.test_pool import by_hand, copies, ensure, gone_before_join, hold, write_config
 
-pytestmark = [
-    pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or ""),
-    pytest.mark.xdist_group("heavy"),
-]
+pytestmark = pytest.mark.skipif(bool(netns.unavailable()), reason=netns.unavailable() or "")
 
 NAMES = ["a", "b", "c"]  # a: the namespace's host, the coordinator
 
@@ -99,6 +96,7 @@ def nothing_started(pool: list[SimHost], service: str) -> None:
     assert server_pids(service) == []
 
 
+@pytest.mark.slow  # each look at the cut-off host waits out its timeouts (17 s)
 def test_the_copy_elsewhere_answers_while_the_coordinator_is_cut_off(
     pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
 ) -> None:
@@ -120,6 +118,7 @@ def test_the_copy_elsewhere_answers_while_the_coordinator_is_cut_off(
     assert not any("skipped" in n for n in out["notes"]), out
 
 
+@pytest.mark.slow  # each look at the cut-off host waits out its timeouts (17 s)
 def test_a_partition_refuses_a_start_until_the_link_heals(
     pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
 ) -> None:
@@ -160,6 +159,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # each look at the cut-off host waits out its timeouts (17 s)
 def test_a_copy_behind_the_partition_is_never_doubled(
     pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
 ) -> None:
@@ -190,6 +190,7 @@ def test_a_copy_behind_the_partition_is_never_doubled(
     assert copies(pool, service) == {ns.inside: 1}
 
 
+@pytest.mark.slow  # each look at the cut-off host waits out its timeouts (17 s)
 def test_a_copy_gone_before_it_is_joined_is_not_started_again_while_cut_off(
     pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
 ) -> None:
@@ -216,6 +217,7 @@ def _until_ready(config: Path, service: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow  # each look at the cut-off host waits out its timeouts (17 s)
 def test_callers_racing_across_a_heal_start_one_copy(
     pool: list[SimHost], tmp_path: Path, ns: netns.Netns, service: str
 ) -> None:
