@@ -16,7 +16,9 @@ it there with the single-host ``ensure`` (which takes that host's own lease). A 
 that finds the pool's lease held waits and looks again: it finds the start LOADING and
 joins it (``POOL_LEASE_S`` says why that lease is short). While any host of the pool is UNKNOWN (the coordinator among them) nothing is
 started, since a copy may run where nobody can see: a copy READY or LOADING elsewhere
-still answers.
+still answers. That copy is joined only (``EnsureRequest.join_only``): gone by the time
+the join gets there, it is not started again by the join, outside the pool's lease and
+its UNKNOWN rule; the pool looks again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import look
 from gpuctl.flows.op_results import EnsureResult, Outcome
 
-# How often a caller that found the pool's start lock held looks again.
+# How often a caller that found the pool's start lock held (or the copy it joined
+# gone) looks again.
 POLL_S = 0.25
 # The pool's lease covers the pick and the chosen host's own lease (taken within a
 # second or two of the pick, and held through the start and its wait): from then on
@@ -106,6 +109,7 @@ def ensure_pool(pd: PoolDeps, req: EnsureRequest | None = None) -> EnsureResult:
                     decision=Decision.LOADING,
                     t0=t0,
                 )
+            first.sleep(POLL_S)  # the hosts may not agree yet that it went
             continue
         if answer is not None:
             return answer
