@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -127,6 +128,44 @@ def hold(host: SimHost, name: str, memory: str) -> None:
     while not claims(host, name):
         assert time.monotonic() < deadline, host.log_tail(name)
         time.sleep(0.05)
+
+
+def by_hand(host: SimHost, service: str, port: int, load_time: str) -> subprocess.Popen[bytes]:
+    """A server of ``service`` started on ``host`` outside gpuctl, as its launcher would
+    start it there: on its simulated GPU, at its address (``GPUCTL_SIM_HOST``, which also
+    keeps the other simulated hosts' agents from taking it for theirs)."""
+    args = ["sim", "model-server", "--name", service, "--memory", "20GiB", "--port", str(port)]
+    return host.spawn(
+        [*args, "--load-time", load_time],
+        service,
+        {"GPUCTL_SIM_HOST": host.address},
+    )
+
+
+def gone_before_join(config: Path, host: SimHost, service: str, port: int) -> tuple[int, Any]:
+    """``gpuctl ensure`` that finds the copy LOADING on ``host`` (started by hand), which
+    goes (killed) between the pool's look and its join (failpoint ``pool.join``)."""
+    loading = by_hand(host, service, port, "600s")
+    deadline = time.monotonic() + 20
+    while not claims(host, service):
+        assert time.monotonic() < deadline, host.log_tail(service)
+        time.sleep(0.05)
+    p = subprocess.Popen(
+        [gpuctl_exe(), "ensure", service, "--json"],
+        env={**config_env(config), "GPUCTL_FAILPOINTS": "pool.join=stop"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stderr is not None
+    line = p.stderr.readline()
+    assert line.startswith("gpuctl failpoint pool.join: stop"), (line, p.communicate())
+    host.stop(loading)
+    while claims(host, service):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGCONT)
+    stdout, _ = p.communicate(timeout=120)
+    return p.returncode, json.loads(stdout)
 
 
 @pytest.fixture
@@ -266,6 +305,26 @@ def test_an_unknown_host_refuses_a_start_but_ready_elsewhere_answers(
     assert (code, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
     assert f"{'abc'[coordinator]}: UNKNOWN" in out["reason"], out
     assert copies(pool, service) == {}
+
+
+def test_a_copy_gone_before_it_is_joined_is_not_started_while_a_host_is_unknown(
+    pool: list[SimHost], tmp_path: Path, service: str
+) -> None:
+    """The join of a copy that went meanwhile never starts one itself: with a host of the
+    pool UNKNOWN, looking again refuses; with every host back, one copy starts, through
+    the pool's lease."""
+    port = free_port()
+    config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, port)
+    pool[2].close()
+    code, out = gone_before_join(config, pool[1], service, port)
+    assert (code, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
+    assert "c: UNKNOWN" in out["reason"], out
+    assert copies(pool, service) == {}
+    pool[2].start_agent()  # on another port: the config names it again
+    config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, port)
+    code, out = gone_before_join(config, pool[1], service, port)
+    assert (code, out["outcome"], out["launched"]) == (0, "ready", True), out
+    assert sum(copies(pool, service).values()) == 1
 
 
 @pytest.mark.slow

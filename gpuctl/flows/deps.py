@@ -62,6 +62,11 @@ class EnsureRequest:
     preempt: bool = False
     # Plan victims with requests in flight too (``--force``).
     force: bool = False
+    # Use the copy that is there (READY, asleep: woken, LOADING: waited for), never start
+    # one: where it would launch or preempt, ``ensure`` raises ``JoinEnded`` instead. The
+    # pool's join: a start there goes through the pool's own rules (its lease, and no
+    # start while one of its hosts cannot be asked).
+    join_only: bool = False
 
 
 @dataclass

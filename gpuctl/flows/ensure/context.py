@@ -18,6 +18,20 @@ from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import BystanderWatch, Waited, wait_ready
 
 
+class JoinEnded(Exception):
+    """An ``ensure`` asked only to join (``EnsureRequest.join_only``) found nothing left
+    to join where it would start one: the caller looks again and decides by its own
+    rules. Raised before anything is launched or stopped."""
+
+
+def no_start_on_a_join(ctx: Ctx) -> None:
+    """Raise ``JoinEnded`` where a join-only ``ensure`` would start the service."""
+    if ctx.req.join_only:
+        raise JoinEnded(
+            f"{ctx.deps.service.name} on host {ctx.deps.host.name} went before it was joined"
+        )
+
+
 class Ctx:
     """One ``ensure`` call: what it was asked, its deadline, its notes, and how it words a
     result."""

@@ -21,7 +21,7 @@ from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
 from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
-from gpuctl.flows.ensure.context import Ctx, bystander, found_server
+from gpuctl.flows.ensure.context import Ctx, bystander, found_server, no_start_on_a_join
 from gpuctl.flows.look import HELD_BACK_HINT, is_orphaned_start, look, service_held_back
 from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.wait import LauncherWatch, wait_ready
@@ -147,6 +147,9 @@ def launch_under_lease(
                 )
             else:
                 waiting = None
+                if ctx.req.join_only:
+                    release()
+                    no_start_on_a_join(ctx)
                 if deps.clock() >= ctx.deadline:
                     # Never launch after our own deadline: the caller has given up on us.
                     release()

@@ -16,7 +16,9 @@ it there with the single-host ``ensure`` (which takes that host's own lease). A 
 that finds the pool's lease held waits and looks again: it finds the start LOADING and
 joins it (``POOL_LEASE_S`` says why that lease is short). While any host of the pool is UNKNOWN (the coordinator among them) nothing is
 started, since a copy may run where nobody can see: a copy READY or LOADING elsewhere
-still answers.
+still answers. That copy is joined only (``EnsureRequest.join_only``): gone by the time
+the join gets there, it is not started again by the join, outside the pool's lease and
+its UNKNOWN rule; the pool looks again.
 """
 
 from __future__ import annotations
@@ -26,19 +28,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from gpuctl import failpoints
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.plan import plan_cost
 from gpuctl.core.pool import host_key, identity_order, pool_record, room_left
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import Closers, EnsureDeps, EnsureRequest
+from gpuctl.flows.ensure.context import JoinEnded
 from gpuctl.flows.ensure.rounds import ensure
 from gpuctl.flows.look import look
 from gpuctl.flows.op_results import EnsureResult, Outcome
 
 T = TypeVar("T")
 
-# How often a caller that found the pool's start lock held looks again.
+# How often a caller that found the pool's start lock held (or the copy it joined
+# gone) looks again.
 POLL_S = 0.25
 # The pool's lease covers the pick and the chosen host's own lease (taken within a
 # second or two of the pick, and held through the start and its wait): from then on
@@ -86,59 +91,91 @@ def ensure_pool(pd: PoolDeps, req: EnsureRequest | None = None) -> EnsureResult:
     """Make the pooled service ready on one host of its pool (see the module docstring)."""
     req = req or EnsureRequest()
     first = pd.first
-    clock, sleep = first.clock, first.sleep
+    clock = first.clock
     timeout_s = req.timeout_s if req.timeout_s is not None else first.service.health_timeout_s
     t0 = clock()
     deadline = t0 + timeout_s
     while True:
-        views = _each_host(lambda m: _view(m, force=req.force), pd.members)
-        answer = _without_start(pd, views, req)
+        try:
+            answer = _round(pd, req, (t0, deadline))
+        except JoinEnded as e:
+            # The copy looked at (READY, LOADING) went before it was joined: look again,
+            # so that a start goes through the pool's lease, and none while a host of the
+            # pool cannot be asked (the join alone would have started it there).
+            if clock() >= deadline:
+                return _result(
+                    pd,
+                    [],
+                    first,
+                    Outcome.TIMEOUT,
+                    f"{e}, and the timeout ran out",
+                    decision=Decision.LOADING,
+                    t0=t0,
+                )
+            first.sleep(POLL_S)  # the hosts may not agree yet that it went
+            continue
         if answer is not None:
             return answer
-        coord = min((v for v in views), key=lambda v: v.order or ("", "", ""))
-        store = coord.deps.store
-        name = pool_record(first.service.name)
-        holder = coord.deps.machine.holder(req.entry)
-        try:
-            granted, _ = store.acquire(name, holder, POOL_LEASE_S)
-        except GpuctlError as e:
+
+
+def _round(pd: PoolDeps, req: EnsureRequest, times: tuple[float, float]) -> EnsureResult | None:
+    """One look at the pool and what follows: the answer, or None to look again."""
+    first = pd.first
+    clock, sleep = first.clock, first.sleep
+    t0, deadline = times
+    views = _each_host(lambda m: _view(m, force=req.force), pd.members)
+    answer = _without_start(pd, views, _within(req, deadline, clock()))
+    if answer is not None:
+        return answer
+    coord = min((v for v in views), key=lambda v: v.order or ("", "", ""))
+    store = coord.deps.store
+    name = pool_record(first.service.name)
+    holder = coord.deps.machine.holder(req.entry)
+    try:
+        granted, _ = store.acquire(name, holder, POOL_LEASE_S)
+    except GpuctlError as e:
+        return _result(
+            pd,
+            views,
+            first,
+            Outcome.UNKNOWN,
+            f"cannot take the pool's start lock on host {coord.host}: {e.message}",
+            decision=Decision.UNKNOWN,
+            t0=t0,
+        )
+    if not granted:
+        if not req.wait:
             return _result(
                 pd,
                 views,
                 first,
-                Outcome.UNKNOWN,
-                f"cannot take the pool's start lock on host {coord.host}: {e.message}",
-                decision=Decision.UNKNOWN,
+                Outcome.LOADING,
+                "another caller is starting it in the pool",
+                decision=Decision.LOADING,
                 t0=t0,
             )
-        if not granted:
-            if not req.wait:
-                return _result(
-                    pd,
-                    views,
-                    first,
-                    Outcome.LOADING,
-                    "another caller is starting it in the pool",
-                    decision=Decision.LOADING,
-                    t0=t0,
-                )
-            if clock() >= deadline:
-                return _result(
-                    pd,
-                    views,
-                    first,
-                    Outcome.TIMEOUT,
-                    "another caller held the pool's start lock until the deadline",
-                    decision=Decision.LOADING,
-                    t0=t0,
-                )
-            sleep(POLL_S)
-            continue
-        try:
-            return _start_under_lease(pd, req, coord, (name, holder.id), (t0, deadline))
-        finally:
-            with contextlib.suppress(GpuctlError):  # else the lease expires by itself
-                store.release(name, holder.id)
+        if clock() >= deadline:
+            return _result(
+                pd,
+                views,
+                first,
+                Outcome.TIMEOUT,
+                "another caller held the pool's start lock until the deadline",
+                decision=Decision.LOADING,
+                t0=t0,
+            )
+        sleep(POLL_S)
+        return None
+    try:
+        return _start_under_lease(pd, req, coord, (name, holder.id), (t0, deadline))
+    finally:
+        with contextlib.suppress(GpuctlError):  # else the lease expires by itself
+            store.release(name, holder.id)
+
+
+def _within(req: EnsureRequest, deadline: float, now: float) -> EnsureRequest:
+    """``req`` for a join: within what is left of the call's deadline."""
+    return replace(req, timeout_s=max(0.0, deadline - now))
 
 
 def _start_under_lease(
@@ -154,7 +191,9 @@ def _start_under_lease(
     name, holder_id = lease
     t0, deadline = times
     views = _each_host(lambda m: _view(m, force=req.force, fresh=True), pd.members)
-    answer = _without_start(pd, views, req, recorded=_recorded(coord, name))
+    answer = _without_start(
+        pd, views, _within(req, deadline, coord.deps.clock()), recorded=_recorded(coord, name)
+    )
     if answer is not None:
         return answer
     chosen, refusal = _pick_start(pd, views, req, t0)
@@ -244,7 +283,9 @@ def _without_start(
             there,
             key=lambda v: (rank[v.decision], v.key != recorded if recorded else False),
         )
-        return _decorated(pd, views, ensure(best.deps, req), best)
+        failpoints.hit("pool.join")
+        joined = ensure(best.deps, replace(req, join_only=True))
+        return _decorated(pd, views, joined, best)
     unknown = [v for v in views if v.decision is Decision.UNKNOWN]
     if len(unknown) == len(views):
         return _result(

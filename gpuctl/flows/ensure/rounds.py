@@ -21,7 +21,14 @@ from gpuctl.core.record import LEASE_MARGIN_S, stopping
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
 from gpuctl.flows.admission import admission
 from gpuctl.flows.deps import EnsureDeps, EnsureRequest
-from gpuctl.flows.ensure.context import REFUSALS, STOPPING, Ctx, bystander, touch
+from gpuctl.flows.ensure.context import (
+    REFUSALS,
+    STOPPING,
+    Ctx,
+    bystander,
+    no_start_on_a_join,
+    touch,
+)
 from gpuctl.flows.ensure.launch import expected_left_s, launch_under_lease
 from gpuctl.flows.ensure.preempt import preempt
 from gpuctl.flows.ensure.wake import wake
@@ -108,6 +115,7 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
         f = record.failure if record else None
         return ctx.from_verdict(verdict, log_tail=f.log_tail if f else "")
     if first is Decision.PREEMPTABLE and (ctx.req.preempt or svc.preempt) and verdict.plan:
+        no_start_on_a_join(ctx)  # before any victim stops
         return preempt(ctx, verdict, seen.snapshot, wait)
     if first in REFUSALS:
         return ctx.from_verdict(verdict)
