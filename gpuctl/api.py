@@ -349,6 +349,13 @@ class in_use:  # lower case: used like contextlib's context managers
             return False
         return await asyncio.to_thread(self._use.exit, seconds)
 
+    async def aextend_lingering(self, seconds: float) -> bool:
+        """Start the term of the entry the last ``aexit_lingering`` left lingering again:
+        ``seconds`` from now (no block of this process may be open on the service; call
+        it well before the entry lapses, which the store does not undo). Returns whether
+        the store took it (False: it was not asked, or could not be reached)."""
+        return await asyncio.to_thread(self._use.extend_lingering, seconds)
+
     async def aend_lingering(self) -> None:
         """End the entry the last ``aexit_lingering`` left lingering, now (no block of
         this process may be open on the service)."""
@@ -449,6 +456,18 @@ class _Use:
                 store.inflight_renew(self.svc.name, holder, INFLIGHT_TTL_S)
             except GpuctlError as e:
                 _log.warning("gpuctl: cannot renew the use of %s: %s", self.svc.name, e.message)
+
+    def extend_lingering(self, linger_s: float) -> bool:
+        with self.lock:
+            holder = self.lingering
+            if holder is None or self.count:
+                return False
+            try:
+                self.record = self.store.inflight_end(self.svc.name, holder.id, linger_s)
+            except GpuctlError as e:
+                _log.warning("gpuctl: cannot mark %s used: %s", self.svc.name, e.message)
+                return False
+            return True
 
     def end_lingering(self) -> None:
         with self.lock:

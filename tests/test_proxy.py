@@ -305,27 +305,25 @@ def test_a_sporadic_request_goes_on_the_lingering_entry_before_its_count_lands(
 ) -> None:
     """Once the proxy's count comes off a ready service, its entry lingers in the store:
     no request in flight, but reclaim keeps the service. A request that comes meanwhile
-    goes at once: it is answered while the agent (where its count is written) is
-    frozen, and its count lands once the agent runs again."""
+    goes at once: a short one is never counted (the entry's term starts again after
+    it), and a longer one is answered while the agent (where its count is written) is
+    frozen, its count landing once the agent runs again."""
     name, port = unique_name("px"), free_port()
     conf = host.write_config(svc(name, port, load="0s"))
     proxy = Proxy(host, conf)
     store = DirectStore(host.state_dir)
-    body = {"model": name, "messages": MSG, "max_tokens": 2}
+    short = {"model": name, "messages": MSG, "max_tokens": 1}
     with httpx.Client(timeout=60) as client:
-        assert client.post(proxy.v1 + "/chat/completions", json=body).status_code == 200
+        assert client.post(proxy.v1 + "/chat/completions", json=short).status_code == 200
         wait_until("the count to linger", lambda: name in store.lingering())
         assert inflight(host) == {}  # lingering is no request in flight
 
         # Another laptop's reclaim, with a 1 s idle timeout: it keeps the service.
         other = host.base / "other.toml"
-        other.write_text(
-            conf.read_text().replace(
-                f"[services.{name}]", f'[services.{name}]\nidle_timeout = "1s"'
-            )
-        )
+        table = f"[services.{name}]"
+        other.write_text(conf.read_text().replace(table, f'{table}\nidle_timeout = "1s"'))
         time.sleep(1.2)
-        assert name in store.lingering()
+        left = store.lingering()[name]
         r = subprocess.run(
             [gpuctl_exe(), "reclaim", "--json"], env=cli_env(other), capture_output=True,
             text=True, timeout=60, check=False,
@@ -334,15 +332,23 @@ def test_a_sporadic_request_goes_on_the_lingering_entry_before_its_count_lands(
         assert "lingering" in r.stdout, r.stdout
         assert len(sim_claims(host, name)) == 1
 
+        # A short request: answered, never counted; the entry's term starts again.
+        assert client.post(proxy.v1 + "/chat/completions", json=short).status_code == 200
+        wait_until("the term to start again", lambda: store.lingering().get(name, 0) > left)
+        assert inflight(host) == {}
+
         agent = host.procs[0]  # the fixture's start_agent spawned it first
         os.kill(agent.pid, signal.SIGSTOP)
         try:
             answered: list[int] = []
-            t = threading.Thread(
-                target=lambda: answered.append(
-                    client.post(proxy.v1 + "/chat/completions", json=body).status_code
+            longer = {"model": name, "messages": MSG, "max_tokens": 40}  # 20 ms a token
+
+            def ask() -> None:
+                answered.append(
+                    client.post(proxy.v1 + "/chat/completions", json=longer).status_code
                 )
-            )
+
+            t = threading.Thread(target=ask)
             t.start()
             wait_until("the answer, with the agent frozen", lambda: answered == [200])
             assert name in store.lingering() and inflight(host) == {}  # not counted yet

@@ -790,6 +790,7 @@ class LingeringUse(CountingUse):
         super().__init__()
         self.open = asyncio.Event()
         self.lingered: list[float] = []
+        self.extended: list[float] = []
         self.unlingered = 0
 
     async def __aenter__(self) -> None:
@@ -801,18 +802,24 @@ class LingeringUse(CountingUse):
         self.ended.set()
         return True
 
+    async def aextend_lingering(self, seconds: float) -> bool:
+        self.extended.append(seconds)
+        return True
+
     async def aend_lingering(self) -> None:
         self.unlingered += 1
 
 
 def test_a_request_within_the_trust_goes_before_its_count_is_written() -> None:
-    """A ready service let go leaves its entry lingering; a request within its trust is
-    ready at once, while its count's write is still under way (the store is slow here),
-    and nothing else waits for that write. Past the trust, the write comes first."""
+    """A ready service let go leaves its entry lingering. A request within its trust is
+    ready at once, with nothing written: counted once it has run ``COUNT_AFTER_S``
+    (while the store is slow, nothing waits for that write), or, ended sooner, never:
+    the entry's term starts again after it. Past the trust, the write comes first."""
     from gpuctl.core.record import Phase, Record
     from gpuctl.proxy import use as use_mod
 
     running = Record(service="s", phase=Phase.RUNNING, since=100.0)
+    lingers = use_mod.TRUST_S + use_mod.TRUST_MARGIN_S
 
     async def scenario() -> None:
         fake = LingeringUse()
@@ -824,33 +831,33 @@ def test_a_request_within_the_trust_goes_before_its_count_is_written() -> None:
         st.ready, fake.record = True, running
         st.in_flight = 0
         await st.let_go()
-        assert fake.lingered == [use_mod.TRUST_S + use_mod.TRUST_MARGIN_S]
-        assert (st.held, st.ready) == (False, False)
+        assert fake.lingered == [lingers] and (st.held, st.ready) == (False, False)
 
+        # A short request: ready at once, never counted; the term starts again after it.
         fake.open.clear()  # the store is slow now: a begin waits
-        assert await asyncio.wait_for(st.again(), 1)  # ready without the store
-        assert st.ready and not st.held and fake.begins == 1
+        assert await asyncio.wait_for(st.again(), 1)
         st.in_flight += 1
         await asyncio.wait_for(st.hold(), 1)  # the request does not wait either
-        fake.open.set()  # the count lands while the request runs
+        assert st.ready and not st.held
+        await st.end()
+        await wait_for(lambda: fake.extended == [lingers])
+        assert fake.begins == 1 and not st.held and not st.ready  # nothing counted
+
+        # A longer one: counted once it has run COUNT_AFTER_S, however slow the store.
+        assert await asyncio.wait_for(st.again(), 1)
+        st.in_flight += 1
+        await st.hold()
+        await asyncio.sleep(use_mod.COUNT_AFTER_S + 0.1)
+        assert not st.held and st.ready  # its count's write waits on the store
+        fake.open.set()
         await wait_for(lambda: st.held)
         assert fake.begins == 2 and st.ready
         st.held_since -= 10  # stood past LINGER_S: the request's end takes it off
         await st.end()
         assert not st.held and len(fake.lingered) == 2
 
-        # A request that ended before its count was written: the count comes off after.
-        fake.open.clear()
-        assert await st.again()
-        st.in_flight += 1
-        await st.hold()
-        await st.end()  # not counted yet: nothing to take off
-        fake.open.set()
-        await wait_for(lambda: st.release is not None or len(fake.lingered) == 3)
-
         # Past the trust: the count is written first (the record decides).
-        st.release = None
-        st.held, st.ready, st.kept, st.trusted_until = False, False, 100.0, 0.0
+        st.trusted_until = 0.0
         fake.open.clear()
         again = asyncio.ensure_future(st.again())
         await asyncio.sleep(0.05)
@@ -858,17 +865,19 @@ def test_a_request_within_the_trust_goes_before_its_count_is_written() -> None:
         fake.open.set()
         assert await again and st.held
 
-        # A person's stop moved the record while a trusted request ran: the next checks.
-        fake.record = running
+        # A person's stop moved the record under a counted trusted request: the next
+        # one is checked.
         st.in_flight = 0
         await st.let_go()
         fake.record = Record(service="s", phase=Phase.RUNNING, since=250.0)
         assert await st.again()
+        st.in_flight += 1
         await wait_for(lambda: st.held)
         assert not st.ready
 
         # Before a start, the proxy ends its lingering entry (a preemption waits for it).
-        st.in_flight, st.ready = 0, True
+        st.in_flight, st.ready, st.held_since = 0, True, 0.0
+        fake.record = running
         await st.let_go()
         assert st.lingers and st.trusted_until > 0
         await st.unlinger()
@@ -877,7 +886,7 @@ def test_a_request_within_the_trust_goes_before_its_count_is_written() -> None:
         assert fake.unlingered == 1
 
     async def wait_for(cond: Any) -> None:
-        for _ in range(200):
+        for _ in range(300):
             if cond():
                 return
             await asyncio.sleep(0.01)

@@ -15,11 +15,13 @@ may act from then on). Two ways spare the next request that check:
   margin: ``core.record.LINGER_ENTRY``). It counts as no request in flight, but while
   it stands reclaim keeps the service and a preemption waits for it to lapse, and the
   proxy's next count turns it back into a counted entry even under a stop's lease. So
-  a request that comes within ``TRUST_S`` goes at once, and its count is written while
-  it is under way (``again``): no stop that waited for the entry can cut it, and a
-  person's ``gpuctl stop`` (which waits for nobody) makes its connection fail, which
-  starts the service again as for any request. ``TRUST_S`` is kept under the service's
-  ``idle_timeout`` by the margin, so an idle service is reclaimed as before.
+  a request that comes within ``TRUST_S`` goes at once; it is counted once it has run
+  ``COUNT_AFTER_S`` (well within the margin), and one that ends sooner restarts the
+  entry's term after its answer instead (``again``). No stop that waited for the
+  entry can cut it, and a person's ``gpuctl stop`` (which waits for nobody) makes its
+  connection fail, which starts the service again as for any request. ``TRUST_S`` is
+  kept under the service's ``idle_timeout`` by the margin, so an idle service is
+  reclaimed as before.
 - **Later requests.** When the next request comes, the count's write returns the
   record: if it is still running since the moment it was let go, nothing stopped, slept
   or restarted it between, and the request goes on without a health check.
@@ -43,6 +45,11 @@ TRUST_S = 10.0
 # What the lingering entry outlasts the proxy's trust by: the count's write of a
 # request sent at the trust's last moment lands within it.
 TRUST_MARGIN_S = 2.0
+# A request sent on the lingering entry's strength is counted once it has run this
+# long (well within the margin); one that ends sooner is never counted: the entry's
+# term starts again instead, after its answer. So a short request writes nothing
+# while it runs.
+COUNT_AFTER_S = 0.25
 
 
 def trust_s(idle_timeout_s: float | None) -> float:
@@ -56,9 +63,9 @@ def trust_s(idle_timeout_s: float | None) -> float:
 class ServiceUse:
     """The proxy's own view of one service: requests in flight, its count, readiness."""
 
-    __slots__ = ("_count_task", "_release_task", "held", "held_since", "in_flight", "kept",
-                 "lingers", "lock", "ready", "release", "trust_s", "trusted_until",
-                 "use")  # fmt: skip
+    __slots__ = ("_count_at", "_count_task", "_extend_task", "_release_task", "_trusted",
+                 "held", "held_since", "in_flight", "kept", "lingers", "lock", "ready",
+                 "release", "trust_s", "trusted_until", "use")  # fmt: skip
 
     def __init__(self, use: in_use, idle_timeout_s: float | None = None) -> None:
         self.in_flight = 0
@@ -77,16 +84,20 @@ class ServiceUse:
         self.lock = asyncio.Lock()  # one hold or release at a time
         self.release: asyncio.TimerHandle | None = None
         self._release_task: asyncio.Task[None] | None = None
-        # The count of a request sent on the lingering entry's strength, being written.
+        # Requests sent on the lingering entry's strength, not counted yet: the record's
+        # ``since`` they were trusted by, when their count is due, and its write.
+        self._trusted: float | None = None
+        self._count_at: asyncio.TimerHandle | None = None
         self._count_task: asyncio.Task[None] | None = None
+        self._extend_task: asyncio.Task[None] | None = None
 
     async def hold(self) -> None:
         """Count this proxy as using the service (in the store on its 0 -> 1); nothing
-        to wait for when that count is being written already (``again``)."""
+        to wait for while requests run on the lingering entry's strength (``again``)."""
         if self.release is not None:
             self.release.cancel()
             self.release = None
-        if self.held or self._count_task is not None:
+        if self.held or self._trusted is not None:
             return
         await self._hold()
 
@@ -101,6 +112,17 @@ class ServiceUse:
         """One request ended: with the last, the store's count comes off (now, or once
         it has stood ``LINGER_S``)."""
         self.in_flight -= 1
+        if not self.in_flight and self._count_at is not None:
+            # Every request sent on the entry's strength ended before its count was due:
+            # none is written; the entry's term starts again, after the answer.
+            self._count_at.cancel()
+            self._count_at = None
+            self.kept, self._trusted = self._trusted, None
+            self.ready = False
+            kept = self.kept
+            assert kept is not None
+            self._extend_task = asyncio.get_running_loop().create_task(self._extend(kept))
+            return
         await self._idle()
 
     async def _idle(self) -> None:
@@ -141,7 +163,7 @@ class ServiceUse:
         """End our lingering entry now: the proxy is about to start a service (a
         preemption it makes must not wait for its own entries), or to stop."""
         async with self.lock:
-            if self.held or not self.lingers:
+            if self.held or not self.lingers or self._trusted is not None:
                 return
             self.lingers = False
             self.trusted_until = 0.0
@@ -149,20 +171,20 @@ class ServiceUse:
 
     async def again(self) -> bool:
         """A service that was ready when let go: trust it ready again. Within its trust
-        (its entry lingers in the store) at once, its count written while the request
-        is under way. Else hold the count (which no stop can pass), and trust it if the
-        record the store returns is still in the phase it was then, since the same
-        moment: no stop, sleep or start came between. Costs the count's write, not a
-        health check. False: check it (the count held or not)."""
+        (its entry lingers in the store) at once: its count is written once it has run
+        ``COUNT_AFTER_S``, or never if it ends sooner (the entry's term starts again
+        then, after the answer). Else hold the count (which no stop can pass), and trust
+        it if the record the store returns is still in the phase it was then, since the
+        same moment: no stop, sleep or start came between. Costs the count's write, not
+        a health check. False: check it (the count held or not)."""
         kept = self.kept
         self.kept = None
         if kept is None:
             return False
         if time.monotonic() < self.trusted_until:
-            self.trusted_until = 0.0
-            self.lingers = False  # the count about to be written replaces the entry
             self.ready = True
-            self._count_task = asyncio.get_running_loop().create_task(self._recount(kept))
+            self._trusted = kept
+            self._count_at = asyncio.get_running_loop().call_later(COUNT_AFTER_S, self._count)
             return True
         self.trusted_until = 0.0
         self.lingers = False  # lapsed, or replaced by the count written now
@@ -181,16 +203,42 @@ class ServiceUse:
         self.ready = False
         return False
 
-    async def _recount(self, kept: float) -> None:
-        """The count of a request sent on the lingering entry's strength. If the record
-        moved meanwhile (a person's stop), the next request checks the service; this
-        one goes on or fails as any request to a stopped server does."""
+    def _count(self) -> None:
+        self._count_at = None
+        self._count_task = asyncio.get_running_loop().create_task(self._recount())
+
+    async def _recount(self) -> None:
+        """The count of requests sent on the lingering entry's strength that still run
+        (it replaces the entry, even under a stop's lease). If the record moved
+        meanwhile (a person's stop), the next request checks the service; these go on
+        or fail as any request to a stopped server does."""
+        kept = self._trusted
         try:
             await self._hold()
         finally:
             self._count_task = None
-        self._still(kept)
-        await self._idle()  # the request may have ended before its count was written
+            self._trusted = None
+        self.lingers = False
+        self.trusted_until = 0.0
+        if kept is not None:
+            self._still(kept)
+        await self._idle()  # they may have ended while it was written
+
+    async def _extend(self, kept: float) -> None:
+        """The entry's term starts again (the proxy's trust too) if the store takes it
+        well before the entry lapses, and the record still runs since ``kept``."""
+        t0 = time.monotonic()
+        if t0 >= self.trusted_until + TRUST_MARGIN_S / 2:
+            return  # it may lapse before the write lands: the trust ends as it stood
+        async with self.lock:
+            if self.held or not await self.use.aextend_lingering(self.trust_s + TRUST_MARGIN_S):
+                return
+        rec = self.use.record
+        if rec is not None and rec.phase is Phase.RUNNING and rec.since == kept:
+            self.trusted_until = max(self.trusted_until, t0 + self.trust_s)
+        else:  # stopped, slept or restarted meanwhile: the next request checks
+            self.trusted_until = 0.0
+            self.kept = None
 
     def _start_release(self) -> None:
         self.release = None

@@ -127,15 +127,20 @@ class InflightFiles:
 
     def inflight_end(self: _Files, service: str, holder_id: str, linger_s: float = 0.0) -> Record:
         """``holder_id`` has nothing in flight any more (its 1 → 0): the idle clock starts.
-        ``linger_s``: its entry stays that long as a lingering one (``LINGER_ENTRY``)."""
+        ``linger_s``: its live entry (counted, or lingering already) stays that long from
+        now as a lingering one (``LINGER_ENTRY``); a lapsed one is not brought back."""
         _check_ttl(linger_s)
         lock = self._locked(service)
         try:
             path = self._entry_path(service, holder_id)
             with contextlib.suppress(FileNotFoundError), self._entries(service) as folder:
-                entry = _read_entry(folder, path.name, self.clock()) if linger_s else None
-                if entry is not None and entry.entry != LINGER_ENTRY:
-                    now = self.clock()
+                now = self.clock()
+                entry = _read_entry(folder, path.name, now) if linger_s else None
+                if (
+                    entry is not None
+                    and judged_here(entry, now, INFLIGHT_TTL_MAX_S)[0] is LeaseState.LIVE
+                ):
+                    # Counted, or lingering already (then its term starts again).
                     soft = replace(entry, entry=LINGER_ENTRY, granted=now, expires=now + linger_s)
                     self._write_entry(service, soft)
                 else:
