@@ -198,7 +198,11 @@ def _reclaim_host(
         records = {r.service: r for r in listed}
         in_flight = rh.store.inflight()
         now = deps.clock()
-        facts = [_facts(s, records.get(s.name), in_flight, now, rh) for s in services]
+        lingering = _Lingering(rh.store)
+        facts = [
+            _facts(s, records.get(s.name), in_flight, now, rh, lingering=lingering)
+            for s in services
+        ]
         # One snapshot, and only when something may be freed: where a process launcher's
         # server runs decides whether this machine can signal it.
         snapshot: Snapshot | None = None
@@ -226,12 +230,28 @@ def _reclaim_host(
                 rh.store.prune_journal()
 
 
+class _Lingering:
+    """The host's lingering in-flight entries (``Store.lingering``), read once, when a
+    service past its timeout first needs them."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._left: dict[str, float] | None = None
+
+    def of(self, service: str) -> float:
+        if self._left is None:
+            self._left = self._store.lingering()
+        return self._left.get(service, 0.0)
+
+
 def _facts(
     svc: ServiceConfig,
     rec: Record | None,
     in_flight: dict[str, int],
     now: float,
     rh: ReclaimHost,
+    *,
+    lingering: _Lingering,
 ) -> IdleFacts:
     rec = rec or Record(service=svc.name)
     lease = rec.lease
@@ -253,8 +273,11 @@ def _facts(
         try:
             # A lingering entry (``core.record.LINGER_ENTRY``): a proxy may send it a
             # request without counting it first, so it is not stopped while one stands.
-            lingering = rh.store.lingering().get(svc.name, 0.0)
-            f = replace(f, store_lingering_s=lingering, server_in_flight=rh.server_in_flight(svc))
+            f = replace(
+                f,
+                store_lingering_s=lingering.of(svc.name),
+                server_in_flight=rh.server_in_flight(svc),
+            )
         except GpuctlError as e:
             f = replace(f, in_flight_error=e.message)
     return f
@@ -298,7 +321,14 @@ def _free(
         # Under the lease: the record it came with is fresh (a touch before it counts,
         # none after it does), and any in_use that began before it is in the counts.
         now = deps.clock()
-        f = _facts(svc, replace(rec, lease=None), rh.store.inflight(), now, rh)
+        f = _facts(
+            svc,
+            replace(rec, lease=None),
+            rh.store.inflight(),
+            now,
+            rh,
+            lingering=_Lingering(rh.store),
+        )
         if snap is not None:
             f = _where(f, svc, rh.host, snap, deps.machine.here)
         again = judge(f, now)
