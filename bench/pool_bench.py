@@ -22,30 +22,18 @@ import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from status_hosts import timed
 
-from gpuctl.sim.host import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port, sim_hosts
 
 TOKEN_ENV = "GPUCTL_BENCH_TOKEN_"
 
 
-@contextlib.contextmanager
-def hosts_on_loopback(root: Path, n: int) -> Iterator[list[SimHost]]:
+def hosts_on_loopback(root: Path, n: int) -> contextlib.AbstractContextManager[list[SimHost]]:
     """``n`` simulated hosts, each with its agent on 127.0.0.(i+1)."""
-    hosts: list[SimHost] = []
-    try:
-        for i in range(n):
-            h = SimHost(root=root / f"h{i}", address=f"127.0.0.{i + 1}")
-            h.__enter__()
-            hosts.append(h)
-            h.start_agent()
-        yield hosts
-    finally:
-        for h in hosts:
-            h.close()
+    return sim_hosts(SimHost(root=root / f"h{i}", address=f"127.0.0.{i + 1}") for i in range(n))
 
 
 def host_tables(hosts: list[SimHost]) -> tuple[list[str], dict[str, str]]:

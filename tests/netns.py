@@ -21,8 +21,7 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,28 +153,6 @@ class NetnsSimHost(SimHost):
 
     ns: Netns | None = field(default=None, kw_only=True)
 
-    def spawn(
-        self,
-        args: Sequence[str],
-        log_name: str,
-        extra_env: dict[str, str] | None = None,
-        nofile: int | None = None,
-    ) -> subprocess.Popen[bytes]:
+    def command_prefix(self) -> list[str]:
         assert self.ns is not None
-        assert nofile is None, "a descriptor limit is not carried into the namespace"
-        log = open(self.base / f"{log_name}.log", "ab")  # noqa: SIM115  (the child owns it)
-        env = self.env()
-        env.update(extra_env or {})
-        # ``ip netns exec`` execs the command: the pid is the process's own, and its group
-        # the one ``stop`` signals.
-        proc = subprocess.Popen(
-            [*self.ns.exec_prefix(), sys.executable, "-m", "gpuctl", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        log.close()
-        self.procs.append(proc)
-        return proc
+        return self.ns.exec_prefix()

@@ -26,27 +26,18 @@ from gpuctl.config import parse_config
 from gpuctl.core.pool import host_key
 from gpuctl.errors import ConfigError
 from gpuctl.sim.gpu import SimGpu
-from gpuctl.sim.host import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port, sim_hosts
 from tests.conftest import config_env, gpuctl_exe
 from tests.ensure_helpers import kill_servers, model_server_command, unique_name
 
 ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
 
-@contextlib.contextmanager
-def sim_pool(root: Path, addresses: Sequence[str]) -> Iterator[list[SimHost]]:
+def sim_pool(
+    root: Path, addresses: Sequence[str]
+) -> contextlib.AbstractContextManager[list[SimHost]]:
     """Simulated hosts of 128 GiB, one on each of ``addresses``, each with its agent."""
-    hosts: list[SimHost] = []
-    try:
-        for i, address in enumerate(addresses):
-            h = SimHost(root=root / f"host{i}", address=address)
-            h.__enter__()
-            hosts.append(h)
-            h.start_agent()
-        yield hosts
-    finally:
-        for h in hosts:
-            h.close()
+    return sim_hosts(SimHost(root=root / f"host{i}", address=a) for i, a in enumerate(addresses))
 
 
 @pytest.fixture

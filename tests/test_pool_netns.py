@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuctl.sim.host import SimHost, free_port
+from gpuctl.sim.host import SimHost, free_port, sim_hosts
 from tests import netns
 from tests.conftest import config_env, gpuctl_exe
 from tests.ensure_helpers import kill_servers, server_pids, unique_name
@@ -52,20 +52,14 @@ def ns() -> Iterator[netns.Netns]:
 def pool(tmp_path: Path, ns: netns.Netns) -> Iterator[list[SimHost]]:
     """``a`` in the namespace (the coordinator: ``h0-netns`` sorts first), ``b`` and ``c``
     on loopback."""
-    hosts: list[SimHost] = []
-    try:
-        for h in (
+    with sim_hosts(
+        [
             netns.NetnsSimHost(root=tmp_path / "h0-netns", address=ns.inside, ns=ns),
             SimHost(root=tmp_path / "h1", address="127.0.0.2"),
             SimHost(root=tmp_path / "h2", address="127.0.0.3"),
-        ):
-            h.__enter__()
-            hosts.append(h)
-            h.start_agent()
+        ]
+    ) as hosts:
         yield hosts
-    finally:
-        for h in hosts:
-            h.close()
 
 
 @pytest.fixture

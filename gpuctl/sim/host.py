@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -140,6 +140,11 @@ class SimHost:
         )
         return env
 
+    def command_prefix(self) -> list[str]:
+        """What runs each of its processes (none here; a host in a network namespace
+        says ``ip netns exec NAME``, which execs the command: the pid stays its own)."""
+        return []
+
     def spawn(
         self,
         args: Sequence[str],
@@ -155,7 +160,7 @@ class SimHost:
         if extra_env:
             env.update(extra_env)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuctl", *args],
+            [*self.command_prefix(), sys.executable, "-m", "gpuctl", *args],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -287,3 +292,20 @@ class SimHost:
                 return
         if self._own_root and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sim_hosts(hosts: Iterable[SimHost]) -> Iterator[list[SimHost]]:
+    """Each of ``hosts`` made and its agent started, in order (a pool of simulated hosts
+    on one machine, each on its own address); all closed on the way out, also when one
+    fails to start."""
+    started: list[SimHost] = []
+    try:
+        for h in hosts:
+            h.__enter__()
+            started.append(h)
+            h.start_agent()
+        yield started
+    finally:
+        for h in started:
+            h.close()
