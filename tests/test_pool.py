@@ -467,6 +467,13 @@ def test_the_proxy_places_a_pooled_upstream_on_each_host() -> None:
         ({"host": "a", "hosts": ["a", "b"]}, "services.s.hosts: set host or hosts", "host"),
         ({"hosts": []}, "services.s.hosts: expected a non-empty list", "hosts = ["),
         ({"hosts": ["a", "a"]}, "services.s.hosts: host 'a' is listed twice", "once"),
+        ({"hosts": ["a", 3]}, "services.s.hosts: expected a non-empty list", "hosts = ["),
+        (
+            # The pool's rule comes before a table the pool could never use.
+            {"hosts": ["a", "b"], "launcher": "slurm", "command": "x"},
+            "services.s.hosts: a slurm service runs on one host",
+            'host = "NAME"',
+        ),
         ({"hosts": ["a", "bb"]}, "services.s.hosts: unknown host 'bb'", "did you mean 'b'?"),
         (
             {"hosts": ["a"], "health": "http://{hots}:1/health"},

@@ -274,9 +274,11 @@ def _service(
         pool=pool,
         templates=templates,
     )
+    # The pool's own rules first: a host's table a pool could never use (a slurm
+    # service's [hosts.X.slurm]) is not worth asking for.
+    _check_pool(svc, hosts)
     for h in pool:
         _check_service(svc.on(hosts[h]), hosts[h])
-    _check_pool(svc, hosts)
     if svc.resume and svc.launcher is None:
         # Only a service gpuctl starts can be brought back.
         raise s.fail("resume", "needs a launcher", hint="add launcher = ..., or drop resume")
@@ -299,7 +301,11 @@ def _pool(s: Table, hosts: dict[str, HostConfig], path: Path | None) -> tuple[st
             hint=f"hosts = [{show(one)}, ...] for a pool, or host = {show(one)} alone",
         )
     if many is not None:
-        if not isinstance(many, list) or not many:
+        if (
+            not isinstance(many, list)
+            or not many
+            or not all(isinstance(h, str) and h.strip() for h in many)
+        ):
             raise s.fail(
                 "hosts",
                 f"expected a non-empty list of host names, got {show(many)}",
