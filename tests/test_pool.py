@@ -295,6 +295,7 @@ def test_an_unknown_host_refuses_a_start_but_ready_elsewhere_answers(
     code, out = ensure(config, service)
     assert (code, out["outcome"], out["decision"]) == (4, "unknown", "UNKNOWN"), out
     assert f"{'abc'[coordinator]}: UNKNOWN" in out["reason"], out
+    assert out["host"] == "abc"[coordinator], out  # the host that stops it, not one that answers
     assert copies(pool, service) == {}
 
 

@@ -298,10 +298,12 @@ def _without_start(
             t0=pd.first.clock(),
         )
     if unknown:
+        # The host the answer names is the one that stops the start (the line reads
+        # "UNKNOWN on b"), never a host that answered.
         return _result(
             pd,
             views,
-            pd.first,
+            unknown[0].deps,
             Outcome.UNKNOWN,
             f"not started: a copy may run where nobody can see ({_each(unknown)})",
             decision=Decision.UNKNOWN,
