@@ -133,6 +133,13 @@ def test_views_group_a_pool_and_touch_finds_its_copy(
     code, by_user = as_json(config, "usage", "--by", "user")
     assert all(r["pool"] is None for r in by_user["rows"]), by_user
 
+    # touch with a host of the pool that cannot be asked: UNKNOWN, the line naming it.
+    pool[1].close()
+    p = gpuctl(config, "touch", service)
+    assert p.returncode == 4, p.stderr
+    assert f"{service}: host b could not be asked, and it may run there" in p.stderr, p.stderr
+    assert "hint: " in p.stderr, p.stderr
+
 
 def test_locks_shows_a_pools_start_lock_while_it_is_held(
     pool: list[SimHost], tmp_path: Path, service: str

@@ -236,7 +236,7 @@ def touch_pool(members: Sequence[EnsureDeps]) -> TouchResult:
         GpuctlError: it runs on no host of the pool (exit 1, with the fix), or a host
             that could not be asked may hold it (that host's error: UNKNOWN).
     """
-    unasked: GpuctlError | None = None
+    unasked: tuple[str, GpuctlError] | None = None
     there: EnsureDeps | None = None
     for deps in members:
         try:
@@ -245,12 +245,20 @@ def touch_pool(members: Sequence[EnsureDeps]) -> TouchResult:
             if there is None and deps.store.get(deps.service.name).phase in _THERE:
                 there = deps
         except GpuctlError as e:
-            unasked = unasked or e
+            unasked = unasked or (deps.host.name, e)
+    name = members[0].service.name
     if there is not None:
         return _touched(there, ready=False)
     if unasked is not None:
-        raise unasked
-    name = members[0].service.name
+        # The error alone names a URL; the line names the host and why it matters.
+        host, e = unasked
+        err = GpuctlError(
+            f"{name}: host {host} could not be asked, and it may run there "
+            f"(no other host of its pool has it): {e.message}",
+            hint=e.hint,
+        )
+        err.exit_code = e.exit_code
+        raise err
     where = ", ".join(d.host.name for d in members)
     raise GpuctlError(
         f"{name} runs on no host of its pool ({where}): nothing to mark as used",
