@@ -139,6 +139,12 @@ def test_views_group_a_pool_and_touch_finds_its_copy(
     assert p.returncode == 4, p.stderr
     assert f"{service}: host b could not be asked, and it may run there" in p.stderr, p.stderr
     assert "hint: " in p.stderr, p.stderr
+    # events and usage say it as locks does: the host, the error, the fix; exit 4.
+    for args in (("events",), ("usage",), ("locks",)):
+        p = gpuctl(config, *args)
+        assert p.returncode == 4, (args, p.stderr)
+        assert "gpuctl: error: b: connection refused" in p.stderr, (args, p.stderr)
+        assert "  hint: is `gpuctl agent` running" in p.stderr, (args, p.stderr)
 
 
 def test_locks_shows_a_pools_start_lock_while_it_is_held(

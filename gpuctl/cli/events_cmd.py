@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -19,6 +19,9 @@ from gpuctl.cli.common import (
     print_json,
 )
 from gpuctl.errors import ExitCode, GpuctlError, UsageError
+
+if TYPE_CHECKING:
+    from gpuctl.render.events_view import HostError
 
 FOLLOW_POLL_S = 1.0
 
@@ -71,7 +74,6 @@ def events(
             fail(UsageError("--host and --all cannot go together", hint="use one of them"))
         from gpuctl.adapters.store import store_for
         from gpuctl.core.pool import pool_of
-        from gpuctl.core.safe_text import visible
         from gpuctl.flows.story import host_events
         from gpuctl.render.events_view import EventsOut, HostError, event_line, event_row
 
@@ -84,12 +86,14 @@ def events(
         dated = time.time() - start > 86400 + 60  # a day back and more: dates too
         stores = {name: store_for(conf.host(name)) for name in names}
         rows, errors, last = [], [], dict.fromkeys(names, 0)
+        hints: dict[str, str] = {}
         try:
             for name, store in stores.items():
                 try:
                     got = host_events(store, start, service=service)
                 except GpuctlError as err:
                     errors.append(HostError(name, err.message))
+                    hints[name] = err.hint
                     continue
                 for rid, ev in got:
                     rows.append((ev.at, name, rid, ev))
@@ -103,8 +107,7 @@ def events(
             else:
                 for _, name, _, ev in rows:
                     print(event_line(name if many else None, ev, dated=dated))
-                for bad in errors:  # an agent's words: shown, never acted on by the terminal
-                    print(visible(f"gpuctl: {bad.host}: {bad.error}"), file=sys.stderr)
+                _say_errors(errors, hints)
             sys.stdout.flush()
             if follow:
                 pools = conf.pools()
@@ -194,7 +197,6 @@ def usage(
             fail(UsageError(f"--by: {by!r} is not one of service, user, day"))
         from gpuctl.adapters.store import store_for
         from gpuctl.core.pool import pool_of
-        from gpuctl.core.safe_text import visible
         from gpuctl.core.usage import Tally, group
         from gpuctl.flows.story import host_usage
         from gpuctl.render.events_view import HostError, UsageOut, usage_lines, usage_row
@@ -204,6 +206,7 @@ def usage(
         names = list(host) if host else list(conf.hosts)
         all_rows: dict[tuple[str, str, str], Tally] = {}
         errors = []
+        hints: dict[str, str] = {}
         for name in names:
             store = store_for(conf.host(name))
             try:
@@ -211,6 +214,7 @@ def usage(
                     all_rows.setdefault(key, Tally()).add(t)
             except GpuctlError as e:
                 errors.append(HostError(name, e.message))
+                hints[name] = e.hint
             finally:
                 store.close()
         pools = conf.pools() if by == "service" else {}
@@ -223,7 +227,17 @@ def usage(
                     print(line)
             else:
                 print("nothing in the journal for that time", file=sys.stderr)
-            for err in errors:  # an agent's words: shown, never acted on by the terminal
-                print(visible(f"gpuctl: {err.host}: {err.error}"), file=sys.stderr)
+            _say_errors(errors, hints)
         sys.stdout.flush()
         raise typer.Exit(int(ExitCode.UNKNOWN) if errors else 0)
+
+
+def _say_errors(errors: list[HostError], hints: dict[str, str]) -> None:
+    """Each host that could not be read, as ``locks`` says it: the error naming the
+    host, then its fix. An agent's words: shown, never acted on by the terminal."""
+    from gpuctl.core.safe_text import visible
+
+    for bad in errors:
+        print(visible(f"gpuctl: error: {bad.host}: {bad.error}"), file=sys.stderr)
+        if hints.get(bad.host):
+            print(visible(f"  hint: {hints[bad.host]}"), file=sys.stderr)

@@ -251,13 +251,13 @@ def touch_pool(members: Sequence[EnsureDeps]) -> TouchResult:
         return _touched(there, ready=False)
     if unasked is not None:
         # The error alone names a URL; the line names the host and why it matters.
-        host, e = unasked
+        host, cause = unasked
         err = GpuctlError(
             f"{name}: host {host} could not be asked, and it may run there "
-            f"(no other host of its pool has it): {e.message}",
-            hint=e.hint,
+            f"(no other host of its pool has it): {cause.message}",
+            hint=cause.hint,
         )
-        err.exit_code = e.exit_code
+        err.exit_code = cause.exit_code
         raise err
     where = ", ".join(d.host.name for d in members)
     raise GpuctlError(
