@@ -176,3 +176,18 @@ def test_locks_shows_a_pools_start_lock_while_it_is_held(
         assert f"{service} (pool's start lock)" in text, text
     finally:
         store.close()
+
+
+def test_config_check_asks_for_no_one_state_dir_for_agents_of_their_own(
+    pool: list[SimHost], tmp_path: Path, service: str
+) -> None:
+    """Three agents on this machine, each with its state dir: no GPUCTL_STATE_DIR could
+    match them all, so config check does not ask for one. One such agent: it does."""
+    config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, free_port())
+    p = gpuctl(config, "config", "check")
+    assert p.returncode == 0 and "ok (3 hosts, 1 service)" in p.stdout, p
+    assert "GPUCTL_STATE_DIR" not in p.stderr, p.stderr
+    one = write_config(tmp_path / "one.toml", pool[:1], ["a"], service, free_port())
+    p = gpuctl(one, "config", "check")
+    assert p.returncode == 0, p
+    assert f"set GPUCTL_STATE_DIR={pool[0].state_dir}" in p.stderr, p.stderr

@@ -89,12 +89,15 @@ def check(config: ConfigOpt = None) -> None:
 
 def _local_state_dir_warning(conf: Any) -> str | None:
     """On the GPU host itself, warn when this CLI's state dir differs from its agent's:
-    two stores would mean two truths."""
+    two stores would mean two truths. Several agents on this machine with state dirs of
+    their own (simulated hosts, a pool tried on one machine) are each reached through
+    their agent, and no one GPUCTL_STATE_DIR could match them all: no warning then."""
     from gpuctl.adapters import procinfo
     from gpuctl.config.paths import default_state_dir
 
     here = procinfo.host_identity()
     mine = str(default_state_dir())
+    theirs: dict[str, str] = {}  # state dir -> the first host whose agent uses it
     for h in conf.hosts.values():
         if not h.agent:
             continue
@@ -114,12 +117,17 @@ def _local_state_dir_warning(conf: Any) -> str | None:
             here.hostname,
             here.boot_id,
         )
-        if same_host and snap.state_dir and snap.state_dir != mine:
-            return (
-                f"hosts.{h.name}: its agent runs on this machine with state dir {snap.state_dir}, "
-                f"but this CLI would use {mine}; set GPUCTL_STATE_DIR={snap.state_dir}"
-            )
-    return None
+        if same_host and snap.state_dir:
+            theirs.setdefault(snap.state_dir, h.name)
+    if len(theirs) != 1:
+        return None
+    [(state_dir, name)] = theirs.items()
+    if state_dir == mine:
+        return None
+    return (
+        f"hosts.{name}: its agent runs on this machine with state dir {state_dir}, "
+        f"but this CLI would use {mine}; set GPUCTL_STATE_DIR={state_dir}"
+    )
 
 
 @config_app.command("show", short_help="Print the config with defaults filled in, secrets masked.")
