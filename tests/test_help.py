@@ -148,6 +148,14 @@ def test_demo_help_lists_every_chapter_the_demo_plays() -> None:
     assert "preempts" in opening and "`gpuctl proxy`" in opening, opening
 
 
+@pytest.mark.parametrize("command", ["ensure", "stop", "touch"])
+def test_host_says_what_it_means_for_a_pool(command: str) -> None:
+    """Without --host these look over a pooled service's whole pool; the option says so
+    (it read "Host name from the config." alone)."""
+    text = " ".join(help_text((command,)).split())
+    assert "A pooled service: that host alone (default: every host of its pool" in text, text
+
+
 # What Typer prints where a command says nothing better: a string `show_default` wrapped
 # in parentheses, and a metavar made of the parameter's Python type.
 LEFTOVER = re.compile(r"\[default: \(|<(?:int|str|float|bool|path|text|int range|float range)>")

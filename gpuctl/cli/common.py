@@ -61,6 +61,19 @@ HostOpt = Annotated[
         metavar="HOST",
     ),
 ]
+# ensure, stop and touch: a pooled service's --host keeps the command to that host,
+# where without it the command looks over the whole pool.
+PoolHostOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--host",
+        "-H",
+        help="Host name from the config. A pooled service: that host alone (default: "
+        "every host of its pool, the copy wherever it runs).",
+        autocompletion=complete_host,
+        metavar="HOST",
+    ),
+]
 HostsOpt = Annotated[
     list[str] | None,
     typer.Option(

@@ -10,8 +10,8 @@ import typer
 from gpuctl.cli.common import (
     Command,
     ConfigOpt,
-    HostOpt,
     JsonOpt,
+    PoolHostOpt,
     ServiceArg,
     complete_host,
     duration_parser,
@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
 
 def ensure(
     service: ServiceArg,
-    host: HostOpt = None,
+    host: PoolHostOpt = None,
     timeout: Annotated[
         float | None,
         typer.Option(
@@ -154,7 +154,10 @@ class _LastTick:
 
 
 def stop(
-    service: ServiceArg, host: HostOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None
+    service: ServiceArg,
+    host: PoolHostOpt = None,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
 ) -> None:
     """Stop SERVICE's server (found by its record, else by its match keywords)."""
     with errors_to_exit():
@@ -224,7 +227,7 @@ def _stop_pool(conf: Config, service: str, json_out: bool) -> NoReturn:
     raise typer.Exit(result.exit_code)
 
 
-def touch(service: ServiceArg, host: HostOpt = None, config: ConfigOpt = None) -> None:
+def touch(service: ServiceArg, host: PoolHostOpt = None, config: ConfigOpt = None) -> None:
     """Mark SERVICE as used now (reclaim measures idle time from the last use).
 
     A pooled service is marked where its copy runs (--host: on that host); exit 1 when
