@@ -211,7 +211,7 @@ def test_status_has_a_row_per_host_and_groups_the_pool(
     assert (code, out["host"]) == (0, "a"), out
     # --host keeps a start to one host of the pool: never a second copy beside the first.
     code, other = ensure(config, service, "--host", "b")
-    assert (code, other["outcome"]) == (3, "busy"), other
+    assert (code, other["outcome"], other["host"]) == (3, "busy", "b"), other
     assert "the pool's copy is READY on host a, not b" in other["reason"], other
     code, there = ensure(config, service, "--host", "a")
     assert (code, there["outcome"], there["host"], there["launched"]) == (0, "ready", "a", False)

@@ -263,10 +263,11 @@ def _without_start(
     elsewhere = [v for v in there if pd.only is not None and v.host != pd.only]
     if elsewhere and len(elsewhere) == len(there):
         v = elsewhere[0]
+        asked = next(m for m in pd.members if m.host.name == pd.only)  # the host refused
         return _result(
             pd,
             views,
-            v.deps,
+            asked,
             Outcome.BUSY,
             f"the pool's copy is {v.decision.value} on host {v.host}, not {pd.only}",
             decision=Decision.BUSY,
