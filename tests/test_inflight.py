@@ -117,12 +117,26 @@ def test_a_lingering_entry_counts_for_nothing_but_its_holder_may_count_again_und
     stopper = holder_here("preempt")
     assert s.acquire("llm", stopper, 60)[0]
     assert s.inflight_begin("llm", holder_here("in_use"), 30)[0] is False
+    # Under the stop a lingering entry keeps its term: asked to start it again, the
+    # store leaves it as it stands (the answer is the stop's record).
+    rec = s.inflight_end("llm", h.id, 12.0)
+    assert rec.lease is not None and rec.lease.entry == "preempt"
+    assert s.lingering() == {"llm": 7.0}
     granted, rec = s.inflight_begin("llm", h, 30)  # the lingering holder: counted again
     assert granted and rec.lease is not None and rec.lease.entry == "preempt"
     assert s.inflight() == {"llm": 1} and s.lingering() == {}
+    # Its request ends under the stop: the entry ends, it never lingers again there (a
+    # stop that read no lingering entry and then no count must not find one after).
+    rec = s.inflight_end("llm", h.id, 12.0)
+    assert rec.lease is not None and rec.lease.entry == "preempt"
+    assert s.inflight() == {} and s.lingering() == {}
+    assert s.inflight_begin("llm", h, 30)[0] is False  # it waits for the stop now
+    s.release("llm", stopper.id)
+    assert s.inflight_begin("llm", h, 30)[0]
     s.inflight_end("llm", h.id, 12.0)
     assert s.inflight() == {} and s.lingering() == {"llm": 12.0}
 
+    assert s.acquire("llm", stopper, 60)[0]
     clock[0] += 13  # lapsed: its holder waits for the stop like anyone else
     assert s.lingering() == {}
     assert s.inflight_begin("llm", h, 30)[0] is False

@@ -321,14 +321,12 @@ def _free(
         # Under the lease: the record it came with is fresh (a touch before it counts,
         # none after it does), and any in_use that began before it is in the counts.
         now = deps.clock()
-        f = _facts(
-            svc,
-            replace(rec, lease=None),
-            rh.store.inflight(),
-            now,
-            rh,
-            lingering=_Lingering(rh.store),
-        )
+        # The lingering entries before the counts: under the lease an entry may turn
+        # from lingering to counted, never back (``Store.inflight_end``), so a request
+        # its holder counts between the two reads is in the second.
+        lingering = _Lingering(rh.store)
+        lingering.of(svc.name)
+        f = _facts(svc, replace(rec, lease=None), rh.store.inflight(), now, rh, lingering=lingering)
         if snap is not None:
             f = _where(f, svc, rh.host, snap, deps.machine.here)
         again = judge(f, now)
