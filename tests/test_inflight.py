@@ -4,6 +4,7 @@ and a real agent for the path through it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -201,6 +202,27 @@ def test_the_same_through_the_agent(host: SimHost) -> None:
         assert 11 < s.lingering()["llm"] <= 12.0
         with pytest.raises(UsageError):
             s.inflight_end("llm", h.id, 31.0)
+    finally:
+        s.close()
+
+
+def test_an_entry_within_the_terms_slack_does_not_break_the_agents_answer(
+    host: SimHost,
+) -> None:
+    """A lingering entry whose term is a little over 30 s (the clock stepped back, or a
+    file written so: within the slack a term is not forged) lingers, and the agent's
+    list says at most 30 s of it: the client refuses an answer past that bound, which
+    made every preemption and reclaim on the host fail for as long as it stood."""
+    h = holder_here("in_use")
+    now = time.time()
+    entry = replace(h.lease(now, 30.5), entry="linger")
+    d = host.state_dir / "inflight" / "llm"
+    d.mkdir(parents=True)
+    (d / f"{h.id}.json").write_text(json.dumps(entry.to_dict()))
+    s = AgentStore(host.agent_url, host.token, host_name="sim")
+    try:
+        assert 29 < s.lingering()["llm"] <= 30.0
+        assert s.inflight() == {}
     finally:
         s.close()
 

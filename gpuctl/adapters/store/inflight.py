@@ -233,7 +233,10 @@ def _scan(store: _Files) -> tuple[dict[str, int], dict[str, float]]:
                 state, why = judged_here(entry, now, INFLIGHT_TTL_MAX_S)
                 if state is LeaseState.LIVE:
                     if entry.entry == LINGER_ENTRY:
-                        left = entry.expires - now
+                        # Told within its documented term (a step of the clock, or
+                        # the slack a term is allowed, may leave a little more): a
+                        # reader refuses a longer one. It is read again, not waited out.
+                        left = min(entry.expires - now, INFLIGHT_TTL_MAX_S)
                         lingering[service] = max(lingering.get(service, 0.0), left)
                     else:
                         n += 1
