@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from gpuctl.config import Config, ServiceConfig, load_config
-from gpuctl.core.record import INFLIGHT_TTL_MAX_S
+from gpuctl.core.record import INFLIGHT_TTL_MAX_S, stopping
 from gpuctl.errors import ConfigError, ExitCode, GpuctlError, UsageError
 
 TOUCH_EVERY_S = 30.0
@@ -344,7 +344,8 @@ class in_use:  # lower case: used like contextlib's context managers
         no request in flight, but reclaim keeps the service and a preemption waits until
         it lapses. So until then this process may send the service its next request
         before entering again (which counts it even while a stop holds the service's
-        lease). Returns whether the entry lingers (False: it ended as usual)."""
+        lease). Returns whether the entry lingers (False: it ended as usual, as it does
+        while a stop holds the service's lease)."""
         if self._use.exit_fast():
             return False
         return await asyncio.to_thread(self._use.exit, seconds)
@@ -353,7 +354,8 @@ class in_use:  # lower case: used like contextlib's context managers
         """Start the term of the entry the last ``aexit_lingering`` left lingering again:
         ``seconds`` from now (no block of this process may be open on the service; call
         it well before the entry lapses, which the store does not undo). Returns whether
-        the store took it (False: it was not asked, or could not be reached)."""
+        the store took it (False: it was not asked, could not be reached, or a stop holds
+        the service: the entry then lapses as it stood)."""
         return await asyncio.to_thread(self._use.extend_lingering, seconds)
 
     async def aend_lingering(self) -> None:
@@ -467,7 +469,7 @@ class _Use:
             except GpuctlError as e:
                 _log.warning("gpuctl: cannot mark %s used: %s", self.svc.name, e.message)
                 return False
-            return True
+            return not stopping(self.record)  # under a stop it stands as it was
 
     def end_lingering(self) -> None:
         with self.lock:
@@ -490,6 +492,8 @@ class _Use:
             if linger_s:
                 try:
                     self.record = self.store.inflight_end(self.svc.name, holder.id, linger_s)
+                    if stopping(self.record):
+                        return False  # under a stop the store ends it: nothing lingers
                     self.lingering = holder
                     return True
                 except UsageError:

@@ -6,7 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from gpuctl.core.idle import Action, IdleFacts, judge, needs_in_flight, short_duration
+from gpuctl.core.idle import (
+    Action,
+    IdleFacts,
+    judge,
+    needs_in_flight,
+    needs_lingering,
+    short_duration,
+)
 from gpuctl.core.record import Phase
 
 NOW = 100_000.0
@@ -99,6 +106,9 @@ def test_in_flight_is_read_only_for_candidates() -> None:
     assert not needs_in_flight(replace(BASE, idle_timeout_s=None), NOW)
     assert not needs_in_flight(replace(BASE, phase=Phase.STOPPED), NOW)
     assert not needs_in_flight(replace(BASE, launcher="ollama"), NOW)  # no such metric
+    # The store's lingering entries are read for every launcher, Ollama's too.
+    assert needs_lingering(replace(BASE, launcher="ollama"), NOW)
+    assert not needs_lingering(replace(BASE, last_used=NOW - 5), NOW)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ and a real agent for the path through it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -117,12 +118,26 @@ def test_a_lingering_entry_counts_for_nothing_but_its_holder_may_count_again_und
     stopper = holder_here("preempt")
     assert s.acquire("llm", stopper, 60)[0]
     assert s.inflight_begin("llm", holder_here("in_use"), 30)[0] is False
+    # Under the stop a lingering entry keeps its term: asked to start it again, the
+    # store leaves it as it stands (the answer is the stop's record).
+    rec = s.inflight_end("llm", h.id, 12.0)
+    assert rec.lease is not None and rec.lease.entry == "preempt"
+    assert s.lingering() == {"llm": 7.0}
     granted, rec = s.inflight_begin("llm", h, 30)  # the lingering holder: counted again
     assert granted and rec.lease is not None and rec.lease.entry == "preempt"
     assert s.inflight() == {"llm": 1} and s.lingering() == {}
+    # Its request ends under the stop: the entry ends, it never lingers again there (a
+    # stop that read no lingering entry and then no count must not find one after).
+    rec = s.inflight_end("llm", h.id, 12.0)
+    assert rec.lease is not None and rec.lease.entry == "preempt"
+    assert s.inflight() == {} and s.lingering() == {}
+    assert s.inflight_begin("llm", h, 30)[0] is False  # it waits for the stop now
+    s.release("llm", stopper.id)
+    assert s.inflight_begin("llm", h, 30)[0]
     s.inflight_end("llm", h.id, 12.0)
     assert s.inflight() == {} and s.lingering() == {"llm": 12.0}
 
+    assert s.acquire("llm", stopper, 60)[0]
     clock[0] += 13  # lapsed: its holder waits for the stop like anyone else
     assert s.lingering() == {}
     assert s.inflight_begin("llm", h, 30)[0] is False
@@ -187,6 +202,27 @@ def test_the_same_through_the_agent(host: SimHost) -> None:
         assert 11 < s.lingering()["llm"] <= 12.0
         with pytest.raises(UsageError):
             s.inflight_end("llm", h.id, 31.0)
+    finally:
+        s.close()
+
+
+def test_an_entry_within_the_terms_slack_does_not_break_the_agents_answer(
+    host: SimHost,
+) -> None:
+    """A lingering entry whose term is a little over 30 s (the clock stepped back, or a
+    file written so: within the slack a term is not forged) lingers, and the agent's
+    list says at most 30 s of it: the client refuses an answer past that bound, which
+    made every preemption and reclaim on the host fail for as long as it stood."""
+    h = holder_here("in_use")
+    now = time.time()
+    entry = replace(h.lease(now, 30.5), entry="linger")
+    d = host.state_dir / "inflight" / "llm"
+    d.mkdir(parents=True)
+    (d / f"{h.id}.json").write_text(json.dumps(entry.to_dict()))
+    s = AgentStore(host.agent_url, host.token, host_name="sim")
+    try:
+        assert 29 < s.lingering()["llm"] <= 30.0
+        assert s.inflight() == {}
     finally:
         s.close()
 

@@ -732,6 +732,36 @@ def test_a_preemption_waits_for_a_lingering_entry_and_never_cuts_what_it_let_in(
     assert "not counted" not in proxy.log(), proxy.log()
 
 
+def test_a_preemption_out_of_time_before_a_lingering_entry_lapses_stops_nothing(
+    host: SimHost,
+) -> None:
+    """A preemption whose deadline comes while a victim's entry still lingers stops
+    nothing: the proxy may still send that victim a request on the entry's strength,
+    which a stop after the deadline would cut."""
+    batch, pre = unique_name("pxb"), unique_name("pxp")
+    pb, pp = free_port(), free_port()
+    conf = host.write_config(
+        svc(batch, pb, memory="30GiB", load="0s", extra="priority = 50")
+        + svc(pre, pp, memory="80GiB", load="0s", extra="priority = 100\npreempt = true")
+    )
+    proxy = Proxy(host, conf)
+    store = DirectStore(host.state_dir)
+    post = proxy.v1 + "/chat/completions"
+    assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
+    wait_until("the batch's entry to linger", lambda: batch in store.lingering())
+    r = subprocess.run(
+        [gpuctl_exe(), "ensure", pre, "--json", "--timeout", "1s"],
+        env={**host.env(), **cli_env(conf)}, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "their stops took" not in r.stdout, r.stdout
+    assert len(sim_claims(host, batch)) == 1 and sim_claims(host, pre) == [], r.stdout
+    assert store.get(batch).phase.value == "running", r.stdout
+    # The proxy's trust still stands: its next request goes to the batch at once.
+    assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
+
+
 def _served(host: SimHost, name: str) -> list[dict[str, float]]:
     """The figures of the journal's `proxy` events that count ``name``'s served requests."""
     from gpuctl.adapters.store.journal import Journal

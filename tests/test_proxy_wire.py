@@ -895,6 +895,58 @@ def test_a_request_within_the_trust_goes_before_its_count_is_written() -> None:
     asyncio.run(scenario())
 
 
+def test_an_extension_the_store_answers_after_the_entry_lapsed_trusts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short trusted request restarts the entry's term after its answer. If the store
+    answers that write only after the entry could have lapsed (it does not bring a
+    lapsed entry back), the proxy trusts nothing new: no entry may stand for it, so a
+    stop may come, and the next request's count is written first."""
+    from types import SimpleNamespace
+
+    from gpuctl.core.record import Phase, Record
+    from gpuctl.proxy import use as use_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(use_mod, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
+    class SlowExtend(LingeringUse):
+        def __init__(self) -> None:
+            super().__init__()
+            self.extend_open = asyncio.Event()
+
+        async def aextend_lingering(self, seconds: float) -> bool:
+            await self.extend_open.wait()
+            return await super().aextend_lingering(seconds)
+
+    async def scenario() -> None:
+        fake = SlowExtend()
+        fake.open.set()
+        st = use_mod.ServiceUse(fake, idle_timeout_s=None)  # type: ignore[arg-type]
+        st.in_flight += 1
+        await st.hold()
+        st.ready, fake.record = True, Record(service="s", phase=Phase.RUNNING, since=100.0)
+        st.in_flight = 0
+        await st.let_go()
+        assert st.trusted_until == 1000.0 + use_mod.TRUST_S
+
+        now[0] = st.trusted_until - 0.5  # a short request at the trust's end
+        assert await st.again()
+        st.in_flight += 1
+        await st.hold()
+        await st.end()
+        await asyncio.sleep(0.05)  # its extension's write waits on the store
+        now[0] += use_mod.TRUST_MARGIN_S + 1.0  # past the entry's term when answered
+        fake.extend_open.set()
+        assert st._extend_task is not None
+        await st._extend_task
+        assert fake.extended  # written, but maybe after the entry lapsed
+        assert now[0] >= st.trusted_until  # no new trust on its strength
+        assert await st.again() and st.held and fake.begins == 2  # counted first
+
+    asyncio.run(scenario())
+
+
 def test_a_short_idle_timeout_keeps_the_trust_under_it() -> None:
     from gpuctl.proxy.use import TRUST_MARGIN_S, TRUST_S, trust_s
 

@@ -340,3 +340,34 @@ def test_ollama_models_are_unloaded_and_a_failed_unload_is_exit_1(
         assert claims_mib(host.sim_dir) == {}
     finally:
         srv.kill()
+
+
+def test_an_ollama_model_is_kept_while_a_lingering_entry_stands(
+    host: SimHost, tmp_path: Path
+) -> None:
+    """Reclaim keeps a service whose in-flight entry lingers (its holder may send it a
+    request without counting it first), an Ollama model too: Ollama's lack of an
+    in-flight metric does not make the store's lingering entries go unread."""
+    srv = SimOllama(host.sim_dir, tmp_path, "-m", "qwen3:32b=20GiB", "--load-time", "0s")
+    try:
+        toml = (
+            '[services.chat]\nhost = "sim"\nlauncher = "ollama"\nmodel = "qwen3:32b"\n'
+            'memory = "20GiB"\nidle_timeout = "1s"\nstop_timeout = "1s"\n'
+        )
+        cfg = host.write_config(toml)
+        cfg.write_text(
+            cfg.read_text().replace("[hosts.sim]\n", f'[hosts.sim]\nollama = "{srv.url}"\n')
+        )
+        assert gpuctl(cfg, "ensure", "chat", "--json").returncode == 0
+        store = DirectStore(host.state_dir)
+        h = holder_here("in_use")  # this process: alive while the test runs
+        assert store.inflight_begin("chat", h, 30)[0]
+        store.inflight_end("chat", h.id, 30.0)  # as in_use.aexit_lingering(30) leaves it
+        assert "chat" in store.lingering()
+        idle_past(host, "chat", 1.0)
+        r = gpuctl(cfg, "reclaim")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "lingering in-flight entry" in r.stdout, r.stdout
+        assert read_record(host, "chat")["phase"] == "running", r.stdout
+    finally:
+        srv.kill()

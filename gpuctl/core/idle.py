@@ -127,14 +127,17 @@ def free_action(f: IdleFacts) -> Action:
     return Action.SLEEP if f.stop == "sleep" else Action.STOP
 
 
+def needs_lingering(f: IdleFacts, now: float) -> bool:
+    """Whether the store's lingering entries must be read before judging (only for a
+    running managed service past its timeout, with no lease), whatever its launcher."""
+    return f.managed and f.phase is Phase.RUNNING and f.lease is None and past_timeout(f, now)
+
+
 def needs_in_flight(f: IdleFacts, now: float) -> bool:
-    """Whether the server's in-flight requests must be read before judging (only for a
-    running managed service past its timeout, with no lease: one read per candidate)."""
+    """Whether the server's in-flight requests must be read before judging (as
+    ``needs_lingering``: one read per candidate)."""
     return (
-        f.managed
-        and f.phase is Phase.RUNNING
-        and f.lease is None
-        and past_timeout(f, now)
+        needs_lingering(f, now)
         and f.launcher != "ollama"  # Ollama has no such metric: the store's counts alone
     )
 

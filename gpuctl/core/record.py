@@ -312,7 +312,9 @@ INFLIGHT_TTL_MAX_S = 30.0
 # plans), but reclaim keeps the service and a preemption waits until it lapses, and
 # its holder may turn it back into a counted entry even while a stop holds the
 # service's lease (``adapters.store.inflight``): so a request its holder sent on its
-# strength is never cut by a stop that did not wait for it.
+# strength is never cut by a stop that did not wait for it. Never the other way under
+# a stop: an entry ended then does not linger (a stop reads the lingering entries, then
+# the counts, and must find in the second whatever left the first).
 LINGER_ENTRY = "linger"
 RECLAIM_TTL_MAX_S = 15 * 60.0
 ADMISSION_TTL_MAX_S = 10.0

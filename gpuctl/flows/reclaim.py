@@ -34,7 +34,14 @@ from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.heal import Repair, ServerTruth
-from gpuctl.core.idle import Action, Candidate, IdleFacts, judge, needs_in_flight
+from gpuctl.core.idle import (
+    Action,
+    Candidate,
+    IdleFacts,
+    judge,
+    needs_in_flight,
+    needs_lingering,
+)
 from gpuctl.core.pool import gathered
 from gpuctl.core.record import RECLAIM_TTL_MAX_S, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
@@ -269,15 +276,14 @@ def _facts(
         has_handle=bool(rec.handle),
         store_in_flight=in_flight.get(svc.name, 0),
     )
-    if needs_in_flight(f, now):
+    if needs_lingering(f, now):
         try:
             # A lingering entry (``core.record.LINGER_ENTRY``): a proxy may send it a
-            # request without counting it first, so it is not stopped while one stands.
-            f = replace(
-                f,
-                store_lingering_s=lingering.of(svc.name),
-                server_in_flight=rh.server_in_flight(svc),
-            )
+            # request without counting it first, so it is not stopped while one stands
+            # (an Ollama model is not unloaded either).
+            f = replace(f, store_lingering_s=lingering.of(svc.name))
+            if needs_in_flight(f, now):
+                f = replace(f, server_in_flight=rh.server_in_flight(svc))
         except GpuctlError as e:
             f = replace(f, in_flight_error=e.message)
     return f
@@ -321,14 +327,12 @@ def _free(
         # Under the lease: the record it came with is fresh (a touch before it counts,
         # none after it does), and any in_use that began before it is in the counts.
         now = deps.clock()
-        f = _facts(
-            svc,
-            replace(rec, lease=None),
-            rh.store.inflight(),
-            now,
-            rh,
-            lingering=_Lingering(rh.store),
-        )
+        # The lingering entries before the counts: under the lease an entry may turn
+        # from lingering to counted, never back (``Store.inflight_end``), so a request
+        # its holder counts between the two reads is in the second.
+        lingering = _Lingering(rh.store)
+        lingering.of(svc.name)
+        f = _facts(svc, replace(rec, lease=None), rh.store.inflight(), now, rh, lingering=lingering)
         if snap is not None:
             f = _where(f, svc, rh.host, snap, deps.machine.here)
         again = judge(f, now)

@@ -226,13 +226,19 @@ class ServiceUse:
 
     async def _extend(self, kept: float) -> None:
         """The entry's term starts again (the proxy's trust too) if the store takes it
-        well before the entry lapses, and the record still runs since ``kept``."""
+        before the entry lapses, and the record still runs since ``kept``."""
         t0 = time.monotonic()
-        if t0 >= self.trusted_until + TRUST_MARGIN_S / 2:
+        # The entry lapses no sooner than this (it was written after the trust began).
+        lapses = self.trusted_until + TRUST_MARGIN_S
+        if t0 >= lapses - TRUST_MARGIN_S / 2:
             return  # it may lapse before the write lands: the trust ends as it stood
         async with self.lock:
             if self.held or not await self.use.aextend_lingering(self.trust_s + TRUST_MARGIN_S):
                 return
+        if time.monotonic() >= lapses:
+            # Answered late (a slow store): it may have landed after the entry lapsed,
+            # which the store does not bring back. The trust ends as it stood.
+            return
         rec = self.use.record
         if rec is not None and rec.phase is Phase.RUNNING and rec.since == kept:
             self.trusted_until = max(self.trusted_until, t0 + self.trust_s)

@@ -124,7 +124,9 @@ class Store(Protocol):
 
     def inflight_end(self, service: str, holder_id: str, linger_s: float = 0.0) -> Record:
         """``holder_id`` has nothing in flight on ``service`` any more; ``linger_s``: its
-        entry stays that long as a lingering one (``core.record.LINGER_ENTRY``)."""
+        entry stays that long as a lingering one (``core.record.LINGER_ENTRY``), unless a
+        stop holds the lease (the record returned says so): then a counted entry ends
+        and a lingering one stands as it is."""
         ...
 
     def inflight(self) -> dict[str, int]:

@@ -128,25 +128,35 @@ class InflightFiles:
     def inflight_end(self: _Files, service: str, holder_id: str, linger_s: float = 0.0) -> Record:
         """``holder_id`` has nothing in flight any more (its 1 → 0): the idle clock starts.
         ``linger_s``: its live entry (counted, or lingering already) stays that long from
-        now as a lingering one (``LINGER_ENTRY``); a lapsed one is not brought back."""
+        now as a lingering one (``LINGER_ENTRY``); a lapsed one is not brought back.
+
+        Never while a stop holds the lease (the record returned says so: ``stopping``):
+        then a counted entry ends, and a lingering one stands as it is. A stop reads the
+        lingering entries, then the counts: under its lease an entry may turn from
+        lingering to counted (its holder's request), never back, so a request counted
+        after the first read is in the second."""
         _check_ttl(linger_s)
         lock = self._locked(service)
         try:
+            rec = self._read(service)
+            stops = stopping(self._effective(rec)[0])
             path = self._entry_path(service, holder_id)
             with contextlib.suppress(FileNotFoundError), self._entries(service) as folder:
                 now = self.clock()
                 entry = _read_entry(folder, path.name, now) if linger_s else None
-                if (
+                live = (
                     entry is not None
                     and judged_here(entry, now, INFLIGHT_TTL_MAX_S)[0] is LeaseState.LIVE
-                ):
+                )
+                if live and stops and entry is not None and entry.entry == LINGER_ENTRY:
+                    pass  # lingering under a stop: it lapses as it stands
+                elif live and not stops and entry is not None:
                     # Counted, or lingering already (then its term starts again).
                     soft = replace(entry, entry=LINGER_ENTRY, granted=now, expires=now + linger_s)
                     self._write_entry(service, soft)
                 else:
                     folder.unlink(path.name)
-            rec = self._read(service)
-            if not stopping(self._effective(rec)[0]):
+            if not stops:
                 rec = rec.touched(self.clock())
                 self._write(replace(rec, recovered=None))
             return self._effective(rec)[0]
@@ -223,7 +233,10 @@ def _scan(store: _Files) -> tuple[dict[str, int], dict[str, float]]:
                 state, why = judged_here(entry, now, INFLIGHT_TTL_MAX_S)
                 if state is LeaseState.LIVE:
                     if entry.entry == LINGER_ENTRY:
-                        left = entry.expires - now
+                        # Told within its documented term (a step of the clock, or
+                        # the slack a term is allowed, may leave a little more): a
+                        # reader refuses a longer one. It is read again, not waited out.
+                        left = min(entry.expires - now, INFLIGHT_TTL_MAX_S)
                         lingering[service] = max(lingering.get(service, 0.0), left)
                     else:
                         n += 1

@@ -93,7 +93,8 @@ class Room:
     ``made``: the victims are stopped and the work fits now (or answers: ``ready``);
     ``stale``: the plan went stale before anything was stopped (a victim's lease was
     taken, or it changed): look again; ``failed``: a stop failed; ``timeout``: the memory
-    did not come back in time; ``unknown``: the host could not be read (``verdict``).
+    did not come back in time, or a victim's lingering entry still stood at the deadline
+    (then nothing was stopped); ``unknown``: the host could not be read (``verdict``).
     """
 
     outcome: Literal["made", "ready", "stale", "failed", "timeout", "unknown"]
@@ -145,7 +146,15 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
         # may send its next request without counting it first) is waited for, up to
         # the entry's term: a request sent on its strength counts itself again, even
         # under these leases, and makes the plan stale below.
-        _wait_lingering(deps, [t.name for t in taken])
+        # Out of time with one still standing: nothing is stopped (its holder may still
+        # send a request on its strength, which a stop now would cut).
+        lingers = _wait_lingering(deps, [t.name for t in taken])
+        if lingers:
+            return Room(
+                "timeout",
+                reason=f"{lingers}'s lingering in-flight entry did not lapse in time "
+                "(a proxy may still send it a request): nothing was stopped",
+            )
         # Under the leases: a victim must still run its recorded server, and nothing may
         # be in flight (an in_use that began before the lease is counted; none begins
         # after it, but a lingering holder's).
@@ -225,15 +234,18 @@ def _stop_victims(deps: RoomDeps, victims: list[Victim], snapshot: Snapshot | No
                 deps.store.release(t.name, t.holder.id)
 
 
-def _wait_lingering(deps: RoomDeps, victims: list[str]) -> None:
+def _wait_lingering(deps: RoomDeps, victims: list[str]) -> str | None:
     """Wait until no victim has a lingering in-flight entry (each lapses within
-    ``INFLIGHT_TTL_MAX_S``), or the deadline."""
+    ``INFLIGHT_TTL_MAX_S``); at the deadline, the first victim whose entry still stands
+    (None: none does)."""
     while True:
-        left = [s for name, s in deps.store.lingering().items() if name in victims]
-        wait = min(max(left, default=0.0), deps.deadline - deps.clock())
-        if wait <= 0:
-            return
-        deps.sleep(min(wait, LINGER_POLL_S))
+        left = {n: s for n, s in deps.store.lingering().items() if n in victims and s > 0}
+        if not left:
+            return None
+        room = deps.deadline - deps.clock()
+        if room <= 0:
+            return min(left)
+        deps.sleep(min(max(left.values()), room, LINGER_POLL_S))
 
 
 def _wait_for_memory(deps: RoomDeps, room: Room) -> Room:
