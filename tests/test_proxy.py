@@ -675,13 +675,10 @@ def test_preemption_by_policy_and_never_under_a_stream(host: SimHost) -> None:
     assert rec["phase"] == "preempted"
 
 
-def test_a_preemption_waits_for_a_lingering_entry_and_never_cuts_what_it_let_in(
-    host: SimHost,
-) -> None:
-    """A preemption (from another caller than the proxy) whose victim's entry lingers
-    waits for it: a request the proxy sends meanwhile, before its count is written, is
-    counted even under the preemption's lease, which then leaves the victim alone. Once
-    nothing lingers nor runs, the victim is preempted."""
+def _lingering_batch(host: SimHost) -> tuple[str, str, Path, Proxy, DirectStore]:
+    """A batch (priority 50) used once through a proxy, its entry lingering now, and a
+    service that may preempt it (priority 100): their names, the config, the proxy and
+    the host's store."""
     batch, pre = unique_name("pxb"), unique_name("pxp")
     pb, pp = free_port(), free_port()
     conf = host.write_config(
@@ -693,6 +690,17 @@ def test_a_preemption_waits_for_a_lingering_entry_and_never_cuts_what_it_let_in(
     post = proxy.v1 + "/chat/completions"
     assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
     wait_until("the batch's entry to linger", lambda: batch in store.lingering())
+    return batch, pre, conf, proxy, store
+
+
+def test_a_preemption_waits_for_a_lingering_entry_and_never_cuts_what_it_let_in(
+    host: SimHost,
+) -> None:
+    """A preemption (from another caller than the proxy) whose victim's entry lingers
+    waits for it: a request the proxy sends meanwhile, before its count is written, is
+    counted even under the preemption's lease, which then leaves the victim alone. Once
+    nothing lingers nor runs, the victim is preempted."""
+    batch, pre, conf, proxy, store = _lingering_batch(host)
 
     ensure = subprocess.Popen(
         [gpuctl_exe(), "ensure", pre, "--json", "--timeout", "90s"],
@@ -738,17 +746,7 @@ def test_a_preemption_out_of_time_before_a_lingering_entry_lapses_stops_nothing(
     """A preemption whose deadline comes while a victim's entry still lingers stops
     nothing: the proxy may still send that victim a request on the entry's strength,
     which a stop after the deadline would cut."""
-    batch, pre = unique_name("pxb"), unique_name("pxp")
-    pb, pp = free_port(), free_port()
-    conf = host.write_config(
-        svc(batch, pb, memory="30GiB", load="0s", extra="priority = 50")
-        + svc(pre, pp, memory="80GiB", load="0s", extra="priority = 100\npreempt = true")
-    )
-    proxy = Proxy(host, conf)
-    store = DirectStore(host.state_dir)
-    post = proxy.v1 + "/chat/completions"
-    assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
-    wait_until("the batch's entry to linger", lambda: batch in store.lingering())
+    batch, pre, conf, proxy, store = _lingering_batch(host)
     r = subprocess.run(
         [gpuctl_exe(), "ensure", pre, "--json", "--timeout", "1s"],
         env={**host.env(), **cli_env(conf)}, capture_output=True, text=True, timeout=120,
@@ -759,7 +757,12 @@ def test_a_preemption_out_of_time_before_a_lingering_entry_lapses_stops_nothing(
     assert len(sim_claims(host, batch)) == 1 and sim_claims(host, pre) == [], r.stdout
     assert store.get(batch).phase.value == "running", r.stdout
     # The proxy's trust still stands: its next request goes to the batch at once.
-    assert httpx.post(post, json={"model": batch, "messages": MSG}, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            proxy.v1 + "/chat/completions", json={"model": batch, "messages": MSG}, timeout=60
+        ).status_code
+        == 200
+    )
 
 
 def _served(host: SimHost, name: str) -> list[dict[str, float]]:

@@ -296,21 +296,25 @@ def test_stop_sleep_puts_it_to_sleep_and_ensure_wakes_it(host: SimHost, svc: str
     assert read_record(host, svc)["phase"] == "running"
 
 
+def _ollama_chat(host: SimHost, srv: SimOllama) -> Path:
+    """A config whose ``chat`` is ``srv``'s qwen3:32b (a 1 s idle timeout), ensured."""
+    toml = (
+        '[services.chat]\nhost = "sim"\nlauncher = "ollama"\nmodel = "qwen3:32b"\n'
+        'memory = "20GiB"\nidle_timeout = "1s"\nstop_timeout = "1s"\n'
+    )
+    cfg = host.write_config(toml)
+    cfg.write_text(cfg.read_text().replace("[hosts.sim]\n", f'[hosts.sim]\nollama = "{srv.url}"\n'))
+    assert gpuctl(cfg, "ensure", "chat", "--json").returncode == 0
+    return cfg
+
+
 def test_ollama_models_are_unloaded_and_a_failed_unload_is_exit_1(
     host: SimHost, tmp_path: Path, closing: Closing
 ) -> None:
     srv = SimOllama(host.sim_dir, tmp_path, "-m", "qwen3:32b=20GiB", "--load-time", "0s",
                     "--token-delay", "50ms")  # fmt: skip
     try:
-        toml = (
-            '[services.chat]\nhost = "sim"\nlauncher = "ollama"\nmodel = "qwen3:32b"\n'
-            'memory = "20GiB"\nidle_timeout = "1s"\nstop_timeout = "1s"\n'
-        )
-        cfg = host.write_config(toml)
-        cfg.write_text(
-            cfg.read_text().replace("[hosts.sim]\n", f'[hosts.sim]\nollama = "{srv.url}"\n')
-        )
-        assert gpuctl(cfg, "ensure", "chat", "--json").returncode == 0
+        cfg = _ollama_chat(host, srv)
         assert "qwen3:32b" in srv.ps()
         # A request straight to Ollama, which gpuctl cannot see (Ollama has no metric
         # of requests in flight): the unload waits for it, past stop_timeout: exit 1.
@@ -350,15 +354,7 @@ def test_an_ollama_model_is_kept_while_a_lingering_entry_stands(
     in-flight metric does not make the store's lingering entries go unread."""
     srv = SimOllama(host.sim_dir, tmp_path, "-m", "qwen3:32b=20GiB", "--load-time", "0s")
     try:
-        toml = (
-            '[services.chat]\nhost = "sim"\nlauncher = "ollama"\nmodel = "qwen3:32b"\n'
-            'memory = "20GiB"\nidle_timeout = "1s"\nstop_timeout = "1s"\n'
-        )
-        cfg = host.write_config(toml)
-        cfg.write_text(
-            cfg.read_text().replace("[hosts.sim]\n", f'[hosts.sim]\nollama = "{srv.url}"\n')
-        )
-        assert gpuctl(cfg, "ensure", "chat", "--json").returncode == 0
+        cfg = _ollama_chat(host, srv)
         store = DirectStore(host.state_dir)
         h = holder_here("in_use")  # this process: alive while the test runs
         assert store.inflight_begin("chat", h, 30)[0]
