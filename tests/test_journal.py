@@ -51,21 +51,6 @@ def test_events_round_trip_redacted_and_bounded(tmp_path: Path) -> None:
         event_from_dict({**e.to_dict(), "extra": 1})
 
 
-def test_a_state_folder_not_made_yet_is_made_by_the_journal(tmp_path: Path) -> None:
-    # An agent started with a new --state-dir prunes before any store write: that pass
-    # and the first event make the folder (the store's modes) instead of failing.
-    state = tmp_path / "new" / "state"
-    before = jmod.failures()
-    j = Journal(state)
-    assert j.maintain() == 0
-    assert state.is_dir() and (state / "records").is_dir()
-    assert (state.stat().st_mode & 0o777) == 0o700
-    assert j.write(ev(1.0, Kind.ADMIT, "a"))
-    assert [e.kind for _, e in j.read(0.0)] == [Kind.ADMIT]
-    assert jmod.failures() == before
-    j.close()
-
-
 def test_the_journal_is_made_with_the_stores_modes(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)

@@ -36,10 +36,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-from gpuctl.adapters.store.files import LINK_SUFFIX, Folder, folder_modes, make_state_dirs
+from gpuctl.adapters.store.files import LINK_SUFFIX, Folder, folder_modes
 from gpuctl.core.events import Event, Kind, event_from_dict
 from gpuctl.core.usage import DAY_S, Held, Key, Tally, day_start, fold
-from gpuctl.errors import StoreError
 
 log = logging.getLogger("gpuctl.journal")
 
@@ -131,14 +130,6 @@ class Journal:
         """The three files, made with the store's modes, none of them a link. A FIFO, a
         socket or a device in place of one is set aside too: SQLite would block on it or
         fail every write, and a group member could so turn the journal off for good."""
-        if not self.state_dir.is_dir():
-            # A state folder nobody has used yet (an agent's first start, its retention
-            # pass before any store write): made as the store makes it, so the journal
-            # works from its first event rather than warning that it cannot be written.
-            try:
-                make_state_dirs(self.state_dir, folder_modes(self.state_dir)[0])
-            except StoreError as e:
-                raise OSError(errno.ENOENT, e.message) from None
         file_mode = folder_modes(self.state_dir)[1]
         with Folder(self.state_dir) as folder:
             for name in _FILES:
