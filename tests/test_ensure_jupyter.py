@@ -209,6 +209,11 @@ def test_caller_killed_between_launch_line_and_record(
         end_in_window(caller, signal.SIGKILL)
         rec = read_record(host, svc)
         assert rec["phase"] == "starting" and rec["start_nonce"] and not rec["handle"]
+        # The terminal runs the typed line on its own time: the server may appear a
+        # moment after its caller died.
+        deadline = time.monotonic() + 30
+        while not server_pids(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
         (first,) = server_pids(server)
 
         r = run_ensure(cfg, rival)
