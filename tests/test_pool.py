@@ -28,7 +28,7 @@ from gpuctl.errors import ConfigError
 from gpuctl.sim.gpu import SimGpu
 from gpuctl.sim.host import SimHost, free_port, sim_hosts
 from tests.conftest import config_env, gpuctl_exe
-from tests.ensure_helpers import kill_servers, model_server_command, unique_name
+from tests.ensure_helpers import kill_servers, model_server_command, run_ensure, unique_name
 
 ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 
@@ -89,14 +89,8 @@ def write_config(
 
 
 def ensure(config: Path, service: str, *args: str, timeout: float = 120) -> tuple[int, Any]:
-    p = subprocess.run(
-        [gpuctl_exe(), "ensure", service, "--json", *args],
-        env=config_env(config),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """``gpuctl ensure --json``: its exit code and its JSON answer."""
+    p = run_ensure(config, service, *args, timeout=timeout)
     try:
         return p.returncode, json.loads(p.stdout)
     except json.JSONDecodeError:

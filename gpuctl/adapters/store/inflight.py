@@ -144,18 +144,17 @@ class InflightFiles:
             with contextlib.suppress(FileNotFoundError), self._entries(service) as folder:
                 now = self.clock()
                 entry = _read_entry(folder, path.name, now) if linger_s else None
-                live = (
-                    entry is not None
-                    and judged_here(entry, now, INFLIGHT_TTL_MAX_S)[0] is LeaseState.LIVE
-                )
-                if live and stops and entry is not None and entry.entry == LINGER_ENTRY:
-                    pass  # lingering under a stop: it lapses as it stands
-                elif live and not stops and entry is not None:
+                if entry is None or judged_here(entry, now, INFLIGHT_TTL_MAX_S)[0] is not (
+                    LeaseState.LIVE
+                ):
+                    folder.unlink(path.name)
+                elif not stops:
                     # Counted, or lingering already (then its term starts again).
                     soft = replace(entry, entry=LINGER_ENTRY, granted=now, expires=now + linger_s)
                     self._write_entry(service, soft)
-                else:
-                    folder.unlink(path.name)
+                elif entry.entry != LINGER_ENTRY:
+                    folder.unlink(path.name)  # counted, under a stop: it ends
+                # else: lingering under a stop, it lapses as it stands
             if not stops:
                 rec = rec.touched(self.clock())
                 self._write(replace(rec, recovered=None))
