@@ -48,8 +48,9 @@ def store_for(
     """The host's store: through its agent, or the files here. ``timeout_s`` bounds each
     agent request (default: the host's timeout, at least ``AGENT_STORE_TIMEOUT_S``: a
     lease call may wait ``LOCK_TIMEOUT_S`` for a file lock on the host, and the agent
-    must have the time to say so, naming the lock, rather than look hung); ``client`` is
-    the command's shared HTTP client."""
+    must have the time to say so, naming the lock, rather than look hung), while reaching
+    the agent takes at most the host's timeout; ``client`` is the command's shared HTTP
+    client."""
     if host.agent:
         token = host.token()
         return AgentStore(
@@ -61,6 +62,7 @@ def store_for(
             host_name=host.name,
             client=client,
             read_token=None if token else host.read_token(),
+            connect_timeout_s=host.timeout_s,
         )
     from gpuctl.adapters.store.direct import DirectStore
     from gpuctl.config.paths import default_state_dir

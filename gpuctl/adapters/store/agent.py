@@ -58,10 +58,15 @@ class AgentStore:
         *,
         client: httpx.Client | None = None,
         read_token: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         """``client``: a command's shared client (``http_clients.http_client``), which the
         command closes; ``read_token``: the host's read-only token, sent when there is no
-        ``token`` (a write with it is refused: 403, an AgentAuthError that says so)."""
+        ``token`` (a write with it is refused: 403, an AgentAuthError that says so);
+        ``connect_timeout_s``: how long reaching the agent may take (default
+        ``timeout_s``). ``timeout_s`` leaves a connected agent the time to wait for a
+        lock on its host and say so; reaching it needs no lock, so an unreachable host
+        (a partition drops the SYN) is told within the host's own timeout."""
         import httpx
 
         from gpuctl.adapters.http_clients import http_client
@@ -71,7 +76,8 @@ class AgentStore:
         self.timeout_s = timeout_s
         self._token = token or None
         self._read_token = self._token or read_token or None
-        self._timeout = httpx.Timeout(timeout_s)
+        self.connect_timeout_s = min(connect_timeout_s or timeout_s, timeout_s)
+        self._timeout = httpx.Timeout(timeout_s, connect=self.connect_timeout_s)
         self._owned = client is None
         self._keeps_promises = True  # until the agent refuses the key (an older one)
         self._keeps_events = True  # likewise, for the journal's events
@@ -111,12 +117,17 @@ class AgentStore:
         read_only = method != "GET" and self._token is None and token is not None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            timeout = self._timeout if timeout_s is None else httpx.Timeout(timeout_s)
+            timeout = (
+                self._timeout
+                if timeout_s is None
+                else httpx.Timeout(timeout_s, connect=min(timeout_s, self.connect_timeout_s))
+            )
             r = self._client.request(
                 method, self.base_url + path, json=body, headers=headers, timeout=timeout
             )
         except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url, timeout_s or self.timeout_s) from None
+            waited = timeout.connect if isinstance(e, httpx.ConnectTimeout) else timeout.read
+            raise transport_error(e, self.base_url, waited or self.timeout_s) from None
         if r.status_code in refused:
             data = _json_or_none(r)
             if isinstance(data, dict) and isinstance(data.get("error"), str):
