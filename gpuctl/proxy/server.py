@@ -148,7 +148,9 @@ def serve(
             access_log=False,  # ours names the service, the model and the wait
             server_header=False,
             proxy_headers=False,
-            log_level=log_level,
+            # uvicorn's INFO lines (started, startup complete, shutting down…) repeat
+            # the proxy's own "listening on" line: they show only with debug.
+            log_level=log_level if log_level in ("warning", "error", "debug") else "warning",
             timeout_graceful_shutdown=5,
             timeout_keep_alive=max(1, round(p.connections.idle_timeout_s)),
             backlog=2048,
