@@ -18,6 +18,12 @@ import pytest
 
 from gpuctl.sim.host import PORTS_ENV, SimHost
 
+# jsonschema imports rfc3987_syntax where it is installed (jupyter-events asks for
+# jsonschema[format-nongpl]), and that builds 38 lark grammars at import: about 1.2 s of
+# CPU in every worker. It serves only the "iri" formats, which no schema here uses
+# (test_schemas checks the formats); without it jsonschema leaves those unchecked.
+sys.modules.setdefault("rfc3987_syntax", None)
+
 _C = TypeVar("_C")
 
 

@@ -442,3 +442,26 @@ def test_docs_point_to_the_schemas() -> None:
         text = page.read_text()
         for name in NAMES:
             assert f"schemas/{name}.schema.json" in text, (page.name, name)
+
+
+def test_every_format_a_schema_names_is_one_the_test_validator_knows() -> None:
+    """conftest keeps jsonschema's "iri" format checks (rfc3987_syntax) out of the test
+    workers; this holds only while no schema here names such a format. Every format the
+    published schemas and both OpenAPI documents name is one jsonschema checks without
+    it, or one OpenAPI defines for file bodies (``binary``), which no validator checks."""
+    from gpuctl.agent.openapi import openapi_document as agent_document
+    from gpuctl.proxy.openapi import openapi_document as proxy_document
+
+    def formats(node: Any) -> set[str]:
+        if isinstance(node, dict):
+            own = {node["format"]} if isinstance(node.get("format"), str) else set()
+            return own.union(*(formats(v) for v in node.values()))
+        if isinstance(node, list):
+            return set().union(*(formats(v) for v in node))
+        return set()
+
+    docs = [json.loads(p.read_text()) for p in sorted(SCHEMAS.glob("*.schema.json"))]
+    docs += [agent_document(), proxy_document(["m"], ["s"])]
+    named = set().union(*(formats(d) for d in docs))
+    assert named, "no format found: the walk is wrong"
+    assert named <= set(FormatChecker().checkers) | {"binary"}, named
