@@ -67,7 +67,6 @@ class AgentStore:
         ``timeout_s``). ``timeout_s`` leaves a connected agent the time to wait for a
         lock on its host and say so; reaching it needs no lock, so an unreachable host
         (a partition drops the SYN) is told within the host's own timeout."""
-        import httpx
 
         from gpuctl.adapters.http_clients import http_client
 
@@ -76,14 +75,20 @@ class AgentStore:
         self.timeout_s = timeout_s
         self._token = token or None
         self._read_token = self._token or read_token or None
-        self.connect_timeout_s = min(connect_timeout_s or timeout_s, timeout_s)
-        self._timeout = httpx.Timeout(timeout_s, connect=self.connect_timeout_s)
+        self.connect_timeout_s = connect_timeout_s or timeout_s
+        self._timeout = self._bounded(timeout_s)
         self._owned = client is None
         self._keeps_promises = True  # until the agent refuses the key (an older one)
         self._keeps_events = True  # likewise, for the journal's events
         # No credentials on the client: each request carries its own (a shared client
         # also talks to health URLs, which must never see the agent's token).
         self._client = client if client is not None else http_client(timeout_s)
+
+    def _bounded(self, timeout_s: float) -> httpx.Timeout:
+        """``timeout_s`` for a request, its connect within ``connect_timeout_s``."""
+        import httpx
+
+        return httpx.Timeout(timeout_s, connect=min(timeout_s, self.connect_timeout_s))
 
     @property
     def token_sent(self) -> bool:
@@ -117,11 +122,7 @@ class AgentStore:
         read_only = method != "GET" and self._token is None and token is not None
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            timeout = (
-                self._timeout
-                if timeout_s is None
-                else httpx.Timeout(timeout_s, connect=min(timeout_s, self.connect_timeout_s))
-            )
+            timeout = self._timeout if timeout_s is None else self._bounded(timeout_s)
             r = self._client.request(
                 method, self.base_url + path, json=body, headers=headers, timeout=timeout
             )
