@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl, gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     big_service,
@@ -163,7 +163,7 @@ def test_a_handle_that_names_no_server_is_no_proof_of_a_stop(
     assert data["handle"]["pid"] == pid and data["start_nonce"]
     data["handle"] = {k: v for k, v in data["handle"].items() if k not in ("pid", "pid_start")}
     plant_record(path, data)
-    s = gpuctl(cfg, "stop", a)
+    s = gpuctl_in_process(cfg, "stop", a)
     assert s.returncode == 0, (s.stdout, s.stderr)
     assert f"pid {pid}" in s.stdout + s.stderr, s.stdout + s.stderr
     deadline = time.monotonic() + 30
@@ -310,7 +310,7 @@ def test_touch_completes_a_start_that_answers(host: SimHost, names: list[str]) -
             pass
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    r = gpuctl(cfg, "touch", a)
+    r = gpuctl_in_process(cfg, "touch", a)
     assert r.returncode == 0, r.stderr
     assert read_record(host, a)["phase"] == "running"
 

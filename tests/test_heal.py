@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl, gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     direct_config,
@@ -121,7 +121,7 @@ def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
     # timeout its record promises (3 s), the agent or `locks` heals it: `locks` no
     # longer shows it starting.
     time.sleep(max(0.0, t_killed + 3.5 - time.time()))
-    r = gpuctl(cfg, "locks", "--json")
+    r = gpuctl_in_process(cfg, "locks", "--json")
     assert r.returncode == 0, r.stderr
     # (Ctrl-C lets the preemptor put its own record back on its way out; kill -9 does not.)
     killed = sig == signal.SIGKILL
@@ -135,7 +135,7 @@ def test_agent_heals_a_killed_preemptors_victim_and_its_own_start(
     assert rows[batch]["repaired"]["repaired"] == note["repaired"]
     assert rows[chat]["phase"] == "stopped" and rows[chat]["lease"] is None
     assert rows[batch]["starts"] == 1  # a repair note is no start
-    r = gpuctl(cfg, "locks")
+    r = gpuctl_in_process(cfg, "locks")
     assert f"{batch}: repaired" in r.stdout.replace("\n", " ")
     # The batch is a victim again: the next --preempt stops it and starts chat once.
     r = run_ensure(cfg, chat, "--preempt")
@@ -154,7 +154,7 @@ def test_without_an_agent_reclaim_heals_and_never_claims_a_resume(
     kill_preemptor_after_mark(cfg, chat, signal.SIGKILL)
     assert read_record(host, batch)["phase"] == "preempted"  # nobody has looked yet
     time.sleep(3.5)  # past chat's health timeout: its promise is abandoned
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"repaired {batch} on sim: preempted -> running" in r.stderr
     assert f"repaired {chat} on sim: starting -> stopped" in r.stderr
@@ -163,7 +163,7 @@ def test_without_an_agent_reclaim_heals_and_never_claims_a_resume(
     assert read_record(host, chat)["phase"] == "stopped"
     assert server_pids(batch) == [batch_pid]
     # Healed once: the next run has nothing to say.
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0 and "repaired" not in r.stderr and "resumed" not in r.stdout
 
 
@@ -191,13 +191,13 @@ def test_a_server_gone_on_its_own_is_stopped_within_a_look(
     os.kill(pid, signal.SIGKILL)  # it ends on its own; its parent is long gone
     until(lambda: server_pids(batch) == [])
     assert read_record(host, batch)["phase"] == "running"
-    r = gpuctl(cfg, "status", "--json")
+    r = gpuctl_in_process(cfg, "status", "--json")
     assert f"repaired {batch} on sim: running -> stopped" in r.stderr
     assert "exit status unknown" in r.stderr
     rec = read_record(host, batch)
     assert rec["phase"] == "stopped" and rec["handle"] is None
     assert "exit status unknown" in repairs(rec)[0]["repaired"]
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert "resumed" not in r.stdout and "repaired" not in r.stderr
 
 
@@ -229,7 +229,7 @@ def test_without_an_agent_a_start_that_answers_moves_on_when_anyone_looks(
 
     until(answers)
     assert read_record(host, batch)["phase"] == "starting"
-    r = gpuctl(cfg, "locks")
+    r = gpuctl_in_process(cfg, "locks")
     assert r.returncode == 0, r.stderr
     assert f"repaired {batch} on sim: starting -> running: its server answers" in r.stderr
     assert read_record(host, batch)["phase"] == "running"

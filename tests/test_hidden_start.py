@@ -163,7 +163,7 @@ def test_a_lease_taken_after_the_set_aside_ends_the_doubt(w: World) -> None:
 
 @pytest.mark.e2e
 def test_status_and_ensure_through_the_agent(sim_host: Any) -> None:
-    from tests.conftest import gpuctl
+    from tests.conftest import gpuctl, gpuctl_in_process
     from tests.ensure_helpers import launches_in_log, service_toml, unique_name
 
     name = unique_name("llmh")
@@ -172,7 +172,7 @@ def test_status_and_ensure_through_the_agent(sim_host: Any) -> None:
     records.mkdir(parents=True, exist_ok=True)
     (records / f"{name}.json").write_text("{not json")
 
-    status = gpuctl(cfg, "status", "--json")
+    status = gpuctl_in_process(cfg, "status", "--json")
     assert status.returncode == 0, status.stderr  # the host answered
     (svc,) = json.loads(status.stdout)["services"]
     assert svc["decision"] == "UNKNOWN", svc

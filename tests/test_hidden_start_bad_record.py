@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl
+from tests.conftest import gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     big_service,
@@ -88,7 +88,7 @@ def test_an_undecodable_record_of_a_loading_server_hides_nothing(
     assert server_pids(server) == [pid], "started twice"
     assert launches_in_log(host.state_dir / "logs" / f"{a}.log") == 1
 
-    s = gpuctl(cfg, "stop", a)
+    s = gpuctl_in_process(cfg, "stop", a)
     said = s.stdout + s.stderr
     assert "nothing of it was running" not in said, said
     if s.returncode == 0:  # found by its start nonce (kept from the broken file): stopped
@@ -119,7 +119,7 @@ def test_a_pre_nonce_record_with_one_bad_handle_field_is_never_idle(
     (pid,) = server_pids(server)
 
     def row() -> dict[str, Any]:
-        s = gpuctl(cfg, "status", "--json")
+        s = gpuctl_in_process(cfg, "status", "--json")
         assert s.stdout, s.stderr
         (got,) = [v for v in json.loads(s.stdout)["services"] if v["name"] == a]
         return got

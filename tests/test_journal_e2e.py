@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     cli_env,
     direct_config,
@@ -58,7 +58,7 @@ def gpuctl(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedP
 
 
 def events_json(cfg: Path, *args: str) -> list[dict[str, Any]]:
-    r = gpuctl(cfg, "events", "--since", "1h", "--json", *args)
+    r = gpuctl_in_process(cfg, "events", "--since", "1h", "--json", *args)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
     schema = json.loads((ROOT / "schemas" / "events.schema.json").read_text())
@@ -93,7 +93,7 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
         time.sleep(1.5)  # chat idle past its 1 s timeout
         deadline = time.time() + 60
         while True:
-            r = gpuctl(cfg, "reclaim")
+            r = gpuctl_in_process(cfg, "reclaim")
             assert r.returncode == 0, r.stdout + r.stderr
             if f"resumed {photos}" in r.stdout:
                 break
@@ -153,14 +153,14 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
         assert ready["figures"]["cold_start_s"] > 0
 
         # The lines, newest last, in words.
-        r = gpuctl(cfg, "events", "--since", "1h", "--service", chat)
+        r = gpuctl_in_process(cfg, "events", "--since", "1h", "--service", chat)
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert f"{chat} stopped: idle" in lines[-1], lines
         assert all(chat in line for line in lines)
 
         # Usage: the preemption counted for both sides; budgets known.
-        r = gpuctl(cfg, "usage", "--since", "1d", "--json")
+        r = gpuctl_in_process(cfg, "usage", "--since", "1d", "--json")
         assert r.returncode == 0, r.stderr
         usage = json.loads(r.stdout)
         schema = json.loads((ROOT / "schemas" / "usage.schema.json").read_text())
@@ -174,7 +174,9 @@ def test_the_scenario_tells_its_story(host: SimHost) -> None:
         assert rows[chat]["cold_starts"] == 1
 
         # The agent's counters.
-        metrics = gpuctl(cfg, "status", "--json")  # keeps the agent warm; never reads the journal
+        metrics = gpuctl_in_process(
+            cfg, "status", "--json"
+        )  # keeps the agent warm; never reads the journal
         assert metrics.returncode in (0, 3), metrics.stderr
         import httpx
 
@@ -199,7 +201,7 @@ def test_direct_host_journals_and_reads_without_an_agent(host: SimHost) -> None:
     try:
         r = run_ensure(cfg, name)
         assert r.returncode == 0, r.stdout + r.stderr
-        r = gpuctl(cfg, "stop", name)
+        r = gpuctl_in_process(cfg, "stop", name)
         assert r.returncode == 0, r.stderr
         kinds = [(e["kind"], e.get("cause")) for e in events_json(cfg, "--service", name)]
         assert kinds == [("admit", None), ("launch", None), ("ready", None), ("stop", "manual")]
@@ -259,7 +261,7 @@ def test_32_racing_ensures_through_the_agent_lose_and_duplicate_no_event(host: S
     )
     try:
         deadline = time.time() + 60
-        while squatter not in gpuctl(cfg, "status", "--json").stdout:
+        while squatter not in gpuctl_in_process(cfg, "status", "--json").stdout:
             assert time.time() < deadline, "the 20 GiB process never showed"
             time.sleep(0.2)
         procs = [spawn_ensure(cfg, fits if i % 2 else too_big) for i in range(32)]
@@ -314,7 +316,7 @@ def test_a_no_wait_start_the_agent_completes_tells_its_ready(host: SimHost) -> N
         ready = next(e for _, e in _journaled(host, name) if e["kind"] == "ready")
         assert ready["before"] == "starting" and ready["after"] == "running"
         assert ready["figures"]["cold_start_s"] > 0
-        r = gpuctl(cfg, "usage", "--since", "1d", "--json")
+        r = gpuctl_in_process(cfg, "usage", "--since", "1d", "--json")
         assert r.returncode == 0, r.stderr
         rows = {row["key"]: row for row in json.loads(r.stdout)["rows"]}
         assert rows[name]["cold_starts"] == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Closing, gpuctl
+from tests.conftest import Closing, gpuctl, gpuctl_in_process
 from tests.ollama_helpers import SimOllama, claims_mib
 
 GIB = 1024
@@ -39,7 +39,7 @@ def test_ensure_loads_the_model_once_status_shows_it_and_stop_unloads_it(
 ) -> None:
     config, srv = setup
     sim_dir = tmp_path / "sim"
-    st = gpuctl(config, "status", "--json")
+    st = gpuctl_in_process(config, "status", "--json")
     assert st.returncode == 0, st.stderr
     (svc,) = json.loads(st.stdout)["services"]
     assert svc["decision"] == "IDLE"
@@ -56,16 +56,16 @@ def test_ensure_loads_the_model_once_status_shows_it_and_stop_unloads_it(
     assert again["outcome"] == "ready" and not again.get("launched")
     assert srv.output().count("INFO loading qwen3:32b") == 1
 
-    st = json.loads(gpuctl(config, "status", "--json").stdout)
+    st = json.loads(gpuctl_in_process(config, "status", "--json").stdout)
     (svc,) = st["services"]
     assert svc["decision"] == "READY"
     assert svc["memory_mib"] == 20 * GIB  # from /api/ps: Ollama's model has no process
 
-    stop = gpuctl(config, "stop", "qwen")
+    stop = gpuctl_in_process(config, "stop", "qwen")
     assert stop.returncode == 0, stop.stderr
     assert srv.ps() == {}
     assert claims_mib(sim_dir) == {}
-    st = json.loads(gpuctl(config, "status", "--json").stdout)
+    st = json.loads(gpuctl_in_process(config, "status", "--json").stdout)
     assert st["services"][0]["decision"] == "IDLE"
 
 
@@ -163,7 +163,7 @@ def test_through_the_proxy_a_list_loads_nothing_and_status_counts_all_ollama_hol
         client.generate(model="small:1b", prompt="hi")  # any model Ollama has
         assert set(srv.ps()) == {"qwen3:32b", "small:1b"}
 
-        st = json.loads(gpuctl(config, "status", "--json").stdout)
+        st = json.loads(gpuctl_in_process(config, "status", "--json").stdout)
         (svc,) = st["services"]
         assert svc["memory_mib"] == 3 * GIB, svc
     finally:

@@ -19,7 +19,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import Closing, gpuctl
+from tests.conftest import Closing, gpuctl_in_process
 from tests.ensure_helpers import kill_servers, unique_name
 from tests.proxy_helpers import Proxy
 from tests.test_pool import claims, ensure, hold, sim_pool, write_config
@@ -115,7 +115,7 @@ def test_a_copy_ready_on_the_second_host_is_answered_and_counted_there(
     assert inflight(pool[1]) == {service: 1}
     assert inflight(pool[0]) == {}
     time.sleep(1.5)  # past idle_timeout since the request began
-    r = gpuctl(config, "reclaim", "--json")
+    r = gpuctl_in_process(config, "reclaim", "--json")
     assert r.returncode == 0, r.stderr
     t.join(60)
     assert got[-1] == "[DONE]" and len([p for p in got if p]) == 251, got[-3:]
@@ -125,7 +125,7 @@ def test_a_copy_ready_on_the_second_host_is_answered_and_counted_there(
     # Idle now: the same reclaim stops it on b (so it looked there, and spared it for
     # the stream's count alone).
     time.sleep(1.5)
-    r = gpuctl(config, "reclaim")
+    r = gpuctl_in_process(config, "reclaim")
     assert r.returncode == 0, r.stderr
     wait_until("the idle copy on b to stop", lambda: claims(pool[1], service) == [])
     assert claims(pool[0], service) == []
@@ -149,7 +149,7 @@ def test_the_copy_gone_from_b_the_next_request_starts_it_where_ensure_picks(
     assert proxy.metric("gpuctl_proxy_cold_starts_total", service) == 1
 
     # The copy stops on b, a is freed and b filled: the pool's pick is a now.
-    r = gpuctl(config, "stop", service, "--host", "b")
+    r = gpuctl_in_process(config, "stop", service, "--host", "b")
     assert r.returncode == 0, r.stderr + r.stdout
     wait_until("the copy on b to stop", lambda: claims(pool[1], service) == [])
     pool[0].stop(filler_a)
@@ -189,7 +189,7 @@ def test_a_proxy_for_one_host_fronts_that_hosts_copy_of_a_pool_alone(
     assert len(claims(pool[1], service)) == 1 and claims(pool[0], service) == []
 
     # The copy moves to a: b's proxy does not follow it, nor start a second on b.
-    r = gpuctl(config, "stop", service, "--host", "b")
+    r = gpuctl_in_process(config, "stop", service, "--host", "b")
     assert r.returncode == 0, r.stderr + r.stdout
     wait_until("the copy on b to stop", lambda: claims(pool[1], service) == [])
     code, out = ensure(config, service, "--host", "a")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import config_env, gpuctl_exe
+from tests.conftest import config_env, gpuctl_exe, gpuctl_in_process
 from tests.test_pool import ensure, hold, pool, service, write_config
 
 __all__ = ["pool", "service"]  # the fixtures, used by name
@@ -79,12 +79,12 @@ def test_views_group_a_pool_and_touch_finds_its_copy(
     ], rows
     code, one = as_json(config, "locks", "--host", "b")
     assert [(r["host"], r["service"]) for r in one["records"]] == [("b", service)], one
-    text = gpuctl(config, "locks").stdout
+    text = gpuctl_in_process(config, "locks", env={"COLUMNS": "200"}).stdout
     hosts = [line.split()[0] for line in text.splitlines() if service in line]
     assert hosts == POOL, text
 
     # touch without --host: marked on a, where the copy runs, not on c (its first host).
-    p = gpuctl(config, "touch", service)
+    p = gpuctl_in_process(config, "touch", service, env={"COLUMNS": "200"})
     assert (p.returncode, p.stderr.strip()) == (0, f"{service}: marked as used on a"), p.stderr
     records = as_json(config, "locks")[1]["records"]
     used = {r["host"]: r["last_used"] for r in records if r["service"] == service}
@@ -105,15 +105,15 @@ def test_views_group_a_pool_and_touch_finds_its_copy(
     ], plan
     assert next(c for c in plan["candidates"] if c["service"] == "solo")["pool"] is None
     assert services(plan["candidates"]) == [service] * 3 + ["solo"], plan
-    p = gpuctl(config, "reclaim", "--dry-run")
+    p = gpuctl_in_process(config, "reclaim", "--dry-run", env={"COLUMNS": "200"})
     assert p.stdout.startswith(f"would stop {service} on a: idle "), p.stdout
     code, only_b = as_json(config, "reclaim", "--dry-run", "--host", "b")
     assert [c["host"] for c in only_b["candidates"]] == ["b"], only_b
-    p = gpuctl(config, "reclaim")
+    p = gpuctl_in_process(config, "reclaim", env={"COLUMNS": "200"})
     assert p.returncode == 0 and p.stdout.startswith(f"stopped {service} on a: idle"), p.stdout
 
     # touch of a copy that runs nowhere: said, exit 1, with the fix.
-    p = gpuctl(config, "touch", service)
+    p = gpuctl_in_process(config, "touch", service, env={"COLUMNS": "200"})
     assert p.returncode == 1, p.stderr
     assert f"{service} runs on no host of its pool (c, a, b)" in p.stderr, p.stderr
     assert f"hint: `gpuctl ensure {service}` starts it" in p.stderr, p.stderr
@@ -135,7 +135,7 @@ def test_views_group_a_pool_and_touch_finds_its_copy(
 
     # touch with a host of the pool that cannot be asked: UNKNOWN, the line naming it.
     pool[1].close()
-    p = gpuctl(config, "touch", service)
+    p = gpuctl_in_process(config, "touch", service, env={"COLUMNS": "200"})
     assert p.returncode == 4, p.stderr
     assert f"{service}: host b could not be asked, and it may run there" in p.stderr, p.stderr
     assert "hint: " in p.stderr, p.stderr
@@ -172,7 +172,7 @@ def test_locks_shows_a_pools_start_lock_while_it_is_held(
             ("c", service, ["a", "b", "c"]),
         ], rows
         assert locks["records"][2]["lease"]["entry"] == "ensure", locks
-        text = gpuctl(config, "locks").stdout
+        text = gpuctl_in_process(config, "locks", env={"COLUMNS": "200"}).stdout
         assert f"{service} (pool's start lock)" in text, text
     finally:
         store.close()
@@ -184,10 +184,10 @@ def test_config_check_asks_for_no_one_state_dir_for_agents_of_their_own(
     """Three agents on this machine, each with its state dir: no GPUCTL_STATE_DIR could
     match them all, so config check does not ask for one. One such agent: it does."""
     config = write_config(tmp_path / "c.toml", pool, ["a", "b", "c"], service, free_port())
-    p = gpuctl(config, "config", "check")
+    p = gpuctl_in_process(config, "config", "check", env={"COLUMNS": "200"})
     assert p.returncode == 0 and "ok (3 hosts, 1 service)" in p.stdout, p
     assert "GPUCTL_STATE_DIR" not in p.stderr, p.stderr
     one = write_config(tmp_path / "one.toml", pool[:1], ["a"], service, free_port())
-    p = gpuctl(one, "config", "check")
+    p = gpuctl_in_process(one, "config", "check", env={"COLUMNS": "200"})
     assert p.returncode == 0, p
     assert f"set GPUCTL_STATE_DIR={pool[0].state_dir}" in p.stderr, p.stderr

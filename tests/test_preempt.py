@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl, gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -194,14 +194,14 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
     assert run_ensure(cfg, chat).returncode == 0
     assert read_record(host, batch)["phase"] == "preempted"
 
-    r = gpuctl(cfg, "resume", batch, "--json")
+    r = gpuctl_in_process(cfg, "resume", batch, "--json")
     assert r.returncode == 3, r.stdout + r.stderr
     assert json.loads(r.stdout)["decision"] == "BUSY"
     assert len(server_pids(chat)) == 1 and server_pids(batch) == []
     assert read_record(host, batch)["phase"] == "preempted"
 
     # A dry run says it would try; nothing changes.
-    r = gpuctl(cfg, "reclaim", "--dry-run", "--json")
+    r = gpuctl_in_process(cfg, "reclaim", "--dry-run", "--json")
     out = json.loads(r.stdout)
     assert [x["service"] for x in out["resumed"]] == [batch] and out["resumed"][0]["dry_run"]
     assert server_pids(batch) == []
@@ -210,7 +210,7 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
 
     deadline = time.time() + 60
     while True:  # past the chat's idle timeout of 2 s
-        r = gpuctl(cfg, "reclaim", "--json")
+        r = gpuctl_in_process(cfg, "reclaim", "--json")
         out = json.loads(r.stdout)
         assert r.returncode == 0, r.stdout + r.stderr
         if out["resumed"] and out["resumed"][0]["started"]:
@@ -222,5 +222,5 @@ def test_resume_command_and_reclaim_bring_the_batch_back(
     assert read_record(host, batch)["phase"] in ("starting", "running")
     assert launches_in_log(log_of(host, batch)) == 2
     # Text output for cron: one line per action.
-    r = gpuctl(cfg, "resume", batch)
+    r = gpuctl_in_process(cfg, "resume", batch)
     assert r.returncode == 0, r.stdout + r.stderr

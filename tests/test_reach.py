@@ -27,7 +27,7 @@ from gpuctl.adapters.launchers.process import ProcessLauncher
 from gpuctl.config import ServiceConfig
 from gpuctl.errors import ExitCode, Unproven
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl
+from tests.conftest import gpuctl, gpuctl_in_process
 from tests.ensure_helpers import agent_host, read_record, server_pids, unique_name
 from tests.test_launcher_process import DUMP_ENV, read_env
 from tests.test_reclaim import idle_past, started
@@ -75,7 +75,7 @@ def test_stop_of_a_forged_record_signals_nothing_and_reports_it(
     try:
         # The attacker copies the real server's proof; the sleep does not carry it.
         forge(host, svc, pointed_at(sleeper.pid, proof=real["proof"]))
-        r = gpuctl(cfg, "stop", svc)
+        r = gpuctl_in_process(cfg, "stop", svc)
         assert r.returncode == ExitCode.UNKNOWN, r.stderr
         assert f"{svc}: pid {sleeper.pid} is not the server its record names" in r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 2
@@ -86,16 +86,16 @@ def test_stop_of_a_forged_record_signals_nothing_and_reports_it(
         # A record from before the proof (none): reported, never signalled, even when
         # it names the real server.
         forge(host, svc, {k: v for k, v in real.items() if k != "proof"})
-        r = gpuctl(cfg, "stop", svc)
+        r = gpuctl_in_process(cfg, "stop", svc)
         assert r.returncode == ExitCode.UNKNOWN and "has no proof" in r.stderr, r.stderr
         assert server_pids(svc) == [real["pid"]]
         # Its own record: stopped.
         forge(host, svc, real)
-        r = gpuctl(cfg, "stop", svc)
+        r = gpuctl_in_process(cfg, "stop", svc)
         assert r.returncode == 0, r.stderr
         assert server_pids(svc) == []
     finally:
-        gpuctl(cfg, "stop", svc)
+        gpuctl_in_process(cfg, "stop", svc)
 
 
 def test_a_record_copied_from_another_service_never_stops_that_server(
@@ -126,21 +126,21 @@ def test_a_record_copied_from_another_service_never_stops_that_server(
         marks = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
         assert f"GPUCTL_START_SERVICE={b}".encode() in marks
         forge(host, a, theirs)
-        r = gpuctl(cfg, "stop", a)
+        r = gpuctl_in_process(cfg, "stop", a)
         assert r.returncode == ExitCode.UNKNOWN, r.stderr
         assert "is not the server its record names" in r.stderr, r.stderr
         time.sleep(0.3)
         assert server_pids(b) == [victim]
         idle_past(host, a, 1.0)
-        r = gpuctl(cfg, "reclaim", "--json")
+        r = gpuctl_in_process(cfg, "reclaim", "--json")
         (c,) = [c for c in json.loads(r.stdout)["candidates"] if c["service"] == a]
         assert not c["done"] and "is not the server its record names" in c["error"], c
         time.sleep(0.3)
         assert server_pids(b) == [victim]
         forge(host, a, real_a)
     finally:
-        gpuctl(cfg, "stop", a)
-        gpuctl(cfg, "stop", b)
+        gpuctl_in_process(cfg, "stop", a)
+        gpuctl_in_process(cfg, "stop", b)
 
 
 def test_reclaim_of_a_forged_record_signals_nothing(
@@ -152,7 +152,7 @@ def test_reclaim_of_a_forged_record_signals_nothing(
     try:
         forge(host, svc, pointed_at(sleeper.pid, proof=real["proof"]))
         idle_past(host, svc, 1.0)
-        r = gpuctl(cfg, "reclaim", "--json")
+        r = gpuctl_in_process(cfg, "reclaim", "--json")
         (c,) = [c for c in json.loads(r.stdout)["candidates"] if c["service"] == svc]
         assert not c["done"] and "is not the server its record names" in c["error"], c
         time.sleep(0.3)
@@ -160,7 +160,7 @@ def test_reclaim_of_a_forged_record_signals_nothing(
         assert read_record(host, svc)["handle"]["pid"] == sleeper.pid
     finally:
         forge(host, svc, real)
-        gpuctl(cfg, "stop", svc)
+        gpuctl_in_process(cfg, "stop", svc)
 
 
 def test_the_process_launcher_proves_before_it_signals(

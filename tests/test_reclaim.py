@@ -21,7 +21,7 @@ import pytest
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import Closing, gpuctl
+from tests.conftest import Closing, gpuctl, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -77,7 +77,7 @@ def idle_past(host: SimHost, svc: str, seconds: float) -> None:
 
 
 def reclaim_json(cfg: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    r = gpuctl(cfg, "reclaim", "--json", *args)
+    r = gpuctl_in_process(cfg, "reclaim", "--json", *args)
     return r.returncode, json.loads(r.stdout)
 
 
@@ -88,7 +88,7 @@ def candidate(out: dict[str, Any], svc: str) -> dict[str, Any]:
 
 def test_nothing_to_do_is_silent(host: SimHost, svc: str) -> None:
     cfg = started(host, svc, idle="30m")
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
     code, out = reclaim_json(cfg)
     assert code == 0 and out["schema"] == 1
@@ -96,7 +96,7 @@ def test_nothing_to_do_is_silent(host: SimHost, svc: str) -> None:
     assert c["action"] == "keep" and c["reason"].startswith("idle ") and not c["done"]
     assert len(server_pids(svc)) == 1
     # A person trying --dry-run learns it looked (stderr; stdout stays the actions).
-    dry = gpuctl(cfg, "reclaim", "--dry-run")
+    dry = gpuctl_in_process(cfg, "reclaim", "--dry-run")
     assert (dry.returncode, dry.stdout) == (0, "")
     assert dry.stderr == "nothing to reclaim on sim (1 service checked)\n"
 
@@ -104,11 +104,11 @@ def test_nothing_to_do_is_silent(host: SimHost, svc: str) -> None:
 def test_an_idle_server_is_stopped_with_one_line(host: SimHost, svc: str) -> None:
     cfg = started(host, svc)
     idle_past(host, svc, 1.0)
-    dry = gpuctl(cfg, "reclaim", "--dry-run")
+    dry = gpuctl_in_process(cfg, "reclaim", "--dry-run")
     assert dry.returncode == 0 and dry.stdout.startswith(f"would stop {svc} on sim: idle ")
     assert "nothing to reclaim" not in dry.stderr
     assert len(server_pids(svc)) == 1, "--dry-run changes nothing"
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [f"stopped {svc} on sim: " + r.stdout.split(": ", 1)[1].strip()]
     # Its idle time against the 1 s limit, never read as a contradiction ("1s > 1s"):
@@ -119,7 +119,7 @@ def test_an_idle_server_is_stopped_with_one_line(host: SimHost, svc: str) -> Non
     rec = read_record(host, svc)
     assert rec["phase"] == "stopped" and rec["lease"] is None and rec["handle"] is None
     # Stopped: the next run has nothing to do.
-    again = gpuctl(cfg, "reclaim")
+    again = gpuctl_in_process(cfg, "reclaim")
     assert (again.returncode, again.stdout) == (0, "")
 
 
@@ -158,7 +158,7 @@ def test_a_request_in_flight_is_never_cut_and_the_server_is_touched(
     assert first.wait(20)
     idle_past(host, svc, 1.0)  # the request is older than the idle timeout
     assert t.is_alive()
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"touched {svc} on sim: in flight: 1 request"
     assert len(server_pids(svc)) == 1
@@ -207,7 +207,7 @@ def test_a_lease_held_keeps_it(host: SimHost, svc: str) -> None:
     store = DirectStore(host.state_dir)
     other = holder_here("ensure")
     assert store.acquire(svc, other, 60)[0]
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0
     assert r.stdout.startswith(f"kept {svc} on sim: lease held by ensure pid ")
     assert len(server_pids(svc)) == 1
@@ -220,14 +220,14 @@ def test_one_run_at_a_time_per_host(host: SimHost, svc: str) -> None:
     store = DirectStore(host.state_dir)
     run = holder_here("reclaim")
     assert store.acquire("_reclaim", run, 60)[0]
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
     code, out = reclaim_json(cfg)
     assert code == 0 and out["hosts"][0]["skipped"].startswith("another reclaim runs there")
     assert out["candidates"] == []
     assert len(server_pids(svc)) == 1
     store.release("_reclaim", run.id)
-    assert gpuctl(cfg, "reclaim").stdout.startswith(f"stopped {svc}")
+    assert gpuctl_in_process(cfg, "reclaim").stdout.startswith(f"stopped {svc}")
 
 
 def test_a_host_that_cannot_be_read_is_exit_4_and_nothing_stops(
@@ -237,7 +237,7 @@ def test_a_host_that_cannot_be_read_is_exit_4_and_nothing_stops(
     idle_past(host, svc, 1.0)
     dead = free_port()
     cfg.write_text(cfg.read_text().replace(host.agent_url, f"http://127.0.0.1:{dead}"))
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 4, r.stdout + r.stderr
     assert r.stdout == ""
     assert "host sim not reclaimed" in r.stderr and "Traceback" not in r.stderr
@@ -265,7 +265,7 @@ def test_a_server_gpuctl_did_not_start_is_left_alone(host: SimHost, svc: str) ->
         code, out = reclaim_json(cfg)
         c = candidate(out, svc)
         assert code == 0 and c["action"] == "keep" and not c["done"], c
-        assert gpuctl(cfg, "reclaim").returncode == 0
+        assert gpuctl_in_process(cfg, "reclaim").returncode == 0
         assert foreign.poll() is None
     finally:
         host.stop(foreign)
@@ -283,13 +283,13 @@ def test_stop_sleep_puts_it_to_sleep_and_ensure_wakes_it(host: SimHost, svc: str
     cmd = model_server_command(svc, port, memory="20GiB", load_time="0.5s") + " --enable-sleep-mode"
     cfg = started(host, svc, cmd=cmd, port=port, extra='stop = "sleep"\nsleep_level = 1\n')
     idle_past(host, svc, 1.0)
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"put to sleep {svc} on sim: idle ")
     assert len(server_pids(svc)) == 1, "asleep, not stopped"
     assert read_record(host, svc)["phase"] == "sleeping"
     assert httpx.get(f"http://127.0.0.1:{port}/is_sleeping").json() == {"is_sleeping": True}
-    assert gpuctl(cfg, "reclaim").stdout == "", "a sleeping server is left to sleep"
+    assert gpuctl_in_process(cfg, "reclaim").stdout == "", "a sleeping server is left to sleep"
     woke = json.loads(gpuctl(cfg, "ensure", svc, "--json").stdout)
     assert woke["outcome"] == "ready"
     assert httpx.get(f"http://127.0.0.1:{port}/is_sleeping").json() == {"is_sleeping": False}
@@ -332,13 +332,13 @@ def test_ollama_models_are_unloaded_and_a_failed_unload_is_exit_1(
         t.start()
         assert busy.wait(10)
         idle_past(host, "chat", 1.0)
-        r = gpuctl(cfg, "reclaim")
+        r = gpuctl_in_process(cfg, "reclaim")
         assert r.returncode == 1, r.stdout + r.stderr
         assert r.stdout.startswith("failed to unload chat on sim: Ollama still has qwen3:32b")
         t.join(30)
         client.close()
         idle_past(host, "chat", 1.0)
-        r = gpuctl(cfg, "reclaim")
+        r = gpuctl_in_process(cfg, "reclaim")
         assert r.returncode == 0 and r.stdout.startswith("unloaded chat on sim: idle ")
         assert srv.ps() == {}
         assert claims_mib(host.sim_dir) == {}
@@ -361,7 +361,7 @@ def test_an_ollama_model_is_kept_while_a_lingering_entry_stands(
         store.inflight_end("chat", h.id, 30.0)  # as in_use.aexit_lingering(30) leaves it
         assert "chat" in store.lingering()
         idle_past(host, "chat", 1.0)
-        r = gpuctl(cfg, "reclaim")
+        r = gpuctl_in_process(cfg, "reclaim")
         assert r.returncode == 0, r.stdout + r.stderr
         assert "lingering in-flight entry" in r.stdout, r.stdout
         assert read_record(host, "chat")["phase"] == "running", r.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl
+from tests.conftest import gpuctl_in_process
 from tests.ensure_helpers import kill_servers, server_pids, unique_name
 from tests.test_reclaim import candidate, idle_past, reclaim_json, started
 
@@ -87,11 +87,11 @@ def test_metrics_without_both_vllm_gauges_keep_the_server(
         assert c["reason"].startswith("cannot tell whether requests are in flight"), (what, c)
         assert "S3CRETPW" not in c["reason"] and "alice:***@" in c["reason"], (what, c)
         assert len(server_pids(svc)) == 1, f"{what}: the server was stopped"
-        r = gpuctl(cfg, "reclaim")
+        r = gpuctl_in_process(cfg, "reclaim")
         assert "S3CRETPW" not in r.stdout + r.stderr, what
         assert len(server_pids(svc)) == 1, f"{what}: the server was stopped"
     # The same server with both gauges at zero: now it is known idle, and it goes.
     body[0] = "vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0\n"
-    r = gpuctl(cfg, "reclaim")
+    r = gpuctl_in_process(cfg, "reclaim")
     assert r.returncode == 0 and r.stdout.startswith(f"stopped {svc} on sim"), r.stdout + r.stderr
     assert server_pids(svc) == []

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl, gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -111,7 +111,7 @@ def test_a_running_job_counts_and_its_record_dies_with_it(host: SimHost) -> None
         (cmd_pid,) = claims(host, tag)
         assert rec["handle"]["pid"] == cmd_pid
         # locks shows it.
-        locks = json.loads(gpuctl(cfg, "locks", "--json").stdout)
+        locks = json.loads(gpuctl_in_process(cfg, "locks", "--json").stdout)
         assert any(x["service"] == f"run.{tag}" for x in locks["records"])
         # kill -9 of gpuctl run: CMD runs on in its own session, still counted.
         job.kill()
@@ -318,19 +318,19 @@ def test_locks_leaves_out_jobs_that_ended_over_an_hour_ago(
     assert r.returncode == 0, r.stderr
     assert "run.fresh" in r.stdout and "run.old" not in r.stdout, r.stdout
     assert "1 `gpuctl run` job that ended over an hour ago not shown" in r.stdout, r.stdout
-    obj = json.loads(gpuctl(cfg, "locks", "--json").stdout)
+    obj = json.loads(gpuctl_in_process(cfg, "locks", "--json").stdout)
     assert obj["hidden_jobs"] == 1
     assert [x["service"] for x in obj["records"]] == ["run.fresh"]
     r = subprocess.run(
         [gpuctl_exe(), "locks", "--finished"], env=env, capture_output=True, text=True
     )
     assert "run.old" in r.stdout and "not shown" not in r.stdout, r.stdout
-    obj = json.loads(gpuctl(cfg, "locks", "--finished", "--json").stdout)
+    obj = json.loads(gpuctl_in_process(cfg, "locks", "--finished", "--json").stdout)
     assert obj["hidden_jobs"] == 0
     assert sorted(x["service"] for x in obj["records"]) == ["run.fresh", "run.old"]
     # The name is free again, and its next run is listed (a fresh record).
     assert gpuctl(cfg, "run", "-m", "1GiB", "--name", "old", "--", "true").returncode == 0
-    obj = json.loads(gpuctl(cfg, "locks", "--json").stdout)
+    obj = json.loads(gpuctl_in_process(cfg, "locks", "--json").stdout)
     assert obj["hidden_jobs"] == 0 and len(obj["records"]) == 2
 
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl, gpuctl_exe
+from tests.conftest import gpuctl, gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -570,7 +570,7 @@ def test_the_room_a_run_preempt_makes_is_kept_for_it(
             time.sleep(0.05)
         promise = read_record(host, f"run.{new}")
         assert promise["phase"] == "starting" and promise["handle"]["memory_mib"] == 100 * GIB
-        r = gpuctl(cfg, "resume", batch, "--json")
+        r = gpuctl_in_process(cfg, "resume", batch, "--json")
         assert r.returncode == 3, r.stdout + r.stderr
         assert f"run.{new}" in json.loads(r.stdout)["reason"], r.stdout
         _, err = preempting.communicate(timeout=60)

@@ -376,7 +376,7 @@ def test_a_service_does_not_jump_a_higher_priority_waiter(host: SimHost) -> None
         r = run_ensure(cfg, top)  # above the waiter: it goes
         assert r.returncode == 0, r.stdout + r.stderr
         assert jobs.running() == []  # hi still waits: 60 + 50 held, 10 free
-        assert gpuctl(cfg, "stop", top).returncode == 0
+        assert gpuctl_in_process(cfg, "stop", top).returncode == 0
         host.stop(stranger)
         wait_for(lambda: jobs.running() == ["hi"], "hi runs first", timeout=60)
         r = run_ensure(cfg, low)  # 50 GiB free beside hi's 70: now it fits

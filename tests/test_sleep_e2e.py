@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl, tagged
+from tests.conftest import gpuctl, gpuctl_in_process, tagged
 from tests.ensure_helpers import (
     agent_host,
     kill_servers,
@@ -37,7 +37,7 @@ def svc() -> Iterator[str]:
 
 
 def decision(cfg: Path, svc: str) -> dict[str, Any]:
-    st = json.loads(gpuctl(cfg, "status", "--json").stdout)
+    st = json.loads(gpuctl_in_process(cfg, "status", "--json").stdout)
     (s,) = [x for x in st["services"] if x["name"] == svc]
     return dict(s)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import gpuctl, tagged
+from tests.conftest import gpuctl_in_process, tagged
 
 
 @pytest.fixture
@@ -65,13 +65,13 @@ def test_status_lists_only_what_the_decision_counts_as_starting(
     tmp_path: Path, name: str, strays: list[subprocess.Popen[bytes]]
 ) -> None:
     cfg = config(tmp_path, name)
-    r = gpuctl(cfg, "status", env=env(tmp_path))
+    r = gpuctl_in_process(cfg, "status", env=env(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "IDLE" in r.stdout, r.stdout
     for p in strays:
         assert str(p.pid) not in r.stdout, r.stdout
     assert "starting" not in r.stdout, r.stdout
-    js = gpuctl(cfg, "status", "--json", env=env(tmp_path))
+    js = gpuctl_in_process(cfg, "status", "--json", env=env(tmp_path))
     assert all(str(p.pid) not in js.stdout for p in strays), js.stdout
 
 
@@ -83,7 +83,7 @@ def test_ctrl_c_on_a_stray_that_names_the_service_does_not_say_it_keeps_loading(
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", name])
     try:
         cfg = config(tmp_path, name)
-        e = gpuctl(cfg, "status", env=env(tmp_path))
+        e = gpuctl_in_process(cfg, "status", env=env(tmp_path))
         assert "LOADING" in e.stdout, e.stdout
         proc = subprocess.Popen(
             [*gpuctl_argv(), "ensure", name, "--timeout", "60s"],
@@ -183,7 +183,7 @@ def test_two_sim_processes_are_told_apart_at_80_columns(tmp_path: Path) -> None:
     try:
         for h in holds:
             assert h.stdout is not None and "holding" in h.stdout.readline()
-        r = gpuctl(cfg, "status", env={**e, "COLUMNS": "80"})
+        r = gpuctl_in_process(cfg, "status", env={**e, "COLUMNS": "80"})
         rows = {
             ln.strip("│ ").split()[0]: ln
             for ln in r.stdout.splitlines()

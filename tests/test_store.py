@@ -1261,7 +1261,7 @@ def test_ensure_json_prints_its_object_when_a_lock_is_held(sim_host: Any) -> Non
 def test_locks_touch_and_status_live_with_a_poisoned_record(sim_host: Any) -> None:
     """The poisoned store, as a user meets it: ``locks`` lists the set-aside file and
     exits 0, ``touch`` works, ``status`` answers; no "internal error" anywhere."""
-    from tests.conftest import gpuctl
+    from tests.conftest import gpuctl_in_process
     from tests.ensure_helpers import service_toml
 
     cfg = sim_host.write_config(service_toml("llmz", 1, "sleep 1"))
@@ -1269,23 +1269,23 @@ def test_locks_touch_and_status_live_with_a_poisoned_record(sim_host: Any) -> No
     records.mkdir(parents=True, exist_ok=True)
     (records / "llmz.json").write_text(POISON["lease-pid"].replace(SVC, "llmz"))
 
-    locks = gpuctl(cfg, "locks", "--json")
+    locks = gpuctl_in_process(cfg, "locks", "--json")
     assert locks.returncode == 0, locks.stderr
     report = json.loads(locks.stdout)
     (kept,) = report["set_aside"]
     assert kept["service"] == "llmz"
     assert kept["why"].startswith("at $.lease.pid: 2147483648 is out of range")
     assert (records / kept["file"]).exists()
-    text = gpuctl(cfg, "locks")
+    text = gpuctl_in_process(cfg, "locks")
     assert text.returncode == 0
     assert kept["file"] in text.stdout + text.stderr
-    touch = gpuctl(cfg, "touch", "llmz")
+    touch = gpuctl_in_process(cfg, "touch", "llmz")
     assert touch.returncode == 0, touch.stderr
-    status = gpuctl(cfg, "status", "--json")
+    status = gpuctl_in_process(cfg, "status", "--json")
     assert status.returncode == 0, status.stderr  # a pid of 2**31 never held anything
     (svc,) = json.loads(status.stdout)["services"]
     assert svc["name"] == "llmz"
-    again = json.loads(gpuctl(cfg, "locks", "--json").stdout)
+    again = json.loads(gpuctl_in_process(cfg, "locks", "--json").stdout)
     assert [a["file"] for a in again["set_aside"]] == [kept["file"]]
 
 

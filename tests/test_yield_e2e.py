@@ -22,7 +22,7 @@ import pytest
 
 from gpuctl.sim.host import SimHost, free_port
 from tests import conftest
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -67,7 +67,7 @@ def gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def status_of(cfg: Path, name: str) -> dict[str, Any]:
-    r = gpuctl(cfg, "status", "--json")
+    r = gpuctl_in_process(cfg, "status", "--json", env={"COLUMNS": "250"})
     (s,) = [s for s in json.loads(r.stdout)["services"] if s["name"] == name]
     return s
 
@@ -110,11 +110,11 @@ def test_an_idle_server_of_higher_priority_yields_to_ensure_preempt(
     idle_past_yield_after(host, chat)
     s = status_of(cfg, chat)
     assert s["yields"] is True and s["idle_s"] >= YIELD_AFTER_S, s
-    table = gpuctl(cfg, "status").stdout
+    table = gpuctl_in_process(cfg, "status", env={"COLUMNS": "250"}).stdout
     assert "yields to any start that preempts" in table, table
 
     # A use (touch) and it no longer yields.
-    assert gpuctl(cfg, "touch", chat).returncode == 0
+    assert gpuctl_in_process(cfg, "touch", chat, env={"COLUMNS": "250"}).returncode == 0
     assert run_ensure(cfg, job, "--preempt").returncode == 3
     assert server_pids(chat) == [chat_pid]
 
@@ -205,7 +205,7 @@ def test_a_use_between_the_plan_and_the_victims_lease_keeps_the_server(
     assert p.stderr is not None
     line = p.stderr.readline()
     assert "gpuctl failpoint preempt.before_leases: stop" in line, line
-    assert gpuctl(cfg, "touch", chat).returncode == 0
+    assert gpuctl_in_process(cfg, "touch", chat, env={"COLUMNS": "250"}).returncode == 0
     os.kill(p.pid, signal.SIGCONT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 3, out + err
