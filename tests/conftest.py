@@ -223,17 +223,24 @@ def gpuctl_in_process(
 ) -> subprocess.CompletedProcess[str]:
     """``gpuctl ARGS`` run in this process through Typer's ``CliRunner``, with the
     environment ``gpuctl()`` would give it: for tests that check only the output and the
-    exit code, without the half second a spawned interpreter costs. The API's
-    per-process caches are reset around it. A test of what the console script itself
-    adds (its exit path, its stream set-up) runs ``gpuctl()`` instead."""
+    exit code, without the half second a spawned interpreter costs. A test of what the
+    console script itself adds (its exit path, its stream set-up) runs ``gpuctl()``
+    instead."""
+    return gpuctl_in_process_env({**config_env(config), **(env or {})}, *args)
+
+
+def gpuctl_in_process_env(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpuctl_in_process`` with exactly ``env`` as its environment, as
+    ``subprocess.run(..., env=env)`` would give it: every other variable of this
+    process is unset for the run (and put back after). The API's per-process caches are
+    reset around it."""
     from typer.testing import CliRunner
 
     from gpuctl import api
     from gpuctl.cli.app import create_app
 
-    # Every variable set as gpuctl() would see it; GPUCTL_DEBUG removed (None).
-    wanted: dict[str, str | None] = {**config_env(config), **(env or {})}
-    wanted.setdefault("GPUCTL_DEBUG", None)
+    wanted: dict[str, str | None] = {name: None for name in os.environ}
+    wanted.update(env)
     api._reset_for_tests()
     try:
         r = CliRunner().invoke(create_app(list(args)), list(args), env=wanted)

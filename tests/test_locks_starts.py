@@ -21,11 +21,14 @@ from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.sim.host import free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process_env
 from tests.ensure_helpers import kill_servers, unique_name
 
 
 def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``ensure`` as the installed gpuctl (its server outlives it); the rest in process."""
+    if args[0] != "ensure":
+        return gpuctl_in_process_env(env, *args)
     return subprocess.run(
         [gpuctl_exe(), *args], env=env, capture_output=True, text=True, timeout=120, check=False
     )

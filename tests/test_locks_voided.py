@@ -28,8 +28,8 @@ from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Lease
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl_exe
-from tests.ensure_helpers import agent_host, cli_env, direct_config
+from tests.conftest import gpuctl_in_process
+from tests.ensure_helpers import agent_host, direct_config
 
 SCHEMA = Path(__file__).parent.parent / "schemas" / "locks.schema.json"
 # (kind, service, holder host ("" = this one), pid, why)
@@ -66,14 +66,7 @@ def _plant(state: Path) -> None:
 
 
 def _locks(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(
-        [gpuctl_exe(), "locks", *args],
-        env={**cli_env(config), "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    r = gpuctl_in_process(config, "locks", *args, env={"COLUMNS": "200"})
     assert r.returncode == 0, (r.stdout, r.stderr)
     return r
 

@@ -33,7 +33,7 @@ from gpuctl.core.record import Phase
 from gpuctl.flows.op_results import Outcome
 from gpuctl.render import schemas
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import unique_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,13 +200,18 @@ class Host:
         self.sim, self.config, self.names = sim, config, names
 
     def run(self, *args: str) -> tuple[int, Any]:
-        r = subprocess.run(
-            [gpuctl_exe(), *args, "--json"],
-            env={**os.environ, "GPUCTL_CONFIG": str(self.config)},
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        """``ensure`` as the installed gpuctl (it starts servers that outlive it); the
+        rest in this process."""
+        if args[0] != "ensure":
+            r = gpuctl_in_process(self.config, *args, "--json")
+        else:
+            r = subprocess.run(
+                [gpuctl_exe(), *args, "--json"],
+                env={**os.environ, "GPUCTL_CONFIG": str(self.config)},
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
         assert r.stdout.strip(), f"no JSON from {args}: {r.stderr}"
         return r.returncode, json.loads(r.stdout)
 
@@ -288,12 +293,7 @@ memory = "1GiB"
             yield h
         finally:
             for key in ("chat", "slow", "held", "idle"):
-                subprocess.run(
-                    [gpuctl_exe(), "stop", n[key]],
-                    env={**os.environ, "GPUCTL_CONFIG": str(config)},
-                    capture_output=True,
-                    check=False,
-                )
+                gpuctl_in_process(config, "stop", n[key])
 
 
 def test_ensure_outcomes(host: Host) -> None:

@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.conftest import gpuctl_exe, tagged
+from tests.conftest import gpuctl_exe, gpuctl_in_process_env, tagged
 
 
 def _env(tmp_path: Path, config: str) -> dict[str, str]:
@@ -26,10 +26,7 @@ def _env(tmp_path: Path, config: str) -> dict[str, str]:
 
 
 def _ls(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [gpuctl_exe(), "sim", "ls", *args], env=env, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
+    return gpuctl_in_process_env(env, "sim", "ls", *args)
 
 
 def test_sim_ls_lists_the_configured_sim_hosts_folder(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -61,23 +61,13 @@ def service(name: str, port: int, gib: int, priority: int, command: str | None =
 
 
 def status_json(cfg: Path) -> tuple[int, dict[str, Any]]:
-    r = subprocess.run(
-        [gpuctl_exe(), "status", "--json"],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = gpuctl_in_process(cfg, "status", "--json")
     assert r.stdout, r.stderr
     return r.returncode, json.loads(r.stdout)
 
 
 def status_text(cfg: Path) -> str:
-    env = {**cli_env(cfg), "COLUMNS": "400", "NO_COLOR": "1"}
-    r = subprocess.run(
-        [gpuctl_exe(), "status"], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
+    r = gpuctl_in_process(cfg, "status", env={"COLUMNS": "400", "NO_COLOR": "1"})
     assert r.returncode == 0, r.stderr
     return " ".join(r.stdout.split())  # the table's wrapping and borders aside
 
