@@ -23,7 +23,7 @@ import pytest
 
 from gpuctl import api
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe, set_marked_failpoints, tagged
+from tests.conftest import gpuctl_exe, gpuctl_in_process, set_marked_failpoints, tagged
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -57,16 +57,10 @@ def svc() -> Iterator[str]:
 
 
 def locks_row(cfg: Path, svc: str) -> dict[str, Any]:
-    """The service's row of `gpuctl locks --json`, run as a user would."""
-    locks = json.loads(
-        subprocess.run(
-            [gpuctl_exe(), "locks", "--json"],
-            env=cli_env(cfg),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+    """The service's row of `gpuctl locks --json`."""
+    r = gpuctl_in_process(cfg, "locks", "--json")
+    assert r.returncode == 0, r.stderr
+    locks = json.loads(r.stdout)
     (row,) = [x for x in locks["records"] if x["service"] == svc]
     return dict(row)
 
@@ -99,21 +93,11 @@ def test_ensure_starts_once_and_is_ready(host: SimHost, svc: str) -> None:
     # locks and status tell the same story.
     row = locks_row(cfg, svc)
     assert row["phase"] == "running" and row["last_used"] is not None
-    status = json.loads(
-        subprocess.run(
-            [gpuctl_exe(), "status", "--json"],
-            env=cli_env(cfg),
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-    )
+    status = json.loads(gpuctl_in_process(cfg, "status", "--json").stdout)
     (s,) = status["services"]
     assert s["decision"] == "READY" and s["pids"] == server_pids(svc)
     # stop finds it by its record.
-    r3 = subprocess.run(
-        [gpuctl_exe(), "stop", svc], env=cli_env(cfg), capture_output=True, text=True, check=False
-    )
+    r3 = gpuctl_in_process(cfg, "stop", svc)
     assert r3.returncode == 0, r3.stderr
     assert server_pids(svc) == []
     assert read_record(host, svc)["phase"] == "stopped"
@@ -231,13 +215,7 @@ def test_holder_dies_before_recording_the_server(host: SimHost, svc: str, tmp_pa
     (server,) = server_pids(svc)
 
     def stop() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [gpuctl_exe(), "stop", svc, "--json"],
-            env=cli_env(cfg),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        return gpuctl_in_process(cfg, "stop", svc, "--json")
 
     r = stop()
     assert r.returncode == 4, (r.stdout, r.stderr)
@@ -272,13 +250,9 @@ def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:
     assert row["phase"] == "failed"
     assert row["failure"]["count"] == 1 and "boom" in row["failure"]["log_tail"]
     assert row["failure"]["backoff_until"] - row["failure"]["at"] == pytest.approx(60, abs=0.5)
-    human = subprocess.run(
-        [gpuctl_exe(), "locks"],
-        env={**cli_env(cfg), "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    r = gpuctl_in_process(cfg, "locks", env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    human = r.stdout
     # The table's "retry in Ns" shows only while the back-off runs (a loaded machine can
     # be past it by now): the back-off itself is asserted on the JSON above.
     assert "exited while loading" in human and "(1x" in human

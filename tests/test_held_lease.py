@@ -13,7 +13,6 @@ that never started.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,9 @@ from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.promise import Promise
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_in_process
 from tests.ensure_helpers import (
     agent_host,
-    cli_env,
     kill_servers,
     model_server_command,
     run_ensure,
@@ -44,13 +42,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimHost]:
 
 
 def status_json(cfg: Path) -> dict[str, Any]:
-    r = subprocess.run(
-        [gpuctl_exe(), "status", "--json"],
-        env=cli_env(cfg),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    r = gpuctl_in_process(cfg, "status", "--json")
     obj: dict[str, Any] = json.loads(r.stdout)
     return obj
 

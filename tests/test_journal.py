@@ -26,7 +26,7 @@ from gpuctl.core.events import Cause, Event, Kind, event_from_dict, words
 from gpuctl.core.record import Phase
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.usage import DAY_S, fold, group
-from tests.conftest import config_env, gpuctl_exe
+from tests.conftest import gpuctl_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -539,10 +539,7 @@ def test_a_full_disk_under_the_agent_leaves_starts_and_stops_working(
                 r = run_ensure(cfg, name)
                 assert r.returncode == 0, r.stdout + r.stderr
                 assert json.loads(r.stdout)["outcome"] == "ready"
-                r = subprocess.run(
-                    [gpuctl_exe(), "stop", name], env=config_env(cfg), capture_output=True,
-                    text=True, timeout=120, check=False,
-                )  # fmt: skip
+                r = gpuctl_in_process(cfg, "stop", name)
                 assert r.returncode == 0, r.stdout + r.stderr
                 assert (
                     json.loads((state / "records" / f"{name}.json").read_text())["phase"]

@@ -17,7 +17,7 @@ import pytest
 from gpuctl.adapters.probes.sim import SimProbe
 from gpuctl.sim.gpu import SimGpu
 from gpuctl.sim.host import SimHost
-from tests.conftest import gpuctl_exe
+from tests.conftest import gpuctl_exe, gpuctl_in_process_env
 
 GIB = 1024
 TWO_GPUS = (80 * GIB, 40 * GIB)
@@ -112,6 +112,7 @@ def test_status_with_a_config_gpu_memory_reports_the_two_gpus(tmp_path: Path) ->
         f'[hosts.local]\nprobe = "sim"\nsim_dir = "{d}"\ngpu_memory = "128GiB"\n\n'
         '[services.readersvc]\nmatch = ["no-such-process-readersvc"]\nmemory = "60GiB"\n'
     )
+    # Spawned: the warning below is said once a process, and this worker may have said it.
     r = subprocess.run(
         [gpuctl_exe(), "status", "--json"],
         env=_env(GPUCTL_CONFIG=str(cfg), GPUCTL_STATE_DIR=str(tmp_path / "state")),
@@ -158,17 +159,13 @@ def test_status_notes_a_gpu_json_that_overrides_the_agents_gpu_memory(
         monkeypatch.setenv("GPUCTL_DEMO_TOKEN", host.token)
         cfg = host.write_config("")
         env = _env(GPUCTL_CONFIG=str(cfg), COLUMNS="200", NO_COLOR="1")
-        r = subprocess.run(
-            [gpuctl_exe(), "status", "--json"], env=env, capture_output=True, text=True, timeout=60
-        )
+        r = gpuctl_in_process_env(env, "status", "--json")
         assert r.returncode == 0, r.stdout + r.stderr
         (h,) = json.loads(r.stdout)["hosts"]
         assert h["memory_total_mib"] == 128 * GIB
         (note,) = h["notes"]
         assert "128.0 GiB, not the 64.0 GiB asked" in note and "gpu.json" in note, note
-        r = subprocess.run(
-            [gpuctl_exe(), "status"], env=env, capture_output=True, text=True, timeout=60
-        )
+        r = gpuctl_in_process_env(env, "status")
         assert r.returncode == 0, r.stdout + r.stderr
         text = " ".join(r.stdout.replace("│", " ").split())
         assert "note: the simulated GPUs in" in text and "not the 64.0 GiB asked" in text, text
