@@ -43,11 +43,12 @@ def decision_of(report: StatusReport, service: str) -> Decision | None:
     return None
 
 
-# The batch's photos and the time each takes: 12 s for the whole batch, so that the two
-# `gpuctl ensure vllm` calls catch it mid-way even on a loaded machine (a batch of 6 s
-# was done before the second of them, on a 2-core host at load 14, and nothing was
-# preempted). What is left after the resume takes the rest of the 12 s.
-ITEMS = 120
+# The batch's photos and the time each takes: 24 s for the whole batch, so that the two
+# `gpuctl ensure vllm` calls catch it mid-way even on a loaded machine (on a 2-core host
+# at load 14 a batch of 6 s was done before the second of them, and beside a test suite's
+# heaviest minute one of 12 s was: the two calls took 13 s; nothing was preempted).
+# What is left after the resume takes the rest of the 24 s.
+ITEMS = 240
 PER_ITEM = "100ms"
 # vLLM's idle_timeout in the demo's config: reclaim stops it once idle this long.
 IDLE_S = 1.0
