@@ -253,5 +253,22 @@ def gpuctl_in_process_env(env: Mapping[str, str], *args: str) -> subprocess.Comp
     )
 
 
+# The commands whose process matters beyond its output: an ``ensure`` leaves its server
+# running, a ``run`` owns its command, a ``resume`` starts a batch again.
+SPAWNED = frozenset({"ensure", "run", "resume"})
+
+
+def gpuctl_either(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpuctl ARGS`` with exactly ``env``: spawned as the installed console script when
+    the command is one of ``SPAWNED``, in this process (``gpuctl_in_process_env``)
+    otherwise. For a helper that runs both kinds."""
+    if args[0] not in SPAWNED:
+        return gpuctl_in_process_env(env, *args)
+    return subprocess.run(
+        [gpuctl_exe(), *args], env=dict(env), capture_output=True, text=True, timeout=180,
+        check=False,
+    )  # fmt: skip
+
+
 def has_nvidia() -> bool:
     return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidiactl")

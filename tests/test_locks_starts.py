@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,25 +20,16 @@ from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.record import MAX_ATTEMPTS_KEPT
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.sim.host import free_port
-from tests.conftest import gpuctl_exe, gpuctl_in_process_env
+from tests.conftest import gpuctl_either
 from tests.ensure_helpers import kill_servers, unique_name
-
-
-def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``ensure`` as the installed gpuctl (its server outlives it); the rest in process."""
-    if args[0] != "ensure":
-        return gpuctl_in_process_env(env, *args)
-    return subprocess.run(
-        [gpuctl_exe(), *args], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def _locks(env: dict[str, str], svc: str) -> tuple[str, dict[str, Any]]:
     """The STARTS cell of the service's row in the text view, and its JSON row."""
-    r = _run(env, "locks")
+    r = gpuctl_either(env, "locks")
     assert r.returncode == 0, r.stderr
     row = next(ln for ln in r.stdout.splitlines() if ln.split()[:2] == ["box", svc])
-    j = _run(env, "locks", "--json")
+    j = gpuctl_either(env, "locks", "--json")
     assert j.returncode == 0, j.stderr
     rec = next(x for x in json.loads(j.stdout)["records"] if x["service"] == svc)
     return row.split()[-1], rec
@@ -47,7 +37,7 @@ def _locks(env: dict[str, str], svc: str) -> tuple[str, dict[str, Any]]:
 
 def _start_and_stop(env: dict[str, str], svc: str) -> None:
     for cmd in ("ensure", "stop"):
-        r = _run(env, cmd, svc)
+        r = gpuctl_either(env, cmd, svc)
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)
 
 

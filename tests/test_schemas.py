@@ -33,7 +33,7 @@ from gpuctl.core.record import Phase
 from gpuctl.flows.op_results import Outcome
 from gpuctl.render import schemas
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe, gpuctl_in_process
+from tests.conftest import config_env, gpuctl_either, gpuctl_exe, gpuctl_in_process
 from tests.ensure_helpers import unique_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,18 +200,7 @@ class Host:
         self.sim, self.config, self.names = sim, config, names
 
     def run(self, *args: str) -> tuple[int, Any]:
-        """``ensure`` as the installed gpuctl (it starts servers that outlive it); the
-        rest in this process."""
-        if args[0] != "ensure":
-            r = gpuctl_in_process(self.config, *args, "--json")
-        else:
-            r = subprocess.run(
-                [gpuctl_exe(), *args, "--json"],
-                env={**os.environ, "GPUCTL_CONFIG": str(self.config)},
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
+        r = gpuctl_either(config_env(self.config), *args, "--json")
         assert r.stdout.strip(), f"no JSON from {args}: {r.stderr}"
         return r.returncode, json.loads(r.stdout)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpuctl.sim.host import SimHost, free_port
-from tests.conftest import gpuctl_exe, gpuctl_in_process
+from tests.conftest import gpuctl_either
 from tests.ensure_helpers import (
     agent_host,
     cli_env,
@@ -61,18 +61,7 @@ def _configs(host: SimHost, a: str, b: str, *, direct: bool) -> tuple[Path, Path
 
 
 def _gpuctl(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``run`` as the installed gpuctl (its CMD runs as a child); the views in process."""
-    env = {"COLUMNS": "200", "NO_COLOR": "1"}
-    if args[0] != "run":
-        return gpuctl_in_process(cfg, *args, env=env)
-    return subprocess.run(
-        [gpuctl_exe(), *args],
-        env={**cli_env(cfg), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return gpuctl_either({**cli_env(cfg), "COLUMNS": "200", "NO_COLOR": "1"}, *args)
 
 
 def _wait_starting(host: SimHost, name: str) -> dict[str, object]:

@@ -150,7 +150,7 @@ def serve(
             proxy_headers=False,
             # uvicorn's INFO lines (started, startup complete, shutting down…) repeat
             # the proxy's own "listening on" line: they show only with debug.
-            log_level=log_level if log_level in ("warning", "error", "debug") else "warning",
+            log_level="warning" if log_level == "info" else log_level,
             timeout_graceful_shutdown=5,
             timeout_keep_alive=max(1, round(p.connections.idle_timeout_s)),
             backlog=2048,
