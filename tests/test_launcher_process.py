@@ -290,10 +290,18 @@ def config_with_secrets() -> Any:
     )
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    """A live process's environment, as /proc shows it to whoever may read it."""
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(e.split("=", 1) for e in raw.decode().split("\0") if "=" in e)
+def environ_of(pid: int, timeout_s: float = 10) -> dict[str, str]:
+    """A launched server's environment, as /proc shows it to whoever may read it, once
+    its last exec is done. Until then the pid's environment is the launcher's (empty
+    during the exec itself, or a shell's or a terminal's): the start nonce, which the
+    launcher sets for the server alone, says the exec has happened."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        env = dict(e.split("=", 1) for e in raw.decode().split("\0") if "=" in e)
+        if START_NONCE_ENV in env or time.monotonic() > deadline:
+            return env
+        time.sleep(0.02)
 
 
 def test_a_launched_server_inherits_no_secret_the_config_or_gpuctl_names(

@@ -34,7 +34,7 @@ from gpuctl.flows.op_results import Outcome
 from gpuctl.render import schemas
 from gpuctl.sim.host import SimHost, free_port
 from tests.conftest import config_env, gpuctl_either, gpuctl_exe, gpuctl_in_process
-from tests.ensure_helpers import unique_name
+from tests.ensure_helpers import sim_claims, unique_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "schemas"
@@ -277,7 +277,14 @@ memory = "1GiB"
 """
         )
         h = Host(sim, config, n)
-        sim.hold(unique_name("comfy"), "20GiB")
+        comfy = unique_name("comfy")
+        sim.hold(comfy, "20GiB")
+        # The hold claims its memory once its interpreter is up: a view run at once (in
+        # process, no start-up of its own) would see an empty GPU.
+        deadline = time.monotonic() + 30
+        while not sim_claims(sim, comfy):
+            assert time.monotonic() < deadline, sim.log_tail(comfy)
+            time.sleep(0.05)
         try:
             yield h
         finally:
