@@ -35,11 +35,11 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from gpuctl.config import Config, ServiceConfig, load_config
 from gpuctl.core.record import INFLIGHT_TTL_MAX_S, stopping
@@ -49,8 +49,7 @@ TOUCH_EVERY_S = 30.0
 HEALTH_TIMEOUT_S = 2.0
 
 
-@dataclass(frozen=True, slots=True)
-class ReadyResult:
+class ReadyResult(msgspec.Struct, frozen=True):
     """``ready`` is True exactly when ``decision == "READY"``.
 
     ``decision`` is READY, LOADING (with ``wait=False``), BUSY, UNKNOWN, FAILED or

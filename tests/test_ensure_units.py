@@ -4,7 +4,7 @@ tests/test_ensure_races.py."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,7 @@ milliseconds and asserts what the flow did (launches, records, outcomes, exit co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 
@@ -451,7 +451,7 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
 
 
 def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> None:
-    from dataclasses import replace as dc_replace
+    from gpuctl.core.evolve import replace as dc_replace
 
     from gpuctl.core.snapshot import GpuDevice
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 

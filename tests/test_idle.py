@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 
 import pytest
 

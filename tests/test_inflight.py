@@ -12,7 +12,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 
 import pytest

@@ -15,7 +15,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 

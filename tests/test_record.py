@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 

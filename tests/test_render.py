@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import replace
+from gpuctl.core.evolve import replace
 from pathlib import Path
 
 import pytest

@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 

@@ -29,8 +29,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from gpuctl import __version__
 from gpuctl.adapters.pipeline import on_pipes
@@ -85,8 +86,7 @@ log = logging.getLogger("gpuctl.agent")
 PRUNE_EVERY_S = 3600.0
 
 
-@dataclass(slots=True)
-class _MatchSlot:
+class _MatchSlot(msgspec.Struct):
     cell: TtlCell[tuple[StartingProcess, ...]]
     # (scan, match, servers outcomes, response): valid while all three are current.
     body: tuple[object, object, object, Response] | None = None

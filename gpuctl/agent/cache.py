@@ -12,15 +12,15 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
+
+import msgspec
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Outcome(Generic[T]):
+class Outcome(msgspec.Struct, Generic[T], frozen=True, eq=False):
     """One computation's result or error, and until when it may be reused.
 
     Compared by identity: a new outcome means a new scan, so whatever was derived from

@@ -37,10 +37,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import resource
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.core.conn_limits import ConnectionLimits
+from gpuctl.core.evolve import replace
 
 if TYPE_CHECKING:
     import asyncio

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
+
+import msgspec
 
 from gpuctl.core.safe_text import json_safe
 
@@ -26,8 +27,7 @@ MAX_BODY_BYTES = 1 << 20
 DRAIN_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Response:
+class Response(msgspec.Struct, frozen=True):
     """A complete response; built once and re-sent as is where it can be cached."""
 
     status: int
@@ -153,13 +153,12 @@ class Request:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-@dataclass(slots=True)
-class Route:
+class Route(msgspec.Struct):
     """One path: its handlers by method, and whether it needs the bearer token."""
 
     path: str
     auth: bool
-    handlers: dict[str, Handler] = field(default_factory=dict)
+    handlers: dict[str, Handler] = msgspec.field(default_factory=dict)
 
 
 class Router:

@@ -16,10 +16,11 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import msgspec
 
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.core.conn_limits import ConnectionLimits
@@ -30,8 +31,7 @@ from gpuctl.errors import GpuctlError, UsageError
 _OFF_LOOPBACK_HINT = "set GPUCTL_AGENT_TOKEN or pass --token-file"
 
 
-@dataclass(frozen=True, slots=True)
-class ListenAddress:
+class ListenAddress(msgspec.Struct, frozen=True):
     """A parsed ``HOST:PORT`` and what it resolves to."""
 
     text: str

@@ -3,15 +3,14 @@ options, parsed by ``gpuctl.cli.agent_cmd``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from gpuctl.adapters.procinfo import host_identity
 from gpuctl.core.health_reach import DEFAULT_HEALTH_PORTS, PortRanges, parse_ports
 from gpuctl.core.snapshot import HostIdentity
 
 
-@dataclass(frozen=True, slots=True)
-class AgentSettings:
+class AgentSettings(msgspec.Struct, frozen=True):
     """How the agent answers.
 
     Attributes:
@@ -41,7 +40,9 @@ class AgentSettings:
     cache_ttl_s: float = 1.0
     state_dir: str | None = None
     gpu_memory_mib: int | None = None
-    host: HostIdentity = field(default_factory=host_identity)
-    health_ports: PortRanges = field(default_factory=lambda: parse_ports(DEFAULT_HEALTH_PORTS))
+    host: HostIdentity = msgspec.field(default_factory=host_identity)
+    health_ports: PortRanges = msgspec.field(
+        default_factory=lambda: parse_ports(DEFAULT_HEALTH_PORTS)
+    )
     journal_days: float = 90.0
     sim_dir: str | None = None

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+
+import msgspec
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.recorded_servers import find_servers, server_children
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.store_api import read_all
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.snapshot import (
     GpuProcess,
@@ -38,8 +40,7 @@ from gpuctl.core.snapshot import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Scan:
+class Scan(msgspec.Struct, frozen=True):
     """One probe reading and when it was taken (UTC, ISO 8601 with 'Z')."""
 
     reading: ProbeReading
@@ -88,8 +89,7 @@ def agent_snapshot(
 log = logging.getLogger("gpuctl.agent")
 
 
-@dataclass(frozen=True, slots=True)
-class Servers:
+class Servers(msgspec.Struct, frozen=True):
     """One scan: the recorded servers (by pid or nonce) and, for ``--match``, the young
     keyword matches. Both are live, non-zombie processes; commands are redacted."""
 

@@ -14,11 +14,11 @@ nothing here ever runs a command taken from a record.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gpuctl.config.values import Config, HostConfig, ServiceConfig
+from gpuctl.core.evolve import replace
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureRequest, LocalProbeOptions
 

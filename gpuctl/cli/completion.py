@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 SHELLS = ("bash", "zsh", "fish")
 
@@ -128,8 +129,7 @@ def script(shell: str) -> str:
     return _SCRIPTS[shell]
 
 
-@dataclass(frozen=True)
-class Installed:
+class Installed(msgspec.Struct, frozen=True):
     shell: str
     script: Path
     rc_file: Path | None  # the start-up file that was changed, if any

@@ -11,9 +11,10 @@ import os
 import secrets
 import socket
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+import msgspec
 
 from gpuctl.config.parse import HTTP
 from gpuctl.config.secrets import write_secret_file
@@ -70,8 +71,7 @@ _SERVICE = """
 """
 
 
-@dataclass(frozen=True, slots=True)
-class Written:
+class Written(msgspec.Struct, frozen=True):
     """What ``write_starter`` did: the config file, and the token file it created (or kept)."""
 
     config: Path

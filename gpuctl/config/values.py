@@ -8,13 +8,15 @@ where its tokens live, and ``secrets`` reads them when a request needs one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gpuctl.config.secrets import read_key_list, read_secret
 from gpuctl.core.conn_limits import ConnectionLimits
+from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 from gpuctl.errors import ConfigError, UsageError
 
@@ -63,8 +65,7 @@ HOST_PLACEHOLDER = "{host}"
 HOST_TEMPLATE_KEYS = ("health", "url", "metrics")
 
 
-@dataclass(frozen=True, slots=True)
-class Defaults:
+class Defaults(msgspec.Struct, frozen=True):
     """``[defaults]``. ``idle_timeout_s`` is None for ``idle_timeout = "never"``, and
     ``yield_after_s`` for ``yield_after = "never"``."""
 
@@ -75,8 +76,7 @@ class Defaults:
     priority: int = DEFAULT_PRIORITY
 
 
-@dataclass(frozen=True, slots=True)
-class SlurmConfig:
+class SlurmConfig(msgspec.Struct, frozen=True):
     """``[hosts.NAME.slurm]``: how the ``slurm`` launcher submits a host's servers.
 
     The host is the cluster (its login node, where ``sbatch`` answers); the node a job
@@ -97,8 +97,7 @@ class SlurmConfig:
     scancel: str = "scancel"
 
 
-@dataclass(frozen=True, slots=True)
-class HostConfig:
+class HostConfig(msgspec.Struct, frozen=True):
     """One GPU host. Without ``agent`` it is this machine, probed and stored directly.
 
     The agent token (``token_env`` / ``token_file``) may write: leases, records, stop.
@@ -167,8 +166,7 @@ class HostConfig:
         return problems
 
 
-@dataclass(frozen=True, slots=True)
-class ServiceConfig:
+class ServiceConfig(msgspec.Struct, frozen=True):
     """One managed model server (or batch job).
 
     ``devices`` are the GPU indexes the service may use (None: any one GPU); ``gpus`` is
@@ -200,13 +198,13 @@ class ServiceConfig:
     model: str | None = None
     # Launcher details (docs/reference/configuration.md, "Launcher keys").
     cwd: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = msgspec.field(default_factory=dict)
     log: str | None = None
     gpus: bool = True
     ipc_mode: str | None = None
     shm_size: str | None = None
     volumes: tuple[str, ...] = ()
-    ports: Mapping[str, int] = field(default_factory=dict)
+    ports: Mapping[str, int] = msgspec.field(default_factory=dict)
     network: str | None = None
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
     terminal: str | None = None
@@ -231,7 +229,7 @@ class ServiceConfig:
     # The URL keys written with ``{host}`` (``health``, ``url``, ``metrics``), as
     # written: ``health`` and the rest hold them expanded for ``host``, and ``on`` for
     # each other host of the pool.
-    templates: Mapping[str, str] = field(default_factory=dict)
+    templates: Mapping[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -266,11 +264,13 @@ class ServiceConfig:
         """What a start of this service promises the host (``core.promise.Promise``),
         written into its record with the start's lease. The promise's fields are named
         as this config's, so each is read (and taken back) by its name."""
-        return Promise(**{f.name: getattr(self, f.name) for f in fields(Promise)})
+        return Promise(**{f.name: getattr(self, f.name) for f in msgspec.structs.fields(Promise)})
 
     def with_promise(self, p: Promise) -> ServiceConfig:
         """This service with the figures a record's promise gives (``core.promised_specs``)."""
-        return replace(self, **{f.name: getattr(p, f.name) for f in fields(Promise)})
+        return replace(
+            self, **{f.name: getattr(p, f.name) for f in msgspec.structs.fields(Promise)}
+        )
 
     @property
     def health_means_ready(self) -> bool:
@@ -299,8 +299,7 @@ class ServiceConfig:
         return not self.match
 
 
-@dataclass(frozen=True, slots=True)
-class ProxyConfig:
+class ProxyConfig(msgspec.Struct, frozen=True):
     """``[proxy]``: how ``gpuctl proxy`` listens and answers.
 
     Client keys are not values: ``api_keys_file`` (one key a line) or ``api_keys_env``
@@ -315,7 +314,7 @@ class ProxyConfig:
     sse_interval_s: float = DEFAULT_PROXY_SSE_INTERVAL_S
     retry_after_s: float = DEFAULT_PROXY_RETRY_AFTER_S
     access_log: bool = True
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    connections: ConnectionLimits = msgspec.field(default_factory=ConnectionLimits)
 
     def api_keys(self) -> tuple[str, ...]:
         """The client keys (empty: none configured).
@@ -327,17 +326,16 @@ class ProxyConfig:
         return read_key_list(self.api_keys_env, self.api_keys_file)
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
+class Config(msgspec.Struct, frozen=True):
     """The whole configuration. ``warnings`` are what the loader noticed but accepted
     (a token file others can read); commands print them on stderr."""
 
     path: Path | None
-    defaults: Defaults = field(default_factory=Defaults)
-    hosts: Mapping[str, HostConfig] = field(default_factory=dict)
-    services: Mapping[str, ServiceConfig] = field(default_factory=dict)
+    defaults: Defaults = msgspec.field(default_factory=Defaults)
+    hosts: Mapping[str, HostConfig] = msgspec.field(default_factory=dict)
+    services: Mapping[str, ServiceConfig] = msgspec.field(default_factory=dict)
     warnings: tuple[str, ...] = ()
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
 
     def host(self, name: str) -> HostConfig:
         """The host called ``name``.

@@ -16,7 +16,8 @@ memory; a service's ``devices`` naming the GPU means any of its instances.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from gpuctl.core.jobs import JobSpec
 from gpuctl.core.ownership import ServiceSpec, describe_process, loading_owner, owner_of
@@ -24,8 +25,7 @@ from gpuctl.core.snapshot import DRIVER_RESERVE_MIB, GpuDevice, GpuProcess, Snap
 from gpuctl.core.units import format_mib
 
 
-@dataclass(frozen=True, slots=True)
-class GpuRoom:
+class GpuRoom(msgspec.Struct, frozen=True):
     """One GPU as admission sees it: what is held or promised there, and by whom.
 
     ``committed_mib`` = memory that no process accounts for ("unattributed": driver

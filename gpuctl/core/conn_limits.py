@@ -4,7 +4,7 @@ The rules they feed are ``gpuctl.agent.connections``'s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 DEFAULT_MAX_TOTAL = 2048
 # At least 64 from one address (tests, trials and 50 open web pages all come from
@@ -15,8 +15,7 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 MIN_PER_PEER = 64
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
+class ConnectionLimits(msgspec.Struct, frozen=True):
     """How many connections a server keeps, and for how long without a request.
 
     Attributes:

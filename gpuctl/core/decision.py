@@ -39,8 +39,9 @@ promised.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from enum import StrEnum
+
+import msgspec
 
 from gpuctl.core.accounting import (
     GpuRoom,
@@ -102,8 +103,7 @@ class Decision(StrEnum):
     BUSY = "BUSY"
 
 
-@dataclass(frozen=True, slots=True)
-class Health:
+class Health(msgspec.Struct, frozen=True):
     """One health check's answer.
 
     ``state`` is ``ready`` (200), ``refused`` (connection refused/reset: a vLLM that is
@@ -130,8 +130,7 @@ class Health:
 NO_HEALTH = Health("none", "no health URL configured")
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True):
     """The decision with its reason in words, and the processes behind it."""
 
     service: str

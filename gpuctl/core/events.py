@@ -16,9 +16,11 @@ from __future__ import annotations
 import enum
 import math
 import re
-from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
+
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import TIME_MAX
 from gpuctl.core.redact import redact_lines
 from gpuctl.core.units import format_duration
@@ -71,8 +73,7 @@ def _opt_text(value: object, limit: int = MAX_TEXT) -> str | None:
     return None if value is None else _text(value, limit)
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(msgspec.Struct, frozen=True):
     """One journal event. ``service`` names a service or a ``gpuctl run`` job (``job``
     says which); ``figures`` are numbers only (MiB, seconds, counts); ``who`` is short
     text only (entry, user, pid, host, peer, role)."""
@@ -89,8 +90,8 @@ class Event:
     reason: str | None = None
     by: str | None = None  # the other party: who preempted it, whose lease was broken
     command: str | None = None
-    who: dict[str, str] = field(default_factory=dict)
-    figures: dict[str, float] = field(default_factory=dict)
+    who: dict[str, str] = msgspec.field(default_factory=dict)
+    figures: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"at": round(self.at, 6), "kind": self.kind.value}

@@ -19,9 +19,9 @@ rules apply there: ``core.jobs``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from msgspec.structs import replace
 
 from gpuctl.core.jobs import is_job
@@ -39,8 +39,7 @@ EXIT_UNKNOWN = "exit status unknown"
 ABANDONED_AFTER_S = 900.0
 
 
-@dataclass(frozen=True, slots=True)
-class ServerTruth:
+class ServerTruth(msgspec.Struct, frozen=True):
     """What a caller saw of a record's server. None: could not be told from here.
 
     ``alive``: the handle's process (pid with its start time; a zombie is dead) runs.
@@ -54,8 +53,7 @@ class ServerTruth:
     exit_code: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Repair:
+class Repair(msgspec.Struct, frozen=True):
     """The phase to write and why, as one line (``preempted -> running: …``)."""
 
     service: str

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Collection
-from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import msgspec
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -31,8 +32,7 @@ DEFAULT_HEALTH_PORTS = "8000-8999,11434,30000"
 _MAX_RANGES = 64
 
 
-@dataclass(frozen=True, slots=True)
-class PortRanges:
+class PortRanges(msgspec.Struct, frozen=True):
     """Inclusive port ranges, e.g. ``8000-8100,9000``; empty: no port at all."""
 
     ranges: tuple[tuple[int, int], ...] = ()
@@ -83,8 +83,7 @@ def _literal(host: str, bracketed: bool) -> IpAddress | None:
     return ip
 
 
-@dataclass(frozen=True, slots=True)
-class HealthReach:
+class HealthReach(msgspec.Struct, frozen=True):
     """The agent's rule for health URLs (module docstring)."""
 
     ports: PortRanges

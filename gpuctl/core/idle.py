@@ -20,8 +20,9 @@ whose in-flight requests cannot be read is kept (never stop blind), and so is a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
+
+import msgspec
 
 from gpuctl.core.record import Phase
 from gpuctl.core.units import format_duration
@@ -39,8 +40,7 @@ class Action(StrEnum):
         return self in (Action.STOP, Action.SLEEP, Action.UNLOAD)
 
 
-@dataclass(frozen=True, slots=True)
-class IdleFacts:
+class IdleFacts(msgspec.Struct, frozen=True):
     """What reclaim knows about one service on one host.
 
     ``server_in_flight`` is None where the server has no such metric (Ollama) or it was
@@ -67,8 +67,7 @@ class IdleFacts:
     remote_process: str | None = None  # the machine a process-launched server runs on
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(msgspec.Struct, frozen=True):
     """What reclaim does about one service, and why (``quiet``: not worth a line)."""
 
     service: str

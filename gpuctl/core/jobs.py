@@ -12,8 +12,9 @@ killed and never wrote that CMD ended.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
+
+import msgspec
 
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.snapshot import HostIdentity
@@ -31,8 +32,7 @@ JOB_GRACE_S = 10.0
 FINISHED_SHOWN_S = 3600.0
 
 
-@dataclass(frozen=True, slots=True)
-class JobSpec:
+class JobSpec(msgspec.Struct, frozen=True):
     """A running ``gpuctl run`` job, as a ``ServiceSpec`` for the decision."""
 
     name: str

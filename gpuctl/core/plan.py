@@ -34,7 +34,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from gpuctl.core.accounting import GpuRoom
 from gpuctl.core.idle import short_duration
@@ -45,8 +46,7 @@ from gpuctl.core.units import format_mib
 MAX_SUBSETS = 5000
 
 
-@dataclass(frozen=True, slots=True)
-class VictimFacts:
+class VictimFacts(msgspec.Struct, frozen=True):
     """What the planner knows of a running service (or ``gpuctl run`` job) beyond its share.
 
     ``managed``: gpuctl can stop it (a launcher, and a record naming its server).
@@ -80,8 +80,7 @@ class VictimFacts:
     kind: str = "server"
 
 
-@dataclass(frozen=True, slots=True)
-class Victim:
+class Victim(msgspec.Struct, frozen=True):
     """A planned stop. ``idle_s`` is set where it is idle (``yields``); ``yielded``: it
     is a victim only because it is idle (its priority is not below the asker's), so
     whoever stops it checks again under its lease that it is still unused."""
@@ -103,8 +102,7 @@ class Victim:
         return f"{what}{self.name} (priority {self.priority}{idle}, {format_mib(self.frees_mib)})"
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(msgspec.Struct, frozen=True):
     """Stop ``victims`` (all on ``gpu``); then ``need_mib`` fits there."""
 
     gpu: int

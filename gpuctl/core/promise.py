@@ -6,15 +6,15 @@ with the start's lease; the rules that read it are in ``core.promised_specs``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 # The highest GPU index a config or a promise may name.
 MAX_DEVICE_INDEX = 1023
 
 
-@dataclass(frozen=True, slots=True)
-class Promise:
+class Promise(msgspec.Struct, frozen=True):
     """What a start promises the host, written into the record with its lease.
 
     Admission on every client counts a service by these figures, whatever that client's

@@ -12,8 +12,9 @@ what fits beside it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol, Self, TypeVar
+
+import msgspec
 
 from gpuctl.core.jobs import is_job
 from gpuctl.core.names import is_service_name
@@ -27,8 +28,7 @@ HOLDING_PHASES = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class PromisedSpec:
+class PromisedSpec(msgspec.Struct, frozen=True):
     """A service no config of this client names, as its record's promise describes it
     (a ``ServiceSpec`` for the decision). Its processes are known by the pids the
     records name (handle, start nonce), never by keywords: this client knows none."""

@@ -42,8 +42,9 @@ an entry outside it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from gpuctl.core.jobs import PRIORITY_MAX
 from gpuctl.core.record import Lease, overlong
@@ -68,8 +69,7 @@ __all__ = [
 QUEUE_TTL_MAX_S = 300.0
 
 
-@dataclass(frozen=True, slots=True)
-class Waiter:
+class Waiter(msgspec.Struct, frozen=True):
     """One caller waiting in a host's queue. ``holder.expires`` is its heartbeat's term."""
 
     name: str  # the job's record name (``run.<name>``)

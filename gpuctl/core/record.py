@@ -11,10 +11,13 @@ file under a per-service file lock, and decodes and validates it there
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
+import msgspec
+
+from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 
 RECORD_SCHEMA = 1
@@ -42,8 +45,7 @@ class Phase(StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
+class Holder(msgspec.Struct, frozen=True):
     """Who asks for a lease: a fresh id per call, and the process behind it.
 
     The pid with its start time and the host's boot id let a caller on the same host
@@ -75,8 +77,7 @@ class Holder:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Lease(Holder):
+class Lease(Holder, frozen=True):
     """The right to start (or stop) a service: its holder, and the term it was granted for.
 
     Only the holder launches. ``holder`` is the holder's id, the name the record file and
@@ -103,8 +104,7 @@ class Lease(Holder):
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Failure:
+class Failure(msgspec.Struct, frozen=True):
     at: float
     error: str
     log_tail: str = ""
@@ -204,8 +204,7 @@ class Record:
         return None if ref is None else max(0.0, now - ref)
 
 
-@dataclass(frozen=True, slots=True)
-class SetAside:
+class SetAside(msgspec.Struct, frozen=True):
     """A record file that failed validation and was kept beside the records (its
     service then started afresh): for ``gpuctl locks`` to show until someone removes it."""
 
@@ -225,13 +224,12 @@ class SetAside:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Listing:
+class Listing(msgspec.Struct, frozen=True):
     """A host's records and its set-aside record files, read together (one ``GET
     /records``): a set-aside file can hide a start the fresh record no longer shows."""
 
     records: list[Record]
-    set_aside: list[SetAside] = field(default_factory=list)
+    set_aside: list[SetAside] = msgspec.field(default_factory=list)
 
 
 def hidden_by_set_aside(
@@ -356,8 +354,7 @@ def void_why(
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class Voided:
+class Voided(msgspec.Struct, frozen=True):
     """A lease or an entry found forged (``void_why``), for ``gpuctl locks`` to show.
 
     ``kind``: ``lease`` (a record's, ``_reclaim``'s or ``_admission``'s), ``inflight``

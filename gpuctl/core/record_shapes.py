@@ -18,12 +18,12 @@ msgspec is a declaration library with no I/O, so the core may use it (``core/ruf
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from gpuctl.core.evolve import replace
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S
 from gpuctl.core.record import (

@@ -17,8 +17,11 @@ driver did not give is None on the wire and "?" on screen.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
+
+import msgspec
+
+from gpuctl.core.evolve import replace
 
 STATUS_SCHEMA = 1
 
@@ -32,8 +35,7 @@ STATUS_SCHEMA = 1
 DRIVER_RESERVE_MIB = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class GpuProcess:
+class GpuProcess(msgspec.Struct, frozen=True):
     """One process that holds GPU memory.
 
     ``command`` is None when it cannot be read (another PID namespace, no permission);
@@ -71,8 +73,7 @@ class GpuProcess:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class MigInstance:
+class MigInstance(msgspec.Struct, frozen=True):
     """One MIG instance of a GPU with MIG on: memory is its own (a process sees only its
     instance's), so admission counts each instance apart, as one small GPU."""
 
@@ -90,8 +91,7 @@ class MigInstance:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class GpuDevice:
+class GpuDevice(msgspec.Struct, frozen=True):
     """One GPU as a probe saw it.
 
     ``error`` is set when this GPU could not be read (lost, no permission, its process
@@ -135,8 +135,7 @@ class GpuDevice:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class StartingProcess:
+class StartingProcess(msgspec.Struct, frozen=True):
     """A host process whose command line matches a service keyword but is not on the GPU yet."""
 
     pid: int
@@ -149,8 +148,7 @@ class StartingProcess:
         return {"pid": self.pid, "command": self.command, "user": self.user, "age_s": self.age_s}
 
 
-@dataclass(frozen=True, slots=True)
-class HostIdentity:
+class HostIdentity(msgspec.Struct, frozen=True):
     """Who a machine is: its hostname and the kernel's boot id (a reboot changes it)."""
 
     hostname: str
@@ -160,8 +158,7 @@ class HostIdentity:
         return {"hostname": self.hostname, "boot_id": self.boot_id}
 
 
-@dataclass(frozen=True, slots=True)
-class Snapshot:
+class Snapshot(msgspec.Struct, frozen=True):
     """What a probe saw on one GPU host at one moment.
 
     ``devices`` holds the per-GPU figures that admission uses. ``memory_total_mib`` and
@@ -257,8 +254,7 @@ class Snapshot:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeReading:
+class ProbeReading(msgspec.Struct, frozen=True):
     """What a GPU probe returns before the agent adds host identity and ``starting``.
 
     ``devices`` are the per-GPU figures (empty from a probe that only knows host-wide
@@ -273,7 +269,7 @@ class ProbeReading:
     memory_total_mib: int | None
     unified_memory: bool = False
     gpus: int = 1
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = msgspec.field(default=())
     devices: tuple[GpuDevice, ...] = ()
 
     @classmethod

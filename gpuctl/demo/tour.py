@@ -21,10 +21,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+import msgspec
 
 from gpuctl.config import load_config
 from gpuctl.core.decision import Decision
@@ -60,8 +60,7 @@ class Narrator(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class DemoResult:
+class DemoResult(msgspec.Struct, frozen=True):
     """The last report, and what the chapters promised and did not see happen."""
 
     report: StatusReport

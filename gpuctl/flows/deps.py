@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.core.decision import Health
@@ -48,8 +50,7 @@ class Closers:
             self.closers.pop()()
 
 
-@dataclass(frozen=True, slots=True)
-class EnsureRequest:
+class EnsureRequest(msgspec.Struct, frozen=True):
     """What the caller of ``ensure`` (or ``resume``) asks: a value, never changed by a flow."""
 
     # Who asks (the lease's ``entry``: ensure, api, proxy, resume, reclaim, run…).
@@ -86,8 +87,7 @@ class EnsureDeps(Closers):
     tell: Tell = field(kw_only=True, default_factory=Tell)
 
 
-@dataclass(frozen=True, slots=True)
-class LocalProbeOptions:
+class LocalProbeOptions(msgspec.Struct, frozen=True):
     """How to read this machine's GPU when there is no agent (``status --probe``)."""
 
     probe: str = "auto"

@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
+from gpuctl.core.evolve import replace
 from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
 from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.errors import GpuctlError

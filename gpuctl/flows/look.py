@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TypeVar
+
+import msgspec
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import (
@@ -28,6 +29,7 @@ from gpuctl.core.decision import (
     gpu_rooms,
 )
 from gpuctl.core.durations import expected_start_s
+from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import job_specs, unreachable
 from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers
@@ -62,18 +64,17 @@ def keywords(services: Iterable[ServiceConfig]) -> list[str]:
     return list(out)
 
 
-@dataclass(frozen=True, slots=True)
-class Observation:
+class Observation(msgspec.Struct, frozen=True):
     """What a host said: its records and its snapshot, or why there is no snapshot;
     ``set_aside``: its record files set aside as unreadable; ``found``: servers found on
     this machine for the records (the direct path: by start nonce too)."""
 
-    records: dict[str, Record] = field(default_factory=dict)
+    records: dict[str, Record] = msgspec.field(default_factory=dict)
     snapshot: Snapshot | None = None
     error: str | None = None
     hint: str | None = None
     set_aside: tuple[SetAside, ...] = ()
-    found: dict[int, str] = field(default_factory=dict)
+    found: dict[int, str] = msgspec.field(default_factory=dict)
 
     @property
     def servers(self) -> dict[int, str]:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import msgspec
+
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Record, SetAside, Voided
 from gpuctl.errors import ExitCode
@@ -107,8 +109,7 @@ class StopResult:
         return ExitCode.OK
 
 
-@dataclass(frozen=True, slots=True)
-class TouchResult:
+class TouchResult(msgspec.Struct, frozen=True):
     service: str
     record: Record
     # Where it was marked, for a pooled service touched without --host; else None.
@@ -152,8 +153,7 @@ class LocksReport:
         return ExitCode.OK if self.ok else ExitCode.UNKNOWN
 
 
-@dataclass(frozen=True, slots=True)
-class SimClaim:
+class SimClaim(msgspec.Struct, frozen=True):
     pid: int
     name: str
     memory_mib: int
@@ -161,8 +161,7 @@ class SimClaim:
     command: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class SimListing:
+class SimListing(msgspec.Struct, frozen=True):
     """``gpuctl sim ls``: the simulated GPU's claims."""
 
     sim_dir: str

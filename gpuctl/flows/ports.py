@@ -15,8 +15,9 @@ run jobs are started and stopped), ``ServerChecks`` (what the servers answer), `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health
@@ -100,8 +101,7 @@ class JobChild(Protocol):
 JobSpawner = Callable[[list[str], dict[str, str], str, bool], JobChild]
 
 
-@dataclass(frozen=True, slots=True)
-class Probe:
+class Probe(msgspec.Struct, frozen=True):
     """How the host is read: its snapshot, and where there is no agent, the records'
     servers found on this machine (the agent finds and names them on its own host)."""
 
@@ -120,8 +120,7 @@ def _unknown(_record: Record) -> bool | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class Launchers:
+class Launchers(msgspec.Struct, frozen=True):
     """How servers and run jobs are started, found and stopped."""
 
     # (snapshot) -> the service's own launcher
@@ -135,8 +134,7 @@ class Launchers:
     stop_job: JobStopper | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ServerChecks:
+class ServerChecks(msgspec.Struct, frozen=True):
     """What the service's server, and the others', answer."""
 
     health: Callable[[], Health]
@@ -150,8 +148,7 @@ class ServerChecks:
     truth: Callable[[Record], ServerTruth] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Tell:
+class Tell(msgspec.Struct, frozen=True):
     """Where the person waiting hears of it (the CLI's stderr, a progress line)."""
 
     progress: Callable[[Progress], None] | None = None

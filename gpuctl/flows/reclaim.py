@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
+from gpuctl.core.evolve import replace
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import (
     Action,

@@ -8,7 +8,8 @@ result's ``exit_code`` to the process's exit status and prints nothing itself.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+import msgspec
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import Health, ServiceSpec, Verdict, owner_of
@@ -19,8 +20,7 @@ from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ExitCode
 
 
-@dataclass(frozen=True, slots=True)
-class Progress:
+class Progress(msgspec.Struct, frozen=True):
     """One tick of a wait, for the status line."""
 
     phase: str
@@ -34,8 +34,7 @@ class Progress:
     ours: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryUse:
+class MemoryUse(msgspec.Struct, frozen=True):
     """One GPU's memory as the decisions count it (the status bar draws it).
 
     ``held_mib`` is what the device reports in use; ``promised_mib`` is what is promised
@@ -64,8 +63,7 @@ class MemoryUse:
         return self.total_mib - self.held_mib - self.promised_mib
 
 
-@dataclass(frozen=True, slots=True)
-class OtherService:
+class OtherService(msgspec.Struct, frozen=True):
     """A service the host's records name that this config does not, while it holds or
     promises memory: admission counts it at its record's promise (``promise`` None: an
     older release wrote the record, and its memory is unknown)."""
@@ -82,8 +80,7 @@ class OtherService:
         return PromisedSpec.of(self.name, self.promise or Promise(None, 0))
 
 
-@dataclass(frozen=True, slots=True)
-class HostReport:
+class HostReport(msgspec.Struct, frozen=True):
     """One host: what its agent (or the local probe) said, or why it said nothing."""
 
     name: str
@@ -96,13 +93,15 @@ class HostReport:
     health: tuple[Health, ...] = ()
     elapsed_s: float = 0.0
     gpu_memory_mib: int | None = None
-    servers: Mapping[int, str] = field(default_factory=dict)  # recorded server pid -> service
+    servers: Mapping[int, str] = msgspec.field(
+        default_factory=dict
+    )  # recorded server pid -> service
     memory: tuple[MemoryUse, ...] = ()  # per GPU, or one host-wide figure
     jobs: tuple[JobSpec, ...] = ()  # the `gpuctl run` jobs its records name
     others: tuple[OtherService, ...] = ()  # services only other configs name
     # The servers that would yield now to a start that asks to preempt, whatever the
     # priorities (``core.plan.yields``), and how long each has been idle, in seconds.
-    yielding: Mapping[str, float] = field(default_factory=dict)
+    yielding: Mapping[str, float] = msgspec.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -126,8 +125,7 @@ class HostReport:
         return self.snapshot.memory_total_mib or self.gpu_memory_mib
 
 
-@dataclass(frozen=True, slots=True)
-class StatusReport:
+class StatusReport(msgspec.Struct, frozen=True):
     hosts: tuple[HostReport, ...]
     taken_at: str = ""
     filters: tuple[str, ...] = ()  # what --only / --user narrowed, in words

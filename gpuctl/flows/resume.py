@@ -17,10 +17,12 @@ recorded under the admission lock, so the next resume counts it at its budget.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+
+import msgspec
 
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, ServiceConfig
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story
@@ -51,8 +53,7 @@ def resume(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:
     return result
 
 
-@dataclass(frozen=True, slots=True)
-class Resumed:
+class Resumed(msgspec.Struct, frozen=True):
     """One automatic resume and how it ended."""
 
     service: str

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
 from gpuctl.core.decision import loading_match, owns
+from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.pool import gathered, pool_record, pool_service
 from gpuctl.core.queue import Waiter

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import msgspec
+
 from gpuctl.config.slurm_fields import names_node, node_of_url
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict, loading_owner
+from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.names import is_service_name
 from gpuctl.core.promised_specs import holds_memory
@@ -58,8 +60,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class _Done(Generic[T]):
+class _Done(msgspec.Struct, Generic[T], frozen=True):
     """A value already computed, shaped like a Future (the no-pool path)."""
 
     value: T

@@ -13,8 +13,9 @@ second (a ``Watch``):
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from gpuctl.adapters.launchers.base import Handle, Launcher, QueueReporter
 from gpuctl.config import ServiceConfig
@@ -39,8 +40,7 @@ def poll_pause() -> float:
     return POLL_S * random.uniform(0.75, 1.25)
 
 
-@dataclass(frozen=True, slots=True)
-class Waited:
+class Waited(msgspec.Struct, frozen=True):
     """How a wait ended. ``AGAIN`` (outcome None) means: look again, it may start now."""
 
     outcome: Outcome | None

@@ -41,11 +41,11 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+import msgspec
 
 from gpuctl import __version__
 from gpuctl.api import in_use
@@ -111,8 +111,7 @@ MAX_HEADER_BYTES = 64 * 1024
 _TARGETS = {p: p.encode() for p in MODEL_IN_BODY}
 
 
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
+class ProxySettings(msgspec.Struct, frozen=True):
     """How the proxy answers (from ``[proxy]``; see ``gpuctl.config.ProxyConfig``)."""
 
     api_keys: tuple[str, ...] = ()
@@ -137,8 +136,7 @@ class _Reply:
         self.raw_send = raw_send  # uvicorn's own: for bodies, once the status is known
 
 
-@dataclass(slots=True)
-class _Call:
+class _Call(msgspec.Struct):
     """One proxied request on its way through."""
 
     scope: Scope

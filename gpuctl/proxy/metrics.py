@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass, field
+
+import msgspec
 
 QUEUE_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-@dataclass(slots=True)
-class Histogram:
+class Histogram(msgspec.Struct):
     bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
+    counts: list[int] = msgspec.field(default_factory=list)
     total: float = 0.0
     n: int = 0
 

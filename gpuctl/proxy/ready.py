@@ -22,14 +22,15 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.config.slurm_fields import NODE
+from gpuctl.core.evolve import replace
 from gpuctl.core.units import format_duration
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.op_results import EnsureResult, Outcome
@@ -47,8 +48,7 @@ HEALTH_TIMEOUT_S = 2.0
 UNTRUSTED = "untrusted"
 
 
-@dataclass(frozen=True, slots=True)
-class Readiness:
+class Readiness(msgspec.Struct, frozen=True):
     """How one check or start ended: ``ok`` means forward the request."""
 
     ok: bool

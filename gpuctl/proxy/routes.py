@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 from urllib.parse import quote, unquote_to_bytes, urlsplit
+
+import msgspec
 
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.config.slurm_fields import NODE
@@ -61,8 +62,7 @@ _PATH_SAFE = "/%:@!$&'()*+,;=-._~"
 _QUERY_SAFE = _PATH_SAFE + "?"
 
 
-@dataclass(frozen=True, slots=True)
-class Upstream:
+class Upstream(msgspec.Struct, frozen=True):
     """A routable service: its config and the origin its server answers at."""
 
     service: ServiceConfig

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -727,8 +726,7 @@ class StopOutput(Struct):
 # --- the published files -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Output:
+class Output(msgspec.Struct, frozen=True):
     """One ``schemas/<name>.schema.json``: its top-level Struct, the Structs its unions
     name, and what the file says about it."""
 

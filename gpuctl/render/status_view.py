@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import msgspec
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
@@ -46,8 +46,7 @@ DECISION_STYLE = {
 _BAR_WIDTH = 30
 
 
-@dataclass(frozen=True, slots=True)
-class Glyphs:
+class Glyphs(msgspec.Struct, frozen=True):
     held: str
     promised: str
     free: str

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpuctl.adapters import health, procinfo, vllm
@@ -23,6 +22,7 @@ from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir
 from gpuctl.core.decision import Health
+from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, job_route, unreachable
 from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.errors import LauncherError, UsageError

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol, runtime_checkable
+
+import msgspec
 
 from gpuctl.config import ServiceConfig
 
 
-@dataclass(frozen=True, slots=True)
-class Handle:
+class Handle(msgspec.Struct, frozen=True):
     """What a launcher needs to find its server again, stored in the service's record.
 
     ``pid``/``pid_start`` identify the server process itself (never a wrapper shell); the
@@ -46,11 +46,11 @@ class Handle:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Handle:
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in msgspec.structs.fields(cls)}
         # A salvaged handle may have lost its kind (``codec.salvage``): "" is no
         # launcher's, so nothing acts on it as if it knew whose server it is.
         return cls(**{"kind": "", **{k: v for k, v in data.items() if k in names}})

@@ -32,9 +32,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.launchers.base import Handle
@@ -68,8 +69,7 @@ def keep_alive_for(idle_timeout_s: float | None) -> int:
     return max(1, math.ceil(idle_timeout_s))
 
 
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
+class LoadedModel(msgspec.Struct, frozen=True):
     """One row of ``/api/ps``."""
 
     name: str

@@ -34,8 +34,9 @@ import re
 import subprocess
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.launchers.environ import server_env
@@ -67,8 +68,7 @@ _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*", re.ASCII)
 _RANGES = re.compile(r"[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*", re.ASCII)
 
 
-@dataclass(frozen=True, slots=True)
-class JobState:
+class JobState(msgspec.Struct, frozen=True):
     """One job as squeue lists it."""
 
     job_id: str

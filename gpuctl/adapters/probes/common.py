@@ -4,10 +4,10 @@ rule for a device without a memory figure of its own (unified memory)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from gpuctl.adapters import procinfo
+from gpuctl.core.evolve import replace
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.snapshot import GpuDevice, GpuProcess
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import shutil
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
 from gpuctl.adapters.probes.nvml import NvmlMismatch, NvmlProbe
 from gpuctl.config.values import PROBES
+from gpuctl.core.evolve import replace
 from gpuctl.core.snapshot import ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError, UsageError
 

@@ -19,8 +19,9 @@ import os
 import signal
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from gpuctl.adapters.probes.common import (
     describe_processes,
@@ -43,8 +44,7 @@ _ALIASES = {"used_gpu_memory": "used_memory", "memory_used": "used_memory"}
 _NOT_AVAILABLE = {"n/a", "not supported", "insufficient permissions", "unknown error", ""}
 
 
-@dataclass(frozen=True, slots=True)
-class SmiGpu:
+class SmiGpu(msgspec.Struct, frozen=True):
     """One row of ``--query-gpu``; memory is None where nvidia-smi says N/A."""
 
     index: int
@@ -60,8 +60,7 @@ class SmiGpu:
     power_w: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SmiApp:
+class SmiApp(msgspec.Struct, frozen=True):
     """One row of ``--query-compute-apps``."""
 
     gpu_uuid: str

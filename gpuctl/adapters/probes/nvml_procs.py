@@ -23,8 +23,9 @@ platform whose padding differs fails loudly instead of reading garbage.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 _ULLONG_MAX = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE: "the driver cannot tell"
 
@@ -59,8 +60,7 @@ class ProcessInfoV3(ctypes.Structure):
 STRUCT_SIZES = {ProcessInfoV1: 16, ProcessInfoV2: 24, ProcessInfoV3: 32}
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessCall:
+class ProcessCall(msgspec.Struct, frozen=True):
     """Which symbol suffix to call and which struct it fills."""
 
     suffix: str

@@ -21,7 +21,6 @@ import logging
 import re
 import stat
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +46,7 @@ from gpuctl.adapters.store.inflight import InflightFiles
 from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
+from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     BACKOFF_FIRST_S,

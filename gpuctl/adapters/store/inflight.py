@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +30,7 @@ from gpuctl.adapters.store.base import _NAME, check_name, judged_here
 from gpuctl.adapters.store.codec import RecordError, decode_lease, parse_json
 from gpuctl.adapters.store.files import Folder, set_aside_junk
 from gpuctl.adapters.store.voided import set_aside_void
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
     LINGER_ENTRY,

@@ -5,7 +5,6 @@ start without a fresh look under the lease."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpuctl import failpoints
@@ -14,6 +13,7 @@ from gpuctl.config import ServiceConfig
 from gpuctl.config.slurm_fields import names_node
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate, StartFailure
 from gpuctl.core.snapshot import Snapshot

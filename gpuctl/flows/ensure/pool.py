@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
+
+import msgspec
 
 from gpuctl import failpoints
 from gpuctl.core.decision import Decision, Verdict
+from gpuctl.core.evolve import replace
 from gpuctl.core.plan import plan_cost
 from gpuctl.core.pool import host_key, identity_order, pool_record, room_left
 from gpuctl.core.record_shapes import RecordUpdate
@@ -70,8 +73,7 @@ class PoolDeps(Closers):
         return self.members[0]
 
 
-@dataclass(frozen=True, slots=True)
-class View:
+class View(msgspec.Struct, frozen=True):
     """One host of the pool as a look found it."""
 
     deps: EnsureDeps

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import msgspec
+
 from gpuctl import failpoints
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig
@@ -80,8 +82,7 @@ EXIT_BUSY, EXIT_UNKNOWN, EXIT_TIMEOUT = 3, 4, 5
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127
 
 
-@dataclass(frozen=True, slots=True)
-class RunRequest:
+class RunRequest(msgspec.Struct, frozen=True):
     argv: Sequence[str]
     memory_mib: int
     priority: int = 50
