@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from gpuctl.core.evolve import replace
 from typing import Any
 
 import pytest
@@ -10,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.core.durations import expected_start_s, histogram, progress, start_durations
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Record
 from gpuctl.core.snapshot import HostIdentity
 

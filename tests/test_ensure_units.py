@@ -4,13 +4,13 @@ tests/test_ensure_races.py."""
 
 from __future__ import annotations
 
-from gpuctl.core.evolve import replace
 from pathlib import Path
 
 import pytest
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.snapshot import GpuProcess, StartingProcess

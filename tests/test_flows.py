@@ -6,7 +6,6 @@ milliseconds and asserts what the flow did (launches, records, outcomes, exit co
 from __future__ import annotations
 
 from collections.abc import Callable
-from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.decision import Decision, Health
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.snapshot import GpuProcess
@@ -452,7 +452,6 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
 
 def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> None:
     from gpuctl.core.evolve import replace as dc_replace
-
     from gpuctl.core.snapshot import GpuDevice
 
     store = DirectStore(tmp_path / "a")

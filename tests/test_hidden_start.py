@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision, Health
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_aside
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.flows.deps import EnsureRequest

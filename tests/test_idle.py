@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from gpuctl.core.evolve import replace
-
 import pytest
 
+from gpuctl.core.evolve import replace
 from gpuctl.core.idle import (
     Action,
     IdleFacts,

@@ -12,7 +12,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from gpuctl.core.evolve import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 from gpuctl import api
 from gpuctl.adapters.store import AgentStore, holder_here
 from gpuctl.adapters.store.direct import DirectStore
+from gpuctl.core.evolve import replace
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import UsageError
 from gpuctl.sim.host import SimHost

@@ -15,7 +15,6 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
-from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from jsonschema import Draft202012Validator
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
+from gpuctl.core.evolve import replace
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Lease
 from gpuctl.sim.host import SimHost

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from gpuctl.adapters.store.codec import (
     parse_record,
     salvage,
 )
+from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     BACKOFF_MAX_S,

@@ -7,13 +7,13 @@ from __future__ import annotations
 import io
 import json
 import re
-from gpuctl.core.evolve import replace
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from gpuctl.core.decision import Decision, Health, Verdict
+from gpuctl.core.evolve import replace
 from gpuctl.core.snapshot import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import ExitCode
 from gpuctl.flows.op_results import (

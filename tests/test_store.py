@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from gpuctl.core.evolve import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from gpuctl.adapters import procinfo
 from gpuctl.adapters.store import AgentStore, Holder, Store, holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
+from gpuctl.core.evolve import replace
 from gpuctl.core.record import Lease, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import AgentAuthError, GpuctlError, StoreError, UsageError
