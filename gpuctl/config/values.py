@@ -1,4 +1,4 @@
-"""The configuration as frozen dataclasses: what the rest of gpuctl reads.
+"""The configuration as frozen Structs: what the rest of gpuctl reads.
 
 Values here are already validated and converted (sizes in MiB, durations in seconds);
 ``parse`` builds them, ``load`` finds the file. Secrets are not values: a host names
@@ -264,13 +264,11 @@ class ServiceConfig(msgspec.Struct, frozen=True):
         """What a start of this service promises the host (``core.promise.Promise``),
         written into its record with the start's lease. The promise's fields are named
         as this config's, so each is read (and taken back) by its name."""
-        return Promise(**{f.name: getattr(self, f.name) for f in msgspec.structs.fields(Promise)})
+        return Promise(**{name: getattr(self, name) for name in Promise.__struct_fields__})
 
     def with_promise(self, p: Promise) -> ServiceConfig:
         """This service with the figures a record's promise gives (``core.promised_specs``)."""
-        return replace(
-            self, **{f.name: getattr(p, f.name) for f in msgspec.structs.fields(Promise)}
-        )
+        return replace(self, **{name: getattr(p, name) for name in Promise.__struct_fields__})
 
     @property
     def health_means_ready(self) -> bool:

@@ -50,7 +50,8 @@ class Handle(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Handle:
-        names = {f.name for f in msgspec.structs.fields(cls)}
+        # The declared names only: structs.fields() would resolve every annotation.
+        names = set(cls.__struct_fields__)
         # A salvaged handle may have lost its kind (``codec.salvage``): "" is no
         # launcher's, so nothing acts on it as if it knew whose server it is.
         return cls(**{"kind": "", **{k: v for k, v in data.items() if k in names}})
