@@ -1,9 +1,10 @@
 """``replace``: a copy of a value with some fields changed, for both kinds of value class.
 
-The value types are msgspec Structs (their classes are built in C: a frozen dataclass
-costs about 0.5 ms of CPU to create, and a command imports ~70 of them at every start);
-the bags of ports a flow works through stay dataclasses (per-field ``kw_only``). One
-``replace`` serves both, so a caller never has to know which kind a value is.
+gpuctl's values and bags of ports are msgspec Structs (their classes are built in C: a
+dataclass costs about 0.5 ms of CPU to create, and a command imports ~90 of them at
+every start); ``gpuctl.sim`` keeps to the standard library and its dataclasses, and a
+caller may hand in its own. One ``replace`` serves both, so a caller never has to know
+which kind a value is.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ file under a per-service file lock, and decodes and validates it there
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
@@ -121,10 +120,10 @@ class Failure(msgspec.Struct, frozen=True):
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(msgspec.Struct, frozen=True):
     """One service's record. ``recovered`` says why a broken record file was set aside
-    (and where the copy is); ``start_nonce`` is the nonce the last start put in its
+    (and where the copy is): a note on how it was read, not part of its state, so
+    equality and hashing leave it out; ``start_nonce`` is the nonce the last start put in its
     server's environment (``GPUCTL_START_NONCE``), so a server whose pid was never
     recorded can still be found; ``health`` is the URL that tells the server answers;
     ``promise`` is what its last start promised (``Promise``), None in a record an older
@@ -138,13 +137,25 @@ class Record:
     handle: dict[str, Any] | None = None
     attempts: tuple[dict[str, Any], ...] = ()
     failure: Failure | None = None
-    recovered: str | None = field(default=None, compare=False)
+    recovered: str | None = None
     start_nonce: str | None = None
     health: str | None = None
     promise: Promise | None = None
     # A pool's record (``_pool.<service>`` on its coordinator): where its copy was
     # started, by host identity (``core.pool.host_key``).
     runs_on: str | None = None
+
+    def _state(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f) for f in self.__struct_fields__ if f != "recovered")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, Record)
+        return self._state() == other._state()
+
+    def __hash__(self) -> int:
+        return hash(self._state())
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from gpuctl.core.events import Cause, Event, Kind
 
@@ -39,8 +40,7 @@ def day_start(t: float) -> float:
     return t - (t % DAY_S)
 
 
-@dataclass
-class Held:
+class Held(msgspec.Struct):
     """A service loaded since ``since``, not yet stopped."""
 
     since: float
@@ -61,8 +61,7 @@ class Held:
         return Held(float(d["since"]), str(d["user"]), d.get("budget_mib"), d.get("memory_mib"))
 
 
-@dataclass
-class Tally:
+class Tally(msgspec.Struct):
     """One row's totals."""
 
     held_s: float = 0.0
@@ -72,13 +71,13 @@ class Tally:
     seen_hours: float = 0.0  # of held_s, the part with a memory reading
     cold_starts: int = 0
     cold_total_s: float = 0.0
-    cold_kept: list[float] = field(default_factory=list)
+    cold_kept: list[float] = msgspec.field(default_factory=list)
     idle_before_stop_s: float = 0.0
     preempted: int = 0
     preempting: int = 0
     jobs: int = 0
     proxy_requests: int = 0
-    stops: dict[str, int] = field(default_factory=dict)
+    stops: dict[str, int] = msgspec.field(default_factory=dict)
 
     def add(self, other: Tally) -> None:
         for name in _SUMS:
@@ -93,7 +92,7 @@ class Tally:
         return statistics.median(self.cold_kept) if self.cold_kept else None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {name: getattr(self, name) for name in self.__struct_fields__}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Tally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,11 +37,10 @@ if TYPE_CHECKING:
     from gpuctl.core.heal import ServerTruth
 
 
-@dataclass
-class Closers:
+class Closers(msgspec.Struct):
     """The clients a command opened, closed once when it ends."""
 
-    closers: list[Callable[[], None]] = field(default_factory=list)
+    closers: list[Callable[[], None]] = msgspec.field(default_factory=list)
 
     def close(self) -> None:
         """Close the clients the adapters opened (agent connections, a Docker client)."""
@@ -70,21 +68,20 @@ class EnsureRequest(msgspec.Struct, frozen=True):
     join_only: bool = False
 
 
-@dataclass
-class EnsureDeps(Closers):
+class EnsureDeps(Closers, kw_only=True):
     """The ports ``ensure``, ``stop``, ``touch`` and ``resume`` act through, for one service."""
 
-    config: Config = field(kw_only=True)
-    service: ServiceConfig = field(kw_only=True)
-    host: HostConfig = field(kw_only=True)
-    store: Store = field(kw_only=True)
-    probe: Probe = field(kw_only=True)
-    launchers: Launchers = field(kw_only=True)
-    servers: ServerChecks = field(kw_only=True)
-    machine: Machine = field(kw_only=True)
-    clock: Callable[[], float] = field(kw_only=True, default=time.time)
-    sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
-    tell: Tell = field(kw_only=True, default_factory=Tell)
+    config: Config
+    service: ServiceConfig
+    host: HostConfig
+    store: Store
+    probe: Probe
+    launchers: Launchers
+    servers: ServerChecks
+    machine: Machine
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    tell: Tell = msgspec.field(default_factory=Tell)
 
 
 class LocalProbeOptions(msgspec.Struct, frozen=True):
@@ -95,8 +92,7 @@ class LocalProbeOptions(msgspec.Struct, frozen=True):
     gpu_memory_mib: int | None = None
 
 
-@dataclass
-class HostDeps:
+class HostDeps(msgspec.Struct):
     """One host as ``status`` sees it: its store's records and its snapshot."""
 
     host: HostConfig
@@ -114,49 +110,41 @@ class HostDeps:
     read_waiters: Callable[[], Sequence[Waiter]] | None = None
 
 
-@dataclass
-class StatusDeps(Closers):
+class StatusDeps(Closers, kw_only=True):
     """The adapters ``status`` works with: every host to ask, and health checks."""
 
-    config: Config = field(kw_only=True)
-    hosts: list[HostDeps] = field(kw_only=True)
+    config: Config
+    hosts: list[HostDeps]
     # This machine: a run job is a victim only where it can be signalled from here or by
     # the host's agent.
-    machine: Machine = field(kw_only=True)
+    machine: Machine
     # (health URL, timeout) -> its answer; never raises
-    check_health: Callable[[str, float], Health] = field(kw_only=True)
+    check_health: Callable[[str, float], Health]
     # (Ollama URL, model, timeout, the models other services name or None) -> the
     # model's health from /api/ps; with the others, its memory counts every model loaded
     # there but theirs (adapters.launchers.ollama.check_ollama); never raises
-    check_ollama: Callable[[str, str, float, frozenset[str] | None], Health] | None = field(
-        kw_only=True, default=None
-    )
+    check_ollama: Callable[[str, str, float, frozenset[str] | None], Health] | None = None
     # (health URL, its answer, timeout) -> "sleeping" when vLLM sleep mode says so
-    check_sleeping: Callable[[str, Health, float], Health] | None = field(
-        kw_only=True, default=None
-    )
-    health_timeout_s: float = field(kw_only=True, default=2.0)
+    check_sleeping: Callable[[str, Health, float], Health] | None = None
+    health_timeout_s: float = 2.0
     # (a running service) -> its server's requests in flight, as ``ServerChecks`` has it
-    server_in_flight: InFlightReader | None = field(kw_only=True, default=None)
-    clock: Callable[[], float] = field(kw_only=True, default=time.time)
-    monotonic: Callable[[], float] = field(kw_only=True, default=time.monotonic)
-    sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
+    server_in_flight: InFlightReader | None = None
+    clock: Callable[[], float] = time.time
+    monotonic: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
 
 
-@dataclass
-class LocksDeps(Closers):
+class LocksDeps(Closers, kw_only=True):
     """The adapters ``locks`` works with: the store of each host asked."""
 
-    config: Config = field(kw_only=True)
-    hosts: list[HostConfig] = field(kw_only=True)
-    store_of: Callable[[HostConfig], Store] = field(kw_only=True)
-    machine: Machine = field(kw_only=True)
-    clock: Callable[[], float] = field(kw_only=True, default=time.time)
+    config: Config
+    hosts: list[HostConfig]
+    store_of: Callable[[HostConfig], Store]
+    machine: Machine
+    clock: Callable[[], float] = time.time
     # host -> how its records' servers are seen (``gpuctl.wiring`` builds it):
     # ``locks`` heals the phases that lie before it lists them. None: it only lists.
-    look_of: Callable[[HostConfig], Callable[[Record], ServerTruth]] | None = field(
-        kw_only=True, default=None
-    )
+    look_of: Callable[[HostConfig], Callable[[Record], ServerTruth]] | None = None
 
 
 def describe_handle(h: Handle) -> str:

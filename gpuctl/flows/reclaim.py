@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store.base import Store
@@ -62,8 +63,7 @@ RUN_LOCK_TTL_S = RECLAIM_TTL_MAX_S
 STOP_LEASE_MARGIN_S = 60.0
 
 
-@dataclass
-class ReclaimHost:
+class ReclaimHost(msgspec.Struct):
     """One host as reclaim sees it: its store, its snapshot, and how to act on a service."""
 
     host: HostConfig
@@ -80,23 +80,19 @@ class ReclaimHost:
     look: Callable[[Record], ServerTruth] | None = None
 
 
-@dataclass
-class ReclaimDeps(Closers):
-    config: Config = field(kw_only=True)
-    hosts: list[ReclaimHost] = field(kw_only=True)
-    machine: Machine = field(kw_only=True)
-    clock: Callable[[], float] = field(kw_only=True, default=time.time)
+class ReclaimDeps(Closers, kw_only=True):
+    config: Config
+    hosts: list[ReclaimHost]
+    machine: Machine
+    clock: Callable[[], float] = time.time
     # Rotates the launchers' logs on this machine by size; returns the ones rotated.
-    rotate_logs: Callable[[], list[str]] | None = field(kw_only=True, default=None)
+    rotate_logs: Callable[[], list[str]] | None = None
     # (host, its store, dry run) -> the preempted ``resume = true`` services brought back
     # (``gpuctl.flows.resume``), after the stops; None: resumes nothing.
-    resume: Callable[[HostConfig, Store, bool], list[Resumed]] | None = field(
-        kw_only=True, default=None
-    )
+    resume: Callable[[HostConfig, Store, bool], list[Resumed]] | None = None
 
 
-@dataclass
-class Planned:
+class Planned(msgspec.Struct):
     """A candidate on a host, and what became of it."""
 
     host: str
@@ -106,26 +102,24 @@ class Planned:
     hint: str = ""
 
 
-@dataclass
-class HostOutcome:
+class HostOutcome(msgspec.Struct):
     name: str
     error: str | None = None
     hint: str = ""
     busy: str | None = None  # another reclaim runs there (a second run leaves at once)
 
 
-@dataclass
-class ReclaimReport:
+class ReclaimReport(msgspec.Struct):
     dry_run: bool
-    hosts: list[HostOutcome] = field(default_factory=list)
-    planned: list[Planned] = field(default_factory=list)
-    rotated_logs: list[str] = field(default_factory=list)
+    hosts: list[HostOutcome] = msgspec.field(default_factory=list)
+    planned: list[Planned] = msgspec.field(default_factory=list)
+    rotated_logs: list[str] = msgspec.field(default_factory=list)
     # (host, resume): preempted services brought back (or tried) after the stops.
-    resumed: list[tuple[str, Resumed]] = field(default_factory=list)
+    resumed: list[tuple[str, Resumed]] = msgspec.field(default_factory=list)
     # (host, repair): records whose phase was healed before the stops (said on stderr).
-    repaired: list[tuple[str, Repair]] = field(default_factory=list)
+    repaired: list[tuple[str, Repair]] = msgspec.field(default_factory=list)
     # Each pooled service's hosts (``Config.pools``): its candidates go together.
-    pools: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    pools: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
 
     @property
     def exit_code(self) -> ExitCode:

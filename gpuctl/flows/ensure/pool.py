@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -58,15 +57,14 @@ _THERE = (Decision.READY, Decision.SLEEPING, Decision.LOADING)
 _FITS = (Decision.IDLE, Decision.FITS)
 
 
-@dataclass
-class PoolDeps(Closers):
+class PoolDeps(Closers, kw_only=True):
     """One ``EnsureDeps`` per host of the pool, in the config's order, each with the
     service placed on its host (``ServiceConfig.on``)."""
 
-    members: list[EnsureDeps] = field(kw_only=True)
+    members: list[EnsureDeps]
     # ``ensure --host H``: start it on H alone (the pool's lease still taken, so no
     # second copy starts elsewhere); None: the pool picks.
-    only: str | None = field(kw_only=True, default=None)
+    only: str | None = None
 
     @property
     def first(self) -> EnsureDeps:

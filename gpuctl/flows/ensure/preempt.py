@@ -34,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
+
+import msgspec
 
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
@@ -63,8 +64,7 @@ STOP_LEASE_MARGIN_S = 60.0
 LINGER_POLL_S = 0.25
 
 
-@dataclass
-class RoomDeps:
+class RoomDeps(msgspec.Struct):
     """What making room needs, whoever asks for it."""
 
     config: Config
@@ -86,8 +86,7 @@ class RoomDeps:
     why: str = ""
 
 
-@dataclass
-class Room:
+class Room(msgspec.Struct):
     """How ``make_room`` ended.
 
     ``made``: the victims are stopped and the work fits now (or answers: ``ready``);
@@ -98,7 +97,7 @@ class Room:
     """
 
     outcome: Literal["made", "ready", "stale", "failed", "timeout", "unknown"]
-    stopped: list[str] = field(default_factory=list)
+    stopped: list[str] = msgspec.field(default_factory=list)
     stop_s: float = 0.0
     reason: str = ""
     hint: str = ""
@@ -109,8 +108,7 @@ class Room:
         return f"preempted {', '.join(self.stopped)} to make room (their stops took {self.stop_s:.2f}s)"
 
 
-@dataclass
-class _Taken:
+class _Taken(msgspec.Struct):
     name: str
     holder: Holder
     record: Record

@@ -34,7 +34,6 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -93,29 +92,27 @@ class RunRequest(msgspec.Struct, frozen=True):
     preempt: bool = False
 
 
-@dataclass
-class RunDeps(Closers):
-    config: Config = field(kw_only=True)
-    host: HostConfig = field(kw_only=True)
-    store: Store = field(kw_only=True)
-    read_snapshot: SnapshotReader = field(kw_only=True)  # fresh, never a cached reading
-    machine: Machine = field(kw_only=True)
+class RunDeps(Closers, kw_only=True):
+    config: Config
+    host: HostConfig
+    store: Store
+    read_snapshot: SnapshotReader  # fresh, never a cached reading
+    machine: Machine
     # Forks CMD held before it runs, with the job's marks in its environment.
-    spawn: JobSpawner = field(kw_only=True)
-    clock: Callable[[], float] = field(kw_only=True, default=time.time)
-    sleep: Callable[[float], None] = field(kw_only=True, default=time.sleep)
+    spawn: JobSpawner
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
     # Brings back preempted `resume = true` services that fit (after CMD ends).
-    resume: Callable[[], list[str]] | None = field(kw_only=True, default=None)
+    resume: Callable[[], list[str]] | None = None
     # Told before CMD starts: what was decided (for a line on stderr).
-    tell: Callable[[str], None] = field(kw_only=True, default=lambda _line: None)
+    tell: Callable[[str], None] = lambda _line: None
     # Preemption (``--preempt``): how victims are stopped and their requests read.
-    launcher_for: VictimLauncher | None = field(kw_only=True, default=None)
-    server_in_flight: InFlightReader | None = field(kw_only=True, default=None)
-    stop_job: JobStopper | None = field(kw_only=True, default=None)
+    launcher_for: VictimLauncher | None = None
+    server_in_flight: InFlightReader | None = None
+    stop_job: JobStopper | None = None
 
 
-@dataclass
-class RunResult:
+class RunResult(msgspec.Struct):
     """How ``gpuctl run`` ended. ``started``: CMD ran (its exit code is ``exit_code``)."""
 
     name: str
@@ -126,8 +123,8 @@ class RunResult:
     decision: str = ""
     hint: str = ""
     pid: int | None = None
-    resumed: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    resumed: list[str] = msgspec.field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
 
 class _Ctx:
