@@ -93,7 +93,14 @@ memory = "120GiB"
         assert decisions(obj)[llm] == "LOADING"
         # The loading server counts at its full 80 GiB budget: the 30 GiB batch no longer fits.
         assert decisions(obj)["photos"] == "BUSY"
-        obj = wait_for(cfg, lambda o: decisions(o)[llm] == "READY", 30)
+
+        # READY comes from a health check made now, the memory from the agent's reading
+        # (cached up to --cache-ttl): the server's last load step may show a beat later.
+        def loaded(o: dict[str, Any]) -> bool:
+            (s,) = [s for s in o["services"] if s["name"] == llm]
+            return bool(decisions(o)[llm] == "READY" and s["memory_mib"] == 81920)
+
+        obj = wait_for(cfg, loaded, 30)
         assert decisions(obj)[llm] == "READY"
         (svc,) = [s for s in obj["services"] if s["name"] == llm]
         assert svc["pids"] == [server.pid] and svc["memory_mib"] == 81920
