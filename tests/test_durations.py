@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuctl.agent.metrics import render_metrics
 from gpuctl.core.durations import expected_start_s, histogram, progress, start_durations
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Record
 from gpuctl.core.snapshot import HostIdentity
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import ADMISSION_TTL_MAX_S, Phase
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.snapshot import GpuProcess, StartingProcess

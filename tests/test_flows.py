@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from gpuctl.adapters.machine import ThisMachine
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.core.decision import Decision, Health
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.core.snapshot import GpuProcess
@@ -451,7 +451,6 @@ def test_locks_lists_every_service_and_reports_a_failing_host(tmp_path: Path) ->
 
 
 def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> None:
-    from gpuctl.core.evolve import replace as dc_replace
     from gpuctl.core.snapshot import GpuDevice
 
     store = DirectStore(tmp_path / "a")
@@ -463,7 +462,7 @@ def test_status_memory_per_gpu_counts_what_admission_counts(tmp_path: Path) -> N
 
     def two_gpus(kws: object, pids: object) -> object:
         snap = read(kws, pids)  # type: ignore[arg-type]
-        return dc_replace(
+        return replace(
             snap,
             gpus=2,
             devices=(

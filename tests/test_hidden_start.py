@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ import pytest
 
 from gpuctl.adapters.store import holder_here
 from gpuctl.core.decision import Decision, Health
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Lease, Phase, Record, SetAside, hidden_by_set_aside
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.flows.deps import EnsureRequest

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from msgspec.structs import replace
 
-from gpuctl.core.evolve import replace
 from gpuctl.core.idle import (
     Action,
     IdleFacts,

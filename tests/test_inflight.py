@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from gpuctl import api
 from gpuctl.adapters.store import AgentStore, holder_here
 from gpuctl.adapters.store.direct import DirectStore
-from gpuctl.core.evolve import replace
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import UsageError
 from gpuctl.sim.host import SimHost

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
+from msgspec.structs import replace
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.store import holder_here
 from gpuctl.adapters.store.direct import DirectStore
-from gpuctl.core.evolve import replace
 from gpuctl.core.queue import Waiter
 from gpuctl.core.record import Lease
 from gpuctl.sim.host import SimHost

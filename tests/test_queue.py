@@ -179,7 +179,7 @@ def test_a_lapsed_entry_is_skipped_and_a_remote_one_is_honoured_until_then(
     now = [1_700_000_000.0]
     store = DirectStore(tmp_path / "state", clock=lambda: now[0])
     remote = holder_here("run")
-    from gpuctl.core.evolve import replace
+    from msgspec.structs import replace
 
     remote = replace(remote, host="elsewhere", pid=4_000_000)  # nobody here can tell it died
     store.queue_join(remote, 10, name="run.remote", priority=50, memory_mib=1)
@@ -328,7 +328,7 @@ def forged(
 
 def test_overlived_entries_lapse_whatever_their_expiry() -> None:
     now = 1_700_000_000.0
-    from gpuctl.core.evolve import replace
+    from msgspec.structs import replace
 
     base = w("a", 50, 1)
 

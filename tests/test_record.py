@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from gpuctl.adapters.store.codec import (
     MAX_RECORD_BYTES,
@@ -22,7 +23,6 @@ from gpuctl.adapters.store.codec import (
     parse_record,
     salvage,
 )
-from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     BACKOFF_MAX_S,

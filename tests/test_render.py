@@ -10,10 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 from rich.console import Console
 
 from gpuctl.core.decision import Decision, Health, Verdict
-from gpuctl.core.evolve import replace
 from gpuctl.core.snapshot import GpuDevice, GpuProcess, HostIdentity, Snapshot, StartingProcess
 from gpuctl.errors import ExitCode
 from gpuctl.flows.op_results import (

@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from msgspec.structs import replace
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.store import AgentStore, Holder, Store, holder_here
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.app import AgentApp, AgentSettings, create_app
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Lease, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate
 from gpuctl.errors import AgentAuthError, GpuctlError, StoreError, UsageError

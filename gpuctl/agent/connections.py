@@ -39,8 +39,9 @@ import logging
 import resource
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace
+
 from gpuctl.core.conn_limits import ConnectionLimits
-from gpuctl.core.evolve import replace
 
 if TYPE_CHECKING:
     import asyncio

@@ -23,12 +23,12 @@ import logging
 from collections.abc import Sequence
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.recorded_servers import find_servers, server_children
 from gpuctl.adapters.store.direct import DirectStore
 from gpuctl.agent.store_api import read_all
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Phase, Record
 from gpuctl.core.snapshot import (
     GpuProcess,

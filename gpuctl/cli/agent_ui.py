@@ -17,8 +17,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from msgspec.structs import replace
+
 from gpuctl.config.values import Config, HostConfig, ServiceConfig
-from gpuctl.core.evolve import replace
 from gpuctl.errors import GpuctlError
 from gpuctl.flows.deps import EnsureRequest, LocalProbeOptions
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from gpuctl.config.parse import parse_config
 from gpuctl.config.paths import config_path
 from gpuctl.config.secrets import token_file_warning
 from gpuctl.config.values import Config
-from gpuctl.core import evolve
 from gpuctl.errors import ConfigError
 
 
@@ -66,4 +67,4 @@ def load_config(explicit: Path | None = None) -> Config:
         return conf
     # Replace, never rebuild field by field: a rebuild once dropped [proxy] (its listen
     # address and client keys fell back to the defaults) whenever a token file warned.
-    return evolve.replace(conf, warnings=(*conf.warnings, *warnings))
+    return msgspec.structs.replace(conf, warnings=(*conf.warnings, *warnings))

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.config.secrets import read_key_list, read_secret
 from gpuctl.core.conn_limits import ConnectionLimits
-from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 from gpuctl.errors import ConfigError, UsageError
 

@@ -19,8 +19,8 @@ import re
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace
 
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import TIME_MAX
 from gpuctl.core.redact import redact_lines
 from gpuctl.core.units import format_duration

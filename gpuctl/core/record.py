@@ -15,8 +15,8 @@ from enum import StrEnum
 from typing import Any, Final
 
 import msgspec
+from msgspec.structs import replace
 
-from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 
 RECORD_SCHEMA = 1

@@ -9,7 +9,8 @@ store itself, and the write token's client that fetches that health URL, keep th
 
 from __future__ import annotations
 
-from gpuctl.core.evolve import replace
+from msgspec.structs import replace
+
 from gpuctl.core.record import Record
 from gpuctl.core.redact import redact_lines, show_url
 

@@ -22,8 +22,8 @@ from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec.structs import replace
 
-from gpuctl.core.evolve import replace
 from gpuctl.core.names import NAME_PATTERN
 from gpuctl.core.queue import PRIORITY_MAX, QUEUE_TTL_MAX_S
 from gpuctl.core.record import (

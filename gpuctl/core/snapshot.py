@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
-from gpuctl.core.evolve import replace
+from msgspec.structs import replace
 
 STATUS_SCHEMA = 1
 

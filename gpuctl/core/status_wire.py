@@ -17,9 +17,9 @@ from typing import Annotated
 
 import msgspec
 from msgspec import Meta, Struct
+from msgspec.structs import replace
 
 from gpuctl.core import snapshot as model
-from gpuctl.core.evolve import replace
 from gpuctl.core.names import NAME_PATTERN, is_valid_name
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.snapshot import STATUS_SCHEMA, Snapshot

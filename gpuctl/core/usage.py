@@ -92,7 +92,7 @@ class Tally(msgspec.Struct):
         return statistics.median(self.cold_kept) if self.cold_kept else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__struct_fields__}
+        return msgspec.structs.asdict(self)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Tally:

@@ -19,9 +19,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 
+from msgspec.structs import replace
+
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
-from gpuctl.core.evolve import replace
 from gpuctl.core.heal import ABANDONED_AFTER_S, Repair, ServerTruth, diagnose, needs_look
 from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.errors import GpuctlError

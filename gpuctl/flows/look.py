@@ -17,6 +17,7 @@ from functools import partial
 from typing import TypeVar
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.config import ServiceConfig
 from gpuctl.core.decision import (
@@ -29,7 +30,6 @@ from gpuctl.core.decision import (
     gpu_rooms,
 )
 from gpuctl.core.durations import expected_start_s
-from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import job_specs, unreachable
 from gpuctl.core.plan import VictimFacts, yields
 from gpuctl.core.promised_specs import PromisedSpec, as_promised, strangers

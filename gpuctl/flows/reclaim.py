@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.adapters.launchers.base import Handle, Launcher
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, HostConfig, ServiceConfig
-from gpuctl.core.evolve import replace
 from gpuctl.core.heal import Repair, ServerTruth
 from gpuctl.core.idle import (
     Action,

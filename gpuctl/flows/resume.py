@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config, ServiceConfig
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Phase
 from gpuctl.errors import GpuctlError
 from gpuctl.flows import story

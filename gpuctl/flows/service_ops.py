@@ -6,11 +6,12 @@ import contextlib
 from collections.abc import Sequence
 from datetime import datetime
 
+from msgspec.structs import replace
+
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store.base import Store
 from gpuctl.config import Config
 from gpuctl.core.decision import loading_match, owns
-from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import finished_long_ago
 from gpuctl.core.pool import gathered, pool_record, pool_service
 from gpuctl.core.queue import Waiter

@@ -19,10 +19,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.config.slurm_fields import names_node, node_of_url
 from gpuctl.core.decision import NO_HEALTH, Decision, Health, Verdict, loading_owner
-from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import is_job, job_specs
 from gpuctl.core.names import is_service_name
 from gpuctl.core.promised_specs import holds_memory

@@ -27,10 +27,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl.config import Config, ServiceConfig
 from gpuctl.config.slurm_fields import NODE
-from gpuctl.core.evolve import replace
 from gpuctl.core.units import format_duration
 from gpuctl.errors import ExitCode, GpuctlError
 from gpuctl.flows.op_results import EnsureResult, Outcome

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace
+
 from gpuctl.adapters import health, procinfo, vllm
 from gpuctl.adapters.launchers.ollama import OllamaLauncher, check_ollama
 from gpuctl.adapters.local import local_snapshot
@@ -22,7 +24,6 @@ from gpuctl.adapters.store.agent import AgentStore
 from gpuctl.config import Config, HostConfig, ServiceConfig
 from gpuctl.config.paths import default_state_dir
 from gpuctl.core.decision import Health
-from gpuctl.core.evolve import replace
 from gpuctl.core.jobs import JOB_GRACE_S, PREFIX, job_route, unreachable
 from gpuctl.core.snapshot import HostIdentity, Snapshot
 from gpuctl.errors import LauncherError, UsageError

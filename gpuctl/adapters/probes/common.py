@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from msgspec.structs import replace
+
 from gpuctl.adapters import procinfo
-from gpuctl.core.evolve import replace
 from gpuctl.core.pids import PID_MAX
 from gpuctl.core.snapshot import GpuDevice, GpuProcess
 

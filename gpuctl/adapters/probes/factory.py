@@ -6,11 +6,12 @@ import shutil
 import threading
 from pathlib import Path
 
+from msgspec.structs import replace
+
 from gpuctl.adapters.probes.base import Probe
 from gpuctl.adapters.probes.nvidia_smi import NvidiaSmiProbe
 from gpuctl.adapters.probes.nvml import NvmlMismatch, NvmlProbe
 from gpuctl.config.values import PROBES
-from gpuctl.core.evolve import replace
 from gpuctl.core.snapshot import ProbeReading
 from gpuctl.errors import NoGpuFound, ProbeError, UsageError
 

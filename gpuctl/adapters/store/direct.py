@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace
+
 from gpuctl import failpoints
 from gpuctl.adapters import procinfo
 from gpuctl.adapters.store.base import _NAME, LOCK_TIMEOUT_S, check_name, judged_here
@@ -46,7 +48,6 @@ from gpuctl.adapters.store.inflight import InflightFiles
 from gpuctl.adapters.store.queue import QueueFiles
 from gpuctl.adapters.store.voided import PSEUDO_LEASES, VOID_SUFFIX
 from gpuctl.adapters.store.voided import voided as list_voided
-from gpuctl.core.evolve import replace
 from gpuctl.core.promise import Promise
 from gpuctl.core.record import (
     BACKOFF_FIRST_S,

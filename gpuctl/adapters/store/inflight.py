@@ -26,11 +26,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from msgspec.structs import replace
+
 from gpuctl.adapters.store.base import _NAME, check_name, judged_here
 from gpuctl.adapters.store.codec import RecordError, decode_lease, parse_json
 from gpuctl.adapters.store.files import Folder, set_aside_junk
 from gpuctl.adapters.store.voided import set_aside_void
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import (
     INFLIGHT_TTL_MAX_S,
     LINGER_ENTRY,

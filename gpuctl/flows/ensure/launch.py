@@ -7,13 +7,14 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace
+
 from gpuctl import failpoints
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.config import ServiceConfig
 from gpuctl.config.slurm_fields import names_node
 from gpuctl.core.decision import Decision, Verdict
 from gpuctl.core.durations import expected_start_s
-from gpuctl.core.evolve import replace
 from gpuctl.core.record import Holder, Phase, Record
 from gpuctl.core.record_shapes import RecordUpdate, StartFailure
 from gpuctl.core.snapshot import Snapshot

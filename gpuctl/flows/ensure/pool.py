@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import msgspec
+from msgspec.structs import replace
 
 from gpuctl import failpoints
 from gpuctl.core.decision import Decision, Verdict
-from gpuctl.core.evolve import replace
 from gpuctl.core.plan import plan_cost
 from gpuctl.core.pool import host_key, identity_order, pool_record, room_left
 from gpuctl.core.record_shapes import RecordUpdate
