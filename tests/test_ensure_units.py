@@ -4,10 +4,10 @@ tests/test_ensure_races.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from msgspec.structs import replace
 
 from gpuctl.adapters.launchers.base import Handle
 from gpuctl.adapters.store import holder_here
