@@ -62,14 +62,23 @@ def log_of(host: SimHost, name: str) -> Path:
 
 
 @pytest.mark.parametrize("via", ["agent", "direct"])
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
+@pytest.mark.parametrize(
+    ("sig", "window"),
+    [
+        (signal.SIGKILL, "ensure.after_spawn"),
+        (signal.SIGINT, "ensure.after_spawn"),
+        (signal.SIGINT, "launch.spawned"),  # a kill -9 there: test_orphaned_start_...
+    ],
+    ids=["kill-9", "ctrl-c", "ctrl-c-in-launcher"],
+)
 def test_caller_killed_between_spawn_and_record(
-    host: SimHost, names: list[str], sig: int, via: str
+    host: SimHost, names: list[str], sig: int, via: str, window: str
 ) -> None:
-    """The caller dies after its server is spawned and before it is recorded. A rival
-    80 GiB service asked at once is BUSY (no OOM); the same service asked again waits
-    for that server (found by its start nonce), never starts a second, and records it.
-    Through the agent and on the direct path (no agent: this machine read by gpuctl)."""
+    """The caller dies after its server is spawned and before it is recorded: in the
+    launcher, before it returns the handle, or after. A rival 80 GiB service asked at
+    once is BUSY (no OOM); the same service asked again waits for that server (found by
+    its start nonce), never starts a second, and records it. Through the agent and on
+    the direct path (no agent: this machine read by gpuctl)."""
     from tests.ensure_helpers import direct_config
 
     a, b = unique_name("win"), unique_name("rival")
@@ -78,11 +87,12 @@ def test_caller_killed_between_spawn_and_record(
     pa, pb = free_port(), free_port()
     toml = big_service(a, pa, server, load_time="4s") + "\n" + big_service(b, pb, b, "1s")
     cfg = host.write_config(toml) if via == "agent" else direct_config(host, toml)
-    caller = ensure_paused_at(cfg, a)
+    caller = ensure_paused_at(cfg, a, window)
     end_in_window(caller, sig)
     rec = read_record(host, a)
     assert rec["phase"] == "starting" and rec["start_nonce"]
-    assert bool(rec["handle"]) is (sig == signal.SIGINT)  # Ctrl-C records it on the way out
+    # Ctrl-C records the handle on the way out where the launcher had returned it.
+    assert bool(rec["handle"]) is (sig == signal.SIGINT and window == "ensure.after_spawn")
     if sig == signal.SIGINT:  # ... as a Ctrl-C while waiting does: attempt, lease back
         assert rec["attempts"][-1]["outcome"] == "interrupted" and rec["lease"] is None
     assert len(server_pids(server)) == 1

@@ -193,6 +193,24 @@ def test_progress_ticks_name_the_phase(w: World) -> None:
     assert ticks and set(ticks) == {"loading (launched)"}
 
 
+def test_a_start_with_a_history_tells_its_eta_before_it_launches(w: World) -> None:
+    """The median of the recent starts is told as soon as the look finds it: the proxy
+    holding a request answers Retry-After from it, even before the launch's first tick."""
+    w.health.ready_after(5)
+    ensure(w.deps())
+    service_ops.stop(w.deps())
+    ticks: list[tuple[str, float | None, int]] = []
+    w.health.ready_after(5)
+    deps = w.deps()
+    deps.tell = Tell(
+        progress=lambda p: ticks.append((p.phase, p.expected_s, len(w.launcher.started)))
+    )
+    ensure(deps)
+    assert ticks[0][0] == "checking" and ticks[0][1] and ticks[0][2] == 1  # not launched yet
+    assert {t[0] for t in ticks[1:]} == {"loading (launched)"}
+    assert all(t[1] == ticks[0][1] for t in ticks)
+
+
 # ---- stop and touch
 
 

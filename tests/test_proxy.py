@@ -208,9 +208,9 @@ def test_retry_after_of_a_start_under_way_comes_from_its_eta(
     host: SimHost, closing: Closing
 ) -> None:
     """Held past queue_timeout while its service loads: Retry-After is what is left of
-    the start by its ETA (a 4 s load held 1 s: about 3), not the proxy's 30 s."""
+    the start by its ETA (a 5 s load held 2 s: about 3), not the proxy's 30 s."""
     name, port = unique_name("px"), free_port()
-    conf = host.write_config(svc(name, port, load="4s", extra='queue_timeout = "1s"'))
+    conf = host.write_config(svc(name, port, load="5s", extra='queue_timeout = "2s"'))
     run_ensure(conf, name)  # a start on record: its ETA
     subprocess.run(
         [gpuctl_exe(), "stop", name], env=cli_env(conf), capture_output=True, timeout=60, check=True

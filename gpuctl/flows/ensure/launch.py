@@ -218,6 +218,13 @@ def launch_under_lease(
                 )
                 try:
                     handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
+                except KeyboardInterrupt:
+                    # Ctrl-C while the launcher starts it: the server may run already and
+                    # its handle is not known. The record keeps `starting` and the nonce
+                    # (the next caller finds the server by it); the attempt says why.
+                    interrupted = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
+                    release(RecordUpdate(attempt=interrupted))
+                    raise
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)

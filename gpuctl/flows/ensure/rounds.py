@@ -35,8 +35,11 @@ from gpuctl.flows.ensure.wake import wake
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import is_orphaned_start, look
 from gpuctl.flows.op_results import EnsureResult, Outcome
+from gpuctl.flows.results import Progress
 
 MAX_ROUNDS = 3
+# A look that ends in a start or a wait for one: its ETA is told at once.
+_WAITED_ON = (Decision.IDLE, Decision.FITS, Decision.LOADING)
 
 
 def ensure(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:
@@ -110,6 +113,10 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
     verdict, seen = look(deps, health, force=ctx.req.force)
     first = verdict.decision
     ctx.expected_s = expected_left_s(seen.records.get(svc.name), deps.clock())
+    if ctx.expected_s is not None and first in _WAITED_ON and deps.tell.progress is not None:
+        # The ETA as soon as it is known: the proxy's Retry-After for a request it holds
+        # past queue_timeout is this, even before the launch's first tick.
+        deps.tell.progress(Progress("checking", ctx.elapsed(), expected_s=ctx.expected_s))
     if first is Decision.FAILED:
         record = seen.records.get(svc.name)
         f = record.failure if record else None
