@@ -61,15 +61,17 @@ def log_of(host: SimHost, name: str) -> Path:
     return host.state_dir / "logs" / f"{name}.log"
 
 
-@pytest.mark.parametrize("via", ["agent", "direct"])
 @pytest.mark.parametrize(
-    ("sig", "window"),
+    ("sig", "window", "via"),
     [
-        (signal.SIGKILL, "ensure.after_spawn"),
-        (signal.SIGINT, "ensure.after_spawn"),
-        (signal.SIGINT, "launch.spawned"),  # a kill -9 there: test_orphaned_start_...
+        (signal.SIGKILL, "ensure.after_spawn", "agent"),
+        (signal.SIGKILL, "ensure.after_spawn", "direct"),
+        (signal.SIGINT, "ensure.after_spawn", "agent"),
+        (signal.SIGINT, "ensure.after_spawn", "direct"),
+        # A kill -9 there: test_orphaned_start_...; the flow's units: test_flows.
+        (signal.SIGINT, "launch.spawned", "agent"),
     ],
-    ids=["kill-9", "ctrl-c", "ctrl-c-in-launcher"],
+    ids=["kill-9-agent", "kill-9-direct", "ctrl-c-agent", "ctrl-c-direct", "ctrl-c-in-launcher"],
 )
 def test_caller_killed_between_spawn_and_record(
     host: SimHost, names: list[str], sig: int, via: str, window: str

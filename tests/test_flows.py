@@ -184,6 +184,23 @@ def test_ctrl_c_while_waiting_keeps_the_handle_and_frees_the_lease(w: World) -> 
     assert rec.attempts[-1]["outcome"] == "interrupted"
 
 
+def test_ctrl_c_inside_the_launcher_records_the_attempt_and_keeps_the_nonce(w: World) -> None:
+    """Interrupted after its spawn, before the launcher returns the handle: the lease is
+    given back with the attempt `interrupted`, and the record keeps `starting` and the
+    nonce, by which the next caller finds the server."""
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    w.launcher.on_start = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        ensure(w.deps())
+    rec = w.store.get("vllm")
+    assert rec.lease is None and rec.handle is None
+    assert rec.phase is Phase.STARTING and rec.start_nonce == w.launcher.nonces[-1]
+    assert rec.attempts[-1]["outcome"] == "interrupted"
+
+
 def test_progress_ticks_name_the_phase(w: World) -> None:
     ticks: list[str] = []
     w.health.ready_after(5)

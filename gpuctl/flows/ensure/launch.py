@@ -68,6 +68,13 @@ def launch_under_lease(
     deps, svc = ctx.deps, ctx.deps.service
     released = False
     unlaunched = restore
+    # The start under way (its nonce recorded, or an earlier start's server adopted):
+    # a Ctrl-C anywhere after that gives the lease back with the attempt `interrupted`,
+    # and the server's handle once the launcher has returned it. Before it, the record
+    # keeps `starting` and the nonce, by which the next caller finds the server.
+    began: float | None = None
+    kind = ""
+    known: Handle | None = None
 
     def release(update: RecordUpdate | None = None, event: Event | None = None) -> None:
         nonlocal released
@@ -142,6 +149,7 @@ def launch_under_lease(
                 started_at = own.since
                 handle = adopted
                 unlaunched = None
+                began, kind, known = started_at, launcher.kind, handle
                 deps.store.update(svc.name, holder.id, RecordUpdate(handle=handle.to_dict()))
                 ctx.notes.append(
                     f"found the server of an earlier start whose caller went ({describe_handle(handle)})"
@@ -187,6 +195,7 @@ def launch_under_lease(
                 nonce = secrets.token_hex(8)
                 # From here a start is under way (its nonce recorded): never put back.
                 unlaunched = None
+                began, kind = started_at, launcher.kind
                 # `starting` under the admission lock: from now on the others count this
                 # service at its budget, even before its server exists. The nonce goes
                 # into the server's environment: if we die before recording the server,
@@ -218,13 +227,6 @@ def launch_under_lease(
                 )
                 try:
                     handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
-                except KeyboardInterrupt:
-                    # Ctrl-C while the launcher starts it: the server may run already and
-                    # its handle is not known. The record keeps `starting` and the nonce
-                    # (the next caller finds the server by it); the attempt says why.
-                    interrupted = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
-                    release(RecordUpdate(attempt=interrupted))
-                    raise
                 except (GpuctlError, OSError) as e:
                     msg = e.message if isinstance(e, GpuctlError) else str(e)
                     attempt = _attempt(started_at, deps.clock(), launcher.kind, "failed", msg)
@@ -249,21 +251,13 @@ def launch_under_lease(
                         attempt=attempt,
                         **({"hint": hint} if hint else {}),
                     )
+                known = handle
                 try:
-                    try:
-                        # The window the nonce covers (a kill -9 here): spawned, not recorded.
-                        failpoints.hit("ensure.after_spawn")
-                    finally:
-                        # Recorded even on Ctrl-C, so the next caller need not look for it.
-                        deps.store.update(
-                            svc.name, holder.id, RecordUpdate(handle=handle.to_dict())
-                        )
-                except KeyboardInterrupt:
-                    # A Ctrl-C here (or during that write) ends as one while waiting does:
-                    # server recorded, attempt `interrupted`, lease given back.
-                    interrupted = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
-                    release(RecordUpdate(attempt=interrupted, handle=handle.to_dict()))
-                    raise
+                    # The window the nonce covers (a kill -9 here): spawned, not recorded.
+                    failpoints.hit("ensure.after_spawn")
+                finally:
+                    # Recorded even on Ctrl-C, so the next caller need not look for it.
+                    deps.store.update(svc.name, holder.id, RecordUpdate(handle=handle.to_dict()))
         if waiting is not None:
             return bystander(ctx, waiting.decision, waiting.reason, waiting.hint)
         if not wait and adopted is not None:
@@ -285,13 +279,8 @@ def launch_under_lease(
                 attempt=attempt,
                 handle=handle.to_dict(),
             )
-        try:
-            watch = LauncherWatch(ctx, launcher, handle, holder, ttl)
-            waited = wait_ready(ctx, watch)
-        except KeyboardInterrupt:
-            attempt = _attempt(started_at, deps.clock(), launcher.kind, "interrupted")
-            release(RecordUpdate(attempt=attempt))
-            raise
+        watch = LauncherWatch(ctx, launcher, handle, holder, ttl)
+        waited = wait_ready(ctx, watch)
         outcome = waited.outcome
         assert outcome is not None  # only a bystander is told to look again
         attempt = _attempt(
@@ -330,6 +319,15 @@ def launch_under_lease(
         return ctx.from_wait(
             waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()
         )
+    except KeyboardInterrupt:
+        if began is not None and not released:
+            attempt = _attempt(began, deps.clock(), kind, "interrupted")
+            release(
+                RecordUpdate(attempt=attempt)
+                if known is None
+                else RecordUpdate(attempt=attempt, handle=known.to_dict())
+            )
+        raise
     except AdmissionTimeout as e:
         return ctx.result(
             Outcome.TIMEOUT,

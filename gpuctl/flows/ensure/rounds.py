@@ -38,8 +38,9 @@ from gpuctl.flows.op_results import EnsureResult, Outcome
 from gpuctl.flows.results import Progress
 
 MAX_ROUNDS = 3
-# A look that ends in a start or a wait for one: its ETA is told at once.
-_WAITED_ON = (Decision.IDLE, Decision.FITS, Decision.LOADING)
+# A look that ends in a start of our own: its ETA is told at once. (A LOADING one may
+# be a process that only names the service, with no ETA: its wait tells what it knows.)
+_WAITED_ON = (Decision.IDLE, Decision.FITS)
 
 
 def ensure(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:
