@@ -198,7 +198,28 @@ def test_ctrl_c_inside_the_launcher_records_the_attempt_and_keeps_the_nonce(w: W
     rec = w.store.get("vllm")
     assert rec.lease is None and rec.handle is None
     assert rec.phase is Phase.STARTING and rec.start_nonce == w.launcher.nonces[-1]
-    assert rec.attempts[-1]["outcome"] == "interrupted"
+    assert rec.attempts and rec.attempts[-1]["outcome"] == "interrupted", rec.attempts
+
+
+def test_ctrl_c_before_the_nonce_is_recorded_records_no_attempt(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted as it admits the start, before its `starting` record (and nonce) is
+    written: nothing was launched, so no attempt is recorded, and the lease goes back."""
+    from gpuctl.flows import story
+
+    told: list[str] = []
+
+    def interrupt(_store: object, event: object) -> None:
+        told.append(type(event).__name__)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(story, "tell", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ensure(w.deps())
+    rec = w.store.get("vllm")
+    assert told and w.launcher.started == [] and rec.lease is None
+    assert not rec.attempts, rec.attempts
 
 
 def test_progress_ticks_name_the_phase(w: World) -> None:

@@ -193,9 +193,6 @@ def launch_under_lease(
                 launcher = deps.launchers.own(seen.snapshot)
                 started_at = deps.clock()
                 nonce = secrets.token_hex(8)
-                # From here a start is under way (its nonce recorded): never put back.
-                unlaunched = None
-                began, kind = started_at, launcher.kind
                 # `starting` under the admission lock: from now on the others count this
                 # service at its budget, even before its server exists. The nonce goes
                 # into the server's environment: if we die before recording the server,
@@ -225,6 +222,9 @@ def launch_under_lease(
                         command=svc.command,
                     ),
                 )
+                # From here a start is under way (its nonce recorded): never put back.
+                unlaunched = None
+                began, kind = started_at, launcher.kind
                 try:
                     handle = launcher.start(on_its_gpu(svc, verdict, seen.snapshot), nonce)
                 except (GpuctlError, OSError) as e:
