@@ -40,7 +40,7 @@ from gpuctl.flows.results import Progress
 MAX_ROUNDS = 3
 # A look that ends in a start of our own: its ETA is told at once. (A LOADING one may
 # be a process that only names the service, with no ETA: its wait tells what it knows.)
-_WAITED_ON = (Decision.IDLE, Decision.FITS)
+_OWN_START = (Decision.IDLE, Decision.FITS)
 
 
 def ensure(deps: EnsureDeps, req: EnsureRequest | None = None) -> EnsureResult:
@@ -114,7 +114,7 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
     verdict, seen = look(deps, health, force=ctx.req.force)
     first = verdict.decision
     ctx.expected_s = expected_left_s(seen.records.get(svc.name), deps.clock())
-    if ctx.expected_s is not None and first in _WAITED_ON and deps.tell.progress is not None:
+    if ctx.expected_s is not None and first in _OWN_START and deps.tell.progress is not None:
         # The ETA as soon as it is known: the proxy's Retry-After for a request it holds
         # past queue_timeout is this, even before the launch's first tick.
         deps.tell.progress(Progress("checking", ctx.elapsed(), expected_s=ctx.expected_s))
