@@ -214,15 +214,8 @@ def test_orphaned_start_without_a_server_is_started_again(host: SimHost, names: 
     assert len(server_pids(a)) == 1
 
 
-def test_timeout_bounds_the_wait_for_the_admission_lock(
-    host: SimHost, names: list[str], tmp_path: Path
-) -> None:
-    """Another caller holds the host's admission lock: `ensure --timeout 3s` gives up at
-    its own deadline (exit 5) and launches nothing, even after the lock is free."""
-    a = unique_name("late")
-    names.append(a)
-    pa = free_port()
-    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+def hold_admission(host: SimHost, cfg: Path, tmp_path: Path) -> subprocess.Popen[str]:
+    """Another caller holding the host's admission lock (renewed) until it is killed."""
     script = tmp_path / "holder.py"
     script.write_text(
         textwrap.dedent(
@@ -245,8 +238,64 @@ def test_timeout_bounds_the_wait_for_the_admission_lock(
     holder = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=cli_env(cfg)
     )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_ctrl_c_before_the_start_says_nothing_was_started(
+    host: SimHost, names: list[str], tmp_path: Path
+) -> None:
+    """Ctrl-C while `ensure` waits for the admission lock (its lease taken, nothing
+    launched): exit 130, it says nothing was started (never "keeps loading"), the lease
+    goes back, no attempt is recorded and no server runs."""
+    a = unique_name("early")
+    names.append(a)
+    pa = free_port()
+    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    holder = hold_admission(host, cfg, tmp_path)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        for args in ((), ("--json",)):
+            p = subprocess.Popen(
+                [gpuctl_exe(), "ensure", a, *args],
+                env=cli_env(cfg),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            deadline = time.monotonic() + 30
+            rec_file = host.state_dir / "records" / f"{a}.json"
+            while not (rec_file.exists() and read_record(host, a)["lease"]):  # at admission
+                assert time.monotonic() < deadline and p.poll() is None
+                time.sleep(0.05)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=30)
+            assert p.returncode == 130, (out, err)
+            assert "keeps loading" not in err + out and "Traceback" not in err, err
+            if args:
+                result = json.loads(out)
+                assert result["outcome"] == "interrupted" and result["decision"] == "UNKNOWN"
+                assert result["reason"] == "interrupted before anything was started"
+            else:
+                assert f"stopped before starting {a}; nothing was started" in err, err
+            rec = read_record(host, a)
+            assert rec["lease"] is None and not rec["attempts"], rec
+        assert server_pids(a) == []
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_timeout_bounds_the_wait_for_the_admission_lock(
+    host: SimHost, names: list[str], tmp_path: Path
+) -> None:
+    """Another caller holds the host's admission lock: `ensure --timeout 3s` gives up at
+    its own deadline (exit 5) and launches nothing, even after the lock is free."""
+    a = unique_name("late")
+    names.append(a)
+    pa = free_port()
+    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    holder = hold_admission(host, cfg, tmp_path)
+    try:
         r = run_ensure(cfg, a, "--timeout", "3s", timeout=50)
         out = json.loads(r.stdout)
         assert r.returncode == 5, (r.stdout, r.stderr)

@@ -23,7 +23,7 @@ from gpuctl.errors import ExitCode, StoreError
 from gpuctl.flows import service_ops
 from gpuctl.flows.deps import EnsureRequest, HostDeps, LocksDeps, StatusDeps
 from gpuctl.flows.ensure.rounds import ensure
-from gpuctl.flows.op_results import Outcome
+from gpuctl.flows.op_results import Outcome, StartInterrupted
 from gpuctl.flows.ports import Tell
 from gpuctl.flows.status import status, watch
 from tests.flow_fakes import GIB, Agent, Clock, World, config, world
@@ -193,7 +193,7 @@ def test_ctrl_c_inside_the_launcher_records_the_attempt_and_keeps_the_nonce(w: W
         raise KeyboardInterrupt
 
     w.launcher.on_start = interrupt
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(StartInterrupted):  # the CLI says it keeps loading
         ensure(w.deps())
     rec = w.store.get("vllm")
     assert rec.lease is None and rec.handle is None
@@ -215,8 +215,9 @@ def test_ctrl_c_before_the_nonce_is_recorded_records_no_attempt(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(story, "tell", interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as caught:
         ensure(w.deps())
+    assert not isinstance(caught.value, StartInterrupted)  # the CLI: nothing was started
     rec = w.store.get("vllm")
     assert told and w.launcher.started == [] and rec.lease is None
     assert not rec.attempts, rec.attempts

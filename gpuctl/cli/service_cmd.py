@@ -77,7 +77,7 @@ def ensure(
     """
     with errors_to_exit():
         from gpuctl.flows.deps import EnsureRequest
-        from gpuctl.flows.op_results import EnsureResult
+        from gpuctl.flows.op_results import EnsureResult, StartInterrupted
         from gpuctl.flows.ports import Tell
         from gpuctl.render.progress_line import ProgressLine
         from gpuctl.render.results import ensure_text, ensure_to_json
@@ -105,11 +105,16 @@ def ensure(
         deps, go = ensure_runner(conf, service, host, tell=tell)
         try:
             result = go(req)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             if line:
                 line.stop()
-            say(ticks.interrupted(service))
-            result = EnsureResult.interrupted(service, host or svc.host, ours=ticks.ours)
+            # Something loads only where a start of ours was under way, or a wait on one.
+            ours = isinstance(e, StartInterrupted)
+            started = ours or ticks.waited
+            say(ticks.interrupted(service, ours=ours, started=started))
+            result = EnsureResult.interrupted(
+                service, host or svc.host, ours=ours or ticks.ours, started=started
+            )
             if json_out:
                 print_json(ensure_to_json(result))
             raise typer.Exit(result.exit_code) from None
@@ -143,8 +148,18 @@ class _LastTick:
         """False when the wait was on a process tied to the service only by a keyword."""
         return self.last is None or self.last.ours
 
-    def interrupted(self, service: str) -> str:
-        if not self.ours:
+    @property
+    def waited(self) -> bool:
+        """A wait on a start had begun (not only the look's ETA tick)."""
+        from gpuctl.flows.results import CHECKING
+
+        return self.last is not None and self.last.phase != CHECKING
+
+    def interrupted(self, service: str, *, ours: bool, started: bool) -> str:
+        """``ours``: a start of ours was under way; ``started``: that, or a wait on one."""
+        if not started:
+            return f"gpuctl: stopped before starting {service}; nothing was started"
+        if not ours and not self.ours:
             # A process tied to the service only by a keyword: maybe no server at all.
             return (
                 f"gpuctl: stopped waiting; nothing gpuctl started is loading {service} "

@@ -47,6 +47,12 @@ _OUTCOME_EXIT = {
 }
 
 
+class StartInterrupted(KeyboardInterrupt):
+    """Ctrl-C once ``ensure`` had a start under way (its nonce recorded, or an earlier
+    start's server adopted): its server keeps loading. A plain ``KeyboardInterrupt``
+    from ``ensure`` means it started nothing, unless it was waiting on a start."""
+
+
 class EnsureResult(msgspec.Struct):
     """How ``ensure`` ended; ``hint`` says what the user can do about a refusal."""
 
@@ -70,10 +76,23 @@ class EnsureResult(msgspec.Struct):
         return self.outcome.exit_code
 
     @classmethod
-    def interrupted(cls, service: str, host: str, *, ours: bool = True) -> EnsureResult:
+    def interrupted(
+        cls, service: str, host: str, *, ours: bool = True, started: bool = True
+    ) -> EnsureResult:
         """Ctrl-C while waiting: the server is left to load (the next caller waits for it).
         ``ours`` False: the wait was on a process only a keyword ties to the service, so
-        nothing gpuctl started is loading."""
+        nothing gpuctl started is loading. ``started`` False: interrupted before it
+        started anything or waited on a start (a look, the admission lock, a victim's
+        stop), so nothing loads; the decision is UNKNOWN, as it was never acted on."""
+        if not started:
+            return cls(
+                service=service,
+                host=host,
+                outcome=Outcome.INTERRUPTED,
+                reason="interrupted before anything was started",
+                decision="UNKNOWN",
+                hint=f"`gpuctl ensure {service}` again starts it",
+            )
         if not ours:
             return cls(
                 service=service,

@@ -19,6 +19,9 @@ from gpuctl.core.promised_specs import PromisedSpec
 from gpuctl.core.snapshot import Snapshot
 from gpuctl.errors import ExitCode
 
+# The phase of the tick that tells a start's ETA before anything is launched or waited on.
+CHECKING = "checking"
+
 
 class Progress(msgspec.Struct, frozen=True):
     """One tick of a wait, for the status line."""

@@ -24,7 +24,7 @@ from gpuctl.flows.admission import AdmissionTimeout, admission
 from gpuctl.flows.deps import describe_handle
 from gpuctl.flows.ensure.context import Ctx, bystander, found_server, no_start_on_a_join
 from gpuctl.flows.look import HELD_BACK_HINT, is_orphaned_start, look, service_held_back
-from gpuctl.flows.op_results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome, StartInterrupted
 from gpuctl.flows.wait import LauncherWatch, wait_ready
 
 if TYPE_CHECKING:
@@ -320,14 +320,16 @@ def launch_under_lease(
             waited, first, launched=adopted is None, attempt=attempt, handle=handle.to_dict()
         )
     except KeyboardInterrupt:
-        if began is not None and not released:
+        if began is None:
+            raise
+        if not released:
             attempt = _attempt(began, deps.clock(), kind, "interrupted")
             release(
                 RecordUpdate(attempt=attempt)
                 if known is None
                 else RecordUpdate(attempt=attempt, handle=known.to_dict())
             )
-        raise
+        raise StartInterrupted from None  # the caller says its server keeps loading
     except AdmissionTimeout as e:
         return ctx.result(
             Outcome.TIMEOUT,

@@ -35,7 +35,7 @@ from gpuctl.flows.ensure.wake import wake
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import is_orphaned_start, look
 from gpuctl.flows.op_results import EnsureResult, Outcome
-from gpuctl.flows.results import Progress
+from gpuctl.flows.results import CHECKING, Progress
 
 MAX_ROUNDS = 3
 # A look that ends in a start of our own: its ETA is told at once. (A LOADING one may
@@ -117,7 +117,7 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
     if ctx.expected_s is not None and first in _OWN_START and deps.tell.progress is not None:
         # The ETA as soon as it is known: the proxy's Retry-After for a request it holds
         # past queue_timeout is this, even before the launch's first tick.
-        deps.tell.progress(Progress("checking", ctx.elapsed(), expected_s=ctx.expected_s))
+        deps.tell.progress(Progress(CHECKING, ctx.elapsed(), expected_s=ctx.expected_s))
     if first is Decision.FAILED:
         record = seen.records.get(svc.name)
         f = record.failure if record else None
