@@ -655,3 +655,23 @@ def test_resume_says_what_it_does_on_a_service_never_preempted() -> None:
     r = runner.invoke(create_app(), ["resume", "--help"], terminal_width=200)
     text = " ".join(r.output.split())
     assert "not preempted, resume is `ensure` that never preempts" in text, text
+
+
+@pytest.mark.parametrize("how", ["console-script", "python -m"])
+def test_ctrl_c_while_gpuctl_loads_is_one_line_and_130(cli_env: Path, how: str) -> None:
+    """Ctrl-C in the first tenth of a second, while the modules load (held there by the
+    `cli.loading` failpoint): exit 130 and `gpuctl: interrupted`, never a traceback from
+    whichever import it landed in."""
+    import signal
+
+    argv = [gpuctl_exe()] if how == "console-script" else [sys.executable, "-m", "gpuctl"]
+    env = {**os.environ, "GPUCTL_FAILPOINTS": "cli.loading=pause"}
+    proc = subprocess.Popen(
+        [*argv, "status"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    assert proc.stderr.readline().startswith("gpuctl failpoint cli.loading: pause")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.strip() == "gpuctl: interrupted" and out == "", err

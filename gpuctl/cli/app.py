@@ -207,6 +207,13 @@ def main() -> None:
             os._exit(0)
     try:
         create_app(sys.argv[1:])(prog_name="gpuctl")
+    except KeyboardInterrupt:
+        # Outside a command's own handling (building the app, parsing the line): one
+        # line, never a traceback unless asked for.
+        if os.environ.get("GPUCTL_DEBUG", "") not in ("", "0"):  # as common.debug_enabled
+            raise
+        print("gpuctl: interrupted", file=sys.stderr)
+        code = 130
     except SystemExit as e:
         if e.code is None:
             code = 0
