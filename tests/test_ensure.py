@@ -258,16 +258,24 @@ def test_failed_start_backoff_and_locks(host: SimHost, svc: str) -> None:
     assert "exited while loading" in human and "(1x" in human
 
 
+def wait_until_waiting(host: SimHost, svc: str, proc: subprocess.Popen[str]) -> None:
+    """Until ``proc`` (an ensure) waits on its server: the server runs and its handle is
+    on record. A server seen before that may still be inside its launcher's return, or
+    its handle's write: another window, with tests of its own (test_ensure_races)."""
+    deadline = time.monotonic() + 20
+    record = host.state_dir / "records" / f"{svc}.json"
+    while not (server_pids(svc) and record.exists() and read_record(host, svc)["handle"]):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+
+
 def test_agent_stopped_mid_wait(host: SimHost, svc: str) -> None:
     port = free_port()
     cfg = host.write_config(
         service_toml(svc, port, model_server_command(svc, port, load_time="6s"))
     )
     proc = spawn_ensure(cfg, svc)
-    deadline = time.monotonic() + 20
-    while not server_pids(svc):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
+    wait_until_waiting(host, svc, proc)
     host.stop(host.procs[0])  # the agent
     out_s, err = proc.communicate(timeout=90)
     out = json.loads(out_s)
@@ -321,10 +329,7 @@ def test_ctrl_c_stops_waiting_not_the_server(host: SimHost, svc: str) -> None:
         service_toml(svc, port, model_server_command(svc, port, load_time="5s"))
     )
     proc = spawn_ensure(cfg, svc)
-    deadline = time.monotonic() + 20
-    while not server_pids(svc):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
+    wait_until_waiting(host, svc, proc)
     (server,) = server_pids(svc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
