@@ -214,6 +214,14 @@ def test_orphaned_start_without_a_server_is_started_again(host: SimHost, names: 
     assert len(server_pids(a)) == 1
 
 
+def one_second_service(host: SimHost, names: list[str], tag: str) -> tuple[str, Path]:
+    """A service of its own (a 1 s load) in the host's config: its name and the config."""
+    a = unique_name(tag)
+    names.append(a)
+    pa = free_port()
+    return a, host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+
+
 def hold_admission(host: SimHost, cfg: Path, tmp_path: Path) -> subprocess.Popen[str]:
     """Another caller holding the host's admission lock (renewed) until it is killed."""
     script = tmp_path / "holder.py"
@@ -248,10 +256,7 @@ def test_ctrl_c_before_the_start_says_nothing_was_started(
     """Ctrl-C while `ensure` waits for the admission lock (its lease taken, nothing
     launched): exit 130, it says nothing was started (never "keeps loading"), the lease
     goes back, no attempt is recorded and no server runs."""
-    a = unique_name("early")
-    names.append(a)
-    pa = free_port()
-    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    a, cfg = one_second_service(host, names, "early")
     holder = hold_admission(host, cfg, tmp_path)
     try:
         for args in ((), ("--json",)):
@@ -290,10 +295,7 @@ def test_timeout_bounds_the_wait_for_the_admission_lock(
 ) -> None:
     """Another caller holds the host's admission lock: `ensure --timeout 3s` gives up at
     its own deadline (exit 5) and launches nothing, even after the lock is free."""
-    a = unique_name("late")
-    names.append(a)
-    pa = free_port()
-    cfg = host.write_config(service_toml(a, pa, model_server_command(a, pa, load_time="1s")))
+    a, cfg = one_second_service(host, names, "late")
     holder = hold_admission(host, cfg, tmp_path)
     try:
         r = run_ensure(cfg, a, "--timeout", "3s", timeout=50)

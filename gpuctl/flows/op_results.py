@@ -85,32 +85,28 @@ class EnsureResult(msgspec.Struct):
         started anything or waited on a start (a look, the admission lock, a victim's
         stop), so nothing loads; the decision is UNKNOWN, as it was never acted on."""
         if not started:
-            return cls(
-                service=service,
-                host=host,
-                outcome=Outcome.INTERRUPTED,
-                reason="interrupted before anything was started",
-                decision="UNKNOWN",
-                hint=f"`gpuctl ensure {service}` again starts it",
+            reason, decision = "interrupted before anything was started", "UNKNOWN"
+            hint = f"`gpuctl ensure {service}` again starts it"
+        elif not ours:
+            reason = (
+                "interrupted while waiting on a process that names it; "
+                "nothing gpuctl started is loading"
             )
-        if not ours:
-            return cls(
-                service=service,
-                host=host,
-                outcome=Outcome.INTERRUPTED,
-                reason="interrupted while waiting on a process that names it; "
-                "nothing gpuctl started is loading",
-                decision="LOADING",
-                hint="`gpuctl status` shows that process; narrow the service's `match` "
-                "if it is not the service",
+            decision = "LOADING"
+            hint = (
+                "`gpuctl status` shows that process; narrow the service's `match` "
+                "if it is not the service"
             )
+        else:
+            reason, decision = "interrupted while waiting; the server keeps loading", "LOADING"
+            hint = "`gpuctl status` shows it loading; `gpuctl ensure` again waits for it"
         return cls(
             service=service,
             host=host,
             outcome=Outcome.INTERRUPTED,
-            reason="interrupted while waiting; the server keeps loading",
-            decision="LOADING",
-            hint="`gpuctl status` shows it loading; `gpuctl ensure` again waits for it",
+            reason=reason,
+            decision=decision,
+            hint=hint,
         )
 
 
