@@ -223,6 +223,24 @@ def test_ctrl_c_before_the_nonce_is_recorded_records_no_attempt(
     assert not rec.attempts, rec.attempts
 
 
+def test_ctrl_c_as_the_lease_is_granted_gives_it_back(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted once the store granted the lease but before its answer came back:
+    the lease is given back, and nothing is launched or recorded as an attempt."""
+    real = w.store.acquire
+
+    def granted_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(w.store, "acquire", granted_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ensure(w.deps())
+    rec = w.store.get("vllm")
+    assert rec.lease is None and not rec.attempts and w.launcher.started == []
+
+
 def test_progress_ticks_name_the_phase(w: World) -> None:
     ticks: list[str] = []
     w.health.ready_after(5)

@@ -16,6 +16,8 @@ agent, a real store and a real launcher, or fakes for pure units. The waits are
 
 from __future__ import annotations
 
+import contextlib
+
 from gpuctl.core.decision import Decision
 from gpuctl.core.record import LEASE_MARGIN_S, stopping
 from gpuctl.errors import AgentUnavailable, GpuctlError, StoreError
@@ -34,7 +36,7 @@ from gpuctl.flows.ensure.preempt import preempt
 from gpuctl.flows.ensure.wake import wake
 from gpuctl.flows.heal import heal, health_timeouts, repair_lines
 from gpuctl.flows.look import is_orphaned_start, look
-from gpuctl.flows.op_results import EnsureResult, Outcome
+from gpuctl.flows.op_results import EnsureResult, Outcome, StartInterrupted
 from gpuctl.flows.results import CHECKING, Progress
 
 MAX_ROUNDS = 3
@@ -146,12 +148,24 @@ def _ensure_round(ctx: Ctx, wait: bool) -> EnsureResult | None:
     # that server by its start nonce) is adopted under the lease: its handle recorded.
     holder = deps.machine.holder(ctx.req.entry)
     ttl = svc.health_timeout_s + LEASE_MARGIN_S
-    granted, _ = deps.store.acquire(svc.name, holder, ttl, svc.promise())
-    if not granted:
-        if not wait:
-            return ctx.result(Outcome.LOADING, "another caller is starting it", Decision.LOADING)
-        return bystander(ctx, Decision.LOADING, "another caller holds the lease")
-    return launch_under_lease(ctx, holder, ttl, first, wait)
+    try:
+        granted, _ = deps.store.acquire(svc.name, holder, ttl, svc.promise())
+        if not granted:
+            if not wait:
+                return ctx.result(
+                    Outcome.LOADING, "another caller is starting it", Decision.LOADING
+                )
+            return bystander(ctx, Decision.LOADING, "another caller holds the lease")
+        return launch_under_lease(ctx, holder, ttl, first, wait)
+    except StartInterrupted:
+        raise  # the launch gave the lease back, with its attempt
+    except KeyboardInterrupt:
+        # A Ctrl-C as the lease was granted (its answer still on the wire) or before the
+        # launch took charge of it: give back whatever is ours. A release by a holder
+        # that does not hold the lease changes nothing, so a second one is harmless.
+        with contextlib.suppress(GpuctlError):
+            deps.store.release(svc.name, holder.id)
+        raise
 
 
 def _after_stop(ctx: Ctx, wait: bool) -> EnsureResult | None:
